@@ -1,0 +1,47 @@
+"""sbloader: Selective-Backprop and its relatives as a drop-in PyTorch data loader.
+
+Replace the training DataLoader with a :class:`SelectiveLoader`; it runs a cheap selection pass
+over each candidate batch and yields full training batches of the examples worth learning from.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from torch.utils.data import DataLoader, TensorDataset
+    >>> import sbloader
+    >>> data = TensorDataset(torch.randn(512, 4), torch.randint(0, 2, (512,)))
+    >>> model = nn.Linear(4, 2)
+    >>> loader = sbloader.SelectiveLoader(
+    ...     DataLoader(data, batch_size=96), model,
+    ...     policy=sbloader.SelectiveBackprop(selectivity=1 / 3), batch_size=32)
+    >>> sum(len(y) for _, y in loader) % 32
+    0
+"""
+
+from .batch import SelectedBatch, SelectedDict, SelectedList, SelectedTuple
+from .loader import SelectiveLoader
+from .policies import Choice, Policy, RandomBackprop, SelectiveBackprop, Traditional
+from .sources import DataLoaderSource, IterableSource, Source
+from .stats import EpochStats, LoaderStats
+from .window import LossWindow
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Choice",
+    "DataLoaderSource",
+    "EpochStats",
+    "IterableSource",
+    "LoaderStats",
+    "LossWindow",
+    "Policy",
+    "RandomBackprop",
+    "SelectedBatch",
+    "SelectedDict",
+    "SelectedList",
+    "SelectedTuple",
+    "SelectiveBackprop",
+    "SelectiveLoader",
+    "Source",
+    "Traditional",
+    "__version__",
+]

@@ -1,0 +1,53 @@
+"""Argument checks that raise PyTorch-style errors naming the parameter and the fix."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Collection
+from typing import Any
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
+    """Return ``value`` as an int, or raise naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} should be an int, but got {name}={value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} should be >= {minimum}, but got {name}={value!r}")
+    return int(value)
+
+
+def check_float(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
+    """Return ``value`` as a finite float within the given bounds, or raise naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} should be a number, but got {name}={value!r}")
+    value = float(value)
+    if math.isnan(value) or math.isinf(value):
+        raise ValueError(f"{name} should be finite, but got {name}={value!r}")
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and (value >= high if high_open else value > high)
+    if too_low or too_high:
+        if low is not None and high is not None:
+            interval = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        elif low is not None:
+            interval = f"{'>' if low_open else '>='} {low:g}"
+        else:
+            interval = f"{'<' if high_open else '<='} {high:g}"
+        raise ValueError(f"{name} should be {interval}, but got {name}={value!r}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: Collection[str]) -> str:
+    """Return ``value`` if it is one of ``choices``, or raise naming ``name``."""
+    if value not in choices:
+        options = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{name} should be one of {options}, but got {name}={value!r}")
+    return value

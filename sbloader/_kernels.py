@@ -1,0 +1,197 @@
+"""Every numba kernel of sbloader, in one module.
+
+Rules for this module:
+- ``cache=True`` and no ``fastmath``: fastmath lets the compiler assume no NaN, which makes
+  ``np.isnan`` lie, and NaN handling is a feature here.
+- Callers pass contiguous arrays of explicit dtypes (float64 values, int64 counters); the thin
+  Python wrappers in ``window.py`` and ``store.py`` enforce that.
+- No randomness in here: numba's RNG is separate from numpy's, so uniforms are drawn by the
+  caller from the loader's own ``numpy.random.Generator``.
+- Every kernel also runs as plain Python under ``NUMBA_DISABLE_JIT=1`` (the test suite checks).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_jit = numba.njit(cache=True, nogil=True)
+
+
+@_jit
+def count_le(sorted_values: np.ndarray, n: int, x: float) -> int:
+    """Number of entries of ``sorted_values[:n]`` that are <= ``x`` (binary search)."""
+    lo = 0
+    hi = n
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if sorted_values[mid] <= x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@_jit
+def count_lt(sorted_values: np.ndarray, n: int, x: float) -> int:
+    """Number of entries of ``sorted_values[:n]`` that are < ``x`` (binary search)."""
+    lo = 0
+    hi = n
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if sorted_values[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@_jit
+def window_push(ring: np.ndarray, sorted_values: np.ndarray, meta: np.ndarray, x: float) -> None:
+    """Append the finite value ``x`` to the window, evicting the oldest value when full.
+
+    ``ring`` holds values in arrival order (``meta[1]`` is the next slot to write);
+    ``sorted_values`` holds the same ``meta[0]`` values in ascending order. Finding positions
+    costs O(log R); the shift moves only the entries between the evicted and the new value.
+    """
+    cap = ring.shape[0]
+    n = meta[0]
+    head = meta[1]
+    if n < cap:
+        pos = count_le(sorted_values, n, x)
+        for j in range(n, pos, -1):
+            sorted_values[j] = sorted_values[j - 1]
+        sorted_values[pos] = x
+        meta[0] = n + 1
+    else:
+        old = ring[head]
+        # Any entry equal to ``old`` may be removed: equal values are interchangeable.
+        p_old = count_lt(sorted_values, n, old)
+        p_new = count_le(sorted_values, n, x)
+        if p_new > p_old:
+            for j in range(p_old, p_new - 1):
+                sorted_values[j] = sorted_values[j + 1]
+            sorted_values[p_new - 1] = x
+        else:
+            for j in range(p_old, p_new, -1):
+                sorted_values[j] = sorted_values[j - 1]
+            sorted_values[p_new] = x
+    ring[head] = x
+    meta[1] = (head + 1) % cap
+
+
+@_jit
+def push_and_cdf_power(
+    ring: np.ndarray,
+    sorted_values: np.ndarray,
+    meta: np.ndarray,
+    losses: np.ndarray,
+    beta: float,
+    out: np.ndarray,
+) -> None:
+    """Selective-Backprop's probability, one loss at a time, as the paper's Algorithm 1.
+
+    Each finite loss first enters the window, then gets ``P = CDF(loss) ** beta`` with the
+    empirical CDF ``#{w in window : w <= loss} / len(window)``. Non-finite losses never enter the
+    window and get ``P = NaN`` (the caller decides what happens to them).
+
+    NOTE (ties): counting ``<=`` (the right-continuous empirical CDF) gives every loss a CDF of
+    at least 1/len(window) because the loss itself is in the window, gives the largest loss P = 1,
+    and gives all-equal losses P = 1: when losses carry no ranking information (e.g. fp16
+    underflow to 0) Selective-Backprop degrades to Traditional rather than to selecting nothing.
+    """
+    for i in range(losses.shape[0]):
+        x = losses[i]
+        if not np.isfinite(x):
+            out[i] = np.nan
+            continue
+        window_push(ring, sorted_values, meta, x)
+        n = meta[0]
+        out[i] = (count_le(sorted_values, n, x) / n) ** beta
+
+
+@_jit
+def cdf_power(
+    sorted_values: np.ndarray, n: int, losses: np.ndarray, beta: float, out: np.ndarray
+) -> None:
+    """``CDF(loss) ** beta`` against the window without changing it; NaN for non-finite losses.
+
+    Each loss is ranked as if it had been added to the window, ``(#{w <= loss} + 1) / (n + 1)``,
+    so that, as in ``push_and_cdf_power``, no loss gets P = 0 and an empty window gives P = 1.
+    """
+    for i in range(losses.shape[0]):
+        x = losses[i]
+        if not np.isfinite(x):
+            out[i] = np.nan
+        else:
+            out[i] = ((count_le(sorted_values, n, x) + 1) / (n + 1)) ** beta
+
+
+# ---------------------------------------------------------------------- per-example store
+# Columns, each indexed by dataset index: loss float32 (NaN: never scored), epoch int32 (-1: never
+# scored), selected int32 (times chosen). 12 bytes per example; the index is the position, so
+# indices are exact at any size (no float round trip).
+
+
+@_jit
+def store_record(
+    loss: np.ndarray,
+    epoch: np.ndarray,
+    indices: np.ndarray,
+    values: np.ndarray,
+    at_epoch: int,
+) -> int:
+    """Store finite ``values[i]`` as the loss of ``indices[i]`` measured in ``at_epoch``.
+
+    Non-finite values are not stored (the example keeps its previous loss). Returns the number of
+    indices outside the store (not written).
+    """
+    n = loss.shape[0]
+    outside = 0
+    for i in range(indices.shape[0]):
+        j = indices[i]
+        if j < 0 or j >= n:
+            outside += 1
+            continue
+        v = values[i]
+        if np.isfinite(v):
+            loss[j] = v
+            epoch[j] = at_epoch
+    return outside
+
+
+@_jit
+def store_lookup(
+    loss: np.ndarray,
+    epoch: np.ndarray,
+    indices: np.ndarray,
+    out_loss: np.ndarray,
+    out_epoch: np.ndarray,
+) -> int:
+    """Gather the stored loss and epoch of each index; returns how many indices are outside."""
+    n = loss.shape[0]
+    outside = 0
+    for i in range(indices.shape[0]):
+        j = indices[i]
+        if j < 0 or j >= n:
+            outside += 1
+            out_loss[i] = np.nan
+            out_epoch[i] = -1
+        else:
+            out_loss[i] = loss[j]
+            out_epoch[i] = epoch[j]
+    return outside
+
+
+@_jit
+def store_count(selected: np.ndarray, indices: np.ndarray) -> int:
+    """Add one to the selection count of each index (repeats count twice)."""
+    n = selected.shape[0]
+    outside = 0
+    for i in range(indices.shape[0]):
+        j = indices[i]
+        if j < 0 or j >= n:
+            outside += 1
+        else:
+            selected[j] += 1
+    return outside

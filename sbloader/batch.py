@@ -1,0 +1,190 @@
+"""Batches that keep the source's structure and carry what the selection pass learned."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["SelectedBatch", "SelectedDict", "SelectedList", "SelectedTuple"]
+
+
+class SelectedBatch:
+    """Mixin for yielded batches: the selection results travel as attributes.
+
+    Attributes:
+        indices: int64 CPU tensor of dataset indices, or ``None`` when the source has none.
+        losses: float32 tensor of selection-pass losses on the model's device, or ``None`` for
+            examples chosen without a selection pass (Traditional, Random-Backprop).
+        probabilities: float32 tensor, the probability each example was kept with.
+        weights: float32 tensor, the per-example loss weight (1.0 unless the policy says otherwise).
+    """
+
+    indices: torch.Tensor | None
+    losses: torch.Tensor | None
+    probabilities: torch.Tensor
+    weights: torch.Tensor
+
+    def _set_meta(self, indices, losses, probabilities, weights) -> None:
+        self.indices = indices
+        self.losses = losses
+        self.probabilities = probabilities
+        self.weights = weights
+
+
+class SelectedTuple(tuple, SelectedBatch):
+    """A tuple batch (``for inputs, targets in loader`` keeps working) with selection attributes."""
+
+
+class SelectedList(list, SelectedBatch):
+    """A list batch with selection attributes."""
+
+
+class SelectedDict(dict, SelectedBatch):
+    """A dict batch with selection attributes."""
+
+
+Column = Any  # a tensor with the batch in dimension 0, or a list with one entry per example
+
+
+@dataclass(frozen=True)
+class BatchFormat:
+    """How a source batch maps to columns, and back.
+
+    Tuple and list batches are addressed by position, dict batches by key. ``input_key`` and
+    ``target_key`` name the model input and the loss target; every other field is carried along
+    and selected with them.
+    """
+
+    kind: type
+    keys: tuple[Hashable, ...]
+    input_key: Hashable
+    target_key: Hashable
+
+    @classmethod
+    def infer(
+        cls, batch: Any, input_key: Hashable | None, target_key: Hashable | None
+    ) -> BatchFormat:
+        """Work out the format of the first source batch, or raise naming the fix."""
+        if isinstance(batch, Mapping):
+            keys = tuple(batch.keys())
+            input_key = "input" if input_key is None else input_key
+            target_key = "target" if target_key is None else target_key
+            for name, key in (("input_key", input_key), ("target_key", target_key)):
+                if key not in batch:
+                    raise KeyError(
+                        f"the source yields dict batches without the key {key!r}; pass "
+                        f"{name}= naming one of {list(keys)!r}"
+                    )
+            return cls(dict, keys, input_key, target_key)
+        if isinstance(batch, (tuple, list)):
+            n = len(batch)
+            input_key = 0 if input_key is None else input_key
+            target_key = 1 if target_key is None else target_key
+            for name, key in (("input_key", input_key), ("target_key", target_key)):
+                if not isinstance(key, int) or not -n <= key < n:
+                    raise ValueError(
+                        f"{name} should be a position in the source's {n}-field "
+                        f"{type(batch).__name__} batches, but got {name}={key!r}"
+                    )
+            return cls(
+                list if isinstance(batch, list) else tuple,
+                tuple(range(n)),
+                input_key % n,
+                target_key % n,
+            )
+        raise TypeError(
+            "SelectiveLoader needs batches that are tuples, lists or dicts of per-example fields "
+            f"(e.g. (inputs, targets)), but the source yielded a {type(batch).__name__}"
+        )
+
+    def columns(self, batch: Any) -> list[Column]:
+        """The batch's fields as a list of columns, in key order."""
+        if self.kind is dict:
+            if not isinstance(batch, Mapping) or tuple(batch.keys()) != self.keys:
+                raise ValueError(
+                    f"the source changed its batch format: expected a dict with keys "
+                    f"{list(self.keys)!r}, got {batch!r:.200}"
+                )
+            return [batch[k] for k in self.keys]
+        if not isinstance(batch, (tuple, list)) or len(batch) != len(self.keys):
+            raise ValueError(
+                f"the source changed its batch format: expected a {len(self.keys)}-field "
+                f"{self.kind.__name__}, got {type(batch).__name__}"
+            )
+        return list(batch)
+
+    def position(self, key: Hashable) -> int:
+        return self.keys.index(key)
+
+    def build(self, columns: Sequence[Column]) -> SelectedBatch:
+        """A yielded batch of the source's structure from columns."""
+        if self.kind is dict:
+            return SelectedDict(zip(self.keys, columns))
+        if self.kind is list:
+            return SelectedList(columns)
+        return SelectedTuple(columns)
+
+
+def column_length(column: Column, field: Hashable) -> int:
+    """The number of examples in a column, or raise naming the field."""
+    if isinstance(column, torch.Tensor):
+        if column.dim() == 0:
+            raise ValueError(
+                f"field {field!r} of the batch is a 0-d tensor; SelectiveLoader selects examples "
+                "along dimension 0, so every field needs one entry per example"
+            )
+        return column.shape[0]
+    if isinstance(column, (list, tuple)):
+        return len(column)
+    raise TypeError(
+        f"field {field!r} of the batch is a {type(column).__name__}; SelectiveLoader can select "
+        "tensors, numpy arrays and lists with one entry per example"
+    )
+
+
+def to_column(
+    value: Any, device: torch.device, memory_format: torch.memory_format | None
+) -> Column:
+    """Move a field to ``device`` (numpy arrays become tensors); lists stay on the host."""
+    if isinstance(value, np.ndarray):
+        value = torch.from_numpy(value)
+    if isinstance(value, torch.Tensor):
+        if value.device != device:
+            value = value.to(device, non_blocking=value.is_pinned())
+        if memory_format is not None and value.dim() == 4:
+            value = value.contiguous(memory_format=memory_format)
+        return value
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def take(column: Column, positions: torch.Tensor, positions_list: list[int] | None) -> Column:
+    """Rows ``positions`` of a column, gathered where the column lives (no host round trip)."""
+    if isinstance(column, torch.Tensor):
+        if positions.device != column.device:
+            positions = positions.to(column.device, non_blocking=True)
+        return column.index_select(0, positions)
+    assert positions_list is not None
+    return [column[i] for i in positions_list]
+
+
+def concat(parts: Sequence[Column]) -> Column:
+    """Concatenate column chunks along the example dimension."""
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(list(parts), dim=0)
+    out: list[Any] = []
+    for p in parts:
+        out.extend(p)
+    return out
+
+
+def split(column: Column, k: int) -> tuple[Column, Column]:
+    """The first ``k`` rows of a column and the rest."""
+    return column[:k], column[k:]

@@ -1,0 +1,562 @@
+"""SelectiveLoader: a drop-in replacement for a training DataLoader that yields only the examples
+worth backpropagating, in full training batches that carry the selection pass's results."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Hashable, Iterator
+from time import perf_counter
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import batch as B
+from ._checks import check_choice, check_int
+from .policies import Choice, Policy, SelectiveBackprop
+from .selection import check_loss_fn, selection_losses, unwrap
+from .sources import Source, make_source
+from .stats import EpochStats, LoaderStats
+
+__all__ = ["SelectiveLoader"]
+
+logger = logging.getLogger("sbloader")
+
+_REMAINDERS = ("carry", "short", "drop")
+_NONFINITE = ("skip", "select", "raise")
+_BATCHNORM = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
+
+
+class _Pending:
+    """Selected examples waiting to fill a training batch: a list of column chunks."""
+
+    def __init__(self) -> None:
+        self.parts: list[list[B.Column]] = []
+        self.count = 0
+
+    def add(self, columns: list[B.Column], k: int) -> None:
+        if k:
+            self.parts.append(columns)
+            self.count += k
+
+    def pop(self, k: int) -> list[B.Column]:
+        """Remove and return the first ``k`` examples (k <= count)."""
+        merged = [B.concat([p[j] for p in self.parts]) for j in range(len(self.parts[0]))]
+        heads, rests = zip(*(B.split(c, k) for c in merged))
+        self.count -= k
+        self.parts = [list(rests)] if self.count else []
+        return list(heads)
+
+    def pop_all(self) -> list[B.Column]:
+        return self.pop(self.count)
+
+    def clear(self) -> int:
+        n, self.parts, self.count = self.count, [], 0
+        return n
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+class SelectiveLoader:
+    """Wraps a training data source and yields full batches of the examples a policy selects.
+
+    For each source batch, the loader runs a *selection pass* (the model in eval mode under
+    ``torch.inference_mode()``) to get one loss per example, asks the policy which examples to
+    keep, and collects the kept ones into training batches of exactly ``batch_size`` examples on
+    the model's device. Batches keep the source's structure, so ``for inputs, targets in loader``
+    works unchanged, and carry the selection results as attributes (see
+    :class:`~sbloader.batch.SelectedBatch`): ``indices``, ``losses``, ``probabilities`` and
+    ``weights``.
+
+    Args:
+        source: a torch ``DataLoader`` (over a map-style dataset the dataset indices are
+            recovered automatically, with any sampler and number of workers), or any re-iterable
+            of batches (indices then come from the field ``index_key``, or are unknown).
+        model: the model being trained. Selection passes call its unwrapped module (DDP,
+            DataParallel and ``torch.compile`` wrappers are looked through).
+        loss_fn: per-example loss, ``loss_fn(model(inputs), targets)`` of shape ``(B,)``.
+            Default ``nn.CrossEntropyLoss(reduction="none")``.
+        policy: the selection policy. Default ``SelectiveBackprop(selectivity=1/3)``.
+        seed: seeds the loader's own generator (the only randomness it uses).
+        batch_size: examples per yielded training batch. Default: the source's batch size.
+        selection_batch_size: examples per selection forward (chunks of a source batch). Default:
+            the whole source batch in one forward. A source batch larger than the training batch
+            makes selection cheaper per example.
+        remainder: what happens to selected examples that do not fill a batch when an epoch ends:
+            ``"carry"`` (default, the paper's Algorithm 1) keeps them for the next epoch's first
+            batch; ``"short"`` yields them as a short batch; ``"drop"`` drops them (counted in
+            ``stats``).
+        min_batch_size: smaller batches are never yielded (dropped and counted). Default 2 when
+            the model has BatchNorm layers (a batch of one makes BatchNorm raise in training),
+            else 1.
+        nonfinite: what happens to an example whose selection loss is NaN or infinite: ``"skip"``
+            (default: never backpropagated, since its gradient would corrupt the weights),
+            ``"select"`` (always backpropagated) or ``"raise"`` (``FloatingPointError``). Either
+            way it never enters the policy's loss window and is counted in ``stats``.
+        device: where yielded batches go. Default: the model's device.
+        autocast: a dtype such as ``torch.bfloat16`` to run selection passes under autocast.
+        memory_format: e.g. ``torch.channels_last``, applied to 4-d inputs before selection and
+            training.
+        input_key, target_key: the model input and loss target fields: positions in tuple/list
+            batches (default 0 and 1), keys in dict batches (default ``"input"``, ``"target"``).
+        index_key: the field holding dataset indices, for sources that carry them themselves.
+        selector: a separate (cheaper) model for selection passes. Default: ``model``.
+        eval_selection: run selection passes in eval mode (default True).
+        rank: the process's rank, to derive its generator from ``seed``. Default: the
+            ``torch.distributed`` rank when initialised, else 0.
+
+    Attributes:
+        stats: a :class:`~sbloader.stats.LoaderStats` with per-epoch and total counts and times.
+        epoch: the number of the current (or next) epoch, from 0.
+
+    ``len(loader)`` is exact for passthrough policies (Traditional) and raises ``TypeError`` for
+    selective ones, whose batch count per epoch is random: use :meth:`expected_batches` or
+    schedule by :attr:`progress` instead.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> import sbloader
+        >>> data = TensorDataset(torch.randn(256, 8), torch.randint(0, 3, (256,)))
+        >>> model = nn.Linear(8, 3)
+        >>> loader = sbloader.SelectiveLoader(
+        ...     DataLoader(data, batch_size=32, shuffle=True), model,
+        ...     loss_fn=nn.CrossEntropyLoss(reduction="none"),
+        ...     policy=sbloader.SelectiveBackprop(selectivity=0.5), seed=0)
+        >>> for inputs, targets in loader:
+        ...     assert inputs.shape == (32, 8) and targets.shape == (32,)
+        >>> batch = next(iter(loader))
+        >>> batch.indices.shape, batch.weights.shape
+        (torch.Size([32]), torch.Size([32]))
+    """
+
+    STATE_VERSION = 1
+
+    def __init__(
+        self,
+        source: Any,
+        model: nn.Module,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        policy: Policy | None = None,
+        *,
+        seed: int = 0,
+        batch_size: int | None = None,
+        selection_batch_size: int | None = None,
+        remainder: str = "carry",
+        min_batch_size: int | None = None,
+        nonfinite: str = "skip",
+        device: torch.device | str | None = None,
+        autocast: torch.dtype | None = None,
+        memory_format: torch.memory_format | None = None,
+        input_key: Hashable | None = None,
+        target_key: Hashable | None = None,
+        index_key: Hashable | None = None,
+        selector: nn.Module | None = None,
+        eval_selection: bool = True,
+        rank: int | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model should be a torch.nn.Module, but got {type(model).__name__}")
+        if selector is not None and not isinstance(selector, nn.Module):
+            raise TypeError(
+                f"selector should be a torch.nn.Module or None, but got {type(selector).__name__}"
+            )
+        self.policy: Policy = SelectiveBackprop() if policy is None else policy
+        if not isinstance(self.policy, Policy):
+            raise TypeError(
+                "policy should be an sbloader policy such as sbloader.SelectiveBackprop(...), but "
+                f"got {type(self.policy).__name__}"
+            )
+        self.loss_fn = nn.CrossEntropyLoss(reduction="none") if loss_fn is None else loss_fn
+        check_loss_fn(self.loss_fn)
+        self.model = model
+        self.selector = selector
+        self._source: Source = make_source(source, index_key)
+        if self.policy.needs_indices and not self._source.has_indices:
+            raise ValueError(
+                f"{self.policy!r} needs each example's dataset index, but the source provides "
+                "none; pass a DataLoader over a map-style dataset, or index_key= naming the "
+                "batch field that holds the indices"
+            )
+        self.seed = check_int("seed", seed, minimum=0)
+        self.rank = self._default_rank() if rank is None else check_int("rank", rank, minimum=0)
+        self._rng = np.random.Generator(
+            np.random.PCG64(np.random.SeedSequence(self.seed, spawn_key=(self.rank,)))
+        )
+        source_bs = self._source.batch_size
+        if batch_size is None:
+            if source_bs is None:
+                raise ValueError(
+                    "batch_size could not be taken from the source; pass batch_size= (the number "
+                    "of examples per training batch)"
+                )
+            batch_size = source_bs
+        self.batch_size = check_int("batch_size", batch_size, minimum=1)
+        self.selection_batch_size = (
+            None
+            if selection_batch_size is None
+            else check_int("selection_batch_size", selection_batch_size, minimum=1)
+        )
+        self.remainder = check_choice("remainder", remainder, _REMAINDERS)
+        self.nonfinite = check_choice("nonfinite", nonfinite, _NONFINITE)
+        if min_batch_size is None:
+            has_bn = any(isinstance(m, _BATCHNORM) for m in model.modules())
+            min_batch_size = 2 if has_bn else 1
+        self.min_batch_size = check_int("min_batch_size", min_batch_size, minimum=1)
+        if self.min_batch_size > self.batch_size:
+            raise ValueError(
+                f"min_batch_size should be <= batch_size={self.batch_size}, but got "
+                f"min_batch_size={self.min_batch_size}"
+            )
+        self._device = torch.device(device) if device is not None else None
+        if autocast is not None and not isinstance(autocast, torch.dtype):
+            raise TypeError(
+                f"autocast should be a torch.dtype such as torch.bfloat16, but got {autocast!r}"
+            )
+        self.autocast = autocast
+        self.memory_format = memory_format
+        self.input_key, self.target_key = input_key, target_key
+        self.eval_selection = bool(eval_selection)
+        self.stats = LoaderStats()
+        self.epoch = 0
+        self._format: B.BatchFormat | None = None
+        self._pending = _Pending()
+        self._position = 0  # source batches consumed in the current epoch
+        self._active = False  # an epoch has started and not finished
+        self._resume = False  # the next epoch iterator continues a restored, unfinished epoch
+
+    # ------------------------------------------------------------------ public helpers
+    @property
+    def device(self) -> torch.device:
+        """Where yielded batches live: ``device`` if given, else the model's device."""
+        return self._device if self._device is not None else _model_device(self.model)
+
+    @property
+    def source(self) -> Source:
+        return self._source
+
+    @property
+    def progress(self) -> float:
+        """Epochs of source data consumed so far, as a float (for learning-rate schedules).
+
+        Counts source batches, so it advances at the same rate for every policy: schedules keyed
+        on it are identical across strategies (by position in the data).
+        """
+        try:
+            n = len(self._source)
+        except TypeError:
+            return float(self.epoch)
+        done = self.epoch + (self._position / n if self._active and n else 0.0)
+        return float(done)
+
+    def expected_batches(self) -> float:
+        """The expected number of training batches per epoch (an estimate when selective)."""
+        examples = self._source.dataset_size
+        if examples is None:
+            bs = self._source.batch_size
+            if bs is None:
+                raise TypeError("the source's size is unknown, so no batch count can be estimated")
+            examples = len(self._source) * bs
+        return examples * self.policy.target_rate / self.batch_size
+
+    def __len__(self) -> int:
+        if not self.policy.passthrough:
+            raise TypeError(
+                f"len() is undefined for a SelectiveLoader with {self.policy!r}: the number of "
+                "batches per epoch is random. Use loader.expected_batches() for an estimate, or "
+                "key schedules on loader.progress"
+            )
+        n = len(self._source)
+        size, bs = self._source.dataset_size, self._source.batch_size
+        drop_last = getattr(getattr(self._source, "loader", None), "drop_last", False)
+        if size is not None and bs and not drop_last and 0 < size % bs < self.min_batch_size:
+            n -= 1  # the source's last batch is too small and will be dropped
+        return n
+
+    def __iter__(self) -> Iterator[B.SelectedBatch]:
+        return self._epoch_iter()
+
+    # ------------------------------------------------------------------ the epoch
+    @staticmethod
+    def _default_rank() -> int:
+        dist = torch.distributed
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def _begin_epoch(self) -> tuple[EpochStats, int]:
+        """Start (or, after ``load_state_dict``, continue) an epoch; returns the batches to skip."""
+        if self._resume:
+            self._resume = False
+            self._source.set_epoch(self.epoch)
+            self.policy.begin_epoch(self.epoch)
+            current = self.stats.current
+            if current is None or current.epoch != self.epoch:
+                current = self.stats.begin_epoch(self.epoch, self.policy.target_rate)
+            return current, self._position
+        if self._active:  # the previous epoch was abandoned part-way (e.g. ``break``)
+            self.epoch += 1
+        self._position = 0
+        self._active = True
+        self._source.set_epoch(self.epoch)
+        self.policy.begin_epoch(self.epoch)
+        return self.stats.begin_epoch(self.epoch, self.policy.target_rate), 0
+
+    def _end_epoch(self, stats: EpochStats) -> None:
+        self._active = False
+        self._position = 0
+        self.epoch += 1
+        if stats.examples_seen == 0:
+            raise ValueError(
+                f"the source yielded no examples in epoch {stats.epoch}; check that its dataset "
+                "and sampler are not empty"
+            )
+        if stats.nonfinite:
+            logger.warning(
+                "epoch %d: %d candidates had a non-finite selection loss (nonfinite=%r)",
+                stats.epoch,
+                stats.nonfinite,
+                self.nonfinite,
+            )
+        self.stats.log_epoch(stats)
+
+    def _epoch_iter(self) -> Iterator[B.SelectedBatch]:
+        stats, skip = self._begin_epoch()
+        fresh = self.policy.needs_losses(stats.epoch)
+        passthrough = self.policy.passthrough
+        source_iter = self._source.epoch(skip)
+        start = perf_counter()
+        try:
+            while True:
+                t0 = perf_counter()
+                try:
+                    raw, indices = next(source_iter)
+                except StopIteration:
+                    break
+                stats.source_s += perf_counter() - t0
+                self._position += 1
+                columns, n = self._columns(raw, indices)
+                stats.examples_seen += n
+                if passthrough:
+                    out = columns + self._meta(Choice.everything(n), indices, None)
+                    stats.examples_selected += n
+                    if n >= self.min_batch_size:
+                        yield from self._yield(out, n, stats)
+                    else:
+                        stats.dropped += n
+                    continue
+                t0 = perf_counter()
+                losses = self._selection_pass(columns, stats) if fresh else None
+                choice = self._choose(losses, indices, n, stats)
+                stats.selection_s += perf_counter() - t0
+                k = len(choice.positions)
+                stats.examples_selected += k
+                if k:
+                    self._pending.add(self._take(columns, choice, indices, losses), k)
+                while self._pending.count >= self.batch_size:
+                    yield from self._yield(
+                        self._pending.pop(self.batch_size), self.batch_size, stats
+                    )
+            if self.remainder == "short" and self._pending.count >= self.min_batch_size:
+                n = self._pending.count
+                yield from self._yield(self._pending.pop_all(), n, stats)
+            elif self.remainder != "carry":
+                stats.dropped += self._pending.clear()
+        finally:
+            stats.wall_s += perf_counter() - start
+        self._end_epoch(stats)
+
+    def _yield(
+        self, columns: list[B.Column], n: int, stats: EpochStats
+    ) -> Iterator[B.SelectedBatch]:
+        """Yield a batch built from data columns followed by the four metadata columns, timing
+        the caller's work until it asks for the next one."""
+        assert self._format is not None
+        nfields = len(self._format.keys)
+        batch = self._format.build(columns[:nfields])
+        indices, losses, probs, weights = columns[nfields:]
+        batch._set_meta(indices if self._source.has_indices else None, losses, probs, weights)
+        stats.examples_yielded += n
+        stats.batches_yielded += 1
+        handed_out = perf_counter()
+        yield batch
+        stats.consumer_s += perf_counter() - handed_out
+
+    def _columns(self, raw: Any, indices: np.ndarray | None) -> tuple[list[B.Column], int]:
+        """The source batch as device columns, checked for consistent lengths."""
+        if self._format is None:
+            self._format = B.BatchFormat.infer(raw, self.input_key, self.target_key)
+        fmt = self._format
+        device = self.device
+        in_pos = fmt.position(fmt.input_key)
+        columns = [
+            B.to_column(v, device, self.memory_format if j == in_pos else None)
+            for j, v in enumerate(fmt.columns(raw))
+        ]
+        n = B.column_length(columns[in_pos], fmt.input_key)
+        for key, col in zip(fmt.keys, columns):
+            if B.column_length(col, key) != n:
+                raise ValueError(
+                    f"field {key!r} of a source batch has {B.column_length(col, key)} entries but "
+                    f"the input field {fmt.input_key!r} has {n}; every field needs one entry per "
+                    "example"
+                )
+        if indices is not None and indices.shape[0] != n:
+            raise ValueError(
+                f"the source batch has {n} examples but {indices.shape[0]} dataset indices"
+            )
+        return columns, n
+
+    def _selection_pass(self, columns: list[B.Column], stats: EpochStats) -> torch.Tensor:
+        fmt = self._format
+        assert fmt is not None
+        inputs = columns[fmt.position(fmt.input_key)]
+        targets = columns[fmt.position(fmt.target_key)]
+        n = inputs.shape[0]
+        losses = selection_losses(
+            unwrap(self.selector if self.selector is not None else self.model),
+            inputs,
+            targets,
+            self.loss_fn,
+            batch_size=self.selection_batch_size,
+            autocast_dtype=self.autocast,
+            eval=self.eval_selection,
+        )
+        stats.selection_forwards += n
+        step = self.selection_batch_size or n
+        stats.selection_calls += math.ceil(n / step)
+        return losses
+
+    def _choose(
+        self,
+        losses: torch.Tensor | None,
+        indices: np.ndarray | None,
+        n: int,
+        stats: EpochStats,
+    ) -> Choice:
+        """Ask the policy, handling non-finite losses so that the policy never sees them."""
+        if losses is None:
+            return self.policy.choose(None, indices, self._rng, n)
+        values = losses.detach().cpu().numpy().astype(np.float64)
+        finite = np.isfinite(values)
+        if finite.all():
+            return self.policy.choose(values, indices, self._rng, n)
+        bad = np.flatnonzero(~finite)
+        stats.nonfinite += len(bad)
+        if self.nonfinite == "raise":
+            where = indices[bad[:5]].tolist() if indices is not None else bad[:5].tolist()
+            raise FloatingPointError(
+                f"{len(bad)} selection losses are not finite (dataset indices {where}...); pass "
+                "nonfinite='skip' or nonfinite='select' to continue past them"
+            )
+        good = np.flatnonzero(finite)
+        sub = self.policy.choose(
+            values[good], None if indices is None else indices[good], self._rng, len(good)
+        )
+        probabilities = np.zeros(n, dtype=np.float64)
+        probabilities[good] = sub.probabilities
+        positions, weights = good[sub.positions], sub.weights
+        if self.nonfinite == "select":
+            probabilities[bad] = 1.0
+            positions = np.concatenate([positions, bad])
+            weights = np.concatenate([weights, np.ones(len(bad))])
+            order = np.argsort(positions, kind="stable")
+            positions, weights = positions[order], weights[order]
+        return Choice(positions, probabilities, weights)
+
+    def _meta(
+        self, choice: Choice, indices: np.ndarray | None, losses: torch.Tensor | None
+    ) -> list[B.Column]:
+        """The four metadata columns for the chosen examples: indices, losses, P, weights."""
+        device = self.device
+        pos = choice.positions
+        idx = torch.from_numpy(indices[pos] if indices is not None else np.full(len(pos), -1))
+        pos_t = torch.from_numpy(pos)
+        if losses is None:
+            kept_losses = torch.full((len(pos),), float("nan"), device=device)
+        else:
+            kept_losses = losses.index_select(0, pos_t.to(losses.device, non_blocking=True))
+        probs = torch.from_numpy(choice.probabilities[pos].astype(np.float32)).to(device)
+        weights = torch.from_numpy(choice.weights.astype(np.float32)).to(device)
+        return [idx.to(torch.int64), kept_losses, probs, weights]
+
+    def _take(
+        self,
+        columns: list[B.Column],
+        choice: Choice,
+        indices: np.ndarray | None,
+        losses: torch.Tensor | None,
+    ) -> list[B.Column]:
+        """Gather the chosen rows of every column where it lives, plus the metadata columns."""
+        pos_t = torch.from_numpy(choice.positions)
+        pos_list = (
+            choice.positions.tolist()
+            if any(not isinstance(c, torch.Tensor) for c in columns)
+            else None
+        )
+        device_pos = pos_t.to(self.device, non_blocking=True)
+        data = [B.take(c, device_pos, pos_list) for c in columns]
+        return data + self._meta(choice, indices, losses)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: epoch, position, generator, policy, pending batch, stats.
+
+        Tensors of the pending (carried) batch are moved to the CPU; the rest is plain Python
+        and JSON-serialisable. Restore with :meth:`load_state_dict` on a loader built with the
+        same arguments.
+        """
+        pending = [
+            [c.cpu() if isinstance(c, torch.Tensor) else list(c) for c in part]
+            for part in self._pending.parts
+        ]
+        return {
+            "version": self.STATE_VERSION,
+            "seed": self.seed,
+            "rank": self.rank,
+            "epoch": self.epoch,
+            "position": self._position,
+            "active": self._active,
+            "rng": self._rng.bit_generator.state,
+            "source": self._source.state_dict(),
+            "policy": self.policy.state_dict(),
+            "pending": {"count": self._pending.count, "parts": pending},
+            "stats": self.stats.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state saved by :meth:`state_dict` (at an epoch boundary or mid-epoch)."""
+        version = state.get("version")
+        if version != self.STATE_VERSION:
+            raise ValueError(
+                f"SelectiveLoader state has version={version!r}, but this sbloader reads "
+                f"version {self.STATE_VERSION}"
+            )
+        self._source.load_state_dict(
+            state["source"], mid_epoch=bool(state["active"]) and int(state["position"]) > 0
+        )
+        self.epoch = int(state["epoch"])
+        self._position = int(state["position"])
+        self._active = bool(state["active"])
+        self._resume = self._active
+        self._rng.bit_generator.state = state["rng"]
+        self.policy.load_state_dict(state["policy"])
+        device = self.device
+        self._pending = _Pending()
+        for part in state["pending"]["parts"]:
+            cols = [c.to(device) if isinstance(c, torch.Tensor) else list(c) for c in part]
+            self._pending.add(cols, B.column_length(cols[0], "pending"))
+        self.stats.load_state_dict(state["stats"])
+
+    def __repr__(self) -> str:
+        return (
+            f"SelectiveLoader(policy={self.policy!r}, batch_size={self.batch_size}, "
+            f"remainder={self.remainder!r}, seed={self.seed})"
+        )

@@ -1,0 +1,295 @@
+"""Sources of candidate batches, each yielding ``(batch, dataset_indices_or_None)`` per epoch.
+
+A torch ``DataLoader`` over a map-style dataset is rebuilt around two thin wrappers: the dataset
+returns each sample with its index and the collate function splits the indices off again. The
+indices therefore travel inside the same batch as the data, through any sampler, shuffling and
+any number of workers, so they can never come apart from their examples; the user's dataset,
+sampler and collate function are used unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data.dataloader import default_collate
+
+__all__ = ["DataLoaderSource", "IterableSource", "Source", "make_source"]
+
+
+class _IndexedSamples:
+    """A fetched list of samples together with their dataset indices (crosses worker pipes)."""
+
+    __slots__ = ("indices", "samples")
+
+    def __init__(self, indices: Sequence[int], samples: Any) -> None:
+        self.indices = indices
+        self.samples = samples
+
+
+class IndexedDataset(Dataset):
+    """Wraps a map-style dataset so that each fetched batch of samples knows its indices."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])
+
+    def __getitems__(self, indices: Sequence[int]) -> _IndexedSamples:
+        getitems = getattr(self.dataset, "__getitems__", None)
+        samples = getitems(indices) if getitems else [self.dataset[i] for i in indices]
+        return _IndexedSamples(list(indices), samples)
+
+
+class IndexedCollate:
+    """Collates the samples with the user's collate function and returns (indices, batch)."""
+
+    def __init__(self, collate_fn: Any) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, fetched: _IndexedSamples) -> tuple[torch.Tensor, Any]:
+        return torch.as_tensor(fetched.indices, dtype=torch.int64), self.collate_fn(fetched.samples)
+
+
+class Source:
+    """Base class: an epoch-wise source of ``(batch, indices)`` pairs."""
+
+    #: Whether ``indices`` are dataset indices (False: ``None`` is yielded instead).
+    has_indices: bool = False
+
+    def epoch(self, skip: int = 0) -> Iterator[tuple[Any, np.ndarray | None]]:
+        """One epoch of batches, leaving out the first ``skip`` (to resume mid-epoch)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """The source's own state (e.g. its shuffling generator), for exact resumption."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any], mid_epoch: bool) -> None:
+        """Restore :meth:`state_dict`; ``mid_epoch`` says the next :meth:`epoch` resumes one."""
+        if mid_epoch:
+            raise ValueError(
+                f"{type(self).__name__} cannot resume in the middle of an epoch; save the "
+                "loader's state at an epoch boundary"
+            )
+
+    def __len__(self) -> int:
+        raise TypeError(f"{type(self).__name__} has no length")
+
+    @property
+    def batch_size(self) -> int | None:
+        return None
+
+    @property
+    def dataset_size(self) -> int | None:
+        return None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward the epoch to samplers that want it (DistributedSampler)."""
+
+
+class _SkippingBatchSampler:
+    """The user's batch sampler, leaving out the first ``skip`` batches of an epoch unloaded."""
+
+    def __init__(self, inner: Iterable[list[int]]) -> None:
+        self.inner = inner
+        self.skip = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        it = iter(self.inner)
+        skip, self.skip = self.skip, 0
+        for _ in range(skip):
+            if next(it, None) is None:
+                return
+        yield from it
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+
+def _generators(loader: DataLoader) -> list[torch.Generator]:
+    """The torch generators that decide a DataLoader's order and worker seeds."""
+    gens: list[torch.Generator] = []
+    sampler = getattr(loader.batch_sampler, "sampler", None)
+    for g in (loader.generator, getattr(sampler, "generator", None)):
+        if isinstance(g, torch.Generator) and all(g is not h for h in gens):
+            gens.append(g)
+    return gens
+
+
+class DataLoaderSource(Source):
+    """A torch DataLoader over a map-style dataset, with every example's index recovered.
+
+    For exact resumption it snapshots the states of the DataLoader's and its sampler's torch
+    generators when each epoch starts; a mid-epoch resume restores them and skips the batches
+    already consumed without loading them.
+
+    NOTE: a shuffling DataLoader without a ``generator`` draws its order from torch's global RNG,
+    which sbloader never touches, so its order cannot be replayed: such a source resumes only at
+    epoch boundaries (a mid-epoch state is refused with the fix).
+    """
+
+    has_indices = True
+
+    def __init__(self, loader: DataLoader) -> None:
+        if loader.batch_size is None and loader.batch_sampler is None:
+            raise ValueError(
+                "SelectiveLoader needs a batching DataLoader, but got one with batch_size=None "
+                "(automatic batching disabled); give the DataLoader a batch_size"
+            )
+        self.loader = loader
+        self._batch_sampler = _SkippingBatchSampler(loader.batch_sampler)
+        self._gens = _generators(loader)
+        self._epoch_start: list[torch.Tensor] | None = None
+        kwargs: dict[str, Any] = dict(
+            batch_sampler=self._batch_sampler,
+            num_workers=loader.num_workers,
+            collate_fn=IndexedCollate(loader.collate_fn or default_collate),
+            pin_memory=loader.pin_memory,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context,
+            generator=loader.generator,
+            persistent_workers=loader.persistent_workers,
+            pin_memory_device=loader.pin_memory_device,
+        )
+        if loader.num_workers > 0:
+            kwargs["prefetch_factor"] = loader.prefetch_factor
+        if hasattr(loader, "in_order"):
+            kwargs["in_order"] = loader.in_order
+        self._indexed = DataLoader(IndexedDataset(loader.dataset), **kwargs)
+
+    @property
+    def replayable(self) -> bool:
+        """Whether the epoch order can be replayed from saved generator states."""
+        sampler = getattr(self.loader.batch_sampler, "sampler", None)
+        from torch.utils.data import RandomSampler
+
+        return not (isinstance(sampler, RandomSampler) and sampler.generator is None)
+
+    def epoch(self, skip: int = 0) -> Iterator[tuple[Any, np.ndarray]]:
+        if skip and self._epoch_start is not None:
+            for g, s in zip(self._gens, self._epoch_start):
+                g.set_state(s)
+        else:
+            self._epoch_start = [g.get_state() for g in self._gens]
+        self._batch_sampler.skip = skip
+        for indices, batch in self._indexed:
+            yield batch, indices.numpy()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "generators": [g.get_state() for g in self._gens],
+            "epoch_start": self._epoch_start,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], mid_epoch: bool) -> None:
+        if len(state["generators"]) != len(self._gens):
+            raise ValueError(
+                f"the saved source state has {len(state['generators'])} generators but this "
+                f"DataLoader has {len(self._gens)}; build the DataLoader as the saved one was"
+            )
+        if mid_epoch and not self.replayable:
+            raise ValueError(
+                "cannot resume this DataLoader in the middle of an epoch: it shuffles with torch's "
+                "global RNG, so its order cannot be replayed; pass "
+                "generator=torch.Generator().manual_seed(seed) to the DataLoader"
+            )
+        for g, s in zip(self._gens, state["generators"]):
+            g.set_state(s)
+        self._epoch_start = state["epoch_start"]
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def batch_size(self) -> int | None:
+        bs = self.loader.batch_size
+        if bs is None:
+            bs = getattr(self.loader.batch_sampler, "batch_size", None)
+        return bs
+
+    @property
+    def dataset_size(self) -> int | None:
+        return len(self.loader.dataset)  # type: ignore[arg-type]
+
+    @property
+    def sampler(self) -> Any:
+        return self.loader.batch_sampler.sampler if self.loader.batch_sampler else None
+
+    def set_epoch(self, epoch: int) -> None:
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+
+
+class IterableSource(Source):
+    """Any re-iterable of batches; indices come from the field ``index_key`` if given."""
+
+    def __init__(self, iterable: Iterable, index_key: Hashable | None = None) -> None:
+        if iter(iterable) is iterable:
+            raise TypeError(
+                "SelectiveLoader's source should be re-iterable (one pass per epoch), but got an "
+                f"iterator ({type(iterable).__name__}); pass the DataLoader or a list of batches"
+            )
+        self.iterable = iterable
+        self.index_key = index_key
+        self.has_indices = index_key is not None
+
+    def epoch(self, skip: int = 0) -> Iterator[tuple[Any, np.ndarray | None]]:
+        # NOTE: a generic iterable cannot skip without producing batches; resuming mid-epoch
+        # replays and discards them, which is exact only if the iterable's order is fixed.
+        for i, batch in enumerate(self.iterable):
+            if i < skip:
+                continue
+            if self.index_key is None:
+                yield batch, None
+                continue
+            try:
+                raw = batch[self.index_key]
+            except (KeyError, IndexError, TypeError):
+                raise KeyError(
+                    f"index_key={self.index_key!r} names no field of the source's batches"
+                ) from None
+            if isinstance(raw, torch.Tensor):
+                raw = raw.detach().cpu().numpy()
+            idx = np.asarray(raw)
+            if idx.dtype.kind not in "iu":
+                raise TypeError(
+                    f"the index field {self.index_key!r} should hold integers, but has dtype "
+                    f"{idx.dtype}; a float round trip would corrupt large indices"
+                )
+            yield batch, idx.astype(np.int64, copy=False).reshape(-1)
+
+    def load_state_dict(self, state: dict[str, Any], mid_epoch: bool) -> None:
+        """Nothing to restore: a mid-epoch resume replays the iterable and skips batches."""
+
+    def __len__(self) -> int:
+        return len(self.iterable)  # type: ignore[arg-type]
+
+    @property
+    def batch_size(self) -> int | None:
+        return getattr(self.iterable, "batch_size", None)
+
+
+def make_source(source: Any, index_key: Hashable | None = None) -> Source:
+    """Adapt what the user passed to a :class:`Source`."""
+    if isinstance(source, Source):
+        return source
+    if isinstance(source, DataLoader) and not isinstance(source.dataset, IterableDataset):
+        if index_key is not None:
+            return IterableSource(source, index_key)
+        return DataLoaderSource(source)
+    if not isinstance(source, Iterable):
+        raise TypeError(
+            "SelectiveLoader's source should be a torch DataLoader, an FFCV Loader or an "
+            f"iterable of batches, but got {type(source).__name__}"
+        )
+    return IterableSource(source, index_key)

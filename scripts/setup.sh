@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Sets up everything sbloader needs on a fresh Debian machine (the project's CPU machine kind):
+# Debian's Fashion-MNIST, the libraries ffcv builds against, a CPU build of torch, and sbloader
+# itself with its development extras. Safe to run again: finished steps are skipped quickly.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+
+APT_PACKAGES="dataset-fashion-mnist pkg-config libturbojpeg0-dev libopencv-dev"
+missing=""
+for p in $APT_PACKAGES; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q $missing
+fi
+
+PIP="python3 -m pip install -q --disable-pip-version-check"
+# NOTE: torch 2.13.0 resolves to the local CPU wheel here (seconds, ~200 MB). A bare "torch"
+# would pull the CUDA build (~5.4 GB, ~90 s) that only runs on this CPU anyway; torchvision is
+# not needed (sbloader reads Fashion-MNIST itself and defines its own models).
+if ! python3 -c "import torch, sys; sys.exit(not torch.__version__.startswith('2.13.0'))" 2>/dev/null; then
+  $PIP "torch==2.13.0"
+fi
+$PIP -e ".[dev,bench]"

@@ -1,0 +1,56 @@
+"""Shared fixtures: synthetic data whose inputs encode their own dataset index."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+N_CLASSES = 4
+
+
+class EncodedDataset(Dataset):
+    """Example i has input [i, i, ..., i] (float) and target i % N_CLASSES: any mix-up shows."""
+
+    def __init__(self, n: int = 200, dim: int = 6) -> None:
+        self.n, self.dim = n, dim
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return torch.full((self.dim,), float(i)), torch.tensor(i % N_CLASSES)
+
+
+class IndexLoss(nn.Module):
+    """A model whose per-example loss is a known function of the example's index.
+
+    ``forward`` returns logits whose cross-entropy grows with ``loss_of(index)``; combined with
+    :class:`EncodedDataset` this makes selection losses known in advance.
+    """
+
+    def __init__(self, dim: int = 6) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, N_CLASSES)  # a parameter so the model has a device
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        idx = x[:, 0]
+        # Logit margin shrinks with index: higher index, higher cross-entropy loss.
+        logits = torch.zeros(x.shape[0], N_CLASSES)
+        target = idx.long() % N_CLASSES
+        logits[torch.arange(x.shape[0]), target] = 10.0 - idx / 100.0
+        return logits + 0.0 * self.lin(x)
+
+
+def bn_model(dim: int = 6) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(dim, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, N_CLASSES)
+    )
+
+
+@pytest.fixture
+def dataset() -> EncodedDataset:
+    return EncodedDataset()

@@ -1,0 +1,555 @@
+"""SelectiveLoader end to end on synthetic data whose inputs encode their dataset index."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+from conftest import N_CLASSES, EncodedDataset, IndexLoss, bn_model
+from torch import nn
+from torch.utils.data import DataLoader
+
+import sbloader
+from sbloader import RandomBackprop, SelectiveBackprop, SelectiveLoader, Traditional
+
+
+def make_loader(
+    ds=None,
+    *,
+    bs=20,
+    source_bs=None,
+    shuffle=True,
+    workers=0,
+    seed=0,
+    gen_seed=0,
+    policy=None,
+    model=None,
+    **kw,
+):
+    ds = ds or EncodedDataset()
+    dl = DataLoader(
+        ds,
+        batch_size=source_bs or bs,
+        shuffle=shuffle,
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(gen_seed),
+    )
+    return SelectiveLoader(
+        dl,
+        model or IndexLoss(),
+        policy=policy or SelectiveBackprop(0.5),
+        batch_size=bs,
+        seed=seed,
+        **kw,
+    )
+
+
+def check_pairing(batch):
+    """Inputs, targets and indices of every yielded example belong together."""
+    x, y = batch
+    idx = batch.indices
+    assert torch.equal(x[:, 0].long(), idx)
+    assert (x == x[:, :1]).all()
+    assert torch.equal(y, idx % N_CLASSES)
+
+
+# ------------------------------------------------------------------ structure and pairing
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("policy", [Traditional(), SelectiveBackprop(1 / 3), RandomBackprop(0.5)])
+def test_every_pair_comes_from_the_dataset_with_shuffling_and_workers(workers, policy):
+    loader = make_loader(workers=workers, policy=policy, source_bs=40, bs=20)
+    seen = 0
+    for _ in range(2):
+        for batch in loader:
+            # default_collate turns tuple samples into list batches: the structure is kept.
+            assert isinstance(batch, list) and isinstance(batch, sbloader.SelectedBatch)
+            assert len(batch) == 2
+            check_pairing(batch)
+            seen += len(batch[0])
+    assert seen > 0
+
+
+def test_traditional_yields_exactly_the_sources_examples_in_order(dataset):
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    plain = DataLoader(dataset, batch_size=32, shuffle=True, generator=g1)
+    wrapped = SelectiveLoader(
+        DataLoader(dataset, batch_size=32, shuffle=True, generator=g2),
+        IndexLoss(),
+        policy=Traditional(),
+    )
+    assert len(wrapped) == len(plain)
+    for _ in range(2):
+        ours = list(wrapped)
+        theirs = list(plain)
+        assert len(ours) == len(theirs)
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+            assert (a.weights == 1).all() and (a.probabilities == 1).all()
+            assert torch.isnan(a.losses).all()  # no selection pass was made
+    assert wrapped.stats.total.selection_forwards == 0
+
+
+def test_batches_are_full_and_carry_the_selection_results():
+    model = IndexLoss()
+    loader = make_loader(model=model, bs=16, source_bs=48, policy=SelectiveBackprop(1 / 3))
+    for batch in loader:
+        assert batch[0].shape[0] == 16
+        assert batch.indices.dtype == torch.int64 and batch.indices.shape == (16,)
+        # The carried losses are exactly the selection pass's losses for these examples.
+        expected = nn.functional.cross_entropy(model(batch[0]), batch[1], reduction="none")
+        torch.testing.assert_close(batch.losses, expected)
+        assert ((batch.probabilities > 0) & (batch.probabilities <= 1)).all()
+        assert (batch.weights == 1).all()
+
+
+def test_selection_results_are_never_recomputed():
+    model = IndexLoss()
+    loader = make_loader(model=model, bs=10, source_bs=50)
+    list(loader)
+    # One model call per source batch (selection pass), none per yielded batch.
+    assert model.calls == loader.stats.total.selection_calls == 4
+
+
+def test_list_and_dict_batches_keep_their_structure():
+    ds = EncodedDataset(60)
+
+    def as_dict(samples):
+        x, y = torch.utils.data.default_collate(samples)
+        return {"image": x, "label": y, "name": [f"ex{int(v)}" for v in x[:, 0]]}
+
+    dl = DataLoader(
+        ds,
+        batch_size=30,
+        shuffle=True,
+        collate_fn=as_dict,
+        generator=torch.Generator().manual_seed(0),
+    )
+    loader = SelectiveLoader(
+        dl,
+        IndexLoss(),
+        policy=SelectiveBackprop(0.5),
+        batch_size=10,
+        input_key="image",
+        target_key="label",
+    )
+    for batch in loader:
+        assert isinstance(batch, dict) and set(batch) == {"image", "label", "name"}
+        assert batch["name"] == [f"ex{int(i)}" for i in batch.indices]
+        assert torch.equal(batch["image"][:, 0].long(), batch.indices)
+
+    dl_list = DataLoader(
+        ds, batch_size=30, collate_fn=lambda s: list(torch.utils.data.default_collate(s))
+    )
+    batch = next(iter(SelectiveLoader(dl_list, IndexLoss(), policy=Traditional())))
+    assert isinstance(batch, list) and isinstance(batch, sbloader.SelectedBatch)
+
+
+def test_dict_batch_without_the_key_names_the_fix():
+    dl = [{"x": torch.zeros(4, 6), "y": torch.zeros(4, dtype=torch.long)}]
+    loader = SelectiveLoader(dl, IndexLoss(), batch_size=2)
+    with pytest.raises(KeyError, match="pass input_key="):
+        next(iter(loader))
+
+
+def test_iterable_sources_with_and_without_an_index_field():
+    ds = EncodedDataset(40)
+    batches = [
+        (
+            torch.stack([ds[i][0] for i in range(s, s + 10)]),
+            torch.stack([ds[i][1] for i in range(s, s + 10)]),
+            torch.arange(s, s + 10),
+        )
+        for s in range(0, 40, 10)
+    ]
+    loader = SelectiveLoader(
+        batches, IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=5, index_key=2
+    )
+    for b in loader:
+        assert torch.equal(b.indices, b[2]) and torch.equal(b[0][:, 0].long(), b.indices)
+    no_idx = SelectiveLoader(batches, IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=5)
+    assert all(b.indices is None for b in no_idx)
+    with pytest.raises(TypeError, match="re-iterable"):
+        SelectiveLoader(iter(batches), IndexLoss(), batch_size=5)
+
+
+# ------------------------------------------------------------------ determinism
+def yielded(loader, epochs=2):
+    return [b.indices.tolist() for _ in range(epochs) for b in loader]
+
+
+def test_same_seed_same_batches_different_seed_different():
+    assert yielded(make_loader(seed=1)) == yielded(make_loader(seed=1))
+    assert yielded(make_loader(seed=1)) != yielded(make_loader(seed=2))
+
+
+def test_global_rng_state_does_not_matter():
+    torch.manual_seed(0)
+    np.random.seed(0)  # noqa: NPY002 - deliberately, to show it does not matter
+    a = yielded(make_loader(seed=3))
+    torch.manual_seed(99)
+    np.random.seed(99)  # noqa: NPY002 - deliberately, to show it does not matter
+    assert yielded(make_loader(seed=3)) == a
+
+
+# ------------------------------------------------------------------ the selection pass
+def test_selection_pass_leaves_batchnorm_and_modes_untouched():
+    torch.manual_seed(0)
+    model = bn_model()
+    model.train()
+    model[1].eval()  # a deliberately frozen BatchNorm must stay frozen
+    before = copy.deepcopy(model.state_dict())
+    flags = [m.training for m in model.modules()]
+    loader = make_loader(model=model, policy=SelectiveBackprop(0.5))
+    batches = list(loader)
+    assert batches and loader.stats.total.selection_forwards == 200
+    after = model.state_dict()
+    for k in before:
+        assert torch.equal(before[k], after[k]), k  # running stats, num_batches_tracked
+    assert [m.training for m in model.modules()] == flags
+    assert all(p.grad is None for p in model.parameters())
+    assert not batches[0].losses.requires_grad and batches[0].losses.grad_fn is None
+
+
+class Exploding(nn.Module):
+    def __init__(self, exc):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(6)
+        self.exc = exc
+
+    def forward(self, x):
+        assert not self.training
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("boom"), KeyboardInterrupt()])
+def test_model_mode_is_restored_when_the_selection_pass_raises(exc):
+    model = Exploding(exc).train()
+    loader = make_loader(model=model)
+    with pytest.raises(type(exc)):
+        next(iter(loader))
+    assert model.training and model.bn.training
+
+
+def test_weights_and_losses_work_in_autograd():
+    torch.manual_seed(0)
+    model = bn_model()
+    loader = make_loader(model=model)
+    batch = next(iter(loader))
+    x, y = batch
+    loss = nn.functional.cross_entropy(model(x), y, reduction="none")
+    (loss * batch.weights + 0 * batch.losses).mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_selection_batch_size_chunks_the_forward():
+    model = IndexLoss()
+    loader = make_loader(model=model, bs=10, source_bs=50, selection_batch_size=16)
+    a = yielded(loader, 1)
+    assert model.calls == 4 * 4  # ceil(50 / 16) chunks per source batch
+    assert a == yielded(make_loader(bs=10, source_bs=50), 1)  # same losses, same choices
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_reducing_loss_module_is_rejected_up_front(reduction):
+    with pytest.raises(ValueError, match="reduction='none'"):
+        make_loader(loss_fn=nn.CrossEntropyLoss(reduction=reduction))
+
+
+def test_scalar_loss_function_is_rejected_with_the_fix():
+    loader = make_loader(loss_fn=lambda out, y: nn.functional.cross_entropy(out, y))
+    with pytest.raises(ValueError, match=r"one loss per example .*reduction='none'"):
+        next(iter(loader))
+
+
+def test_labels_out_of_range_surface_and_the_loader_recovers():
+    model = bn_model().train()
+    ds = EncodedDataset(40)
+    bad = [(torch.stack([ds[i][0] for i in range(10)]), torch.full((10,), 99))]
+    loader = SelectiveLoader(bad, model, batch_size=5)
+    with pytest.raises(IndexError):
+        next(iter(loader))
+    assert model.training
+    good = make_loader(model=model)
+    assert len(list(good)) > 0
+
+
+# ------------------------------------------------------------------ counts and remainders
+def test_stats_count_what_happened_and_rate_matches_target(caplog):
+    ds = EncodedDataset(3000)
+    loader = make_loader(ds, bs=50, source_bs=150, policy=SelectiveBackprop(1 / 3))
+    with caplog.at_level(logging.INFO, logger="sbloader"):
+        for _ in range(3):
+            n_batches = sum(1 for _ in loader)
+            e = loader.stats.current
+            assert e.examples_seen == e.selection_forwards == 3000
+            assert e.batches_yielded == n_batches and e.examples_yielded == 50 * n_batches
+            assert e.target_rate == pytest.approx(1 / 3)
+    total = loader.stats.total
+    assert total.selection_rate == pytest.approx(1 / 3, abs=0.03)
+    # Everything selected is yielded or still pending (carried), nothing lost.
+    assert total.examples_selected == total.examples_yielded + loader._pending.count
+    assert "epoch 2:" in caplog.text and total.selection_s > 0
+
+
+@pytest.mark.parametrize("remainder", ["carry", "short", "drop"])
+def test_end_of_epoch_remainder(remainder):
+    loader = make_loader(bs=16, source_bs=50, policy=RandomBackprop(0.5), remainder=remainder)
+    sizes = [[len(b[0]) for b in loader] for _ in range(3)]
+    st = loader.stats
+    for ep, s in enumerate(sizes):
+        e = st.epochs[ep]
+        if remainder == "short":
+            assert all(x == 16 for x in s[:-1]) and 1 <= s[-1] <= 16  # no BatchNorm here
+            assert e.examples_yielded == e.examples_selected
+        else:
+            assert all(x == 16 for x in s)
+        if remainder == "drop":
+            assert e.examples_yielded + e.dropped == e.examples_selected
+    if remainder == "carry":
+        t = st.total
+        assert t.examples_yielded + loader._pending.count == t.examples_selected
+        assert t.dropped == 0
+
+
+def test_a_batch_of_one_never_reaches_a_batchnorm_model():
+    ds = EncodedDataset(41)  # 41 = 2 * 20 + 1: the source's last batch has one example
+    loader = SelectiveLoader(DataLoader(ds, batch_size=20), bn_model(), policy=Traditional())
+    sizes = [len(b[0]) for b in loader]
+    assert sizes == [20, 20] and len(loader) == 2
+    assert loader.stats.current.dropped == 1
+    plain = SelectiveLoader(DataLoader(ds, batch_size=20), IndexLoss(), policy=Traditional())
+    assert [len(b[0]) for b in plain] == [20, 20, 1] and len(plain) == 3
+
+
+def test_len_is_honest_or_absent():
+    with pytest.raises(TypeError, match="expected_batches"):
+        len(make_loader())
+    loader = make_loader(EncodedDataset(300), bs=10, policy=SelectiveBackprop(1 / 3))
+    assert loader.expected_batches() == pytest.approx(10.0)
+
+
+def test_progress_counts_source_batches():
+    loader = make_loader(EncodedDataset(100), bs=10, policy=RandomBackprop(1.0))
+    seen = [loader.progress for _ in loader]
+    assert seen == pytest.approx([0.1 * i for i in range(1, 11)])
+    assert loader.progress == 1.0
+
+
+# ------------------------------------------------------------------ non-finite losses
+class NanFor(nn.Module):
+    """Loss NaN for examples whose index is a multiple of 7, +inf for multiples of 11."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        idx = x[:, 0]
+        logits = torch.zeros(x.shape[0], N_CLASSES) + self.w
+        logits[idx % 7 == 0] = float("nan")
+        logits[(idx % 11 == 0) & (idx % 7 != 0), :] = torch.tensor([float("-inf"), 0.0, 0, 0])
+        return logits
+
+
+def bad_index(i):
+    return i % 7 == 0 or (i % 11 == 0 and i % N_CLASSES == 0)
+
+
+def test_nonfinite_skip_select_raise():
+    skip = make_loader(model=NanFor(), policy=SelectiveBackprop(1.0), remainder="short")
+    got = {i for b in skip for i in b.indices.tolist()}
+    expected_bad = {i for i in range(200) if bad_index(i)}
+    assert got == set(range(200)) - expected_bad
+    assert skip.stats.current.nonfinite == len(expected_bad)
+    assert len(skip.policy.window) == 200 - len(expected_bad)
+    assert np.isfinite(skip.policy.window.values()).all()
+
+    select = make_loader(
+        model=NanFor(), policy=SelectiveBackprop(1.0), remainder="short", nonfinite="select"
+    )
+    got = {i for b in select for i in b.indices.tolist()}
+    assert got == set(range(200)) and len(select.policy.window) == 200 - len(expected_bad)
+
+    raising = make_loader(model=NanFor(), nonfinite="raise")
+    with pytest.raises(FloatingPointError, match="nonfinite='skip'"):
+        list(raising)
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    "kwargs, exc, message",
+    [
+        ({"remainder": "keep"}, ValueError, "remainder should be one of"),
+        ({"nonfinite": "ignore"}, ValueError, "nonfinite should be one of"),
+        ({"bs": 0, "source_bs": 20}, ValueError, "batch_size should be >= 1, but got batch_size=0"),
+        ({"seed": -1}, ValueError, "seed should be >= 0"),
+        ({"selection_batch_size": 0}, ValueError, "selection_batch_size should be >= 1"),
+        ({"min_batch_size": 50}, ValueError, "min_batch_size should be <= batch_size"),
+        ({"autocast": "bf16"}, TypeError, "autocast should be a torch.dtype"),
+        ({"policy": "sb"}, TypeError, "policy should be an sbloader policy"),
+        ({"model": object()}, TypeError, "model should be a torch.nn.Module"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, exc, message):
+    with pytest.raises(exc, match=message):
+        make_loader(**kwargs)
+
+
+def test_empty_source_is_an_error():
+    loader = SelectiveLoader(DataLoader(EncodedDataset(0), batch_size=4), IndexLoss())
+    with pytest.raises(ValueError, match="no examples"):
+        list(loader)
+
+
+def test_fields_of_different_lengths_are_rejected():
+    batches = [(torch.zeros(4, 6), torch.zeros(3, dtype=torch.long))]
+    with pytest.raises(ValueError, match="one entry per example"):
+        next(iter(SelectiveLoader(batches, IndexLoss(), batch_size=2)))
+
+
+def test_dataset_smaller_than_one_batch_fills_batches_across_epochs():
+    loader = make_loader(EncodedDataset(7), bs=10, source_bs=10, policy=RandomBackprop(1.0))
+    sizes = [[len(b[0]) for b in loader] for _ in range(3)]
+    assert sizes == [[], [10], [10]]  # 7; 14 -> a batch, 4 carried; 11 -> a batch, 1 carried
+    assert loader._pending.count == 1
+
+
+# ------------------------------------------------------------------ state
+def train_epochs(loader, model, opt, epochs):
+    out = []
+    for _ in range(epochs):
+        for batch in loader:
+            x, y = batch
+            loss = nn.functional.cross_entropy(model(x), y, reduction="none") * batch.weights
+            opt.zero_grad()
+            loss.mean().backward()
+            opt.step()
+            out.append(batch.indices.tolist())
+    return out
+
+
+def fresh(seed=0):
+    torch.manual_seed(seed)
+    model = bn_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return (
+        model,
+        opt,
+        make_loader(model=model, policy=SelectiveBackprop(1 / 3, history=64), bs=16, source_bs=48),
+    )
+
+
+def test_two_epochs_save_resume_two_epochs_equals_four():
+    model, opt, loader = fresh()
+    full = train_epochs(loader, model, opt, 4)
+
+    model, opt, loader = fresh()
+    first = train_epochs(loader, model, opt, 2)
+    # A faithful checkpoint also holds torch's RNG (the model's Dropout draws from it).
+    state = {
+        "loader": loader.state_dict(),
+        "model": copy.deepcopy(model.state_dict()),
+        "opt": copy.deepcopy(opt.state_dict()),
+        "torch_rng": torch.get_rng_state(),
+    }
+    model, opt, loader = fresh()
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    loader.load_state_dict(state["loader"])
+    torch.set_rng_state(state["torch_rng"])
+    second = train_epochs(loader, model, opt, 2)
+    assert first + second == full
+
+
+def test_state_scalars_are_json_serialisable():
+    _, _, loader = fresh()
+    list(loader)
+    state = loader.state_dict()
+    assert state["version"] == SelectiveLoader.STATE_VERSION
+
+    def scalars(obj):  # everything but tensors and arrays
+        if isinstance(obj, dict):
+            return {k: scalars(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [scalars(v) for v in obj]
+        return None if isinstance(obj, (torch.Tensor, np.ndarray)) else obj
+
+    json.dumps(scalars(state))
+    with pytest.raises(ValueError, match="version"):
+        loader.load_state_dict({**state, "version": 999})
+
+
+@pytest.mark.parametrize("stop_after", [0, 1, 5, 12])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_mid_epoch_resume_yields_what_an_uninterrupted_run_would(stop_after, workers):
+    """Save after k batches of epoch 2 (pending batch non-empty), resume in a new loader."""
+
+    def build():
+        torch.manual_seed(0)
+        model = bn_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return (
+            model,
+            opt,
+            make_loader(
+                EncodedDataset(600),
+                model=model,
+                workers=workers,
+                policy=SelectiveBackprop(1 / 3, history=64),
+                bs=16,
+                source_bs=48,
+            ),
+        )
+
+    model, opt, loader = build()
+    full = train_epochs(loader, model, opt, 3)
+
+    model, opt, loader = build()
+    got = train_epochs(loader, model, opt, 1)
+    it = iter(loader)
+    for _ in range(stop_after):
+        batch = next(it)
+        x, y = batch
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        got.append(batch.indices.tolist())
+    state = copy.deepcopy(
+        {
+            "l": loader.state_dict(),
+            "m": model.state_dict(),
+            "o": opt.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+    )
+    del it
+    model, opt, loader = build()
+    model.load_state_dict(state["m"])
+    opt.load_state_dict(state["o"])
+    loader.load_state_dict(state["l"])
+    torch.set_rng_state(state["rng"])
+    got += train_epochs(loader, model, opt, 1)  # the rest of epoch 2
+    got += train_epochs(loader, model, opt, 1)  # epoch 3
+    assert got == full
+    assert [e.epoch for e in loader.stats.epochs] == [0, 1, 2]
+
+
+def test_mid_epoch_resume_without_a_generator_is_refused_with_the_fix():
+    dl = DataLoader(EncodedDataset(), batch_size=20, shuffle=True)
+    loader = SelectiveLoader(dl, IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=10)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    other = SelectiveLoader(
+        DataLoader(EncodedDataset(), batch_size=20, shuffle=True),
+        IndexLoss(),
+        policy=SelectiveBackprop(0.5),
+        batch_size=10,
+    )
+    with pytest.raises(ValueError, match=r"generator=torch\.Generator"):
+        other.load_state_dict(state)

@@ -1,0 +1,133 @@
+"""Policies on their own: pure functions of losses, their state and the generator passed in."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sbloader import Choice, RandomBackprop, SelectiveBackprop, Traditional
+
+
+def test_selectivity_gives_beta():
+    assert SelectiveBackprop(selectivity=1 / 3).beta == pytest.approx(2.0)
+    assert SelectiveBackprop(selectivity=0.25).beta == pytest.approx(3.0)
+    assert SelectiveBackprop(beta=1.0).selectivity == pytest.approx(0.5)
+    assert SelectiveBackprop(selectivity=1.0).beta == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"selectivity": 0.0}, r"selectivity should be in \(0, 1\], but got selectivity=0.0"),
+        ({"selectivity": 1.5}, r"selectivity should be in \(0, 1\], but got selectivity=1.5"),
+        ({"selectivity": float("nan")}, "selectivity should be finite"),
+        ({"beta": -1}, r"beta should be >= 0, but got beta=-1.0"),
+        ({"selectivity": 0.5, "beta": 1.0}, "give either selectivity or beta"),
+        ({"history": 0}, "history should be >= 1, but got history=0"),
+    ],
+)
+def test_bad_arguments_name_the_parameter(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SelectiveBackprop(**kwargs)
+
+
+def test_probabilities_follow_the_formula_exactly():
+    """P = CDF_R(loss)^beta over the R most recent losses, each loss entering before ranking."""
+    rng = np.random.default_rng(0)
+    losses = rng.gamma(2.0, size=3000)
+    sb = SelectiveBackprop(beta=2.0, history=100)
+    p = sb.probabilities(losses)
+    for i in (0, 1, 50, 99, 100, 1234, 2999):
+        window = losses[max(0, i - 99) : i + 1]
+        assert p[i] == pytest.approx((np.sum(window <= losses[i]) / len(window)) ** 2.0)
+
+
+def test_examples_are_chosen_in_the_predicted_proportions():
+    """With losses known in advance, each loss decile is kept at the rate the formula predicts."""
+    rng = np.random.default_rng(1)
+    n, beta = 60_000, 2.0
+    losses = rng.exponential(size=n)
+    sb = SelectiveBackprop(beta=beta, history=1024)
+    chosen = np.zeros(n, dtype=bool)
+    predicted = np.empty(n)
+    draw = np.random.default_rng(2)
+    for start in range(0, n, 500):
+        c = sb.choose(losses[start : start + 500], None, draw, 500)
+        chosen[start + c.positions] = True
+        predicted[start : start + 500] = c.probabilities
+    # The realized rate matches the selectivity 1 / (beta + 1).
+    assert chosen.mean() == pytest.approx(1 / 3, abs=0.01)
+    # Per bin of predicted P, the kept fraction matches the mean predicted P (binomial bound).
+    bins = np.digitize(predicted, np.linspace(0, 1, 11)[1:-1])
+    for b in range(10):
+        sel = bins == b
+        m, k = sel.sum(), chosen[sel].sum()
+        p = predicted[sel].mean()
+        assert abs(k / m - p) < 4 * np.sqrt(p * (1 - p) / m) + 1e-9, (b, k / m, p)
+    # Higher losses are kept more often: the top decile of losses far more than the bottom.
+    order = np.argsort(losses)
+    assert chosen[order[-n // 10 :]].mean() > 0.7 > 0.05 > chosen[order[: n // 10]].mean()
+
+
+def test_choose_uses_only_the_generator_given():
+    losses = np.random.default_rng(3).random(1000)
+    a = SelectiveBackprop().choose(losses, None, np.random.default_rng(7), 1000)
+    np.random.seed(123)  # noqa: NPY002 - the global RNG must make no difference
+    b = SelectiveBackprop().choose(losses, None, np.random.default_rng(7), 1000)
+    c = SelectiveBackprop().choose(losses, None, np.random.default_rng(8), 1000)
+    np.testing.assert_array_equal(a.positions, b.positions)
+    assert not np.array_equal(a.positions, c.positions)
+
+
+def test_traditional_keeps_everything_and_needs_no_losses():
+    t = Traditional()
+    assert t.passthrough and not t.needs_losses(0)
+    c = t.choose(None, None, np.random.default_rng(0), 5)
+    assert c.positions.tolist() == [0, 1, 2, 3, 4] and (c.weights == 1).all()
+
+
+def test_random_backprop_keeps_a_fraction_without_losses():
+    r = RandomBackprop(0.3)
+    assert not r.needs_losses(0)
+    c = r.choose(None, None, np.random.default_rng(0), 50_000)
+    assert len(c.positions) / 50_000 == pytest.approx(0.3, abs=0.01)
+    assert (c.probabilities == 0.3).all()
+
+
+def test_sb_state_round_trip_continues_identically():
+    rng = np.random.default_rng(4)
+    a = SelectiveBackprop(beta=1.5, history=64)
+    a.probabilities(rng.random(500))
+    b = SelectiveBackprop(beta=1.5, history=64)
+    b.load_state_dict(a.state_dict())
+    probe = rng.random(200)
+    np.testing.assert_array_equal(a.probabilities(probe), b.probabilities(probe))
+
+
+def test_sb_state_with_another_beta_is_refused():
+    with pytest.raises(ValueError, match="saved selectivity"):
+        SelectiveBackprop(beta=1.0).load_state_dict(SelectiveBackprop(beta=2.0).state_dict())
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(st.floats(0, 1e6), min_size=1, max_size=200),
+    st.floats(0.01, 1.0),
+    st.integers(0, 2**32 - 1),
+)
+def test_property_choice_is_valid_and_identical_after_state_round_trip(losses, s, seed):
+    losses = np.array(losses)
+    a = SelectiveBackprop(selectivity=s, history=50)
+    half = len(losses) // 2
+    a.choose(losses[:half], None, np.random.default_rng(seed), half)
+    b = SelectiveBackprop(selectivity=s, history=50)
+    b.load_state_dict(a.state_dict())
+    ca = a.choose(losses[half:], None, np.random.default_rng(seed), len(losses) - half)
+    cb = b.choose(losses[half:], None, np.random.default_rng(seed), len(losses) - half)
+    assert isinstance(ca, Choice)
+    np.testing.assert_array_equal(ca.positions, cb.positions)
+    np.testing.assert_array_equal(ca.probabilities, cb.probabilities)
+    assert ((ca.probabilities > 0) & (ca.probabilities <= 1)).all()
+    assert (np.diff(ca.positions) > 0).all()  # source order, no repeats

@@ -1,0 +1,149 @@
+"""The numba loss window against a plain-Python reference, on streams with ties, NaN and inf."""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sbloader import LossWindow
+
+
+class ReferenceWindow:
+    """The obvious implementation: a deque and a sorted list."""
+
+    def __init__(self, size: int) -> None:
+        self.ring: collections.deque[float] = collections.deque(maxlen=size)
+
+    def push_and_rank(self, losses, beta):
+        out = []
+        for x in losses:
+            if not np.isfinite(x):
+                out.append(np.nan)
+                continue
+            self.ring.append(float(x))
+            s = sorted(self.ring)
+            out.append((bisect.bisect_right(s, x) / len(s)) ** beta)
+        return np.array(out)
+
+    def rank(self, losses, beta):
+        s = sorted(self.ring)
+        return np.array(
+            [
+                ((bisect.bisect_right(s, x) + 1) / (len(s) + 1)) ** beta
+                if np.isfinite(x)
+                else np.nan
+                for x in losses
+            ]
+        )
+
+
+def stream(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Losses with many ties (rounded), some NaN and infinities."""
+    x = np.round(rng.exponential(size=n), 1)
+    special = rng.random(n)
+    x[special < 0.03] = np.nan
+    x[(special >= 0.03) & (special < 0.05)] = np.inf
+    x[(special >= 0.05) & (special < 0.06)] = -np.inf
+    return x
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, 64, 1024])
+@pytest.mark.parametrize("beta", [0.0, 1.0, 2.0, 3.5])
+def test_matches_reference_on_streams_with_ties_nan_inf(size, beta):
+    rng = np.random.default_rng(size * 10 + int(beta * 2))
+    w, ref = LossWindow(size), ReferenceWindow(size)
+    for _ in range(6):
+        losses = stream(rng, 300)
+        np.testing.assert_allclose(w.push_and_rank(losses, beta), ref.push_and_rank(losses, beta))
+        assert w.values().tolist() == list(ref.ring)
+        assert w.sorted_values().tolist() == sorted(ref.ring)
+        probe = stream(rng, 50)
+        np.testing.assert_allclose(w.rank(probe, beta), ref.rank(probe, beta))
+
+
+def test_nonfinite_never_enter_the_window():
+    w = LossWindow(8)
+    p = w.push_and_rank(np.array([np.nan, np.inf, -np.inf, 1.0]), 1.0)
+    assert np.isnan(p[:3]).all() and p[3] == 1.0
+    assert w.values().tolist() == [1.0]
+
+
+def test_ties_never_all_zero_and_max_gets_one():
+    w = LossWindow(16)
+    p = w.push_and_rank(np.zeros(40), 2.0)  # e.g. fp16 underflow: every loss is 0
+    assert (p == 1.0).all()
+    p = w.push_and_rank(np.array([5.0, 0.0]), 3.0)
+    assert p[0] == 1.0  # the largest loss in the window
+    assert p[1] > 0.0  # the smallest is never given P = 0
+
+
+def test_state_dict_round_trip_is_json_and_exact():
+    rng = np.random.default_rng(0)
+    w = LossWindow(32)
+    w.push(stream(rng, 100))
+    state = w.state_dict()
+    restored = LossWindow(32)
+    restored.load_state_dict(json.loads(json.dumps({**state, "values": state["values"].tolist()})))
+    probe = stream(rng, 64)
+    np.testing.assert_array_equal(restored.push_and_rank(probe, 2.0), w.push_and_rank(probe, 2.0))
+
+
+def test_state_dict_size_mismatch_names_the_fix():
+    with pytest.raises(ValueError, match="same history"):
+        LossWindow(4).load_state_dict(LossWindow(8).state_dict())
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_history_below_one_is_rejected(bad):
+    with pytest.raises(ValueError, match=f"history should be >= 1, but got history={bad}"):
+        LossWindow(bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 40),
+    st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=1, max_size=80),
+    st.floats(0, 5),
+)
+def test_property_probabilities_in_unit_interval_and_monotone(size, losses, beta):
+    w = LossWindow(size)
+    p = w.push_and_rank(np.array(losses), beta)
+    finite = np.isfinite(losses)
+    assert np.isnan(p[~finite]).all()
+    assert ((p[finite] > 0) & (p[finite] <= 1)).all()
+    probe = np.sort(np.array([x for x in losses if np.isfinite(x)]))
+    r = w.rank(probe, beta)
+    assert (np.diff(r) >= 0).all()  # monotone in the loss
+
+
+def test_kernels_run_without_jit():
+    """The window's tests also pass with NUMBA_DISABLE_JIT=1 (plain-Python kernels)."""
+    env = {**os.environ, "NUMBA_DISABLE_JIT": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-k",
+            "not without_jit and not 1024",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout
