@@ -18,10 +18,20 @@ Example:
 """
 
 from .batch import SelectedBatch, SelectedDict, SelectedList, SelectedTuple
+from .el2n import EL2NResult, el2n_scores, prune
 from .loader import SelectiveLoader
-from .policies import Choice, Policy, RandomBackprop, SelectiveBackprop, Traditional
+from .policies import (
+    Choice,
+    Kath18,
+    Phased,
+    Policy,
+    RandomBackprop,
+    SelectiveBackprop,
+    Traditional,
+)
 from .sources import DataLoaderSource, IterableSource, Source
 from .stats import EpochStats, LoaderStats
+from .store import ExampleStore
 from .window import LossWindow
 
 __version__ = "0.1.0"
@@ -29,10 +39,14 @@ __version__ = "0.1.0"
 __all__ = [
     "Choice",
     "DataLoaderSource",
+    "EL2NResult",
     "EpochStats",
+    "ExampleStore",
     "IterableSource",
+    "Kath18",
     "LoaderStats",
     "LossWindow",
+    "Phased",
     "Policy",
     "RandomBackprop",
     "SelectedBatch",
@@ -44,4 +58,6 @@ __all__ = [
     "Source",
     "Traditional",
     "__version__",
+    "el2n_scores",
+    "prune",
 ]

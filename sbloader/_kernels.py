@@ -128,15 +128,16 @@ def cdf_power(
 
 
 # ---------------------------------------------------------------------- per-example store
-# Columns, each indexed by dataset index: loss float32 (NaN: never scored), epoch int32 (-1: never
-# scored), selected int32 (times chosen). 12 bytes per example; the index is the position, so
-# indices are exact at any size (no float round trip).
+# Columns, each indexed by dataset index: loss float32, seen int32 (the epoch the loss was measured
+# in, plus one; 0: never scored), selected int32 (times chosen). 12 bytes per example; the index is
+# the position, so indices are exact at any size (no float round trip). All-zero bytes mean "never
+# scored", so a new store needs no initialisation pass and a new memory-mapped file stays sparse.
 
 
 @_jit
 def store_record(
     loss: np.ndarray,
-    epoch: np.ndarray,
+    seen: np.ndarray,
     indices: np.ndarray,
     values: np.ndarray,
     at_epoch: int,
@@ -156,14 +157,14 @@ def store_record(
         v = values[i]
         if np.isfinite(v):
             loss[j] = v
-            epoch[j] = at_epoch
+            seen[j] = at_epoch + 1
     return outside
 
 
 @_jit
 def store_lookup(
     loss: np.ndarray,
-    epoch: np.ndarray,
+    seen: np.ndarray,
     indices: np.ndarray,
     out_loss: np.ndarray,
     out_epoch: np.ndarray,
@@ -177,9 +178,12 @@ def store_lookup(
             outside += 1
             out_loss[i] = np.nan
             out_epoch[i] = -1
+        elif seen[j] == 0:
+            out_loss[i] = np.nan
+            out_epoch[i] = -1
         else:
             out_loss[i] = loss[j]
-            out_epoch[i] = epoch[j]
+            out_epoch[i] = seen[j] - 1
     return outside
 
 
@@ -194,4 +198,24 @@ def store_count(selected: np.ndarray, indices: np.ndarray) -> int:
             outside += 1
         else:
             selected[j] += 1
+    return outside
+
+
+@_jit
+def accumulate(
+    sums: np.ndarray, counts: np.ndarray, indices: np.ndarray, values: np.ndarray
+) -> int:
+    """``sums[indices[i]] += values[i]`` and ``counts[indices[i]] += 1`` for finite values.
+
+    Returns the number of indices outside the arrays (not written).
+    """
+    n = sums.shape[0]
+    outside = 0
+    for i in range(indices.shape[0]):
+        j = indices[i]
+        if j < 0 or j >= n:
+            outside += 1
+        elif np.isfinite(values[i]):
+            sums[j] += values[i]
+            counts[j] += 1
     return outside

@@ -109,6 +109,8 @@ class SelectiveLoader:
             batches (default 0 and 1), keys in dict batches (default ``"input"``, ``"target"``).
         index_key: the field holding dataset indices, for sources that carry them themselves.
         selector: a separate (cheaper) model for selection passes. Default: ``model``.
+        subset: dataset indices to train on (e.g. from :func:`sbloader.prune`); the others are
+            never yielded. A DataLoader source does not even load them. Needs dataset indices.
         eval_selection: run selection passes in eval mode (default True).
         rank: the process's rank, to derive its generator from ``seed``. Default: the
             ``torch.distributed`` rank when initialised, else 0.
@@ -161,6 +163,7 @@ class SelectiveLoader:
         target_key: Hashable | None = None,
         index_key: Hashable | None = None,
         selector: nn.Module | None = None,
+        subset: Any = None,
         eval_selection: bool = True,
         rank: int | None = None,
     ) -> None:
@@ -192,6 +195,10 @@ class SelectiveLoader:
         self._rng = np.random.Generator(
             np.random.PCG64(np.random.SeedSequence(self.seed, spawn_key=(self.rank,)))
         )
+        # A second stream for counter-based decisions (Stale-SB), also from (seed, rank).
+        key = np.random.SeedSequence(self.seed, spawn_key=(self.rank, 1)).generate_state(1)[0]
+        self.policy.attach(self._source.dataset_size, int(key))
+        self._subset = self._subset_mask(subset)
         source_bs = self._source.batch_size
         if batch_size is None:
             if source_bs is None:
@@ -331,7 +338,8 @@ class SelectiveLoader:
         stats, skip = self._begin_epoch()
         fresh = self.policy.needs_losses(stats.epoch)
         passthrough = self.policy.passthrough
-        source_iter = self._source.epoch(skip)
+        filtering = self._source.can_filter
+        source_iter = self._source.epoch(skip, self._keep_fn(stats) if filtering else None)
         start = perf_counter()
         try:
             while True:
@@ -343,6 +351,8 @@ class SelectiveLoader:
                 stats.source_s += perf_counter() - t0
                 self._position += 1
                 columns, n = self._columns(raw, indices)
+                if self._subset is not None and not filtering:
+                    columns, indices, n = self._restrict(columns, indices)
                 stats.examples_seen += n
                 if passthrough:
                     out = columns + self._meta(Choice.everything(n), indices, None)
@@ -382,12 +392,84 @@ class SelectiveLoader:
         nfields = len(self._format.keys)
         batch = self._format.build(columns[:nfields])
         indices, losses, probs, weights = columns[nfields:]
+        if self.policy.normalize_weights:
+            weights = weights / weights.mean()
         batch._set_meta(indices if self._source.has_indices else None, losses, probs, weights)
         stats.examples_yielded += n
         stats.batches_yielded += 1
         handed_out = perf_counter()
         yield batch
         stats.consumer_s += perf_counter() - handed_out
+
+    def _subset_mask(self, subset: Any) -> np.ndarray | None:
+        """A boolean mask over dataset indices from ``subset``, or None; checked."""
+        if subset is None:
+            return None
+        if not self._source.has_indices:
+            raise ValueError(
+                "subset= selects examples by dataset index, but the source provides none; pass "
+                "a DataLoader over a map-style dataset, or index_key= naming the index field"
+            )
+        if isinstance(subset, torch.Tensor):
+            subset = subset.cpu().numpy()
+        idx = np.asarray(subset)
+        if idx.dtype.kind not in "iu" or idx.ndim != 1:
+            raise TypeError(
+                f"subset should be a 1-d sequence of integer dataset indices, but got dtype "
+                f"{idx.dtype} with shape {idx.shape}"
+            )
+        size = self._source.dataset_size
+        if size is None:
+            size = int(idx.max()) + 1 if idx.size else 0
+        if idx.size and (idx.min() < 0 or idx.max() >= size):
+            raise ValueError(
+                f"subset should hold dataset indices in [0, {size}), but got values from "
+                f"{idx.min()} to {idx.max()}"
+            )
+        mask = np.zeros(size, dtype=bool)
+        mask[idx] = True
+        return mask
+
+    def _in_subset(self, indices: np.ndarray) -> np.ndarray:
+        assert self._subset is not None
+        inside = (indices >= 0) & (indices < self._subset.shape[0])
+        return inside & self._subset[np.where(inside, indices, 0)]
+
+    def _keep_fn(self, stats: EpochStats) -> Any:
+        """What a filtering source should load this epoch: the subset, minus what the policy
+        rejects before loading (Stale-SB's stale epochs). None when everything is loaded."""
+        policy_filters = self.policy.prefilter(np.zeros(0, dtype=np.int64)) is not None
+        if self._subset is None and not policy_filters:
+            return None
+
+        def keep(indices: np.ndarray) -> np.ndarray:
+            mask = (
+                self._in_subset(indices)
+                if self._subset is not None
+                else np.ones(len(indices), dtype=bool)
+            )
+            if policy_filters:
+                chosen = self.policy.prefilter(indices[mask])
+                assert chosen is not None
+                stats.examples_seen += int(mask.sum() - chosen.sum())
+                stats.prefiltered += int(mask.sum() - chosen.sum())
+                mask[np.flatnonzero(mask)[~chosen]] = False
+            return mask
+
+        return keep
+
+    def _restrict(
+        self, columns: list[B.Column], indices: np.ndarray | None
+    ) -> tuple[list[B.Column], np.ndarray | None, int]:
+        """Drop the rows outside ``subset`` from a loaded batch (sources that cannot filter)."""
+        assert indices is not None
+        positions = np.flatnonzero(self._in_subset(indices))
+        if len(positions) == len(indices):
+            return columns, indices, len(indices)
+        pos_t = torch.from_numpy(positions)
+        pos_list = positions.tolist()
+        taken = [B.take(c, pos_t, pos_list) for c in columns]
+        return taken, indices[positions], len(positions)
 
     def _columns(self, raw: Any, indices: np.ndarray | None) -> tuple[list[B.Column], int]:
         """The source batch as device columns, checked for consistent lengths."""

@@ -14,9 +14,19 @@ from typing import Any
 import numpy as np
 
 from ._checks import check_float, check_int
+from ._random import hashed_uniforms
+from .store import ExampleStore
 from .window import LossWindow
 
-__all__ = ["Choice", "Policy", "RandomBackprop", "SelectiveBackprop", "Traditional"]
+__all__ = [
+    "Choice",
+    "Kath18",
+    "Phased",
+    "Policy",
+    "RandomBackprop",
+    "SelectiveBackprop",
+    "Traditional",
+]
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,22 @@ class Policy(abc.ABC):
 
     #: True when :meth:`choose` needs each candidate's dataset index.
     needs_indices: bool = False
+
+    #: True when the loader should scale each yielded batch's weights to mean 1.
+    normalize_weights: bool = False
+
+    def attach(self, num_examples: int | None, key: int) -> None:  # noqa: B027 - optional hook
+        """Called once by the loader: the dataset size (None if unknown) and a per-loader integer
+        key for counter-based randomness (see :meth:`prefilter`)."""
+
+    def prefilter(self, indices: np.ndarray) -> np.ndarray | None:
+        """Decide before loading, from dataset indices alone, which candidates to load.
+
+        Returns a boolean mask, or None when the policy cannot decide without loading (the
+        default). A policy that returns a mask must make the same decision again in
+        :meth:`choose`, whatever the order the examples come in.
+        """
+        return None
 
     @property
     def target_rate(self) -> float:
@@ -131,11 +157,22 @@ class SelectiveBackprop(Policy):
     each example gets one Bernoulli draw from the loader's generator. Give either ``selectivity``
     s (the expected kept fraction, beta = 1/s - 1) or ``beta`` directly.
 
+    With ``staleness=n`` this is Stale-SB: a selection pass runs only in every n-th epoch (epochs
+    0, n, 2n, ...) and stores each example's loss by dataset index in an
+    :class:`~sbloader.store.ExampleStore`; the n - 1 epochs between decide each example from its
+    own stored loss, ranked against the window without changing it, and make no selection
+    forward at all. Their decisions use counter-based uniforms of (seed, epoch, dataset index),
+    so a DataLoader source does not even load the examples they reject.
+
     Args:
         selectivity: expected fraction of examples kept, in (0, 1]. Default 1/3 when ``beta`` is
             not given.
         beta: the exponent, >= 0 (beta = 0 keeps everything).
         history: R, the number of recent losses the CDF is taken over (paper: 1024).
+        staleness: n, a fresh selection pass every n-th epoch (1: every epoch, plain SB).
+        reweight: weight each kept example by 1/P, normalised to mean 1 per yielded batch, so that
+            the expected gradient matches the unselected one's (off by default, as in the paper).
+        store_path: a folder to memory-map the per-example store in (Stale-SB on huge datasets).
 
     Example:
         >>> import numpy as np
@@ -156,6 +193,9 @@ class SelectiveBackprop(Policy):
         *,
         beta: float | None = None,
         history: int = 1024,
+        staleness: int = 1,
+        reweight: bool = False,
+        store_path: str | None = None,
     ) -> None:
         if selectivity is not None and beta is not None:
             raise ValueError(
@@ -168,6 +208,12 @@ class SelectiveBackprop(Policy):
             beta = 1.0 / s - 1.0
         self.beta = check_float("beta", beta, low=0.0)
         self.window = LossWindow(history)
+        self.staleness = check_int("staleness", staleness, minimum=1)
+        self.reweight = bool(reweight)
+        self.store_path = store_path
+        self.store: ExampleStore | None = None
+        self._epoch = 0
+        self._key = 0
 
     @property
     def selectivity(self) -> float:
@@ -183,17 +229,81 @@ class SelectiveBackprop(Policy):
         """R, the window size."""
         return self.window.size
 
+    @property
+    def needs_indices(self) -> bool:  # type: ignore[override]
+        return self.staleness > 1
+
+    @property
+    def normalize_weights(self) -> bool:  # type: ignore[override]
+        return self.reweight
+
+    def attach(self, num_examples: int | None, key: int) -> None:
+        self._key = int(key)
+        if self.staleness == 1:
+            return
+        if num_examples is None:
+            raise ValueError(
+                f"SelectiveBackprop(staleness={self.staleness}) stores each example's loss by "
+                "dataset index, so it needs the dataset's size, which this source does not "
+                "give; use a DataLoader over a map-style dataset, or staleness=1"
+            )
+        if self.store is None or len(self.store) != num_examples:
+            self.store = ExampleStore(num_examples, self.store_path)
+
+    def needs_losses(self, epoch: int) -> bool:
+        return epoch % self.staleness == 0
+
+    def begin_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+
     def probabilities(self, losses: np.ndarray) -> np.ndarray:
         """Add the losses to the window in order and return each one's P (NaN if not finite)."""
         return self.window.push_and_rank(losses, self.beta)
 
+    def stale_probabilities(self, indices: np.ndarray) -> np.ndarray:
+        """P of each example from its stored loss, without changing the window.
+
+        NOTE: an example never scored yet (no finite stored loss) gets P = 1: it is selected,
+        never silently skipped.
+        """
+        if self.store is None:
+            raise ValueError(
+                "stale-epoch selection needs the per-example store; give the policy "
+                "staleness > 1 and use it through a SelectiveLoader"
+            )
+        stored, measured = self.store.lookup(indices)
+        p = self.window.rank(stored, self.beta)
+        p[measured < 0] = 1.0
+        return p
+
+    def prefilter(self, indices: np.ndarray) -> np.ndarray | None:
+        if self.needs_losses(self._epoch) or self.store is None:
+            return None
+        u = hashed_uniforms(self._key, self._epoch, indices)
+        return u < self.stale_probabilities(indices)
+
     def choose(self, losses, indices, rng, n):
-        if losses is None:
+        if losses is not None:
+            p = self.probabilities(losses)
+            if self.store is not None:
+                self.store.record(indices, losses, self._epoch)
+            keep = rng.random(n) < p
+        elif self.staleness > 1:
+            p = self.stale_probabilities(indices)
+            keep = hashed_uniforms(self._key, self._epoch, indices) < p
+        else:
             raise ValueError("SelectiveBackprop needs selection losses, but got losses=None")
-        return Choice.bernoulli(self.probabilities(losses), rng)
+        positions = np.flatnonzero(keep).astype(np.int64)
+        if self.store is not None:
+            self.store.count_selected(indices[positions])
+        weights = 1.0 / p[positions] if self.reweight else np.ones(len(positions))
+        return Choice(positions, p, weights)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"beta": self.beta, "window": self.window.state_dict()}
+        state = {"beta": self.beta, "window": self.window.state_dict()}
+        if self.store is not None:
+            state["store"] = self.store.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if float(state["beta"]) != self.beta:
@@ -202,9 +312,18 @@ class SelectiveBackprop(Policy):
                 f"beta={self.beta}; construct the policy with the saved selectivity"
             )
         self.window.load_state_dict(state["window"])
+        if "store" in state:
+            if self.store is None:
+                raise ValueError(
+                    "the saved SelectiveBackprop state has a per-example store, but this policy "
+                    "has none; construct it with the saved staleness and attach it to a loader"
+                )
+            self.store.load_state_dict(state["store"])
 
     def __repr__(self) -> str:
-        return f"SelectiveBackprop(beta={self.beta:g}, history={self.history})"
+        extra = f", staleness={self.staleness}" if self.staleness > 1 else ""
+        extra += ", reweight=True" if self.reweight else ""
+        return f"SelectiveBackprop(beta={self.beta:g}, history={self.history}{extra})"
 
 
 class RandomBackprop(Policy):
@@ -234,3 +353,193 @@ class RandomBackprop(Policy):
 
     def __repr__(self) -> str:
         return f"RandomBackprop(selectivity={self.selectivity:g})"
+
+
+class Kath18(Policy):
+    """Katharopoulos & Fleuret (2018) importance sampling, as the Selective-Backprop paper ran it.
+
+    Each source batch is a presampled pool of B candidates (make it b / selectivity examples);
+    the selection pass scores the pool, and b = round(B * selectivity) examples are drawn from it
+    with replacement, with probability proportional to their loss. Variable start: until the
+    variance-reduction estimate tau (an exponential moving average of
+    1 / sqrt(1 - ||g - u||^2 / ||g||^2), g the normalised losses and u = 1/B) exceeds
+    tau_th = (B + 3b) / (3b), b examples are drawn uniformly without replacement instead.
+
+    NOTE: the original code took the uniform phase's scores from the training forward; here the
+    pool is scored by the selection pass in both phases, and that cost is counted.
+
+    Args:
+        selectivity: b / B, the fraction of each pool backpropagated, in (0, 1].
+        tau_threshold: override tau_th (default: (B + 3b) / (3b) per pool).
+        momentum: of tau's moving average (0.9 in the original).
+        unbiased: weight each importance-sampled example by 1 / (B * p) so that the weighted mean
+            loss is an unbiased estimate of the pool's mean loss (default True).
+
+    Example:
+        >>> import numpy as np
+        >>> k = Kath18(selectivity=0.5, tau_threshold=1.0)
+        >>> losses, rng = np.array([0.0, 0.0, 1.0, 3.0]), np.random.default_rng(0)
+        >>> first = k.choose(losses, None, rng, 4)  # tau starts at 0: uniform
+        >>> k.importance_sampling, round(k.tau, 3)
+        (False, 0.158)
+        >>> for _ in range(10):
+        ...     c = k.choose(losses, None, rng, 4)
+        >>> k.importance_sampling, set(c.positions.tolist()) <= {2, 3}  # zero loss: never drawn
+        (True, True)
+    """
+
+    def __init__(
+        self,
+        selectivity: float = 1 / 3,
+        *,
+        tau_threshold: float | None = None,
+        momentum: float = 0.9,
+        unbiased: bool = True,
+    ) -> None:
+        self.selectivity = check_float("selectivity", selectivity, low=0.0, high=1.0, low_open=True)
+        self.tau_threshold = (
+            None if tau_threshold is None else check_float("tau_threshold", tau_threshold, low=0)
+        )
+        self.momentum = check_float("momentum", momentum, low=0.0, high=1.0, high_open=True)
+        self.unbiased = bool(unbiased)
+        self.tau = 0.0
+        self.importance_sampling = False
+
+    @property
+    def target_rate(self) -> float:
+        return self.selectivity
+
+    def threshold(self, pool: int, b: int) -> float:
+        """tau_th for a pool of ``pool`` candidates from which ``b`` are drawn."""
+        if self.tau_threshold is not None:
+            return self.tau_threshold
+        return (pool + 3 * b) / (3 * b)
+
+    def update_tau(self, losses: np.ndarray) -> float:
+        """Fold one pool's losses into tau's moving average and return the pool's estimate."""
+        n = losses.shape[0]
+        total = losses.sum()
+        g = losses / total if total > 0 else np.full(n, 1.0 / n)
+        # ||g - u||^2 / ||g||^2 = 1 - 1 / (n ||g||^2), so the estimate is sqrt(n ||g||^2).
+        estimate = float(np.sqrt(n * np.dot(g, g)))
+        self.tau = self.momentum * self.tau + (1 - self.momentum) * estimate
+        return estimate
+
+    def choose(self, losses, indices, rng, n):
+        if losses is None:
+            raise ValueError("Kath18 needs selection losses, but got losses=None")
+        if n == 0:
+            return Choice.everything(0)
+        if (losses < 0).any():
+            raise ValueError(
+                "Kath18 samples in proportion to the loss, so losses should be >= 0, but got "
+                f"min loss {losses.min():g}; use a non-negative per-example loss"
+            )
+        b = max(1, round(n * self.selectivity))
+        # As in the original: the decision uses tau from earlier pools, then this pool updates it.
+        self.importance_sampling = self.tau > self.threshold(n, b)
+        self.update_tau(losses)
+        total = losses.sum()
+        if not self.importance_sampling or total <= 0:
+            positions = np.sort(rng.choice(n, size=min(b, n), replace=False)).astype(np.int64)
+            return Choice(positions, np.full(n, min(b, n) / n), np.ones(len(positions)))
+        p = losses / total
+        positions = np.sort(rng.choice(n, size=b, replace=True, p=p)).astype(np.int64)
+        weights = 1.0 / (n * p[positions]) if self.unbiased else np.ones(b)
+        inclusion = 1.0 - (1.0 - p) ** b  # probability of being drawn at least once
+        return Choice(positions, inclusion, weights)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tau": self.tau, "importance_sampling": self.importance_sampling}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tau = float(state["tau"])
+        self.importance_sampling = bool(state["importance_sampling"])
+
+    def __repr__(self) -> str:
+        return f"Kath18(selectivity={self.selectivity:g})"
+
+
+class Phased(Policy):
+    """Run ``policy`` only between a warm-up and an annealing phase; keep everything otherwise.
+
+    During the first ``warmup_epochs`` epochs (the authors' code backpropagated everything in the
+    first epoch) and from ``anneal_from_epoch`` on (InfoBatch trains on everything in its final
+    epochs to keep final accuracy), every example is backpropagated and no selection pass runs.
+    The wrapped policy sees epochs counted from the end of the warm-up, so Stale-SB's first active
+    epoch is a fresh one.
+
+    Args:
+        policy: the policy to run in between.
+        warmup_epochs: epochs of Traditional training first.
+        anneal_from_epoch: the first epoch (0-based, counted like ``loader.epoch``) of Traditional
+            training at the end; None for no annealing.
+
+    Example:
+        >>> p = Phased(SelectiveBackprop(1 / 3), warmup_epochs=1, anneal_from_epoch=9)
+        >>> [p.needs_losses(e) for e in (0, 1, 8, 9)]
+        [False, True, True, False]
+    """
+
+    def __init__(
+        self, policy: Policy, *, warmup_epochs: int = 0, anneal_from_epoch: int | None = None
+    ) -> None:
+        if not isinstance(policy, Policy):
+            raise TypeError(f"policy should be an sbloader policy, but got {type(policy).__name__}")
+        self.policy = policy
+        self.warmup_epochs = check_int("warmup_epochs", warmup_epochs, minimum=0)
+        self.anneal_from_epoch = (
+            None
+            if anneal_from_epoch is None
+            else check_int("anneal_from_epoch", anneal_from_epoch, minimum=self.warmup_epochs)
+        )
+        self._epoch = 0
+
+    def active(self, epoch: int) -> bool:
+        """Whether the wrapped policy runs in ``epoch``."""
+        after_warmup = epoch >= self.warmup_epochs
+        before_anneal = self.anneal_from_epoch is None or epoch < self.anneal_from_epoch
+        return after_warmup and before_anneal
+
+    @property
+    def needs_indices(self) -> bool:  # type: ignore[override]
+        return self.policy.needs_indices
+
+    @property
+    def normalize_weights(self) -> bool:  # type: ignore[override]
+        return self.policy.normalize_weights
+
+    @property
+    def target_rate(self) -> float:
+        return self.policy.target_rate if self.active(self._epoch) else 1.0
+
+    def attach(self, num_examples: int | None, key: int) -> None:
+        self.policy.attach(num_examples, key)
+
+    def needs_losses(self, epoch: int) -> bool:
+        return self.active(epoch) and self.policy.needs_losses(epoch - self.warmup_epochs)
+
+    def begin_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+        if self.active(epoch):
+            self.policy.begin_epoch(epoch - self.warmup_epochs)
+
+    def prefilter(self, indices: np.ndarray) -> np.ndarray | None:
+        return self.policy.prefilter(indices) if self.active(self._epoch) else None
+
+    def choose(self, losses, indices, rng, n):
+        if not self.active(self._epoch):
+            return Choice.everything(n)
+        return self.policy.choose(losses, indices, rng, n)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state["policy"])
+
+    def __repr__(self) -> str:
+        return (
+            f"Phased({self.policy!r}, warmup_epochs={self.warmup_epochs}, "
+            f"anneal_from_epoch={self.anneal_from_epoch})"
+        )

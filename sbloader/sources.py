@@ -9,7 +9,7 @@ sampler and collate function are used unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,8 +64,17 @@ class Source:
     #: Whether ``indices`` are dataset indices (False: ``None`` is yielded instead).
     has_indices: bool = False
 
-    def epoch(self, skip: int = 0) -> Iterator[tuple[Any, np.ndarray | None]]:
-        """One epoch of batches, leaving out the first ``skip`` (to resume mid-epoch)."""
+    #: Whether :meth:`epoch` honours ``keep`` (rejected examples are then never loaded).
+    can_filter: bool = False
+
+    def epoch(
+        self, skip: int = 0, keep: Callable[[np.ndarray], np.ndarray] | None = None
+    ) -> Iterator[tuple[Any, np.ndarray | None]]:
+        """One epoch of batches, leaving out the first ``skip`` (to resume mid-epoch).
+
+        Sources with ``can_filter`` load only the examples whose dataset index ``keep`` accepts
+        (a function from an int64 array of indices to a boolean mask); others ignore ``keep``.
+        """
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -96,14 +105,37 @@ class Source:
 
 
 class _SkippingBatchSampler:
-    """The user's batch sampler, leaving out the first ``skip`` batches of an epoch unloaded."""
+    """The user's batch sampler, filtered and re-batched, without the first ``skip`` batches.
+
+    ``keep`` (set per epoch) maps an int64 array of dataset indices to a boolean mask: rejected
+    indices are never loaded, and the kept ones are re-batched to the sampler's batch size. The
+    first ``skip`` (filtered) batches are left out without loading them (to resume mid-epoch).
+    """
 
     def __init__(self, inner: Iterable[list[int]]) -> None:
         self.inner = inner
         self.skip = 0
+        self.keep: Callable[[np.ndarray], np.ndarray] | None = None
+
+    def _filtered(self) -> Iterator[list[int]]:
+        keep = self.keep
+        if keep is None:
+            yield from self.inner
+            return
+        size = getattr(self.inner, "batch_size", None)
+        buffer: list[int] = []
+        for batch in self.inner:
+            idx = np.asarray(batch, dtype=np.int64)
+            buffer.extend(idx[keep(idx)].tolist())
+            size = size or len(batch)
+            while len(buffer) >= size:
+                yield buffer[:size]
+                buffer = buffer[size:]
+        if buffer:
+            yield buffer
 
     def __iter__(self) -> Iterator[list[int]]:
-        it = iter(self.inner)
+        it = self._filtered()
         skip, self.skip = self.skip, 0
         for _ in range(skip):
             if next(it, None) is None:
@@ -137,6 +169,7 @@ class DataLoaderSource(Source):
     """
 
     has_indices = True
+    can_filter = True
 
     def __init__(self, loader: DataLoader) -> None:
         if loader.batch_size is None and loader.batch_sampler is None:
@@ -174,13 +207,16 @@ class DataLoaderSource(Source):
 
         return not (isinstance(sampler, RandomSampler) and sampler.generator is None)
 
-    def epoch(self, skip: int = 0) -> Iterator[tuple[Any, np.ndarray]]:
+    def epoch(
+        self, skip: int = 0, keep: Callable[[np.ndarray], np.ndarray] | None = None
+    ) -> Iterator[tuple[Any, np.ndarray]]:
         if skip and self._epoch_start is not None:
             for g, s in zip(self._gens, self._epoch_start):
                 g.set_state(s)
         else:
             self._epoch_start = [g.get_state() for g in self._gens]
         self._batch_sampler.skip = skip
+        self._batch_sampler.keep = keep
         for indices, batch in self._indexed:
             yield batch, indices.numpy()
 
@@ -243,7 +279,9 @@ class IterableSource(Source):
         self.index_key = index_key
         self.has_indices = index_key is not None
 
-    def epoch(self, skip: int = 0) -> Iterator[tuple[Any, np.ndarray | None]]:
+    def epoch(
+        self, skip: int = 0, keep: Callable[[np.ndarray], np.ndarray] | None = None
+    ) -> Iterator[tuple[Any, np.ndarray | None]]:
         # NOTE: a generic iterable cannot skip without producing batches; resuming mid-epoch
         # replays and discards them, which is exact only if the iterable's order is fixed.
         for i, batch in enumerate(self.iterable):

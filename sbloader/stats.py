@@ -20,6 +20,7 @@ _COUNTS = (
     "batches_yielded",
     "nonfinite",
     "dropped",
+    "prefiltered",
 )
 _TIMES = ("selection_s", "source_s", "consumer_s", "wall_s")
 
@@ -39,6 +40,8 @@ class EpochStats:
         nonfinite: candidates whose selection loss was NaN or infinite.
         dropped: selected examples dropped at the end of an epoch (``remainder="drop"``, or a
             short batch below ``min_batch_size``).
+        prefiltered: candidates the policy rejected before loading (Stale-SB's stale epochs);
+            they are counted in ``examples_seen`` too.
         target_rate: the policy's expected selection rate.
         selection_s: seconds spent in selection passes (model forward and policy).
         source_s: seconds spent waiting for the source's next batch.
@@ -55,6 +58,7 @@ class EpochStats:
     batches_yielded: int = 0
     nonfinite: int = 0
     dropped: int = 0
+    prefiltered: int = 0
     target_rate: float = 1.0
     selection_s: float = 0.0
     source_s: float = 0.0

@@ -1,0 +1,195 @@
+"""EL2N pre-pruning (Paul et al., 2021): score examples by the error of briefly trained models.
+
+EL2N(x, y) = ||softmax(f(x)) - onehot(y)||_2, averaged over ``models`` copies of the user's model,
+each trained for ``epochs`` epochs with the user's recipe and scored in eval mode. Its cost (time,
+forwards and backwards) is reported, because a fair comparison must charge it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import _kernels
+from ._checks import check_choice, check_float, check_int
+from .selection import eval_mode
+from .sources import make_source
+
+__all__ = ["EL2NResult", "el2n_scores", "prune"]
+
+
+@dataclass
+class EL2NResult:
+    """EL2N scores by dataset index, and what computing them cost.
+
+    Attributes:
+        scores: float64, one per dataset index (NaN for examples never scored).
+        seconds: wall-clock of training and scoring all models.
+        train_examples: examples forwarded and backpropagated while training the models.
+        score_forwards: examples forwarded to score them.
+        models, epochs: the recipe's size.
+    """
+
+    scores: np.ndarray
+    seconds: float
+    train_examples: int
+    score_forwards: int
+    models: int
+    epochs: int
+    per_model_seconds: list[float] = field(default_factory=list)
+
+    def cost(self) -> dict[str, Any]:
+        """The cost as a plain dict (for benchmark records)."""
+        return {
+            "seconds": self.seconds,
+            "train_examples": self.train_examples,
+            "score_forwards": self.score_forwards,
+            "models": self.models,
+            "epochs": self.epochs,
+        }
+
+
+def _default_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Any, targets: Any
+) -> None:
+    loss = nn.functional.cross_entropy(model(inputs), targets)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+
+
+def _to(x: Any, device: torch.device) -> Any:
+    return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
+
+
+def el2n_scores(
+    make_model: Callable[[], nn.Module],
+    source: Any,
+    *,
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+    models: int = 4,
+    epochs: int = 2,
+    train_step: Callable[[nn.Module, torch.optim.Optimizer, Any, Any], None] | None = None,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+) -> EL2NResult:
+    """Train ``models`` fresh models for ``epochs`` epochs each and average their EL2N scores.
+
+    Args:
+        make_model: returns a freshly initialised model (called once per copy).
+        source: a DataLoader over a map-style dataset yielding ``(inputs, targets)`` batches; used
+            to train each copy and then, in one more pass, to score every example by index.
+        make_optimizer: builds the optimizer for a model (the user's recipe).
+        models: K, the number of independently initialised copies (the paper: 10).
+        epochs: E, epochs of training per copy (short: the paper scores early in training).
+        train_step: ``train_step(model, optimizer, inputs, targets)``; default cross-entropy SGD.
+        device: where to train. Default: the device of ``make_model()``'s parameters.
+        seed: copy k initialises (and shuffles, if the source uses torch's global RNG) under
+            ``seed + k`` inside ``torch.random.fork_rng``, so the caller's RNG state is untouched.
+
+    Returns:
+        An :class:`EL2NResult`.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> x, y = torch.randn(64, 5), torch.randint(0, 3, (64,))
+        >>> r = el2n_scores(lambda: nn.Linear(5, 3), DataLoader(TensorDataset(x, y), 16),
+        ...                 make_optimizer=lambda m: torch.optim.SGD(m.parameters(), 0.1),
+        ...                 models=2, epochs=1)
+        >>> r.scores.shape, bool(((r.scores >= 0) & (r.scores <= 2 ** 0.5)).all())
+        ((64,), True)
+        >>> r.train_examples, r.score_forwards
+        (128, 128)
+    """
+    models = check_int("models", models, minimum=1)
+    epochs = check_int("epochs", epochs, minimum=0)
+    seed = check_int("seed", seed, minimum=0)
+    src = make_source(source)
+    size = src.dataset_size
+    if not src.has_indices or size is None:
+        raise ValueError(
+            "el2n_scores scores examples by dataset index, so source should be a DataLoader over "
+            "a map-style dataset"
+        )
+    step = train_step or _default_step
+    sums = np.zeros(size, dtype=np.float64)
+    counts = np.zeros(size, dtype=np.int64)
+    train_examples = score_forwards = 0
+    per_model: list[float] = []
+    start = time.perf_counter()
+    for k in range(models):
+        t0 = time.perf_counter()
+        dev = None if device is None else torch.device(device)
+        devices = [dev.index or 0] if dev is not None and dev.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed + k)
+            model = make_model()
+            if dev is None:
+                dev = next(model.parameters()).device
+            model.to(dev)
+            optimizer = make_optimizer(model)
+            model.train()
+            for _ in range(epochs):
+                for batch, _idx in src.epoch():
+                    inputs, targets = _to(batch[0], dev), _to(batch[1], dev)
+                    step(model, optimizer, inputs, targets)
+                    train_examples += len(targets)
+        with eval_mode(model), torch.inference_mode():
+            for batch, idx in src.epoch():
+                inputs, targets = _to(batch[0], dev), _to(batch[1], dev)
+                probs = torch.softmax(model(inputs).float(), dim=1)
+                onehot = nn.functional.one_hot(targets, probs.shape[1]).to(probs.dtype)
+                err = torch.linalg.vector_norm(probs - onehot, dim=1)
+                values = err.cpu().numpy().astype(np.float64)
+                _kernels.accumulate(sums, counts, np.ascontiguousarray(idx, np.int64), values)
+                score_forwards += len(targets)
+        per_model.append(time.perf_counter() - t0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        scores = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+    return EL2NResult(
+        scores,
+        time.perf_counter() - start,
+        train_examples,
+        score_forwards,
+        models,
+        epochs,
+        per_model,
+    )
+
+
+def prune(scores: Any, fraction: float, keep: str = "hardest") -> np.ndarray:
+    """The dataset indices to keep: exactly ``round(fraction * len(scores))`` of them.
+
+    Args:
+        scores: one score per dataset index (e.g. ``el2n_scores(...).scores``); no NaN.
+        fraction: the fraction of examples to keep, in (0, 1].
+        keep: ``"hardest"`` (highest scores; the EL2N paper's choice) or ``"easiest"``.
+
+    Returns:
+        Sorted int64 dataset indices. Ties are broken by index (lower first), deterministically.
+
+    Example:
+        >>> prune([0.1, 0.9, 0.5, 0.9], 0.5).tolist()
+        [1, 3]
+        >>> prune([0.1, 0.9, 0.5, 0.9], 0.5, keep="easiest").tolist()
+        [0, 2]
+    """
+    fraction = check_float("fraction", fraction, low=0.0, high=1.0, low_open=True)
+    keep = check_choice("keep", keep, ("hardest", "easiest"))
+    s = np.asarray(scores, dtype=np.float64).reshape(-1)
+    if np.isnan(s).any():
+        raise ValueError(
+            f"scores has {int(np.isnan(s).sum())} NaN entries (examples never scored); score "
+            "every example, or fill them before pruning"
+        )
+    k = round(fraction * s.shape[0])
+    order = np.argsort(-s if keep == "hardest" else s, kind="stable")
+    return np.sort(order[:k]).astype(np.int64)

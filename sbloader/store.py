@@ -1,0 +1,162 @@
+"""The per-example store: each example's last selection loss, when it was measured, how often it
+was selected. Keyed by dataset index, backed by numba kernels, optionally memory-mapped."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import _kernels
+from ._checks import check_int
+
+__all__ = ["ExampleStore"]
+
+#: Bytes per example: float32 loss, int32 epoch, int32 selection count.
+BYTES_PER_EXAMPLE = 12
+
+
+class ExampleStore:
+    """Per-example loss memory for Stale-SB, EL2N scores and statistics, 12 bytes per example.
+
+    The dataset index *is* the position in each column, so indices are exact at any size (no float
+    round trip, unlike an all_gather of indices cast to float). Columns:
+
+    - ``loss`` (float32): the last finite selection loss.
+    - ``seen`` (int32): the epoch that loss was measured in, plus one; 0 if never scored.
+    - ``selected`` (int32): how many times the example was chosen for backprop.
+
+    All-zero bytes mean "never scored": a new store needs no initialisation pass, and a new
+    memory-mapped file stays sparse until examples are scored. :meth:`lookup` returns NaN and
+    epoch -1 for examples never scored.
+
+    Args:
+        size: the number of examples (dataset indices ``0 .. size - 1``).
+        path: a folder to hold the columns as memory-mapped files (for 10^8 to 10^9 examples; the
+            operating system pages them in and out, and files are created sparse). Default: in
+            memory.
+
+    Example:
+        >>> import numpy as np
+        >>> s = ExampleStore(10)
+        >>> s.record(np.array([2, 7]), np.array([0.5, np.nan]), epoch=3)
+        >>> losses, epochs = s.lookup(np.array([2, 7]))
+        >>> losses.tolist(), epochs.tolist()
+        ([0.5, nan], [3, -1])
+    """
+
+    VERSION = 1
+
+    def __init__(self, size: int, path: str | os.PathLike | None = None) -> None:
+        self.size = check_int("size", size, minimum=0)
+        self.path = None if path is None else Path(path)
+        if self.path is None:
+            # np.zeros maps zeroed pages lazily: untouched examples cost no resident memory.
+            self.loss = np.zeros(self.size, dtype=np.float32)
+            self.seen = np.zeros(self.size, dtype=np.int32)
+            self.selected = np.zeros(self.size, dtype=np.int32)
+        else:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self.loss = self._memmap("loss", np.float32)
+            self.seen = self._memmap("seen", np.int32)
+            self.selected = self._memmap("selected", np.int32)
+
+    def _memmap(self, name: str, dtype: type) -> np.ndarray:
+        """A column file of zeros (created sparse), or the existing one of the right size."""
+        assert self.path is not None
+        if self.size == 0:
+            return np.zeros(0, dtype=dtype)
+        file = self.path / f"{name}.{np.dtype(dtype).name}"
+        fresh = not file.exists() or file.stat().st_size != self.size * np.dtype(dtype).itemsize
+        return np.memmap(file, dtype=dtype, mode="w+" if fresh else "r+", shape=(self.size,))
+
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the three columns (12 per example)."""
+        return self.loss.nbytes + self.seen.nbytes + self.selected.nbytes
+
+    @staticmethod
+    def _indices(indices: np.ndarray) -> np.ndarray:
+        idx = np.asarray(indices)
+        if idx.dtype.kind not in "iu":
+            raise TypeError(
+                f"indices should be integers, but got dtype {idx.dtype}; a float round trip "
+                "would corrupt indices above 2^24"
+            )
+        return np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
+
+    def _check_outside(self, outside: int, indices: np.ndarray) -> None:
+        if outside:
+            bad = indices[(indices < 0) | (indices >= self.size)][:5].tolist()
+            raise IndexError(
+                f"{outside} dataset indices are outside the store of size {self.size} (e.g. "
+                f"{bad}); build the store with size=len(dataset)"
+            )
+
+    def record(self, indices: np.ndarray, losses: np.ndarray, epoch: int) -> None:
+        """Store each finite loss for its index, measured in ``epoch`` (non-finite: kept as was)."""
+        idx = self._indices(indices)
+        values = np.ascontiguousarray(losses, dtype=np.float64).reshape(-1)
+        if values.shape != idx.shape:
+            raise ValueError(f"got {idx.shape[0]} indices but {values.shape[0]} losses")
+        out = _kernels.store_record(self.loss, self.seen, idx, values, int(epoch))
+        self._check_outside(out, idx)
+
+    def lookup(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The stored loss (float64, NaN if never scored) and epoch (-1 if never) of each index."""
+        idx = self._indices(indices)
+        losses = np.empty(idx.shape[0], dtype=np.float64)
+        epochs = np.empty(idx.shape[0], dtype=np.int64)
+        out = _kernels.store_lookup(self.loss, self.seen, idx, losses, epochs)
+        self._check_outside(out, idx)
+        return losses, epochs
+
+    def count_selected(self, indices: np.ndarray) -> None:
+        """Count one selection for each index (an index repeated is counted again)."""
+        idx = self._indices(indices)
+        self._check_outside(_kernels.store_count(self.selected, idx), idx)
+
+    def flush(self) -> None:
+        """Write memory-mapped columns to disk (no-op in memory)."""
+        for col in (self.loss, self.seen, self.selected):
+            if isinstance(col, np.memmap):
+                col.flush()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The columns (copies for in-memory stores; flushed file paths for memory-mapped ones)."""
+        if self.path is not None:
+            self.flush()
+            return {"version": self.VERSION, "size": self.size, "path": str(self.path)}
+        return {
+            "version": self.VERSION,
+            "size": self.size,
+            "loss": self.loss.copy(),
+            "seen": self.seen.copy(),
+            "selected": self.selected.copy(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != self.VERSION:
+            raise ValueError(
+                f"ExampleStore state has version {state.get('version')!r}, expected {self.VERSION}"
+            )
+        if int(state["size"]) != self.size:
+            raise ValueError(
+                f"the saved store has size={state['size']}, but this store has size={self.size}; "
+                "build it for the same dataset"
+            )
+        if "path" in state:
+            if self.path is None or Path(state["path"]).resolve() != self.path.resolve():
+                raise ValueError(
+                    f"the saved store is memory-mapped at {state['path']}; build the store with "
+                    "path= that folder"
+                )
+            return  # the files are the state
+        self.loss[:] = state["loss"]
+        self.seen[:] = state["seen"]
+        self.selected[:] = state["selected"]

@@ -1,0 +1,405 @@
+"""The papers' strategies through SelectiveLoader: Stale-SB, Random-Backprop, Kath18, EL2N
+pruning, Diet-SB and the beyond-paper options (warm-up, annealing, reweighting)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import N_CLASSES, EncodedDataset, IndexLoss
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import sbloader
+from sbloader import (
+    ExampleStore,
+    Kath18,
+    Phased,
+    RandomBackprop,
+    SelectiveBackprop,
+    SelectiveLoader,
+    el2n_scores,
+    prune,
+)
+from sbloader._random import hashed_uniforms
+
+
+class CountingDataset(EncodedDataset):
+    """Counts which indices were loaded."""
+
+    def __init__(self, n=300):
+        super().__init__(n)
+        self.loaded: list[int] = []
+
+    def __getitem__(self, i):
+        self.loaded.append(int(i))
+        return super().__getitem__(i)
+
+
+def loader_for(policy, ds=None, *, bs=10, source_bs=30, workers=0, model=None, **kw):
+    ds = ds if ds is not None else EncodedDataset(300)
+    dl = DataLoader(
+        ds,
+        batch_size=source_bs,
+        shuffle=True,
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(0),
+    )
+    return SelectiveLoader(dl, model or IndexLoss(), policy=policy, batch_size=bs, seed=0, **kw)
+
+
+def expected_losses(n: int) -> np.ndarray:
+    """IndexLoss's float32 cross-entropy for examples 0 .. n-1, computed directly."""
+    ds = EncodedDataset(n)
+    x = torch.stack([ds[i][0] for i in range(n)])
+    y = torch.arange(n) % N_CLASSES
+    with torch.no_grad():
+        return nn.functional.cross_entropy(IndexLoss()(x), y, reduction="none").numpy()
+
+
+# ------------------------------------------------------------------ Stale-SB
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stale_sb_makes_no_selection_forward_in_stale_epochs(workers):
+    model = IndexLoss()
+    loader = loader_for(SelectiveBackprop(1 / 3, staleness=3), model=model, workers=workers)
+    calls = []
+    for _ in range(6):
+        before = model.calls
+        list(loader)
+        calls.append(model.calls - before)
+    forwards = [e.selection_forwards for e in loader.stats.epochs]
+    assert forwards == [300, 0, 0, 300, 0, 0]
+    assert calls[1] == calls[2] == calls[4] == calls[5] == 0 and calls[0] == 10
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stored_losses_stay_aligned_with_their_indices(workers):
+    """The authors' Stale-SB paired losses with the wrong examples; ours are keyed by index."""
+    loader = loader_for(SelectiveBackprop(1 / 3, staleness=2), workers=workers)
+    list(loader)
+    store = loader.policy.store
+    losses, epochs = store.lookup(np.arange(300))
+    np.testing.assert_array_equal(losses, expected_losses(300))
+    assert (epochs == 0).all()
+
+
+def test_stale_epochs_decide_each_example_from_its_own_stored_loss():
+    policy = SelectiveBackprop(1 / 3, staleness=3, history=1024)
+    loader = loader_for(policy)
+    list(loader)  # fresh epoch 0: every example scored and stored
+    stored, _ = policy.store.lookup(np.arange(300))
+    window = policy.window.sorted_values()
+    before = policy.store.selected.copy()
+    list(loader)  # stale epoch 1
+    chosen = np.flatnonzero(policy.store.selected - before)
+    # Recompute each example's decision from its own stored loss alone.
+    p = ((np.searchsorted(window, stored, side="right") + 1) / (len(window) + 1)) ** policy.beta
+    expected = np.flatnonzero(hashed_uniforms(policy._key, 1, np.arange(300)) < p)
+    np.testing.assert_array_equal(chosen, expected)
+    assert loader.stats.epochs[1].examples_selected == len(expected)
+    # Swapping two examples' stored losses swaps exactly their probabilities.
+    hi, lo = int(np.argmax(stored)), int(np.argmin(stored))
+    policy.store.loss[[hi, lo]] = policy.store.loss[[lo, hi]]
+    swapped = policy.stale_probabilities(np.array([hi, lo, 7]))
+    assert swapped.tolist() == [p[lo], p[hi], p[7]] and p[hi] > 0.9 > 0.01 > p[lo]
+
+
+def test_stale_epoch_does_not_load_rejected_examples():
+    ds = CountingDataset(300)
+    policy = SelectiveBackprop(1 / 3, staleness=2)
+    loader = loader_for(policy, ds)
+    list(loader)
+    assert sorted(ds.loaded) == list(range(300))  # the fresh epoch loads everything
+    ds.loaded.clear()
+    yielded = [i for b in loader for i in b.indices.tolist()]
+    e = loader.stats.epochs[1]
+    assert len(ds.loaded) == e.examples_selected < 150  # only the kept ones were loaded
+    assert e.examples_seen == 300 and e.prefiltered == 300 - len(ds.loaded)
+    assert set(yielded) - set(ds.loaded) <= set(range(300))  # carried ones came from epoch 0
+
+
+def test_never_scored_examples_are_selected_not_skipped():
+    class NanFirst(IndexLoss):
+        def forward(self, x):
+            out = super().forward(x)
+            out[x[:, 0] < 30] = float("nan")  # examples 0..29 never get a finite loss
+            return out
+
+    policy = SelectiveBackprop(0.2, staleness=2)
+    loader = loader_for(policy, model=NanFirst(), remainder="short")
+    list(loader)
+    got = {i for b in loader for i in b.indices.tolist()}
+    assert set(range(30)) <= got
+
+
+@pytest.mark.parametrize("stop", [0, 1, 3])
+def test_stale_sb_resumes_exactly_mid_stale_epoch(stop):
+    def build():
+        return loader_for(SelectiveBackprop(1 / 3, staleness=3, history=64))
+
+    full_loader = build()
+    full = [b.indices.tolist() for _ in range(4) for b in full_loader]
+
+    loader = build()
+    got = [b.indices.tolist() for _ in range(1) for b in loader]  # fresh epoch 0
+    it = iter(loader)  # stale epoch 1
+    got += [next(it).indices.tolist() for _ in range(stop)]
+    state = loader.state_dict()
+    again = build()
+    again.load_state_dict(state)
+    got += [b.indices.tolist() for _ in range(3) for b in again]  # rest of 1, then 2 and 3
+    assert got == full
+    np.testing.assert_array_equal(again.policy.store.selected, full_loader.policy.store.selected)
+    np.testing.assert_array_equal(again.policy.store.loss, full_loader.policy.store.loss)
+
+
+def test_stale_sb_at_three_costs_a_third_of_sbs_selection_forwards():
+    sb, stale = (
+        loader_for(SelectiveBackprop(1 / 3)),
+        loader_for(SelectiveBackprop(1 / 3, staleness=3)),
+    )
+    for _ in range(6):
+        list(sb)
+        list(stale)
+    ratio = stale.stats.total.selection_forwards / sb.stats.total.selection_forwards
+    assert ratio == pytest.approx(1 / 3)
+
+
+def test_staleness_needs_the_dataset_size():
+    batches = [(torch.zeros(4, 6), torch.zeros(4, dtype=torch.long), torch.arange(4))]
+    with pytest.raises(ValueError, match="staleness"):
+        SelectiveLoader(
+            batches, IndexLoss(), policy=SelectiveBackprop(staleness=2), batch_size=2, index_key=2
+        )
+    with pytest.raises(ValueError, match="staleness should be >= 1"):
+        SelectiveBackprop(staleness=0)
+
+
+# ------------------------------------------------------------------ Random-Backprop
+def test_random_backprop_never_calls_the_model_and_keeps_a_fraction():
+    model = IndexLoss()
+    loader = loader_for(RandomBackprop(0.25), EncodedDataset(4000), model=model, source_bs=100)
+    for _ in range(2):
+        list(loader)
+    assert model.calls == 0 and loader.stats.total.selection_forwards == 0
+    assert loader.stats.total.selection_rate == pytest.approx(0.25, abs=0.02)
+
+
+# ------------------------------------------------------------------ Kath18
+def test_kath18_stays_uniform_until_tau_crosses_the_threshold():
+    rng = np.random.default_rng(0)
+    k = Kath18(selectivity=1 / 3)
+    flat = np.ones(90)  # equal losses: tau = 1 < tau_th = (90 + 90) / 90 = 2
+    for _ in range(50):
+        c = k.choose(flat, None, rng, 90)
+        assert not k.importance_sampling
+        assert len(c.positions) == 30 and len(set(c.positions.tolist())) == 30  # no replacement
+        assert (c.weights == 1).all()
+    skewed = np.r_[np.full(80, 0.01), np.full(10, 10.0)]
+    for _ in range(60):
+        c = k.choose(skewed, None, rng, 90)
+    assert k.tau > k.threshold(90, 30) and k.importance_sampling
+    # Now sampling is in proportion to loss: the 10 high-loss examples take ~99% of draws.
+    counts = np.zeros(90)
+    for _ in range(300):
+        np.add.at(counts, k.choose(skewed, None, rng, 90).positions, 1)
+    share = counts[80:].sum() / counts.sum()
+    assert share == pytest.approx(100 / 100.8, abs=0.01)
+
+
+def test_kath18_weights_are_unbiased():
+    """E[(1/b) sum w_j x_j] over importance-sampled draws equals the pool's mean of x."""
+    rng = np.random.default_rng(1)
+    losses = rng.gamma(0.5, size=60) + 1e-3
+    x = rng.normal(size=60)  # any per-example quantity, e.g. a gradient coordinate
+    k = Kath18(selectivity=0.25, tau_threshold=0.0)
+    k.tau = 1.0  # already past the threshold
+    estimates = []
+    for _ in range(20000):
+        c = k.choose(losses, None, rng, 60)
+        estimates.append(np.mean(c.weights * x[c.positions]))
+    assert k.importance_sampling
+    assert np.mean(estimates) == pytest.approx(x.mean(), abs=4 * np.std(estimates) / 141)
+
+
+def test_kath18_through_the_loader_carries_weights():
+    loader = loader_for(Kath18(1 / 3, tau_threshold=0.0), EncodedDataset(600), bs=10, source_bs=30)
+    batches = [b for _ in range(3) for b in loader]
+    assert all(len(b[0]) == 10 for b in batches)
+    assert any((b.weights != 1).any() for b in batches)  # importance-sampled, reweighted
+
+
+def test_kath18_rejects_negative_losses():
+    with pytest.raises(ValueError, match="losses should be >= 0"):
+        Kath18().choose(np.array([-1.0, 1.0]), None, np.random.default_rng(0), 2)
+
+
+# ------------------------------------------------------------------ EL2N, prune, Diet-SB
+class Blobs(Dataset):
+    """Two Gaussian classes, far apart, with some labels flipped."""
+
+    def __init__(self, n=400, flip=0.1, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.y = torch.randint(0, 2, (n,), generator=g)
+        self.x = torch.randn(n, 2, generator=g) + 3.0 * (2 * self.y[:, None].float() - 1)
+        self.flipped = torch.randperm(n, generator=g)[: int(flip * n)]
+        self.y[self.flipped] = 1 - self.y[self.flipped]
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def test_el2n_ranks_flipped_labels_among_the_hardest():
+    ds = Blobs()
+    dl = DataLoader(ds, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(0))
+    state = torch.get_rng_state()
+    r = el2n_scores(
+        lambda: nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 2)),
+        dl,
+        make_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        models=3,
+        epochs=3,
+        seed=0,
+    )
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's RNG is untouched
+    hardest = set(prune(r.scores, 0.1, keep="hardest").tolist())
+    flipped = set(ds.flipped.tolist())
+    assert len(hardest & flipped) >= 0.8 * len(flipped)
+    assert r.train_examples == 3 * 3 * 400 and r.score_forwards == 3 * 400 and r.seconds > 0
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.3, 0.5, 0.77, 1.0])
+def test_prune_keeps_exactly_the_requested_fraction(fraction):
+    scores = np.round(np.random.default_rng(0).random(1000), 2)  # many ties
+    kept = prune(scores, fraction)
+    assert len(kept) == round(fraction * 1000) and len(set(kept.tolist())) == len(kept)
+    rest = np.setdiff1d(np.arange(1000), kept)
+    if len(rest):
+        assert scores[kept].min() >= scores[rest].max()
+    easy = prune(scores, fraction, keep="easiest")
+    assert len(easy) == len(kept)
+
+
+def test_prune_rejects_nan_and_bad_fractions():
+    with pytest.raises(ValueError, match="NaN"):
+        prune([0.1, float("nan")], 0.5)
+    with pytest.raises(ValueError, match=r"fraction should be in \(0, 1\]"):
+        prune([0.1, 0.2], 0.0)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_diet_sb_never_yields_a_pruned_index(workers):
+    keep = prune(np.random.default_rng(0).random(300), 0.5)
+    ds = CountingDataset(300)
+    loader = loader_for(SelectiveBackprop(0.5), ds, subset=keep, workers=workers)
+    got = {i for _ in range(3) for b in loader for i in b.indices.tolist()}
+    assert got <= set(keep.tolist()) and len(got) > 0
+    if workers == 0:
+        assert set(ds.loaded) <= set(keep.tolist())  # pruned examples are never even loaded
+    assert loader.stats.epochs[0].examples_seen == 150
+
+
+def test_subset_on_a_source_that_cannot_filter():
+    ds = EncodedDataset(40)
+    batches = [
+        (
+            torch.stack([ds[i][0] for i in range(s, s + 10)]),
+            torch.stack([ds[i][1] for i in range(s, s + 10)]),
+            torch.arange(s, s + 10),
+        )
+        for s in range(0, 40, 10)
+    ]
+    loader = SelectiveLoader(
+        batches,
+        IndexLoss(),
+        policy=RandomBackprop(1.0),
+        batch_size=5,
+        index_key=2,
+        subset=[1, 2, 3, 11, 12, 39],
+        remainder="short",
+    )
+    got = [i for b in loader for i in b.indices.tolist()]
+    assert got == [1, 2, 3, 11, 12, 39]
+
+
+@pytest.mark.parametrize(
+    "bad, exc", [([1.5, 2.0], TypeError), ([0, 999], ValueError), ([-1], ValueError)]
+)
+def test_bad_subsets_are_named(bad, exc):
+    with pytest.raises(exc, match="subset"):
+        loader_for(SelectiveBackprop(), subset=bad)
+
+
+# ------------------------------------------------------------------ beyond the papers
+def test_warmup_and_annealing_backprop_everything_without_selection_passes():
+    model = IndexLoss()
+    policy = Phased(SelectiveBackprop(1 / 3), warmup_epochs=1, anneal_from_epoch=3)
+    loader = loader_for(policy, model=model, remainder="drop")
+    for _ in range(4):
+        list(loader)
+    e = loader.stats.epochs
+    assert [x.selection_forwards for x in e] == [0, 300, 300, 0]
+    assert e[0].examples_selected == e[3].examples_selected == 300
+    assert e[1].examples_selected < 150 and e[0].target_rate == 1.0
+    assert e[1].target_rate == pytest.approx(1 / 3)
+
+
+def test_phased_stale_sb_starts_with_a_fresh_epoch():
+    policy = Phased(SelectiveBackprop(1 / 3, staleness=2), warmup_epochs=1)
+    loader = loader_for(policy)
+    for _ in range(4):
+        list(loader)
+    assert [x.selection_forwards for x in loader.stats.epochs] == [0, 300, 0, 300]
+
+
+def test_unbiased_reweighting_normalises_weights_per_batch():
+    loader = loader_for(SelectiveBackprop(1 / 3, reweight=True), EncodedDataset(600))
+    for b in loader:
+        torch.testing.assert_close(b.weights.mean(), torch.tensor(1.0))
+        # Weight is proportional to 1 / P within a batch.
+        ratio = b.weights * b.probabilities
+        torch.testing.assert_close(ratio, ratio[0].expand_as(ratio))
+
+
+# ------------------------------------------------------------------ the store
+def test_store_round_trips_through_state_dict():
+    s = ExampleStore(100)
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, 100, 50)
+    s.record(idx, rng.random(50), epoch=4)
+    s.count_selected(idx[:10])
+    t = ExampleStore(100)
+    t.load_state_dict(s.state_dict())
+    for a, b in zip(s.lookup(np.arange(100)), t.lookup(np.arange(100))):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(s.selected, t.selected)
+    assert s.nbytes == 12 * 100
+
+
+def test_store_handles_indices_above_2_31_exactly(tmp_path):
+    n = 2**31 + 10
+    s = ExampleStore(n, path=tmp_path)  # sparse files: no 25 GB written
+    idx = np.array([0, 2**24 + 1, 2**31 - 1, 2**31, 2**31 + 9], dtype=np.int64)
+    s.record(idx, np.array([1.0, 2.0, 3.0, 4.0, 5.0]), epoch=7)
+    s.count_selected(idx[3:])
+    losses, epochs = s.lookup(idx)
+    assert losses.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0] and (epochs == 7).all()
+    assert s.selected[2**31] == 1 and s.selected[2**31 - 1] == 0
+    assert np.isnan(s.lookup(np.array([2**31 + 1]))[0][0])
+    again = ExampleStore(n, path=tmp_path)  # reopening the files keeps the contents
+    assert again.lookup(np.array([2**31 + 9]))[0].tolist() == [5.0]
+    json.dumps(s.state_dict())
+    with pytest.raises(IndexError, match="outside the store"):
+        s.record(np.array([n]), np.array([1.0]), epoch=0)
+    with pytest.raises(TypeError, match="integers"):
+        s.lookup(np.array([1.0]))
+
+
+def test_public_api_has_the_strategies():
+    for name in ("Kath18", "Phased", "RandomBackprop", "ExampleStore", "el2n_scores", "prune"):
+        assert name in sbloader.__all__
