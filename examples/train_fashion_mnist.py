@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import time
 
@@ -26,35 +25,16 @@ from torch.utils.data import DataLoader
 
 import sbloader
 from sbloader.datasets import ArrayDataset, fashion_mnist_tensors
+from sbloader.recipes import cosine_lr, error_rate, small_cnn
 
 
 def make_model() -> nn.Module:
-    """conv32-BN-pool, conv64-BN-pool, fc128, fc10 (the reference CNN of the project's notes)."""
-    return nn.Sequential(
-        nn.Conv2d(1, 32, 3, padding=1, bias=False),
-        nn.BatchNorm2d(32),
-        nn.ReLU(inplace=True),
-        nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1, bias=False),
-        nn.BatchNorm2d(64),
-        nn.ReLU(inplace=True),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(64 * 7 * 7, 128),
-        nn.ReLU(inplace=True),
-        nn.Linear(128, 10),
-    )
+    """The reference CNN: conv32-BN-pool, conv64-BN-pool, fc128, fc10."""
+    return small_cnn()
 
 
-@torch.inference_mode()
 def test_error(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    model.eval()
-    wrong = 0
-    for i in range(0, len(x), 1000):
-        xb = x[i : i + 1000].contiguous(memory_format=torch.channels_last)
-        wrong += (model(xb).argmax(1) != y[i : i + 1000]).sum().item()
-    model.train()
-    return wrong / len(x)
+    return error_rate(model, x, y)
 
 
 def train(strategy: str, args: argparse.Namespace, data) -> list[dict]:
@@ -94,9 +74,7 @@ def train(strategy: str, args: argparse.Namespace, data) -> list[dict]:
         for batch in loader:
             inputs, targets = batch
             for group in opt.param_groups:  # cosine schedule by position in the data
-                group["lr"] = (
-                    args.lr * 0.5 * (1 + math.cos(math.pi * loader.progress / total_positions))
-                )
+                group["lr"] = cosine_lr(args.lr, loader.progress, total_positions)
             loss = F.cross_entropy(model(inputs), targets, reduction="none")
             loss = (loss * batch.weights).mean()
             opt.zero_grad(set_to_none=True)
