@@ -100,6 +100,9 @@ PRESETS: dict[str, dict[str, Any]] = {
             "sb_0.33_anneal",
             "sb_0.33_reweight",
             "stale_sb_3_warmup",
+            "random_0.33_e20",
+            "sb_0.33_e20",
+            "stale_sb_3_e20",
         ),
         label_noise=(0.0, 0.01, 0.1, 0.2),
         noise_strategies=("traditional", "random_0.33", "sb_0.33"),
@@ -129,8 +132,20 @@ class Strategy:
 
 
 def _strategy(name: str) -> Strategy:
-    """Parse a strategy name such as ``sb_0.33``, ``stale_sb_3_warmup`` or ``traditional_e4``."""
+    """Parse a strategy name such as ``sb_0.33``, ``stale_sb_3_warmup`` or ``traditional_e4``.
+
+    A part ``eN`` anywhere sets the planned epochs (the schedule's length) to N.
+    """
     parts = name.split("_")
+    planned = [int(p[1:]) for p in parts if len(p) > 1 and p[0] == "e" and p[1:].isdigit()]
+    parts = [p for p in parts if not (len(p) > 1 and p[0] == "e" and p[1:].isdigit())]
+    strat = _parse(name, parts)
+    if planned:
+        strat.epochs = planned[0]
+    return strat
+
+
+def _parse(name: str, parts: list[str]) -> Strategy:
     warmup = parts[-1] == "warmup"
     anneal = parts[-1] == "anneal"
     reweight = parts[-1] == "reweight"
@@ -146,9 +161,8 @@ def _strategy(name: str) -> Strategy:
             anneal_from_epoch=c.epochs - max(1, round(c.epochs / 8)) if anneal else None,
         )
 
-    if parts[0] == "traditional":
-        epochs = int(parts[1][1:]) if len(parts) > 1 else None
-        return Strategy(name, "control", lambda c: sbloader.Traditional(), epochs, pooled=False)
+    if parts == ["traditional"]:
+        return Strategy(name, "control", lambda c: sbloader.Traditional(), pooled=False)
     if parts[0] == "random":
         s = float(parts[1])
         return Strategy(name, "control", lambda c: sbloader.RandomBackprop(s), selectivity=s)
@@ -679,7 +693,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     (out / "machine.json").write_text(json.dumps(machine, indent=1))
 
-    jobs = [(s, seed, 0.0) for s in cfg.strategies for seed in cfg.seeds]
+    # Seed-major: a run cut short still holds complete comparisons for its first seeds.
+    jobs = [(s, seed, 0.0) for seed in cfg.seeds for s in cfg.strategies]
     jobs += [
         (s, seed, nz)
         for nz in cfg.label_noise

@@ -1,0 +1,65 @@
+"""The benchmark's accounting on synthetic curves: time to target, paired speedups, Pareto."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import run as bench
+
+
+def make_run(name, seed, curve, noise=0.0):
+    r = bench.Run(name, seed, noise, planned_epochs=len(curve))
+    r.points = [dict(position=0.0, time_s=0.0, error=1.0, backprops=0, selections=0)]
+    r.points += [
+        dict(position=i + 1.0, time_s=t, error=e, backprops=0, selections=0)
+        for i, (t, e) in enumerate(curve)
+    ]
+    r.final_error = curve[-1][1]
+    return r
+
+
+def test_time_to_is_the_first_evaluation_at_or_below_target():
+    r = make_run("x", 0, [(10, 0.2), (20, 0.1), (30, 0.12), (40, 0.08)])
+    assert bench.time_to(r.points, 0.1) == 20
+    assert bench.time_to(r.points, 0.08) == 40
+    assert bench.time_to(r.points, 0.05) is None
+
+
+def test_speedups_are_paired_by_seed_and_count_never():
+    runs = [
+        make_run("traditional", 0, [(10, 0.2), (20, 0.1)]),
+        make_run("traditional", 1, [(10, 0.2), (40, 0.1)]),
+        make_run("fast", 0, [(5, 0.1)]),
+        make_run("fast", 1, [(10, 0.1)]),
+        make_run("slow", 0, [(50, 0.11)]),
+        make_run("slow", 1, [(80, 0.105)]),
+    ]
+    table = bench.speedup_table(runs)
+    assert table["traditional"][1.0]["mean"] == 1.0
+    fast = table["fast"][1.0]
+    assert fast["mean"] == pytest.approx((20 / 5 + 40 / 10) / 2) and fast["never"] == 0
+    assert table["slow"][1.0]["mean"] is None and table["slow"][1.0]["never"] == 2
+    # x1.1 of 0.1 = 0.11: seed 0 reaches it at 50 s (Traditional at 20 s), seed 1 at 80 s.
+    slow = table["slow"][1.1]
+    assert slow["min"] == pytest.approx(20 / 50) and slow["max"] == pytest.approx(40 / 80)
+
+
+def test_pareto_frontier_keeps_only_non_dominated_points():
+    runs = [
+        make_run("a", 0, [(10, 0.3), (20, 0.2), (30, 0.15)]),
+        make_run("b", 0, [(15, 0.25), (25, 0.22), (35, 0.1)]),
+    ]
+    front = bench.pareto(runs)
+    assert [(n, t) for n, t, _ in front] == [("a", 10), ("b", 15), ("a", 20), ("a", 30), ("b", 35)]
+
+
+def test_strategy_names_parse_and_typos_fail():
+    s = bench._strategy("stale_sb_3_e20")
+    assert s.epochs == 20 and s.family == "selective" and s.selectivity == pytest.approx(1 / 3)
+    assert bench._strategy("traditional_e4").epochs == 4
+    with pytest.raises(ValueError, match="unknown strategy"):
+        bench._strategy("sbb_0.3")
