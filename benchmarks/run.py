@@ -29,8 +29,6 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
-import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -41,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from _machine import machine_info
 from torch.utils.data import DataLoader
 
 import sbloader
@@ -413,30 +412,6 @@ def pareto(runs: list[Run]) -> list[tuple[str, float, float]]:
     return frontier
 
 
-def machine_info(cfg: Config) -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return dict(
-        date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        cpu=cpu,
-        cores=os.cpu_count(),
-        torch_threads=torch.get_num_threads(),
-        python=sys.version.split()[0],
-        torch=torch.__version__,
-        numpy=np.__version__,
-        numba=__import__("numba").__version__,
-        sbloader=sbloader.__version__,
-        cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        platform=platform.platform(),
-    )
-
-
 def _fmt(cell: dict) -> str:
     if cell["mean"] is None:
         return "never"
@@ -689,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"results/{cfg.preset}-{stamp}")
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    machine = machine_info(cfg)
+    machine = machine_info()
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     (out / "machine.json").write_text(json.dumps(machine, indent=1))
 

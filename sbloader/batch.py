@@ -21,12 +21,15 @@ class SelectedBatch:
             examples chosen without a selection pass (Traditional, Random-Backprop).
         probabilities: float32 tensor, the probability each example was kept with.
         weights: float32 tensor, the per-example loss weight (1.0 unless the policy says otherwise).
+        features: the frozen prefix's outputs for these examples when the loader was given
+            ``frozen_prefix=`` (train the head on them), else ``None``.
     """
 
     indices: torch.Tensor | None
     losses: torch.Tensor | None
     probabilities: torch.Tensor
     weights: torch.Tensor
+    features: torch.Tensor | None = None
 
     def _set_meta(self, indices, losses, probabilities, weights) -> None:
         self.indices = indices

@@ -15,8 +15,9 @@ from torch import nn
 
 from . import batch as B
 from ._checks import check_choice, check_int
+from .distributed import RankSync, make_sync
 from .policies import Choice, Policy, SelectiveBackprop
-from .selection import check_loss_fn, selection_losses, unwrap
+from .selection import SelectionForward, check_loss_fn, unwrap
 from .sources import Source, make_source
 from .stats import EpochStats, LoaderStats
 
@@ -26,6 +27,7 @@ logger = logging.getLogger("sbloader")
 
 _REMAINDERS = ("carry", "short", "drop")
 _NONFINITE = ("skip", "select", "raise")
+_CDFS = ("local", "global")
 _BATCHNORM = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
 
 
@@ -65,6 +67,22 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _check_device(device: torch.device, given: bool) -> None:
+    """Refuse to move batches to the meta device, where tensors hold no data."""
+    if device.type != "meta":
+        return
+    if given:
+        raise ValueError(
+            "device='meta' would turn every batch into tensors without data; pass device= the "
+            "device to train on (e.g. 'cpu' or 'cuda'), or leave it out to use the model's"
+        )
+    raise ValueError(
+        "the model's parameters are on the meta device (not materialised), and SelectiveLoader "
+        "moves batches to the model's device; materialise the model first (e.g. "
+        "model.to_empty(device='cpu') and initialise its parameters), or pass device="
+    )
+
+
 class SelectiveLoader:
     """Wraps a training data source and yields full batches of the examples a policy selects.
 
@@ -78,10 +96,12 @@ class SelectiveLoader:
 
     Args:
         source: a torch ``DataLoader`` (over a map-style dataset the dataset indices are
-            recovered automatically, with any sampler and number of workers), or any re-iterable
-            of batches (indices then come from the field ``index_key``, or are unknown).
+            recovered automatically, with any sampler and number of workers), an FFCV ``Loader``
+            (indices from its index field, see :mod:`sbloader.ffcv`), or any re-iterable of
+            batches (indices then come from the field ``index_key``, or are unknown).
         model: the model being trained. Selection passes call its unwrapped module (DDP,
-            DataParallel and ``torch.compile`` wrappers are looked through).
+            DataParallel and ``torch.compile`` wrappers are looked through). With
+            ``frozen_prefix``, the trainable part that runs on the prefix's outputs (the head).
         loss_fn: per-example loss, ``loss_fn(model(inputs), targets)`` of shape ``(B,)``.
             Default ``nn.CrossEntropyLoss(reduction="none")``.
         policy: the selection policy. Default ``SelectiveBackprop(selectivity=1/3)``.
@@ -109,11 +129,35 @@ class SelectiveLoader:
             batches (default 0 and 1), keys in dict batches (default ``"input"``, ``"target"``).
         index_key: the field holding dataset indices, for sources that carry them themselves.
         selector: a separate (cheaper) model for selection passes. Default: ``model``.
+        compile_selection: run selection forwards through ``torch.compile`` of the unwrapped
+            selection model, compiled once on first use (``True``, or a dict of
+            ``torch.compile`` arguments). Training forwards are not affected.
+        selection_scale: resize 4-d inputs by this factor in (0, 1] (bilinear) before the
+            selection forward only, e.g. 0.5 (Composer's ``scale_factor``); the model must
+            accept the smaller inputs. Training batches keep full resolution.
+        frozen_prefix: activation caching for a frozen backbone: a module without trainable
+            parameters whose outputs ``model`` (the head) takes. The selection pass computes
+            ``features = frozen_prefix(inputs)`` once (in eval mode, without autograd, under
+            ``autocast`` when given: the features are then reduced-precision values, returned
+            as float32) and the losses from ``model(features)``; yielded batches carry the
+            selected examples' ``batch.features``, so the training step runs only the head:
+            ``loss_fn(model(batch.features), targets)``. Refused (``ValueError``) when a prefix
+            parameter has ``requires_grad=True``, checked again when each epoch starts.
         subset: dataset indices to train on (e.g. from :func:`sbloader.prune`); the others are
             never yielded. A DataLoader source does not even load them. Needs dataset indices.
         eval_selection: run selection passes in eval mode (default True).
         rank: the process's rank, to derive its generator from ``seed``. Default: the
             ``torch.distributed`` rank when initialised, else 0.
+        distributed: keep the ranks of a DDP job in step (see :mod:`sbloader.distributed`):
+            every rank yields the same number of batches per epoch whatever its selections,
+            and the end-of-epoch remainder is handled alike on every rank (``"short"``: one
+            batch of at most ``batch_size`` on every rank or on none). Default None: on when
+            ``torch.distributed`` is initialised with more than one rank (build the loader
+            after ``init_process_group``).
+        process_group: the process group for the loader's collectives. Default: the world.
+        cdf: ``"local"`` (default): each rank's policy ranks losses against its own history;
+            ``"global"``: against every rank's, all-gathered per source batch (the ranks'
+            loss windows then hold identical contents).
 
     Attributes:
         stats: a :class:`~sbloader.stats.LoaderStats` with per-epoch and total counts and times.
@@ -163,9 +207,15 @@ class SelectiveLoader:
         target_key: Hashable | None = None,
         index_key: Hashable | None = None,
         selector: nn.Module | None = None,
+        compile_selection: bool | dict[str, Any] = False,
+        selection_scale: float | None = None,
+        frozen_prefix: nn.Module | None = None,
         subset: Any = None,
         eval_selection: bool = True,
         rank: int | None = None,
+        distributed: bool | None = None,
+        process_group: Any = None,
+        cdf: str = "local",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model should be a torch.nn.Module, but got {type(model).__name__}")
@@ -183,6 +233,11 @@ class SelectiveLoader:
         check_loss_fn(self.loss_fn)
         self.model = model
         self.selector = selector
+        # Selection-speed options: compilation, downsampling, a frozen prefix (activation cache).
+        self._forward = SelectionForward(
+            compile=compile_selection, scale=selection_scale, frozen_prefix=frozen_prefix
+        )
+        self._forward.check(model, selector)
         self._source: Source = make_source(source, index_key)
         if self.policy.needs_indices and not self._source.has_indices:
             raise ValueError(
@@ -215,6 +270,8 @@ class SelectiveLoader:
         )
         self.remainder = check_choice("remainder", remainder, _REMAINDERS)
         self.nonfinite = check_choice("nonfinite", nonfinite, _NONFINITE)
+        self.cdf = check_choice("cdf", cdf, _CDFS)
+        self._sync: RankSync | None = make_sync(distributed, process_group)
         if min_batch_size is None:
             has_bn = any(isinstance(m, _BATCHNORM) for m in model.modules())
             min_batch_size = 2 if has_bn else 1
@@ -267,7 +324,7 @@ class SelectiveLoader:
 
     def expected_batches(self) -> float:
         """The expected number of training batches per epoch (an estimate when selective)."""
-        examples = self._source.dataset_size
+        examples = self._source.epoch_size
         if examples is None:
             bs = self._source.batch_size
             if bs is None:
@@ -283,7 +340,7 @@ class SelectiveLoader:
                 "key schedules on loader.progress"
             )
         n = len(self._source)
-        size, bs = self._source.dataset_size, self._source.batch_size
+        size, bs = self._source.epoch_size, self._source.batch_size
         drop_last = getattr(getattr(self._source, "loader", None), "drop_last", False)
         if size is not None and bs and not drop_last and 0 < size % bs < self.min_batch_size:
             n -= 1  # the source's last batch is too small and will be dropped
@@ -335,13 +392,27 @@ class SelectiveLoader:
         self.stats.log_epoch(stats)
 
     def _epoch_iter(self) -> Iterator[B.SelectedBatch]:
+        self._forward.check(self.model, self.selector)  # a frozen prefix may have been unfrozen
+        _check_device(self.device, self._device is not None)
+        resumed = self._resume
         stats, skip = self._begin_epoch()
         fresh = self.policy.needs_losses(stats.epoch)
         passthrough = self.policy.passthrough
         filtering = self._source.can_filter
         source_iter = self._source.epoch(skip, self._keep_fn(stats) if filtering else None)
+        if self._sync is not None:
+            self._sync.bind(self.device)
         start = perf_counter()
         try:
+            # NOTE: on several ranks the condition must not depend on the rank's own position:
+            # a rank that had loaded no source batch yet (skip == 0) still takes part.
+            if skip or (resumed and self._sync is not None):
+                # Resuming mid-epoch: first yield the batches the saved round still owed, so that
+                # the next selection pass runs after the caller's steps on them, as it would have.
+                for _ in range(self._agree(self._pending.count // self.batch_size)):
+                    yield from self._yield(
+                        self._pending.pop(self.batch_size), self.batch_size, stats
+                    )
             while True:
                 t0 = perf_counter()
                 try:
@@ -356,45 +427,126 @@ class SelectiveLoader:
                 stats.examples_seen += n
                 if passthrough:
                     out = columns + self._meta(Choice.everything(n), indices, None)
+                    out += self._cached_features(columns, None, None, stats)
                     stats.examples_selected += n
-                    if n >= self.min_batch_size:
+                    if self._agree(int(n >= self.min_batch_size)):
                         yield from self._yield(out, n, stats)
                     else:
                         stats.dropped += n
                     continue
                 t0 = perf_counter()
-                losses = self._selection_pass(columns, stats) if fresh else None
-                choice = self._choose(losses, indices, n, stats)
+                losses, features = self._selection_pass(columns, stats) if fresh else (None, None)
+                choice = self._decide(losses, indices, n, stats)
                 stats.selection_s += perf_counter() - t0
                 k = len(choice.positions)
                 stats.examples_selected += k
                 if k:
-                    self._pending.add(self._take(columns, choice, indices, losses), k)
-                while self._pending.count >= self.batch_size:
+                    taken = self._take(columns, choice, indices, losses)
+                    taken += self._cached_features(columns, choice.positions, features, stats)
+                    self._pending.add(taken, k)
+                for _ in range(self._agree(self._pending.count // self.batch_size)):
                     yield from self._yield(
                         self._pending.pop(self.batch_size), self.batch_size, stats
                     )
-            if self.remainder == "short" and self._pending.count >= self.min_batch_size:
-                n = self._pending.count
-                yield from self._yield(self._pending.pop_all(), n, stats)
-            elif self.remainder != "carry":
+            if self._sync is not None:
+                yield from self._drain(stats, passthrough)
+            # NOTE: on several ranks a rank may hold more than a batch here (the others select
+            # less); "short" then yields one batch of at most batch_size on every rank or on
+            # none, and drops the rest, so that batch counts stay equal.
+            short = int(self._pending.count >= self.min_batch_size)
+            if self.remainder == "short" and self._agree(short, active=False):
+                n = min(self._pending.count, self.batch_size)
+                yield from self._yield(self._pending.pop(n), n, stats)
+            if self.remainder != "carry":
                 stats.dropped += self._pending.clear()
         finally:
             stats.wall_s += perf_counter() - start
         self._end_epoch(stats)
 
+    # ------------------------------------------------------------------ several ranks
+    def _agree(self, ready: int, active: bool = True) -> int:
+        """How many of ``ready`` batches to yield now: all of them on one process; on several
+        ranks the fewest any rank has ready, so that every rank makes the same number of steps."""
+        if self._sync is None:
+            return ready
+        return self._sync.agree(ready, active)[0]
+
+    def _sharing(self) -> bool:
+        """Whether the ranks exchange selection losses every round (``cdf="global"``, or a
+        policy with per-example records such as Stale-SB's store)."""
+        return self._sync is not None and (self.cdf == "global" or self.policy.records_examples)
+
+    def _decide(
+        self,
+        losses: torch.Tensor | None,
+        indices: np.ndarray | None,
+        n: int,
+        stats: EpochStats,
+    ) -> Choice:
+        """:meth:`_choose`; when the ranks share losses, between observing the lower ranks' and
+        the higher ranks' losses, so that every rank's policy sees the same losses in the same
+        order (identical loss windows under ``cdf="global"``)."""
+        if not self._sharing():
+            return self._choose(losses, indices, n, stats)
+        assert self._sync is not None
+        values = None if losses is None else losses.detach().cpu().numpy().astype(np.float64)
+        shared = self._sync.exchange(values, None if values is None else indices)
+        rank = self._sync.rank
+        self._observe(shared[:rank])
+        choice = self._choose(losses, indices, n, stats)
+        self._observe(shared[rank + 1 :])
+        return choice
+
+    def _observe(self, shared: list[tuple[np.ndarray, np.ndarray | None]]) -> None:
+        """Feed other ranks' finite losses (and their indices) to the policy, in rank order."""
+        for values, indices in shared:
+            finite = np.isfinite(values)
+            if finite.any():
+                idx = None if indices is None else indices[finite]
+                self.policy.observe(values[finite], idx, cdf=self.cdf == "global")
+
+    def _drain(self, stats: EpochStats, passthrough: bool) -> Iterator[B.SelectedBatch]:
+        """Take part in the other ranks' rounds once this rank's source is exhausted.
+
+        Each round mirrors one of a rank that still has source batches (an exchange when the
+        ranks share losses, then one agreement) with no new data; it ends when no rank has any.
+
+        NOTE: without this, a rank with fewer source batches (an uneven source, Stale-SB's
+        prefiltering) would stop making collectives while the others wait in theirs.
+        """
+        assert self._sync is not None
+        sharing = self._sharing() and not passthrough
+        while True:
+            if sharing:
+                self._observe(self._sync.exchange(None, None))
+            ready = self._pending.count // self.batch_size
+            count, active = self._sync.agree(ready, active=False)
+            for _ in range(count):
+                yield from self._yield(self._pending.pop(self.batch_size), self.batch_size, stats)
+            if not active:
+                return
+
     def _yield(
         self, columns: list[B.Column], n: int, stats: EpochStats
     ) -> Iterator[B.SelectedBatch]:
-        """Yield a batch built from data columns followed by the four metadata columns, timing
-        the caller's work until it asks for the next one."""
+        """Yield a batch built from data columns followed by the four metadata columns (and the
+        frozen prefix's outputs), timing the caller's work until it asks for the next one."""
         assert self._format is not None
         nfields = len(self._format.keys)
-        batch = self._format.build(columns[:nfields])
-        indices, losses, probs, weights = columns[nfields:]
+        data = columns[:nfields]
+        in_pos = self._format.position(self._format.input_key)
+        x = data[in_pos]
+        if self.memory_format is not None and isinstance(x, torch.Tensor) and x.dim() == 4:
+            # NOTE: index_select and cat return the default layout; restore the requested one
+            # (a no-op when the batch already has it, e.g. passthrough batches).
+            data[in_pos] = x.contiguous(memory_format=self.memory_format)
+        batch = self._format.build(data)
+        indices, losses, probs, weights = columns[nfields : nfields + 4]
         if self.policy.normalize_weights:
             weights = weights / weights.mean()
         batch._set_meta(indices if self._source.has_indices else None, losses, probs, weights)
+        if len(columns) > nfields + 4:
+            batch.features = columns[nfields + 4]
         stats.examples_yielded += n
         stats.batches_yielded += 1
         handed_out = perf_counter()
@@ -451,8 +603,11 @@ class SelectiveLoader:
             if policy_filters:
                 chosen = self.policy.prefilter(indices[mask])
                 assert chosen is not None
-                stats.examples_seen += int(mask.sum() - chosen.sum())
-                stats.prefiltered += int(mask.sum() - chosen.sum())
+                # NOTE: a resumed epoch filters its skipped batches again; the checkpoint's stats
+                # already count those rejections.
+                if not getattr(self._source, "replaying", False):
+                    stats.examples_seen += int(mask.sum() - chosen.sum())
+                    stats.prefiltered += int(mask.sum() - chosen.sum())
                 mask[np.flatnonzero(mask)[~chosen]] = False
             return mask
 
@@ -496,13 +651,17 @@ class SelectiveLoader:
             )
         return columns, n
 
-    def _selection_pass(self, columns: list[B.Column], stats: EpochStats) -> torch.Tensor:
+    def _selection_pass(
+        self, columns: list[B.Column], stats: EpochStats
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Selection losses of a source batch, and the frozen prefix's outputs (or None)."""
         fmt = self._format
         assert fmt is not None
         inputs = columns[fmt.position(fmt.input_key)]
         targets = columns[fmt.position(fmt.target_key)]
         n = inputs.shape[0]
-        losses = selection_losses(
+        t0 = perf_counter()
+        losses, features = self._forward(
             unwrap(self.selector if self.selector is not None else self.model),
             inputs,
             targets,
@@ -511,10 +670,46 @@ class SelectiveLoader:
             autocast_dtype=self.autocast,
             eval=self.eval_selection,
         )
+        # NOTE: exact on the CPU; on a GPU this times the launches unless the losses are waited
+        # for (the policy's .cpu() waits for them, so selection_s as a whole stays right).
+        stats.selection_forward_s += perf_counter() - t0
         stats.selection_forwards += n
         step = self.selection_batch_size or n
         stats.selection_calls += math.ceil(n / step)
-        return losses
+        return losses, features
+
+    def _cached_features(
+        self,
+        columns: list[B.Column],
+        positions: np.ndarray | None,
+        features: torch.Tensor | None,
+        stats: EpochStats,
+    ) -> list[B.Column]:
+        """The frozen prefix's outputs for rows ``positions`` (all rows if None), as a list of
+        one extra column; empty without a frozen prefix.
+
+        Outputs from the selection pass are gathered (a copy); without one (passthrough and
+        loss-free policies), the prefix runs on the chosen rows only.
+        """
+        if self._forward.frozen_prefix is None:
+            return []
+        if features is not None:
+            if positions is None:
+                return [features]
+            pos = torch.from_numpy(positions).to(features.device, non_blocking=True)
+            return [features.index_select(0, pos)]
+        fmt = self._format
+        assert fmt is not None
+        inputs = columns[fmt.position(fmt.input_key)]
+        if positions is not None:
+            pos = torch.from_numpy(positions).to(inputs.device, non_blocking=True)
+            inputs = inputs.index_select(0, pos)
+        t0 = perf_counter()
+        features = self._forward.features(inputs, self.selection_batch_size, self.autocast)
+        elapsed = perf_counter() - t0
+        stats.selection_s += elapsed
+        stats.selection_forward_s += elapsed
+        return [features]
 
     def _choose(
         self,
@@ -599,6 +794,15 @@ class SelectiveLoader:
             [c.cpu() if isinstance(c, torch.Tensor) else list(c) for c in part]
             for part in self._pending.parts
         ]
+        f = self._format
+        fmt = None
+        if f is not None:
+            fmt = {
+                "kind": f.kind.__name__,
+                "keys": list(f.keys),
+                "input_key": f.input_key,
+                "target_key": f.target_key,
+            }
         return {
             "version": self.STATE_VERSION,
             "seed": self.seed,
@@ -610,6 +814,7 @@ class SelectiveLoader:
             "source": self._source.state_dict(),
             "policy": self.policy.state_dict(),
             "pending": {"count": self._pending.count, "parts": pending},
+            "format": fmt,
             "stats": self.stats.state_dict(),
         }
 
@@ -635,6 +840,13 @@ class SelectiveLoader:
         for part in state["pending"]["parts"]:
             cols = [c.to(device) if isinstance(c, torch.Tensor) else list(c) for c in part]
             self._pending.add(cols, B.column_length(cols[0], "pending"))
+        # The batch format, so that a restored pending batch can be yielded before (or without)
+        # another source batch, e.g. a short last batch.
+        fmt = state.get("format")
+        if fmt is not None:
+            kind = {"dict": dict, "list": list, "tuple": tuple}[fmt["kind"]]
+            keys = tuple(fmt["keys"])
+            self._format = B.BatchFormat(kind, keys, fmt["input_key"], fmt["target_key"])
         self.stats.load_state_dict(state["stats"])
 
     def __repr__(self) -> str:

@@ -102,6 +102,28 @@ class Policy(abc.ABC):
     def begin_epoch(self, epoch: int) -> None:  # noqa: B027 - optional hook
         """Called by the loader when ``epoch`` (0-based) starts."""
 
+    #: True when the policy keeps per-example records keyed by dataset index (Stale-SB's store)
+    #: that every rank's losses must reach in a distributed run: the loader then shares losses
+    #: across ranks through :meth:`observe` even with ``cdf="local"``.
+    records_examples: bool = False
+
+    def observe(  # noqa: B027 - optional hook
+        self, losses: np.ndarray, indices: np.ndarray | None, *, cdf: bool = True
+    ) -> None:
+        """Learn from candidates that another rank chooses for (distributed runs only).
+
+        With ``cdf="global"`` (or when :attr:`records_examples`), the loader calls this with
+        each other rank's selection losses of the round: those of lower ranks before this rank's
+        own :meth:`choose`, those of higher ranks after it, so that every rank's policy sees the
+        same losses in the same order.
+
+        Args:
+            losses: float64 selection losses of another rank's candidates, all finite.
+            indices: their int64 dataset indices, or ``None`` if the source has none.
+            cdf: whether the losses should enter the distribution this policy ranks losses
+                against (``cdf="global"``); per-example records take them either way.
+        """
+
     @abc.abstractmethod
     def choose(
         self,
@@ -255,6 +277,17 @@ class SelectiveBackprop(Policy):
 
     def begin_epoch(self, epoch: int) -> None:
         self._epoch = epoch
+
+    @property
+    def records_examples(self) -> bool:  # type: ignore[override]
+        return self.staleness > 1
+
+    def observe(self, losses: np.ndarray, indices: np.ndarray | None, *, cdf: bool = True) -> None:
+        """Another rank's losses enter the window (if ``cdf``) and the store (by index)."""
+        if cdf:
+            self.window.push(losses)
+        if self.store is not None and indices is not None:
+            self.store.record(indices, losses, self._epoch)
 
     def probabilities(self, losses: np.ndarray) -> np.ndarray:
         """Add the losses to the window in order and return each one's P (NaN if not finite)."""
@@ -526,6 +559,15 @@ class Phased(Policy):
 
     def prefilter(self, indices: np.ndarray) -> np.ndarray | None:
         return self.policy.prefilter(indices) if self.active(self._epoch) else None
+
+    @property
+    def records_examples(self) -> bool:  # type: ignore[override]
+        return self.policy.records_examples
+
+    def observe(self, losses: np.ndarray, indices: np.ndarray | None, *, cdf: bool = True) -> None:
+        # NOTE: like choose, only while active, so that windows stay identical across ranks.
+        if self.active(self._epoch):
+            self.policy.observe(losses, indices, cdf=cdf)
 
     def choose(self, losses, indices, rng, n):
         if not self.active(self._epoch):

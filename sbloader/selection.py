@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["check_loss_fn", "eval_mode", "selection_losses", "unwrap"]
+from ._checks import check_float
+
+__all__ = [
+    "SelectionForward",
+    "check_loss_fn",
+    "downsample",
+    "eval_mode",
+    "prefix_features",
+    "selection_losses",
+    "unwrap",
+]
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -109,3 +120,206 @@ def selection_losses(
         losses = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
     # Cloning outside inference mode turns the inference tensor into an ordinary one.
     return losses.clone()
+
+
+def downsample(inputs: torch.Tensor, scale: float) -> torch.Tensor:
+    """Bilinearly resize a 4-d image batch by ``scale`` (Composer's ``scale_factor``).
+
+    Example:
+        >>> downsample(torch.zeros(2, 3, 32, 32), 0.5).shape
+        torch.Size([2, 3, 16, 16])
+    """
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() != 4:
+        shape = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
+        raise ValueError(
+            f"selection_scale={scale:g} resizes 4-d image batches (N, C, H, W), but the input "
+            f"field has shape {shape}; pass selection_scale=None"
+        )
+    if not inputs.is_floating_point():
+        raise TypeError(
+            f"selection_scale={scale:g} resizes floating-point images, but the inputs have dtype "
+            f"{inputs.dtype}; convert them to float in the source, or pass selection_scale=None"
+        )
+    if scale == 1.0:
+        return inputs
+    return F.interpolate(inputs, scale_factor=scale, mode="bilinear", align_corners=False)
+
+
+def prefix_features(
+    prefix: nn.Module,
+    inputs: torch.Tensor,
+    *,
+    batch_size: int | None = None,
+    autocast_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The outputs of a frozen ``prefix`` on ``inputs``, in eval mode, without autograd.
+
+    Runs under ``torch.no_grad()`` (not inference mode) so that the outputs are ordinary tensors
+    that a trainable head can take as inputs in autograd. Under ``autocast_dtype``, outputs of
+    that dtype are returned as float32, ready for a float32 head.
+
+    Example:
+        >>> prefix_features(nn.Linear(4, 2), torch.zeros(5, 4), batch_size=2).shape
+        torch.Size([5, 2])
+    """
+    n = inputs.shape[0]
+    step = n if not batch_size else batch_size
+    device_type = inputs.device.type
+    autocast = (
+        torch.autocast(device_type, dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
+    with eval_mode(prefix), torch.no_grad(), autocast:
+        chunks = [prefix(inputs[start : start + step]) for start in range(0, n, step)]
+    out = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+    if autocast_dtype is not None and out.dtype == autocast_dtype:
+        out = out.float()
+    return out
+
+
+class SelectionForward:
+    """How the selection pass calls the model: compiled or not, at what input scale, and through
+    a frozen prefix whose outputs are cached for training.
+
+    Args:
+        compile: ``True`` to run the selection forward through ``torch.compile`` of the
+            (unwrapped) selection model, compiled once, on first use; or a dict of
+            ``torch.compile`` keyword arguments (e.g. ``{"mode": "max-autotune"}``).
+        scale: resize 4-d inputs by this factor in (0, 1] before the selection forward only.
+        frozen_prefix: a module with no trainable parameters whose outputs are the model's
+            inputs: the selection pass computes them once and keeps them for training.
+
+    Example:
+        >>> fwd = SelectionForward(scale=0.5)
+        >>> losses, features = fwd(
+        ...     nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 2)),
+        ...     torch.zeros(4, 3, 8, 8), torch.zeros(4, dtype=torch.long),
+        ...     nn.CrossEntropyLoss(reduction="none"))
+        >>> losses.shape, features
+        (torch.Size([4]), None)
+    """
+
+    def __init__(
+        self,
+        *,
+        compile: bool | Mapping[str, Any] = False,
+        scale: float | None = None,
+        frozen_prefix: nn.Module | None = None,
+    ) -> None:
+        if isinstance(compile, Mapping):
+            self.compile_kwargs: dict[str, Any] | None = dict(compile)
+        elif isinstance(compile, bool):
+            self.compile_kwargs = {} if compile else None
+        else:
+            raise TypeError(
+                "compile_selection should be a bool or a dict of torch.compile arguments, but got "
+                f"compile_selection={compile!r}"
+            )
+        self.scale = (
+            None
+            if scale is None
+            else check_float("selection_scale", scale, low=0.0, high=1.0, low_open=True)
+        )
+        if frozen_prefix is not None and not isinstance(frozen_prefix, nn.Module):
+            raise TypeError(
+                "frozen_prefix should be a torch.nn.Module or None, but got "
+                f"{type(frozen_prefix).__name__}"
+            )
+        if frozen_prefix is not None and self.scale is not None:
+            raise ValueError(
+                "selection_scale and frozen_prefix cannot be combined: the cached prefix outputs "
+                "are training inputs and must come from full-resolution inputs; pass "
+                "selection_scale=None"
+            )
+        self.frozen_prefix = None if frozen_prefix is None else unwrap(frozen_prefix)
+        # NOTE: keyed by id() with the module kept alongside, so a recycled id cannot match.
+        self._compiled: dict[int, tuple[nn.Module, nn.Module]] = {}
+
+    def module(self, module: nn.Module) -> nn.Module:
+        """``module``, or its compiled version (compiled once, on first use) when compiling."""
+        if self.compile_kwargs is None:
+            return module
+        entry = self._compiled.get(id(module))
+        if entry is None or entry[0] is not module:
+            entry = (module, torch.compile(module, **self.compile_kwargs))
+            self._compiled[id(module)] = entry
+        return entry[1]
+
+    def check(self, model: nn.Module, selector: nn.Module | None = None) -> None:
+        """Refuse a frozen prefix that trains, or that the model or a selector contains.
+
+        Called when the loader is built and again when each epoch starts.
+        """
+        prefix = self.frozen_prefix
+        if prefix is None:
+            return
+        if selector is not None:
+            raise ValueError(
+                "selector and frozen_prefix cannot be combined: with a frozen prefix the "
+                "selection pass scores the model on the cached prefix outputs; pass selector=None"
+            )
+        trainable = [name for name, p in prefix.named_parameters() if p.requires_grad]
+        if trainable:
+            shown = ", ".join(trainable[:3]) + (", ..." if len(trainable) > 3 else "")
+            raise ValueError(
+                f"frozen_prefix has {len(trainable)} parameters with requires_grad=True ({shown}); "
+                "its outputs are computed once in the selection pass and reused for training, so "
+                "it must not train: call frozen_prefix.requires_grad_(False) and keep its "
+                "parameters out of the optimizer, or pass frozen_prefix=None"
+            )
+        prefix_params = {id(p) for p in prefix.parameters()}
+        if prefix_params and any(id(p) in prefix_params for p in unwrap(model).parameters()):
+            raise ValueError(
+                "model should be the part that runs on frozen_prefix's outputs (the head), but it "
+                "contains frozen_prefix's parameters; pass model=head and frozen_prefix=backbone, "
+                "and train with head(batch.features)"
+            )
+
+    def features(
+        self,
+        inputs: torch.Tensor,
+        batch_size: int | None = None,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """The frozen prefix's outputs on ``inputs`` (compiled when compiling)."""
+        assert self.frozen_prefix is not None
+        prefix = self.module(self.frozen_prefix)
+        return prefix_features(prefix, inputs, batch_size=batch_size, autocast_dtype=autocast_dtype)
+
+    def __call__(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[..., torch.Tensor],
+        *,
+        batch_size: int | None = None,
+        autocast_dtype: torch.dtype | None = None,
+        eval: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-example losses of ``model`` on the candidates, and the frozen prefix's outputs
+        (``None`` without a frozen prefix).
+
+        NOTE: the prefix runs under ``autocast_dtype`` too, since it is most of a frozen-backbone
+        model's selection cost; its outputs, which become the selected examples' training
+        inputs, are then reduced-precision values returned as float32. Without autocast they
+        are exactly what a float32 training forward of the prefix computes.
+        """
+        features = None
+        if self.frozen_prefix is not None:
+            features = self.features(inputs, batch_size, autocast_dtype)
+            inputs = features
+        elif self.scale is not None:
+            with torch.inference_mode():
+                inputs = downsample(inputs, self.scale)
+        losses = selection_losses(
+            self.module(model),
+            inputs,
+            targets,
+            loss_fn,
+            batch_size=batch_size,
+            autocast_dtype=autocast_dtype,
+            eval=eval,
+        )
+        return losses, features

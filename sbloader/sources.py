@@ -100,6 +100,11 @@ class Source:
     def dataset_size(self) -> int | None:
         return None
 
+    @property
+    def epoch_size(self) -> int | None:
+        """Examples per epoch on this process (a DistributedSampler's share), or None."""
+        return self.dataset_size
+
     def set_epoch(self, epoch: int) -> None:
         """Forward the epoch to samplers that want it (DistributedSampler)."""
 
@@ -116,6 +121,7 @@ class _SkippingBatchSampler:
         self.inner = inner
         self.skip = 0
         self.keep: Callable[[np.ndarray], np.ndarray] | None = None
+        self.replaying = False  # True while the skipped batches are filtered again
 
     def _filtered(self) -> Iterator[list[int]]:
         keep = self.keep
@@ -137,9 +143,13 @@ class _SkippingBatchSampler:
     def __iter__(self) -> Iterator[list[int]]:
         it = self._filtered()
         skip, self.skip = self.skip, 0
-        for _ in range(skip):
-            if next(it, None) is None:
-                return
+        self.replaying = True
+        try:
+            for _ in range(skip):
+                if next(it, None) is None:
+                    return
+        finally:
+            self.replaying = False
         yield from it
 
     def __len__(self) -> int:
@@ -200,6 +210,12 @@ class DataLoaderSource(Source):
         self._indexed = DataLoader(IndexedDataset(loader.dataset), **kwargs)
 
     @property
+    def replaying(self) -> bool:
+        """True while a resumed epoch filters the batches it skips again (``keep`` is then called
+        for examples already counted before the checkpoint)."""
+        return self._batch_sampler.replaying
+
+    @property
     def replayable(self) -> bool:
         """Whether the epoch order can be replayed from saved generator states."""
         sampler = getattr(self.loader.batch_sampler, "sampler", None)
@@ -217,8 +233,32 @@ class DataLoaderSource(Source):
             self._epoch_start = [g.get_state() for g in self._gens]
         self._batch_sampler.skip = skip
         self._batch_sampler.keep = keep
-        for indices, batch in self._indexed:
-            yield batch, indices.numpy()
+        self._drop_workers(only_dead=True)
+        try:
+            for indices, batch in self._indexed:
+                yield batch, indices.numpy()
+        except Exception:
+            self._drop_workers(only_dead=False)
+            raise
+
+    def _drop_workers(self, only_dead: bool) -> None:
+        """Shut down persistent workers (if ``only_dead``: only when one has died), so that the
+        next epoch starts afresh.
+
+        NOTE: a DataLoader with ``persistent_workers=True`` keeps its worker iterator after an
+        epoch failed because a worker was killed (e.g. by the OOM killer); its next epoch then
+        fails again, or hangs forever fetching a tensor the dead worker shared. The death may
+        surface while the worker still looks alive, or (through torch's SIGCHLD handler) outside
+        this loop: hence both checks.
+        """
+        it = getattr(self._indexed, "_iterator", None)
+        workers = getattr(it, "_workers", None) or []
+        if it is None or (only_dead and all(w.is_alive() for w in workers)):
+            return
+        self._indexed._iterator = None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -255,6 +295,16 @@ class DataLoaderSource(Source):
     @property
     def dataset_size(self) -> int | None:
         return len(self.loader.dataset)  # type: ignore[arg-type]
+
+    @property
+    def epoch_size(self) -> int | None:
+        # NOTE: under DDP a DistributedSampler gives this rank len(sampler) examples, not
+        # len(dataset): batch-count estimates must use the sampler's length.
+        sampler = getattr(self.loader.batch_sampler, "sampler", None)
+        try:
+            return len(sampler)  # type: ignore[arg-type]
+        except TypeError:
+            return self.dataset_size
 
     @property
     def sampler(self) -> Any:
@@ -325,6 +375,10 @@ def make_source(source: Any, index_key: Hashable | None = None) -> Source:
         if index_key is not None:
             return IterableSource(source, index_key)
         return DataLoaderSource(source)
+    from .ffcv import FFCVSource, is_ffcv_loader  # NOTE: detects a Loader without importing ffcv
+
+    if is_ffcv_loader(source):
+        return FFCVSource(source, index_field="index" if index_key is None else index_key)
     if not isinstance(source, Iterable):
         raise TypeError(
             "SelectiveLoader's source should be a torch DataLoader, an FFCV Loader or an "

@@ -22,7 +22,7 @@ _COUNTS = (
     "dropped",
     "prefiltered",
 )
-_TIMES = ("selection_s", "source_s", "consumer_s", "wall_s")
+_TIMES = ("selection_s", "selection_forward_s", "source_s", "consumer_s", "wall_s")
 
 
 @dataclass
@@ -44,6 +44,8 @@ class EpochStats:
             they are counted in ``examples_seen`` too.
         target_rate: the policy's expected selection rate.
         selection_s: seconds spent in selection passes (model forward and policy).
+        selection_forward_s: the part of ``selection_s`` spent in the selection model's forward
+            (and a frozen prefix's); the rest is the policy's decision.
         source_s: seconds spent waiting for the source's next batch.
         consumer_s: seconds the caller spent between batches (the training step).
         wall_s: seconds from the epoch's start to its end.
@@ -61,6 +63,7 @@ class EpochStats:
     prefiltered: int = 0
     target_rate: float = 1.0
     selection_s: float = 0.0
+    selection_forward_s: float = 0.0
     source_s: float = 0.0
     consumer_s: float = 0.0
     wall_s: float = 0.0

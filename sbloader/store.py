@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from . import _kernels
 from ._checks import check_int
@@ -128,16 +129,20 @@ class ExampleStore:
                 col.flush()
 
     def state_dict(self) -> dict[str, Any]:
-        """The columns (copies for in-memory stores; flushed file paths for memory-mapped ones)."""
+        """The columns (copies for in-memory stores; flushed file paths for memory-mapped ones).
+
+        Columns are CPU tensors, so that a checkpoint holding them loads with ``torch.load``'s
+        default ``weights_only=True`` (numpy arrays would be refused).
+        """
         if self.path is not None:
             self.flush()
             return {"version": self.VERSION, "size": self.size, "path": str(self.path)}
         return {
             "version": self.VERSION,
             "size": self.size,
-            "loss": self.loss.copy(),
-            "seen": self.seen.copy(),
-            "selected": self.selected.copy(),
+            "loss": torch.from_numpy(self.loss.copy()),
+            "seen": torch.from_numpy(self.seen.copy()),
+            "selected": torch.from_numpy(self.selected.copy()),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from . import _kernels
 from ._checks import check_int
@@ -72,8 +73,13 @@ class LossWindow:
         return self._sorted[: len(self)].copy()
 
     def state_dict(self) -> dict[str, Any]:
-        """The window's state: its size and its values, oldest first."""
-        return {"version": self.VERSION, "size": self.size, "values": self.values()}
+        """The window's state: its size and its values, oldest first (a float64 tensor, so that
+        a checkpoint holding it loads with ``torch.load``'s default ``weights_only=True``)."""
+        return {
+            "version": self.VERSION,
+            "size": self.size,
+            "values": torch.from_numpy(self.values()),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict` (the sizes must agree)."""

@@ -26,3 +26,15 @@ if ! python3 -c "import torch, sys; sys.exit(not torch.__version__.startswith('2
   $PIP "torch==2.13.0"
 fi
 $PIP -e ".[dev,bench]"
+
+# FFCV (an optional, fast source; sbloader.ffcv). ffcv 1.0.2 builds from source (~15 s) against
+# the apt libraries above. NOTE: the constraints pin the torch, numpy, numba and llvmlite already
+# installed, so that resolving ffcv's dependencies can never replace them.
+if ! python3 -c "import importlib.metadata as m, sys; sys.exit(m.version('ffcv') != '1.0.2')" 2>/dev/null; then
+  constraints="$(mktemp)"
+  python3 -c "import importlib.metadata as m
+for name in ('torch', 'numpy', 'numba', 'llvmlite'):
+    print(f'{name}=={m.version(name)}')" >"$constraints"
+  $PIP -c "$constraints" "ffcv==1.0.2"
+  rm -f "$constraints"
+fi

@@ -1,0 +1,249 @@
+"""Distributed training: what the ranks of a DDP job agree on, once per source batch.
+
+Under ``DistributedDataParallel`` every rank must run the same number of training steps, or the
+gradient all-reduce of a rank with more steps blocks until the process group times out. Each
+rank selects different examples, so each would fill a different number of batches. A
+:class:`RankSync` makes every rank yield the same number, without ``Join``:
+
+- after each source batch, every rank makes ONE ``all_reduce(MIN)`` of the int64 pair
+  ``[ready, -active]``: ``ready`` is the number of full batches it could yield now, ``active`` is
+  1 while it still has source batches. Every rank then yields the minimum; the surplus stays
+  pending and is yielded later, as carried examples are on one process;
+- a rank whose source is exhausted keeps taking part (``active = 0``, no new data) until no rank
+  is active, so source lengths may differ (Stale-SB's stale epochs load a different number of
+  examples on each rank; an iterable source may simply be shorter on one rank);
+- with ``cdf="global"``, or a policy that keeps per-example records (Stale-SB's store), the ranks
+  also all-gather their selection losses and dataset indices (:meth:`RankSync.exchange`), and
+  each rank feeds the others' into its policy through :meth:`~sbloader.Policy.observe`.
+
+:func:`reduce_stats` sums a loader's counters across ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .stats import _COUNTS, _TIMES, EpochStats, LoaderStats
+
+__all__ = ["RankSync", "collective_device", "is_distributed", "make_sync", "reduce_stats"]
+
+
+def is_distributed(group: Any = None) -> bool:
+    """Whether ``torch.distributed`` is initialised with more than one rank in ``group``.
+
+    Example:
+        >>> is_distributed()  # a plain Python process
+        False
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return dist.get_world_size(group) > 1
+
+
+def collective_device(backend: str, device: torch.device) -> torch.device:
+    """Where the loader's collective tensors live for ``backend``, given the model's ``device``.
+
+    NOTE: gloo reduces CPU tensors and nccl only CUDA ones. A process group may have one backend
+    per device type (``"cpu:gloo,cuda:nccl"``); the CPU is then preferred, since these tensors
+    are a few bytes and a CPU collective needs no device synchronisation.
+
+    Example:
+        >>> collective_device("gloo", torch.device("cpu"))
+        device(type='cpu')
+    """
+    names = str(backend).lower()
+    if "gloo" in names or "mpi" in names:
+        return torch.device("cpu")
+    if device.type != "cpu":
+        return device
+    if "nccl" in names:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class RankSync:
+    """The collectives a :class:`~sbloader.SelectiveLoader` makes on each of several ranks.
+
+    Every rank calls the same methods in the same order: per source batch (or, once its source
+    is exhausted, per round of the others) an optional :meth:`exchange`, then one :meth:`agree`.
+
+    Args:
+        group: the process group; None for the default (world) group.
+
+    Attributes:
+        rank: this process's rank within ``group``.
+        world_size: the number of ranks in ``group``.
+        device: where collective tensors live (set by :meth:`bind`).
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "distributed=True needs an initialised process group; call "
+                "torch.distributed.init_process_group(...) before building the SelectiveLoader, "
+                "or pass distributed=False"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group))
+        self.device = torch.device("cpu")
+
+    def bind(self, device: torch.device) -> None:
+        """Place collective tensors for a model on ``device`` (the loader calls this per epoch)."""
+        self.device = collective_device(self.backend, device)
+
+    def agree(self, ready: int, active: bool) -> tuple[int, bool]:
+        """The fewest batches any rank has ready, and whether any rank still has source batches.
+
+        One ``all_reduce(MIN)`` of ``[ready, -active]``.
+        """
+        t = torch.tensor([ready, -int(active)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        fewest, neg_active = t.tolist()
+        return int(fewest), neg_active < 0
+
+    def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t, group=self.group)
+        return parts
+
+    def exchange(
+        self, losses: np.ndarray | None, indices: np.ndarray | None
+    ) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """Every rank's selection losses and dataset indices of this round, in rank order.
+
+        Sizes are gathered first, then the losses (float64, padded with NaN to the longest) and
+        the indices in a separate int64 tensor (padded with -1), then the padding is cut off.
+
+        NOTE: the indices never pass through a float: InfoBatch gathers them concatenated with
+        float losses, and indices above 2**24 come back wrong.
+
+        Args:
+            losses: this rank's float64 losses, or None when it has none this round.
+            indices: their int64 dataset indices, or None.
+
+        Returns:
+            One ``(losses, indices_or_None)`` pair per rank, this rank's own included.
+        """
+        n = 0 if losses is None else int(losses.shape[0])
+        if indices is not None and int(indices.shape[0]) != n:
+            raise ValueError(f"got {n} losses but {indices.shape[0]} indices")
+        header = torch.tensor([n, int(indices is not None)], dtype=torch.int64, device=self.device)
+        headers = torch.stack(self._all_gather(header)).cpu().tolist()
+        sizes = [int(h[0]) for h in headers]
+        has_indices = [bool(h[1]) for h in headers]
+        width = max(sizes)
+        empty = np.zeros(0, dtype=np.float64)
+        if width == 0:
+            return [(empty, np.zeros(0, dtype=np.int64) if h else None) for h in has_indices]
+        buf = torch.full((width,), float("nan"), dtype=torch.float64, device=self.device)
+        if n:
+            buf[:n] = torch.from_numpy(np.asarray(losses, dtype=np.float64)).to(self.device)
+        all_losses = torch.stack(self._all_gather(buf)).cpu().numpy()
+        all_indices = None
+        if any(has_indices):
+            ibuf = torch.full((width,), -1, dtype=torch.int64, device=self.device)
+            if n and indices is not None:
+                ibuf[:n] = torch.from_numpy(np.asarray(indices, dtype=np.int64)).to(self.device)
+            all_indices = torch.stack(self._all_gather(ibuf)).cpu().numpy()
+        out: list[tuple[np.ndarray, np.ndarray | None]] = []
+        for r in range(self.world_size):
+            idx = None
+            if has_indices[r] and all_indices is not None:
+                idx = all_indices[r, : sizes[r]].copy()
+            out.append((all_losses[r, : sizes[r]].copy(), idx))
+        return out
+
+    def __repr__(self) -> str:
+        return f"RankSync(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r})"
+
+
+def make_sync(distributed: bool | None, group: Any = None) -> RankSync | None:
+    """The :class:`RankSync` a loader should use, or None to run as a single process.
+
+    Args:
+        distributed: None (automatic: when ``torch.distributed`` is initialised with more than
+            one rank), True (required; an uninitialised process group raises) or False.
+        group: the process group; None for the default group.
+    """
+    if distributed is None:
+        return RankSync(group) if is_distributed(group) else None
+    if not isinstance(distributed, bool):
+        raise TypeError(
+            f"distributed should be True, False or None (automatic), but got "
+            f"distributed={distributed!r}"
+        )
+    return RankSync(group) if distributed else None
+
+
+def reduce_stats(
+    stats: EpochStats | LoaderStats, group: Any = None, device: torch.device | None = None
+) -> EpochStats | LoaderStats:
+    """A loader's stats over all ranks: counts summed, times the maximum over ranks.
+
+    A collective: every rank of ``group`` must call it, with stats of the same number of
+    epochs. On a single process it returns a copy. ``target_rate`` becomes the mean over ranks
+    weighted by examples seen; epoch numbers are kept.
+
+    Args:
+        stats: ``loader.stats`` (a :class:`~sbloader.LoaderStats`) or one
+            :class:`~sbloader.EpochStats` such as ``loader.stats.current``.
+        group: the process group; None for the default group.
+        device: where the reduced tensors live. Default: the CPU, or the current CUDA device
+            for an nccl-only group.
+
+    Example:
+        >>> s = LoaderStats()
+        >>> s.begin_epoch(0, target_rate=0.5).examples_seen = 10
+        >>> reduce_stats(s).total.examples_seen  # one process: unchanged
+        10
+    """
+    if not isinstance(stats, (EpochStats, LoaderStats)):
+        raise TypeError(
+            "stats should be a LoaderStats (loader.stats) or an EpochStats, but got "
+            f"{type(stats).__name__}"
+        )
+    epochs = [stats] if isinstance(stats, EpochStats) else stats.epochs
+    reduced = [copy.copy(e) for e in epochs]
+    if dist.is_available() and dist.is_initialized():
+        if device is None:
+            device = collective_device(str(dist.get_backend(group)), torch.device("cpu"))
+        n = torch.tensor([len(epochs), -len(epochs)], dtype=torch.int64, device=device)
+        dist.all_reduce(n, op=dist.ReduceOp.MIN, group=group)
+        if int(n[0]) != -int(n[1]):
+            raise ValueError(
+                f"reduce_stats needs stats of the same number of epochs on every rank, but "
+                f"ranks hold between {int(n[0])} and {-int(n[1])}; call it at the same point "
+                "of training on every rank"
+            )
+        counts = torch.tensor(
+            [[getattr(e, c) for c in _COUNTS] for e in epochs], dtype=torch.int64, device=device
+        ).reshape(len(epochs), len(_COUNTS))
+        times = torch.tensor(
+            [[getattr(e, t) for t in _TIMES] for e in epochs], dtype=torch.float64, device=device
+        ).reshape(len(epochs), len(_TIMES))
+        rates = torch.tensor(
+            [e.target_rate * e.examples_seen for e in epochs], dtype=torch.float64, device=device
+        )
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(rates, op=dist.ReduceOp.SUM, group=group)
+        counts_l, times_l, rates_l = counts.tolist(), times.tolist(), rates.tolist()
+        for i, e in enumerate(reduced):
+            for c, v in zip(_COUNTS, counts_l[i]):
+                setattr(e, c, int(v))
+            for t, v in zip(_TIMES, times_l[i]):
+                setattr(e, t, float(v))
+            if e.examples_seen:
+                e.target_rate = rates_l[i] / e.examples_seen
+    if isinstance(stats, EpochStats):
+        return reduced[0]
+    out = LoaderStats()
+    out.epochs = reduced
+    return out

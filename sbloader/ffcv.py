@@ -1,0 +1,668 @@
+"""FFCV support: write ``.beton`` files that carry dataset indices, and read them as a source.
+
+`FFCV <https://ffcv.io>`_ decodes batches in compiled code on background threads, which makes it
+a fast source for the selection pass. This module provides three pieces:
+
+- :func:`write_beton` writes a map-style dataset (or arrays) to a ``.beton`` file **with an index
+  field**: each example's dataset index is stored next to its data, so it travels inside every
+  batch and can never come apart from it.
+- :func:`open_beton` builds an FFCV ``Loader`` with torch-like defaults (every example each
+  epoch, an explicit seed) without FFCV's side effects on thread counts.
+- :class:`FFCVSource` adapts an FFCV ``Loader`` to :class:`~sbloader.SelectiveLoader`; passing
+  the ``Loader`` itself to ``SelectiveLoader`` does the same.
+
+Indices come from the index field (``index_field="index"``, what :func:`write_beton` writes). For
+``.beton`` files written without one, ``index_field=None`` recovers them from the loader's
+traversal order instead, which is exact for the ``SEQUENTIAL`` and ``RANDOM`` orders (a pure
+function of seed and epoch) and refused for ``QUASI_RANDOM``.
+
+What sbloader guards against (see the module's NOTEs):
+
+- ``import sbloader`` (and importing this module) never imports ffcv; ffcv is imported on first
+  use, through :func:`import_ffcv`.
+- ``import ffcv`` sets torch's and numba's thread counts to 1, and every ``Loader(...)`` and
+  ``iter(loader)`` sets them to ``num_workers``; sbloader restores both around everything it asks
+  ffcv to do (:func:`preserved_threads`), so using ffcv through sbloader never leaves them changed.
+- FFCV's batches are views into a ring of ``batches_ahead + 2`` reused buffers, valid only until
+  the next batch is requested. SelectiveLoader gathers the examples it keeps (pending or carried
+  into the next epoch) with ``index_select``, which copies; only the passthrough policy
+  (``Traditional``) yields FFCV's own tensors, valid until the next batch as with FFCV itself.
+
+Example (needs ffcv; ``images`` float32 of shape (N, 1, 28, 28), ``labels`` int64 of shape (N,)):
+    >>> import sbloader, sbloader.ffcv as sbffcv
+    >>> path = sbffcv.write_beton("train.beton", (images, labels))  # doctest: +SKIP
+    >>> ffcv_loader = sbffcv.open_beton(path, 512, order="random", seed=0)  # doctest: +SKIP
+    >>> loader = sbloader.SelectiveLoader(ffcv_loader, model, batch_size=128)  # doctest: +SKIP
+    >>> for batch in loader:  # doctest: +SKIP
+    ...     images, labels, index = batch  # the selected examples; batch.indices equals index
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._checks import check_choice, check_int
+from .sources import Source
+
+__all__ = [
+    "FFCVSource",
+    "ffcv_available",
+    "import_ffcv",
+    "is_ffcv_loader",
+    "open_beton",
+    "preserved_threads",
+    "write_beton",
+]
+
+_ORDERS = ("sequential", "random", "quasi_random")
+#: FFCV traversal orders that are a pure function of (seed, epoch): replayable and recoverable.
+_PURE_ORDERS = ("Sequential", "Random")
+
+
+# ---------------------------------------------------------------------------------- threads
+def _numba_threads() -> int | None:
+    numba = sys.modules.get("numba")
+    return None if numba is None else int(numba.get_num_threads())
+
+
+@contextlib.contextmanager
+def preserved_threads() -> Iterator[None]:
+    """Restore torch's and numba's thread counts (of the calling thread) on exit.
+
+    NOTE: torch's count is restored unconditionally, even when it reads unchanged: a
+    ``torch.set_num_threads`` call on another thread (FFCV's batch thread calls one when it
+    starts) changes the process-wide default that new threads start with, which the calling
+    thread's own ``torch.get_num_threads()`` does not show.
+
+    Example:
+        >>> import torch
+        >>> before = torch.get_num_threads()
+        >>> with preserved_threads():
+        ...     torch.set_num_threads(1)
+        >>> torch.get_num_threads() == before
+        True
+    """
+    torch_threads = torch.get_num_threads()
+    numba_threads = _numba_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(torch_threads)
+        numba = sys.modules.get("numba")
+        if numba is not None:
+            if numba_threads is None:  # numba was first imported inside the block
+                numba_threads = int(numba.config.NUMBA_NUM_THREADS)
+            numba.set_num_threads(numba_threads)
+
+
+def ffcv_available() -> bool:
+    """Whether ffcv is installed (checked without importing it).
+
+    Example:
+        >>> isinstance(ffcv_available(), bool)
+        True
+    """
+    return "ffcv" in sys.modules or importlib.util.find_spec("ffcv") is not None
+
+
+def import_ffcv() -> ModuleType:
+    """Import ffcv and the submodules sbloader uses, leaving thread counts as they were.
+
+    Raises:
+        ImportError: naming the fix when ffcv is not installed.
+    """
+    with preserved_threads():
+        try:
+            module = importlib.import_module("ffcv")
+            for sub in ("ffcv.loader", "ffcv.writer", "ffcv.fields", "ffcv.fields.decoders"):
+                importlib.import_module(sub)
+            importlib.import_module("ffcv.transforms")
+        except ImportError as e:
+            raise ImportError(
+                f"sbloader's FFCV support needs ffcv ({e}); install it with "
+                "`pip install ffcv==1.0.2` (scripts/setup.sh does) or `pip install sbloader[ffcv]`"
+            ) from e
+    return module
+
+
+def is_ffcv_loader(obj: Any) -> bool:
+    """Whether ``obj`` is an FFCV ``Loader``, decided without importing ffcv.
+
+    Example:
+        >>> is_ffcv_loader([1, 2])
+        False
+    """
+    cls = type(obj)
+    if "ffcv" not in sys.modules:  # no ffcv Loader can exist without ffcv being imported
+        return False
+    return any(c.__name__ == "Loader" and c.__module__.split(".")[0] == "ffcv" for c in cls.__mro__)
+
+
+# ---------------------------------------------------------------------------------- writing
+def _as_numpy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return value
+
+
+def _infer_field(name: str, value: Any) -> Any:
+    """An ffcv Field for a sample's value: NDArrayField, IntField or FloatField."""
+    fields = sys.modules["ffcv.fields"]
+    value = _as_numpy(value)
+    if isinstance(value, np.ndarray) and value.ndim >= 1:
+        return fields.NDArrayField(dtype=value.dtype, shape=tuple(value.shape))
+    scalar = np.asarray(value)
+    if scalar.ndim == 0 and scalar.dtype.kind in "iub":
+        return fields.IntField()
+    if scalar.ndim == 0 and scalar.dtype.kind == "f":
+        return fields.FloatField()
+    raise TypeError(
+        f"cannot infer an ffcv field for {name!r} from a {type(value).__name__}; pass fields= "
+        "mapping each name to an ffcv Field (e.g. ffcv.fields.NDArrayField, IntField)"
+    )
+
+
+def _encode(field: Any, value: Any) -> Any:
+    """A sample value in the form ``field.encode`` expects, or raise ValueError."""
+    value = _as_numpy(value)
+    kind = type(field).__name__
+    if kind in ("NDArrayField", "TorchTensorField"):
+        arr = np.ascontiguousarray(value, dtype=field.dtype)
+        if arr.shape != tuple(field.shape):
+            raise ValueError(f"has shape {arr.shape}, but the field's shape is {field.shape}")
+        return arr
+    if kind == "IntField":
+        arr = np.asarray(value)
+        if arr.size != 1 or arr.dtype.kind not in "iub":
+            raise ValueError(f"should be one integer, but got {value!r:.80}")
+        return int(arr.reshape(()))
+    if kind == "FloatField":
+        return float(np.asarray(value).reshape(()))
+    return value
+
+
+class _Indexed:
+    """The dataset as ffcv's writer reads it: samples in field order, each with its index.
+
+    NOTE: FFCV's writer waits forever if a worker process dies (its main loop never checks the
+    workers). So a sample that cannot be encoded never raises in a worker: it is written as the
+    first sample, and its index is reported through shared memory; ``write_beton`` then raises
+    and removes the file.
+    """
+
+    def __init__(self, dataset: Any, fields: Sequence[Any], failed: Any) -> None:
+        self.dataset, self.fields, self.failed = dataset, list(fields), failed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def sample(self, i: int) -> tuple[Any, ...]:
+        values = self.dataset[i]
+        if not isinstance(values, (tuple, list)):
+            values = (values,)
+        if len(values) != len(self.fields) - 1:
+            raise ValueError(
+                f"has {len(values)} fields, but {len(self.fields) - 1} names were given"
+            )
+        out = [_encode(f, v) for f, v in zip(self.fields, values)]
+        return (*out, int(i))
+
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
+        try:
+            return self.sample(i)
+        except Exception:  # reported to the parent process, see the NOTE above
+            with self.failed.get_lock():
+                if self.failed.value < 0:
+                    self.failed.value = int(i)
+            return (*self.sample(0)[:-1], int(i))
+
+
+class _Arrays:
+    """Equal-length arrays as a map-style dataset of tuples."""
+
+    def __init__(self, arrays: Sequence[Any]) -> None:
+        self.arrays = [_as_numpy(a) for a in arrays]
+        n = len(self.arrays[0])
+        for j, a in enumerate(self.arrays):
+            if len(a) != n:
+                raise ValueError(
+                    f"array {j} has {len(a)} rows but array 0 has {n}; all arrays written to a "
+                    ".beton need the same length"
+                )
+
+    def __len__(self) -> int:
+        return len(self.arrays[0])
+
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
+        return tuple(a[i] for a in self.arrays)
+
+
+def write_beton(
+    path: str | os.PathLike,
+    data: Any,
+    *,
+    names: Sequence[str] | None = None,
+    fields: Mapping[str, Any] | None = None,
+    index_field: str = "index",
+    num_workers: int = 1,
+    chunksize: int = 100,
+) -> Path:
+    """Write a map-style dataset, or equal-length arrays, to a ``.beton`` with an index field.
+
+    Every example ``i`` is stored with its data fields followed by ``index_field`` = ``i`` (an
+    ``IntField``), so a loader over the file knows each example's dataset index exactly, in any
+    order and with any number of workers.
+
+    Args:
+        path: the ``.beton`` file to write (overwritten).
+        data: a map-style dataset whose items are tuples (or single values), or a tuple/list of
+            arrays or tensors of equal length (e.g. ``(images, labels)``).
+        names: field names, one per sample entry. Default ``("image", "label")`` for two entries,
+            ``("image",)`` for one, else required.
+        fields: an ordered mapping from name to ffcv ``Field`` (overrides ``names``). Default:
+            inferred from the first sample: arrays and tensors of one or more dimensions give an
+            ``NDArrayField`` of their dtype and shape, integers an ``IntField``, floats a
+            ``FloatField``.
+        index_field: the name of the index field appended to every sample.
+        num_workers: writer processes.
+        chunksize: samples per writer work item.
+
+    Returns:
+        the path written.
+
+    Raises:
+        ValueError: when a sample does not match the fields (naming the sample); the partial
+            file is removed.
+
+    Example:
+        >>> import numpy as np
+        >>> data = (np.zeros((8, 1, 4, 4), np.uint8), np.arange(8))
+        >>> write_beton("toy.beton", data)  # doctest: +SKIP
+        PosixPath('toy.beton')
+        >>> FFCVSource(open_beton("toy.beton", 4)).outputs  # doctest: +SKIP
+        ['image', 'label', 'index']
+    """
+    check_int("num_workers", num_workers, minimum=1)
+    check_int("chunksize", chunksize, minimum=1)
+    if not isinstance(index_field, str) or not index_field:
+        raise TypeError(f"index_field should be a non-empty str, but got {index_field!r}")
+    import_ffcv()
+    writer_mod = sys.modules["ffcv.writer"]
+    fields_mod = sys.modules["ffcv.fields"]
+    dataset = _Arrays(data) if isinstance(data, (tuple, list)) else data
+    try:
+        n = len(dataset)
+    except TypeError:
+        raise TypeError(
+            "data should be a map-style dataset (with __len__ and __getitem__) or a tuple of "
+            f"arrays, but got {type(data).__name__}"
+        ) from None
+    if n == 0:
+        raise ValueError("data is empty; a .beton needs at least one example")
+    first = dataset[0]
+    first = tuple(first) if isinstance(first, (tuple, list)) else (first,)
+    if fields is None:
+        if names is None:
+            defaults = {1: ("image",), 2: ("image", "label")}
+            if len(first) not in defaults:
+                raise ValueError(
+                    f"the samples have {len(first)} entries; pass names= (one name per entry) "
+                    "or fields="
+                )
+            names = defaults[len(first)]
+        names = list(names)
+        if len(names) != len(first):
+            raise ValueError(
+                f"names should have one name per sample entry ({len(first)}), but got "
+                f"names={names!r}"
+            )
+        fields = {name: _infer_field(name, v) for name, v in zip(names, first)}
+    fields = dict(fields)
+    if index_field in fields:
+        raise ValueError(
+            f"index_field={index_field!r} is also a data field name; pass another index_field="
+        )
+    fields[index_field] = fields_mod.IntField()
+    failed = multiprocessing.Value("q", -1)
+    indexed = _Indexed(dataset, list(fields.values()), failed)
+    try:
+        indexed.sample(0)  # fail early, in this process, on a bad first sample
+    except ValueError as e:
+        raise ValueError(f"sample 0 {e}; pass fields= matching the data") from None
+    path = Path(path)
+    with preserved_threads():
+        writer = writer_mod.DatasetWriter(str(path), fields, num_workers=num_workers)
+        writer.from_indexed_dataset(indexed, chunksize=chunksize)
+    if failed.value >= 0:
+        bad = int(failed.value)
+        path.unlink(missing_ok=True)
+        try:
+            indexed.sample(bad)
+            reason = "could not be encoded"
+        except Exception as e:  # reported with the sample's index
+            reason = str(e)
+        raise ValueError(
+            f"sample {bad} {reason}; every sample must match the fields {list(fields)} "
+            "(pass fields= to set them explicitly)"
+        )
+    return path
+
+
+# ---------------------------------------------------------------------------------- reading
+def _default_pipeline(field: Any) -> list[Any] | None:
+    decoders = sys.modules["ffcv.fields.decoders"]
+    to_tensor = sys.modules["ffcv.transforms"].ToTensor
+    kind = type(field).__name__
+    if kind in ("NDArrayField", "TorchTensorField"):
+        return [decoders.NDArrayDecoder(), to_tensor()]
+    if kind == "IntField":
+        return [decoders.IntDecoder(), to_tensor()]
+    if kind == "FloatField":
+        return [decoders.FloatDecoder(), to_tensor()]
+    return None  # ffcv's default pipeline for other fields
+
+
+def _check_workers(num_workers: int) -> int:
+    """num_workers, resolved like ffcv does, or raise naming the fix for numba's thread limit."""
+    import numba
+
+    resolved = multiprocessing.cpu_count() if num_workers < 1 else num_workers
+    limit = int(numba.config.NUMBA_NUM_THREADS)
+    if resolved > limit:
+        raise ValueError(
+            f"num_workers={num_workers} asks for {resolved} FFCV threads, but numba allows at "
+            f"most NUMBA_NUM_THREADS={limit}; pass num_workers<={limit}, or set the environment "
+            f"variable NUMBA_NUM_THREADS>={resolved} before numba is first imported"
+        )
+    return resolved
+
+
+def open_beton(
+    path: str | os.PathLike,
+    batch_size: int,
+    *,
+    order: str = "sequential",
+    seed: int = 0,
+    num_workers: int = 1,
+    drop_last: bool = False,
+    batches_ahead: int = 3,
+    pipelines: Mapping[str, Any] | None = None,
+    indices: Sequence[int] | np.ndarray | None = None,
+    **kwargs: Any,
+) -> Any:
+    """An FFCV ``Loader`` over ``path``, built without changing torch's or numba's thread counts.
+
+    Defaults differ from ffcv's on purpose: every example each epoch (``drop_last=False``; ffcv's
+    default drops the last partial batch), an explicit ``seed`` (ffcv's default draws one from
+    numpy's global generator), one worker thread, and tensors for every array, int and float
+    field (``[Decoder(), ToTensor()]``).
+
+    Args:
+        path: the ``.beton`` file.
+        batch_size: examples per batch.
+        order: ``"sequential"``, ``"random"`` (a permutation that is a pure function of seed and
+            epoch) or ``"quasi_random"``.
+        seed: the order's seed.
+        num_workers: FFCV's decoding threads (at most numba's ``NUMBA_NUM_THREADS``).
+        drop_last: drop the last partial batch of each epoch.
+        batches_ahead: batches FFCV prepares in advance (>= 1; ffcv's 0 is broken).
+        pipelines: per-field pipelines, overriding the defaults (``None`` disables a field).
+        indices: a subset of the file's examples to load.
+        **kwargs: passed to ``ffcv.loader.Loader``.
+    """
+    check_int("batch_size", batch_size, minimum=1)
+    check_int("seed", seed, minimum=0)
+    check_int("num_workers", num_workers)
+    check_int("batches_ahead", batches_ahead, minimum=1)
+    order = check_choice("order", order, _ORDERS)
+    import_ffcv()
+    _check_workers(num_workers)
+    loader_mod = sys.modules["ffcv.loader"]
+    reader_mod = importlib.import_module("ffcv.reader")
+    handlers = reader_mod.Reader(str(path)).handlers
+    specs: dict[str, Any] = {}
+    for name, field in handlers.items():
+        pipe = _default_pipeline(field)
+        if pipe is not None:
+            specs[name] = pipe
+    specs.update(pipelines or {})
+    with preserved_threads():
+        return loader_mod.Loader(
+            str(path),
+            batch_size=batch_size,
+            num_workers=num_workers,
+            order=getattr(loader_mod.OrderOption, order.upper()),
+            seed=seed,
+            drop_last=drop_last,
+            batches_ahead=batches_ahead,
+            pipelines=specs,
+            indices=None if indices is None else np.asarray(indices),
+            **kwargs,
+        )
+
+
+def _field_kind(loader: Any, name: str) -> str | None:
+    """The ffcv field class name an output comes from (None for a computed output)."""
+    spec = loader.pipeline_specs.get(name)
+    source = getattr(spec, "source", name)
+    field = loader.reader.handlers.get(source if isinstance(source, str) else name)
+    return None if field is None else type(field).__name__
+
+
+class FFCVSource(Source):
+    """An FFCV ``Loader`` as a SelectiveLoader source, with every example's dataset index.
+
+    Batches keep FFCV's structure (a tuple in the order of the loader's outputs); scalar int and
+    float fields, which FFCV returns with shape ``(B, 1)``, are flattened to ``(B,)`` so that
+    labels suit ``nn.CrossEntropyLoss``, and the index field is kept in the batch as well.
+
+    Epochs: the source sets the FFCV loader's epoch counter to the SelectiveLoader's epoch before
+    each pass, so epoch ``e``'s order is FFCV's order for epoch ``e`` whatever happened before
+    (a restarted run gets the same orders).
+
+    Mid-epoch resume: FFCV's ``SEQUENTIAL`` and ``RANDOM`` orders are a pure function of seed and
+    epoch, so the source replays the epoch and discards the batches already consumed (FFCV
+    decodes fast; nothing else is needed). ``QUASI_RANDOM`` is not a pure function of the
+    epoch (it shuffles persistent state in place), so such a loader resumes only at epoch
+    boundaries, as does a loader whose seed differs from the saved one.
+
+    Args:
+        loader: an ``ffcv.loader.Loader`` (e.g. from :func:`open_beton`).
+        index_field: the output holding dataset indices, by name or position (default
+            ``"index"``, as written by :func:`write_beton`), or ``None`` to recover the indices
+            from the loader's traversal order (``SEQUENTIAL`` and ``RANDOM`` orders only).
+
+    Thread counts: FFCV's ``iter(loader)`` and its batch thread set torch's and numba's thread
+    counts to ``num_workers``; the source restores them as soon as the first batch of each epoch
+    has arrived, before anything else runs.
+    """
+
+    has_indices = True
+
+    def __init__(self, loader: Any, *, index_field: str | int | None = "index") -> None:
+        if not is_ffcv_loader(loader):
+            raise TypeError(
+                f"loader should be an ffcv.loader.Loader, but got {type(loader).__name__}"
+            )
+        self.loader = loader
+        self.outputs: list[str] = list(loader.pipeline_specs)
+        if isinstance(index_field, int) and not isinstance(index_field, bool):
+            if not -len(self.outputs) <= index_field < len(self.outputs):
+                raise ValueError(
+                    f"index_field={index_field} is no position in this FFCV loader's outputs "
+                    f"{self.outputs}; pass the index field's name or position"
+                )
+            index_field = self.outputs[index_field]
+        self.order_name = type(loader.traversal_order).__name__
+        if index_field is None:
+            if self.order_name not in _PURE_ORDERS:
+                raise ValueError(
+                    f"index_field=None recovers indices from the traversal order, which is not "
+                    f"reproducible for FFCV's {self.order_name} order; write the .beton with "
+                    "sbloader.ffcv.write_beton (it adds an index field) and pass "
+                    "index_field='index', or use order SEQUENTIAL or RANDOM"
+                )
+            self.index_pos: int | None = None
+        else:
+            if index_field not in self.outputs:
+                raise ValueError(
+                    f"index_field={index_field!r} names no output of this FFCV loader (outputs: "
+                    f"{self.outputs}); write the .beton with sbloader.ffcv.write_beton, which "
+                    "adds an index field, or pass index_field=None to recover indices from the "
+                    "traversal order"
+                )
+            self.index_pos = self.outputs.index(index_field)
+        self.index_field = index_field
+        self._flatten = [
+            _field_kind(loader, name) in ("IntField", "FloatField") for name in self.outputs
+        ]
+        self._epoch = 0
+
+    # ------------------------------------------------------------------ Source API
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch = int(epoch)
+
+    def _order_batches(self, epoch: int) -> list[np.ndarray]:
+        """The epoch's dataset indices batch by batch, as FFCV's EpochIterator chunks them."""
+        loader = self.loader
+        order = np.asarray(loader.traversal_order.sample_order(epoch), dtype=np.int64)
+        order = order[: len(loader) * loader.batch_size]
+        bs = loader.batch_size
+        return [order[i : i + bs] for i in range(0, len(order), bs)]
+
+    def _flat(self, pos: int, value: Any) -> Any:
+        if self._flatten[pos] and value.ndim == 2 and value.shape[1] == 1:
+            return value.reshape(-1)
+        return value
+
+    def epoch(
+        self, skip: int = 0, keep: Callable[[np.ndarray], np.ndarray] | None = None
+    ) -> Iterator[tuple[Any, np.ndarray]]:
+        # NOTE: can_filter is False: FFCV fixes an epoch's batches before any example is known
+        # to the caller, so ``keep`` is ignored and the loader drops rejected rows after loading.
+        loader = self.loader
+        epoch = self._epoch
+        self._epoch += 1
+        recovered = None if self.index_pos is not None else self._order_batches(epoch)
+        # NOTE: FFCV draws the epoch's order from its own counter; setting it makes the order a
+        # function of the SelectiveLoader's epoch alone (exact resume, repeated runs agree).
+        loader.next_epoch = epoch
+        with preserved_threads():
+            it = iter(loader)
+            # NOTE: FFCV's batch thread calls torch.set_num_threads when it starts, which is
+            # before it hands out the first batch: restoring after that batch is race-free.
+            first = next(it, None)
+        try:
+            b = 0
+            batch = first
+            while batch is not None:
+                if b >= skip:
+                    yield self._convert(batch, b, recovered)
+                b += 1
+                batch = next(it, None)
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+
+    def _convert(
+        self, batch: Any, b: int, recovered: list[np.ndarray] | None
+    ) -> tuple[Any, np.ndarray]:
+        values = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        if len(values) != len(self.outputs):
+            raise ValueError(
+                f"the FFCV loader yielded {len(values)} outputs but declares {self.outputs}; "
+                "sbloader cannot tell which output holds the indices"
+            )
+        values = tuple(self._flat(j, v) for j, v in enumerate(values))
+        if recovered is not None:
+            indices = recovered[b]
+            if len(indices) != len(values[0]):
+                raise RuntimeError(
+                    f"FFCV batch {b} has {len(values[0])} examples but its traversal order has "
+                    f"{len(indices)}; pass index_field= with an index field instead"
+                )
+        else:
+            raw = values[self.index_pos]
+            if isinstance(raw, torch.Tensor):
+                raw = raw.detach().cpu().numpy()
+            raw = np.asarray(raw)
+            if raw.dtype.kind not in "iu":
+                raise TypeError(
+                    f"the index field {self.index_field!r} should hold integers, but has dtype "
+                    f"{raw.dtype}"
+                )
+            # NOTE: a copy, not a view of FFCV's reused buffer: indices outlive the batch.
+            indices = raw.reshape(-1).astype(np.int64, copy=True)
+        return values, indices
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "seed": int(self.loader.seed) if self.loader.seed is not None else None,
+            "order": self.order_name,
+            "num_samples": int(self.loader.reader.num_samples),
+            "batch_size": int(self.loader.batch_size),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], mid_epoch: bool) -> None:
+        if state.get("num_samples") != int(self.loader.reader.num_samples):
+            raise ValueError(
+                f"the saved FFCV source read {state.get('num_samples')} examples but this "
+                f"loader's file has {self.loader.reader.num_samples}; open the same .beton"
+            )
+        if not mid_epoch:
+            return
+        if self.order_name not in _PURE_ORDERS:
+            raise ValueError(
+                f"cannot resume an FFCV {self.order_name} order in the middle of an epoch: it is "
+                "not a pure function of seed and epoch; save at an epoch boundary, or use "
+                "order SEQUENTIAL or RANDOM"
+            )
+        same = (
+            state.get("order") == self.order_name
+            and state.get("batch_size") == int(self.loader.batch_size)
+            and (self.order_name == "Sequential" or state.get("seed") == self.loader.seed)
+        )
+        if not same:
+            raise ValueError(
+                "cannot resume in the middle of an epoch: the saved FFCV loader had "
+                f"order={state.get('order')}, seed={state.get('seed')}, "
+                f"batch_size={state.get('batch_size')}, but this one has "
+                f"order={self.order_name}, seed={self.loader.seed}, "
+                f"batch_size={self.loader.batch_size}; build the Loader with the saved ones"
+            )
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def batch_size(self) -> int | None:
+        return int(self.loader.batch_size)
+
+    @property
+    def dataset_size(self) -> int | None:
+        """The number of examples in the ``.beton`` (dataset indices are below it)."""
+        return int(self.loader.reader.num_samples)
+
+    @property
+    def epoch_size(self) -> int | None:
+        """Examples per epoch: the loader's ``indices`` (this rank's share when distributed),
+        less a dropped last partial batch."""
+        loader = self.loader
+        return min(len(loader.first_traversal_order), len(loader) * int(loader.batch_size))
+
+    @property
+    def drop_last(self) -> bool:
+        return bool(self.loader.drop_last)

@@ -1,0 +1,615 @@
+"""SelectiveLoader under torch.distributed: gloo on the CPU, each rank a spawned process.
+
+Every spawned group runs under a deadline (and a process-group timeout), so a hang fails the test
+instead of blocking the suite. A worker returns a picklable result; the assertions that compare
+ranks run in the parent.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import pickle
+import socket
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from conftest import N_CLASSES, EncodedDataset, IndexLoss, bn_model
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+import sbloader
+from sbloader import Phased, Policy, RandomBackprop, SelectiveBackprop, SelectiveLoader
+from sbloader.distributed import reduce_stats
+
+#: Seconds a spawned group may run before the test fails as a hang.
+DEADLINE_S = 60
+#: The process groups' own timeout: a collective that waits longer raises in the worker.
+PG_TIMEOUT_S = 30
+
+
+# ------------------------------------------------------------------ spawning ranks
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, scenario: str, out: str, kwargs: dict) -> None:
+    # NOTE: this is a spawned child process of the test, so setting its thread count and debug
+    # level here changes nothing in the test process. DETAIL makes gloo check every collective's
+    # signature across ranks, so a mismatch raises instead of hanging.
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+    )
+    try:
+        result = SCENARIOS[scenario](rank, world_size, **kwargs)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    with open(Path(out) / f"{rank}.pkl", "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_ranks(scenario: str, world_size: int, tmp_path: Path, **kwargs) -> list:
+    """Run ``SCENARIOS[scenario]`` on ``world_size`` gloo ranks; their results, by rank."""
+    ctx = mp.start_processes(
+        _worker,
+        args=(world_size, _free_port(), scenario, str(tmp_path), kwargs),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{scenario!r} on {world_size} ranks ran past {DEADLINE_S} s: a hang")
+    finally:
+        for p in ctx.processes:  # only the processes this test started
+            if p.is_alive():
+                p.kill()
+                p.join()
+    results = []
+    for r in range(world_size):
+        with open(tmp_path / f"{r}.pkl", "rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
+# ------------------------------------------------------------------ data and policies
+class FlippedLabels(Dataset):
+    """Every label moved to the next class: makes one rank's losses much higher."""
+
+    def __init__(self, ds: Dataset) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int):
+        x, y = self.ds[i]
+        return x, (y + 1) % N_CLASSES
+
+
+class Block(Sampler):
+    """Rank ``rank`` of ``world_size`` gets the contiguous block of indices, shuffled.
+
+    Its ``generator`` attribute lets the loader replay an epoch's order (mid-epoch resume).
+    """
+
+    def __init__(self, n: int, rank: int, world_size: int, seed: int = 0) -> None:
+        per = n // world_size
+        self.indices = list(range(rank * per, (rank + 1) * per))
+        self.generator = torch.Generator().manual_seed(seed + rank)
+
+    def __iter__(self):
+        perm = torch.randperm(len(self.indices), generator=self.generator).tolist()
+        return iter([self.indices[i] for i in perm])
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class RejectInEpoch(RandomBackprop):
+    """RandomBackprop whose prefilter rejects every example in epoch ``epoch`` if ``reject``."""
+
+    def __init__(self, selectivity: float, *, epoch: int, reject: bool) -> None:
+        super().__init__(selectivity)
+        self.reject_epoch, self.reject, self._epoch = epoch, reject, 0
+
+    def begin_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+
+    def prefilter(self, indices):
+        return np.full(len(indices), not (self.reject and self._epoch == self.reject_epoch))
+
+
+class Recording(SelectiveBackprop):
+    """SelectiveBackprop that remembers what it was given to observe and to choose from."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.observed: list[list[int]] = []
+        self.chosen_from: list[list[int]] = []
+
+    def observe(self, losses, indices, *, cdf=True):
+        self.observed.append(indices.tolist())
+        super().observe(losses, indices, cdf=cdf)
+
+    def choose(self, losses, indices, rng, n):
+        self.chosen_from.append(indices.tolist())
+        return super().choose(losses, indices, rng, n)
+
+
+def sampler_indices(ds: Dataset, rank: int, world_size: int, epoch: int) -> list[int]:
+    s = DistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+    s.set_epoch(epoch)
+    return list(s)
+
+
+# ------------------------------------------------------------------ scenarios (run per rank)
+def scenario_ddp(rank: int, world_size: int, policy: str, epochs: int = 2) -> dict:
+    """DDP training of a BatchNorm model from a DistributedSampler, with uneven selections:
+    labels flipped on rank 1 only, different source batch sizes and selection chunking (so a
+    different number of selection forwards) on every rank, and for RandomBackprop very different
+    rates. A selection forward through the DDP wrapper would make a collective (DDP broadcasts
+    BatchNorm buffers) on one rank but not another."""
+    torch.manual_seed(0)
+    model = bn_model()
+    ddp = DistributedDataParallel(model)
+    base = EncodedDataset(203)  # not divisible by 2 or 3: the sampler pads
+    ds = FlippedLabels(base) if rank == 1 else base
+    sampler = DistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+    if policy == "sb":
+        chosen: Policy = SelectiveBackprop(1 / 3, history=64)
+    else:
+        chosen = RandomBackprop([0.9, 0.25, 0.5][rank])
+    loader = SelectiveLoader(
+        # Different source batch sizes: the ranks run out of source batches at different
+        # rounds, so some rounds have a selection forward on one rank and none on another.
+        DataLoader(ds, batch_size=[24, 10, 16][rank], sampler=sampler),
+        ddp,
+        policy=chosen,
+        batch_size=8,
+        selection_batch_size=[None, 5, 7][rank],
+        seed=0,
+    )
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    yielded: list[list[int]] = []
+    for _ in range(epochs):
+        epoch: list[int] = []
+        for batch in loader:
+            x, y = batch
+            loss = F.cross_entropy(ddp(x), y, reduction="none")
+            opt.zero_grad()
+            (loss * batch.weights).mean().backward()
+            opt.step()
+            epoch.extend(batch.indices.tolist())
+        yielded.append(epoch)
+    return {
+        "batches": [e.batches_yielded for e in loader.stats.epochs],
+        "selected": [e.examples_selected for e in loader.stats.epochs],
+        "calls": loader.stats.total.selection_calls,
+        "yielded": yielded,
+        "sampler": [sampler_indices(ds, rank, world_size, e) for e in range(epochs)],
+        "params": [p.detach().clone() for p in model.parameters()],
+        "pending": loader._pending.count,
+        "total": loader.stats.total.as_dict(),
+        "epochs": [e.as_dict() for e in loader.stats.epochs],
+        "reduced": reduce_stats(loader.stats).total.as_dict(),
+        "rank": loader.rank,
+    }
+
+
+def _iterable(rank: int, n_batches: int, bs: int = 10, offset: int = 0) -> list:
+    """``n_batches`` batches of EncodedDataset rows with an index field (position 2)."""
+    ds = EncodedDataset(400)
+    out = []
+    for b in range(n_batches):
+        rows = range(b * bs, (b + 1) * bs)
+        x = torch.stack([ds[i][0] for i in rows])
+        y = torch.stack([ds[i][1] for i in rows])
+        out.append((x, y, torch.tensor([offset + i for i in rows], dtype=torch.int64)))
+    return out
+
+
+def scenario_rounds(rank: int, world_size: int) -> dict:
+    """Uneven source lengths, remainders, passthrough, global CDF, big indices, Stale-SB with
+    nothing loaded on one rank, generators and reduced stats: several loaders in sequence."""
+    res: dict = {"rank": rank}
+
+    # Uneven source lengths (6, 3 and 2 batches) with very different selection rates.
+    lengths = [6, 3, 2][rank]
+    for remainder in ("carry", "short", "drop"):
+        loader = SelectiveLoader(
+            _iterable(rank, lengths),
+            IndexLoss(),
+            policy=RandomBackprop([1.0, 0.5, 0.25][rank]),
+            batch_size=4,
+            remainder=remainder,
+            seed=1,
+        )
+        res[remainder] = [[len(b[0]) for b in loader] for _ in range(3)]
+        res[remainder + "_stats"] = [e.as_dict() for e in loader.stats.epochs]
+        res[remainder + "_pending"] = loader._pending.count
+
+    # Passthrough (Traditional) with uneven source lengths: equal counts, extras dropped.
+    loader = SelectiveLoader(
+        _iterable(rank, lengths), IndexLoss(), policy=sbloader.Traditional(), batch_size=10
+    )
+    res["traditional"] = [len(b[0]) for b in loader]
+    res["traditional_dropped"] = loader.stats.current.dropped
+
+    # Global CDF with labels flipped on rank 1 only: identical windows, different rates.
+    for cdf in ("global", "local"):
+        base = EncodedDataset(300)
+        ds = FlippedLabels(base) if rank == 1 else base
+        sampler = DistributedSampler(ds, num_replicas=world_size, rank=rank, seed=0)
+        loader = SelectiveLoader(
+            DataLoader(ds, batch_size=20, sampler=sampler),
+            IndexLoss(),
+            policy=SelectiveBackprop(1 / 3, history=128),
+            batch_size=5,
+            cdf=cdf,
+            seed=0,
+        )
+        list(loader)
+        res[cdf + "_window"] = loader.policy.window.values()
+        res[cdf + "_rate"] = loader.stats.current.selection_rate
+
+    # Indices above 2**31 (and 2**53 + 1, which no float64 holds) survive the exchange exactly.
+    big = [2**31 + 7, 2**53 + 1, 2**62 + 12345][rank]
+    policy = Recording(0.5, history=64)
+    loader = SelectiveLoader(
+        _iterable(rank, 3, offset=big),
+        IndexLoss(),
+        policy=policy,
+        batch_size=5,
+        index_key=2,
+        cdf="global",
+        seed=0,
+    )
+    res["big_yielded"] = [i for b in loader for i in b.indices.tolist()]
+    res["big_observed"] = policy.observed
+    res["big_chosen_from"] = policy.chosen_from
+
+    # Stale-SB over rank-blocked data (rank 0 holds the lowest losses): in the stale epoch
+    # rank 0 loads nothing at all, the others load some; every store knows every example.
+    for cdf in ("global", "local"):
+        ds = EncodedDataset(120)
+        loader = SelectiveLoader(
+            DataLoader(ds, batch_size=10, sampler=Block(120, rank, world_size)),
+            IndexLoss(),
+            policy=SelectiveBackprop(beta=30.0, history=512, staleness=2),
+            batch_size=4,
+            cdf=cdf,
+            seed=0,
+        )
+        counts = []
+        for epoch in range(2):
+            counts.append(sum(1 for _ in loader))
+            if epoch == 0:
+                res[cdf + "_stale_store"] = loader.policy.store.lookup(np.arange(120))
+        res[cdf + "_stale_batches"] = counts
+        res[cdf + "_stale_stats"] = [e.as_dict() for e in loader.stats.epochs]
+        res[cdf + "_stale_window"] = loader.policy.window.values()
+
+    # Generators derive from (seed, rank): the same data on every rank, different choices;
+    # the same seed again, the same choices. Then stats reduced over ranks.
+    def choices() -> tuple[list[int], SelectiveLoader]:
+        loader = SelectiveLoader(
+            _iterable(rank, 4),
+            IndexLoss(),
+            policy=RandomBackprop(0.5),
+            batch_size=4,
+            index_key=2,
+            seed=3,
+        )
+        return [i for b in loader for i in b.indices.tolist()], loader
+
+    res["choices"], loader = choices()
+    res["choices_again"], _ = choices()
+    res["loader_rank"] = loader.rank
+    res["local_stats"] = loader.stats.current.as_dict()
+    res["reduced_stats"] = reduce_stats(loader.stats.current).as_dict()
+
+    # Mid-epoch resume while rank 0 has loaded nothing in the epoch (its position is 0) and
+    # yields only what it carried: the same batches as an uninterrupted run, and no hang.
+    def resumable() -> SelectiveLoader:
+        sizes = [300, 120, 120]  # rank 0 carries a large surplus out of epoch 0
+        ds = EncodedDataset(sum(sizes))
+        sampler = Block(sum(sizes), 0, 1, seed=rank)
+        sampler.indices = list(range(sum(sizes[:rank]), sum(sizes[: rank + 1])))
+        return SelectiveLoader(
+            DataLoader(ds, batch_size=10, sampler=sampler),
+            IndexLoss(),
+            policy=RejectInEpoch(1.0, epoch=1, reject=rank == 0),
+            batch_size=4,
+            cdf="global",  # a drain round starts with an exchange: misaligned rounds hang
+            seed=0,
+        )
+
+    whole = resumable()
+    res["resume_whole"] = [[b.indices.tolist() for b in whole] for _ in range(2)]
+    loader = resumable()
+    first = [b.indices.tolist() for b in loader]
+    it = iter(loader)
+    second = [next(it).indices.tolist() for _ in range(4)]  # mid-round: one batch owed
+    state = copy.deepcopy(loader.state_dict())
+    del it
+    loader = resumable()
+    loader.load_state_dict(state)
+    second += [b.indices.tolist() for b in loader]
+    res["resume_split"] = [first, second]
+    res["resume_position"] = state["position"]
+    return res
+
+
+def scenario_two(rank: int, world_size: int) -> dict:
+    return {
+        "sb": scenario_ddp(rank, world_size, "sb"),
+        "random": scenario_ddp(rank, world_size, "random"),
+    }
+
+
+def scenario_three(rank: int, world_size: int) -> dict:
+    return {**scenario_two(rank, world_size), **scenario_rounds(rank, world_size)}
+
+
+# NOTE: one spawned group per world size, running every scenario in sequence: each process
+# pays the imports (torch, DDP's torch._dynamo, numba's cached kernels) once.
+SCENARIOS = {"two": scenario_two, "three": scenario_three}
+
+
+# ------------------------------------------------------------------ tests on spawned ranks
+def check_no_index_on_two_ranks(results: list[dict], epoch: int) -> None:
+    """What the ranks yield in an epoch overlaps no more than their samplers' padding does."""
+    sampled = Counter(i for r in results for i in r["sampler"][epoch])
+    got = Counter(i for r in results for i in r["yielded"][epoch])
+    for r in results:  # and each rank yields only its own sampler's examples
+        assert set(r["yielded"][epoch]) <= set(r["sampler"][epoch])
+    assert all(got[i] <= sampled[i] for i in got), "an index was yielded on two ranks"
+    padding = sum(sampled.values()) - len(sampled)
+    assert sum(got.values()) - len(got) <= padding
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory) -> list[dict]:
+    return run_ranks("two", 2, tmp_path_factory.mktemp("two"))
+
+
+@pytest.fixture(scope="module")
+def rounds(tmp_path_factory) -> list[dict]:
+    return run_ranks("three", 3, tmp_path_factory.mktemp("three"))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("policy", ["sb", "random"])
+def test_ddp_ranks_take_equal_steps_and_stay_identical(two, rounds, world_size, policy):
+    results = [r[policy] for r in (two if world_size == 2 else rounds)]
+    batches = [r["batches"] for r in results]
+    assert all(b == batches[0] for b in batches) and batches[0][0] > 0
+    # The selections really were uneven, and so were the selection forwards (each a DDP
+    # collective if it went through the wrapper).
+    if policy == "sb":
+        assert len({r["calls"] for r in results}) == world_size
+    else:
+        selected = [r["selected"][0] for r in results]
+        assert max(selected) > 2 * min(selected)
+    # DDP kept the parameters bitwise identical.
+    for r in results[1:]:
+        for a, b in zip(results[0]["params"], r["params"]):
+            assert torch.equal(a, b)
+    check_no_index_on_two_ranks(results, 0)
+    assert [r["rank"] for r in results] == list(range(world_size))
+    # Reduced stats: counts summed over ranks, times the slowest rank's.
+    for r in results:
+        red = r["reduced"]
+        assert red["examples_selected"] == sum(x["total"]["examples_selected"] for x in results)
+        assert red["batches_yielded"] == world_size * results[0]["total"]["batches_yielded"]
+        slowest = [max(x["epochs"][e]["wall_s"] for x in results) for e in range(2)]
+        assert red["wall_s"] == pytest.approx(sum(slowest))
+
+
+@pytest.mark.parametrize("remainder", ["carry", "short", "drop"])
+def test_uneven_source_lengths_do_not_hang_and_batch_counts_agree(rounds, remainder):
+    sizes = [r[remainder] for r in rounds]
+    for epoch in range(3):
+        assert len({len(s[epoch]) for s in sizes}) == 1, sizes
+    for r in rounds:
+        for epoch, stats in zip(r[remainder], r[remainder + "_stats"]):
+            st = stats
+            if remainder == "carry":
+                assert all(n == 4 for n in epoch)
+            if remainder == "drop":
+                assert all(n == 4 for n in epoch)
+                assert st["examples_yielded"] + st["dropped"] == st["examples_selected"]
+            if remainder == "short":
+                assert all(n == 4 for n in epoch[:-1]) and all(1 <= n <= 4 for n in epoch)
+                assert st["examples_yielded"] + st["dropped"] == st["examples_selected"]
+    # Carried surplus stays pending on the ranks that selected more, nothing is lost.
+    for r in rounds:
+        st = r["carry_stats"]
+        selected = sum(s["examples_selected"] for s in st)
+        assert selected == sum(s["examples_yielded"] for s in st) + r["carry_pending"]
+    assert rounds[0]["carry_pending"] > rounds[2]["carry_pending"]
+
+
+def test_traditional_with_uneven_sources_drops_the_extra_batches(rounds):
+    assert [r["traditional"] for r in rounds] == [[10, 10]] * 3
+    assert [r["traditional_dropped"] for r in rounds] == [40, 10, 0]
+
+
+def test_global_cdf_gives_identical_windows_across_ranks(rounds):
+    windows = [r["global_window"] for r in rounds]
+    assert len(windows[0]) == 128
+    for w in windows[1:]:
+        assert np.array_equal(w, windows[0])
+    # Rank 1's flipped labels give it the highest losses of the global distribution ...
+    assert rounds[1]["global_rate"] > 0.6
+    assert rounds[0]["global_rate"] < 0.3 and rounds[2]["global_rate"] < 0.3
+    # ... while local CDFs keep each rank's own rate near the target, in different windows.
+    assert not np.array_equal(rounds[0]["local_window"], rounds[1]["local_window"])
+    for r in rounds:
+        assert 0.15 < r["local_rate"] < 0.55
+
+
+def test_indices_above_2_to_the_31_survive_the_exchange_exactly(rounds):
+    starts = [2**31 + 7, 2**53 + 1, 2**62 + 12345]
+    for rank, r in enumerate(rounds):
+        assert set(r["big_yielded"]) <= set(range(starts[rank], starts[rank] + 30))
+        # Per round, the lower ranks' candidates are observed before choosing, the higher
+        # ranks' after: exactly the other ranks' indices, in rank order.
+        others = [o for o in range(3) if o != rank]
+        expected = [rounds[o]["big_chosen_from"][k] for k in range(3) for o in others]
+        assert r["big_observed"] == expected
+
+
+def test_stale_sb_with_nothing_loaded_on_one_rank(rounds):
+    for cdf in ("global", "local"):
+        counts = [r[cdf + "_stale_batches"] for r in rounds]
+        assert all(c == counts[0] for c in counts), counts
+        # Every rank's store knows every example's loss after the fresh epoch.
+        losses = [r[cdf + "_stale_store"][0] for r in rounds]
+        assert not np.isnan(losses[0]).any()
+        for x in losses[1:]:
+            assert np.array_equal(x, losses[0])
+    # With a global CDF, rank 0's examples are the easiest: in the stale epoch it loads none.
+    stale0 = rounds[0]["global_stale_stats"][1]
+    assert stale0["prefiltered"] == stale0["examples_seen"] == 40
+    assert stale0["selection_forwards"] == 0
+    assert rounds[2]["global_stale_stats"][1]["prefiltered"] < 40
+    windows = [r["global_stale_window"] for r in rounds]
+    assert all(np.array_equal(w, windows[0]) for w in windows)
+
+
+def test_generators_differ_by_rank_and_reproduce(rounds):
+    assert [r["loader_rank"] for r in rounds] == [0, 1, 2]
+    for r in rounds:
+        assert r["choices"] == r["choices_again"]
+    assert len({tuple(r["choices"]) for r in rounds}) == 3
+
+
+def test_mid_epoch_resume_with_a_rank_that_loaded_nothing(rounds):
+    assert rounds[0]["resume_position"] == 0 < rounds[1]["resume_position"]
+    for r in rounds:
+        assert len(r["resume_whole"][1]) > 5
+        assert r["resume_split"] == r["resume_whole"]
+
+
+def test_reduce_stats_sums_counts_and_takes_the_slowest_time(rounds):
+    for r in rounds:
+        red = r["reduced_stats"]
+        for key in ("examples_seen", "examples_selected", "batches_yielded", "examples_yielded"):
+            assert red[key] == sum(x["local_stats"][key] for x in rounds)
+        assert red["wall_s"] == max(x["local_stats"]["wall_s"] for x in rounds)
+        assert red["target_rate"] == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------ one process
+def random_choices(rank: int, seed: int = 0) -> list[int]:
+    loader = SelectiveLoader(
+        DataLoader(EncodedDataset(100), batch_size=20),
+        IndexLoss(),
+        policy=RandomBackprop(0.5),
+        batch_size=5,
+        seed=seed,
+        rank=rank,
+    )
+    return [i for b in loader for i in b.indices.tolist()]
+
+
+def test_rank_seeds_the_generator():
+    assert random_choices(0) == random_choices(0)
+    assert random_choices(1) == random_choices(1)
+    assert random_choices(0) != random_choices(1)
+
+
+def test_one_process_is_not_distributed_and_cdf_global_changes_nothing():
+    def run(cdf: str) -> list[list[int]]:
+        loader = SelectiveLoader(
+            DataLoader(EncodedDataset(120), batch_size=30),
+            IndexLoss(),
+            policy=SelectiveBackprop(1 / 3),
+            batch_size=10,
+            cdf=cdf,
+        )
+        assert loader._sync is None
+        return [b.indices.tolist() for b in loader]
+
+    assert run("global") == run("local")
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, message",
+    [
+        ({"distributed": True}, RuntimeError, r"init_process_group.*distributed=False"),
+        ({"distributed": "yes"}, TypeError, "distributed should be True, False or None"),
+        ({"cdf": "world"}, ValueError, "cdf should be one of 'local', 'global'"),
+    ],
+)
+def test_bad_distributed_arguments_name_the_fix(kwargs, exc, message):
+    with pytest.raises(exc, match=message):
+        SelectiveLoader(DataLoader(EncodedDataset(10), batch_size=5), IndexLoss(), **kwargs)
+
+
+def test_observe_feeds_the_window_and_the_store():
+    assert Policy.observe(RandomBackprop(), np.ones(2), None) is None  # the default: nothing
+    sb = SelectiveBackprop(0.5, history=8)
+    sb.observe(np.array([1.0, 2.0]), None)
+    sb.observe(np.array([3.0]), None, cdf=False)  # a local CDF: the window is left alone
+    assert sb.window.values().tolist() == [1.0, 2.0]
+    assert not sb.records_examples
+
+    stale = SelectiveBackprop(0.5, staleness=2)
+    stale.attach(10, key=0)
+    assert stale.records_examples
+    stale.begin_epoch(4)
+    stale.observe(np.array([0.5, 0.25]), np.array([3, 7]), cdf=False)
+    losses, epochs = stale.store.lookup(np.array([3, 7, 1]))
+    assert losses[:2].tolist() == [0.5, 0.25] and np.isnan(losses[2])
+    assert epochs.tolist() == [4, 4, -1] and len(stale.window) == 0
+
+    phased = Phased(SelectiveBackprop(0.5, history=8), warmup_epochs=1)
+    phased.begin_epoch(0)  # warm-up: the wrapped policy sees nothing, as in choose
+    phased.observe(np.array([1.0]), None)
+    phased.begin_epoch(1)
+    phased.observe(np.array([2.0]), None)
+    assert phased.policy.window.values().tolist() == [2.0]
+
+
+def test_reduce_stats_on_one_process_is_a_copy():
+    loader = SelectiveLoader(
+        DataLoader(EncodedDataset(40), batch_size=10), IndexLoss(), policy=RandomBackprop(0.5)
+    )
+    list(loader)
+    reduced = reduce_stats(loader.stats)
+    assert reduced.total.as_dict() == loader.stats.total.as_dict()
+    assert reduced.epochs[0] is not loader.stats.epochs[0]
+    with pytest.raises(TypeError, match="stats should be a LoaderStats"):
+        reduce_stats({"examples_seen": 1})
+
+
+def test_batch_counts_use_the_distributed_samplers_share():
+    ds = EncodedDataset(101)
+    sampler = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=False)
+    source = DataLoader(ds, batch_size=10, sampler=sampler)  # 51 examples on this rank
+    trad = SelectiveLoader(source, IndexLoss(), policy=sbloader.Traditional())
+    assert len(trad) == 6 == len(list(trad))
+    sb = SelectiveLoader(source, IndexLoss(), policy=RandomBackprop(0.5), batch_size=5)
+    assert sb.expected_batches() == pytest.approx(51 * 0.5 / 5)

@@ -1,0 +1,386 @@
+"""FFCV as a source: indices, pairing, buffer reuse, thread counts, equivalence with DataLoader.
+
+Every example's image is filled with its dataset index and its label is ``index % N_CLASSES``,
+so any mix-up of images, labels and indices shows. Skipped when ffcv is not installed.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import N_CLASSES, IndexLoss
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import sbloader
+from sbloader import RandomBackprop, SelectiveBackprop, SelectiveLoader, Traditional
+from sbloader import ffcv as sbffcv
+
+with sbffcv.preserved_threads():  # NOTE: a bare `import ffcv` would set torch's threads to 1
+    pytest.importorskip("ffcv")
+
+N = 300
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def encoded_arrays(n: int = N) -> tuple[np.ndarray, np.ndarray]:
+    images = np.repeat(np.arange(n, dtype=np.float32), 16).reshape(n, 1, 4, 4)
+    return images, np.arange(n, dtype=np.int64) % N_CLASSES
+
+
+@pytest.fixture(scope="module")
+def beton(tmp_path_factory) -> Path:
+    return sbffcv.write_beton(tmp_path_factory.mktemp("ffcv") / "encoded.beton", encoded_arrays())
+
+
+@pytest.fixture(autouse=True)
+def threads_unchanged():
+    """No test here may leave torch's or numba's thread count, or torch's default for new
+    threads, changed."""
+    import numba
+
+    before = (torch.get_num_threads(), numba.get_num_threads(), new_thread_torch_threads())
+    yield
+    after = (torch.get_num_threads(), numba.get_num_threads(), new_thread_torch_threads())
+    assert after == before
+
+
+def new_thread_torch_threads() -> int:
+    out: list[int] = []
+    t = threading.Thread(target=lambda: out.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def model() -> nn.Module:
+    """Cross-entropy grows with the index (IndexLoss on the image's first pixel)."""
+    return nn.Sequential(nn.Flatten(), IndexLoss(dim=16))
+
+
+def check_pairing(images, labels, indices) -> None:
+    idx = torch.as_tensor(indices)
+    assert images.shape[1:] == (1, 4, 4)
+    assert torch.equal(images.reshape(len(idx), -1), idx[:, None].float().expand(-1, 16))
+    assert torch.equal(labels, idx % N_CLASSES)
+
+
+def numba_limit() -> int:
+    import numba
+
+    return int(numba.config.NUMBA_NUM_THREADS)
+
+
+# ------------------------------------------------------------------ the source itself
+@pytest.mark.parametrize("order", ["sequential", "random"])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_every_index_exactly_once_with_exact_pairing(beton, order, workers):
+    if workers > numba_limit():
+        pytest.skip("needs NUMBA_NUM_THREADS >= 2 (test_more_workers_than_cores covers more)")
+    loader = sbffcv.open_beton(beton, 32, order=order, seed=3, num_workers=workers)
+    source = sbffcv.FFCVSource(loader)
+    assert len(source) == 10 and source.batch_size == 32 and source.dataset_size == N
+    orders = []
+    for epoch in range(2):
+        source.set_epoch(epoch)
+        seen = []
+        for (images, labels, index), indices in source.epoch():
+            assert labels.shape == index.shape == (len(indices),)  # (B, 1) flattened
+            check_pairing(images, labels, indices)
+            assert torch.equal(index, torch.from_numpy(indices))
+            seen.append(indices)
+        seen = np.concatenate(seen)
+        assert np.array_equal(np.sort(seen), np.arange(N))
+        if order == "random":  # FFCV's documented order: a permutation by (seed + epoch)
+            assert np.array_equal(seen, np.random.default_rng(3 + epoch).permutation(N))
+        orders.append(seen)
+    assert (order == "sequential") == np.array_equal(orders[0], orders[1])
+
+
+def test_more_workers_than_cores_in_a_subprocess(beton):
+    """FFCV needs NUMBA_NUM_THREADS >= num_workers, set before numba is imported."""
+    code = textwrap.dedent(
+        f"""
+        import numpy as np, torch, sbloader, sbloader.ffcv as F
+        torch.set_num_threads(2)
+        loader = F.open_beton({str(beton)!r}, 25, order="random", num_workers=3)
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 4))
+        sl = sbloader.SelectiveLoader(loader, model, policy=sbloader.RandomBackprop(1.0),
+                                      remainder="short")
+        for _ in range(2):
+            seen = []
+            for images, labels, index in sl:
+                assert torch.equal(images[:, 0, 0, 0].long(), index)
+                assert torch.equal(labels, index % 4)
+                seen += index.tolist()
+            assert sorted(seen) == list(range({N})), len(seen)
+        assert torch.get_num_threads() == 2
+        print("ok")
+        """
+    )
+    env = {**os.environ, "NUMBA_NUM_THREADS": "3"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_too_many_workers_names_the_fix(beton):
+    with pytest.raises(ValueError, match=r"num_workers=.*NUMBA_NUM_THREADS"):
+        sbffcv.open_beton(beton, 32, num_workers=numba_limit() + 1)
+
+
+def test_indices_recovered_from_the_traversal_order_match_the_index_field(beton):
+    loader = sbffcv.open_beton(beton, 32, order="random", seed=5)
+    by_field, by_order = sbffcv.FFCVSource(loader), sbffcv.FFCVSource(loader, index_field=None)
+    for epoch in (0, 3):
+        by_field.set_epoch(epoch)
+        by_order.set_epoch(epoch)
+        a = [i for _, i in by_field.epoch()]
+        b = [i for _, i in by_order.epoch()]
+        assert len(a) == len(b) == 10 and all(np.array_equal(x, y) for x, y in zip(a, b))
+    quasi = sbffcv.open_beton(beton, 32, order="quasi_random")
+    with pytest.raises(ValueError, match="index_field='index'"):
+        sbffcv.FFCVSource(quasi, index_field=None)
+    with pytest.raises(ValueError, match="index_field=None"):
+        sbffcv.FFCVSource(loader, index_field="idx")
+
+
+def test_mid_epoch_resume_is_refused_for_quasi_random(beton):
+    source = sbffcv.FFCVSource(sbffcv.open_beton(beton, 32, order="quasi_random"))
+    state = source.state_dict()
+    source.load_state_dict(state, mid_epoch=False)
+    with pytest.raises(ValueError, match="epoch boundary"):
+        source.load_state_dict(state, mid_epoch=True)
+    other_seed = sbffcv.FFCVSource(sbffcv.open_beton(beton, 32, order="random", seed=1))
+    state = sbffcv.FFCVSource(sbffcv.open_beton(beton, 32, order="random", seed=2)).state_dict()
+    with pytest.raises(ValueError, match="seed"):
+        other_seed.load_state_dict(state, mid_epoch=True)
+
+
+# ------------------------------------------------------------------ through SelectiveLoader
+def test_selective_loader_takes_an_ffcv_loader_directly(beton):
+    loader = sbffcv.open_beton(beton, 30, order="random", seed=0)
+    sl = SelectiveLoader(loader, model(), policy=SelectiveBackprop(0.5), batch_size=10, seed=0)
+    assert isinstance(sl.source, sbffcv.FFCVSource)
+    assert sl.expected_batches() == pytest.approx(N * 0.5 / 10)
+    for batch in sl:
+        images, labels, index = batch
+        assert isinstance(batch, tuple) and isinstance(batch, sbloader.SelectedBatch)
+        check_pairing(images, labels, batch.indices)
+        assert torch.equal(index, batch.indices)
+    by_position = SelectiveLoader(loader, model(), policy=Traditional(), index_key=2)
+    assert len(by_position) == 10 and all(b.indices is not None for b in by_position)
+
+
+def test_subsets_by_loader_indices_and_by_the_loaders_subset(beton):
+    ffcv_subset = sbffcv.open_beton(beton, 16, order="random", indices=np.arange(0, N, 3))
+    sl = SelectiveLoader(ffcv_subset, model(), policy=RandomBackprop(1.0), remainder="short")
+    assert sl.source.epoch_size == N // 3 and sl.source.dataset_size == N
+    assert sorted(i for b in sl for i in b.indices.tolist()) == list(range(0, N, 3))
+    full = sbffcv.open_beton(beton, 32, order="random")
+    subset = np.arange(1, N, 2)
+    sl = SelectiveLoader(full, model(), policy=SelectiveBackprop(1.0), subset=subset, seed=0)
+    got = [b for _ in range(2) for b in sl]
+    assert {i for b in got for i in b.indices.tolist()} <= set(subset.tolist())
+    for b in got:
+        check_pairing(b[0], b[1], b.indices)
+
+
+def test_kept_batches_survive_ffcvs_buffer_reuse(beton):
+    """Yielded batches (built from pending and carried examples) are copies: kept for many more
+    than batches_ahead + 2 iterations, their contents stay exact."""
+    loader = sbffcv.open_beton(beton, 30, order="random", seed=1, batches_ahead=1)
+    # The control: FFCV's own batches, kept without copying, are overwritten (3 slots).
+    with sbffcv.preserved_threads():
+        raw = [(idx, idx.clone()) for _, _, idx in loader]
+    assert sum(not torch.equal(kept, snapshot) for kept, snapshot in raw) > 0
+    sl = SelectiveLoader(
+        loader, model(), policy=SelectiveBackprop(1 / 3), batch_size=16, seed=0, remainder="carry"
+    )
+    kept, carried = [], 0
+    for _ in range(3):
+        kept += list(sl)
+        carried = max(carried, sl._pending.count)
+    assert len(kept) > 3 * (1 + 2) and carried > 0
+    for batch in kept:
+        images, labels, index = batch
+        check_pairing(images, labels, batch.indices)
+        assert torch.equal(index, batch.indices)
+        expected = nn.functional.cross_entropy(model()(images), labels, reduction="none")
+        torch.testing.assert_close(batch.losses, expected)
+
+
+def dataloader_twin(batch_size: int) -> DataLoader:
+    images, labels = encoded_arrays()
+    data = TensorDataset(torch.from_numpy(images), torch.from_numpy(labels))
+    return DataLoader(data, batch_size=batch_size, shuffle=False)
+
+
+def linear_model() -> nn.Module:
+    g = torch.Generator().manual_seed(0)
+    m = nn.Sequential(nn.Flatten(), nn.Linear(16, N_CLASSES))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.01)
+    return m
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        lambda: SelectiveBackprop(1 / 3, history=64),
+        lambda: SelectiveBackprop(1 / 3, history=64, staleness=2),
+        lambda: RandomBackprop(0.5),
+        lambda: Traditional(),
+    ],
+    ids=["sb", "stale-sb", "random", "traditional"],
+)
+@pytest.mark.parametrize("make_model", [model, linear_model], ids=["index-loss", "linear"])
+def test_ffcv_and_dataloader_give_the_same_selections(beton, policy, make_model):
+    """Same seed, data and example order (FFCV SEQUENTIAL vs an unshuffled DataLoader, same batch
+    size): the same examples are selected, with the same losses, in the same batches."""
+    runs = []
+    for source in (
+        sbffcv.open_beton(beton, 30, order="sequential", num_workers=1),
+        dataloader_twin(30),
+    ):
+        sl = SelectiveLoader(source, make_model(), policy=policy(), batch_size=20, seed=7)
+        run = []
+        for _ in range(3):
+            for batch in sl:
+                check_pairing(batch[0], batch[1], batch.indices)
+                run.append((batch.indices.tolist(), batch.losses.clone(), batch[0].clone()))
+        runs.append(run)
+    ffcv_run, dl_run = runs
+    assert [r[0] for r in ffcv_run] == [r[0] for r in dl_run]
+    for (_, la, xa), (_, lb, xb) in zip(ffcv_run, dl_run):
+        assert torch.equal(xa, xb)
+        torch.testing.assert_close(la, lb, equal_nan=True, rtol=0, atol=0)
+
+
+def test_mid_epoch_resume_with_a_random_order(beton):
+    def build():
+        loader = sbffcv.open_beton(beton, 30, order="random", seed=4)
+        return SelectiveLoader(
+            loader, model(), policy=SelectiveBackprop(1 / 3, history=64), batch_size=16, seed=2
+        )
+
+    full = [b.indices.tolist() for b in build_and_run(build(), 3)]
+    first = build()
+    got = [b.indices.tolist() for b in first]
+    it = iter(first)
+    got += [next(it).indices.tolist() for _ in range(2)]
+    state = copy.deepcopy(first.state_dict())
+    del it
+    resumed = build()
+    resumed.load_state_dict(state)
+    got += [b.indices.tolist() for b in resumed]  # the rest of epoch 2
+    got += [b.indices.tolist() for b in resumed]  # epoch 3
+    assert got == full
+
+
+def build_and_run(loader: SelectiveLoader, epochs: int) -> list:
+    return [b for _ in range(epochs) for b in loader]
+
+
+# ------------------------------------------------------------------ writing
+def test_write_a_map_style_dataset_and_read_it_back(tmp_path):
+    class Samples:
+        def __len__(self):
+            return 50
+
+        def __getitem__(self, i):
+            return torch.full((2, 3), float(i)), i % 5, float(i) / 2
+
+    path = sbffcv.write_beton(tmp_path / "ds.beton", Samples(), names=("x", "y", "half"))
+    loader = sbffcv.open_beton(path, 16)
+    source = sbffcv.FFCVSource(loader)
+    assert source.outputs == ["x", "y", "half", "index"]
+    seen = []
+    for (x, y, half, _), indices in source.epoch():
+        idx = torch.from_numpy(indices)
+        assert torch.equal(x, idx[:, None, None].float().expand(-1, 2, 3))
+        assert torch.equal(y, idx % 5) and torch.allclose(half, idx.double() / 2)
+        seen += indices.tolist()
+    assert seen == list(range(50))
+
+
+def test_a_bad_sample_raises_naming_it_and_removes_the_file(tmp_path):
+    class Bad:
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            return np.zeros((3,) if i != 17 else (4,), np.float32), 0
+
+    path = tmp_path / "bad.beton"
+    with pytest.raises(ValueError, match="sample 17 has shape"):
+        sbffcv.write_beton(path, Bad())
+    assert not path.exists()
+    with pytest.raises(ValueError, match="same length"):
+        sbffcv.write_beton(path, (np.zeros((3, 2)), np.zeros(4)))
+    with pytest.raises(ValueError, match="index_field="):
+        sbffcv.write_beton(path, (np.zeros((3, 2)), np.zeros(3, np.int64)), names=("a", "index"))
+
+
+# ------------------------------------------------------------------ side effects
+def test_using_ffcv_through_sbloader_never_changes_thread_counts(tmp_path):
+    """From a fresh process: importing ffcv, writing, building a Loader and iterating (including
+    abandoning an epoch) leave torch's and numba's thread counts as they were."""
+    code = textwrap.dedent(
+        f"""
+        import sys, threading, numba, numpy as np, torch
+        import sbloader, sbloader.ffcv as F
+        torch.set_num_threads(2)
+        assert "ffcv" not in sys.modules, "import sbloader.ffcv imported ffcv"
+
+        def counts():
+            out = []
+            t = threading.Thread(target=lambda: out.append(torch.get_num_threads()))
+            t.start(); t.join()
+            return torch.get_num_threads(), numba.get_num_threads(), out[0]
+
+        before = counts()
+        images = np.repeat(np.arange(200, dtype=np.float32), 16).reshape(200, 1, 4, 4)
+        path = F.write_beton({str(tmp_path / "t.beton")!r}, (images, np.arange(200) % 4))
+        assert counts() == before, ("write", counts(), before)
+        loader = F.open_beton(path, 20, order="random", num_workers=1)
+        assert counts() == before, ("open", counts(), before)
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 4))
+        for policy in (sbloader.Traditional(), sbloader.SelectiveBackprop(0.5)):
+            sl = sbloader.SelectiveLoader(loader, model, policy=policy, batch_size=10)
+            for _ in range(2):
+                for batch in sl:
+                    assert counts() == before, ("batch", counts(), before)
+            for batch in sl:
+                break
+            assert counts() == before, ("break", counts(), before)
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_import_sbloader_ffcv_and_a_dataloader_source_never_import_ffcv():
+    code = (
+        "import sys, torch, sbloader, sbloader.ffcv; "
+        "from torch.utils.data import DataLoader, TensorDataset; "
+        "dl = DataLoader(TensorDataset(torch.zeros(8, 2), torch.zeros(8).long()), batch_size=4); "
+        "list(sbloader.SelectiveLoader(dl, torch.nn.Linear(2, 2))); "
+        "list(sbloader.SelectiveLoader([(torch.zeros(4, 2), torch.zeros(4).long())], "
+        "torch.nn.Linear(2, 2), batch_size=2)); "
+        "assert 'ffcv' not in sys.modules; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr

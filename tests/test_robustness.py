@@ -1,0 +1,873 @@
+"""Never lose a run: exact resumption, clear errors for bad input, faults and scale.
+
+Resumption is checked bitwise against an uninterrupted run while the model trains between
+batches, so that a selection pass run at the wrong moment (before instead of after a training
+step) changes the losses and shows up.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import N_CLASSES, EncodedDataset, IndexLoss
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from sbloader import (
+    ExampleStore,
+    Kath18,
+    Phased,
+    RandomBackprop,
+    SelectiveBackprop,
+    SelectiveLoader,
+    Traditional,
+)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny tensors: one intra-op thread is faster and immune to a busy machine (restored)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Net(nn.Module):
+    """A small trainable model; inputs are scaled so that EncodedDataset's large values train."""
+
+    def __init__(self, dim: int = 6) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(dim, 16), nn.ReLU(), nn.Linear(16, N_CLASSES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x.float() / 100.0)
+
+
+# ---------------------------------------------------------------------- resumable state
+POLICIES = {
+    "sb": lambda: SelectiveBackprop(1 / 3, history=64),
+    "stale-sb": lambda: SelectiveBackprop(1 / 3, history=64, staleness=2),
+    "kath18": lambda: Kath18(1 / 3, tau_threshold=1.05),
+    "random": lambda: RandomBackprop(0.4),
+    "phased": lambda: Phased(SelectiveBackprop(1 / 3, history=64), warmup_epochs=1),
+    "traditional": lambda: Traditional(),
+}
+
+
+class Run:
+    """A model, its optimizer and a loader, built identically every time."""
+
+    def __init__(self, policy: str, *, n=240, bs=8, source_bs=48, workers=0, **kw) -> None:
+        torch.manual_seed(0)
+        self.model = Net()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        dl = DataLoader(
+            EncodedDataset(n),
+            batch_size=source_bs,
+            shuffle=True,
+            num_workers=workers,
+            generator=torch.Generator().manual_seed(1),
+        )
+        self.loader = SelectiveLoader(
+            dl, self.model, policy=POLICIES[policy](), batch_size=bs, seed=3, **kw
+        )
+
+    def step(self, batch) -> tuple:
+        """Train on the batch; return everything it carried, as bytes (NaN compares equal)."""
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.model(x), y, reduction="none") * batch.weights
+        self.opt.zero_grad()
+        loss.mean().backward()
+        self.opt.step()
+        return (
+            tuple(batch.indices.tolist()),
+            batch.losses.numpy().tobytes(),
+            batch.probabilities.numpy().tobytes(),
+            batch.weights.numpy().tobytes(),
+            x.numpy().tobytes(),
+            y.numpy().tobytes(),
+        )
+
+    def checkpoint(self) -> dict:
+        state = {
+            "loader": self.loader.state_dict(),
+            "model": self.model.state_dict(),
+            "opt": self.opt.state_dict(),
+        }
+        return copy.deepcopy(state)
+
+    def restore(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.loader.load_state_dict(state["loader"])
+
+
+def run(policy: str, epochs: int, cuts=(), **kw):
+    """Train ``epochs`` epochs; at each cut ``(epoch, k)`` (after k batches of that epoch; k may
+    be "end", after the epoch's StopIteration) checkpoint, throw everything away and resume in a
+    freshly built run. Returns the batches, the final Run, the batches per epoch and the
+    pending (selected, not yet yielded) counts at the cuts."""
+    r = Run(policy, **kw)
+    out, counts, pending = [], [], []
+    cuts = set(cuts)
+
+    def cut(r: Run) -> Run:
+        pending.append(r.loader._pending.count)
+        state = r.checkpoint()
+        r = Run(policy, **kw)
+        r.restore(state)
+        return r
+
+    for ep in range(epochs):
+        it, k = iter(r.loader), 0
+        while True:
+            if (ep, k) in cuts:
+                del it
+                r = cut(r)
+                it = iter(r.loader)
+            batch = next(it, None)
+            if batch is None:
+                break
+            out.append(r.step(batch))
+            k += 1
+        counts.append(k)
+        if (ep, "end") in cuts:
+            r = cut(r)
+    return out, r, counts, pending
+
+
+COUNTS = (
+    "examples_seen",
+    "selection_forwards",
+    "selection_calls",
+    "examples_selected",
+    "examples_yielded",
+    "batches_yielded",
+    "nonfinite",
+    "dropped",
+    "prefiltered",
+)
+
+
+def assert_same_state(a: Run, b: Run) -> None:
+    """Same per-epoch counts, same loss window, same per-example store."""
+    for ea, eb in zip(a.loader.stats.epochs, b.loader.stats.epochs, strict=True):
+        assert [getattr(ea, c) for c in COUNTS] == [getattr(eb, c) for c in COUNTS], ea.epoch
+    sa, sb = a.loader.policy, b.loader.policy
+    sa, sb = getattr(sa, "policy", sa), getattr(sb, "policy", sb)
+    store_a, store_b = getattr(sa, "store", None), getattr(sb, "store", None)
+    assert (store_a is None) == (store_b is None)
+    if store_a is not None:
+        for col in ("loss", "seen", "selected"):
+            np.testing.assert_array_equal(getattr(store_a, col), getattr(store_b, col))
+    window_a, window_b = getattr(sa, "window", None), getattr(sb, "window", None)
+    if window_a is not None:
+        np.testing.assert_array_equal(window_a.values(), window_b.values())
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_two_epochs_save_resume_two_epochs_equals_four(policy):
+    full, ref, _, _ = run(policy, 4)
+    got, resumed, _, _ = run(policy, 4, cuts=[(1, "end")])
+    assert got == full and len(full) > 0
+    assert_same_state(ref, resumed)
+    assert [e.epoch for e in resumed.loader.stats.epochs] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_resume_at_every_kind_of_point_is_bitwise_exact(policy):
+    """At 0, after 1, mid-epoch, after the last batch, at the end of an epoch, twice within one
+    epoch, and in a stale epoch (Stale-SB's epoch 1), all in one run."""
+    full, ref, counts, _ = run(policy, 4)
+    last = counts[1]
+    cuts = [(0, 0), (0, 1), (1, 0), (1, 2), (1, last - 1), (1, last), (2, "end"), (3, 3)]
+    got, resumed, _, _ = run(policy, 4, cuts=cuts)
+    assert got == full
+    assert_same_state(ref, resumed)
+
+
+@pytest.mark.parametrize("policy", ["sb", "stale-sb", "kath18", "phased"])
+def test_resume_with_a_pending_batch_is_bitwise_exact(policy):
+    """Source batches of 48 for training batches of 8: a source batch fills several training
+    batches, so the saved pending batch often holds more than a full batch still to be yielded
+    before the next selection pass."""
+    full, ref, counts, _ = run(policy, 3)
+    cuts = [(ep, k) for ep in range(3) for k in range(1, counts[ep], 2)]
+    got, resumed, _, pending = run(policy, 3, cuts=cuts)
+    assert got == full
+    assert_same_state(ref, resumed)
+    assert max(pending) >= 8  # some cut had a full batch or more waiting
+    assert sum(p > 0 for p in pending) >= len(pending) // 2
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_with_workers_mid_epoch(workers):
+    full, _, counts, _ = run("sb", 2, workers=workers)
+    got, _, _, pending = run("sb", 2, cuts=[(0, 3), (1, counts[1] // 2)], workers=workers)
+    assert got == full and pending[0] > 0
+
+
+@pytest.mark.parametrize("remainder", ["short", "carry", "drop"])
+def test_resume_after_the_last_full_batch_with_dict_batches(remainder):
+    """Saved after the epoch's last full batch, nothing left to load: the restored pending batch
+    must still be yielded (short), carried or dropped, in the source's dict structure."""
+
+    def as_dict(samples):
+        x, y = torch.utils.data.default_collate(samples)
+        return {"image": x, "label": y, "name": [f"ex{int(v)}" for v in x[:, 0]]}
+
+    def build():
+        dl = DataLoader(
+            EncodedDataset(100),
+            batch_size=20,
+            shuffle=True,
+            collate_fn=as_dict,
+            generator=torch.Generator().manual_seed(0),
+        )
+        return SelectiveLoader(
+            dl,
+            IndexLoss(),
+            policy=RandomBackprop(1.0),
+            batch_size=8,
+            remainder=remainder,
+            input_key="image",
+            target_key="label",
+        )
+
+    def names(b):
+        return b["name"], b.indices.tolist()
+
+    full = build()
+    want = [names(b) for _ in range(2) for b in full]
+    loader = build()
+    it = iter(loader)
+    got = [names(next(it)) for _ in range(12)]  # 100 examples: 12 full batches, 4 left over
+    state = loader.state_dict()
+    assert state["pending"]["count"] == 4 and state["position"] == 5
+    assert state["format"] == {
+        "kind": "dict",
+        "keys": ["image", "label", "name"],
+        "input_key": "image",
+        "target_key": "label",
+    }
+    again = build()
+    again.load_state_dict(state)
+    got += [names(b) for _ in range(2) for b in again]
+    assert got == want
+    assert all(isinstance(n, list) and n[0].startswith("ex") for n, _ in got)
+
+
+def scalars(obj):
+    """Everything in a state but tensors and arrays."""
+    if isinstance(obj, dict):
+        return {k: scalars(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [scalars(v) for v in obj]
+    return None if isinstance(obj, (torch.Tensor, np.ndarray)) else obj
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_mid_epoch_state_is_json_scalars_plus_tensors_and_loads_weights_only(policy, tmp_path):
+    r = Run(policy)
+    list(r.loader)
+    it = iter(r.loader)
+    for _ in range(3):
+        next(it)
+    state = r.loader.state_dict()
+    assert state["version"] == SelectiveLoader.STATE_VERSION and state["active"]
+    json.dumps(scalars(state))  # the scalar part is JSON
+
+    def arrays(obj):
+        if isinstance(obj, dict):
+            return any(arrays(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return any(arrays(v) for v in obj)
+        return isinstance(obj, np.ndarray)
+
+    assert not arrays(state)  # numpy arrays would make torch.load(weights_only=True) refuse it
+    torch.save({"loader": state}, tmp_path / "ckpt.pt")
+    loaded = torch.load(tmp_path / "ckpt.pt", weights_only=True)["loader"]
+    again = Run(policy)
+    again.loader.load_state_dict(loaded)
+    rest = [b.indices.tolist() for b in again.loader]
+    assert rest == [b.indices.tolist() for b in it]
+
+
+def test_memory_mapped_store_state_is_a_path(tmp_path):
+    def build():
+        policy = SelectiveBackprop(1 / 3, staleness=2, store_path=str(tmp_path / "store"))
+        dl = DataLoader(EncodedDataset(120), batch_size=30)
+        return SelectiveLoader(dl, IndexLoss(), policy=policy, batch_size=10)
+
+    loader = build()
+    list(loader)
+    state = loader.state_dict()
+    assert state["policy"]["store"] == {
+        "version": ExampleStore.VERSION,
+        "size": 120,
+        "path": str(tmp_path / "store"),
+    }
+    json.dumps(scalars(state))
+    again = build()
+    again.load_state_dict(state)
+    np.testing.assert_array_equal(again.policy.store.loss, loader.policy.store.loss)
+    assert (again.policy.store.seen == 1).all()
+
+
+# ---------------------------------------------------------------------- bad input
+class PoisonedLoss:
+    """Per-example cross-entropy, with NaN, +inf and -inf for the examples listed (the model's
+    inputs carry each example's index); ``enabled`` switches the poison off."""
+
+    reduction = "none"
+    BAD = {7: float("nan"), 18: float("inf"), 29: float("-inf"), 77: float("nan")}
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self.index: torch.Tensor | None = None
+
+    def __call__(self, out, y):
+        loss = nn.functional.cross_entropy(out, y, reduction="none")
+        if self.enabled:
+            for i, v in self.BAD.items():
+                loss = torch.where(self.index == i, torch.tensor(v), loss)
+        return loss
+
+
+class Recorder(IndexLoss):
+    """IndexLoss that shares the batch's indices with a PoisonedLoss."""
+
+    def __init__(self, loss: PoisonedLoss) -> None:
+        super().__init__()
+        self.loss = loss
+
+    def forward(self, x):
+        self.loss.index = x[:, 0].long()
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("mode", ["skip", "select", "raise"])
+def test_nan_and_infinite_losses_never_reach_window_or_store(mode):
+    bad = set(PoisonedLoss.BAD)
+    loss = PoisonedLoss()
+    model = Recorder(loss).train()
+    dl = DataLoader(EncodedDataset(120), batch_size=30)
+    loader = SelectiveLoader(
+        dl,
+        model,
+        loss_fn=loss,
+        policy=SelectiveBackprop(1.0, history=1024, staleness=2),
+        batch_size=10,
+        nonfinite=mode,
+        remainder="short",
+    )
+    store = loader.policy.store
+    if mode == "raise":
+        with pytest.raises(
+            FloatingPointError, match=r"3 selection .*indices \[7, 18, 29\].*nonfinite='skip'"
+        ):
+            list(loader)
+        assert model.training and len(loader.policy.window) == 0  # nothing of that batch
+        assert (store.seen == 0).all() and loader.stats.current.nonfinite == 3
+        loss.enabled = False
+        assert sum(len(b[0]) for b in loader) == 120  # the same loader carries on
+        return
+    batches = list(loader)
+    got = [i for b in batches for i in b.indices.tolist()]
+    assert loader.stats.current.nonfinite == len(bad)
+    window = loader.policy.window.values()
+    assert np.isfinite(window).all() and len(window) == 120 - len(bad)
+    losses, epochs = store.lookup(np.arange(120))
+    assert np.isnan(losses[sorted(bad)]).all() and (epochs[sorted(bad)] == -1).all()
+    good = np.setdiff1d(np.arange(120), sorted(bad))
+    assert np.isfinite(losses[good]).all() and (epochs[good] == 0).all()
+    if mode == "skip":
+        assert sorted(got) == good.tolist()
+    else:
+        assert sorted(got) == list(range(120))
+        for b in batches:
+            for i, v, p in zip(b.indices.tolist(), b.losses.tolist(), b.probabilities.tolist()):
+                assert (i in bad) == (not np.isfinite(v))
+                if i in bad:
+                    assert p == 1.0 and (np.isnan(v) or v == PoisonedLoss.BAD[i])
+
+
+@pytest.mark.parametrize(
+    "loss_fn, shape",
+    [
+        (lambda out, y: nn.functional.cross_entropy(out, y), r"\(\)"),
+        (lambda out, y: nn.functional.cross_entropy(out, y, reduction="none")[:, None], "1"),
+        (lambda out, y: float(nn.functional.cross_entropy(out, y)), "float"),
+    ],
+)
+def test_loss_fn_without_one_loss_per_example_names_the_fix(loss_fn, shape):
+    model = nn.Sequential(nn.Linear(6, N_CLASSES), nn.Dropout(0.1)).train()
+    dl = DataLoader(EncodedDataset(40), batch_size=10)
+    loader = SelectiveLoader(dl, model, loss_fn=loss_fn, batch_size=5)
+    with pytest.raises(ValueError, match=f"one loss per example.*{shape}.*reduction='none'"):
+        next(iter(loader))
+    assert model.training and model[1].training
+
+
+class Relabel(EncodedDataset):
+    """EncodedDataset whose label for example 13 is out of range while ``broken``."""
+
+    broken = True
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return x, torch.tensor(99) if (self.broken and i == 13) else y
+
+
+def test_label_out_of_range_surfaces_and_the_same_loader_carries_on():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, N_CLASSES)).train()
+    model[1].eval()  # a frozen BatchNorm stays frozen
+    ds = Relabel(60)
+    loader = SelectiveLoader(DataLoader(ds, batch_size=20), model, batch_size=10)
+    with pytest.raises(IndexError, match="out of bounds"):
+        list(loader)  # the loss's own error
+    assert model.training and not model[1].training
+    assert len(loader.policy.window) == 0  # the failed batch's losses went nowhere
+    ds.broken = False
+    got = sorted(i for b in loader for i in b.indices.tolist())
+    assert len(got) == loader.stats.current.examples_selected - loader._pending.count
+    assert loader.stats.current.examples_seen == 60 and loader.epoch == 2
+
+
+@pytest.mark.parametrize("source", ["empty list", "empty sampler"])
+def test_a_source_that_yields_nothing_is_an_error(source):
+    if source == "empty list":
+        src = []
+    else:
+        src = DataLoader(EncodedDataset(40), batch_size=10, sampler=[])
+    loader = SelectiveLoader(src, IndexLoss(), batch_size=4)
+    with pytest.raises(ValueError, match="yielded no examples in epoch 0"):
+        list(loader)
+    with pytest.raises(ValueError, match="yielded no examples in epoch 1"):
+        list(loader)  # every time, not only once
+
+
+@pytest.mark.parametrize(
+    "policy, remainder, model, sizes, dropped",
+    [
+        ("traditional", "carry", "plain", [[5], [5]], 0),
+        ("random1", "short", "plain", [[5], [5]], 0),
+        ("random1", "drop", "plain", [[], []], 5),
+        ("random1", "carry", "plain", [[], [8]], 0),
+        ("sb1", "short", "bn", [[5], [5]], 0),
+        ("traditional", "carry", "bn1", [[], []], 1),  # a batch of one never reaches BatchNorm
+    ],
+)
+def test_dataset_smaller_than_one_batch(policy, remainder, model, sizes, dropped):
+    n = 1 if model == "bn1" else 5
+    pol = {
+        "traditional": Traditional(),
+        "random1": RandomBackprop(1.0),
+        "sb1": SelectiveBackprop(1.0),
+    }[policy]
+    net = (
+        IndexLoss()
+        if model == "plain"
+        else nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, N_CLASSES))
+    )
+    dl = DataLoader(EncodedDataset(n), batch_size=16)
+    loader = SelectiveLoader(dl, net, policy=pol, batch_size=8, remainder=remainder)
+    got = [[len(b[0]) for b in loader] for _ in range(2)]
+    assert got == sizes
+    assert loader.stats.epochs[-1].dropped == dropped
+
+
+def test_index_field_of_another_length_is_refused():
+    batches = [(torch.zeros(4, 6), torch.zeros(4, dtype=torch.long), torch.arange(3))]
+    loader = SelectiveLoader(batches, IndexLoss(), batch_size=2, index_key=2)
+    with pytest.raises(ValueError, match=r"field 2 .* 3 entries but the input field 0 has 4"):
+        next(iter(loader))
+
+
+def test_dict_fields_of_different_lengths_are_refused():
+    batches = [{"input": torch.zeros(4, 6), "target": torch.zeros(4, dtype=torch.long), "w": [1]}]
+    with pytest.raises(ValueError, match=r"field 'w' .* 1 entries .* one entry per example"):
+        next(iter(SelectiveLoader(batches, IndexLoss(), batch_size=2)))
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, message",
+    [
+        ({}, KeyError, r"without the key 'input'; pass input_key= naming one of \['x', 'y'\]"),
+        ({"input_key": "x"}, KeyError, "without the key 'target'; pass target_key="),
+        ({"input_key": "x", "target_key": "z"}, KeyError, "without the key 'z'"),
+        ({"input_key": "x", "target_key": "y", "index_key": "idx"}, KeyError, "index_key='idx'"),
+    ],
+)
+def test_dict_batches_without_the_named_key(kwargs, exc, message):
+    batches = [{"x": torch.zeros(4, 6), "y": torch.zeros(4, dtype=torch.long)}]
+    with pytest.raises(exc, match=message):
+        next(iter(SelectiveLoader(batches, IndexLoss(), batch_size=2, **kwargs)))
+
+
+@pytest.mark.parametrize("make", [RandomBackprop, Kath18, SelectiveBackprop])
+@pytest.mark.parametrize("bad", [0.0, -0.5, 1.0001, 2, float("inf")])
+def test_selectivity_outside_the_unit_interval_is_refused(make, bad):
+    with pytest.raises(ValueError, match=f"selectivity should be (in|finite).*selectivity={bad}"):
+        make(selectivity=bad)
+    with pytest.raises(TypeError, match="selectivity should be a number"):
+        make(selectivity="1/3")
+
+
+class Flaky(nn.Module):
+    """Raises in its ``fail``-th forward (counting from 1), then works; records modes."""
+
+    def __init__(self, fail: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, N_CLASSES)
+        self.bn = nn.BatchNorm1d(N_CLASSES)
+        self.calls, self.fail = 0, fail
+
+    def forward(self, x):
+        self.calls += 1
+        assert not self.training and not self.bn.training
+        if self.calls == self.fail:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return self.bn(self.lin(x / 100))
+
+
+def test_a_model_that_raises_mid_selection_leaves_nothing_half_done():
+    """The failure is in the second chunk of a source batch: the first chunk's losses must not
+    enter the window, and the same loader carries on afterwards."""
+    model = Flaky(fail=4).train()  # source batch 2, chunk 2
+    dl = DataLoader(EncodedDataset(90), batch_size=30)
+    loader = SelectiveLoader(
+        dl, model, policy=SelectiveBackprop(0.5), batch_size=10, selection_batch_size=16
+    )
+    it = iter(loader)
+    next(it)
+    window = loader.policy.window.values()
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        list(it)
+    assert model.training and model.bn.training
+    np.testing.assert_array_equal(loader.policy.window.values(), window)  # 30, not 46
+    assert len(window) == 30
+    assert sum(len(b[0]) for b in loader) > 0 and loader.stats.current.examples_seen == 90
+
+
+def test_a_model_on_the_meta_device_is_refused_with_the_fix():
+    """On a CPU-only machine the only other device is 'meta': a model not materialised yet (as
+    built under ``torch.device('meta')`` for deferred initialisation). Batches moved there would
+    hold no data, silently for Traditional; the loader refuses up front instead."""
+    with torch.device("meta"):
+        meta_model = nn.Linear(6, N_CLASSES)
+    dl = DataLoader(EncodedDataset(40), batch_size=10)
+    for policy in (SelectiveBackprop(0.5), Traditional()):
+        loader = SelectiveLoader(dl, meta_model, policy=policy)
+        with pytest.raises(ValueError, match=r"meta device .*to_empty"):
+            next(iter(loader))
+    loader = SelectiveLoader(dl, nn.Linear(6, N_CLASSES), device="meta")
+    with pytest.raises(ValueError, match="device='meta'"):
+        next(iter(loader))
+    # Inputs that arrive on another device than the model's are moved to it (here: CPU).
+    loader = SelectiveLoader(dl, IndexLoss(), device=torch.device("cpu"))
+    assert next(iter(loader))[0].device == torch.device("cpu")
+
+
+def test_inputs_on_the_meta_device_surface_torchs_error():
+    batches = [(torch.zeros(4, 6, device="meta"), torch.zeros(4, dtype=torch.long))]
+    model = IndexLoss().train()
+    with pytest.raises(NotImplementedError, match="meta tensor"):
+        next(iter(SelectiveLoader(batches, model, batch_size=2)))
+    assert model.training
+
+
+# ---------------------------------------------------------------------- faults
+class KillsItsWorker(EncodedDataset):
+    """Loading example 150 in a worker process kills that worker (SIGKILL, as the OOM killer
+    does), once: a flag file records that it happened."""
+
+    def __init__(self, n: int, flag: str) -> None:
+        super().__init__(n)
+        self.flag = flag
+
+    def __getitem__(self, i):
+        info = torch.utils.data.get_worker_info()
+        if i == 150 and info is not None and not os.path.exists(self.flag):
+            open(self.flag, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(i)
+
+
+@pytest.fixture
+def quick_worker_shutdown(monkeypatch):
+    """Workers left over from a failed epoch take torch's status interval (5 s) to exit when
+    their iterator is collected; a shorter interval keeps these tests fast. Detection of the
+    death is unaffected (it does not wait on this value)."""
+    import torch.utils.data._utils as data_utils
+
+    monkeypatch.setattr(data_utils, "MP_STATUS_CHECK_INTERVAL", 0.2)
+    monkeypatch.setattr(data_utils.worker, "MP_STATUS_CHECK_INTERVAL", 0.2)
+    yield
+    gc.collect()  # shut down failed iterators (held by tracebacks) while the patch is active
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_killed_worker_surfaces_promptly(tmp_path, persistent, quick_worker_shutdown):
+    flag = str(tmp_path / "killed")
+    model = IndexLoss().train()
+    dl = DataLoader(
+        KillsItsWorker(400, flag),
+        batch_size=20,
+        shuffle=True,
+        num_workers=2,
+        persistent_workers=persistent,
+        generator=torch.Generator().manual_seed(0),
+    )
+    loader = SelectiveLoader(dl, model, policy=SelectiveBackprop(0.5), batch_size=10)
+    start = time.monotonic()
+    # NOTE: torch reports the death itself (RuntimeError), or, when the worker died while the
+    # main process was fetching a tensor it had shared, the broken connection.
+    with pytest.raises((RuntimeError, ConnectionError)) as err:
+        list(loader)
+    if err.type is RuntimeError:
+        assert re.search(r"DataLoader worker \(pid.*(killed|exited unexpectedly)", str(err.value))
+    del err
+    assert os.path.exists(flag) and time.monotonic() - start < 30
+    assert model.training
+    # The same loader carries on with fresh workers. With persistent workers, a plain
+    # DataLoader's next epoch could hang reading what the dead worker left behind.
+    start = time.monotonic()
+    assert sorted(i for b in loader for i in b.indices.tolist())
+    assert loader.stats.current.examples_seen == 400
+    assert time.monotonic() - start < 30
+
+
+class Stalls(EncodedDataset):
+    """Loading example 5 in a worker stalls until a release file appears."""
+
+    def __init__(self, n: int, release: str) -> None:
+        super().__init__(n)
+        self.release = release
+
+    def __getitem__(self, i):
+        if i == 5 and torch.utils.data.get_worker_info() is not None:
+            while not os.path.exists(self.release):
+                time.sleep(0.02)
+        return super().__getitem__(i)
+
+
+@pytest.mark.timeout(120)
+def test_a_stalled_worker_hits_the_dataloaders_timeout(tmp_path, quick_worker_shutdown):
+    """A hung worker is not dead, so only DataLoader(timeout=) can end the wait: the loader
+    passes the user's timeout through to the DataLoader it rebuilds."""
+    release = str(tmp_path / "release")
+    dl = DataLoader(Stalls(40, release), batch_size=10, num_workers=1, timeout=1)
+    loader = SelectiveLoader(dl, IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=5)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="timed out after 1 seconds"):
+            list(loader)
+    finally:
+        open(release, "w").close()
+    assert time.monotonic() - start < 20
+
+
+class Interrupted(nn.Module):
+    """Delivers a real SIGINT (Ctrl-C) to this process during its ``at``-th forward."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, N_CLASSES)
+        self.drop = nn.Dropout(0.5)
+        self.calls, self.at = 0, at
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the KeyboardInterrupt arrives here
+        return self.drop(self.lin(x / 100))
+
+
+def test_ctrl_c_during_a_selection_pass_restores_training_mode_and_state():
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default KeyboardInterrupt handler here")
+    model = Interrupted(at=3).train()
+    model.drop.eval()  # a deliberately frozen submodule stays frozen
+    dl = DataLoader(EncodedDataset(120), batch_size=30, generator=torch.Generator())
+    loader = SelectiveLoader(dl, model, policy=SelectiveBackprop(0.5), batch_size=10)
+    it = iter(loader)
+    before = []
+    with pytest.raises(KeyboardInterrupt):
+        for b in it:
+            before.append(b.indices.tolist())
+            state = loader.state_dict()
+    assert model.training and not model.drop.training
+    assert len(loader.policy.window) == 60  # the interrupted batch's losses went nowhere
+    # The last checkpoint taken before the interrupt resumes the epoch.
+    again = SelectiveLoader(
+        DataLoader(EncodedDataset(120), batch_size=30, generator=torch.Generator()),
+        IndexLoss(),
+        policy=SelectiveBackprop(0.5),
+        batch_size=10,
+    )
+    again.load_state_dict(state)
+    assert again.stats.current.examples_seen == 60
+    assert sum(len(b[0]) for b in again) > 0 and again.stats.current.examples_seen == 120
+
+
+# ---------------------------------------------------------------------- scale
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+needs_proc = pytest.mark.skipif(
+    not os.path.exists("/proc/self/statm"), reason="resident memory is read from /proc"
+)
+
+
+@needs_proc
+def test_store_for_1e8_examples_within_16_bytes_each():
+    n = 10**8
+    warm = ExampleStore(4)  # compile or load the kernels before measuring
+    warm.record(np.arange(4), np.ones(4), epoch=0)
+    warm.lookup(np.arange(4))
+    warm.count_selected(np.arange(4))
+    before = rss_bytes()
+    store = ExampleStore(n)
+    assert store.nbytes == 12 * n <= 16 * n
+    idx = np.array([0, 2**24 - 1, 2**24, 2**24 + 1, 2**26 + 3, n - 1])
+    values = np.array([0.5, 1.25, 2.0, 3.5, 1e-3, 7.0])
+    store.record(idx, values, epoch=9)
+    store.count_selected(np.r_[idx, idx[-1:]])
+    losses, epochs = store.lookup(idx)
+    np.testing.assert_array_equal(losses, values.astype(np.float32))
+    assert (epochs == 9).all()
+    assert store.selected[idx].tolist() == [1, 1, 1, 1, 1, 2]
+    assert np.isnan(store.lookup(np.array([2**24 + 2]))[0][0])
+    # Zeroed pages are mapped lazily: an untouched example costs no resident memory.
+    assert rss_bytes() - before < 64 * 2**20
+    del store
+
+
+class Wide(Dataset):
+    """4 MiB of float inputs, loaded a batch at a time."""
+
+    def __init__(self, n: int = 1024, dim: int = 1024) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = torch.randint(0, N_CLASSES, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+    def __getitems__(self, idx):
+        return self.x[idx], self.y[idx]
+
+
+def keep_as_is(batch):
+    return batch
+
+
+def live_tensors() -> int:
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+
+
+@needs_proc
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_resident_memory_stays_flat_across_epochs(staleness):
+    """30 epochs after a warm-up: no growth in live tensors (exact, immune to the allocator
+    reusing freed memory) nor in resident memory beyond allocator noise. Leaking what each epoch
+    yields would add about 1.4 MB per epoch, 40 MB in all."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 16), nn.ReLU(), nn.Linear(16, N_CLASSES))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    dl = DataLoader(
+        Wide(),
+        batch_size=96,
+        shuffle=True,
+        collate_fn=keep_as_is,
+        generator=torch.Generator().manual_seed(0),
+    )
+    policy = SelectiveBackprop(1 / 3, history=256, staleness=staleness)
+    loader = SelectiveLoader(dl, model, policy=policy, batch_size=32)
+
+    def epoch():
+        last = None
+        for batch in loader:
+            x, y = batch
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            last = weakref.ref(x)
+        return last
+
+    for _ in range(5):
+        epoch()
+    gc.collect()
+    tensors, rss = live_tensors(), rss_bytes()
+    for _ in range(30):
+        last = epoch()
+    gc.collect()
+    assert last() is None  # the loader keeps no reference to what it yielded
+    assert live_tensors() - tensors <= 8  # the carried pending batch may differ
+    assert rss_bytes() - rss < 12 * 2**20
+    assert len(loader.stats.epochs) == 35
+
+
+def test_indices_above_2_24_and_2_31_through_the_loader(tmp_path):
+    """A map-style dataset of 2^31 + 64 examples (only a few ever loaded): dataset indices
+    travel as int64 from the sampler to the batch and the store, with no float round trip."""
+
+    class Huge(Dataset):
+        def __len__(self):
+            return 2**31 + 64
+
+        def __getitem__(self, i):
+            return torch.full((6,), float(i % 1000)), torch.tensor(i % N_CLASSES), torch.tensor(i)
+
+    picks = [2**24 - 1, 2**24, 2**24 + 1, 2**24 + 3, 2**31 - 2, 2**31 - 1, 2**31, 2**31 + 1]
+    picks += [2**31 + 63, 2**31 + 17, 2**25 + 1, 2**30 + 7]
+    policy = SelectiveBackprop(0.5, staleness=2, store_path=str(tmp_path / "store"))
+    dl = DataLoader(Huge(), batch_size=6, sampler=picks)
+    loader = SelectiveLoader(dl, IndexLoss(), policy=policy, batch_size=3, remainder="short")
+    for _ in range(2):
+        for batch in loader:
+            assert batch.indices.dtype == torch.int64
+            assert torch.equal(batch.indices, batch[2])  # the dataset's own copy of its index
+            assert set(batch.indices.tolist()) <= set(picks)
+    losses, epochs = policy.store.lookup(np.array(picks))
+    assert np.isfinite(losses).all() and (epochs == 0).all()
+    assert policy.store.seen[[2**24 + 2, 2**31 - 3, 2**31 + 2]].tolist() == [0, 0, 0]
+    selected = policy.store.selected[picks]
+    assert selected.sum() == sum(e.examples_selected for e in loader.stats.epochs)
+
+
+# ---------------------------------------------------------------------- without numba's JIT
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_whole_suite_passes_without_numba_jit():
+    """README: ``NUMBA_DISABLE_JIT=1 python3 -m pytest -q`` (the kernels as plain Python)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "NUMBA_DISABLE_JIT": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow"]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1700)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout

@@ -1,0 +1,258 @@
+"""Selection-speed options: each one either makes the same choices as without it (when it is
+numerically neutral) or does exactly what it says to the selection forward only."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from sbloader import RandomBackprop, SelectiveBackprop, SelectiveLoader, Traditional
+
+N, CLASSES = 240, 4
+
+
+def images() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 3, 8, 8, generator=g)
+    y = torch.randint(0, CLASSES, (N,), generator=g)
+    return TensorDataset(x, y)
+
+
+def seeded(build):
+    """Build a module with torch's global RNG seeded inside, leaving the global state as it was."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return build()
+
+
+def cnn() -> nn.Module:
+    """Resolution-agnostic (global pooling), so it also scores downsampled inputs."""
+    return seeded(
+        lambda: nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(2),
+            nn.Flatten(),
+            nn.Linear(32, CLASSES),
+        )
+    )
+
+
+class ShapeRecorder(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.shapes: list[tuple[int, ...]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.shapes.append(tuple(x.shape))
+        return self.inner(x)
+
+
+def run(model=None, epochs=2, source_bs=60, bs=20, policy=None, **kw):
+    loader = SelectiveLoader(
+        DataLoader(images(), batch_size=source_bs, shuffle=True, generator=torch.Generator()),
+        model if model is not None else cnn(),
+        policy=policy or SelectiveBackprop(1 / 3, history=64),
+        batch_size=bs,
+        seed=0,
+        **kw,
+    )
+    batches = [b for _ in range(epochs) for b in loader]
+    return loader, batches
+
+
+def chosen(batches):
+    return [b.indices.tolist() for b in batches]
+
+
+# ------------------------------------------------------------------ downsampled scoring
+def test_selection_scale_one_is_neutral():
+    _, plain = run()
+    _, scaled = run(selection_scale=1.0)
+    assert chosen(plain) == chosen(scaled)
+
+
+def test_selection_scale_downsamples_the_selection_forward_only():
+    model = ShapeRecorder(cnn())
+    loader, batches = run(model=model, selection_scale=0.5, epochs=1)
+    assert set(model.shapes) == {(60, 3, 4, 4)}  # every selection forward, none full-size
+    assert all(b[0].shape == (20, 3, 8, 8) for b in batches)  # training batches: full size
+    assert loader.stats.current.selection_forwards == N
+
+
+@pytest.mark.parametrize(
+    "value, exc, match",
+    [
+        (0.0, ValueError, r"selection_scale should be in \(0, 1\]"),
+        (1.5, ValueError, r"selection_scale should be in \(0, 1\]"),
+        ("half", TypeError, "selection_scale should be a number"),
+    ],
+)
+def test_bad_selection_scale_is_named(value, exc, match):
+    with pytest.raises(exc, match=match):
+        run(selection_scale=value)
+
+
+def test_selection_scale_on_non_image_inputs_names_the_fix():
+    data = TensorDataset(torch.randn(20, 6), torch.zeros(20, dtype=torch.long))
+    loader = SelectiveLoader(DataLoader(data, batch_size=10), nn.Linear(6, 2), selection_scale=0.5)
+    with pytest.raises(ValueError, match="selection_scale=None"):
+        next(iter(loader))
+
+
+# ------------------------------------------------------------------ compilation
+def test_compile_selection_compiles_once_lazily_and_keeps_the_choices():
+    model = cnn()
+    loader, compiled = run(model=model, compile_selection={"backend": "eager"})
+    _, plain = run()
+    assert chosen(compiled) == chosen(plain)
+    assert len(loader._forward._compiled) == 1  # one compiled module, reused every batch
+    assert type(loader.model) is nn.Sequential  # the training model is untouched
+
+
+@pytest.mark.slow
+def test_compile_selection_with_inductor_keeps_the_choices():
+    _, compiled = run(compile_selection=True)
+    _, plain = run()
+    assert chosen(compiled) == chosen(plain)
+    for a, b in zip(compiled, plain):
+        torch.testing.assert_close(a.losses, b.losses, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_compile_selection_is_named():
+    with pytest.raises(TypeError, match="compile_selection should be a bool or a dict"):
+        run(compile_selection="yes")
+
+
+# ------------------------------------------------------------------ neutral existing options
+def test_channels_last_and_a_copied_selector_keep_the_choices():
+    _, plain = run()
+    _, channels_last = run(memory_format=torch.channels_last)
+    assert chosen(channels_last) == chosen(plain)
+    assert channels_last[0][0].is_contiguous(memory_format=torch.channels_last)
+    model = cnn()
+    _, with_selector = run(model=model, selector=copy.deepcopy(model))
+    assert chosen(with_selector) == chosen(plain)
+
+
+def test_selection_forward_time_is_part_of_selection_time():
+    loader, _ = run()
+    e = loader.stats.total
+    assert 0 < e.selection_forward_s <= e.selection_s
+
+
+# ------------------------------------------------------------------ activation caching
+def backbone_and_head() -> tuple[nn.Module, nn.Module]:
+    full = cnn()
+    backbone, head = full[:4], full[4:]  # conv-BN-ReLU-pool | flatten-linear
+    backbone.requires_grad_(False)
+    backbone.eval()
+    return backbone, head
+
+
+def test_frozen_prefix_makes_the_same_choices_and_carries_features():
+    backbone, head = backbone_and_head()
+    full = nn.Sequential(backbone, head)
+    _, plain = run(model=full)
+    _, cached = run(model=head, frozen_prefix=backbone)
+    assert chosen(cached) == chosen(plain)
+    for a, b in zip(cached, plain):
+        torch.testing.assert_close(a.losses, b.losses)
+        with torch.no_grad():
+            expected = backbone(a[0])
+        assert a.features.shape == (20, 8, 2, 2)
+        torch.testing.assert_close(a.features, expected)
+        assert b.features is None and not a.features.requires_grad
+    # Training the head on the cached features gives the full model's gradient.
+    batch = cached[0]
+    nn.functional.cross_entropy(head(batch.features), batch[1]).backward()
+    grads = [p.grad.clone() for p in head.parameters()]
+    head.zero_grad()
+    nn.functional.cross_entropy(full(batch[0]), batch[1]).backward()
+    for g, p in zip(grads, head.parameters()):
+        torch.testing.assert_close(g, p.grad)
+    assert all(p.grad is None for p in backbone.parameters())
+
+
+def test_frozen_prefix_under_autocast_scores_like_the_full_model_and_gives_float32():
+    backbone, head = backbone_and_head()
+    _, plain = run(model=nn.Sequential(backbone, head), autocast=torch.bfloat16)
+    _, cached = run(model=head, frozen_prefix=backbone, autocast=torch.bfloat16)
+    assert chosen(cached) == chosen(plain)
+    for a, b in zip(cached, plain):
+        torch.testing.assert_close(a.losses, b.losses)
+        assert a.features.dtype == torch.float32
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = backbone(a[0]).float()
+        torch.testing.assert_close(a.features, expected)
+
+
+def test_frozen_prefix_without_a_selection_pass_runs_on_the_chosen_examples_only():
+    backbone, head = backbone_and_head()
+    recorder = ShapeRecorder(backbone)
+    loader, batches = run(model=head, frozen_prefix=recorder, policy=RandomBackprop(0.25), epochs=1)
+    # The prefix ran once per source batch, on exactly the examples chosen from it.
+    assert len(recorder.shapes) == N // 60
+    assert sum(s[0] for s in recorder.shapes) == loader.stats.current.examples_selected < N
+    _, traditional = run(model=head, frozen_prefix=backbone, policy=Traditional(), epochs=1)
+    for b in batches + traditional:
+        with torch.no_grad():
+            torch.testing.assert_close(b.features, backbone(b[0]))
+
+
+def test_trainable_frozen_prefix_is_refused_up_front_and_at_each_epoch():
+    backbone, head = backbone_and_head()
+    backbone[0].weight.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"requires_grad=True .*requires_grad_\(False\)"):
+        run(model=head, frozen_prefix=backbone)
+    backbone.requires_grad_(False)
+    loader, _ = run(model=head, frozen_prefix=backbone, epochs=1)
+    backbone[1].bias.requires_grad_(True)  # unfrozen between epochs
+    with pytest.raises(ValueError, match="frozen_prefix has 1 parameters with requires_grad"):
+        next(iter(loader))
+
+
+def test_frozen_prefix_misuse_is_named():
+    backbone, head = backbone_and_head()
+    with pytest.raises(ValueError, match="pass model=head"):
+        run(model=nn.Sequential(backbone, head), frozen_prefix=backbone)
+    with pytest.raises(ValueError, match="selector=None"):
+        run(model=head, frozen_prefix=backbone, selector=cnn())
+    with pytest.raises(ValueError, match="selection_scale=None"):
+        run(model=head, frozen_prefix=backbone, selection_scale=0.5)
+    with pytest.raises(TypeError, match=r"frozen_prefix should be a torch\.nn\.Module"):
+        run(model=head, frozen_prefix="backbone")
+
+
+def test_frozen_prefix_features_survive_a_mid_epoch_resume():
+    def build():
+        backbone, head = backbone_and_head()
+        return SelectiveLoader(
+            DataLoader(images(), batch_size=60, shuffle=True, generator=torch.Generator()),
+            head,
+            policy=SelectiveBackprop(1 / 3, history=64),
+            batch_size=20,
+            seed=0,
+            frozen_prefix=backbone,
+        )
+
+    uninterrupted = build()
+    full = [b for _ in range(2) for b in uninterrupted]
+    first = build()
+    got = list(first)
+    it = iter(first)
+    got.append(next(it))
+    state = copy.deepcopy(first.state_dict())
+    del it
+    resumed = build()
+    resumed.load_state_dict(state)
+    got += list(resumed)
+    assert chosen(got) == chosen(full)
+    for a, b in zip(got, full):
+        torch.testing.assert_close(a.features, b.features)
