@@ -668,15 +668,15 @@ def main(argv: list[str] | None = None) -> int:
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     (out / "machine.json").write_text(json.dumps(machine, indent=1))
 
-    # Seed-major: a run cut short still holds complete comparisons for its first seeds.
-    jobs = [(s, seed, 0.0) for seed in cfg.seeds for s in cfg.strategies]
-    jobs += [
-        (s, seed, nz)
-        for nz in cfg.label_noise
-        if nz > 0
-        for s in cfg.noise_strategies
-        for seed in cfg.noise_seeds
-    ]
+    # Seed-major, each seed's label-noise runs right after its clean ones: a run cut short
+    # still holds complete comparisons for its first seeds.
+    jobs = []
+    for seed in cfg.seeds:
+        jobs += [(s, seed, 0.0) for s in cfg.strategies]
+        if seed in cfg.noise_seeds:
+            jobs += [
+                (s, seed, nz) for nz in cfg.label_noise if nz > 0 for s in cfg.noise_strategies
+            ]
     if not args.report_only:
         from tqdm import tqdm
 
