@@ -326,7 +326,7 @@ def run_one(cfg: Config, strat: Strategy, seed: int, noise: float, data, progres
                     rate=f"{st.selection_rate:.2f}",
                     err=f"{100 * err:.2f}%",
                 )
-            progress.update(1)
+            progress.update(int(100 * loader.progress) - progress.n)  # hundredths of an epoch
     total = time.perf_counter() - start - eval_s
     # The final state is always evaluated (also when eval_every does not divide the epochs).
     if run.points[-1]["position"] < planned - 1e-9:
@@ -514,7 +514,8 @@ def plots(cfg: Config, runs: list[Run], out: Path) -> list[Path]:
     paths = []
     clean = [r for r in runs if r.noise == 0]
     names = list(dict.fromkeys(r.strategy for r in clean))
-    colors = {n: plt.cm.tab20(i % 20) for i, n in enumerate(names)}
+    cmap = plt.cm.tab10 if len(names) <= 10 else plt.cm.tab20  # distinct colours first
+    colors = {n: cmap(i % cmap.N) for i, n in enumerate(names)}
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in clean:
@@ -692,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             strat = _strategy(name)
             planned = strat.epochs or cfg.epochs
-            steps = planned * len(data[0]) // cfg.batch_size  # an estimate for the bar
+            steps = 100 * planned  # the bar counts hundredths of an epoch of data
             with tqdm(
                 total=steps,
                 desc=f"{name} seed {seed} noise {nz:g}",

@@ -107,12 +107,13 @@ def test_every_index_exactly_once_with_exact_pairing(beton, order, workers):
 
 
 def test_more_workers_than_cores_in_a_subprocess(beton):
-    """FFCV needs NUMBA_NUM_THREADS >= num_workers, set before numba is imported."""
+    """FFCV on the CPU with 4 workers (more than this machine's cores): every index exactly once
+    per epoch. FFCV needs NUMBA_NUM_THREADS >= num_workers, set before numba is imported."""
     code = textwrap.dedent(
         f"""
         import numpy as np, torch, sbloader, sbloader.ffcv as F
         torch.set_num_threads(2)
-        loader = F.open_beton({str(beton)!r}, 25, order="random", num_workers=3)
+        loader = F.open_beton({str(beton)!r}, 25, order="random", num_workers=4)
         model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 4))
         sl = sbloader.SelectiveLoader(loader, model, policy=sbloader.RandomBackprop(1.0),
                                       remainder="short")
@@ -127,7 +128,7 @@ def test_more_workers_than_cores_in_a_subprocess(beton):
         print("ok")
         """
     )
-    env = {**os.environ, "NUMBA_NUM_THREADS": "3"}
+    env = {**os.environ, "NUMBA_NUM_THREADS": "4"}
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env
     )
