@@ -403,3 +403,45 @@ def test_store_handles_indices_above_2_31_exactly(tmp_path):
 def test_public_api_has_the_strategies():
     for name in ("Kath18", "Phased", "RandomBackprop", "ExampleStore", "el2n_scores", "prune"):
         assert name in sbloader.__all__
+
+
+def test_a_random_backprop_warmup_selects_without_selection_passes():
+    model = IndexLoss()
+    policy = Phased(SelectiveBackprop(1 / 3), warmup_epochs=1, warmup_policy=RandomBackprop(0.25))
+    loader = loader_for(policy, EncodedDataset(3000), model=model, remainder="drop")
+    list(loader)
+    first = loader.stats.epochs[0]
+    assert first.selection_forwards == 0 and model.calls == 0
+    assert first.target_rate == 0.25
+    assert abs(first.examples_selected / 3000 - 0.25) < 0.03
+    list(loader)
+    second = loader.stats.epochs[1]
+    assert second.selection_forwards == 3000 and second.target_rate == pytest.approx(1 / 3)
+    # SB keeps the high-loss (high-index) examples; the random warm-up did not prefer them.
+    assert second.examples_selected < 1200
+
+
+def test_a_loss_based_warmup_policy_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="warmup_policy should need no selection pass"):
+        Phased(SelectiveBackprop(1 / 3), warmup_epochs=1, warmup_policy=SelectiveBackprop(0.5))
+    with pytest.raises(TypeError, match="warmup_policy should be an sbloader policy"):
+        Phased(SelectiveBackprop(1 / 3), warmup_epochs=1, warmup_policy="random")
+
+
+def test_phased_warmup_state_round_trips_mid_warmup():
+    def make():
+        return loader_for(
+            Phased(SelectiveBackprop(1 / 3), warmup_epochs=1, warmup_policy=RandomBackprop(0.5)),
+            EncodedDataset(600),
+        )
+
+    ref = make()
+    expected = [b.indices.tolist() for _ in range(2) for b in ref]
+    a = make()
+    it = iter(a)
+    got = [next(it).indices.tolist() for _ in range(5)]
+    b = make()
+    b.load_state_dict(a.state_dict())
+    got += [x.indices.tolist() for x in b]
+    got += [x.indices.tolist() for x in b]
+    assert got == expected
