@@ -435,8 +435,10 @@ class SelectiveLoader:
                         stats.dropped += n
                     continue
                 t0 = perf_counter()
-                losses, features = self._selection_pass(columns, stats) if fresh else (None, None)
-                choice = self._decide(losses, indices, n, stats)
+                losses, values, features = (
+                    self._selection_pass(columns, stats) if fresh else (None, None, None)
+                )
+                choice = self._decide(values, indices, n, stats)
                 stats.selection_s += perf_counter() - t0
                 k = len(choice.positions)
                 stats.examples_selected += k
@@ -478,7 +480,7 @@ class SelectiveLoader:
 
     def _decide(
         self,
-        losses: torch.Tensor | None,
+        values: np.ndarray | None,
         indices: np.ndarray | None,
         n: int,
         stats: EpochStats,
@@ -487,13 +489,12 @@ class SelectiveLoader:
         the higher ranks' losses, so that every rank's policy sees the same losses in the same
         order (identical loss windows under ``cdf="global"``)."""
         if not self._sharing():
-            return self._choose(losses, indices, n, stats)
+            return self._choose(values, indices, n, stats)
         assert self._sync is not None
-        values = None if losses is None else losses.detach().cpu().numpy().astype(np.float64)
         shared = self._sync.exchange(values, None if values is None else indices)
         rank = self._sync.rank
         self._observe(shared[:rank])
-        choice = self._choose(losses, indices, n, stats)
+        choice = self._choose(values, indices, n, stats)
         self._observe(shared[rank + 1 :])
         return choice
 
@@ -653,8 +654,9 @@ class SelectiveLoader:
 
     def _selection_pass(
         self, columns: list[B.Column], stats: EpochStats
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Selection losses of a source batch, and the frozen prefix's outputs (or None)."""
+    ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor | None]:
+        """Selection losses of a source batch (where the model computed them, and as float64 on
+        the host for the policy), and the frozen prefix's outputs (or None)."""
         fmt = self._format
         assert fmt is not None
         inputs = columns[fmt.position(fmt.input_key)]
@@ -670,13 +672,15 @@ class SelectiveLoader:
             autocast_dtype=self.autocast,
             eval=self.eval_selection,
         )
-        # NOTE: exact on the CPU; on a GPU this times the launches unless the losses are waited
-        # for (the policy's .cpu() waits for them, so selection_s as a whole stays right).
+        # NOTE: the policy needs the losses on the host anyway; copying them inside the timed
+        # region makes the time exact on a GPU too (it waits for the forward to finish, and for
+        # any training work still queued before it).
+        values = losses.detach().cpu().numpy().astype(np.float64)
         stats.selection_forward_s += perf_counter() - t0
         stats.selection_forwards += n
         step = self.selection_batch_size or n
         stats.selection_calls += math.ceil(n / step)
-        return losses, features
+        return losses, values, features
 
     def _cached_features(
         self,
@@ -713,15 +717,14 @@ class SelectiveLoader:
 
     def _choose(
         self,
-        losses: torch.Tensor | None,
+        values: np.ndarray | None,
         indices: np.ndarray | None,
         n: int,
         stats: EpochStats,
     ) -> Choice:
         """Ask the policy, handling non-finite losses so that the policy never sees them."""
-        if losses is None:
+        if values is None:
             return self.policy.choose(None, indices, self._rng, n)
-        values = losses.detach().cpu().numpy().astype(np.float64)
         finite = np.isfinite(values)
         if finite.all():
             return self.policy.choose(values, indices, self._rng, n)
