@@ -21,6 +21,12 @@ the median over ``repeats`` runs. Writes ``breakdown.md``, ``breakdown.json`` an
 
     python3 benchmarks/breakdown.py results/breakdown --quick   # ~2-3 minutes on 2 cores
     python3 benchmarks/breakdown.py results/breakdown           # the full measurement
+    python3 benchmarks/breakdown.py results/gpu --gpu           # ResNet-18 at 32 x 32 on a GPU
+
+On a GPU (``--gpu``: ResNet-18 on Fashion-MNIST padded to 32 x 32, bf16 training and selection,
+training batch 256, source batch 1024) every timed phase ends with a CUDA synchronisation, so
+that each category holds its own GPU work; that removes some CPU/GPU overlap, so the epoch
+figures there are upper bounds of what an unsynchronised loop takes.
 
 The machine may be shared: timings from a busy machine are indicative only.
 """
@@ -28,6 +34,7 @@ The machine may be shared: timings from a busy machine are indicative only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -48,7 +55,7 @@ from torch.utils.data import DataLoader
 
 import sbloader
 from sbloader.datasets import ArrayDataset, fashion_mnist_tensors
-from sbloader.recipes import small_cnn
+from sbloader.recipes import resnet18, small_cnn
 from sbloader.selection import SelectionForward, unwrap
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,9 +91,13 @@ class Config:
     frozen_examples: int = 60_000  # frozen-backbone comparison: examples per epoch [examples]
     seed: int = 0  # model initialisation and data order [1]
     threads: int | None = None  # torch intra-op threads (None: torch's default) [threads]
+    model: str = "small_cnn"  # "small_cnn" (28 x 28) or "resnet18" (32 x 32) [name]
+    image_size: int = 28  # Fashion-MNIST padded to this size [pixels]
+    device: str = "cpu"  # where the model trains [device]
+    train_bf16: bool = False  # training forwards under bf16 autocast [bool]
 
     @classmethod
-    def make(cls, quick: bool, **overrides: Any) -> Config:
+    def make(cls, quick: bool, gpu: bool = False, **overrides: Any) -> Config:
         base = (
             dict(
                 quick=True,
@@ -99,6 +110,15 @@ class Config:
             if quick
             else dict(repeats=3)
         )
+        if gpu:
+            base.update(
+                model="resnet18",
+                image_size=32,
+                device="cuda",
+                train_bf16=True,
+                batch_size=256,
+                pool_batch_size=1024,
+            )
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 
@@ -128,8 +148,27 @@ def policy_for(strategy: str, cfg: Config) -> sbloader.Policy:
 
 def make_model(cfg: Config) -> nn.Module:
     torch.manual_seed(cfg.seed)  # the benchmark's own process: model initialisation only
-    model = small_cnn()
+    model = resnet18(10, 1) if cfg.model == "resnet18" else small_cnn()
+    model = model.to(cfg.device)
     return model.to(memory_format=torch.channels_last) if cfg.channels_last else model
+
+
+def split_backbone(cfg: Config, model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The model's convolutional backbone and its classifier head."""
+    cut = 7 if cfg.model == "resnet18" else 8
+    return model[:cut], model[cut:]
+
+
+def sync(cfg: Config) -> None:
+    """Wait for the GPU's queued work, so that a timer read next includes it."""
+    if torch.device(cfg.device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def train_autocast(cfg: Config) -> Any:
+    if cfg.train_bf16:
+        return torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 class Sources:
@@ -158,7 +197,10 @@ class Sources:
     def make(self, kind: str, batch_size: int, seed: int) -> Any:
         if kind == "dataloader":
             gen = torch.Generator().manual_seed(seed)
-            return DataLoader(self.dataset, batch_size=batch_size, shuffle=True, generator=gen)
+            pin = torch.device(self.cfg.device).type == "cuda"
+            return DataLoader(
+                self.dataset, batch_size=batch_size, shuffle=True, generator=gen, pin_memory=pin
+            )
         import sbloader.ffcv as sbffcv
 
         assert self.beton is not None
@@ -196,12 +238,15 @@ def warm_up(source: Any, model: nn.Module, cfg: Config, batches: int) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     loader = selective_loader(source, model, sbloader.SelectiveBackprop(0.5), cfg)
     for i, batch in enumerate(loader):
-        loss = F.cross_entropy(model(batch[0]), batch[1])
+        with train_autocast(cfg):
+            out = model(batch[0])
+        loss = F.cross_entropy(out.float(), batch[1])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         if i + 1 >= batches:
             break
+    sync(cfg)
     model.load_state_dict(state)
     model.zero_grad(set_to_none=True)
 
@@ -211,20 +256,28 @@ def train_epoch(
     loader: sbloader.SelectiveLoader,
     model: nn.Module,
     opt: torch.optim.Optimizer,
+    cfg: Config,
     inputs_of: Callable[[Any], torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """One epoch, timed: the training step's forward and backward, and the loader's stats."""
+    """One epoch, timed: the training step's forward and backward, and the loader's stats.
+
+    On a GPU each phase ends with a synchronisation, so that its time holds its own GPU work
+    (and the loader's selection timer starts on an idle GPU)."""
     fwd = bwd = 0.0
+    sync(cfg)
     t_start = time.perf_counter()
     for batch in loader:
         t0 = time.perf_counter()
         x = batch[0] if inputs_of is None else inputs_of(batch)
-        out = model(x)
-        loss = (F.cross_entropy(out, batch[1], reduction="none") * batch.weights).mean()
+        with train_autocast(cfg):
+            out = model(x)
+        loss = (F.cross_entropy(out.float(), batch[1], reduction="none") * batch.weights).mean()
+        sync(cfg)
         t1 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        sync(cfg)
         fwd += t1 - t0
         bwd += time.perf_counter() - t1
     wall = time.perf_counter() - t_start
@@ -262,7 +315,7 @@ def breakdown(cfg: Config, sources: Sources, log: Callable[[str], None]) -> list
             source = sources.make(kind, source_bs, cfg.seed + rep)
             warm_up(source, model, cfg, cfg.warmup_batches)
             loader = selective_loader(source, model, policy_for(strategy, cfg), cfg)
-            per_epoch = [train_epoch(loader, model, opt) for _ in range(epochs)]
+            per_epoch = [train_epoch(loader, model, opt, cfg) for _ in range(epochs)]
             run = {k: float(np.mean([e[k] for e in per_epoch])) for k in per_epoch[0]}
             runs[kind, strategy].append(run | {"epochs": per_epoch})
             log(
@@ -287,7 +340,7 @@ def breakdown(cfg: Config, sources: Sources, log: Callable[[str], None]) -> list
 
 
 # ---------------------------------------------------------------------------- 2. selection cost
-def proxy_selector() -> nn.Module:
+def proxy_selector(cfg: Config) -> nn.Module:
     """A cheaper proxy model for selection (conv8-pool-conv16-pool-fc10), as airbench's."""
     return nn.Sequential(
         nn.Conv2d(1, 8, 3, padding=1, bias=False),
@@ -298,14 +351,18 @@ def proxy_selector() -> nn.Module:
         nn.BatchNorm2d(16),
         nn.ReLU(inplace=True),
         nn.MaxPool2d(2),
+        nn.AdaptiveAvgPool2d(7),  # the identity at 28 x 28
         nn.Flatten(),
         nn.Linear(16 * 7 * 7, 10),
-    )
+    ).to(cfg.device)
 
 
-def resolution_agnostic(model: nn.Module) -> nn.Module:
-    """The same modules (shared weights) with an adaptive 7x7 pool before the classifier: the
-    identity at 28x28, and what lets the CNN score downsampled inputs."""
+def resolution_agnostic(cfg: Config, model: nn.Module) -> nn.Module:
+    """The same modules (shared weights) with an adaptive 7x7 pool before the small CNN's
+    classifier: the identity at 28x28, and what lets it score downsampled inputs. ResNet-18
+    pools globally and takes any resolution as it is."""
+    if cfg.model == "resnet18":
+        return model
     return nn.Sequential(*model[:8], nn.AdaptiveAvgPool2d(7), *model[8:])
 
 
@@ -347,23 +404,29 @@ class TrainingStep:
         self, x: torch.Tensor, y: torch.Tensor, cfg: Config, channels_last: bool, batches: int
     ) -> None:
         fmt = torch.channels_last if channels_last else torch.contiguous_format
+        self.cfg = cfg
         self.model = make_model(cfg).to(memory_format=fmt)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.0, momentum=0.9)
         bs = cfg.batch_size
+        dev = cfg.device
         self.batches = [
-            (x[i : i + bs].contiguous(memory_format=fmt), y[i : i + bs])
+            (x[i : i + bs].to(dev).contiguous(memory_format=fmt), y[i : i + bs].to(dev))
             for i in range(0, bs * batches, bs)
         ]
         self.run()  # warm-up
 
     def run(self) -> float:
         """Seconds per example."""
+        sync(self.cfg)
         t0 = time.perf_counter()
         for xb, yb in self.batches:
-            loss = F.cross_entropy(self.model(xb), yb)
+            with train_autocast(self.cfg):
+                out = self.model(xb)
+            loss = F.cross_entropy(out.float(), yb)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             self.opt.step()
+        sync(self.cfg)
         return (time.perf_counter() - t0) / sum(len(yb) for _, yb in self.batches)
 
 
@@ -375,17 +438,19 @@ class SelectionPass:
     ) -> None:
         cl = option.get("channels_last", False)
         fmt = torch.channels_last if cl else torch.contiguous_format
-        model = proxy_selector() if option.get("proxy") else make_model(cfg)
+        self.cfg = cfg
+        model = proxy_selector(cfg) if option.get("proxy") else make_model(cfg)
         model = model.to(memory_format=fmt)
-        self.selector = resolution_agnostic(model) if option.get("scale") else model
+        self.selector = resolution_agnostic(cfg, model) if option.get("scale") else model
         self.forward = SelectionForward(
             compile=option.get("compile", False), scale=option.get("scale")
         )
         self.loss_fn = nn.CrossEntropyLoss(reduction="none")
         self.dtype = torch.bfloat16 if option.get("bf16") else None
         self.bs = option["batch"]
+        dev = cfg.device
         self.chunks = [
-            (x[i : i + self.bs].contiguous(memory_format=fmt), y[i : i + self.bs])
+            (x[i : i + self.bs].to(dev).contiguous(memory_format=fmt), y[i : i + self.bs].to(dev))
             for i in range(0, n, self.bs)
         ]
         t0 = time.perf_counter()
@@ -394,6 +459,7 @@ class SelectionPass:
 
     def run(self) -> float:
         """Seconds per example."""
+        sync(self.cfg)
         t0 = time.perf_counter()
         for xb, yb in self.chunks:
             self.forward(
@@ -404,6 +470,7 @@ class SelectionPass:
                 batch_size=self.bs,
                 autocast_dtype=self.dtype,
             )
+        sync(self.cfg)
         return (time.perf_counter() - t0) / sum(len(yb) for _, yb in self.chunks)
 
 
@@ -458,7 +525,7 @@ def throughput(cfg: Config, sources: Sources, log: Callable[[str], None]) -> lis
     training loop that does nothing (Traditional: yielded examples; SB: candidates consumed)."""
 
     def trivial() -> nn.Module:
-        return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
+        return nn.Sequential(nn.Flatten(), nn.Linear(cfg.image_size**2, 10)).to(cfg.device)
 
     configs = [
         (kind, strategy, bs)
@@ -502,7 +569,6 @@ def throughput(cfg: Config, sources: Sources, log: Callable[[str], None]) -> lis
 
 def raw_rate(source: Any, cfg: Config) -> float:
     """Examples per second of iterating the source itself (FFCV: threads restored after)."""
-    import contextlib
 
     guard: Any = contextlib.nullcontext()
     if not isinstance(source, DataLoader):
@@ -540,7 +606,7 @@ def frozen_backbone(
     for rep in range(cfg.repeats):
         for variant in FROZEN_VARIANTS:
             full = make_model(cfg)
-            backbone, head = full[:8], full[8:]
+            backbone, head = split_backbone(cfg, full)
             backbone.requires_grad_(False)
             backbone.eval()
             opt = torch.optim.SGD(head.parameters(), lr=cfg.lr, momentum=0.9)
@@ -556,11 +622,11 @@ def frozen_backbone(
             else:
                 loader = selective_loader(source, full, policy, cfg)
             for i, batch in enumerate(loader):  # warm-up (untimed, no step)
-                with torch.no_grad():
+                with torch.no_grad(), train_autocast(cfg):
                     trained(batch[0] if inputs_of is None else inputs_of(batch))
                 if i >= cfg.warmup_batches:
                     break
-            walls[variant].append(train_epoch(loader, trained, opt, inputs_of)["wall"])
+            walls[variant].append(train_epoch(loader, trained, opt, cfg, inputs_of)["wall"])
             log(
                 f"[{rep + 1}/{cfg.repeats}] frozen backbone, {variant:18s} "
                 f"{walls[variant][-1]:6.2f}s"
@@ -593,7 +659,9 @@ def markdown(cfg: Config, machine: dict[str, Any], results: dict[str, Any]) -> s
         f"{machine['ffcv'] or 'not installed'}, sbloader {machine['sbloader']} "
         f"(commit {machine['git_commit'] or '?'}), {machine['date']}.",
         "",
-        f"Fashion-MNIST, first {cfg.examples} training examples, small CNN, training batch "
+        f"Fashion-MNIST ({cfg.image_size} x {cfg.image_size}), first {cfg.examples} training "
+        f"examples, {cfg.model} on {cfg.device}"
+        f"{' (bf16 training)' if cfg.train_bf16 else ''}, training batch "
         f"{cfg.batch_size}, SB/Stale-SB source batch {cfg.pool_batch_size}, selectivity "
         f"{cfg.selectivity:.3g}, Stale-SB staleness {cfg.staleness}; selection "
         f"{'bf16' if cfg.selection_bf16 else 'fp32'}, "
@@ -630,7 +698,7 @@ def markdown(cfg: Config, machine: dict[str, Any], results: dict[str, Any]) -> s
             for k, v in results["selection"]["train_step_s_per_example"].items()
         )
         + " (c is measured against channels_last training steps, alternating round by round; "
-        "target c <= 0.3 on this CPU).",
+        f"target c <= {0.15 if cfg.device.startswith('cuda') else 0.3} on this machine).",
         "",
         "| selection pass | us / example | c | one-time warm-up (s) |",
         "|---|---|---|---|",
@@ -705,10 +773,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
         left += vals
     ax.invert_yaxis()
     ax.set_xlabel("seconds per epoch")
-    ax.set_title("Where an epoch's wall-clock goes (Fashion-MNIST, small CNN)")
+    ax.set_title(f"Where an epoch's wall-clock goes (Fashion-MNIST, {results['model']})")
     ax.legend(loc="lower right", fontsize=8)
     bx.barh([o["option"] for o in options], [o["c"] for o in options], color="#1f77b4")
-    bx.axvline(0.3, color="#d62728", linestyle="--", label="target c = 0.3")
+    target = 0.15 if results.get("device", "cpu").startswith("cuda") else 0.3
+    bx.axvline(target, color="#d62728", linestyle="--", label=f"target c = {target:g}")
     bx.invert_yaxis()
     bx.tick_params(axis="y", labelsize=8)
     bx.set_xlabel("selection cost c per example (fraction of a training step)")
@@ -719,6 +788,15 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- main
+def padded_train_set(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fashion-MNIST's training set, padded with the background value to ``image_size``."""
+    x, y = fashion_mnist_tensors("train")
+    pad = (cfg.image_size - x.shape[-1]) // 2
+    if pad > 0:
+        x = F.pad(x, (pad,) * 4, value=float(x.min())).contiguous()
+    return x, y
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -730,9 +808,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ffcv-workers", type=int, help="FFCV decoding threads")
     p.add_argument("--threads", type=int, help="torch intra-op threads")
     p.add_argument("--no-ffcv", action="store_true", help="DataLoader source only")
+    p.add_argument(
+        "--gpu", action="store_true", help="ResNet-18 at 32 x 32 on CUDA, bf16 (a lent GPU)"
+    )
+    p.add_argument("--device", help="override the device (e.g. cpu, to try --gpu's settings)")
+    p.add_argument("--frozen-examples", type=int, help="examples per frozen-backbone epoch")
     args = p.parse_args(argv)
     cfg = Config.make(
         args.quick,
+        args.gpu,
+        device=args.device,
+        frozen_examples=args.frozen_examples,
         repeats=args.repeats,
         examples=args.examples,
         ffcv_workers=args.ffcv_workers,
@@ -751,7 +837,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"# {json.dumps(machine)}")
     log(f"# {dataclasses.asdict(cfg)}")
     started = time.perf_counter()
-    x, y = fashion_mnist_tensors("train")
+    x, y = padded_train_set(cfg)
     x, y = x[: cfg.examples].contiguous(), y[: cfg.examples].contiguous()
     use_ffcv = not args.no_ffcv
     if use_ffcv:
@@ -762,7 +848,11 @@ def main(argv: list[str] | None = None) -> int:
             use_ffcv = False
     sources = Sources(cfg, x, y, use_ffcv)
     try:
-        results: dict[str, Any] = {"ffcv_write_s": sources.write_s}
+        results: dict[str, Any] = {
+            "ffcv_write_s": sources.write_s,
+            "model": cfg.model,
+            "device": cfg.device,
+        }
         log("## 1. breakdown")
         results["breakdown"] = breakdown(cfg, sources, log)
         log("## 2. selection cost")
@@ -774,7 +864,7 @@ def main(argv: list[str] | None = None) -> int:
     log("## 4. frozen backbone")
     fx, fy = x, y
     if cfg.frozen_examples > len(x):
-        fx, fy = fashion_mnist_tensors("train")
+        fx, fy = padded_train_set(cfg)
     results["frozen_backbone"] = frozen_backbone(cfg, fx, fy, log)
     results["total_s"] = time.perf_counter() - started
     report = {"config": dataclasses.asdict(cfg), "machine": machine, "results": results}

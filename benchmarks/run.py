@@ -26,9 +26,11 @@ benchmark keeps what it measured and ``--resume`` skips it next time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime as dt
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -44,7 +46,7 @@ from torch.utils.data import DataLoader
 
 import sbloader
 from sbloader.datasets import ArrayDataset, fashion_mnist_tensors
-from sbloader.recipes import cosine_lr, error_rate, small_cnn
+from sbloader.recipes import cosine_lr, error_rate, resnet18, small_cnn
 
 MULTIPLIERS = (1.0, 1.1, 1.2, 1.4)
 
@@ -72,7 +74,34 @@ class Config:
     el2n_epochs: int = 1  # EL2N: epochs per copy [epochs]
     el2n_keep: float = 0.7  # EL2N: fraction of the training set kept [1]
     threads: int | None = None  # torch intra-op threads (None: torch's default)
+    model: str = "small_cnn"  # "small_cnn" (28 x 28) or "resnet18" (CIFAR-style, 32 x 32)
+    dataset: str = "fashion_mnist"  # or "cifar10", "cifar100", "svhn" (local files, see --data)
+    data_root: str | None = None  # folder of a local dataset in torchvision's format
+    image_size: int = 28  # Fashion-MNIST is padded to this size [pixels]
+    device: str = "cpu"  # "cpu", "cuda" or "auto" (cuda when available) [device]
+    train_bf16: bool = False  # training forwards under bf16 autocast (GPU presets)
+    augment: bool = False  # random crops (padding 4) and, unless svhn, flips of training batches
 
+
+_RESNET: dict[str, Any] = dict(
+    model="resnet18",
+    image_size=32,
+    device="auto",
+    train_bf16=True,
+    batch_size=256,
+    pool_batch_size=1024,
+    lr=0.1,
+)
+_GPU_STRATEGIES = (
+    "traditional",
+    "traditional_e4",
+    "random_0.33",
+    "random_0.33_warmup",
+    "sb_0.33",
+    "sb_0.33_warmup",
+    "stale_sb_3",
+    "stale_sb_3_warmup",
+)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": dict(
@@ -106,13 +135,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         label_noise=(0.0, 0.01, 0.1, 0.2),
         noise_strategies=("traditional", "random_0.33", "sb_0.33"),
     ),
-    # For a lent GPU. NOTE: still the small CNN (ResNet-18 at 32x32 is not implemented yet):
-    # the quick set with larger candidate pools and three seeds.
+    # For a lent GPU: ResNet-18 on Fashion-MNIST padded to 32 x 32, larger batches, bf16.
     "gpu": dict(
         seeds=(0, 1, 2),
-        pool_batch_size=1024,
-        strategies=("traditional", "traditional_e4", "random_0.33", "sb_0.33", "stale_sb_3"),
+        strategies=_GPU_STRATEGIES,
+        **_RESNET,
     ),
+    # For data a user has locally in torchvision's format (never downloaded): --data FOLDER.
+    "cifar10": dict(
+        dataset="cifar10", augment=True, epochs=30, strategies=_GPU_STRATEGIES, **_RESNET
+    ),
+    "cifar100": dict(
+        dataset="cifar100", augment=True, epochs=30, strategies=_GPU_STRATEGIES, **_RESNET
+    ),
+    "svhn": dict(dataset="svhn", augment=True, epochs=20, strategies=_GPU_STRATEGIES, **_RESNET),
 }
 
 
@@ -145,32 +181,40 @@ def _strategy(name: str) -> Strategy:
 
 
 def _parse(name: str, parts: list[str]) -> Strategy:
-    warmup = parts[-1] == "warmup"
-    anneal = parts[-1] == "anneal"
-    reweight = parts[-1] == "reweight"
-    if warmup or anneal or reweight:
+    suffix = parts[-1] if parts[-1] in ("warmup", "rwarmup", "anneal", "reweight") else ""
+    if suffix:
         parts = parts[:-1]
+    reweight = suffix == "reweight"
 
-    def phased(make: Callable[[Config], sbloader.Policy]) -> Callable[[Config], sbloader.Policy]:
-        if not (warmup or anneal):
+    def phased(
+        make: Callable[[Config], sbloader.Policy], s: float
+    ) -> Callable[[Config], sbloader.Policy]:
+        """Wrap a policy with the name's warm-up (``_warmup``: one Traditional epoch;
+        ``_rwarmup``: one Random-Backprop epoch at the same selectivity) or annealing."""
+        if suffix not in ("warmup", "rwarmup", "anneal"):
             return make
         return lambda c: sbloader.Phased(
             make(c),
-            warmup_epochs=1 if warmup else 0,
-            anneal_from_epoch=c.epochs - max(1, round(c.epochs / 8)) if anneal else None,
+            warmup_epochs=0 if suffix == "anneal" else 1,
+            warmup_policy=sbloader.RandomBackprop(s) if suffix == "rwarmup" else None,
+            anneal_from_epoch=c.epochs - max(1, round(c.epochs / 8))
+            if suffix == "anneal"
+            else None,
         )
 
     if parts == ["traditional"]:
         return Strategy(name, "control", lambda c: sbloader.Traditional(), pooled=False)
     if parts[0] == "random":
         s = float(parts[1])
-        return Strategy(name, "control", lambda c: sbloader.RandomBackprop(s), selectivity=s)
+        return Strategy(
+            name, "control", phased(lambda c: sbloader.RandomBackprop(s), s), selectivity=s
+        )
     if parts[0] == "sb":
         s = float(parts[1])
         return Strategy(
             name,
             "selective",
-            phased(lambda c: sbloader.SelectiveBackprop(s, reweight=reweight)),
+            phased(lambda c: sbloader.SelectiveBackprop(s, reweight=reweight), s),
             selectivity=s,
         )
     if parts[:2] == ["stale", "sb"]:
@@ -178,7 +222,7 @@ def _parse(name: str, parts: list[str]) -> Strategy:
         return Strategy(
             name,
             "selective",
-            phased(lambda c: sbloader.SelectiveBackprop(1 / 3, staleness=n)),
+            phased(lambda c: sbloader.SelectiveBackprop(1 / 3, staleness=n), 1 / 3),
             selectivity=1 / 3,
         )
     if parts[0] == "kath18":
@@ -212,6 +256,7 @@ class Run:
     eval_s: float = 0.0
     final_error: float = float("nan")
     train_s: float = 0.0
+    diverged: bool = False  # ended at chance level or worse (training collapsed)
 
     def key(self) -> str:
         return f"{self.strategy}__s{self.seed}__n{self.noise:g}"
@@ -228,48 +273,160 @@ def _flip_labels(y: torch.Tensor, fraction: float, seed: int, classes: int = 10)
     return y
 
 
+def load_data(cfg: Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normalised float32 train and test images (N, C, H, W) and int64 labels, on the CPU."""
+    if cfg.dataset == "fashion_mnist":
+        x, y = fashion_mnist_tensors("train")
+        xt, yt = fashion_mnist_tensors("test")
+        pad = cfg.image_size - x.shape[-1]
+        if pad < 0 or pad % 2:
+            raise ValueError(
+                f"image_size should be 28 or more by an even number for Fashion-MNIST, but got "
+                f"image_size={cfg.image_size}"
+            )
+        if pad:  # pad with the background value (what 0 becomes after normalisation)
+            fill = float(x.min())
+            x, xt = (F.pad(t, (pad // 2,) * 4, value=fill).contiguous() for t in (x, xt))
+        return x, y, xt, yt
+    from sbloader.datasets import local_dataset_tensors
+
+    if cfg.data_root is None:
+        raise ValueError(
+            f"the {cfg.dataset!r} preset reads a local copy in torchvision's format; pass "
+            "--data FOLDER (sbloader never downloads data)"
+        )
+    return (
+        *local_dataset_tensors(cfg.dataset, "train", cfg.data_root),
+        *local_dataset_tensors(cfg.dataset, "test", cfg.data_root),
+    )
+
+
+def make_model(cfg: Config, classes: int, channels: int) -> torch.nn.Module:
+    if cfg.model == "small_cnn":
+        return small_cnn(classes, channels)
+    if cfg.model == "resnet18":
+        return resnet18(classes, channels)
+    raise ValueError(f"model should be 'small_cnn' or 'resnet18', but got model={cfg.model!r}")
+
+
+def augment(x: torch.Tensor, gen: torch.Generator, flip: bool, pad: int = 4) -> torch.Tensor:
+    """Random crops of the zero-padded images (a shift of up to ``pad`` pixels each way, per
+    example) and, when ``flip``, random horizontal flips: airbench's batch augmentation."""
+    n, c, h, w = x.shape
+    dev = x.device
+    if flip:
+        mask = torch.rand(n, device=dev, generator=gen) < 0.5
+        x = torch.where(mask[:, None, None, None], x.flip(3), x)
+    padded = F.pad(x, (pad,) * 4)
+    dy, dx = torch.randint(0, 2 * pad + 1, (2, n), device=dev, generator=gen)
+    rows = (dy[:, None] + torch.arange(h, device=dev))[:, None, :, None]
+    cols = (dx[:, None] + torch.arange(w, device=dev))[:, None, None, :]
+    batch = torch.arange(n, device=dev)[:, None, None, None]
+    chans = torch.arange(c, device=dev)[None, :, None, None]
+    return padded[batch, chans, rows, cols].contiguous(memory_format=torch.channels_last)
+
+
+class StepTimer:
+    """Seconds in training forwards and in backwards (with the optimizer step).
+
+    On the CPU, wall-clock per step. On a GPU, CUDA events read when the totals are asked for,
+    so that timing never forces a synchronisation that would change the wall-clock measured.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.forward = self.backward = 0.0
+        self._marks: list[Any] = []
+        self._pending: list[list[Any]] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+        if len(self._marks) == 3:
+            self._pending.append(self._marks)
+            self._marks = []
+            if not self.cuda:
+                self._settle()
+
+    def _settle(self) -> None:
+        for a, b, c in self._pending:
+            if self.cuda:
+                self.forward += a.elapsed_time(b) / 1000
+                self.backward += b.elapsed_time(c) / 1000
+            else:
+                self.forward += b - a
+                self.backward += c - b
+        self._pending = []
+
+    def totals(self) -> tuple[float, float]:
+        if self.cuda and self._pending:
+            torch.cuda.synchronize()
+            self._settle()
+        return self.forward, self.backward
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def run_one(cfg: Config, strat: Strategy, seed: int, noise: float, data, progress) -> Run:
     x_train, y_train, x_test, y_test = data
     y_noisy = _flip_labels(y_train, noise, seed)
+    classes = int(y_train.max()) + 1
     planned = strat.epochs or cfg.epochs
     run = Run(strat.name, seed, noise, planned)
-    with torch.random.fork_rng():
+    device = torch.device(cfg.device)
+    cl = torch.channels_last
+
+    def new_model() -> torch.nn.Module:
+        return make_model(cfg, classes, x_train.shape[1]).to(device, memory_format=cl)
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        model = small_cnn().to(memory_format=torch.channels_last)
-    opt = torch.optim.SGD(
-        model.parameters(),
-        lr=cfg.lr,
-        momentum=cfg.momentum,
-        nesterov=True,
-        weight_decay=cfg.weight_decay,
-    )
+        model = new_model()
+
+    def make_opt(m: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(
+            m.parameters(),
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            nesterov=True,
+            weight_decay=cfg.weight_decay,
+        )
+
+    opt = make_opt(model)
     dataset = ArrayDataset(x_train, y_noisy)
+    x_test, y_test = x_test.to(device), y_test.to(device)
+    bf16 = torch.bfloat16
 
     def source(bs: int) -> DataLoader:
         return DataLoader(
-            dataset, batch_size=bs, shuffle=True, generator=torch.Generator().manual_seed(seed)
+            dataset,
+            batch_size=bs,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(seed),
+            pin_memory=device.type == "cuda",
         )
+
+    def evaluate() -> float:
+        return error_rate(model, x_test, y_test, autocast=bf16 if cfg.train_bf16 else None)
 
     train_s = 0.0
     subset = None
     if strat.prune:
-
-        def make_opt(m):
-            return torch.optim.SGD(
-                m.parameters(),
-                lr=cfg.lr,
-                momentum=cfg.momentum,
-                nesterov=True,
-                weight_decay=cfg.weight_decay,
-            )
-
         r = sbloader.el2n_scores(
-            lambda: small_cnn().to(memory_format=torch.channels_last),
+            new_model,
             source(cfg.batch_size),
             make_optimizer=make_opt,
             models=cfg.el2n_models,
             epochs=cfg.el2n_epochs,
             seed=1000 + seed,
+            device=device,
         )
         subset = sbloader.prune(r.scores, cfg.el2n_keep, keep="hardest")
         run.pre_cost = r.cost()
@@ -277,48 +434,65 @@ def run_one(cfg: Config, strat: Strategy, seed: int, noise: float, data, progres
     loader = sbloader.SelectiveLoader(
         source(cfg.pool_batch_size if strat.pooled else cfg.batch_size),
         model,
-        policy=strat.policy(cfg),
+        policy=strat.policy(dataclasses.replace(cfg, epochs=planned)),  # its own schedule
         batch_size=cfg.batch_size,
-        memory_format=torch.channels_last,
-        autocast=torch.bfloat16 if cfg.selection_bf16 else None,
+        memory_format=cl,
+        autocast=bf16 if cfg.selection_bf16 else None,
         seed=seed,
         subset=subset,
     )
-    fwd_s = bwd_s = eval_s = 0.0
+    aug_gen = torch.Generator(device=device).manual_seed(20_000 + seed)
+    train_autocast = (
+        (lambda: torch.autocast(device.type, dtype=bf16))
+        if cfg.train_bf16
+        else contextlib.nullcontext
+    )
+    timer = StepTimer(device)
+    eval_s = 0.0
     next_eval = cfg.eval_every
     run.points.append(dict(position=0.0, time_s=train_s, error=1.0, backprops=0, selections=0))
     backprops = 0
+
+    def record(position: float) -> float:
+        """Evaluate (excluded from the wall-clock) and add a point to the curve."""
+        nonlocal eval_s
+        _sync(device)
+        e0 = time.perf_counter()
+        err = evaluate()
+        elapsed = train_s + e0 - start - eval_s
+        eval_s += time.perf_counter() - e0
+        run.points.append(
+            dict(
+                position=position,
+                time_s=elapsed,
+                error=err,
+                backprops=backprops,
+                selections=loader.stats.total.selection_forwards,
+            )
+        )
+        return err
+
     start = time.perf_counter()
     for _epoch in range(planned):
         for batch in loader:
             x, y = batch
+            if cfg.augment:
+                x = augment(x, aug_gen, flip=cfg.dataset != "svhn")
             lr = cosine_lr(cfg.lr, loader.progress, planned)
             for group in opt.param_groups:
                 group["lr"] = lr
-            t0 = time.perf_counter()
-            loss = (F.cross_entropy(model(x), y, reduction="none") * batch.weights).mean()
-            t1 = time.perf_counter()
+            timer.mark()
+            with train_autocast():
+                out = model(x)
+            loss = (F.cross_entropy(out.float(), y, reduction="none") * batch.weights).mean()
+            timer.mark()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            t2 = time.perf_counter()
-            fwd_s += t1 - t0
-            bwd_s += t2 - t1
+            timer.mark()
             backprops += len(y)
             if loader.progress + 1e-9 >= next_eval:
-                e0 = time.perf_counter()
-                err = error_rate(model, x_test, y_test)
-                eval_s += time.perf_counter() - e0
-                elapsed = train_s + time.perf_counter() - start - eval_s
-                run.points.append(
-                    dict(
-                        position=loader.progress,
-                        time_s=elapsed,
-                        error=err,
-                        backprops=backprops,
-                        selections=loader.stats.total.selection_forwards,
-                    )
-                )
+                err = record(loader.progress)
                 next_eval += cfg.eval_every
                 st = loader.stats.current
                 progress.set_postfix(
@@ -327,27 +501,19 @@ def run_one(cfg: Config, strat: Strategy, seed: int, noise: float, data, progres
                     err=f"{100 * err:.2f}%",
                 )
             progress.update(int(100 * loader.progress) - progress.n)  # hundredths of an epoch
-    total = time.perf_counter() - start - eval_s
     # The final state is always evaluated (also when eval_every does not divide the epochs).
     if run.points[-1]["position"] < planned - 1e-9:
-        e0 = time.perf_counter()
-        err = error_rate(model, x_test, y_test)
-        eval_s += time.perf_counter() - e0
-        run.points.append(
-            dict(
-                position=float(planned),
-                time_s=train_s + total,
-                error=err,
-                backprops=backprops,
-                selections=loader.stats.total.selection_forwards,
-            )
-        )
+        record(float(planned))
+    _sync(device)
+    total = time.perf_counter() - start - eval_s
     run.final_error = run.points[-1]["error"]
     run.train_s = train_s + total
     run.eval_s = eval_s
     t = loader.stats.total
-    # Training forward/backward were timed by the caller; the loader's consumer time holds them
-    # plus evaluation, so "other" is what remains of the wall-clock.
+    fwd_s, bwd_s = timer.totals()
+    # NOTE: on a GPU the loader's selection time also holds the wait for training work still
+    # queued when a selection pass starts (it needs the losses on the host), so there the
+    # breakdown's parts can exceed the wall-clock; "other" is what remains, at least 0.
     run.breakdown = dict(
         selection=t.selection_s,
         forward=fwd_s,
@@ -357,6 +523,7 @@ def run_one(cfg: Config, strat: Strategy, seed: int, noise: float, data, progres
     )
     run.breakdown["other"] = max(0.0, run.train_s - sum(run.breakdown.values()))
     run.epochs = [e.as_dict() for e in loader.stats.epochs]
+    run.diverged = not math.isfinite(run.final_error) or run.final_error >= 1 - 1.5 / classes
     return run
 
 
@@ -427,11 +594,15 @@ def summary_markdown(cfg: Config, runs: list[Run], machine: dict[str, Any]) -> s
     lines = [f"# sbloader benchmark: preset `{cfg.preset}`", ""]
     lines.append(
         f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} "
-        f"({machine['torch_threads']} threads), numba {machine['numba']}, sbloader "
-        f"{machine['sbloader']}, {machine['date']}."
+        f"({machine['torch_threads']} threads), GPU: {machine['gpu'] or 'none'}, numba "
+        f"{machine['numba']}, sbloader {machine['sbloader']}, {machine['date']}."
     )
     lines.append(
-        f"Fashion-MNIST, small CNN, batch {cfg.batch_size}, {cfg.epochs} planned epochs unless "
+        f"{cfg.dataset} ({cfg.image_size} x {cfg.image_size}"
+        f"{', augmented' if cfg.augment else ''}), "
+        f"{cfg.model} on {cfg.device}{' (bf16 training)' if cfg.train_bf16 else ''}, "
+        f"batch {cfg.batch_size}, source batch {cfg.pool_batch_size}, peak lr {cfg.lr:g}, "
+        f"{cfg.epochs} planned epochs unless "
         f"named (`_eN`), seeds {list(cfg.seeds)}, evaluation every {cfg.eval_every} epochs "
         "(excluded from wall-clock)."
     )
@@ -452,9 +623,14 @@ def summary_markdown(cfg: Config, runs: list[Run], machine: dict[str, Any]) -> s
             + " |"
         )
         lines += [head, "|" + "---|" * (4 + len(MULTIPLIERS))]
+        collapsed = []
         for name, row in table.items():
             rs = [r for r in runs if r.strategy == name and r.noise == 0]
             err = np.mean([r.final_error for r in rs])
+            bad = sum(r.diverged for r in rs)
+            if bad:
+                collapsed.append(f"{name} in {bad} of {len(rs)} seeds")
+                name = f"{name} (collapsed)"
             wall = np.mean([r.train_s for r in rs])
             bp = np.mean([np.mean([e["examples_yielded"] for e in r.epochs]) for r in rs])
             lines.append(
@@ -463,6 +639,13 @@ def summary_markdown(cfg: Config, runs: list[Run], machine: dict[str, Any]) -> s
                 + " |"
             )
         lines.append("")
+        if collapsed:
+            lines.append(
+                "Collapsed: training ended at chance-level error (the model predicts one class) "
+                f"for {'; '.join(collapsed)}. Loss-based selection from a random initialisation "
+                "can do this (see `_warmup`)."
+            )
+            lines.append("")
     lines.append("## Time breakdown (seconds per run, mean over seeds)")
     lines.append("")
     parts = ("selection", "forward", "backward", "data", "el2n", "other")
@@ -630,7 +813,10 @@ def _load_runs(folder: Path) -> list[Run]:
     runs = []
     for f in sorted(folder.glob("*.json")):
         d = json.loads(f.read_text())
-        runs.append(Run(**d))
+        run = Run(**d)
+        # Runs saved before the field existed: chance level on a 10-class task.
+        run.diverged = run.diverged or run.final_error >= 0.85
+        runs.append(run)
     return runs
 
 
@@ -643,6 +829,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strategies", nargs="+", help="override the preset's strategies")
     p.add_argument("--seeds", nargs="+", type=int, help="override the preset's seeds")
     p.add_argument("--epochs", type=int, help="override the planned epochs")
+    p.add_argument("--device", help="cpu, cuda or auto (default: the preset's)")
+    p.add_argument(
+        "--data", help="folder of a local CIFAR-10/100 or SVHN copy (torchvision format)"
+    )
     p.add_argument("--resume", action="store_true", help="skip runs already in --out")
     p.add_argument(
         "--report-only",
@@ -658,6 +848,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg.seeds = tuple(args.seeds)
     if args.epochs:
         cfg.epochs = args.epochs
+    if args.device:
+        cfg.device = args.device
+    if args.data:
+        cfg.data_root = str(Path(args.data).resolve())
+    if cfg.device == "auto":
+        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
     for name in (*cfg.strategies, *cfg.noise_strategies):
         _strategy(name)  # fail fast on a typo
     if cfg.threads:
@@ -681,7 +877,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         from tqdm import tqdm
 
-        data = (*fashion_mnist_tensors("train"), *fashion_mnist_tensors("test"))
+        data = load_data(cfg)
         print(
             f"# {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
             f"{len(jobs)} runs -> {out}",

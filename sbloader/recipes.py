@@ -6,12 +6,13 @@ and benchmarks train exactly the same way. Nothing here is needed to use :class:
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 from torch import nn
 
-__all__ = ["cosine_lr", "error_rate", "small_cnn"]
+__all__ = ["cosine_lr", "error_rate", "resnet18", "small_cnn"]
 
 
 def small_cnn(num_classes: int = 10, in_channels: int = 1) -> nn.Module:
@@ -37,6 +38,56 @@ def small_cnn(num_classes: int = 10, in_channels: int = 1) -> nn.Module:
     )
 
 
+class _BasicBlock(nn.Module):
+    """Two 3x3 convolutions with BatchNorm and a residual connection (He et al., 2016)."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+def resnet18(num_classes: int = 10, in_channels: int = 3) -> nn.Sequential:
+    """ResNet-18 for 32 x 32 inputs (CIFAR-style: a 3x3 stem, no max-pool; 11.2M parameters).
+
+    A ``Sequential`` whose first seven modules (stem and the four stages) form the backbone and
+    whose last three (pool, flatten, linear) the classifier, so ``model[:7]`` can serve as a
+    frozen prefix. Its global average pool accepts any input resolution (e.g. downsampled
+    selection inputs).
+
+    Example:
+        >>> resnet18(num_classes=10, in_channels=1)(torch.zeros(2, 1, 32, 32)).shape
+        torch.Size([2, 10])
+    """
+
+    def stage(cin: int, cout: int, stride: int) -> nn.Sequential:
+        return nn.Sequential(_BasicBlock(cin, cout, stride), _BasicBlock(cout, cout, 1))
+
+    return nn.Sequential(
+        nn.Conv2d(in_channels, 64, 3, padding=1, bias=False),
+        nn.BatchNorm2d(64),
+        nn.ReLU(inplace=True),
+        stage(64, 64, 1),
+        stage(64, 128, 2),
+        stage(128, 256, 2),
+        stage(256, 512, 2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(512, num_classes),
+    )
+
+
 @torch.inference_mode()
 def error_rate(
     model: nn.Module,
@@ -45,24 +96,31 @@ def error_rate(
     *,
     batch_size: int = 1000,
     memory_format: torch.memory_format = torch.channels_last,
+    autocast: torch.dtype | None = None,
 ) -> float:
-    """Top-1 error of ``model`` in eval mode; restores the model's training flag.
+    """Top-1 error of ``model`` in eval mode, on the model's device (optionally under autocast);
+    restores every module's training flag.
 
     Example:
         >>> m = small_cnn()
         >>> 0.0 <= error_rate(m, torch.zeros(4, 1, 28, 28), torch.zeros(4, dtype=torch.long)) <= 1.0
         True
     """
-    was_training = model.training
-    model.eval()
-    try:
-        wrong = 0
+    from .selection import eval_mode
+
+    device = next(model.parameters()).device
+    amp = (
+        torch.autocast(device.type, dtype=autocast)
+        if autocast is not None
+        else contextlib.nullcontext()
+    )
+    wrong = torch.zeros((), dtype=torch.int64, device=device)
+    with eval_mode(model), amp:
         for i in range(0, len(inputs), batch_size):
-            x = inputs[i : i + batch_size].contiguous(memory_format=memory_format)
-            wrong += int((model(x).argmax(1) != targets[i : i + batch_size]).sum())
-    finally:
-        model.train(was_training)
-    return wrong / len(inputs)
+            x = inputs[i : i + batch_size].to(device, non_blocking=True)
+            y = targets[i : i + batch_size].to(device, non_blocking=True)
+            wrong += (model(x.contiguous(memory_format=memory_format)).argmax(1) != y).sum()
+    return int(wrong) / len(inputs)
 
 
 def cosine_lr(base_lr: float, position: float, total: float) -> float:

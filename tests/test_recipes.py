@@ -1,0 +1,64 @@
+"""The reference recipes shared by examples and benchmarks: models, evaluation, augmentation."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sbloader.recipes import error_rate, resnet18, small_cnn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import run as bench
+
+
+def test_resnet18_shapes_backbone_split_and_any_resolution():
+    torch.manual_seed(0)
+    m = resnet18(num_classes=7, in_channels=1).eval()
+    x = torch.randn(3, 1, 32, 32)
+    assert m(x).shape == (3, 7)
+    assert m[:7](x).shape == (3, 512, 4, 4)  # the backbone a frozen prefix can take
+    torch.testing.assert_close(m[7:](m[:7](x)), m(x))
+    assert m(torch.randn(3, 1, 16, 16)).shape == (3, 7)  # downsampled selection inputs
+    assert 11_000_000 < sum(p.numel() for p in m.parameters()) < 11_300_000
+    assert any(isinstance(b, nn.BatchNorm2d) for b in m.modules())
+
+
+def test_error_rate_counts_mistakes_and_restores_training_flags():
+    model = small_cnn()
+    model.train()
+    model[1].eval()  # a deliberately frozen BatchNorm stays frozen
+    x = torch.randn(10, 1, 28, 28)
+    with torch.no_grad():
+        model.eval()
+        pred = model(x).argmax(1)
+        model.train()
+        model[1].eval()
+    y = pred.clone()
+    y[:3] = (y[:3] + 1) % 10
+    assert error_rate(model, x, y, batch_size=4) == 0.3
+    assert model.training and not model[1].training
+    assert 0.0 <= error_rate(model, x, y, autocast=torch.bfloat16) <= 1.0
+
+
+def test_benchmark_augmentation_shifts_and_flips_each_image_whole():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 2, 8, 8)
+    out = bench.augment(x, g, flip=True, pad=2)
+    assert out.shape == x.shape
+    padded = nn.functional.pad(x, (2,) * 4)
+    flipped = nn.functional.pad(x.flip(3), (2,) * 4)
+    for i in range(16):
+        crops = [
+            p[i, :, dy : dy + 8, dx : dx + 8]
+            for p in (padded, flipped)
+            for dy in range(5)
+            for dx in range(5)
+        ]
+        assert any(torch.equal(out[i], c) for c in crops), i
+    # Not the identity for every image, and reproducible from the generator.
+    assert not torch.equal(out, x)
+    again = bench.augment(x, torch.Generator().manual_seed(0), flip=True, pad=2)
+    assert torch.equal(out, again)
