@@ -1,0 +1,86 @@
+"""The CUDA path: run where a GPU is present (skipped elsewhere; CI has none)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import N_CLASSES, EncodedDataset, IndexLoss
+from torch import nn
+from torch.utils.data import DataLoader
+
+import sbloader
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def cuda_loader(policy, *, pin=False, seed=0, model=None, n=600, **kw):
+    dl = DataLoader(
+        EncodedDataset(n),
+        batch_size=60,
+        shuffle=True,
+        pin_memory=pin,
+        generator=torch.Generator().manual_seed(0),
+    )
+    model = model if model is not None else IndexLoss().cuda()
+    return sbloader.SelectiveLoader(dl, model, policy=policy, batch_size=20, seed=seed, **kw)
+
+
+@pytest.mark.parametrize("pin", [False, True])
+@pytest.mark.parametrize(
+    "policy", [sbloader.Traditional(), sbloader.SelectiveBackprop(1 / 3, history=64)]
+)
+def test_batches_live_on_the_gpu_with_exact_pairing(policy, pin):
+    loader = cuda_loader(policy, pin=pin)
+    seen = 0
+    for x, y in loader:
+        assert x.is_cuda and y.is_cuda
+        assert torch.equal(x[:, 0].long() % N_CLASSES, y)  # inputs encode their index
+        seen += len(y)
+    assert seen == (600 if policy.passthrough else seen) and seen > 0
+
+
+def test_metadata_is_on_the_gpu_and_indices_match_inputs():
+    loader = cuda_loader(sbloader.SelectiveBackprop(0.5, history=64))
+    for batch in loader:
+        x, _ = batch
+        for t in (batch.losses, batch.probabilities, batch.weights):
+            assert t.is_cuda
+        assert torch.equal(batch.indices.to(x.device), x[:, 0].long())
+
+
+def test_same_seed_same_batches_on_the_gpu():
+    def run(seed):
+        return [
+            b.indices.tolist()
+            for b in cuda_loader(sbloader.SelectiveBackprop(1 / 3, history=64), seed=seed)
+        ]
+
+    assert run(0) == run(0)
+    assert run(0) != run(1)
+
+
+def test_bf16_selection_leaves_batchnorm_and_modes_untouched_on_the_gpu():
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4)).cuda()
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loader = cuda_loader(
+        sbloader.SelectiveBackprop(1 / 3, history=64), model=model, autocast=torch.bfloat16
+    )
+    it = iter(loader)
+    batch = next(it)
+    assert model.training and all(m.training for m in model.modules())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert batch.losses.dtype == torch.float32 and not batch.losses.requires_grad
+
+
+def test_frozen_prefix_features_on_the_gpu():
+    backbone = nn.Sequential(nn.Linear(6, 8), nn.ReLU()).cuda().requires_grad_(False)
+    head = nn.Linear(8, 4).cuda()
+    loader = cuda_loader(
+        sbloader.SelectiveBackprop(1 / 3, history=64), model=head, frozen_prefix=backbone
+    )
+    for batch in loader:
+        x, _ = batch
+        assert batch.features.is_cuda
+        torch.testing.assert_close(batch.features, backbone(x))
