@@ -176,7 +176,9 @@ class Sources:
 
     def __init__(self, cfg: Config, x: torch.Tensor, y: torch.Tensor, ffcv: bool) -> None:
         self.cfg, self.x, self.y = cfg, x, y
-        self.dataset = ArrayDataset(x, y)
+        # NOTE: on a GPU the examples live on the device (num_workers=0), as a GPU user would
+        # keep a dataset of this size.
+        self.dataset = ArrayDataset(x.to(cfg.device), y.to(cfg.device))
         self._tmp = tempfile.TemporaryDirectory(prefix="sbloader-breakdown-")
         self.beton: Path | None = None
         self.write_s: float | None = None
@@ -197,10 +199,7 @@ class Sources:
     def make(self, kind: str, batch_size: int, seed: int) -> Any:
         if kind == "dataloader":
             gen = torch.Generator().manual_seed(seed)
-            pin = torch.device(self.cfg.device).type == "cuda"
-            return DataLoader(
-                self.dataset, batch_size=batch_size, shuffle=True, generator=gen, pin_memory=pin
-            )
+            return DataLoader(self.dataset, batch_size=batch_size, shuffle=True, generator=gen)
         import sbloader.ffcv as sbffcv
 
         assert self.beton is not None

@@ -112,7 +112,8 @@ class ArrayDataset(Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, ...]]:
         idx = torch.as_tensor(indices, dtype=torch.int64)
-        columns = [t.index_select(0, idx).unbind(0) for t in self.tensors]
+        # NOTE: tensors may live on a GPU (a dataset kept on the device, num_workers=0).
+        columns = [t.index_select(0, idx.to(t.device)).unbind(0) for t in self.tensors]
         return list(zip(*columns))
 
 

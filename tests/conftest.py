@@ -39,9 +39,9 @@ class IndexLoss(nn.Module):
         self.calls += 1
         idx = x[:, 0]
         # Logit margin shrinks with index: higher index, higher cross-entropy loss.
-        logits = torch.zeros(x.shape[0], N_CLASSES)
+        logits = torch.zeros(x.shape[0], N_CLASSES, device=x.device)
         target = idx.long() % N_CLASSES
-        logits[torch.arange(x.shape[0]), target] = 10.0 - idx / 100.0
+        logits[torch.arange(x.shape[0], device=x.device), target] = 10.0 - idx / 100.0
         return logits + 0.0 * self.lin(x)
 
 

@@ -48,6 +48,34 @@ def test_speedups_are_paired_by_seed_and_count_never():
     assert slow["min"] == pytest.approx(20 / 50) and slow["max"] == pytest.approx(40 / 80)
 
 
+def test_each_seed_is_measured_against_its_own_traditional_final_error():
+    runs = [
+        make_run("traditional", 0, [(10, 0.2), (20, 0.08)]),
+        make_run("traditional", 1, [(10, 0.2), (20, 0.12)]),  # the mean, 0.10, is never reached
+        make_run("x", 0, [(5, 0.09), (10, 0.08)]),
+        make_run("x", 1, [(5, 0.12)]),
+    ]
+    table = bench.speedup_table(runs)
+    trad = table["traditional"][1.0]
+    assert trad["mean"] == 1.0 and trad["never"] == 0
+    assert table["x"][1.0]["min"] == pytest.approx(2.0) and table["x"][1.0]["max"] == 4.0
+    assert table["x"][1.0]["target"] == pytest.approx(0.10)  # reported: the mean target
+
+
+def test_warmup_suffixes_build_matched_policies():
+    cfg = bench.Config()
+    rw = bench._strategy("stale_sb_3_rwarmup").policy(cfg)
+    assert isinstance(rw.warmup_policy, bench.sbloader.RandomBackprop)
+    assert rw.warmup_policy.selectivity == pytest.approx(1 / 3) and rw.policy.staleness == 3
+    control = bench._strategy("random_0.33_warmup").policy(cfg)
+    assert isinstance(control.policy, bench.sbloader.RandomBackprop)
+    assert isinstance(control.warmup_policy, bench.sbloader.Traditional)
+    assert bench._strategy("diet_sb_rwarmup").prune
+    # Annealing follows the strategy's own schedule (built with its planned epochs).
+    anneal = bench._strategy("sb_0.33_anneal_e16")
+    assert anneal.policy(bench.dataclasses.replace(cfg, epochs=16)).anneal_from_epoch == 14
+
+
 def test_pareto_frontier_keeps_only_non_dominated_points():
     runs = [
         make_run("a", 0, [(10, 0.3), (20, 0.2), (30, 0.15)]),
