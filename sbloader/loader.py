@@ -17,8 +17,9 @@ from . import batch as B
 from ._checks import check_choice, check_int
 from .distributed import RankSync, make_sync
 from .policies import Choice, Policy, SelectiveBackprop
+from .prefetch import Prefetcher, Synchronous
 from .selection import SelectionForward, check_loss_fn, unwrap
-from .sources import Source, make_source
+from .sources import DataLoaderSource, Source, make_source
 from .stats import EpochStats, LoaderStats
 
 __all__ = ["SelectiveLoader"]
@@ -158,6 +159,13 @@ class SelectiveLoader:
         cdf: ``"local"`` (default): each rank's policy ranks losses against its own history;
             ``"global"``: against every rank's, all-gathered per source batch (the ranks'
             loss windows then hold identical contents).
+        prefetch: source batches fetched ahead on a background thread while the caller trains
+            (0: fetched on demand). Default: 1 for a DataLoader with ``num_workers > 0``, else
+            0. NOTE: with ``num_workers=0`` the dataset's ``__getitem__`` then runs on that
+            thread, so a dataset that draws from torch's global RNG (random transforms) would
+            interleave its draws with the training step's and runs would not be reproducible:
+            pass ``prefetch=1`` there only for datasets without global randomness (such as
+            :class:`~sbloader.datasets.ArrayDataset`). FFCV loaders fetch ahead themselves.
 
     Attributes:
         stats: a :class:`~sbloader.stats.LoaderStats` with per-epoch and total counts and times.
@@ -216,6 +224,7 @@ class SelectiveLoader:
         distributed: bool | None = None,
         process_group: Any = None,
         cdf: str = "local",
+        prefetch: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model should be a torch.nn.Module, but got {type(model).__name__}")
@@ -271,6 +280,11 @@ class SelectiveLoader:
         self.remainder = check_choice("remainder", remainder, _REMAINDERS)
         self.nonfinite = check_choice("nonfinite", nonfinite, _NONFINITE)
         self.cdf = check_choice("cdf", cdf, _CDFS)
+        self.prefetch = (
+            self._default_prefetch()
+            if prefetch is None
+            else check_int("prefetch", prefetch, minimum=0)
+        )
         self._sync: RankSync | None = make_sync(distributed, process_group)
         if min_batch_size is None:
             has_bn = any(isinstance(m, _BATCHNORM) for m in model.modules())
@@ -297,6 +311,14 @@ class SelectiveLoader:
         self._position = 0  # source batches consumed in the current epoch
         self._active = False  # an epoch has started and not finished
         self._resume = False  # the next epoch iterator continues a restored, unfinished epoch
+
+    def _default_prefetch(self) -> int:
+        """1 for a DataLoader with worker processes, else 0 (see ``prefetch``)."""
+        loader = getattr(self._source, "loader", None)
+        workers = (
+            getattr(loader, "num_workers", 0) if isinstance(self._source, DataLoaderSource) else 0
+        )
+        return 1 if workers > 0 else 0
 
     # ------------------------------------------------------------------ public helpers
     @property
@@ -399,7 +421,9 @@ class SelectiveLoader:
         fresh = self.policy.needs_losses(stats.epoch)
         passthrough = self.policy.passthrough
         filtering = self._source.can_filter
-        source_iter = self._source.epoch(skip, self._keep_fn(stats) if filtering else None)
+        keep, rejected = self._keep_fn() if filtering else (None, [0])
+        fetch = self._fetcher(lambda: self._source.epoch(skip, keep), lambda: rejected[0])
+        counted = 0
         if self._sync is not None:
             self._sync.bind(self.device)
         start = perf_counter()
@@ -416,10 +440,16 @@ class SelectiveLoader:
             while True:
                 t0 = perf_counter()
                 try:
-                    raw, indices = next(source_iter)
+                    (raw, indices), tally = fetch.next()
                 except StopIteration:
+                    stats.examples_seen += fetch.last_tally - counted
+                    stats.prefiltered += fetch.last_tally - counted
                     break
                 stats.source_s += perf_counter() - t0
+                # Examples the policy rejected before loading, up to this batch.
+                stats.examples_seen += tally - counted
+                stats.prefiltered += tally - counted
+                counted = tally
                 self._position += 1
                 columns, n = self._columns(raw, indices)
                 if self._subset is not None and not filtering:
@@ -462,6 +492,7 @@ class SelectiveLoader:
             if self.remainder != "carry":
                 stats.dropped += self._pending.clear()
         finally:
+            fetch.close()
             stats.wall_s += perf_counter() - start
         self._end_epoch(stats)
 
@@ -588,12 +619,18 @@ class SelectiveLoader:
         inside = (indices >= 0) & (indices < self._subset.shape[0])
         return inside & self._subset[np.where(inside, indices, 0)]
 
-    def _keep_fn(self, stats: EpochStats) -> Any:
+    def _keep_fn(self) -> tuple[Any, list[int]]:
         """What a filtering source should load this epoch: the subset, minus what the policy
-        rejects before loading (Stale-SB's stale epochs). None when everything is loaded."""
+        rejects before loading (Stale-SB's stale epochs); None when everything is loaded. And a
+        one-element counter of the rejections, advanced by whichever thread loads.
+
+        NOTE: a resumed epoch filters its skipped batches again; the checkpoint's stats already
+        count those rejections, so they are not counted twice.
+        """
+        rejected = [0]
         policy_filters = self.policy.prefilter(np.zeros(0, dtype=np.int64)) is not None
         if self._subset is None and not policy_filters:
-            return None
+            return None, rejected
 
         def keep(indices: np.ndarray) -> np.ndarray:
             mask = (
@@ -604,15 +641,18 @@ class SelectiveLoader:
             if policy_filters:
                 chosen = self.policy.prefilter(indices[mask])
                 assert chosen is not None
-                # NOTE: a resumed epoch filters its skipped batches again; the checkpoint's stats
-                # already count those rejections.
                 if not getattr(self._source, "replaying", False):
-                    stats.examples_seen += int(mask.sum() - chosen.sum())
-                    stats.prefiltered += int(mask.sum() - chosen.sum())
+                    rejected[0] += int(mask.sum() - chosen.sum())
                 mask[np.flatnonzero(mask)[~chosen]] = False
             return mask
 
-        return keep
+        return keep, rejected
+
+    def _fetcher(self, make_iter: Callable[[], Iterator[Any]], tally: Callable[[], int]) -> Any:
+        """The epoch's source batches, fetched ``prefetch`` ahead on a thread, or on demand."""
+        if self.prefetch:
+            return Prefetcher(make_iter, self.prefetch, tally)
+        return Synchronous(make_iter, tally)
 
     def _restrict(
         self, columns: list[B.Column], indices: np.ndarray | None

@@ -1,0 +1,162 @@
+"""Source batches fetched ahead on a background thread: same batches, same stats, clean stops."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from conftest import EncodedDataset, IndexLoss
+from torch.utils.data import DataLoader
+
+from sbloader import (
+    Phased,
+    RandomBackprop,
+    SelectiveBackprop,
+    SelectiveLoader,
+    Traditional,
+)
+from sbloader.prefetch import Prefetcher
+
+
+class CountingDataset(EncodedDataset):
+    def __init__(self, n=300, fail_at=None):
+        super().__init__(n)
+        self.loaded = 0
+        self.fail_at = fail_at
+
+    def __getitem__(self, i):
+        if self.fail_at is not None and int(i) == self.fail_at:
+            raise RuntimeError(f"cannot read example {i}")
+        self.loaded += 1
+        return super().__getitem__(i)
+
+
+def build(policy_fn, prefetch, ds=None, workers=0, **kw):
+    ds = ds if ds is not None else EncodedDataset(600)
+    dl = DataLoader(
+        ds,
+        batch_size=30,
+        shuffle=True,
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(0),
+    )
+    return SelectiveLoader(
+        dl, IndexLoss(), policy=policy_fn(), batch_size=10, seed=0, prefetch=prefetch, **kw
+    )
+
+
+def prefetch_threads():
+    return [t for t in threading.enumerate() if t.name == "sbloader-prefetch"]
+
+
+POLICIES = {
+    "sb": lambda: SelectiveBackprop(1 / 3, history=64),
+    "stale": lambda: SelectiveBackprop(1 / 3, history=64, staleness=3),
+    "phased": lambda: Phased(
+        SelectiveBackprop(0.5, history=32, staleness=2),
+        warmup_epochs=1,
+        warmup_policy=RandomBackprop(0.5),
+    ),
+    "traditional": Traditional,
+}
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_prefetching_yields_the_same_batches_and_stats(name):
+    runs = {}
+    for prefetch in (0, 2):
+        loader = build(POLICIES[name], prefetch, subset=np.arange(0, 600, 2))
+        batches = [(b.indices.tolist(), b[1].tolist()) for _ in range(4) for b in loader]
+        stats = [e.as_dict() for e in loader.stats.epochs]
+        for s in stats:
+            for k in [k for k in s if k.endswith("_s")]:
+                del s[k]  # times differ; counts must not
+        runs[prefetch] = (batches, stats)
+    assert runs[0] == runs[2]
+    if name == "stale":
+        assert runs[2][1][1]["prefiltered"] > 0  # rejections before loading are counted
+
+
+@pytest.mark.parametrize("stop_after", [1, 4, 9])
+def test_mid_epoch_resume_with_prefetching_matches_an_uninterrupted_run(stop_after):
+    policy = POLICIES["stale"]
+    full = build(policy, 1)
+    expected = [b.indices.tolist() for _ in range(3) for b in full]
+    a = build(policy, 1)
+    got = [b.indices.tolist() for b in a]  # epoch 0 (fresh)
+    it = iter(a)  # epoch 1: stale, prefiltered
+    got += [next(it).indices.tolist() for _ in range(stop_after)]
+    state = a.state_dict()
+    b = build(policy, 1)
+    b.load_state_dict(state)
+    got += [x.indices.tolist() for x in b]
+    got += [x.indices.tolist() for x in b]
+    assert got == expected
+    assert [e.examples_seen for e in b.stats.epochs] == [e.examples_seen for e in full.stats.epochs]
+    assert [e.prefiltered for e in b.stats.epochs] == [e.prefiltered for e in full.stats.epochs]
+
+
+def test_the_next_source_batch_is_fetched_while_the_caller_holds_a_batch():
+    ds = CountingDataset(600)
+    loader = build(Traditional, 1, ds=ds)
+    it = iter(loader)
+    next(it)
+    for _ in range(200):  # the thread loads the next batch while the caller "trains"
+        if ds.loaded >= 60:
+            break
+        threading.Event().wait(0.01)
+    threading.Event().wait(0.2)
+    # Bounded: the caller's batch, one queued (depth 1) and at most one in the thread's hands.
+    assert 60 <= ds.loaded <= 90
+    it.close()
+    assert not prefetch_threads()
+
+
+def test_abandoning_an_epoch_stops_the_thread_and_the_next_epoch_starts_clean():
+    loader = build(POLICIES["sb"], 1)
+    for i, _ in enumerate(loader):
+        if i == 2:
+            break
+    assert not prefetch_threads()
+    assert sum(len(b[1]) for b in loader) > 0  # epoch 1 runs, from the start of its order
+    assert loader.epoch == 2
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_failing_dataset_surfaces_in_the_callers_thread(workers):
+    loader = build(POLICIES["sb"], 1, ds=CountingDataset(600, fail_at=17), workers=workers)
+    with pytest.raises(RuntimeError, match="cannot read example 17"):
+        list(loader)
+    assert not prefetch_threads()
+
+
+def test_prefetch_defaults_and_bad_values():
+    assert build(Traditional, None).prefetch == 0
+    assert build(Traditional, None, workers=1).prefetch == 1
+    with pytest.raises(ValueError, match="prefetch should be >= 0"):
+        build(Traditional, -1)
+    with pytest.raises(TypeError, match="prefetch should be an int"):
+        build(Traditional, 1.5)
+
+
+def test_prefetcher_hands_over_errors_in_order_and_closes_its_iterator():
+    closed = []
+
+    def gen():
+        try:
+            yield 1
+            yield 2
+            raise KeyError("boom")
+        finally:
+            closed.append(threading.current_thread().name)
+
+    p = Prefetcher(gen, depth=1, tally=lambda: 0)
+    assert p.next()[0] == 1 and p.next()[0] == 2
+    with pytest.raises(KeyError, match="boom"):
+        p.next()
+    with pytest.raises(StopIteration):
+        p.next()
+    p.close()
+    assert closed == ["sbloader-prefetch"]  # closed by the thread that ran it
