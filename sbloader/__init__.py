@@ -19,6 +19,7 @@ Example:
 
 from .batch import SelectedBatch, SelectedDict, SelectedList, SelectedTuple
 from .el2n import EL2NResult, el2n_scores, prune
+from .features import FeatureCache
 from .loader import SelectiveLoader
 from .policies import (
     Choice,
@@ -42,6 +43,7 @@ __all__ = [
     "EL2NResult",
     "EpochStats",
     "ExampleStore",
+    "FeatureCache",
     "IterableSource",
     "Kath18",
     "LoaderStats",

@@ -16,6 +16,7 @@ from torch import nn
 from . import batch as B
 from ._checks import check_choice, check_int
 from .distributed import RankSync, make_sync
+from .features import FeatureCache
 from .policies import Choice, Policy, SelectiveBackprop
 from .prefetch import Prefetcher, Synchronous
 from .selection import SelectionForward, check_loss_fn, unwrap
@@ -144,6 +145,14 @@ class SelectiveLoader:
             selected examples' ``batch.features``, so the training step runs only the head:
             ``loss_fn(model(batch.features), targets)``. Refused (``ValueError``) when a prefix
             parameter has ``requires_grad=True``, checked again when each epoch starts.
+        cache_features: with ``frozen_prefix``, keep each example's prefix output across
+            epochs, keyed by dataset index (a :class:`~sbloader.features.FeatureCache`): the
+            prefix then runs once per example in the whole run, not once per epoch. ``True``
+            keeps the cache on the loader's device, a device (e.g. ``"cpu"``) keeps it there.
+            Valid only when an example's input is the same every epoch (no random
+            augmentation before the prefix): a few cached examples are recomputed each epoch
+            and a changed input raises ``ValueError``. Needs dataset indices. Its memory is
+            dataset size x prefix output size (in the ``autocast`` dtype when given).
         subset: dataset indices to train on (e.g. from :func:`sbloader.prune`); the others are
             never yielded. A DataLoader source does not even load them. Needs dataset indices.
         eval_selection: run selection passes in eval mode (default True).
@@ -218,6 +227,7 @@ class SelectiveLoader:
         compile_selection: bool | dict[str, Any] = False,
         selection_scale: float | None = None,
         frozen_prefix: nn.Module | None = None,
+        cache_features: bool | str | torch.device = False,
         subset: Any = None,
         eval_selection: bool = True,
         rank: int | None = None,
@@ -263,6 +273,7 @@ class SelectiveLoader:
         key = np.random.SeedSequence(self.seed, spawn_key=(self.rank, 1)).generate_state(1)[0]
         self.policy.attach(self._source.dataset_size, int(key))
         self._subset = self._subset_mask(subset)
+        self._feature_cache = self._make_feature_cache(cache_features, frozen_prefix, autocast)
         source_bs = self._source.batch_size
         if batch_size is None:
             if source_bs is None:
@@ -311,6 +322,27 @@ class SelectiveLoader:
         self._position = 0  # source batches consumed in the current epoch
         self._active = False  # an epoch has started and not finished
         self._resume = False  # the next epoch iterator continues a restored, unfinished epoch
+
+    def _make_feature_cache(
+        self, cache: Any, prefix: nn.Module | None, autocast: Any
+    ) -> FeatureCache | None:
+        """The cross-epoch cache of prefix outputs, or None; checked."""
+        if cache is False or cache is None:
+            return None
+        if prefix is None:
+            raise ValueError(
+                "cache_features caches frozen_prefix's outputs, but got frozen_prefix=None; pass "
+                "frozen_prefix=backbone (and model=head), or cache_features=False"
+            )
+        size = self._source.dataset_size
+        if not self._source.has_indices or size is None:
+            raise ValueError(
+                "cache_features keys the cache by dataset index, but the source provides none; "
+                "pass a DataLoader over a map-style dataset, or cache_features=False"
+            )
+        device = None if cache is True else torch.device(cache)
+        dtype = autocast if isinstance(autocast, torch.dtype) else None
+        return FeatureCache(size, device, dtype)
 
     def _default_prefetch(self) -> int:
         """1 for a DataLoader with worker processes, else 0 (see ``prefetch``)."""
@@ -457,7 +489,7 @@ class SelectiveLoader:
                 stats.examples_seen += n
                 if passthrough:
                     out = columns + self._meta(Choice.everything(n), indices, None)
-                    out += self._cached_features(columns, None, None, stats)
+                    out += self._cached_features(columns, None, None, indices, stats)
                     stats.examples_selected += n
                     if self._agree(int(n >= self.min_batch_size)):
                         yield from self._yield(out, n, stats)
@@ -466,7 +498,7 @@ class SelectiveLoader:
                     continue
                 t0 = perf_counter()
                 losses, values, features = (
-                    self._selection_pass(columns, stats) if fresh else (None, None, None)
+                    self._selection_pass(columns, indices, stats) if fresh else (None, None, None)
                 )
                 choice = self._decide(values, indices, n, stats)
                 stats.selection_s += perf_counter() - t0
@@ -474,7 +506,9 @@ class SelectiveLoader:
                 stats.examples_selected += k
                 if k:
                     taken = self._take(columns, choice, indices, losses)
-                    taken += self._cached_features(columns, choice.positions, features, stats)
+                    taken += self._cached_features(
+                        columns, choice.positions, features, indices, stats
+                    )
                     self._pending.add(taken, k)
                 for _ in range(self._agree(self._pending.count // self.batch_size)):
                     yield from self._yield(
@@ -693,7 +727,7 @@ class SelectiveLoader:
         return columns, n
 
     def _selection_pass(
-        self, columns: list[B.Column], stats: EpochStats
+        self, columns: list[B.Column], indices: np.ndarray | None, stats: EpochStats
     ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor | None]:
         """Selection losses of a source batch (where the model computed them, and as float64 on
         the host for the policy), and the frozen prefix's outputs (or None)."""
@@ -703,6 +737,11 @@ class SelectiveLoader:
         targets = columns[fmt.position(fmt.target_key)]
         n = inputs.shape[0]
         t0 = perf_counter()
+        cached = None
+        if self._feature_cache is not None:
+            cached = self._prefix_outputs(inputs, indices, None, stats)
+        elif self._forward.frozen_prefix is not None:
+            stats.prefix_forwards += n
         losses, features = self._forward(
             unwrap(self.selector if self.selector is not None else self.model),
             inputs,
@@ -711,6 +750,7 @@ class SelectiveLoader:
             batch_size=self.selection_batch_size,
             autocast_dtype=self.autocast,
             eval=self.eval_selection,
+            features=cached,
         )
         # NOTE: the policy needs the losses on the host anyway; copying them inside the timed
         # region makes the time exact on a GPU too (it waits for the forward to finish, and for
@@ -722,11 +762,43 @@ class SelectiveLoader:
         stats.selection_calls += math.ceil(n / step)
         return losses, values, features
 
+    def _prefix_outputs(
+        self,
+        inputs: torch.Tensor,
+        indices: np.ndarray | None,
+        positions: np.ndarray | None,
+        stats: EpochStats,
+    ) -> torch.Tensor:
+        """The frozen prefix's outputs for rows ``positions`` (all if None) of ``inputs``,
+        from the cross-epoch cache where it holds them; computed (and cached) otherwise."""
+        cache = self._feature_cache
+        rows = np.arange(inputs.shape[0]) if positions is None else positions
+
+        def compute(x: torch.Tensor) -> torch.Tensor:
+            return self._forward.features(x, self.selection_batch_size, self.autocast)
+
+        if positions is not None:
+            pos = torch.from_numpy(positions).to(inputs.device, non_blocking=True)
+            inputs = inputs.index_select(0, pos)
+        if cache is None:
+            stats.prefix_forwards += inputs.shape[0]
+            return compute(inputs)
+        assert indices is not None
+        idx = indices[rows]
+        stats.prefix_forwards += cache.check(self.epoch, idx, inputs, compute)
+        missing = cache.missing(idx)
+        if len(missing):
+            x = inputs.index_select(0, torch.from_numpy(missing).to(inputs.device))
+            cache.put(idx[missing], compute(x))
+            stats.prefix_forwards += len(missing)
+        return cache.get(idx, inputs.device)
+
     def _cached_features(
         self,
         columns: list[B.Column],
         positions: np.ndarray | None,
         features: torch.Tensor | None,
+        indices: np.ndarray | None,
         stats: EpochStats,
     ) -> list[B.Column]:
         """The frozen prefix's outputs for rows ``positions`` (all rows if None), as a list of
@@ -745,11 +817,8 @@ class SelectiveLoader:
         fmt = self._format
         assert fmt is not None
         inputs = columns[fmt.position(fmt.input_key)]
-        if positions is not None:
-            pos = torch.from_numpy(positions).to(inputs.device, non_blocking=True)
-            inputs = inputs.index_select(0, pos)
         t0 = perf_counter()
-        features = self._forward.features(inputs, self.selection_batch_size, self.autocast)
+        features = self._prefix_outputs(inputs, indices, positions, stats)
         elapsed = perf_counter() - t0
         stats.selection_s += elapsed
         stats.selection_forward_s += elapsed

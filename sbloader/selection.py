@@ -297,18 +297,20 @@ class SelectionForward:
         batch_size: int | None = None,
         autocast_dtype: torch.dtype | None = None,
         eval: bool = True,
+        features: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-example losses of ``model`` on the candidates, and the frozen prefix's outputs
-        (``None`` without a frozen prefix).
+        (``None`` without a frozen prefix; ``features``, when given, are those outputs already
+        computed, e.g. from a cache, and the prefix does not run).
 
         NOTE: the prefix runs under ``autocast_dtype`` too, since it is most of a frozen-backbone
         model's selection cost; its outputs, which become the selected examples' training
         inputs, are then reduced-precision values returned as float32. Without autocast they
         are exactly what a float32 training forward of the prefix computes.
         """
-        features = None
         if self.frozen_prefix is not None:
-            features = self.features(inputs, batch_size, autocast_dtype)
+            if features is None:
+                features = self.features(inputs, batch_size, autocast_dtype)
             inputs = features
         elif self.scale is not None:
             with torch.inference_mode():

@@ -256,3 +256,97 @@ def test_frozen_prefix_features_survive_a_mid_epoch_resume():
     assert chosen(got) == chosen(full)
     for a, b in zip(got, full):
         torch.testing.assert_close(a.features, b.features)
+
+
+# ------------------------------------------------------------------ features cached across epochs
+class CountingPrefix(nn.Module):
+    """Counts the examples it runs on."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.examples = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.examples += x.shape[0]
+        return self.inner(x)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        lambda: SelectiveBackprop(1 / 3, history=64),
+        lambda: SelectiveBackprop(1 / 3, history=64, staleness=2),
+        Traditional,
+        lambda: RandomBackprop(0.5),
+    ],
+)
+def test_cached_features_run_the_prefix_once_per_example_and_change_nothing(policy):
+    backbone, head = backbone_and_head()
+    counting = CountingPrefix(backbone)
+    _, plain = run(model=head, frozen_prefix=backbone, policy=policy(), epochs=3)
+    loader, cached = run(
+        model=head, frozen_prefix=counting, policy=policy(), epochs=3, cache_features=True
+    )
+    assert chosen(cached) == chosen(plain)
+    for a, b in zip(cached, plain):
+        torch.testing.assert_close(a.features, b.features)
+        torch.testing.assert_close(a.losses, b.losses, equal_nan=True)
+    # Each example once (at most N), plus a few recomputed per later epoch to check the cache.
+    assert counting.examples <= N + 2 * 4
+    assert sum(e.prefix_forwards for e in loader.stats.epochs) == counting.examples
+    if loader.policy.needs_losses(2):  # every candidate scored: all cached after epoch 0
+        assert loader.stats.epochs[-1].prefix_forwards <= 4
+
+
+def test_cached_features_refuse_inputs_that_change_between_epochs():
+    class Augmented(TensorDataset):
+        epoch = 0
+
+        def __getitem__(self, i):
+            x, y = super().__getitem__(i)
+            return x + Augmented.epoch, y  # a different input every epoch
+
+    base = images()
+    data = Augmented(*base.tensors)
+    backbone, head = backbone_and_head()
+    loader = SelectiveLoader(
+        DataLoader(data, batch_size=60, shuffle=True, generator=torch.Generator()),
+        head,
+        policy=SelectiveBackprop(1 / 3, history=64),
+        batch_size=20,
+        frozen_prefix=backbone,
+        cache_features=True,
+    )
+    list(loader)
+    Augmented.epoch = 1
+    with pytest.raises(ValueError, match="input changed between epochs"):
+        list(loader)
+
+
+def test_cached_features_under_autocast_are_stored_in_half_the_memory():
+    backbone, head = backbone_and_head()
+    loader, batches = run(
+        model=head,
+        frozen_prefix=backbone,
+        autocast=torch.bfloat16,
+        cache_features=True,
+        epochs=2,
+    )
+    cache = loader._feature_cache
+    assert cache.values.dtype == torch.bfloat16 and cache.nbytes == N * 8 * 2 * 2 * 2
+    assert all(b.features.dtype == torch.float32 for b in batches)
+
+
+def test_cache_features_misuse_is_named():
+    backbone, head = backbone_and_head()
+    with pytest.raises(ValueError, match="cache_features caches frozen_prefix's outputs"):
+        run(model=head, cache_features=True)
+    with pytest.raises(ValueError, match="cache_features keys the cache by dataset index"):
+        SelectiveLoader(
+            [(torch.randn(4, 3, 8, 8), torch.zeros(4, dtype=torch.long))],
+            head,
+            policy=Traditional(),
+            frozen_prefix=backbone,
+            cache_features=True,
+        )

@@ -1,0 +1,150 @@
+"""A cache of a frozen prefix's outputs across epochs, keyed by dataset index."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+__all__ = ["FeatureCache"]
+
+
+class FeatureCache:
+    """The frozen prefix's output for each dataset index, computed once and reused every epoch.
+
+    Valid only when an example's input is the same every epoch (no random augmentation) and the
+    prefix never changes; :meth:`check` verifies the first on a few cached examples per epoch.
+    Storage is allocated on first use, ``size`` rows of the output's shape, in ``store_dtype``
+    (e.g. bfloat16 when the outputs come from a bf16 autocast, which halves the memory and
+    loses nothing); :meth:`get` returns rows in the dtype they were given in.
+
+    NOTE: the cache is not part of a loader's checkpoint (it can take gigabytes); after a resume
+    it fills again as examples are seen, with outputs that may differ from the first ones in
+    the last bits where the prefix's kernels depend on the batch they run in.
+
+    Args:
+        size: the number of dataset indices.
+        device: where the rows live (e.g. ``"cpu"`` to keep a large cache off the GPU); None:
+            where the first outputs are.
+        store_dtype: the storage dtype; None stores the outputs' own dtype.
+
+    Example:
+        >>> cache = FeatureCache(10, "cpu")
+        >>> idx = np.array([3, 7])
+        >>> cache.missing(idx).tolist()
+        [0, 1]
+        >>> cache.put(idx, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+        >>> cache.missing(np.array([7, 8])).tolist(), cache.get(np.array([7, 3])).tolist()
+        ([1], [[3.0, 4.0], [1.0, 2.0]])
+    """
+
+    #: Examples recomputed per epoch by :meth:`check`.
+    CHECKED = 4
+    #: Largest relative L2 difference between a recomputed and a cached output that :meth:`check`
+    #: accepts: reduced-precision kernels in another batch differ by far less, an augmented
+    #: input by far more.
+    TOLERANCE = 0.05
+
+    def __init__(
+        self,
+        size: int,
+        device: torch.device | str | None = None,
+        store_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.size = int(size)
+        self.device = None if device is None else torch.device(device)
+        self.store_dtype = store_dtype
+        self.values: torch.Tensor | None = None
+        self.out_dtype: torch.dtype | None = None
+        self.filled = np.zeros(self.size, dtype=bool)
+        self._checked_epoch: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the stored rows (0 before the first :meth:`put`)."""
+        return 0 if self.values is None else self.values.numel() * self.values.element_size()
+
+    def missing(self, indices: np.ndarray) -> np.ndarray:
+        """Positions (into ``indices``) of the examples not cached yet."""
+        return np.flatnonzero(~self.filled[indices])
+
+    def _allocate(self, like: torch.Tensor) -> torch.Tensor:
+        if self.device is None:
+            self.device = like.device
+        dtype = self.store_dtype or like.dtype
+        shape = (self.size, *like.shape[1:])
+        try:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        except (RuntimeError, MemoryError) as e:
+            gib = self.size * like[0].numel() * torch.empty((), dtype=dtype).element_size() / 2**30
+            raise MemoryError(
+                f"cache_features needs {gib:.1f} GiB on {self.device} for {self.size} examples "
+                f"of shape {tuple(like.shape[1:])} ({dtype}); pass cache_features='cpu' to keep "
+                "it in host memory, end frozen_prefix with a pooling layer so that it outputs "
+                "less per example, or pass cache_features=False"
+            ) from e
+
+    def put(self, indices: np.ndarray, features: torch.Tensor) -> None:
+        """Store the outputs of ``indices`` (one row each)."""
+        if self.values is None:
+            self.values = self._allocate(features)
+            self.out_dtype = features.dtype
+        elif tuple(features.shape[1:]) != tuple(self.values.shape[1:]):
+            raise ValueError(
+                f"frozen_prefix returned outputs of shape {tuple(features.shape[1:])} per "
+                f"example, but earlier ones had shape {tuple(self.values.shape[1:])}; "
+                "cache_features needs outputs of one shape (inputs of one size)"
+            )
+        assert self.device is not None
+        rows = torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64)).to(self.device)
+        self.values.index_copy_(0, rows, features.detach().to(self.device, self.values.dtype))
+        self.filled[indices] = True
+
+    def get(self, indices: np.ndarray, device: torch.device | None = None) -> torch.Tensor:
+        """The cached outputs of ``indices`` (all cached), on ``device`` (default: the cache's)."""
+        assert self.values is not None and self.out_dtype is not None
+        rows = torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64)).to(self.device)
+        out = self.values.index_select(0, rows).to(self.out_dtype)
+        return out if device is None else out.to(device, non_blocking=True)
+
+    def check(
+        self,
+        epoch: int,
+        indices: np.ndarray,
+        inputs: torch.Tensor,
+        compute: Callable[[torch.Tensor], torch.Tensor],
+    ) -> int:
+        """Once per epoch: recompute the outputs of a few cached candidates and compare; returns
+        how many were recomputed.
+
+        Args:
+            epoch: the loader's epoch (one check each).
+            indices: the candidates' dataset indices, one per row of ``inputs``.
+            inputs: the candidates' inputs as loaded now.
+            compute: runs the frozen prefix on some inputs.
+
+        Raises:
+            ValueError: when an output differs from the cached one by more than
+                :attr:`TOLERANCE` (relative L2): the example's input changed since it was cached.
+        """
+        if self._checked_epoch == epoch:
+            return 0
+        hits = np.flatnonzero(self.filled[indices])[: self.CHECKED]
+        if not len(hits):
+            return 0  # nothing cached among these candidates yet: check a later batch
+        self._checked_epoch = epoch
+        pos = torch.from_numpy(hits).to(inputs.device)
+        fresh = compute(inputs.index_select(0, pos)).float().flatten(1)
+        cached = self.get(indices[hits], fresh.device).float().flatten(1)
+        diff = (fresh - cached).norm(dim=1) / cached.norm(dim=1).clamp_min(1e-12)
+        worst = int(diff.argmax())
+        if float(diff[worst]) > self.TOLERANCE:
+            raise ValueError(
+                f"cache_features: example {int(indices[hits[worst]])}'s frozen_prefix output "
+                f"differs from the one cached in an earlier epoch (relative difference "
+                f"{float(diff[worst]):.3g}), so its input changed between epochs (random "
+                "augmentation?); cached outputs would be stale: pass cache_features=False, or "
+                "augment after the frozen prefix"
+            )
+        return len(hits)
