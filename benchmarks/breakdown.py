@@ -521,23 +521,32 @@ def selection_costs(
 # ---------------------------------------------------------------------------- 3. throughput
 def throughput(cfg: Config, sources: Sources, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Examples per second: the raw source against SelectiveLoader with a trivial model and a
-    training loop that does nothing (Traditional: yielded examples; SB: candidates consumed)."""
+    training loop that does nothing (Traditional: yielded examples; SB: candidates consumed).
+
+    A DataLoader source is measured with the next batch fetched on demand and fetched ahead on
+    a thread (``prefetch=1``; the in-memory dataset draws no global randomness); FFCV fetches
+    ahead itself."""
 
     def trivial() -> nn.Module:
         return nn.Sequential(nn.Flatten(), nn.Linear(cfg.image_size**2, 10)).to(cfg.device)
 
     configs = [
-        (kind, strategy, bs)
+        (kind, strategy, bs, prefetch)
         for kind in sources.kinds()
         for strategy, bs in (("traditional", cfg.batch_size), ("sb", cfg.pool_batch_size))
+        for prefetch in ((0, 1) if kind == "dataloader" else (0,))
     ]
-    measured: dict[tuple[str, str, int], list[tuple[float, float]]] = {c: [] for c in configs}
+    measured: dict[tuple[str, str, int, int], list[tuple[float, float]]] = {c: [] for c in configs}
     for rep in range(cfg.repeats):
-        for kind, strategy, bs in configs:
+        for kind, strategy, bs, prefetch in configs:
             source = sources.make(kind, bs, cfg.seed + rep)
             raw = raw_rate(source, cfg)
             loader = sbloader.SelectiveLoader(
-                source, trivial(), policy=policy_for(strategy, cfg), batch_size=cfg.batch_size
+                source,
+                trivial(),
+                policy=policy_for(strategy, cfg),
+                batch_size=cfg.batch_size,
+                prefetch=prefetch,
             )
             for i, _ in enumerate(loader):  # warm-up
                 if i >= cfg.warmup_batches:
@@ -547,20 +556,22 @@ def throughput(cfg: Config, sources: Sources, log: Callable[[str], None]) -> lis
                 for _ in loader:
                     pass
                 seen += loader.stats.current.examples_seen
-            measured[kind, strategy, bs].append((raw, seen / (time.perf_counter() - t0)))
+            measured[kind, strategy, bs, prefetch].append((raw, seen / (time.perf_counter() - t0)))
     rows = []
-    for (kind, strategy, bs), pairs in measured.items():
+    for (kind, strategy, bs, prefetch), pairs in measured.items():
         row = {
             "source": kind,
             "strategy": strategy,
             "source_batch": bs,
+            "prefetch": prefetch,
             "raw_examples_per_s": median(r for r, _ in pairs),
             "loader_examples_per_s": median(v for _, v in pairs),
             "ratio": median(v / r for r, v in pairs),  # paired: measured back to back
         }
         rows.append(row)
         log(
-            f"{kind:10s} {strategy:12s} raw {row['raw_examples_per_s']:9.0f}/s  loader "
+            f"{kind:10s} {strategy:12s} prefetch {prefetch} raw "
+            f"{row['raw_examples_per_s']:9.0f}/s  loader "
             f"{row['loader_examples_per_s']:9.0f}/s  ratio {row['ratio']:.3f}"
         )
     return rows
@@ -724,12 +735,12 @@ def markdown(cfg: Config, machine: dict[str, Any], results: dict[str, Any]) -> s
         "",
         "## 3. Throughput with a trivial model (examples per second)",
         "",
-        "| source | strategy | source batch | raw source | SelectiveLoader | ratio |",
-        "|---|---|---|---|---|---|",
+        "| source | strategy | source batch | prefetch | raw source | SelectiveLoader | ratio |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results["throughput"]:
         lines.append(
-            f"| {r['source']} | {r['strategy']} | {r['source_batch']} | "
+            f"| {r['source']} | {r['strategy']} | {r['source_batch']} | {r.get('prefetch', 0)} | "
             f"{r['raw_examples_per_s']:.0f} | {r['loader_examples_per_s']:.0f} | {r['ratio']:.3f} |"
         )
     fb = results["frozen_backbone"]

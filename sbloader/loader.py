@@ -366,15 +366,28 @@ class SelectiveLoader:
     def progress(self) -> float:
         """Epochs of source data consumed so far, as a float (for learning-rate schedules).
 
-        Counts source batches, so it advances at the same rate for every policy: schedules keyed
-        on it are identical across strategies (by position in the data).
+        Counts the candidates drawn from the source (also those a policy rejected before
+        loading them and those outside ``subset``) against the examples of an epoch, so it
+        advances at the same rate for every policy and reaches each whole number exactly when
+        an epoch ends: schedules keyed on it are identical across strategies (by position in
+        the data). Sources of unknown size count batches instead.
+
+        NOTE: counting batches would be wrong where a source loads only some of an epoch's
+        examples (Stale-SB's stale epochs, a subset): fewer batches come, and a schedule keyed
+        on them would lag within the epoch and jump at its end.
         """
+        current = self.stats.current
+        if not self._active or current is None:
+            return float(self.epoch)
+        size = self._source.epoch_size
+        if size:
+            drawn = current.examples_seen + current.excluded
+            return float(self.epoch + min(drawn / size, 1.0))
         try:
             n = len(self._source)
         except TypeError:
             return float(self.epoch)
-        done = self.epoch + (self._position / n if self._active and n else 0.0)
-        return float(done)
+        return float(self.epoch + (min(self._position / n, 1.0) if n else 0.0))
 
     def expected_batches(self) -> float:
         """The expected number of training batches per epoch (an estimate when selective)."""
@@ -453,9 +466,9 @@ class SelectiveLoader:
         fresh = self.policy.needs_losses(stats.epoch)
         passthrough = self.policy.passthrough
         filtering = self._source.can_filter
-        keep, rejected = self._keep_fn() if filtering else (None, [0])
-        fetch = self._fetcher(lambda: self._source.epoch(skip, keep), lambda: rejected[0])
-        counted = 0
+        keep, tally = self._keep_fn() if filtering else (None, [0, 0])
+        fetch = self._fetcher(lambda: self._source.epoch(skip, keep), lambda: tuple(tally))
+        counted = (0, 0)
         if self._sync is not None:
             self._sync.bind(self.device)
         start = perf_counter()
@@ -472,20 +485,19 @@ class SelectiveLoader:
             while True:
                 t0 = perf_counter()
                 try:
-                    (raw, indices), tally = fetch.next()
+                    (raw, indices), now = fetch.next()
                 except StopIteration:
-                    stats.examples_seen += fetch.last_tally - counted
-                    stats.prefiltered += fetch.last_tally - counted
+                    self._count_unloaded(stats, counted, fetch.last_tally)
                     break
                 stats.source_s += perf_counter() - t0
-                # Examples the policy rejected before loading, up to this batch.
-                stats.examples_seen += tally - counted
-                stats.prefiltered += tally - counted
-                counted = tally
+                # Examples left out before loading, up to this batch.
+                counted = self._count_unloaded(stats, counted, now)
                 self._position += 1
                 columns, n = self._columns(raw, indices)
                 if self._subset is not None and not filtering:
+                    loaded = n
                     columns, indices, n = self._restrict(columns, indices)
+                    stats.excluded += loaded - n
                 stats.examples_seen += n
                 if passthrough:
                     out = columns + self._meta(Choice.everything(n), indices, None)
@@ -656,15 +668,16 @@ class SelectiveLoader:
     def _keep_fn(self) -> tuple[Any, list[int]]:
         """What a filtering source should load this epoch: the subset, minus what the policy
         rejects before loading (Stale-SB's stale epochs); None when everything is loaded. And a
-        one-element counter of the rejections, advanced by whichever thread loads.
+        two-element tally, [rejected by the policy, outside the subset], advanced by whichever
+        thread loads.
 
         NOTE: a resumed epoch filters its skipped batches again; the checkpoint's stats already
-        count those rejections, so they are not counted twice.
+        count those, so they are not counted twice.
         """
-        rejected = [0]
+        tally = [0, 0]
         policy_filters = self.policy.prefilter(np.zeros(0, dtype=np.int64)) is not None
         if self._subset is None and not policy_filters:
-            return None, rejected
+            return None, tally
 
         def keep(indices: np.ndarray) -> np.ndarray:
             mask = (
@@ -672,15 +685,29 @@ class SelectiveLoader:
                 if self._subset is not None
                 else np.ones(len(indices), dtype=bool)
             )
+            counting = not getattr(self._source, "replaying", False)
+            if counting:
+                tally[1] += int(len(indices) - mask.sum())
             if policy_filters:
                 chosen = self.policy.prefilter(indices[mask])
                 assert chosen is not None
-                if not getattr(self._source, "replaying", False):
-                    rejected[0] += int(mask.sum() - chosen.sum())
+                if counting:
+                    tally[0] += int(mask.sum() - chosen.sum())
                 mask[np.flatnonzero(mask)[~chosen]] = False
             return mask
 
-        return keep, rejected
+        return keep, tally
+
+    @staticmethod
+    def _count_unloaded(
+        stats: EpochStats, counted: tuple[int, int], now: tuple[int, int]
+    ) -> tuple[int, int]:
+        """Add the candidates left out before loading since ``counted`` to ``stats``."""
+        rejected, excluded = now[0] - counted[0], now[1] - counted[1]
+        stats.examples_seen += rejected
+        stats.prefiltered += rejected
+        stats.excluded += excluded
+        return now
 
     def _fetcher(self, make_iter: Callable[[], Iterator[Any]], tally: Callable[[], int]) -> Any:
         """The epoch's source batches, fetched ``prefetch`` ahead on a thread, or on demand."""

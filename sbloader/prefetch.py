@@ -39,9 +39,9 @@ class Prefetcher(Generic[T]):
     """
 
     def __init__(
-        self, make_iter: Callable[[], Iterator[T]], depth: int, tally: Callable[[], int]
+        self, make_iter: Callable[[], Iterator[T]], depth: int, tally: Callable[[], Any]
     ) -> None:
-        self._queue: queue.Queue[tuple[int, Any, int]] = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue[tuple[int, Any, Any]] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._tally = tally
         self._done = False
@@ -50,7 +50,7 @@ class Prefetcher(Generic[T]):
         )
         self._thread.start()
 
-    def _put(self, message: tuple[int, Any, int]) -> bool:
+    def _put(self, message: tuple[int, Any, Any]) -> bool:
         while not self._stop.is_set():
             try:
                 self._queue.put(message, timeout=0.05)
@@ -74,7 +74,7 @@ class Prefetcher(Generic[T]):
             if close is not None:
                 close()
 
-    def next(self) -> tuple[T, int]:
+    def next(self) -> tuple[T, Any]:
         """The next item and its tally; raises StopIteration at the end (and the producer's
         exception where it failed)."""
         if self._done:
@@ -89,7 +89,7 @@ class Prefetcher(Generic[T]):
         raise StopIteration
 
     #: The tally read when the source ended (or failed): counts after the last item.
-    last_tally: int = 0
+    last_tally: Any = 0
 
     def close(self) -> None:
         """Stop the producer (it finishes the item it is fetching) and wait for it."""
@@ -111,12 +111,12 @@ class Synchronous(Generic[T]):
         (('a', 7), ('b', 7))
     """
 
-    def __init__(self, make_iter: Callable[[], Iterator[T]], tally: Callable[[], int]) -> None:
+    def __init__(self, make_iter: Callable[[], Iterator[T]], tally: Callable[[], Any]) -> None:
         self._it = make_iter()
         self._tally = tally
-        self.last_tally = 0
+        self.last_tally: Any = 0
 
-    def next(self) -> tuple[T, int]:
+    def next(self) -> tuple[T, Any]:
         try:
             item = next(self._it)
         except StopIteration:

@@ -21,6 +21,7 @@ _COUNTS = (
     "nonfinite",
     "dropped",
     "prefiltered",
+    "excluded",
     "prefix_forwards",
 )
 _TIMES = ("selection_s", "selection_forward_s", "source_s", "consumer_s", "wall_s")
@@ -43,6 +44,8 @@ class EpochStats:
             short batch below ``min_batch_size``).
         prefiltered: candidates the policy rejected before loading (Stale-SB's stale epochs);
             they are counted in ``examples_seen`` too.
+        excluded: candidates outside the loader's ``subset`` (not loaded where the source can
+            filter, dropped after loading where it cannot); not in ``examples_seen``.
         prefix_forwards: examples run through a ``frozen_prefix`` (with ``cache_features``, only
             those not cached yet, and the few recomputed to check the cache).
         target_rate: the policy's expected selection rate.
@@ -64,6 +67,7 @@ class EpochStats:
     nonfinite: int = 0
     dropped: int = 0
     prefiltered: int = 0
+    excluded: int = 0
     prefix_forwards: int = 0
     target_rate: float = 1.0
     selection_s: float = 0.0

@@ -445,3 +445,26 @@ def test_phased_warmup_state_round_trips_mid_warmup():
     got += [x.indices.tolist() for x in b]
     got += [x.indices.tolist() for x in b]
     assert got == expected
+
+
+@pytest.mark.parametrize(
+    "policy, kw",
+    [
+        (lambda: SelectiveBackprop(1 / 3, staleness=2), {}),  # epoch 1 is stale: prefiltered
+        (lambda: SelectiveBackprop(1 / 3), {"subset": np.arange(0, 300, 3)}),
+        (lambda: RandomBackprop(0.5), {}),
+    ],
+)
+def test_progress_advances_by_candidates_drawn_not_batches_loaded(policy, kw):
+    """Schedules keyed on progress must not lag where fewer batches are loaded."""
+    loader = loader_for(policy(), **kw)
+    for epoch in range(2):
+        seen = [loader.progress for _ in loader]
+        assert seen == sorted(seen) and all(epoch <= p <= epoch + 1 for p in seen)
+        # The last batch comes after (nearly) all of the epoch's candidates were drawn.
+        assert seen[-1] > epoch + 0.8, seen
+        assert loader.progress == epoch + 1
+        e = loader.stats.current
+        assert e.examples_seen + e.excluded == 300
+    if "subset" in kw:
+        assert loader.stats.current.excluded == 200 and loader.stats.current.examples_seen == 100

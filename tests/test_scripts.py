@@ -1,0 +1,70 @@
+"""The example and the benchmark run end to end on real data (a small slice of it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tqdm import tqdm
+
+from sbloader.datasets import load_fashion_mnist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import run as bench  # noqa: E402
+
+try:
+    load_fashion_mnist("test")
+    HAVE_DATA = True
+except FileNotFoundError:
+    HAVE_DATA = False
+
+pytestmark = [
+    pytest.mark.realdata,
+    pytest.mark.skipif(not HAVE_DATA, reason="needs Debian's dataset-fashion-mnist"),
+]
+
+
+def test_the_example_trains_both_strategies_and_reports_counts(tmp_path):
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, str(ROOT / "examples/train_fashion_mnist.py"), "--epochs", "2"]
+    cmd += ["--train-examples", "3072", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "SB epoch (with selection passes) / Traditional epoch wall-clock" in proc.stdout
+    results = json.loads(out.read_text())["results"]
+    trad, sb = results["traditional"], results["sb"]
+    assert [r["backprop"] for r in trad] == [3072, 3072]
+    assert sb[0]["selection_forwards"] == 0  # the Random-Backprop warm-up epoch
+    assert sb[1]["selection_forwards"] == 3072
+    for r in sb:  # about a third backpropagated, in full batches of 128
+        assert 0.2 < r["backprop"] / 3072 < 0.5 and r["backprop"] % 128 == 0
+    assert all(0 <= r["test_error"] <= 1 for r in trad + sb)
+
+
+@pytest.mark.parametrize("name", ["traditional", "stale_sb_3_rwarmup", "kath18", "diet_sb"])
+def test_a_benchmark_run_records_its_curve_costs_and_breakdown(name):
+    cfg = bench.Config(epochs=2, eval_every=1.0, el2n_epochs=1, el2n_models=1)
+    x, y, xt, yt = bench.load_data(cfg)
+    data = (x[:2048], y[:2048], xt[:500], yt[:500])
+    with tqdm(total=200, disable=True) as bar:
+        run = bench.run_one(cfg, bench._strategy(name), 0, 0.0, data, bar)
+    assert [p["position"] for p in run.points] == [0.0, 1.0, 2.0]
+    times = [p["time_s"] for p in run.points]
+    assert times == sorted(times) and run.train_s >= times[-1] - 1e-6
+    assert run.final_error == run.points[-1]["error"]
+    assert run.breakdown["forward"] > 0 and run.breakdown["backward"] > 0
+    seen = sum(e["examples_seen"] for e in run.epochs)
+    fresh = sum(e["selection_forwards"] for e in run.epochs)
+    if name == "traditional":
+        assert fresh == 0 and run.epochs[0]["examples_yielded"] == 2048
+    elif name == "stale_sb_3_rwarmup":  # warm-up (no selection), then a fresh SB epoch
+        assert [e["selection_forwards"] for e in run.epochs] == [0, 2048]
+    elif name == "diet_sb":  # EL2N keeps 70%; its scoring is charged to the wall-clock
+        assert seen == 2 * round(0.7 * 2048) and run.pre_cost["seconds"] > 0
+        assert run.points[0]["time_s"] == pytest.approx(run.pre_cost["seconds"])
+    else:
+        assert fresh == seen
