@@ -96,11 +96,10 @@ _GPU_STRATEGIES = (
     "traditional",
     "traditional_e4",
     "random_0.33",
-    "random_0.33_warmup",
     "sb_0.33",
-    "sb_0.33_warmup",
+    "sb_0.33_rwarmup",
     "stale_sb_3",
-    "stale_sb_3_warmup",
+    "stale_sb_3_rwarmup",
 )
 
 PRESETS: dict[str, dict[str, Any]] = {
