@@ -96,8 +96,17 @@ def main() -> None:
         default=True,
         help="run selection passes under bf16 autocast (default: on)",
     )
+    p.add_argument(
+        "--warmup-epochs",
+        type=int,
+        default=1,
+        help="SB: epochs of Random-Backprop first (default 1; 0: selection from the start)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="rank 0 also writes the per-epoch rows to this JSON file")
+    p.add_argument(
+        "--train-examples", type=int, help="train on the first N examples only (a quick try)"
+    )
     args = p.parse_args()
 
     rank, world, device = setup()
@@ -113,6 +122,8 @@ def main() -> None:
             flush=True,
         )
     x_train, y_train = fashion_mnist_tensors("train")
+    if args.train_examples:
+        x_train, y_train = x_train[: args.train_examples], y_train[: args.train_examples]
     x_test, y_test = fashion_mnist_tensors("test")
 
     torch.manual_seed(args.seed)  # model initialisation only (DDP also broadcasts rank 0's)
@@ -131,6 +142,12 @@ def main() -> None:
     else:
         source = DataLoader(dataset, batch_size=sel_bs, sampler=sampler)
         policy = sbloader.SelectiveBackprop(selectivity=args.selectivity, history=1024)
+        if args.warmup_epochs:  # as in examples/train_fashion_mnist.py: see its docstring
+            policy = sbloader.Phased(
+                policy,
+                warmup_epochs=args.warmup_epochs,
+                warmup_policy=sbloader.RandomBackprop(args.selectivity),
+            )
     loader = sbloader.SelectiveLoader(
         source,
         ddp,  # selection passes look through the DDP wrapper: no collective fires from them

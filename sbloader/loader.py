@@ -672,7 +672,9 @@ class SelectiveLoader:
         thread loads.
 
         NOTE: a resumed epoch filters its skipped batches again; the checkpoint's stats already
-        count those, so they are not counted twice.
+        count those, so they are not counted twice. A DataLoader with worker processes draws
+        index batches ahead of those it hands out (``prefetch_factor``), so there the counts (and
+        ``progress``) run ahead by the batches in flight: stats only, never the selections.
         """
         tally = [0, 0]
         policy_filters = self.policy.prefilter(np.zeros(0, dtype=np.int64)) is not None
@@ -709,7 +711,9 @@ class SelectiveLoader:
         stats.excluded += excluded
         return now
 
-    def _fetcher(self, make_iter: Callable[[], Iterator[Any]], tally: Callable[[], int]) -> Any:
+    def _fetcher(
+        self, make_iter: Callable[[], Iterator[Any]], tally: Callable[[], tuple[int, int]]
+    ) -> Prefetcher[Any] | Synchronous[Any]:
         """The epoch's source batches, fetched ``prefetch`` ahead on a thread, or on demand."""
         if self.prefetch:
             return Prefetcher(make_iter, self.prefetch, tally)

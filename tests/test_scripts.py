@@ -68,3 +68,20 @@ def test_a_benchmark_run_records_its_curve_costs_and_breakdown(name):
         assert run.points[0]["time_s"] == pytest.approx(run.pre_cost["seconds"])
     else:
         assert fresh == seen
+
+
+def test_the_ddp_example_keeps_two_ranks_in_step(tmp_path):
+    out = tmp_path / "ddp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    cmd += ["--master_port=0", str(ROOT / "examples/ddp_fashion_mnist.py"), "--epochs", "2"]
+    cmd += ["--train-examples", "4096", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["processes"] for r in rows] == [2, 2]
+    for r in rows:
+        ranks = r["per_rank"]
+        assert ranks[0]["batches"] == ranks[1]["batches"] > 0  # equal steps on both ranks
+        assert all(x["seen"] == 2048 for x in ranks)  # each rank its DistributedSampler half
+        assert all(x["yielded"] == x["batches"] * 64 for x in ranks)  # full batches of 128 / 2
+    assert rows[0]["selection_forwards"] == 0 and rows[1]["selection_forwards"] == 4096
