@@ -91,3 +91,16 @@ def test_strategy_names_parse_and_typos_fail():
     assert bench._strategy("traditional_e4").epochs == 4
     with pytest.raises(ValueError, match="unknown strategy"):
         bench._strategy("sbb_0.3")
+
+
+def test_a_run_that_sat_at_chance_level_is_collapsed_even_if_it_recovered():
+    healthy = make_run("x", 0, [(10, 0.40), (20, 0.12), (30, 0.09)])
+    healthy.points[1]["position"] = 0.5  # a high error before the first epoch ends is fine
+    assert not bench.collapsed(healthy)
+    stuck = make_run("x", 0, [(10, 0.90), (20, 0.90), (30, 0.74)])  # recovered part way
+    assert bench.collapsed(stuck)
+    many = make_run("x", 0, [(10, 0.95), (20, 0.90)])
+    many.classes = 100  # chance level on 100 classes is 99%
+    assert not bench.collapsed(many)
+    nan = make_run("x", 0, [(10, 0.2), (20, float("nan"))])
+    assert bench.collapsed(nan)
