@@ -896,8 +896,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or f"results/{cfg.preset}-{stamp}")
     (out / "runs").mkdir(parents=True, exist_ok=True)
     machine = machine_info()
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-    (out / "machine.json").write_text(json.dumps(machine, indent=1))
+    # NOTE: a report (--report-only) describes the configuration and the machine that measured
+    # the runs, as recorded next to them, not the command line or the machine reporting.
+    if args.report_only and (out / "config.json").exists():
+        cfg = Config(**json.loads((out / "config.json").read_text()))
+    else:
+        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    if args.report_only and (out / "machine.json").exists():
+        machine = json.loads((out / "machine.json").read_text())
+    else:
+        (out / "machine.json").write_text(json.dumps(machine, indent=1))
 
     # Seed-major, each seed's label-noise runs right after its clean ones: a run cut short
     # still holds complete comparisons for its first seeds.

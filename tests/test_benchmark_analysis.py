@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -104,3 +105,21 @@ def test_a_run_that_sat_at_chance_level_is_collapsed_even_if_it_recovered():
     assert not bench.collapsed(many)
     nan = make_run("x", 0, [(10, 0.2), (20, float("nan"))])
     assert bench.collapsed(nan)
+
+
+def test_a_report_keeps_and_describes_the_recorded_machine_and_config(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for name, curve in [("traditional", [(10, 0.2), (20, 0.1)]), ("sb_0.33", [(5, 0.1)])]:
+        r = make_run(name, 0, curve)
+        (runs / f"{r.key()}.json").write_text(json.dumps(bench.dataclasses.asdict(r)))
+    machine = {"cpu": "Recorded CPU", "cores": 16, "torch": "9.9", "torch_threads": 16}
+    machine.update(gpu="Recorded GPU", numba="0", sbloader="0", date="then")
+    (tmp_path / "machine.json").write_text(json.dumps(machine))
+    cfg = bench.dataclasses.asdict(bench.Config(preset="gpu", device="cuda", model="resnet18"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert bench.main(["--preset", "quick", "--out", str(tmp_path), "--report-only"]) == 0
+    assert json.loads((tmp_path / "machine.json").read_text()) == machine  # not overwritten
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Recorded CPU" in summary and "Recorded GPU" in summary
+    assert "resnet18 on cuda" in summary and "preset `gpu`" in summary
