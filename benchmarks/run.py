@@ -663,7 +663,8 @@ def summary_markdown(cfg: Config, runs: list[Run], machine: dict[str, Any]) -> s
                 broken.append(f"{name} in {bad} of {len(rs)} seeds")
                 name = f"{name} (collapsed)"
             wall = np.mean([r.train_s for r in rs])
-            bp = np.mean([np.mean([e["examples_yielded"] for e in r.epochs]) for r in rs])
+            per_epoch = [e["examples_yielded"] for r in rs for e in r.epochs]
+            bp = sum(per_epoch) / len(per_epoch) if per_epoch else float("nan")
             lines.append(
                 f"| {name} | {100 * err:.2f}% | {wall:.1f} | {bp:.0f} | "
                 + " | ".join(_fmt(row[m]) for m in MULTIPLIERS)

@@ -73,7 +73,7 @@ def test_a_benchmark_run_records_its_curve_costs_and_breakdown(name):
 def test_the_ddp_example_keeps_two_ranks_in_step(tmp_path):
     out = tmp_path / "ddp.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-    cmd += ["--master_port=0", str(ROOT / "examples/ddp_fashion_mnist.py"), "--epochs", "2"]
+    cmd += ["--standalone", str(ROOT / "examples/ddp_fashion_mnist.py"), "--epochs", "2"]
     cmd += ["--train-examples", "4096", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
