@@ -35,6 +35,8 @@ def machine_info() -> dict[str, Any]:
     """Date (UTC), CPU, cores, threads, GPU, Python, platform, library versions, git commit."""
     import torch
 
+    import sbloader
+
     try:
         commit = subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
@@ -57,6 +59,6 @@ def machine_info() -> dict[str, Any]:
         "numba": _version("numba"),
         "numba_jit": os.environ.get("NUMBA_DISABLE_JIT", "0") in ("", "0"),
         "ffcv": _version("ffcv"),
-        "sbloader": _version("sbloader"),
+        "sbloader": sbloader.__version__,  # the tree that ran, installed or not
         "git_commit": commit,
     }
