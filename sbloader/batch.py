@@ -23,6 +23,9 @@ class SelectedBatch:
         weights: float32 tensor, the per-example loss weight (1.0 unless the policy says otherwise).
         features: the frozen prefix's outputs for these examples when the loader was given
             ``frozen_prefix=`` (train the head on them), else ``None``.
+        logits: with ``keep_logits=True``, the selection pass's model outputs for these
+            examples (float32; NaN rows for examples chosen without a selection pass), else
+            ``None``.
     """
 
     indices: torch.Tensor | None
@@ -30,6 +33,7 @@ class SelectedBatch:
     probabilities: torch.Tensor
     weights: torch.Tensor
     features: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
 
     def _set_meta(self, indices, losses, probabilities, weights) -> None:
         self.indices = indices

@@ -47,7 +47,7 @@ class _Pending:
 
     def pop(self, k: int) -> list[B.Column]:
         """Remove and return the first ``k`` examples (k <= count)."""
-        merged = [B.concat([p[j] for p in self.parts]) for j in range(len(self.parts[0]))]
+        merged = [B.concat(_widen([p[j] for p in self.parts])) for j in range(len(self.parts[0]))]
         heads, rests = zip(*(B.split(c, k) for c in merged))
         self.count -= k
         self.parts = [list(rests)] if self.count else []
@@ -59,6 +59,24 @@ class _Pending:
     def clear(self) -> int:
         n, self.parts, self.count = self.count, [], 0
         return n
+
+
+def _widen(chunks: list[B.Column]) -> list[B.Column]:
+    """NaN rows of shape (k, 0) (``keep_logits`` rows made before the outputs' shape was known)
+    widened to the shape of the real rows they are batched with."""
+    if len(chunks) < 2 or not all(isinstance(c, torch.Tensor) for c in chunks):
+        return chunks
+    empty = [c.dim() == 2 and c.shape[1] == 0 and c.is_floating_point() for c in chunks]
+    full = [c for c, e in zip(chunks, empty) if not e]
+    if not any(empty) or not full:
+        return chunks
+    shape = full[0].shape[1:]
+    return [
+        torch.full((c.shape[0], *shape), float("nan"), dtype=full[0].dtype, device=c.device)
+        if e
+        else c
+        for c, e in zip(chunks, empty)
+    ]
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -153,6 +171,12 @@ class SelectiveLoader:
             augmentation before the prefix): a few cached examples are recomputed each epoch
             and a changed input raises ``ValueError``. Needs dataset indices. Its memory is
             dataset size x prefix output size (in the ``autocast`` dtype when given).
+        keep_logits: yielded batches also carry ``batch.logits``, the selection pass's model
+            outputs for their examples (float32, one row each; the selector's outputs when
+            ``selector`` is given, on downsampled inputs with ``selection_scale``), e.g. for
+            distillation or monitoring, without a second forward. Rows of examples chosen without
+            a selection pass (stale epochs, warm-up, passthrough) are NaN; ``batch.logits`` is
+            ``None`` until a selection pass has shown the outputs' shape. Default False.
         subset: dataset indices to train on (e.g. from :func:`sbloader.prune`); the others are
             never yielded. A DataLoader source does not even load them. Needs dataset indices.
         eval_selection: run selection passes in eval mode (default True).
@@ -228,6 +252,7 @@ class SelectiveLoader:
         selection_scale: float | None = None,
         frozen_prefix: nn.Module | None = None,
         cache_features: bool | str | torch.device = False,
+        keep_logits: bool = False,
         subset: Any = None,
         eval_selection: bool = True,
         rank: int | None = None,
@@ -257,6 +282,13 @@ class SelectiveLoader:
             compile=compile_selection, scale=selection_scale, frozen_prefix=frozen_prefix
         )
         self._forward.check(model, selector)
+        if not isinstance(keep_logits, bool):
+            raise TypeError(
+                f"keep_logits should be True or False, but got keep_logits={keep_logits!r}"
+            )
+        self.keep_logits = keep_logits
+        # The shape of one example's selection output (keep_logits), once a pass has shown it.
+        self._logits_shape: tuple[int, ...] | None = None
         self._source: Source = make_source(source, index_key)
         if self.policy.needs_indices and not self._source.has_indices:
             raise ValueError(
@@ -502,6 +534,7 @@ class SelectiveLoader:
                 if passthrough:
                     out = columns + self._meta(Choice.everything(n), indices, None)
                     out += self._cached_features(columns, None, None, indices, stats)
+                    out += self._logits(None, None, n)
                     stats.examples_selected += n
                     if self._agree(int(n >= self.min_batch_size)):
                         yield from self._yield(out, n, stats)
@@ -509,8 +542,10 @@ class SelectiveLoader:
                         stats.dropped += n
                     continue
                 t0 = perf_counter()
-                losses, values, features = (
-                    self._selection_pass(columns, indices, stats) if fresh else (None, None, None)
+                losses, values, features, logits = (
+                    self._selection_pass(columns, indices, stats)
+                    if fresh
+                    else (None, None, None, None)
                 )
                 choice = self._decide(values, indices, n, stats)
                 stats.selection_s += perf_counter() - t0
@@ -521,6 +556,7 @@ class SelectiveLoader:
                     taken += self._cached_features(
                         columns, choice.positions, features, indices, stats
                     )
+                    taken += self._logits(logits, choice.positions, k)
                     self._pending.add(taken, k)
                 for _ in range(self._agree(self._pending.count // self.batch_size)):
                     yield from self._yield(
@@ -623,8 +659,13 @@ class SelectiveLoader:
         if self.policy.normalize_weights:
             weights = weights / weights.mean()
         batch._set_meta(indices if self._source.has_indices else None, losses, probs, weights)
-        if len(columns) > nfields + 4:
-            batch.features = columns[nfields + 4]
+        extra = columns[nfields + 4 :]
+        if self._forward.frozen_prefix is not None:
+            batch.features = extra.pop(0)
+        if self.keep_logits:
+            logits = extra.pop(0)
+            unknown = logits.dim() == 2 and logits.shape[1] == 0  # no selection pass yet
+            batch.logits = None if unknown else logits
         stats.examples_yielded += n
         stats.batches_yielded += 1
         handed_out = perf_counter()
@@ -759,9 +800,10 @@ class SelectiveLoader:
 
     def _selection_pass(
         self, columns: list[B.Column], indices: np.ndarray | None, stats: EpochStats
-    ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor | None, torch.Tensor | None]:
         """Selection losses of a source batch (where the model computed them, and as float64 on
-        the host for the policy), and the frozen prefix's outputs (or None)."""
+        the host for the policy), the frozen prefix's outputs (or None), and the model's outputs
+        (with ``keep_logits``, else None)."""
         fmt = self._format
         assert fmt is not None
         inputs = columns[fmt.position(fmt.input_key)]
@@ -773,7 +815,7 @@ class SelectiveLoader:
             cached = self._prefix_outputs(inputs, indices, None, stats)
         elif self._forward.frozen_prefix is not None:
             stats.prefix_forwards += n
-        losses, features = self._forward(
+        losses, features, logits = self._forward(
             unwrap(self.selector if self.selector is not None else self.model),
             inputs,
             targets,
@@ -782,7 +824,10 @@ class SelectiveLoader:
             autocast_dtype=self.autocast,
             eval=self.eval_selection,
             features=cached,
+            keep_outputs=self.keep_logits,
         )
+        if logits is not None:
+            self._logits_shape = tuple(logits.shape[1:])
         # NOTE: the policy needs the losses on the host anyway; copying them inside the timed
         # region makes the time exact on a GPU too (it waits for the forward to finish, and for
         # any training work still queued before it).
@@ -791,7 +836,25 @@ class SelectiveLoader:
         stats.selection_forwards += n
         step = self.selection_batch_size or n
         stats.selection_calls += math.ceil(n / step)
-        return losses, values, features
+        return losses, values, features, logits
+
+    def _logits(
+        self, logits: torch.Tensor | None, positions: np.ndarray | None, k: int
+    ) -> list[B.Column]:
+        """With ``keep_logits``, one extra column: the chosen rows of the selection pass's
+        outputs, or NaN rows when the examples had no selection pass.
+
+        NOTE: before any selection pass the rows' shape is unknown; they are then (k, 0), and
+        widened to NaN rows of the right shape when they meet real outputs in a batch.
+        """
+        if not self.keep_logits:
+            return []
+        if logits is not None:
+            if positions is None:
+                return [logits]
+            return [logits.index_select(0, torch.from_numpy(positions).to(logits.device))]
+        shape = self._logits_shape if self._logits_shape is not None else (0,)
+        return [torch.full((k, *shape), float("nan"), device=self.device)]
 
     def _prefix_outputs(
         self,
@@ -957,6 +1020,7 @@ class SelectiveLoader:
             "source": self._source.state_dict(),
             "policy": self.policy.state_dict(),
             "pending": {"count": self._pending.count, "parts": pending},
+            "logits_shape": None if self._logits_shape is None else list(self._logits_shape),
             "format": fmt,
             "stats": self.stats.state_dict(),
         }
@@ -978,6 +1042,8 @@ class SelectiveLoader:
         self._resume = self._active
         self._rng.bit_generator.state = state["rng"]
         self.policy.load_state_dict(state["policy"])
+        shape = state.get("logits_shape")
+        self._logits_shape = None if shape is None else tuple(int(v) for v in shape)
         device = self.device
         self._pending = _Pending()
         for part in state["pending"]["parts"]:

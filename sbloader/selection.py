@@ -19,6 +19,7 @@ __all__ = [
     "eval_mode",
     "prefix_features",
     "selection_losses",
+    "selection_outputs",
     "unwrap",
 ]
 
@@ -82,7 +83,39 @@ def selection_losses(
     autocast_dtype: torch.dtype | None = None,
     eval: bool = True,
 ) -> torch.Tensor:
-    """Per-example losses of ``model`` on the candidates, without autograd.
+    """Per-example losses of ``model`` on the candidates, without autograd: the losses of
+    :func:`selection_outputs`.
+
+    Example:
+        >>> selection_losses(nn.Linear(3, 2), torch.zeros(4, 3), torch.zeros(4, dtype=torch.long),
+        ...                  nn.CrossEntropyLoss(reduction="none")).shape
+        torch.Size([4])
+    """
+    losses, _ = selection_outputs(
+        model,
+        inputs,
+        targets,
+        loss_fn,
+        batch_size=batch_size,
+        autocast_dtype=autocast_dtype,
+        eval=eval,
+    )
+    return losses
+
+
+def selection_outputs(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable[..., torch.Tensor],
+    *,
+    batch_size: int | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    eval: bool = True,
+    keep_outputs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-example losses of ``model`` on the candidates, without autograd, and the model's
+    outputs (logits) when ``keep_outputs`` (else ``None``).
 
     Runs under ``torch.inference_mode()`` in chunks of ``batch_size`` examples (all at once when
     None), in eval mode unless ``eval=False``, optionally under autocast.
@@ -93,11 +126,20 @@ def selection_losses(
 
     Returns:
         float32 losses on the model's output device, as an ordinary tensor (not an inference
-        tensor), so that they can be used in autograd expressions such as ``loss * weights``.
+        tensor), so that they can be used in autograd expressions such as ``loss * weights``;
+        and the outputs as float32 (one row per candidate), or ``None``.
+
+    Example:
+        >>> losses, logits = selection_outputs(
+        ...     nn.Linear(3, 2), torch.zeros(4, 3), torch.zeros(4, dtype=torch.long),
+        ...     nn.CrossEntropyLoss(reduction="none"), keep_outputs=True)
+        >>> losses.shape, logits.shape
+        (torch.Size([4]), torch.Size([4, 2]))
     """
     n = inputs.shape[0]
     step = n if not batch_size else batch_size
     chunks = []
+    outputs = []
     device_type = inputs.device.type if isinstance(inputs, torch.Tensor) else "cpu"
     autocast = (
         torch.autocast(device_type, dtype=autocast_dtype)
@@ -108,7 +150,8 @@ def selection_losses(
         for start in range(0, n, step):
             x = inputs[start : start + step]
             y = targets[start : start + step]
-            out = loss_fn(model(x), y)
+            logits = model(x)
+            out = loss_fn(logits, y)
             if not isinstance(out, torch.Tensor) or out.shape != (x.shape[0],):
                 shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise ValueError(
@@ -117,9 +160,20 @@ def selection_losses(
                     "nn.CrossEntropyLoss(reduction='none')"
                 )
             chunks.append(out.float())
+            if keep_outputs:
+                if not isinstance(logits, torch.Tensor) or logits.shape[:1] != (x.shape[0],):
+                    raise ValueError(
+                        "keep_logits=True keeps the model's output for each example, but the "
+                        f"model returned {type(logits).__name__} without one row per example; "
+                        "pass keep_logits=False"
+                    )
+                outputs.append(logits.float())
         losses = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        kept = None
+        if keep_outputs:
+            kept = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     # Cloning outside inference mode turns the inference tensor into an ordinary one.
-    return losses.clone()
+    return losses.clone(), None if kept is None else kept.clone()
 
 
 def downsample(inputs: torch.Tensor, scale: float) -> torch.Tensor:
@@ -192,12 +246,12 @@ class SelectionForward:
 
     Example:
         >>> fwd = SelectionForward(scale=0.5)
-        >>> losses, features = fwd(
+        >>> losses, features, logits = fwd(
         ...     nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 2)),
         ...     torch.zeros(4, 3, 8, 8), torch.zeros(4, dtype=torch.long),
         ...     nn.CrossEntropyLoss(reduction="none"))
-        >>> losses.shape, features
-        (torch.Size([4]), None)
+        >>> losses.shape, features, logits
+        (torch.Size([4]), None, None)
     """
 
     def __init__(
@@ -298,10 +352,12 @@ class SelectionForward:
         autocast_dtype: torch.dtype | None = None,
         eval: bool = True,
         features: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-example losses of ``model`` on the candidates, and the frozen prefix's outputs
+        keep_outputs: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Per-example losses of ``model`` on the candidates, the frozen prefix's outputs
         (``None`` without a frozen prefix; ``features``, when given, are those outputs already
-        computed, e.g. from a cache, and the prefix does not run).
+        computed, e.g. from a cache, and the prefix does not run), and the model's outputs when
+        ``keep_outputs`` (else ``None``).
 
         NOTE: the prefix runs under ``autocast_dtype`` too, since it is most of a frozen-backbone
         model's selection cost; its outputs, which become the selected examples' training
@@ -315,7 +371,7 @@ class SelectionForward:
         elif self.scale is not None:
             with torch.inference_mode():
                 inputs = downsample(inputs, self.scale)
-        losses = selection_losses(
+        losses, outputs = selection_outputs(
             self.module(model),
             inputs,
             targets,
@@ -323,5 +379,6 @@ class SelectionForward:
             batch_size=batch_size,
             autocast_dtype=autocast_dtype,
             eval=eval,
+            keep_outputs=keep_outputs,
         )
-        return losses, features
+        return losses, features, outputs
