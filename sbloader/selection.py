@@ -18,7 +18,6 @@ __all__ = [
     "downsample",
     "eval_mode",
     "prefix_features",
-    "selection_losses",
     "selection_outputs",
     "unwrap",
 ]
@@ -71,36 +70,6 @@ def check_loss_fn(loss_fn: Callable[..., torch.Tensor]) -> None:
             f"reduction={reduction!r}; pass reduction='none', e.g. "
             "nn.CrossEntropyLoss(reduction='none')"
         )
-
-
-def selection_losses(
-    model: nn.Module,
-    inputs: Any,
-    targets: Any,
-    loss_fn: Callable[..., torch.Tensor],
-    *,
-    batch_size: int | None = None,
-    autocast_dtype: torch.dtype | None = None,
-    eval: bool = True,
-) -> torch.Tensor:
-    """Per-example losses of ``model`` on the candidates, without autograd: the losses of
-    :func:`selection_outputs`.
-
-    Example:
-        >>> selection_losses(nn.Linear(3, 2), torch.zeros(4, 3), torch.zeros(4, dtype=torch.long),
-        ...                  nn.CrossEntropyLoss(reduction="none")).shape
-        torch.Size([4])
-    """
-    losses, _ = selection_outputs(
-        model,
-        inputs,
-        targets,
-        loss_fn,
-        batch_size=batch_size,
-        autocast_dtype=autocast_dtype,
-        eval=eval,
-    )
-    return losses
 
 
 def selection_outputs(
