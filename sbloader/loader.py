@@ -525,16 +525,17 @@ class SelectiveLoader:
                 # Examples left out before loading, up to this batch.
                 counted = self._count_unloaded(stats, counted, now)
                 self._position += 1
-                columns, n = self._columns(raw, indices)
+                device = self.device  # NOTE: looked up once per source batch (it walks the model)
+                columns, n = self._columns(raw, indices, device)
                 if self._subset is not None and not filtering:
                     loaded = n
                     columns, indices, n = self._restrict(columns, indices)
                     stats.excluded += loaded - n
                 stats.examples_seen += n
                 if passthrough:
-                    out = columns + self._meta(Choice.everything(n), indices, None)
+                    out = columns + self._passthrough_meta(n, indices, device)
                     out += self._cached_features(columns, None, None, indices, stats)
-                    out += self._logits(None, None, n)
+                    out += self._logits(None, None, n, device)
                     stats.examples_selected += n
                     if self._agree(int(n >= self.min_batch_size)):
                         yield from self._yield(out, n, stats)
@@ -552,11 +553,11 @@ class SelectiveLoader:
                 k = len(choice.positions)
                 stats.examples_selected += k
                 if k:
-                    taken = self._take(columns, choice, indices, losses)
+                    taken = self._take(columns, choice, indices, losses, device)
                     taken += self._cached_features(
                         columns, choice.positions, features, indices, stats
                     )
-                    taken += self._logits(logits, choice.positions, k)
+                    taken += self._logits(logits, choice.positions, k, device)
                     self._pending.add(taken, k)
                 for _ in range(self._agree(self._pending.count // self.batch_size)):
                     yield from self._yield(
@@ -773,12 +774,13 @@ class SelectiveLoader:
         taken = [B.take(c, pos_t, pos_list) for c in columns]
         return taken, indices[positions], len(positions)
 
-    def _columns(self, raw: Any, indices: np.ndarray | None) -> tuple[list[B.Column], int]:
-        """The source batch as device columns, checked for consistent lengths."""
+    def _columns(
+        self, raw: Any, indices: np.ndarray | None, device: torch.device
+    ) -> tuple[list[B.Column], int]:
+        """The source batch as columns on ``device``, checked for consistent lengths."""
         if self._format is None:
             self._format = B.BatchFormat.infer(raw, self.input_key, self.target_key)
         fmt = self._format
-        device = self.device
         in_pos = fmt.position(fmt.input_key)
         columns = [
             B.to_column(v, device, self.memory_format if j == in_pos else None)
@@ -839,7 +841,11 @@ class SelectiveLoader:
         return losses, values, features, logits
 
     def _logits(
-        self, logits: torch.Tensor | None, positions: np.ndarray | None, k: int
+        self,
+        logits: torch.Tensor | None,
+        positions: np.ndarray | None,
+        k: int,
+        device: torch.device,
     ) -> list[B.Column]:
         """With ``keep_logits``, one extra column: the chosen rows of the selection pass's
         outputs, or NaN rows when the examples had no selection pass.
@@ -854,7 +860,7 @@ class SelectiveLoader:
                 return [logits]
             return [logits.index_select(0, torch.from_numpy(positions).to(logits.device))]
         shape = self._logits_shape if self._logits_shape is not None else (0,)
-        return [torch.full((k, *shape), float("nan"), device=self.device)]
+        return [torch.full((k, *shape), float("nan"), device=device)]
 
     def _prefix_outputs(
         self,
@@ -955,10 +961,13 @@ class SelectiveLoader:
         return Choice(positions, probabilities, weights)
 
     def _meta(
-        self, choice: Choice, indices: np.ndarray | None, losses: torch.Tensor | None
+        self,
+        choice: Choice,
+        indices: np.ndarray | None,
+        losses: torch.Tensor | None,
+        device: torch.device,
     ) -> list[B.Column]:
         """The four metadata columns for the chosen examples: indices, losses, P, weights."""
-        device = self.device
         pos = choice.positions
         idx = torch.from_numpy(indices[pos] if indices is not None else np.full(len(pos), -1))
         pos_t = torch.from_numpy(pos)
@@ -970,12 +979,30 @@ class SelectiveLoader:
         weights = torch.from_numpy(choice.weights.astype(np.float32)).to(device)
         return [idx.to(torch.int64), kept_losses, probs, weights]
 
+    def _passthrough_meta(
+        self, n: int, indices: np.ndarray | None, device: torch.device
+    ) -> list[B.Column]:
+        """:meth:`_meta` for a whole source batch chosen without a selection pass (the same
+        columns as ``_meta(Choice.everything(n), indices, None, device)``, made directly)."""
+        idx = (
+            torch.from_numpy(indices.astype(np.int64))  # a copy: sources may reuse their buffers
+            if indices is not None
+            else torch.full((n,), -1, dtype=torch.int64)
+        )
+        return [
+            idx,
+            torch.full((n,), float("nan"), device=device),
+            torch.ones(n, device=device),
+            torch.ones(n, device=device),
+        ]
+
     def _take(
         self,
         columns: list[B.Column],
         choice: Choice,
         indices: np.ndarray | None,
         losses: torch.Tensor | None,
+        device: torch.device,
     ) -> list[B.Column]:
         """Gather the chosen rows of every column where it lives, plus the metadata columns."""
         pos_t = torch.from_numpy(choice.positions)
@@ -984,9 +1011,9 @@ class SelectiveLoader:
             if any(not isinstance(c, torch.Tensor) for c in columns)
             else None
         )
-        device_pos = pos_t.to(self.device, non_blocking=True)
+        device_pos = pos_t.to(device, non_blocking=True)
         data = [B.take(c, device_pos, pos_list) for c in columns]
-        return data + self._meta(choice, indices, losses)
+        return data + self._meta(choice, indices, losses, device)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -55,7 +55,9 @@ class IndexedCollate:
         self.collate_fn = collate_fn
 
     def __call__(self, fetched: _IndexedSamples) -> tuple[torch.Tensor, Any]:
-        return torch.as_tensor(fetched.indices, dtype=torch.int64), self.collate_fn(fetched.samples)
+        # NOTE: through numpy: several times faster than torch.as_tensor on a list of ints.
+        indices = torch.from_numpy(np.asarray(fetched.indices, dtype=np.int64))
+        return indices, self.collate_fn(fetched.samples)
 
 
 class Source:
