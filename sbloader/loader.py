@@ -34,11 +34,16 @@ _BATCHNORM = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
 
 
 class _Pending:
-    """Selected examples waiting to fill a training batch: a list of column chunks."""
+    """Selected examples waiting to fill a training batch: a list of column chunks.
 
-    def __init__(self) -> None:
+    With ``logits_last`` the last column holds ``keep_logits`` rows, whose (k, 0) placeholders
+    are widened when they meet real rows (see :func:`_widen`).
+    """
+
+    def __init__(self, logits_last: bool = False) -> None:
         self.parts: list[list[B.Column]] = []
         self.count = 0
+        self.logits_last = logits_last
 
     def add(self, columns: list[B.Column], k: int) -> None:
         if k:
@@ -47,7 +52,10 @@ class _Pending:
 
     def pop(self, k: int) -> list[B.Column]:
         """Remove and return the first ``k`` examples (k <= count)."""
-        merged = [B.concat(_widen([p[j] for p in self.parts])) for j in range(len(self.parts[0]))]
+        columns = [[p[j] for p in self.parts] for j in range(len(self.parts[0]))]
+        if self.logits_last:
+            columns[-1] = _widen(columns[-1])
+        merged = [B.concat(c) for c in columns]
         heads, rests = zip(*(B.split(c, k) for c in merged))
         self.count -= k
         self.parts = [list(rests)] if self.count else []
@@ -61,12 +69,12 @@ class _Pending:
         return n
 
 
-def _widen(chunks: list[B.Column]) -> list[B.Column]:
+def _widen(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
     """NaN rows of shape (k, 0) (``keep_logits`` rows made before the outputs' shape was known)
     widened to the shape of the real rows they are batched with."""
-    if len(chunks) < 2 or not all(isinstance(c, torch.Tensor) for c in chunks):
+    if len(chunks) < 2:
         return chunks
-    empty = [c.dim() == 2 and c.shape[1] == 0 and c.is_floating_point() for c in chunks]
+    empty = [c.dim() == 2 and c.shape[1] == 0 for c in chunks]
     full = [c for c, e in zip(chunks, empty) if not e]
     if not any(empty) or not full:
         return chunks
@@ -350,7 +358,7 @@ class SelectiveLoader:
         self.stats = LoaderStats()
         self.epoch = 0
         self._format: B.BatchFormat | None = None
-        self._pending = _Pending()
+        self._pending = _Pending(self.keep_logits)
         self._position = 0  # source batches consumed in the current epoch
         self._active = False  # an epoch has started and not finished
         self._resume = False  # the next epoch iterator continues a restored, unfinished epoch
@@ -856,8 +864,7 @@ class SelectiveLoader:
         if not self.keep_logits:
             return []
         if logits is not None:
-            if positions is None:
-                return [logits]
+            assert positions is not None  # only selection passes have outputs
             return [logits.index_select(0, torch.from_numpy(positions).to(logits.device))]
         shape = self._logits_shape if self._logits_shape is not None else (0,)
         return [torch.full((k, *shape), float("nan"), device=device)]
@@ -1072,7 +1079,7 @@ class SelectiveLoader:
         shape = state.get("logits_shape")
         self._logits_shape = None if shape is None else tuple(int(v) for v in shape)
         device = self.device
-        self._pending = _Pending()
+        self._pending = _Pending(self.keep_logits)
         for part in state["pending"]["parts"]:
             cols = [c.to(device) if isinstance(c, torch.Tensor) else list(c) for c in part]
             self._pending.add(cols, B.column_length(cols[0], "pending"))

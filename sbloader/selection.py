@@ -131,9 +131,14 @@ def selection_outputs(
             chunks.append(out.float())
             if keep_outputs:
                 if not isinstance(logits, torch.Tensor) or logits.shape[:1] != (x.shape[0],):
+                    shape = (
+                        tuple(logits.shape)
+                        if isinstance(logits, torch.Tensor)
+                        else type(logits).__name__
+                    )
                     raise ValueError(
-                        "keep_logits=True keeps the model's output for each example, but the "
-                        f"model returned {type(logits).__name__} without one row per example; "
+                        "keep_outputs (SelectiveLoader's keep_logits=True) keeps one model output "
+                        f"row per example ({x.shape[0]} here), but the model returned {shape}; "
                         "pass keep_logits=False"
                     )
                 outputs.append(logits.float())

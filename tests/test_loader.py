@@ -553,3 +553,22 @@ def test_mid_epoch_resume_without_a_generator_is_refused_with_the_fix():
     )
     with pytest.raises(ValueError, match=r"generator=torch\.Generator"):
         other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("indices", [np.array([5, 2, 2**40], dtype=np.int64), None])
+def test_passthrough_metadata_equals_the_general_path_for_every_example(indices):
+    """Traditional's fast path builds exactly the columns the general path would for a choice
+    of every example: same values (NaN losses), dtypes and devices."""
+    from sbloader.policies import Choice
+
+    loader = SelectiveLoader(DataLoader(EncodedDataset(8)), IndexLoss(), policy=Traditional())
+    cpu = torch.device("cpu")
+    fast = loader._passthrough_meta(3, indices, cpu)
+    general = loader._meta(Choice.everything(3), indices, None, cpu)
+    assert len(fast) == len(general) == 4
+    for a, b in zip(fast, general):
+        assert a.dtype == b.dtype and a.device == b.device
+        torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
+    if indices is not None:
+        indices[0] = 7  # the yielded indices are a copy, not a view of the source's buffer
+        assert fast[0][0] == 5

@@ -125,3 +125,30 @@ def test_with_a_frozen_prefix_the_logits_are_the_heads_on_the_features():
         with torch.no_grad():
             torch.testing.assert_close(b.features, backbone(b[0]))
             torch.testing.assert_close(b.logits, head(b.features))
+
+
+class _TupleModel(nn.Module):
+    """Returns (logits, auxiliary); its loss function takes the tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, C)
+
+    def forward(self, x):
+        return self.fc(x), x.sum(1)
+
+
+def test_a_model_without_one_output_row_per_example_is_refused_with_the_fix():
+    def loss_fn(out, y):
+        return nn.functional.cross_entropy(out[0], y, reduction="none")
+
+    model = _TupleModel().train()
+    dl = DataLoader(_data(), batch_size=40)
+    plain = SelectiveLoader(dl, model, loss_fn=loss_fn, policy=SelectiveBackprop(0.5))
+    assert sum(len(b[0]) for b in plain) > 0  # fine without keep_logits
+    loader = SelectiveLoader(
+        dl, model, loss_fn=loss_fn, policy=SelectiveBackprop(0.5), keep_logits=True
+    )
+    with pytest.raises(ValueError, match=r"returned tuple; pass keep_logits=False"):
+        next(iter(loader))
+    assert model.training  # the selection pass restored the mode
