@@ -19,6 +19,7 @@ Example:
 
 from .batch import SelectedBatch, SelectedDict, SelectedList, SelectedTuple
 from .el2n import EL2NResult, el2n_scores, prune
+from .epoch import EpochIterator
 from .features import FeatureCache
 from .loader import SelectiveLoader
 from .policies import (
@@ -41,6 +42,7 @@ __all__ = [
     "Choice",
     "DataLoaderSource",
     "EL2NResult",
+    "EpochIterator",
     "EpochStats",
     "ExampleStore",
     "FeatureCache",

@@ -51,3 +51,51 @@ def check_choice(name: str, value: Any, choices: Collection[str]) -> str:
         options = ", ".join(repr(c) for c in choices)
         raise ValueError(f"{name} should be one of {options}, but got {name}={value!r}")
     return value
+
+
+def check_indices(name: str, value: Any) -> Any:
+    """``value`` as a contiguous 1-d int64 numpy array of dataset indices, or raise naming
+    ``name``: indices must be integers, since a float round trip corrupts those above 2^24.
+
+    Example:
+        >>> check_indices("indices", [3, 1]).tolist()
+        [3, 1]
+    """
+    import numpy as np
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    idx = np.asarray(value)
+    if idx.dtype.kind not in "iu":
+        raise TypeError(
+            f"{name} should hold integers (dataset indices), but has dtype {idx.dtype}; a float "
+            "round trip would corrupt indices above 2^24"
+        )
+    return np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
+
+
+def indices_needed(what: str, fix: str = "") -> ValueError:
+    """The error for a feature that needs each example's dataset index from a source without.
+
+    Example:
+        >>> str(indices_needed("subset=")).split(";")[0]
+        "subset= needs each example's dataset index, but the source provides none"
+    """
+    fix = fix or (
+        "pass a DataLoader over a map-style dataset, or index_key= naming the batch field that "
+        "holds the indices"
+    )
+    return ValueError(
+        f"{what} needs each example's dataset index, but the source provides none; {fix}"
+    )
+
+
+class FieldError(KeyError, ValueError):
+    """A batch field that does not exist (a key of dict batches, a position of tuple batches).
+
+    Both a ``KeyError`` and a ``ValueError``, so that either ``except`` catches it.
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""

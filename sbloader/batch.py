@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._checks import FieldError
+
 __all__ = ["SelectedBatch", "SelectedDict", "SelectedList", "SelectedTuple"]
 
 
@@ -82,7 +84,7 @@ class BatchFormat:
             target_key = "target" if target_key is None else target_key
             for name, key in (("input_key", input_key), ("target_key", target_key)):
                 if key not in batch:
-                    raise KeyError(
+                    raise FieldError(
                         f"the source yields dict batches without the key {key!r}; pass "
                         f"{name}= naming one of {list(keys)!r}"
                     )
@@ -93,7 +95,7 @@ class BatchFormat:
             target_key = 1 if target_key is None else target_key
             for name, key in (("input_key", input_key), ("target_key", target_key)):
                 if not isinstance(key, int) or not -n <= key < n:
-                    raise ValueError(
+                    raise FieldError(
                         f"{name} should be a position in the source's {n}-field "
                         f"{type(batch).__name__} batches, but got {name}={key!r}"
                     )

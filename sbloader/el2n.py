@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from . import _kernels
-from ._checks import check_choice, check_float, check_int
+from ._checks import check_choice, check_float, check_int, indices_needed
+from .adapt import make_source
 from .selection import eval_mode
-from .sources import make_source
 
 __all__ = ["EL2NResult", "el2n_scores", "prune"]
 
@@ -114,11 +114,8 @@ def el2n_scores(
     seed = check_int("seed", seed, minimum=0)
     src = make_source(source)
     size = src.dataset_size
-    if not src.has_indices or size is None:
-        raise ValueError(
-            "el2n_scores scores examples by dataset index, so source should be a DataLoader over "
-            "a map-style dataset"
-        )
+    if not src.has_indices() or size is None:
+        raise indices_needed("el2n_scores", "pass a DataLoader over a map-style dataset")
     step = train_step or _default_step
     sums = np.zeros(size, dtype=np.float64)
     counts = np.zeros(size, dtype=np.int64)

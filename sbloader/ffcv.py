@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._checks import check_choice, check_int
+from ._checks import check_choice, check_indices, check_int
 from .sources import Source
 
 __all__ = [
@@ -489,8 +489,6 @@ class FFCVSource(Source):
     has arrived, before anything else runs.
     """
 
-    has_indices = True
-
     def __init__(self, loader: Any, *, index_field: str | int | None = "index") -> None:
         if not is_ffcv_loader(loader):
             raise TypeError(
@@ -531,6 +529,12 @@ class FFCVSource(Source):
         self._epoch = 0
 
     # ------------------------------------------------------------------ Source API
+    def has_indices(self) -> bool:
+        return True
+
+    def drop_last(self) -> bool:
+        return bool(self.loader.drop_last)
+
     def set_epoch(self, epoch: int) -> None:
         self._epoch = int(epoch)
 
@@ -595,17 +599,10 @@ class FFCVSource(Source):
                     f"{len(indices)}; pass index_field= with an index field instead"
                 )
         else:
-            raw = values[self.index_pos]
-            if isinstance(raw, torch.Tensor):
-                raw = raw.detach().cpu().numpy()
-            raw = np.asarray(raw)
-            if raw.dtype.kind not in "iu":
-                raise TypeError(
-                    f"the index field {self.index_field!r} should hold integers, but has dtype "
-                    f"{raw.dtype}"
-                )
             # NOTE: a copy, not a view of FFCV's reused buffer: indices outlive the batch.
-            indices = raw.reshape(-1).astype(np.int64, copy=True)
+            indices = check_indices(
+                f"the index field {self.index_field!r}", values[self.index_pos]
+            ).copy()
         return values, indices
 
     def state_dict(self) -> dict[str, Any]:
@@ -616,7 +613,7 @@ class FFCVSource(Source):
             "batch_size": int(self.loader.batch_size),
         }
 
-    def load_state_dict(self, state: dict[str, Any], mid_epoch: bool) -> None:
+    def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
         if state.get("num_samples") != int(self.loader.reader.num_samples):
             raise ValueError(
                 f"the saved FFCV source read {state.get('num_samples')} examples but this "
@@ -662,7 +659,3 @@ class FFCVSource(Source):
         less a dropped last partial batch."""
         loader = self.loader
         return min(len(loader.first_traversal_order), len(loader) * int(loader.batch_size))
-
-    @property
-    def drop_last(self) -> bool:
-        return bool(self.loader.drop_last)

@@ -1,8 +1,10 @@
-"""Selection policies: pure maps from losses (and the policy's own state) to choices.
+"""Selection policies: decisions from losses (and the policy's own state) to choices.
 
 A policy never calls a model, never does I/O and never touches a global RNG: the loader hands it
 the losses of a selection pass (or ``None`` when the policy needs none) and its own
-``numpy.random.Generator``, and gets back a :class:`Choice`.
+``numpy.random.Generator``, and gets back a :class:`Choice`. Policies are stateful (a loss window,
+a per-example store, a moving average): :meth:`Policy.choose` updates that state, which the
+state protocol saves and restores.
 """
 
 from __future__ import annotations
@@ -64,31 +66,56 @@ class Policy(abc.ABC):
     """Base class of selection policies.
 
     Subclasses implement :meth:`choose`; they may override :meth:`needs_losses` (whether the loader
-    must run a selection pass in a given epoch), :meth:`begin_epoch`, and the state methods.
+    must run a selection pass in a given epoch), :meth:`begin_epoch`, the capability methods and
+    the state methods. Capabilities are plain methods that the loader calls; it never probes.
+
+    Threading contract: the loader calls every method on the caller's thread, except
+    :meth:`prefilter`, which a source may call on the loader's prefetch thread (``prefetch=``)
+    while :meth:`choose` runs on the caller's thread. So in an epoch where :meth:`can_prefilter`
+    is True, :meth:`prefilter` may only read state that :meth:`choose` does not change in that
+    epoch (it is fixed by :meth:`begin_epoch`). :class:`SelectiveBackprop` enforces this: its
+    loss window is frozen in such epochs, and a push into it raises.
     """
 
-    #: True when the policy keeps every example and the loader should keep the source's batches
-    #: exactly as they are (no re-batching, no selection pass).
-    passthrough: bool = False
+    def passthrough(self) -> bool:
+        """Whether the policy keeps every example and the loader should keep the source's
+        batches exactly as they are (no re-batching, no selection pass)."""
+        return False
 
-    #: True when :meth:`choose` needs each candidate's dataset index.
-    needs_indices: bool = False
+    def needs_indices(self) -> bool:
+        """Whether :meth:`choose` needs each candidate's dataset index."""
+        return False
 
-    #: True when the loader should scale each yielded batch's weights to mean 1.
-    normalize_weights: bool = False
+    def normalize_weights(self) -> bool:
+        """Whether the loader should scale each yielded batch's weights to mean 1."""
+        return False
+
+    def records_examples(self) -> bool:
+        """Whether the policy keeps per-example records keyed by dataset index (Stale-SB's store)
+        that every rank's losses must reach in a distributed run: the loader then shares losses
+        across ranks through :meth:`observe` even with ``cdf="local"``."""
+        return False
+
+    def can_prefilter(self) -> bool:
+        """Whether :meth:`prefilter` decides in the current epoch (set by :meth:`begin_epoch`)."""
+        return False
+
+    def kind(self) -> str:
+        """What kind of policy this is, for checking that a saved state belongs to it."""
+        return type(self).__name__
 
     def attach(self, num_examples: int | None, key: int) -> None:  # noqa: B027 - optional hook
         """Called once by the loader: the dataset size (None if unknown) and a per-loader integer
         key for counter-based randomness (see :meth:`prefilter`)."""
 
-    def prefilter(self, indices: np.ndarray) -> np.ndarray | None:
+    def prefilter(self, indices: np.ndarray) -> np.ndarray:
         """Decide before loading, from dataset indices alone, which candidates to load.
 
-        Returns a boolean mask, or None when the policy cannot decide without loading (the
-        default). A policy that returns a mask must make the same decision again in
-        :meth:`choose`, whatever the order the examples come in.
+        Called only in epochs where :meth:`can_prefilter` is True, possibly on the prefetch
+        thread (see the class's threading contract). Returns a boolean mask. The policy must
+        make the same decision again in :meth:`choose`, whatever the order the examples come in.
         """
-        return None
+        raise NotImplementedError(f"{type(self).__name__} does not prefilter")
 
     @property
     def target_rate(self) -> float:
@@ -102,17 +129,12 @@ class Policy(abc.ABC):
     def begin_epoch(self, epoch: int) -> None:  # noqa: B027 - optional hook
         """Called by the loader when ``epoch`` (0-based) starts."""
 
-    #: True when the policy keeps per-example records keyed by dataset index (Stale-SB's store)
-    #: that every rank's losses must reach in a distributed run: the loader then shares losses
-    #: across ranks through :meth:`observe` even with ``cdf="local"``.
-    records_examples: bool = False
-
     def observe(  # noqa: B027 - optional hook
         self, losses: np.ndarray, indices: np.ndarray | None, *, cdf: bool = True
     ) -> None:
         """Learn from candidates that another rank chooses for (distributed runs only).
 
-        With ``cdf="global"`` (or when :attr:`records_examples`), the loader calls this with
+        With ``cdf="global"`` (or when :meth:`records_examples`), the loader calls this with
         each other rank's selection losses of the round: those of lower ranks before this rank's
         own :meth:`choose`, those of higher ranks after it, so that every rank's policy sees the
         same losses in the same order.
@@ -162,7 +184,8 @@ class Traditional(Policy):
         [0, 1, 2]
     """
 
-    passthrough = True
+    def passthrough(self) -> bool:
+        return True
 
     def needs_losses(self, epoch: int) -> bool:
         return False
@@ -229,7 +252,7 @@ class SelectiveBackprop(Policy):
             s = check_float("selectivity", s, low=0.0, high=1.0, low_open=True)
             beta = 1.0 / s - 1.0
         self.beta = check_float("beta", beta, low=0.0)
-        self.window = LossWindow(history)
+        self.window = LossWindow(check_int("history", history, minimum=1))
         self.staleness = check_int("staleness", staleness, minimum=1)
         self.reweight = bool(reweight)
         self.store_path = store_path
@@ -251,12 +274,10 @@ class SelectiveBackprop(Policy):
         """R, the window size."""
         return self.window.size
 
-    @property
-    def needs_indices(self) -> bool:  # type: ignore[override]
+    def needs_indices(self) -> bool:
         return self.staleness > 1
 
-    @property
-    def normalize_weights(self) -> bool:  # type: ignore[override]
+    def normalize_weights(self) -> bool:
         return self.reweight
 
     def attach(self, num_examples: int | None, key: int) -> None:
@@ -277,10 +298,18 @@ class SelectiveBackprop(Policy):
 
     def begin_epoch(self, epoch: int) -> None:
         self._epoch = epoch
+        # NOTE: the threading contract (see Policy): in a stale epoch prefilter reads the window
+        # on the prefetch thread, so nothing may change it until the next fresh epoch.
+        self.window.frozen = self.can_prefilter()
 
-    @property
-    def records_examples(self) -> bool:  # type: ignore[override]
+    def records_examples(self) -> bool:
         return self.staleness > 1
+
+    def can_prefilter(self) -> bool:
+        return not self.needs_losses(self._epoch) and self.store is not None
+
+    def kind(self) -> str:
+        return f"SelectiveBackprop(staleness={self.staleness})"
 
     def observe(self, losses: np.ndarray, indices: np.ndarray | None, *, cdf: bool = True) -> None:
         """Another rank's losses enter the window (if ``cdf``) and the store (by index)."""
@@ -309,9 +338,12 @@ class SelectiveBackprop(Policy):
         p[measured < 0] = 1.0
         return p
 
-    def prefilter(self, indices: np.ndarray) -> np.ndarray | None:
-        if self.needs_losses(self._epoch) or self.store is None:
-            return None
+    def prefilter(self, indices: np.ndarray) -> np.ndarray:
+        if not self.can_prefilter():
+            raise RuntimeError(
+                f"prefilter was called in epoch {self._epoch}, which is not a stale epoch of "
+                f"{self!r}; call it only where can_prefilter() is True"
+            )
         u = hashed_uniforms(self._key, self._epoch, indices)
         return u < self.stale_probabilities(indices)
 
@@ -544,7 +576,7 @@ class Phased(Policy):
                 "warmup_policy should be an sbloader policy such as sbloader.RandomBackprop(1/3), "
                 f"but got {type(warmup_policy).__name__}"
             )
-        if warmup_policy.needs_losses(0) or warmup_policy.records_examples:
+        if warmup_policy.needs_losses(0) or warmup_policy.records_examples():
             raise ValueError(
                 "warmup_policy should need no selection pass (e.g. Traditional() or "
                 f"RandomBackprop(s)), but got warmup_policy={warmup_policy!r}; put a loss-based "
@@ -572,14 +604,15 @@ class Phased(Policy):
             return self.policy
         return self.warmup_policy if epoch < self.warmup_epochs else None
 
-    @property
-    def needs_indices(self) -> bool:  # type: ignore[override]
-        return self.policy.needs_indices or self.warmup_policy.needs_indices
+    def needs_indices(self) -> bool:
+        return self.policy.needs_indices() or self.warmup_policy.needs_indices()
 
-    @property
-    def normalize_weights(self) -> bool:  # type: ignore[override]
+    def normalize_weights(self) -> bool:
         current = self._current(self._epoch)
-        return current is not None and current.normalize_weights
+        return current is not None and current.normalize_weights()
+
+    def kind(self) -> str:
+        return f"Phased({self.policy.kind()}, warmup_policy={self.warmup_policy.kind()})"
 
     @property
     def target_rate(self) -> float:
@@ -600,12 +633,14 @@ class Phased(Policy):
         elif epoch < self.warmup_epochs:
             self.warmup_policy.begin_epoch(epoch)
 
-    def prefilter(self, indices: np.ndarray) -> np.ndarray | None:
-        return self.policy.prefilter(indices) if self.active(self._epoch) else None
+    def can_prefilter(self) -> bool:
+        return self.active(self._epoch) and self.policy.can_prefilter()
 
-    @property
-    def records_examples(self) -> bool:  # type: ignore[override]
-        return self.policy.records_examples
+    def prefilter(self, indices: np.ndarray) -> np.ndarray:
+        return self.policy.prefilter(indices)
+
+    def records_examples(self) -> bool:
+        return self.policy.records_examples()
 
     def observe(self, losses: np.ndarray, indices: np.ndarray | None, *, cdf: bool = True) -> None:
         # NOTE: like choose, only while active, so that windows stay identical across ranks.

@@ -264,6 +264,11 @@ class SelectionForward:
         # NOTE: keyed by id() with the module kept alongside, so a recycled id cannot match.
         self._compiled: dict[int, tuple[nn.Module, nn.Module]] = {}
 
+    @property
+    def compiled_modules(self) -> list[nn.Module]:
+        """The compiled selection modules made so far (one per module selected with)."""
+        return [entry[1] for entry in self._compiled.values()]
+
     def module(self, module: nn.Module) -> nn.Module:
         """``module``, or its compiled version (compiled once, on first use) when compiling."""
         if self.compile_kwargs is None:

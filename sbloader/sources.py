@@ -9,15 +9,18 @@ sampler and collate function are used unchanged.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 from torch.utils.data.dataloader import default_collate
 
-__all__ = ["DataLoaderSource", "IterableSource", "Source", "make_source"]
+from ._checks import FieldError, check_indices
+
+__all__ = ["DataLoaderSource", "IterableSource", "Source"]
 
 
 class _IndexedSamples:
@@ -60,30 +63,57 @@ class IndexedCollate:
         return indices, self.collate_fn(fetched.samples)
 
 
-class Source:
-    """Base class: an epoch-wise source of ``(batch, indices)`` pairs."""
+class Source(abc.ABC):
+    """The protocol of an epoch-wise source of ``(batch, indices)`` pairs.
 
-    #: Whether ``indices`` are dataset indices (False: ``None`` is yielded instead).
-    has_indices: bool = False
+    A source declares what it can do through plain methods (:meth:`has_indices`,
+    :meth:`can_filter`, :meth:`drop_last`, :meth:`replaying`, :meth:`default_prefetch`), never
+    through attributes the loader has to probe, and implements :meth:`epoch` and the state
+    protocol. :func:`sbloader.adapt.make_source` turns what a user passes into a source.
 
-    #: Whether :meth:`epoch` honours ``keep`` (rejected examples are then never loaded).
-    can_filter: bool = False
+    Threading contract: :meth:`epoch`'s iterator may be advanced on the loader's prefetch
+    thread (see ``prefetch=``), and ``keep`` is then called on that thread too; every other
+    method is called on the caller's thread, never while an epoch iterator of the same source is
+    being advanced elsewhere, except :meth:`replaying`, which ``keep`` may call.
+    """
 
+    def has_indices(self) -> bool:
+        """Whether :meth:`epoch` yields dataset indices (False: ``None`` instead)."""
+        return False
+
+    def can_filter(self) -> bool:
+        """Whether :meth:`epoch` honours ``keep`` (rejected examples are then never loaded)."""
+        return False
+
+    def drop_last(self) -> bool:
+        """Whether the source drops its last partial batch."""
+        return False
+
+    def replaying(self) -> bool:
+        """True while a resumed epoch filters the batches it skips again (``keep`` is then called
+        for examples already counted before the checkpoint)."""
+        return False
+
+    def default_prefetch(self) -> int:
+        """Source batches worth fetching ahead on a thread by default (see ``prefetch=``)."""
+        return 0
+
+    @abc.abstractmethod
     def epoch(
         self, skip: int = 0, keep: Callable[[np.ndarray], np.ndarray] | None = None
     ) -> Iterator[tuple[Any, np.ndarray | None]]:
         """One epoch of batches, leaving out the first ``skip`` (to resume mid-epoch).
 
-        Sources with ``can_filter`` load only the examples whose dataset index ``keep`` accepts
-        (a function from an int64 array of indices to a boolean mask); others ignore ``keep``.
+        Sources that :meth:`can_filter` load only the examples whose dataset index ``keep``
+        accepts (a function from an int64 array of indices to a boolean mask); others ignore
+        ``keep``.
         """
-        raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
         """The source's own state (e.g. its shuffling generator), for exact resumption."""
         return {}
 
-    def load_state_dict(self, state: dict[str, Any], mid_epoch: bool) -> None:
+    def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
         """Restore :meth:`state_dict`; ``mid_epoch`` says the next :meth:`epoch` resumes one."""
         if mid_epoch:
             raise ValueError(
@@ -107,7 +137,7 @@ class Source:
         """Examples per epoch on this process (a DistributedSampler's share), or None."""
         return self.dataset_size
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int) -> None:  # noqa: B027 - optional hook
         """Forward the epoch to samplers that want it (DistributedSampler)."""
 
 
@@ -180,9 +210,6 @@ class DataLoaderSource(Source):
     epoch boundaries (a mid-epoch state is refused with the fix).
     """
 
-    has_indices = True
-    can_filter = True
-
     def __init__(self, loader: DataLoader) -> None:
         if loader.batch_size is None and loader.batch_sampler is None:
             raise ValueError(
@@ -211,18 +238,26 @@ class DataLoaderSource(Source):
             kwargs["in_order"] = loader.in_order
         self._indexed = DataLoader(IndexedDataset(loader.dataset), **kwargs)
 
-    @property
+    def has_indices(self) -> bool:
+        return True
+
+    def can_filter(self) -> bool:
+        return True
+
+    def drop_last(self) -> bool:
+        return bool(self.loader.drop_last)
+
     def replaying(self) -> bool:
-        """True while a resumed epoch filters the batches it skips again (``keep`` is then called
-        for examples already counted before the checkpoint)."""
         return self._batch_sampler.replaying
+
+    def default_prefetch(self) -> int:
+        """1 with worker processes (the next batch is then fetched while the caller trains)."""
+        return 1 if self.loader.num_workers > 0 else 0
 
     @property
     def replayable(self) -> bool:
         """Whether the epoch order can be replayed from saved generator states."""
         sampler = getattr(self.loader.batch_sampler, "sampler", None)
-        from torch.utils.data import RandomSampler
-
         return not (isinstance(sampler, RandomSampler) and sampler.generator is None)
 
     def epoch(
@@ -268,7 +303,7 @@ class DataLoaderSource(Source):
             "epoch_start": self._epoch_start,
         }
 
-    def load_state_dict(self, state: dict[str, Any], mid_epoch: bool) -> None:
+    def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
         if len(state["generators"]) != len(self._gens):
             raise ValueError(
                 f"the saved source state has {len(state['generators'])} generators but this "
@@ -329,7 +364,9 @@ class IterableSource(Source):
             )
         self.iterable = iterable
         self.index_key = index_key
-        self.has_indices = index_key is not None
+
+    def has_indices(self) -> bool:
+        return self.index_key is not None
 
     def epoch(
         self, skip: int = 0, keep: Callable[[np.ndarray], np.ndarray] | None = None
@@ -345,20 +382,13 @@ class IterableSource(Source):
             try:
                 raw = batch[self.index_key]
             except (KeyError, IndexError, TypeError):
-                raise KeyError(
-                    f"index_key={self.index_key!r} names no field of the source's batches"
+                raise FieldError(
+                    f"index_key={self.index_key!r} names no field of the source's batches; pass "
+                    "index_key= the key or position of the field that holds dataset indices"
                 ) from None
-            if isinstance(raw, torch.Tensor):
-                raw = raw.detach().cpu().numpy()
-            idx = np.asarray(raw)
-            if idx.dtype.kind not in "iu":
-                raise TypeError(
-                    f"the index field {self.index_key!r} should hold integers, but has dtype "
-                    f"{idx.dtype}; a float round trip would corrupt large indices"
-                )
-            yield batch, idx.astype(np.int64, copy=False).reshape(-1)
+            yield batch, check_indices(f"the index field {self.index_key!r}", raw)
 
-    def load_state_dict(self, state: dict[str, Any], mid_epoch: bool) -> None:
+    def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
         """Nothing to restore: a mid-epoch resume replays the iterable and skips batches."""
 
     def __len__(self) -> int:
@@ -367,23 +397,3 @@ class IterableSource(Source):
     @property
     def batch_size(self) -> int | None:
         return getattr(self.iterable, "batch_size", None)
-
-
-def make_source(source: Any, index_key: Hashable | None = None) -> Source:
-    """Adapt what the user passed to a :class:`Source`."""
-    if isinstance(source, Source):
-        return source
-    if isinstance(source, DataLoader) and not isinstance(source.dataset, IterableDataset):
-        if index_key is not None:
-            return IterableSource(source, index_key)
-        return DataLoaderSource(source)
-    from .ffcv import FFCVSource, is_ffcv_loader  # NOTE: detects a Loader without importing ffcv
-
-    if is_ffcv_loader(source):
-        return FFCVSource(source, index_field="index" if index_key is None else index_key)
-    if not isinstance(source, Iterable):
-        raise TypeError(
-            "SelectiveLoader's source should be a torch DataLoader, an FFCV Loader or an "
-            f"iterable of batches, but got {type(source).__name__}"
-        )
-    return IterableSource(source, index_key)

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from . import _kernels
-from ._checks import check_int
+from ._checks import check_indices, check_int
+from ._state import check_identity, check_version
 
 __all__ = ["ExampleStore"]
 
@@ -83,13 +84,7 @@ class ExampleStore:
 
     @staticmethod
     def _indices(indices: np.ndarray) -> np.ndarray:
-        idx = np.asarray(indices)
-        if idx.dtype.kind not in "iu":
-            raise TypeError(
-                f"indices should be integers, but got dtype {idx.dtype}; a float round trip "
-                "would corrupt indices above 2^24"
-            )
-        return np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
+        return check_indices("indices", indices)
 
     def _check_outside(self, outside: int, indices: np.ndarray) -> None:
         if outside:
@@ -146,15 +141,13 @@ class ExampleStore:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != self.VERSION:
-            raise ValueError(
-                f"ExampleStore state has version {state.get('version')!r}, expected {self.VERSION}"
-            )
-        if int(state["size"]) != self.size:
-            raise ValueError(
-                f"the saved store has size={state['size']}, but this store has size={self.size}; "
-                "build it for the same dataset"
-            )
+        state = check_version(state, "ExampleStore", self.VERSION)
+        check_identity(
+            "ExampleStore",
+            {"size": int(state["size"])},
+            {"size": self.size},
+            "build it for the same dataset",
+        )
         if "path" in state:
             if self.path is None or Path(state["path"]).resolve() != self.path.resolve():
                 raise ValueError(

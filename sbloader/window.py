@@ -9,6 +9,7 @@ import torch
 
 from . import _kernels
 from ._checks import check_int
+from ._state import check_identity, check_version
 
 __all__ = ["LossWindow"]
 
@@ -34,7 +35,9 @@ class LossWindow:
     VERSION = 1
 
     def __init__(self, size: int = 1024) -> None:
-        self.size = check_int("history", size, minimum=1)
+        self.size = check_int("size", size, minimum=1)
+        #: While True, adding losses raises (see :class:`~sbloader.Policy`'s threading contract).
+        self.frozen = False
         self._ring = np.zeros(self.size, dtype=np.float64)
         self._sorted = np.zeros(self.size, dtype=np.float64)
         # meta[0]: number of values held; meta[1]: next ring slot to write.
@@ -45,6 +48,14 @@ class LossWindow:
 
     def push_and_rank(self, losses: np.ndarray, beta: float) -> np.ndarray:
         """Add each finite loss in turn and return its ``CDF(loss) ** beta`` (NaN if not finite)."""
+        if self.frozen:
+            raise RuntimeError(
+                "the loss window is frozen: a stale epoch's prefilter may be reading it on the "
+                "prefetch thread; add losses only in epochs with a selection pass"
+            )
+        return self._push_and_rank(losses, beta)
+
+    def _push_and_rank(self, losses: np.ndarray, beta: float) -> np.ndarray:
         losses = np.ascontiguousarray(losses, dtype=np.float64).reshape(-1)
         out = np.empty(losses.shape[0], dtype=np.float64)
         _kernels.push_and_cdf_power(self._ring, self._sorted, self._meta, losses, float(beta), out)
@@ -83,16 +94,14 @@ class LossWindow:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict` (the sizes must agree)."""
-        if state.get("version") != self.VERSION:
-            raise ValueError(
-                f"LossWindow state has version {state.get('version')!r}, expected {self.VERSION}"
-            )
-        if int(state["size"]) != self.size:
-            raise ValueError(
-                f"LossWindow state has size={state['size']}, but this window has size={self.size}; "
-                "construct the policy with the same history"
-            )
+        state = check_version(state, "LossWindow", self.VERSION)
+        check_identity(
+            "LossWindow",
+            {"size": int(state["size"])},
+            {"size": self.size},
+            "construct the policy with the same history",
+        )
         self._ring[:] = 0.0
         self._sorted[:] = 0.0
         self._meta[:] = 0
-        self.push(np.asarray(state["values"], dtype=np.float64))
+        self._push_and_rank(np.asarray(state["values"], dtype=np.float64), 1.0)

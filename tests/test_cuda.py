@@ -36,7 +36,7 @@ def test_batches_live_on_the_gpu_with_exact_pairing(policy, pin):
         assert x.is_cuda and y.is_cuda
         assert torch.equal(x[:, 0].long() % N_CLASSES, y)  # inputs encode their index
         seen += len(y)
-    assert seen == (600 if policy.passthrough else seen) and seen > 0
+    assert seen == (600 if policy.passthrough() else seen) and seen > 0
 
 
 def test_metadata_is_on_the_gpu_and_indices_match_inputs():

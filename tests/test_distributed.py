@@ -135,6 +135,9 @@ class RejectInEpoch(RandomBackprop):
     def begin_epoch(self, epoch: int) -> None:
         self._epoch = epoch
 
+    def can_prefilter(self) -> bool:
+        return True
+
     def prefilter(self, indices):
         return np.full(len(indices), not (self.reject and self._epoch == self.reject_epoch))
 
@@ -208,7 +211,7 @@ def scenario_ddp(rank: int, world_size: int, policy: str, epochs: int = 2) -> di
         "yielded": yielded,
         "sampler": [sampler_indices(ds, rank, world_size, e) for e in range(epochs)],
         "params": [p.detach().clone() for p in model.parameters()],
-        "pending": loader._pending.count,
+        "pending": loader.pending_examples,
         "total": loader.stats.total.as_dict(),
         "epochs": [e.as_dict() for e in loader.stats.epochs],
         "reduced": reduce_stats(loader.stats).total.as_dict(),
@@ -246,7 +249,7 @@ def scenario_rounds(rank: int, world_size: int) -> dict:
         )
         res[remainder] = [[len(b[0]) for b in loader] for _ in range(3)]
         res[remainder + "_stats"] = [e.as_dict() for e in loader.stats.epochs]
-        res[remainder + "_pending"] = loader._pending.count
+        res[remainder + "_pending"] = loader.pending_examples
 
     # Passthrough (Traditional) with uneven source lengths: equal counts, extras dropped.
     loader = SelectiveLoader(
@@ -549,7 +552,7 @@ def test_one_process_is_not_distributed_and_cdf_global_changes_nothing():
             batch_size=10,
             cdf=cdf,
         )
-        assert loader._sync is None
+        assert loader.world_size == 1
         return [b.indices.tolist() for b in loader]
 
     assert run("global") == run("local")
@@ -574,11 +577,11 @@ def test_observe_feeds_the_window_and_the_store():
     sb.observe(np.array([1.0, 2.0]), None)
     sb.observe(np.array([3.0]), None, cdf=False)  # a local CDF: the window is left alone
     assert sb.window.values().tolist() == [1.0, 2.0]
-    assert not sb.records_examples
+    assert not sb.records_examples()
 
     stale = SelectiveBackprop(0.5, staleness=2)
     stale.attach(10, key=0)
-    assert stale.records_examples
+    assert stale.records_examples()
     stale.begin_epoch(4)
     stale.observe(np.array([0.5, 0.25]), np.array([3, 7]), cdf=False)
     losses, epochs = stale.store.lookup(np.array([3, 7, 1]))

@@ -211,7 +211,7 @@ def test_kept_batches_survive_ffcvs_buffer_reuse(beton):
     kept, carried = [], 0
     for _ in range(3):
         kept += list(sl)
-        carried = max(carried, sl._pending.count)
+        carried = max(carried, sl.pending_examples)
     assert len(kept) > 3 * (1 + 2) and carried > 0
     for batch in kept:
         images, labels, index = batch

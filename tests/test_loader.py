@@ -291,7 +291,7 @@ def test_stats_count_what_happened_and_rate_matches_target(caplog):
     total = loader.stats.total
     assert total.selection_rate == pytest.approx(1 / 3, abs=0.03)
     # Everything selected is yielded or still pending (carried), nothing lost.
-    assert total.examples_selected == total.examples_yielded + loader._pending.count
+    assert total.examples_selected == total.examples_yielded + loader.pending_examples
     assert "epoch 2:" in caplog.text and total.selection_s > 0
 
 
@@ -311,7 +311,7 @@ def test_end_of_epoch_remainder(remainder):
             assert e.examples_yielded + e.dropped == e.examples_selected
     if remainder == "carry":
         t = st.total
-        assert t.examples_yielded + loader._pending.count == t.examples_selected
+        assert t.examples_yielded + loader.pending_examples == t.examples_selected
         assert t.dropped == 0
 
 
@@ -415,7 +415,7 @@ def test_dataset_smaller_than_one_batch_fills_batches_across_epochs():
     loader = make_loader(EncodedDataset(7), bs=10, source_bs=10, policy=RandomBackprop(1.0))
     sizes = [[len(b[0]) for b in loader] for _ in range(3)]
     assert sizes == [[], [10], [10]]  # 7; 14 -> a batch, 4 carried; 11 -> a batch, 1 carried
-    assert loader._pending.count == 1
+    assert loader.pending_examples == 1
 
 
 # ------------------------------------------------------------------ state
@@ -557,18 +557,20 @@ def test_mid_epoch_resume_without_a_generator_is_refused_with_the_fix():
 
 @pytest.mark.parametrize("indices", [np.array([5, 2, 2**40], dtype=np.int64), None])
 def test_passthrough_metadata_equals_the_general_path_for_every_example(indices):
-    """Traditional's fast path builds exactly the columns the general path would for a choice
+    """Traditional's fast path builds exactly the rows the general path would for a choice
     of every example: same values (NaN losses), dtypes and devices."""
     from sbloader.policies import Choice
+    from sbloader.rows import metadata_rows
 
-    loader = SelectiveLoader(DataLoader(EncodedDataset(8)), IndexLoss(), policy=Traditional())
     cpu = torch.device("cpu")
-    fast = loader._passthrough_meta(3, indices, cpu)
-    general = loader._meta(Choice.everything(3), indices, None, cpu)
-    assert len(fast) == len(general) == 4
-    for a, b in zip(fast, general):
+    data = [torch.arange(3)]
+    fast = metadata_rows(data, None, None, indices, 3, cpu)
+    everything = Choice.everything(3)
+    general = metadata_rows(data, everything.positions, everything, indices, 3, cpu)
+    for name in ("indices", "losses", "probabilities", "weights"):
+        a, b = getattr(fast, name), getattr(general, name)
         assert a.dtype == b.dtype and a.device == b.device
         torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
     if indices is not None:
         indices[0] = 7  # the yielded indices are a copy, not a view of the source's buffer
-        assert fast[0][0] == 5
+        assert fast.indices[0] == 5

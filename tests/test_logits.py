@@ -69,7 +69,7 @@ def test_warmup_and_stale_epochs_give_nan_rows_of_the_right_shape():
     loader = _loader(model, policy)
     warmup = list(loader)
     assert warmup and all(b.logits is None for b in warmup)
-    assert loader._pending.count > 0  # a remainder is carried into the first SB epoch
+    assert loader.pending_examples > 0  # a remainder is carried into the first SB epoch
     fresh = list(loader)
     assert torch.isnan(fresh[0].losses).any()  # the carried warm-up rows come first
     stale = list(loader)
@@ -87,7 +87,7 @@ def test_a_resumed_loader_keeps_the_logits_shape():
     first = _loader(model, SelectiveBackprop(0.5, staleness=2), remainder="drop")
     list(first)
     state = first.state_dict()
-    assert state["pending"]["count"] == 0 and state["logits_shape"] == [C]
+    assert state["pending"]["count"] == 0 and state["scorer"]["logits_shape"] == [C]
     rest = list(first)  # a stale epoch: no selection pass
     assert first.stats.current.selection_forwards == 0
     resumed = _loader(model, SelectiveBackprop(0.5, staleness=2), remainder="drop")

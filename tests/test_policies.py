@@ -83,7 +83,7 @@ def test_choose_uses_only_the_generator_given():
 
 def test_traditional_keeps_everything_and_needs_no_losses():
     t = Traditional()
-    assert t.passthrough and not t.needs_losses(0)
+    assert t.passthrough() and not t.needs_losses(0)
     c = t.choose(None, None, np.random.default_rng(0), 5)
     assert c.positions.tolist() == [0, 1, 2, 3, 4] and (c.weights == 1).all()
 

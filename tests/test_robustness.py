@@ -126,7 +126,7 @@ def run(policy: str, epochs: int, cuts=(), **kw):
     cuts = set(cuts)
 
     def cut(r: Run) -> Run:
-        pending.append(r.loader._pending.count)
+        pending.append(r.loader.pending_examples)
         state = r.checkpoint()
         r = Run(policy, **kw)
         r.restore(state)
@@ -258,7 +258,7 @@ def test_resume_after_the_last_full_batch_with_dict_batches(remainder):
     got = [names(next(it)) for _ in range(12)]  # 100 examples: 12 full batches, 4 left over
     state = loader.state_dict()
     assert state["pending"]["count"] == 4 and state["position"] == 5
-    assert state["format"] == {
+    assert state["codec"]["format"] == {
         "kind": "dict",
         "keys": ["image", "label", "name"],
         "input_key": "image",
@@ -445,7 +445,7 @@ def test_label_out_of_range_surfaces_and_the_same_loader_carries_on():
     assert len(loader.policy.window) == 0  # the failed batch's losses went nowhere
     ds.broken = False
     got = sorted(i for b in loader for i in b.indices.tolist())
-    assert len(got) == loader.stats.current.examples_selected - loader._pending.count
+    assert len(got) == loader.stats.current.examples_selected - loader.pending_examples
     assert loader.stats.current.examples_seen == 60 and loader.epoch == 2
 
 

@@ -112,7 +112,7 @@ def test_compile_selection_compiles_once_lazily_and_keeps_the_choices():
     loader, compiled = run(model=model, compile_selection={"backend": "eager"})
     _, plain = run()
     assert chosen(compiled) == chosen(plain)
-    assert len(loader._forward._compiled) == 1  # one compiled module, reused every batch
+    assert len(loader.scorer.forward.compiled_modules) == 1  # compiled once, reused
     assert type(loader.model) is nn.Sequential  # the training model is untouched
 
 
@@ -333,7 +333,7 @@ def test_cached_features_under_autocast_are_stored_in_half_the_memory():
         cache_features=True,
         epochs=2,
     )
-    cache = loader._feature_cache
+    cache = loader.scorer.feature_cache
     assert cache.values.dtype == torch.bfloat16 and cache.nbytes == N * 8 * 2 * 2 * 2
     assert all(b.features.dtype == torch.float32 for b in batches)
 
@@ -342,7 +342,7 @@ def test_cache_features_misuse_is_named():
     backbone, head = backbone_and_head()
     with pytest.raises(ValueError, match="cache_features caches frozen_prefix's outputs"):
         run(model=head, cache_features=True)
-    with pytest.raises(ValueError, match="cache_features keys the cache by dataset index"):
+    with pytest.raises(ValueError, match="cache_features needs each example's dataset index"):
         SelectiveLoader(
             [(torch.randn(4, 3, 8, 8), torch.zeros(4, dtype=torch.long))],
             head,

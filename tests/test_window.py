@@ -104,7 +104,12 @@ def test_state_dict_size_mismatch_names_the_fix():
 
 @pytest.mark.parametrize("bad", [0, -3])
 def test_history_below_one_is_rejected(bad):
+    """Each error names the parameter the caller passed: the policy's history, the window's size."""
+    from sbloader import SelectiveBackprop
+
     with pytest.raises(ValueError, match=f"history should be >= 1, but got history={bad}"):
+        SelectiveBackprop(history=bad)
+    with pytest.raises(ValueError, match=f"size should be >= 1, but got size={bad}"):
         LossWindow(bad)
 
 

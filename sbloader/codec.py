@@ -1,0 +1,129 @@
+"""Between the source's batches and the loader's rows: read a source batch into data columns, and
+build a yielded batch of the source's structure from :class:`~sbloader.rows.Rows`."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import batch as B
+from ._state import check_version
+from .rows import Rows
+
+__all__ = ["BatchCodec"]
+
+_KINDS: dict[str, type] = {"dict": dict, "list": list, "tuple": tuple}
+
+
+class BatchCodec:
+    """The source's batch format (learnt from its first batch) and the conversions it implies.
+
+    Args:
+        input_key, target_key: the model input and loss target fields (positions in tuple/list
+            batches, default 0 and 1; keys in dict batches, default ``"input"``, ``"target"``).
+        memory_format: e.g. ``torch.channels_last``, applied to 4-d inputs.
+
+    Example:
+        >>> import torch
+        >>> codec = BatchCodec(None, None, None)
+        >>> data, n = codec.columns((torch.zeros(3, 2), torch.arange(3)), None, torch.device("cpu"))
+        >>> n, codec.input_position, codec.target_position
+        (3, 0, 1)
+    """
+
+    VERSION = 1
+
+    def __init__(
+        self,
+        input_key: Hashable | None,
+        target_key: Hashable | None,
+        memory_format: torch.memory_format | None,
+    ) -> None:
+        self.input_key, self.target_key = input_key, target_key
+        self.memory_format = memory_format
+        self.format: B.BatchFormat | None = None
+
+    @property
+    def input_position(self) -> int:
+        assert self.format is not None
+        return self.format.position(self.format.input_key)
+
+    @property
+    def target_position(self) -> int:
+        assert self.format is not None
+        return self.format.position(self.format.target_key)
+
+    def columns(
+        self, raw: Any, indices: np.ndarray | None, device: torch.device
+    ) -> tuple[list[Any], int]:
+        """The source batch's fields as columns on ``device``, checked for consistent lengths."""
+        if self.format is None:
+            self.format = B.BatchFormat.infer(raw, self.input_key, self.target_key)
+        fmt = self.format
+        in_pos = self.input_position
+        columns = [
+            B.to_column(v, device, self.memory_format if j == in_pos else None)
+            for j, v in enumerate(fmt.columns(raw))
+        ]
+        n = B.column_length(columns[in_pos], fmt.input_key)
+        for key, col in zip(fmt.keys, columns):
+            if B.column_length(col, key) != n:
+                raise ValueError(
+                    f"field {key!r} of a source batch has {B.column_length(col, key)} entries but "
+                    f"the input field {fmt.input_key!r} has {n}; every field needs one entry per "
+                    "example"
+                )
+        if indices is not None and indices.shape[0] != n:
+            raise ValueError(
+                f"the source batch has {n} examples but {indices.shape[0]} dataset indices"
+            )
+        return columns, n
+
+    def build(self, rows: Rows, normalize_weights: bool, has_indices: bool) -> B.SelectedBatch:
+        """A yielded batch of the source's structure from ``rows``, with the selection results
+        as attributes (``indices`` None when the source has none; weights scaled to mean 1 when
+        ``normalize_weights``)."""
+        assert self.format is not None
+        data = list(rows.data)
+        in_pos = self.input_position
+        x = data[in_pos]
+        if self.memory_format is not None and isinstance(x, torch.Tensor) and x.dim() == 4:
+            # NOTE: index_select and cat return the default layout; restore the requested one
+            # (a no-op when the batch already has it, e.g. passthrough batches).
+            data[in_pos] = x.contiguous(memory_format=self.memory_format)
+        batch = self.format.build(data)
+        weights = rows.weights / rows.weights.mean() if normalize_weights else rows.weights
+        batch._set_meta(
+            rows.indices if has_indices else None, rows.losses, rows.probabilities, weights
+        )
+        batch.features = rows.features
+        logits = rows.logits
+        if logits is not None and logits.dim() == 2 and logits.shape[1] == 0:
+            logits = None  # no selection pass has shown the outputs' shape yet
+        batch.logits = logits
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        f = self.format
+        fmt = None
+        if f is not None:
+            fmt = {
+                "kind": f.kind.__name__,
+                "keys": list(f.keys),
+                "input_key": f.input_key,
+                "target_key": f.target_key,
+            }
+        return {"version": self.VERSION, "format": fmt}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the format, so that restored rows can be yielded before (or without) another
+        source batch, e.g. as a short last batch."""
+        state = check_version(state, "BatchCodec", self.VERSION)
+        fmt = state["format"]
+        if fmt is not None:
+            keys = tuple(fmt["keys"])
+            kind = _KINDS[fmt["kind"]]
+            self.format = B.BatchFormat(kind, keys, fmt["input_key"], fmt["target_key"])

@@ -1,0 +1,156 @@
+"""Plain functions for the loader's per-batch decisions: non-finite losses, the training subset,
+and what a filtering source should load.
+
+None of them calls a model or does I/O; each can be tested directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ._checks import check_indices
+from .policies import Choice, Policy
+
+__all__ = ["choose_finite", "in_subset", "keep_function", "subset_mask"]
+
+#: What ``choose_finite`` does with a non-finite loss.
+NONFINITE = ("skip", "select", "raise")
+
+
+def choose_finite(
+    policy: Policy,
+    values: np.ndarray | None,
+    indices: np.ndarray | None,
+    rng: np.random.Generator,
+    n: int,
+    nonfinite: str,
+) -> tuple[Choice, int]:
+    """Ask ``policy`` to choose among ``n`` candidates so that it never sees a non-finite loss.
+
+    Args:
+        policy: the policy.
+        values: float64 selection losses, one per candidate, or None when the policy needs none.
+        indices: int64 dataset indices of the candidates, or None.
+        rng: the loader's generator.
+        n: the number of candidates.
+        nonfinite: ``"skip"`` (non-finite candidates get P = 0 and are not chosen),
+            ``"select"`` (P = 1, chosen with weight 1, in position order among the others) or
+            ``"raise"`` (``FloatingPointError`` naming the first dataset indices).
+
+    Returns:
+        The choice over all ``n`` candidates, and how many losses were not finite.
+
+    Example:
+        >>> from sbloader import Traditional
+        >>> c, bad = choose_finite(Traditional(), np.array([1.0, np.nan, 2.0]), None,
+        ...                        np.random.default_rng(0), 3, "skip")
+        >>> c.positions.tolist(), c.probabilities.tolist(), bad
+        ([0, 2], [1.0, 0.0, 1.0], 1)
+    """
+    if values is None:
+        return policy.choose(None, indices, rng, n), 0
+    finite = np.isfinite(values)
+    if finite.all():
+        return policy.choose(values, indices, rng, n), 0
+    bad = np.flatnonzero(~finite)
+    if nonfinite == "raise":
+        where = indices[bad[:5]].tolist() if indices is not None else bad[:5].tolist()
+        raise FloatingPointError(
+            f"{len(bad)} selection losses are not finite (dataset indices {where}...); pass "
+            "nonfinite='skip' or nonfinite='select' to continue past them"
+        )
+    good = np.flatnonzero(finite)
+    sub = policy.choose(values[good], None if indices is None else indices[good], rng, len(good))
+    probabilities = np.zeros(n, dtype=np.float64)
+    probabilities[good] = sub.probabilities
+    positions, weights = good[sub.positions], sub.weights
+    if nonfinite == "select":
+        probabilities[bad] = 1.0
+        positions = np.concatenate([positions, bad])
+        weights = np.concatenate([weights, np.ones(len(bad))])
+        order = np.argsort(positions, kind="stable")
+        positions, weights = positions[order], weights[order]
+    return Choice(positions, probabilities, weights), len(bad)
+
+
+def subset_mask(subset: Any, size: int | None) -> np.ndarray:
+    """A boolean mask over dataset indices ``0 .. size - 1`` from a collection of indices.
+
+    Args:
+        subset: 1-d integer dataset indices (a sequence, numpy array or tensor).
+        size: the dataset's size, or None when unknown (the mask then ends at the largest index).
+
+    Example:
+        >>> subset_mask([0, 3], 5).tolist()
+        [True, False, False, True, False]
+    """
+    raw = np.asarray(subset.cpu() if hasattr(subset, "cpu") else subset)
+    if raw.ndim != 1:
+        raise TypeError(
+            f"subset should be a 1-d sequence of integer dataset indices, but got shape {raw.shape}"
+        )
+    idx = check_indices("subset", raw)
+    if size is None:
+        size = int(idx.max()) + 1 if idx.size else 0
+    if idx.size and (idx.min() < 0 or idx.max() >= size):
+        raise ValueError(
+            f"subset should hold dataset indices in [0, {size}), but got values from "
+            f"{idx.min()} to {idx.max()}"
+        )
+    mask = np.zeros(size, dtype=bool)
+    mask[idx] = True
+    return mask
+
+
+def in_subset(mask: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """Whether each dataset index is in the subset ``mask`` (indices outside it: False).
+
+    Example:
+        >>> in_subset(np.array([True, False]), np.array([0, 1, 7])).tolist()
+        [True, False, False]
+    """
+    inside = (indices >= 0) & (indices < mask.shape[0])
+    return inside & mask[np.where(inside, indices, 0)]
+
+
+def keep_function(
+    policy: Policy,
+    mask: np.ndarray | None,
+    replaying: Callable[[], bool],
+) -> tuple[Callable[[np.ndarray], np.ndarray] | None, list[int]]:
+    """What a filtering source should load this epoch, and a tally of what it left out.
+
+    The keep function accepts the examples in ``mask`` (all if None) that the policy does not
+    reject before loading (when it :meth:`~sbloader.Policy.can_prefilter`); it is None when
+    everything is loaded. The tally is ``[rejected by the policy, outside the subset]``, advanced
+    by whichever thread loads, except while ``replaying()`` (a resumed epoch filtering its
+    skipped batches again, which the checkpoint's stats already count).
+
+    Example:
+        >>> from sbloader import Traditional
+        >>> keep, tally = keep_function(Traditional(), np.array([True, False, True]),
+        ...                             lambda: False)
+        >>> keep(np.array([0, 1, 2])).tolist(), tally
+        ([True, False, True], [0, 1])
+    """
+    tally = [0, 0]
+    prefilters = policy.can_prefilter()
+    if mask is None and not prefilters:
+        return None, tally
+
+    def keep(indices: np.ndarray) -> np.ndarray:
+        chosen = in_subset(mask, indices) if mask is not None else np.ones(len(indices), bool)
+        counting = not replaying()
+        if counting:
+            tally[1] += int(len(indices) - chosen.sum())
+        if prefilters:
+            accepted = policy.prefilter(indices[chosen])
+            if counting:
+                tally[0] += int(chosen.sum() - accepted.sum())
+            chosen[np.flatnonzero(chosen)[~accepted]] = False
+        return chosen
+
+    return keep, tally

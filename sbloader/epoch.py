@@ -1,0 +1,405 @@
+"""One epoch of a :class:`~sbloader.SelectiveLoader`: the object ``iter(loader)`` returns.
+
+An :class:`EpochIterator` owns everything that lives for one epoch: the position in the source,
+the fetcher (and its prefetch thread), the epoch's stats and the lockstep rounds with other
+ranks. The loader keeps what lives across epochs (options, generator, policy, epoch number, the
+rows carried between epochs) and hands them over when the epoch starts and takes them back when
+it ends.
+
+The iterator is a small state machine rather than a generator: each :meth:`~EpochIterator.__next__`
+first hands out a batch that is already owed, and otherwise advances by one step (start the
+epoch, process one source batch, one distributed drain round, the end-of-epoch remainder).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from . import batch as B
+from .decisions import choose_finite, in_subset, keep_function
+from .prefetch import Prefetcher, Synchronous
+from .rows import Rows, metadata_rows
+from .scoring import Scored
+from .stats import EpochStats
+
+if TYPE_CHECKING:
+    from .loader import SelectiveLoader
+
+__all__ = ["EpochIterator"]
+
+
+class _Phase(Enum):
+    NEW = 0  # not started: the epoch begins on the first __next__
+    SOURCE = 1  # reading source batches
+    DRAIN = 2  # this rank's source is exhausted; taking part in the other ranks' rounds
+    REMAINDER = 3  # the end-of-epoch remainder
+    FINISH = 4  # drop what remainder= drops, then end the epoch
+    DONE = 5  # the epoch ended
+    CLOSED = 6  # ended before the epoch did (a newer iterator, close(), or an error)
+
+
+class EpochIterator:
+    """Iterates one epoch of a loader; made by ``iter(loader)``.
+
+    The epoch starts on the first ``next()``, not when the iterator is made. Only one iterator
+    of a loader is live at a time: ``iter(loader)`` closes the previous one, and the epoch that
+    iterator had started counts as abandoned (the next epoch begins, as after ``break``); the
+    closed iterator then raises ``RuntimeError`` if advanced. An iterator that is dropped part-way
+    (``break`` and no reference left), or whose step raised, is closed too: its fetcher stops
+    and its prefetch thread ends.
+
+    Attributes:
+        stats: the epoch's :class:`~sbloader.EpochStats` (None before it starts).
+        position: source batches consumed in the epoch so far.
+        epoch: the epoch's number (None before it starts).
+    """
+
+    def __init__(self, loader: SelectiveLoader) -> None:
+        self._loader = loader
+        self._phase = _Phase.NEW
+        self.stats: EpochStats | None = None
+        self.epoch: int | None = None
+        self.position = 0
+        self._fetch: Prefetcher[Any] | Synchronous[Any] | None = None
+        self._owed = 0  # full batches agreed on and not handed out yet
+        self._short = 0  # the size of a short last batch to hand out (remainder="short")
+        self._direct: Rows | None = None  # a passthrough batch to hand out as it is
+        self._tally: list[int] = [0, 0]
+        self._counted = (0, 0)
+        self._handed_out: float | None = None
+        self._start = 0.0
+        self._fresh = self._passthrough = self._filtering = False
+
+    # ------------------------------------------------------------------ protocol
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __next__(self) -> B.SelectedBatch:
+        stats = self.stats
+        if self._handed_out is not None and stats is not None:
+            stats.consumer_s += perf_counter() - self._handed_out
+            self._handed_out = None
+        try:
+            while True:
+                batch = self._next_ready()
+                if batch is not None:
+                    self._handed_out = perf_counter()
+                    return batch
+                if self._phase is _Phase.DONE:
+                    raise StopIteration
+                if self._phase is _Phase.CLOSED:
+                    raise RuntimeError(
+                        "this epoch iterator was closed (by a newer iter(loader), close(), or an "
+                        "error in an earlier step); call iter(loader) for the next epoch"
+                    )
+                self._advance()
+        except StopIteration:
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def started(self) -> bool:
+        """Whether the epoch has begun."""
+        return self._phase is not _Phase.NEW
+
+    @property
+    def running(self) -> bool:
+        """Whether the epoch has begun and neither ended nor been closed."""
+        return self._phase not in (_Phase.NEW, _Phase.DONE, _Phase.CLOSED)
+
+    def close(self) -> None:
+        """End the iterator: stop its fetcher (and prefetch thread) and hand the epoch back.
+
+        A started epoch that did not end counts as abandoned. Closing twice is harmless.
+        """
+        if self._phase in (_Phase.DONE, _Phase.CLOSED):
+            return
+        running = self.running
+        self._phase = _Phase.CLOSED
+        # Batches agreed on but not handed out stay in the loader's pending rows: the next epoch
+        # yields them (nothing selected is lost).
+        self._owed = self._short = 0
+        self._direct = None
+        self._stop_fetch()
+        if running:
+            self._loader._abandon(self)
+
+    def __del__(self) -> None:
+        # NOTE: a `for` loop left with `break` drops its iterator; closing it here stops the
+        # prefetch thread and the source's epoch (FFCV's batch threads) at once, instead of at
+        # the next iter(loader) or never. The iterator is in no reference cycle (the fetcher's
+        # callables hold the source and the loader's policy, never the iterator).
+        try:
+            self.close()
+        except Exception:  # nothing can be reported from a finalizer
+            pass
+
+    # ------------------------------------------------------------------ steps
+    def _advance(self) -> None:
+        phase = self._phase
+        if phase is _Phase.NEW:
+            self._begin()
+        elif phase is _Phase.SOURCE:
+            self._source_step()
+        elif phase is _Phase.DRAIN:
+            self._drain_step()
+        elif phase is _Phase.REMAINDER:
+            self._remainder_step()
+        elif phase is _Phase.FINISH:
+            self._finish()
+
+    def _begin(self) -> None:
+        loader = self._loader
+        epoch, skip, resumed, stats = loader._begin(self)
+        self.epoch, self.position, self.stats = epoch, skip, stats
+        policy = loader.policy
+        self._fresh = policy.needs_losses(epoch)
+        self._passthrough = policy.passthrough()
+        source = loader.source
+        self._filtering = source.can_filter()
+        keep, self._tally = (
+            keep_function(policy, loader._subset, source.replaying)
+            if self._filtering
+            else (None, [0, 0])
+        )
+        tally = self._tally
+
+        def make_iter() -> Any:
+            return source.epoch(skip, keep)
+
+        def read_tally() -> tuple[int, int]:
+            return (tally[0], tally[1])
+
+        self._fetch = (
+            Prefetcher(make_iter, loader.prefetch, read_tally)
+            if loader.prefetch
+            else Synchronous(make_iter, read_tally)
+        )
+        if loader._sync is not None:
+            loader._sync.bind(loader.device)
+        self._start = perf_counter()
+        self._phase = _Phase.SOURCE
+        # NOTE: on several ranks the condition must not depend on the rank's own position: a
+        # rank that had loaded no source batch yet (skip == 0) still takes part.
+        if skip or (resumed and loader._sync is not None):
+            # Resuming mid-epoch: first the batches the saved round still owed, so that the next
+            # selection pass runs after the caller's steps on them, as it would have.
+            self._owed = self._agree(loader._pending.full_batches(loader.batch_size))
+
+    def _source_step(self) -> None:
+        loader, stats = self._loader, self.stats
+        assert self._fetch is not None and stats is not None and self.epoch is not None
+        t0 = perf_counter()
+        try:
+            (raw, indices), now = self._fetch.next()
+        except StopIteration:
+            self._count_unloaded(self._fetch.last_tally)
+            self._phase = _Phase.DRAIN if loader._sync is not None else _Phase.REMAINDER
+            return
+        stats.source_s += perf_counter() - t0
+        self._count_unloaded(now)  # examples left out before loading, up to this batch
+        self.position += 1
+        device = loader.device  # NOTE: looked up once per source batch (it walks the model)
+        data, n = loader._codec.columns(raw, indices, device)
+        if loader._subset is not None and not self._filtering:
+            assert indices is not None
+            positions = np.flatnonzero(in_subset(loader._subset, indices))
+            if len(positions) < n:
+                stats.excluded += n - len(positions)
+                data, indices, n = (
+                    _gather(data, positions, device),
+                    indices[positions],
+                    len(positions),
+                )
+        stats.examples_seen += n
+        scorer = loader._scorer
+        if self._passthrough:
+            inputs = data[loader._codec.input_position]
+            rows = metadata_rows(data, None, None, indices, n, device)
+            rows = _with_extras(
+                rows,
+                scorer.features(inputs, None, None, indices, self.epoch, stats),
+                scorer.logits(None, None, n, device),
+            )
+            stats.examples_selected += n
+            if self._agree(int(n >= loader.min_batch_size)):
+                self._direct = rows
+            else:
+                stats.dropped += n
+            return
+        t0 = perf_counter()
+        scored = None
+        if self._fresh:
+            inputs = data[loader._codec.input_position]
+            targets = data[loader._codec.target_position]
+            scored = scorer.score(inputs, targets, indices, self.epoch, stats)
+        choice = self._decide(scored, indices, n)
+        stats.selection_s += perf_counter() - t0
+        positions = choice.positions
+        k = len(positions)
+        stats.examples_selected += k
+        if k:
+            kept = _gather(data, positions, device)
+            rows = metadata_rows(
+                kept,
+                positions,
+                choice,
+                indices,
+                k,
+                device,
+                None if scored is None else scored.losses,
+            )
+            inputs = data[loader._codec.input_position]
+            rows = _with_extras(
+                rows,
+                scorer.features(inputs, scored, positions, indices, self.epoch, stats),
+                scorer.logits(scored, positions, k, device),
+            )
+            loader._pending.add(rows)
+        self._owed = self._agree(loader._pending.full_batches(loader.batch_size))
+
+    def _drain_step(self) -> None:
+        """One round of the other ranks' with no new data (see :mod:`sbloader.distributed`).
+
+        NOTE: without this, a rank with fewer source batches (an uneven source, Stale-SB's
+        prefiltering) would stop making collectives while the others wait in theirs.
+        """
+        loader = self._loader
+        sync = loader._sync
+        assert sync is not None
+        if loader._sharing() and not self._passthrough:
+            self._observe(sync.exchange(None, None))
+        count, active = sync.agree(loader._pending.full_batches(loader.batch_size), active=False)
+        self._owed = count
+        if not active:
+            self._phase = _Phase.REMAINDER
+
+    def _remainder_step(self) -> None:
+        # NOTE: on several ranks a rank may hold more than a batch here (the others select
+        # less); "short" then yields one batch of at most batch_size on every rank or on none,
+        # and drops the rest, so that batch counts stay equal.
+        loader = self._loader
+        pending = len(loader._pending)
+        if loader.remainder == "short":
+            if self._agree(int(pending >= loader.min_batch_size), active=False):
+                self._short = min(pending, loader.batch_size)
+        self._phase = _Phase.FINISH
+
+    def _finish(self) -> None:
+        loader, stats = self._loader, self.stats
+        assert stats is not None
+        if loader.remainder != "carry":
+            stats.dropped += loader._pending.clear()
+        self._phase = _Phase.DONE
+        self._stop_fetch()
+        loader._end(self)
+
+    # ------------------------------------------------------------------ batches
+    def _next_ready(self) -> B.SelectedBatch | None:
+        """A batch owed to the caller, or None."""
+        loader = self._loader
+        if self._direct is not None:
+            rows, self._direct = self._direct, None
+            return self._build(rows)
+        if self._owed:
+            self._owed -= 1
+            return self._build(loader._pending.pop(loader.batch_size))
+        if self._short:
+            n, self._short = self._short, 0
+            return self._build(loader._pending.pop(n))
+        return None
+
+    def _build(self, rows: Rows) -> B.SelectedBatch:
+        """The yielded batch: the source's structure, with the selection results attached."""
+        loader, stats = self._loader, self.stats
+        assert stats is not None
+        batch = loader._codec.build(
+            rows, loader.policy.normalize_weights(), loader.source.has_indices()
+        )
+        stats.examples_yielded += len(rows)
+        stats.batches_yielded += 1
+        return batch
+
+    # ------------------------------------------------------------------ decisions
+    def _agree(self, ready: int, active: bool = True) -> int:
+        """How many of ``ready`` batches to yield now: all of them on one process; on several
+        ranks the fewest any rank has ready, so that every rank makes the same number of steps."""
+        sync = self._loader._sync
+        return ready if sync is None else sync.agree(ready, active)[0]
+
+    def _decide(self, scored: Scored | None, indices: np.ndarray | None, n: int) -> Any:
+        """The policy's choice; when the ranks share losses, made between observing the lower
+        ranks' and the higher ranks' losses, so that every rank's policy sees the same losses in
+        the same order (identical loss windows under ``cdf="global"``)."""
+        loader, stats = self._loader, self.stats
+        assert stats is not None
+        values = None if scored is None else scored.values
+        if not loader._sharing():
+            return self._choose(values, indices, n)
+        sync = loader._sync
+        assert sync is not None
+        shared = sync.exchange(values, None if values is None else indices)
+        self._observe(shared[: sync.rank])
+        choice = self._choose(values, indices, n)
+        self._observe(shared[sync.rank + 1 :])
+        return choice
+
+    def _choose(self, values: np.ndarray | None, indices: np.ndarray | None, n: int) -> Any:
+        loader, stats = self._loader, self.stats
+        assert stats is not None
+        if values is not None:
+            bad = int(np.count_nonzero(~np.isfinite(values)))
+            stats.nonfinite += bad  # counted before "raise" raises
+        choice, _ = choose_finite(loader.policy, values, indices, loader._rng, n, loader.nonfinite)
+        return choice
+
+    def _observe(self, shared: list[tuple[np.ndarray, np.ndarray | None]]) -> None:
+        """Feed other ranks' finite losses (and their indices) to the policy, in rank order."""
+        loader = self._loader
+        for values, indices in shared:
+            finite = np.isfinite(values)
+            if finite.any():
+                idx = None if indices is None else indices[finite]
+                loader.policy.observe(values[finite], idx, cdf=loader.cdf == "global")
+
+    def _count_unloaded(self, now: tuple[int, int]) -> None:
+        """Add the candidates left out before loading since the last count to the stats."""
+        stats = self.stats
+        assert stats is not None
+        rejected, excluded = now[0] - self._counted[0], now[1] - self._counted[1]
+        stats.examples_seen += rejected
+        stats.prefiltered += rejected
+        stats.excluded += excluded
+        self._counted = now
+
+    def _stop_fetch(self) -> None:
+        fetch, self._fetch = self._fetch, None
+        if fetch is not None:
+            try:
+                fetch.close()
+            finally:
+                if self.stats is not None and self._start:
+                    self.stats.wall_s += perf_counter() - self._start
+                    self._start = 0.0
+
+
+def _gather(data: list[Any], positions: np.ndarray, device: torch.device) -> list[Any]:
+    """Rows ``positions`` of every data column, gathered where each column lives."""
+    pos_t = torch.from_numpy(positions).to(device, non_blocking=True)
+    pos_list = positions.tolist() if any(not isinstance(c, torch.Tensor) for c in data) else None
+    return [B.take(c, pos_t, pos_list) for c in data]
+
+
+def _with_extras(rows: Rows, features: torch.Tensor | None, logits: torch.Tensor | None) -> Rows:
+    if features is None and logits is None:
+        return rows
+    return Rows(
+        rows.data, rows.indices, rows.losses, rows.probabilities, rows.weights, features, logits
+    )

@@ -1,0 +1,264 @@
+"""Selected examples on their way to a training batch: typed rows and the buffer that holds them.
+
+A :class:`Rows` is a block of examples: the source batch's data fields (in the batch format's
+key order) and what the selection learned about each example (dataset index, selection loss,
+probability, weight), plus the frozen prefix's outputs and the selection pass's model outputs
+when the loader keeps them. :class:`PendingRows` collects kept rows until a full training batch
+can be cut from them; it is the only place rows are merged and split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import batch as B
+
+__all__ = ["PendingRows", "Rows", "metadata_rows"]
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A block of selected examples, one row each in every field.
+
+    Attributes:
+        data: the source batch's fields, in the batch format's key order (tensors with the
+            examples in dimension 0, or lists).
+        indices: int64 CPU tensor of dataset indices (-1 where the source has none).
+        losses: float32 selection losses (NaN for examples chosen without a selection pass).
+        probabilities: float32, the probability each example was kept with.
+        weights: float32 per-example loss weights.
+        features: the frozen prefix's outputs for these examples, or None without one.
+        logits: the selection pass's model outputs (``keep_logits``), or None when not kept.
+            Rows chosen before any selection pass showed the outputs' shape have shape
+            ``(k, 0)``; :meth:`concat` widens them to NaN rows of the known shape.
+
+    Example:
+        >>> import torch
+        >>> r = metadata_rows([torch.arange(4)], None, None, None, 4, torch.device("cpu"))
+        >>> head, rest = Rows.concat([r, r]).split(5)
+        >>> len(head), len(rest), head.data[0].tolist()
+        (5, 3, [0, 1, 2, 3, 0])
+    """
+
+    data: list[Any]
+    indices: torch.Tensor
+    losses: torch.Tensor
+    probabilities: torch.Tensor
+    weights: torch.Tensor
+    features: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.indices.shape[0])
+
+    def split(self, k: int) -> tuple[Rows, Rows]:
+        """The first ``k`` rows and the rest."""
+
+        def cut(c: Any) -> tuple[Any, Any]:
+            return (None, None) if c is None else (c[:k], c[k:])
+
+        columns = [cut(c) for c in self._columns()]
+        heads = self._from_columns([c[0] for c in columns])
+        rests = self._from_columns([c[1] for c in columns])
+        return heads, rests
+
+    @staticmethod
+    def concat(parts: Sequence[Rows]) -> Rows:
+        """The rows of ``parts`` in order, as one block."""
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        columns = [[p._columns()[j] for p in parts] for j in range(len(first._columns()))]
+        merged: list[Any] = []
+        for j, chunks in enumerate(columns):
+            if chunks[0] is None:
+                merged.append(None)
+            elif j == len(columns) - 1:  # logits
+                merged.append(B.concat(_widen(chunks)))
+            else:
+                merged.append(B.concat(chunks))
+        return first._from_columns(merged)
+
+    def to(self, device: torch.device) -> Rows:
+        """The rows with every tensor except ``indices`` on ``device`` (lists stay lists)."""
+
+        def move(c: Any) -> Any:
+            return c.to(device) if isinstance(c, torch.Tensor) else c
+
+        return replace(
+            self,
+            data=[move(c) for c in self.data],
+            losses=move(self.losses),
+            probabilities=move(self.probabilities),
+            weights=move(self.weights),
+            features=move(self.features),
+            logits=move(self.logits),
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rows as CPU tensors and lists (loadable with ``torch.load(weights_only=True)``)."""
+        cpu = self.to(torch.device("cpu"))
+        return {
+            "data": [c if isinstance(c, torch.Tensor) else list(c) for c in cpu.data],
+            "indices": cpu.indices,
+            "losses": cpu.losses,
+            "probabilities": cpu.probabilities,
+            "weights": cpu.weights,
+            "features": cpu.features,
+            "logits": cpu.logits,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], device: torch.device) -> Rows:
+        """Rows saved by :meth:`state_dict`, moved to ``device``."""
+        rows = cls(
+            data=list(state["data"]),
+            indices=state["indices"],
+            losses=state["losses"],
+            probabilities=state["probabilities"],
+            weights=state["weights"],
+            features=state.get("features"),
+            logits=state.get("logits"),
+        )
+        return rows.to(device)
+
+    # The fields as one list (data columns first), and back.
+    def _columns(self) -> list[Any]:
+        return [
+            *self.data,
+            self.indices,
+            self.losses,
+            self.probabilities,
+            self.weights,
+            self.features,
+            self.logits,
+        ]
+
+    def _from_columns(self, columns: list[Any]) -> Rows:
+        n = len(self.data)
+        indices, losses, probabilities, weights, features, logits = columns[n:]
+        return Rows(columns[:n], indices, losses, probabilities, weights, features, logits)
+
+
+def _widen(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """NaN rows of shape (k, 0) (``keep_logits`` rows made before the outputs' shape was known)
+    widened to the shape of the real rows they are batched with."""
+    empty = [c.dim() == 2 and c.shape[1] == 0 for c in chunks]
+    full = [c for c, e in zip(chunks, empty) if not e]
+    if not any(empty) or not full:
+        return chunks
+    shape = full[0].shape[1:]
+    return [
+        torch.full((c.shape[0], *shape), float("nan"), dtype=full[0].dtype, device=c.device)
+        if e
+        else c
+        for c, e in zip(chunks, empty)
+    ]
+
+
+def metadata_rows(
+    data: list[Any],
+    positions: np.ndarray | None,
+    choice: Any,
+    indices: np.ndarray | None,
+    n: int,
+    device: torch.device,
+    losses: torch.Tensor | None = None,
+) -> Rows:
+    """Rows for the chosen examples of a source batch, whose ``data`` is already gathered.
+
+    Args:
+        data: the chosen examples' data columns.
+        positions: int64 positions of the chosen examples in the source batch, or None when
+            every example of the batch was chosen without a selection pass (probability and
+            weight 1; the fast path of passthrough policies).
+        choice: the policy's :class:`~sbloader.Choice` (``probabilities`` per candidate,
+            ``weights`` per chosen example), or None with ``positions=None``.
+        indices: the source batch's dataset indices, or None when the source has none.
+        n: the number of chosen examples.
+        device: where the metadata tensors go (``indices`` stay on the CPU).
+        losses: the source batch's selection losses (where the model computed them), or None.
+
+    NOTE: with ``positions=None`` the columns are made directly instead of through
+    :class:`~sbloader.Choice` arrays: the same values, with no per-example numpy work, since
+    Traditional pays this on every batch.
+    """
+    if positions is None:
+        idx = (
+            torch.from_numpy(indices.astype(np.int64))  # a copy: sources may reuse their buffers
+            if indices is not None
+            else torch.full((n,), -1, dtype=torch.int64)
+        )
+        ones = torch.ones(n, device=device)
+        return Rows(data, idx, torch.full((n,), float("nan"), device=device), ones, ones.clone())
+    idx = torch.from_numpy(
+        indices[positions].astype(np.int64) if indices is not None else np.full(n, -1, np.int64)
+    )
+    if losses is None:
+        kept_losses = torch.full((n,), float("nan"), device=device)
+    else:
+        pos_t = torch.from_numpy(positions).to(losses.device, non_blocking=True)
+        kept_losses = losses.index_select(0, pos_t)
+    probs = torch.from_numpy(choice.probabilities[positions].astype(np.float32)).to(device)
+    weights = torch.from_numpy(choice.weights.astype(np.float32)).to(device)
+    return Rows(data, idx, kept_losses, probs, weights)
+
+
+class PendingRows:
+    """Selected rows waiting to fill a training batch, in the order they were selected.
+
+    Example:
+        >>> import torch
+        >>> p = PendingRows()
+        >>> p.add(metadata_rows([torch.arange(3)], None, None, None, 3, torch.device("cpu")))
+        >>> p.full_batches(2), p.pop(2).data[0].tolist(), len(p)
+        (1, [0, 1], 1)
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[Rows] = []
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def add(self, rows: Rows) -> None:
+        if len(rows):
+            self._parts.append(rows)
+            self._count += len(rows)
+
+    def full_batches(self, batch_size: int) -> int:
+        """How many full batches of ``batch_size`` the pending rows make."""
+        return self._count // batch_size
+
+    def pop(self, k: int) -> Rows:
+        """Remove and return the first ``k`` rows (``k <= len(self)``)."""
+        if not 0 < k <= self._count:
+            raise ValueError(f"k should be in [1, {self._count}], but got k={k}")
+        head, rest = Rows.concat(self._parts).split(k)
+        self._count -= k
+        self._parts = [rest] if self._count else []
+        return head
+
+    def clear(self) -> int:
+        """Drop every pending row; returns how many there were."""
+        n, self._parts, self._count = self._count, [], 0
+        return n
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self._count, "parts": [p.state_dict() for p in self._parts]}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        self.clear()
+        for part in state["parts"]:
+            self.add(Rows.from_state(part, device))
+        if self._count != int(state["count"]):
+            raise ValueError(
+                f"the saved pending rows count {state['count']} examples but hold {self._count}; "
+                "the state is corrupt"
+            )

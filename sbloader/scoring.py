@@ -1,0 +1,220 @@
+"""The selection pass of a loader: which model scores candidates, how, and what it keeps.
+
+A :class:`Scorer` owns what a selection pass needs across epochs: the model (or a separate
+selector), the per-example loss, the speed options (:class:`~sbloader.selection.SelectionForward`:
+compilation, downsampling, a frozen prefix), the frozen prefix's cross-epoch cache, and the
+shape of the model's outputs for ``keep_logits``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ._state import check_version
+from .features import FeatureCache
+from .selection import SelectionForward, unwrap
+from .stats import EpochStats
+
+__all__ = ["Scored", "Scorer"]
+
+
+@dataclass(frozen=True)
+class Scored:
+    """What one selection pass over a source batch computed.
+
+    Attributes:
+        losses: per-example losses where the model computed them.
+        values: the same losses as float64 on the host, for the policy.
+        features: the frozen prefix's outputs for every candidate, or None without one.
+        logits: the model's outputs for every candidate (``keep_logits``), else None.
+    """
+
+    losses: torch.Tensor
+    values: np.ndarray
+    features: torch.Tensor | None
+    logits: torch.Tensor | None
+
+
+class Scorer:
+    """Runs a loader's selection passes.
+
+    Args:
+        model: the model being trained (the head, with a frozen prefix).
+        loss_fn: per-example loss.
+        selector: a separate model for selection passes, or None for ``model``.
+        forward: how the selection model is called.
+        feature_cache: the frozen prefix's cross-epoch cache, or None.
+        autocast: the dtype to run selection passes in, or None.
+        batch_size: examples per selection forward, or None for whole source batches.
+        eval_selection: run selection passes in eval mode.
+        keep_logits: keep the model's outputs for yielded batches.
+    """
+
+    VERSION = 1
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[..., torch.Tensor],
+        selector: nn.Module | None,
+        forward: SelectionForward,
+        feature_cache: FeatureCache | None,
+        autocast: torch.dtype | None,
+        batch_size: int | None,
+        eval_selection: bool,
+        keep_logits: bool,
+    ) -> None:
+        self.model = model
+        self.loss_fn = loss_fn
+        self.selector = selector
+        self.forward = forward
+        self.feature_cache = feature_cache
+        self.autocast = autocast
+        self.batch_size = batch_size
+        self.eval_selection = eval_selection
+        self.keep_logits = keep_logits
+        #: The shape of one example's selection output (keep_logits), once a pass has shown it.
+        self.logits_shape: tuple[int, ...] | None = None
+
+    @property
+    def has_prefix(self) -> bool:
+        return self.forward.frozen_prefix is not None
+
+    def check(self) -> None:
+        """Refuse a frozen prefix that trains (checked when the loader is built and per epoch)."""
+        self.forward.check(self.model, self.selector)
+
+    def score(
+        self,
+        inputs: torch.Tensor,
+        targets: Any,
+        indices: np.ndarray | None,
+        epoch: int,
+        stats: EpochStats,
+    ) -> Scored:
+        """One selection pass over a source batch, counted and timed in ``stats``."""
+        n = inputs.shape[0]
+        t0 = perf_counter()
+        cached = None
+        if self.feature_cache is not None:
+            cached = self._prefix_outputs(inputs, indices, None, epoch, stats)
+        elif self.has_prefix:
+            stats.prefix_forwards += n
+        losses, features, logits = self.forward(
+            unwrap(self.selector if self.selector is not None else self.model),
+            inputs,
+            targets,
+            self.loss_fn,
+            batch_size=self.batch_size,
+            autocast_dtype=self.autocast,
+            eval=self.eval_selection,
+            features=cached,
+            keep_outputs=self.keep_logits,
+        )
+        if logits is not None:
+            self.logits_shape = tuple(logits.shape[1:])
+        # NOTE: the policy needs the losses on the host anyway; copying them inside the timed
+        # region makes the time exact on a GPU too (it waits for the forward to finish, and for
+        # any training work still queued before it).
+        values = losses.detach().cpu().numpy().astype(np.float64)
+        stats.selection_forward_s += perf_counter() - t0
+        stats.selection_forwards += n
+        stats.selection_calls += math.ceil(n / (self.batch_size or n)) if n else 0
+        return Scored(losses, values, features, logits)
+
+    def features(
+        self,
+        inputs: torch.Tensor,
+        scored: Scored | None,
+        positions: np.ndarray | None,
+        indices: np.ndarray | None,
+        epoch: int,
+        stats: EpochStats,
+    ) -> torch.Tensor | None:
+        """The frozen prefix's outputs for rows ``positions`` (all rows if None) of a source
+        batch, or None without a frozen prefix.
+
+        Outputs from the selection pass are gathered (a copy); without one (passthrough and
+        loss-free policies), the prefix runs on the chosen rows only (timed as selection).
+        """
+        if not self.has_prefix:
+            return None
+        if scored is not None and scored.features is not None:
+            if positions is None:
+                return scored.features
+            pos = torch.from_numpy(positions).to(scored.features.device, non_blocking=True)
+            return scored.features.index_select(0, pos)
+        t0 = perf_counter()
+        out = self._prefix_outputs(inputs, indices, positions, epoch, stats)
+        elapsed = perf_counter() - t0
+        stats.selection_s += elapsed
+        stats.selection_forward_s += elapsed
+        return out
+
+    def logits(
+        self, scored: Scored | None, positions: np.ndarray | None, k: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """With ``keep_logits``, the chosen rows of the selection pass's outputs, or NaN rows
+        when the examples had no selection pass; None without ``keep_logits``.
+
+        NOTE: before any selection pass the rows' shape is unknown; they are then (k, 0), and
+        widened to NaN rows of the right shape when they meet real outputs in a batch
+        (:meth:`sbloader.rows.Rows.concat`).
+        """
+        if not self.keep_logits:
+            return None
+        if scored is not None and scored.logits is not None:
+            assert positions is not None  # only selection passes have outputs
+            logits = scored.logits
+            return logits.index_select(0, torch.from_numpy(positions).to(logits.device))
+        shape = self.logits_shape if self.logits_shape is not None else (0,)
+        return torch.full((k, *shape), float("nan"), device=device)
+
+    def _prefix_outputs(
+        self,
+        inputs: torch.Tensor,
+        indices: np.ndarray | None,
+        positions: np.ndarray | None,
+        epoch: int,
+        stats: EpochStats,
+    ) -> torch.Tensor:
+        """The frozen prefix's outputs for rows ``positions`` (all if None) of ``inputs``,
+        from the cross-epoch cache where it holds them; computed (and cached) otherwise."""
+        cache = self.feature_cache
+        rows = np.arange(inputs.shape[0]) if positions is None else positions
+
+        def compute(x: torch.Tensor) -> torch.Tensor:
+            return self.forward.features(x, self.batch_size, self.autocast)
+
+        if positions is not None:
+            pos = torch.from_numpy(positions).to(inputs.device, non_blocking=True)
+            inputs = inputs.index_select(0, pos)
+        if cache is None:
+            stats.prefix_forwards += inputs.shape[0]
+            return compute(inputs)
+        assert indices is not None
+        idx = indices[rows]
+        stats.prefix_forwards += cache.check(epoch, idx, inputs, compute)
+        missing = cache.missing(idx)
+        if len(missing):
+            x = inputs.index_select(0, torch.from_numpy(missing).to(inputs.device))
+            cache.put(idx[missing], compute(x))
+            stats.prefix_forwards += len(missing)
+        return cache.get(idx, inputs.device)
+
+    def state_dict(self) -> dict[str, Any]:
+        shape = self.logits_shape
+        return {"version": self.VERSION, "logits_shape": None if shape is None else list(shape)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = check_version(state, "Scorer", self.VERSION)
+        shape = state["logits_shape"]
+        self.logits_shape = None if shape is None else tuple(int(v) for v in shape)

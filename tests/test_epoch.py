@@ -1,0 +1,338 @@
+"""The loader's shape: one epoch iterator at a time, a state that knows whose it is, typed rows and
+the plain decision functions, tested directly."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import EncodedDataset, IndexLoss
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from sbloader import (
+    EpochIterator,
+    Phased,
+    RandomBackprop,
+    SelectiveBackprop,
+    SelectiveLoader,
+    Traditional,
+)
+from sbloader._checks import FieldError
+from sbloader.decisions import choose_finite, in_subset, keep_function, subset_mask
+from sbloader.policies import Choice
+from sbloader.rows import PendingRows, Rows, metadata_rows
+
+CPU = torch.device("cpu")
+
+
+def make(n=120, policy=None, seed=0, model=None, **kw):
+    dl = DataLoader(EncodedDataset(n), batch_size=30, generator=torch.Generator().manual_seed(1))
+    return SelectiveLoader(
+        dl,
+        model or IndexLoss(),
+        policy=policy or SelectiveBackprop(0.5),
+        batch_size=10,
+        seed=seed,
+        **kw,
+    )
+
+
+def epoch_indices(it):
+    return [b.indices.tolist() for b in it]
+
+
+# ---------------------------------------------------------------------- one live iterator
+def test_iter_returns_an_epoch_iterator_that_starts_lazily():
+    loader = make()
+    it = iter(loader)
+    assert isinstance(it, EpochIterator) and iter(it) is it
+    assert not it.started and it.stats is None and loader.epoch == 0
+    next(it)
+    assert it.started and it.epoch == 0 and it.stats is loader.stats.current
+
+
+def test_a_second_iterator_ends_the_first_cleanly():
+    """The two-iterator corruption: consuming both used to leave epoch == 3 after two epochs of
+    data. Now the newer iterator closes the older one, whose started epoch counts as abandoned,
+    and the older one refuses to go on instead of interleaving with the newer."""
+    loader = make()
+    it1 = iter(loader)
+    next(it1)
+    it2 = iter(loader)
+    with pytest.raises(RuntimeError, match="closed"):
+        next(it1)
+    rest = epoch_indices(it2)
+    assert it2.epoch == 1 and loader.epoch == 2 and rest
+    assert [e.epoch for e in loader.stats.epochs] == [0, 1]
+    with pytest.raises(StopIteration):
+        next(it2)  # a finished iterator stays finished
+
+
+def test_an_iterator_that_never_started_takes_no_epoch():
+    reference = epoch_indices(make())
+    loader = make()
+    it1 = iter(loader)
+    it2 = iter(loader)
+    assert epoch_indices(it2) == reference and loader.epoch == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        next(it1)
+
+
+def test_break_then_iter_starts_the_next_epoch_like_before():
+    loader = make()
+    for _ in loader:
+        break
+    assert epoch_indices(loader) and loader.epoch == 2  # epoch 0 abandoned, epoch 1 whole
+
+
+def test_a_dropped_iterator_stops_its_prefetch_thread_at_once():
+    loader = make(prefetch=1)
+
+    def prefetchers():
+        return [t for t in threading.enumerate() if t.name == "sbloader-prefetch"]
+
+    it = iter(loader)
+    next(it)
+    assert prefetchers()
+    del it  # `break` out of a for loop drops the iterator the same way
+    gc.collect()
+    assert not prefetchers()
+    assert loader.state_dict()["active"]  # the abandoned epoch's position is still known
+
+
+def test_close_is_idempotent_and_an_error_closes_the_iterator():
+    loader = make()
+    it = iter(loader)
+    next(it)
+    it.close()
+    it.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        next(it)
+
+    class Fails(IndexLoss):
+        def forward(self, x):
+            raise OSError("disk gone")
+
+    it = iter(make(n=60, model=Fails()))
+    with pytest.raises(OSError, match="disk gone"):
+        next(it)
+    with pytest.raises(RuntimeError, match="closed"):
+        next(it)
+
+
+# ---------------------------------------------------------------------- state identity
+@pytest.mark.parametrize(
+    ("saved_kw", "loading_kw", "field"),
+    [
+        ({"seed": 0}, {"seed": 123}, "seed"),
+        ({"rank": 0}, {"rank": 1}, "rank"),
+        ({"policy": SelectiveBackprop(0.5)}, {"policy": RandomBackprop(0.5)}, "policy"),
+        (
+            {"policy": SelectiveBackprop(0.5, staleness=2)},
+            {"policy": SelectiveBackprop(0.5, staleness=3)},
+            "policy",
+        ),
+        ({"n": 120}, {"n": 150}, "dataset_size"),
+    ],
+)
+def test_a_state_of_another_run_is_refused_naming_the_field_and_both_values(
+    saved_kw, loading_kw, field
+):
+    saved = make(**saved_kw)
+    it = iter(saved)
+    next(it)
+    state = saved.state_dict()
+    other = make(**loading_kw)
+    before = other.state_dict()
+    with pytest.raises(ValueError, match=f"has {field}=.*but this SelectiveLoader has {field}="):
+        other.load_state_dict(state)
+    assert other.state_dict()["epoch"] == before["epoch"] and other.epoch == 0  # nothing loaded
+
+
+def test_the_identity_includes_the_world_size():
+    state = make().state_dict()
+    assert state["identity"]["world_size"] == 1
+    state["identity"]["world_size"] = 2
+    with pytest.raises(ValueError, match="world_size=2, but this SelectiveLoader has world_size=1"):
+        make().load_state_dict(state)
+
+
+def test_an_unknown_version_is_refused_clearly():
+    state = make().state_dict()
+    state["version"] = 99
+    with pytest.raises(ValueError, match="version=99, but this sbloader reads version 2"):
+        make().load_state_dict(state)
+
+
+def test_a_version_1_state_migrates_and_resumes_exactly():
+    """tests/data/loader_state_v1.pt was saved mid-epoch, with carried rows and keep_logits, by
+    the sbloader of commit 7e08153 (tests/data/make_loader_state_v1.py), with the batches that
+    sbloader yielded after it."""
+    saved = torch.load(Path(__file__).parent / "data" / "loader_state_v1.pt", weights_only=True)
+    assert saved["state"]["version"] == 1 and saved["state"]["pending"]["count"] > 0
+
+    def build(seed=5):
+        x = torch.arange(90 * 4, dtype=torch.float32).reshape(90, 4) / 100
+        y = torch.arange(90) % 3
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        dl = DataLoader(
+            TensorDataset(x, y),
+            batch_size=30,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(1),
+        )
+        return SelectiveLoader(
+            dl, model, policy=SelectiveBackprop(0.5), batch_size=8, seed=seed, keep_logits=True
+        )
+
+    loader = build()
+    loader.load_state_dict(saved["state"])
+    it = iter(loader)
+    rest = epoch_indices(it) + epoch_indices(loader)
+    assert rest == saved["rest"]
+    with pytest.raises(ValueError, match="seed=5, but this SelectiveLoader has seed=6"):
+        build(seed=6).load_state_dict(saved["state"])
+
+
+# ---------------------------------------------------------------------- the threading contract
+def test_stale_epochs_freeze_the_window_that_prefilter_reads():
+    sb = SelectiveBackprop(0.5, staleness=2)
+    sb.attach(10, key=1)
+    sb.begin_epoch(0)
+    assert not sb.can_prefilter() and not sb.window.frozen
+    sb.choose(np.linspace(0.1, 1.0, 10), np.arange(10), np.random.default_rng(0), 10)
+    with pytest.raises(RuntimeError, match="not a stale epoch"):
+        sb.prefilter(np.arange(10))
+    sb.begin_epoch(1)
+    assert sb.can_prefilter() and sb.window.frozen
+    mask = sb.prefilter(np.arange(10))
+    assert mask.dtype == bool and mask.shape == (10,)
+    with pytest.raises(RuntimeError, match="frozen"):
+        sb.window.push_and_rank(np.array([1.0]), beta=1.0)
+    sb.begin_epoch(2)
+    assert not sb.window.frozen
+
+
+def test_phased_declares_its_capabilities_from_the_phase():
+    p = Phased(SelectiveBackprop(0.5, staleness=2), warmup_epochs=1, warmup_policy=RandomBackprop())
+    p.attach(10, key=0)
+    assert p.needs_indices() and p.records_examples() and not p.passthrough()
+    assert p.kind() == "Phased(SelectiveBackprop(staleness=2), warmup_policy=RandomBackprop)"
+    p.begin_epoch(0)
+    assert not p.can_prefilter()
+    p.begin_epoch(1)
+    assert not p.can_prefilter()  # the wrapped policy's first (fresh) epoch
+    p.begin_epoch(2)
+    assert p.can_prefilter()
+
+
+# ---------------------------------------------------------------------- plain functions
+def test_choose_finite_skips_selects_or_raises_on_nonfinite_losses():
+    values = np.array([1.0, np.nan, 2.0, np.inf, 0.5])
+    idx = np.array([10, 11, 12, 13, 14])
+    rng = np.random.default_rng(0)
+    c, bad = choose_finite(Traditional(), values, idx, rng, 5, "skip")
+    assert bad == 2 and c.positions.tolist() == [0, 2, 4]
+    assert c.probabilities.tolist() == [1.0, 0.0, 1.0, 0.0, 1.0]
+    c, bad = choose_finite(RandomBackprop(1e-9), values, idx, rng, 5, "select")
+    assert bad == 2 and c.positions.tolist() == [1, 3] and c.weights.tolist() == [1.0, 1.0]
+    with pytest.raises(FloatingPointError, match=r"2 selection losses .*\[11, 13\]"):
+        choose_finite(Traditional(), values, idx, rng, 5, "raise")
+    c, bad = choose_finite(Traditional(), None, None, rng, 3, "raise")
+    assert bad == 0 and c.positions.tolist() == [0, 1, 2]
+
+
+def test_the_policy_never_sees_a_nonfinite_loss():
+    seen = []
+
+    class Spy(Traditional):
+        def choose(self, losses, indices, rng, n):
+            seen.append((losses.copy(), indices.copy()))
+            return super().choose(losses, indices, rng, n)
+
+    choose_finite(
+        Spy(), np.array([np.nan, 3.0]), np.array([7, 8]), np.random.default_rng(), 2, "skip"
+    )
+    assert seen[0][0].tolist() == [3.0] and seen[0][1].tolist() == [8]
+
+
+def test_subset_mask_and_membership():
+    mask = subset_mask(torch.tensor([4, 0]), 6)
+    assert mask.tolist() == [True, False, False, False, True, False]
+    assert in_subset(mask, np.array([4, 5, -1, 99])).tolist() == [True, False, False, False]
+    assert subset_mask([2], None).tolist() == [False, False, True]
+    with pytest.raises(ValueError, match=r"in \[0, 6\)"):
+        subset_mask([6], 6)
+    with pytest.raises(TypeError, match="subset should hold integers"):
+        subset_mask([0.5], 6)
+
+
+def test_keep_function_counts_what_it_leaves_out_except_while_replaying():
+    class Odd(Traditional):
+        def can_prefilter(self):
+            return True
+
+        def prefilter(self, indices):
+            return indices % 2 == 1
+
+    replaying = [False]
+    keep, tally = keep_function(Odd(), subset_mask([0, 1, 2, 3], 8), lambda: replaying[0])
+    assert keep(np.arange(8)).tolist() == [False, True, False, True] + [False] * 4
+    assert tally == [2, 4]  # two rejected by the policy, four outside the subset
+    replaying[0] = True
+    keep(np.arange(8))
+    assert tally == [2, 4]
+    assert keep_function(Traditional(), None, lambda: False) == (None, [0, 0])
+
+
+# ---------------------------------------------------------------------- rows
+def test_rows_concat_split_and_widen_logits_placeholders():
+    a = metadata_rows([torch.arange(2), ["a", "b"]], None, None, np.array([5, 6]), 2, CPU)
+    a = Rows(a.data, a.indices, a.losses, a.probabilities, a.weights, None, torch.empty(2, 0))
+    choice = Choice(np.array([1]), np.array([0.2, 0.7]), np.array([3.0]))
+    b = metadata_rows(
+        [torch.tensor([9]), ["c"]],
+        np.array([1]),
+        choice,
+        np.array([7, 8]),
+        1,
+        CPU,
+        torch.tensor([0.1, 0.9]),
+    )
+    b = Rows(b.data, b.indices, b.losses, b.probabilities, b.weights, None, torch.ones(1, 3))
+    both = Rows.concat([a, b])
+    assert len(both) == 3 and both.data[1] == ["a", "b", "c"] and both.indices.tolist() == [5, 6, 8]
+    assert both.logits.shape == (3, 3) and torch.isnan(both.logits[:2]).all()
+    torch.testing.assert_close(both.probabilities, torch.tensor([1.0, 1.0, 0.7]))
+    torch.testing.assert_close(both.weights, torch.tensor([1.0, 1.0, 3.0]))
+    assert both.losses[2].item() == pytest.approx(0.9) and torch.isnan(both.losses[:2]).all()
+    head, rest = both.split(1)
+    assert head.indices.tolist() == [5] and rest.indices.tolist() == [6, 8]
+    assert rest.data[1] == ["b", "c"] and head.features is None
+
+
+def test_pending_rows_pop_in_order_and_refuse_too_many():
+    p = PendingRows()
+    for start in (0, 3):
+        p.add(metadata_rows([torch.arange(start, start + 3)], None, None, None, 3, CPU))
+    assert len(p) == 6 and p.full_batches(4) == 1
+    assert p.pop(4).data[0].tolist() == [0, 1, 2, 3] and len(p) == 2
+    with pytest.raises(ValueError, match="k should be in"):
+        p.pop(3)
+    assert p.clear() == 2 and len(p) == 0
+
+
+def test_a_bad_field_is_one_kind_of_error_for_dicts_and_positions():
+    dict_batches = [{"x": torch.zeros(2, 3), "y": torch.zeros(2, dtype=torch.long)}]
+    tuple_batches = [(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long))]
+    for batches, kw in ((dict_batches, {"input_key": "image"}), (tuple_batches, {"input_key": 5})):
+        loader = SelectiveLoader(batches, nn.Linear(3, 2), policy=Traditional(), batch_size=2, **kw)
+        with pytest.raises(FieldError, match="input_key") as err:
+            next(iter(loader))
+        assert isinstance(err.value, KeyError) and isinstance(err.value, ValueError)
