@@ -99,3 +99,19 @@ class FieldError(KeyError, ValueError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+def check_device(device: Any, given: bool) -> None:
+    """Refuse to move batches to the meta device, where tensors hold no data."""
+    if device.type != "meta":
+        return
+    if given:
+        raise ValueError(
+            "device='meta' would turn every batch into tensors without data; pass device= the "
+            "device to train on (e.g. 'cpu' or 'cuda'), or leave it out to use the model's"
+        )
+    raise ValueError(
+        "the model's parameters are on the meta device (not materialised), and SelectiveLoader "
+        "moves batches to the model's device; materialise the model first (e.g. "
+        "model.to_empty(device='cpu') and initialise its parameters), or pass device="
+    )

@@ -42,6 +42,11 @@ def make_source(source: Any, index_key: Hashable | None = None) -> Source:
             return IterableSource(source, index_key)
         return DataLoaderSource(source)
     if is_ffcv_loader(source):
+        if index_key is not None and not isinstance(index_key, (str, int)):
+            raise TypeError(
+                "index_key should name an FFCV loader's index output by name or position, but "
+                f"got index_key={index_key!r}"
+            )
         return FFCVSource(source, index_field="index" if index_key is None else index_key)
     if not isinstance(source, Iterable):
         raise TypeError(

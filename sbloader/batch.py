@@ -102,8 +102,8 @@ class BatchFormat:
             return cls(
                 list if isinstance(batch, list) else tuple,
                 tuple(range(n)),
-                input_key % n,
-                target_key % n,
+                int(input_key) % n,  # type: ignore[call-overload]
+                int(target_key) % n,  # type: ignore[call-overload]
             )
         raise TypeError(
             "SelectiveLoader needs batches that are tuples, lists or dicts of per-example fields "

@@ -190,7 +190,7 @@ def _read_cifar_pickle(path: Path, label_key: str, n_classes: int) -> tuple[np.n
 
 def _read_svhn_mat(path: Path) -> tuple[np.ndarray, np.ndarray]:
     try:
-        from scipy.io import loadmat
+        from scipy.io import loadmat  # type: ignore[import-untyped]
     except ImportError as e:
         raise ImportError(
             "reading SVHN's .mat files needs scipy; install it with `pip install scipy`"

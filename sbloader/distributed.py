@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .stats import _COUNTS, _TIMES, EpochStats, LoaderStats
+from .stats import COUNT_FIELDS, TIME_FIELDS, EpochStats, LoaderStats
 
 __all__ = ["RankSync", "collective_device", "is_distributed", "make_sync", "reduce_stats"]
 
@@ -223,11 +223,11 @@ def reduce_stats(
                 "of training on every rank"
             )
         counts = torch.tensor(
-            [[getattr(e, c) for c in _COUNTS] for e in epochs], dtype=torch.int64, device=device
-        ).reshape(len(epochs), len(_COUNTS))
+            [[getattr(e, c) for c in COUNT_FIELDS] for e in epochs], dtype=torch.int64, device=device
+        ).reshape(len(epochs), len(COUNT_FIELDS))
         times = torch.tensor(
-            [[getattr(e, t) for t in _TIMES] for e in epochs], dtype=torch.float64, device=device
-        ).reshape(len(epochs), len(_TIMES))
+            [[getattr(e, t) for t in TIME_FIELDS] for e in epochs], dtype=torch.float64, device=device
+        ).reshape(len(epochs), len(TIME_FIELDS))
         rates = torch.tensor(
             [e.target_rate * e.examples_seen for e in epochs], dtype=torch.float64, device=device
         )
@@ -236,9 +236,9 @@ def reduce_stats(
         dist.all_reduce(rates, op=dist.ReduceOp.SUM, group=group)
         counts_l, times_l, rates_l = counts.tolist(), times.tolist(), rates.tolist()
         for i, e in enumerate(reduced):
-            for c, v in zip(_COUNTS, counts_l[i]):
+            for c, v in zip(COUNT_FIELDS, counts_l[i]):
                 setattr(e, c, int(v))
-            for t, v in zip(_TIMES, times_l[i]):
+            for t, v in zip(TIME_FIELDS, times_l[i]):
                 setattr(e, t, float(v))
             if e.examples_seen:
                 e.target_rate = rates_l[i] / e.examples_seen

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
-__all__ = ["FeatureCache"]
+from ._checks import indices_needed
+
+__all__ = ["FeatureCache", "make_feature_cache"]
 
 
 class FeatureCache:
@@ -148,3 +152,25 @@ class FeatureCache:
                 "augment after the frozen prefix"
             )
         return len(hits)
+
+
+def make_feature_cache(
+    cache: Any, prefix: nn.Module | None, autocast: Any, source: Any
+) -> FeatureCache | None:
+    """The cross-epoch cache of a frozen prefix's outputs that ``cache_features=`` asks for over
+    ``source`` (a :class:`~sbloader.sources.Source`), or None; checked."""
+    if cache is False or cache is None:
+        return None
+    if prefix is None:
+        raise ValueError(
+            "cache_features caches frozen_prefix's outputs, but got frozen_prefix=None; pass "
+            "frozen_prefix=backbone (and model=head), or cache_features=False"
+        )
+    size = source.dataset_size
+    if not source.has_indices() or size is None:
+        raise indices_needed(
+            "cache_features",
+            "pass a DataLoader over a map-style dataset, or cache_features=False",
+        )
+    device = None if cache is True else torch.device(cache)
+    return FeatureCache(size, device, autocast if isinstance(autocast, torch.dtype) else None)

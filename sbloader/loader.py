@@ -16,18 +16,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._checks import check_choice, check_int, indices_needed
+from ._checks import check_choice, check_device, check_int, indices_needed
+from ._migrations import loader_state_v1_to_v2
 from ._state import check_identity, check_version
 from .adapt import make_source
 from .codec import BatchCodec
 from .decisions import NONFINITE, subset_mask
 from .distributed import RankSync, make_sync
 from .epoch import EpochIterator
-from .features import FeatureCache
+from .features import make_feature_cache
 from .policies import Policy, SelectiveBackprop
-from .rows import PendingRows, Rows
+from .rows import PendingRows
 from .scoring import Scorer
-from .selection import SelectionForward, check_loss_fn
+from .selection import SelectionForward, check_loss_fn, model_device
 from .sources import Source
 from .stats import EpochStats, LoaderStats
 
@@ -56,30 +57,6 @@ K_RNG, K_SOURCE, K_POLICY, K_PENDING, K_CODEC, K_SCORER, K_STATS = (
     "scorer",
     "stats",
 )
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    for t in model.parameters():
-        return t.device
-    for t in model.buffers():
-        return t.device
-    return torch.device("cpu")
-
-
-def _check_device(device: torch.device, given: bool) -> None:
-    """Refuse to move batches to the meta device, where tensors hold no data."""
-    if device.type != "meta":
-        return
-    if given:
-        raise ValueError(
-            "device='meta' would turn every batch into tensors without data; pass device= the "
-            "device to train on (e.g. 'cpu' or 'cuda'), or leave it out to use the model's"
-        )
-    raise ValueError(
-        "the model's parameters are on the meta device (not materialised), and SelectiveLoader "
-        "moves batches to the model's device; materialise the model first (e.g. "
-        "model.to_empty(device='cpu') and initialise its parameters), or pass device="
-    )
 
 
 class SelectiveLoader:
@@ -298,7 +275,7 @@ class SelectiveLoader:
             self.loss_fn,
             selector,
             forward,
-            self._feature_cache(cache_features, frozen_prefix, autocast),
+            make_feature_cache(cache_features, frozen_prefix, autocast, self._source),
             autocast,
             self.selection_batch_size,
             self.eval_selection,
@@ -342,26 +319,6 @@ class SelectiveLoader:
         # restored mid-epoch state resumes it; an abandoned one is skipped by the next iterator.
         self._unfinished: tuple[int, bool] | None = None
 
-    def _feature_cache(
-        self, cache: Any, prefix: nn.Module | None, autocast: Any
-    ) -> FeatureCache | None:
-        """The cross-epoch cache of prefix outputs, or None; checked."""
-        if cache is False or cache is None:
-            return None
-        if prefix is None:
-            raise ValueError(
-                "cache_features caches frozen_prefix's outputs, but got frozen_prefix=None; pass "
-                "frozen_prefix=backbone (and model=head), or cache_features=False"
-            )
-        size = self._source.dataset_size
-        if not self._source.has_indices() or size is None:
-            raise indices_needed(
-                "cache_features",
-                "pass a DataLoader over a map-style dataset, or cache_features=False",
-            )
-        device = None if cache is True else torch.device(cache)
-        return FeatureCache(size, device, autocast if isinstance(autocast, torch.dtype) else None)
-
     @staticmethod
     def _default_rank() -> int:
         dist = torch.distributed
@@ -371,7 +328,7 @@ class SelectiveLoader:
     @property
     def device(self) -> torch.device:
         """Where yielded batches live: ``device`` if given, else the model's device."""
-        return self._device if self._device is not None else _model_device(self.model)
+        return self._device if self._device is not None else model_device(self.model)
 
     @property
     def source(self) -> Source:
@@ -464,7 +421,7 @@ class SelectiveLoader:
                 "this epoch iterator was replaced by a newer iter(loader) before it started"
             )
         self._scorer.check()  # a frozen prefix may have been unfrozen
-        _check_device(self.device, self._device is not None)
+        check_device(self.device, self._device is not None)
         skip, resumed = 0, False
         if self._unfinished is not None:
             position, resume = self._unfinished
@@ -558,7 +515,7 @@ class SelectiveLoader:
         with another seed, rank, world size, policy kind or dataset size; migrates a version-1
         state. The next ``iter(loader)`` continues a restored unfinished epoch.
         """
-        state = check_version(state, "SelectiveLoader", self.STATE_VERSION, {1: self._migrate_v1})
+        state = check_version(state, "SelectiveLoader", self.STATE_VERSION, {1: self._from_v1})
         check_identity(
             "SelectiveLoader",
             state[K_IDENTITY],
@@ -581,37 +538,8 @@ class SelectiveLoader:
         self._pending.load_state_dict(state[K_PENDING], self.device)
         self.stats.load_state_dict(state[K_STATS])
 
-    def _migrate_v1(self, state: dict[str, Any]) -> dict[str, Any]:
-        """A version-1 state (positional pending columns, no identity) as version 2.
-
-        NOTE: version 1 stored each pending chunk as one list of columns: the data fields, then
-        indices, losses, probabilities and weights, then the frozen prefix's outputs (with
-        ``frozen_prefix``), then the logits (with ``keep_logits``); its identity was only seed
-        and rank.
-        """
-        fmt = state.get("format")
-        nfields = len(fmt["keys"]) if fmt is not None else 0
-        parts = []
-        for cols in state["pending"]["parts"]:
-            extra = list(cols[nfields + 4 :])
-            features = extra.pop(0) if self._scorer.has_prefix else None
-            logits = extra.pop(0) if self.keep_logits else None
-            rows = Rows(list(cols[:nfields]), *cols[nfields : nfields + 4], features, logits)
-            parts.append(rows.state_dict())
-        return {
-            K_VERSION: 2,
-            K_IDENTITY: {"seed": state["seed"], "rank": state["rank"]},
-            K_EPOCH: state["epoch"],
-            K_POSITION: state["position"],
-            K_ACTIVE: state["active"],
-            K_RNG: state["rng"],
-            K_SOURCE: state["source"],
-            K_POLICY: state["policy"],
-            K_PENDING: {"count": state["pending"]["count"], "parts": parts},
-            K_CODEC: {"version": 1, "format": fmt},
-            K_SCORER: {"version": 1, "logits_shape": state.get("logits_shape")},
-            K_STATS: state["stats"],
-        }
+    def _from_v1(self, state: dict[str, Any]) -> dict[str, Any]:
+        return loader_state_v1_to_v2(state, self._scorer.has_prefix, self.keep_logits)
 
     def __repr__(self) -> str:
         return (

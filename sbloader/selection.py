@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -131,14 +131,14 @@ def selection_outputs(
             chunks.append(out.float())
             if keep_outputs:
                 if not isinstance(logits, torch.Tensor) or logits.shape[:1] != (x.shape[0],):
-                    shape = (
+                    found: tuple[int, ...] | str = (
                         tuple(logits.shape)
                         if isinstance(logits, torch.Tensor)
                         else type(logits).__name__
                     )
                     raise ValueError(
                         "keep_outputs (SelectiveLoader's keep_logits=True) keeps one model output "
-                        f"row per example ({x.shape[0]} here), but the model returned {shape}; "
+                        f"row per example ({x.shape[0]} here), but the model returned {found}; "
                         "pass keep_logits=False"
                     )
                 outputs.append(logits.float())
@@ -275,8 +275,9 @@ class SelectionForward:
             return module
         entry = self._compiled.get(id(module))
         if entry is None or entry[0] is not module:
-            entry = (module, torch.compile(module, **self.compile_kwargs))
-            self._compiled[id(module)] = entry
+            # NOTE: torch.compile of a module returns an OptimizedModule, an nn.Module.
+            compiled = cast(nn.Module, torch.compile(module, **self.compile_kwargs))
+            self._compiled[id(module)] = entry = (module, compiled)
         return entry[1]
 
     def check(self, model: nn.Module, selector: nn.Module | None = None) -> None:
@@ -361,3 +362,12 @@ class SelectionForward:
             keep_outputs=keep_outputs,
         )
         return losses, features, outputs
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (or buffer); the CPU for a model without."""
+    for t in model.parameters():
+        return t.device
+    for b in model.buffers():
+        return b.device
+    return torch.device("cpu")

@@ -217,6 +217,7 @@ class DataLoaderSource(Source):
                 "(automatic batching disabled); give the DataLoader a batch_size"
             )
         self.loader = loader
+        assert loader.batch_sampler is not None  # a batching DataLoader (checked above)
         self._batch_sampler = _SkippingBatchSampler(loader.batch_sampler)
         self._gens = _generators(loader)
         self._epoch_start: list[torch.Tensor] | None = None
@@ -345,7 +346,7 @@ class DataLoaderSource(Source):
 
     @property
     def sampler(self) -> Any:
-        return self.loader.batch_sampler.sampler if self.loader.batch_sampler else None
+        return getattr(self.loader.batch_sampler, "sampler", None)
 
     def set_epoch(self, epoch: int) -> None:
         set_epoch = getattr(self.sampler, "set_epoch", None)

@@ -7,11 +7,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EpochStats", "LoaderStats"]
+__all__ = ["COUNT_FIELDS", "TIME_FIELDS", "EpochStats", "LoaderStats"]
 
 logger = logging.getLogger("sbloader")
 
-_COUNTS = (
+#: The count fields of :class:`EpochStats` (summed across epochs and ranks).
+COUNT_FIELDS = (
     "examples_seen",
     "selection_forwards",
     "selection_calls",
@@ -24,7 +25,8 @@ _COUNTS = (
     "excluded",
     "prefix_forwards",
 )
-_TIMES = ("selection_s", "selection_forward_s", "source_s", "consumer_s", "wall_s")
+#: The time fields of :class:`EpochStats`, in seconds (summed across epochs, max across ranks).
+TIME_FIELDS = ("selection_s", "selection_forward_s", "source_s", "consumer_s", "wall_s")
 
 
 @dataclass
@@ -122,7 +124,7 @@ class LoaderStats:
         """All epochs summed (``target_rate`` weighted by examples seen)."""
         t = EpochStats()
         for e in self.epochs:
-            for name in _COUNTS + _TIMES:
+            for name in COUNT_FIELDS + TIME_FIELDS:
                 setattr(t, name, getattr(t, name) + getattr(e, name))
         if t.examples_seen:
             t.target_rate = (

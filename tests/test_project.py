@@ -28,7 +28,13 @@ def test_ci_runs_exactly_the_readme_test_command():
     test_cmd = [c for c in commands if "pytest" in c]
     assert len(test_cmd) == 1, commands
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
-    assert ci[-1] == test_cmd[0]
+    assert test_cmd[0] in ci  # then the linters and the type checker, after the tests
+    after = ci[ci.index(test_cmd[0]) + 1 :]
+    assert after == [
+        "python3 -m ruff check .",
+        "python3 -m ruff format --check .",
+        "python3 -m mypy",
+    ]
     assert any("examples/" in c or "benchmarks/" in c for c in commands)
 
 
@@ -74,3 +80,44 @@ def test_missing_fashion_mnist_names_the_fix(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):
         load_fashion_mnist("train", root=tmp_path)
+
+
+def sbloader_imports(path: Path) -> set[str]:
+    """The sbloader modules a module imports (relative imports, at any depth)."""
+    import ast
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.add(node.module.split(".")[0])
+            else:
+                found.update(alias.name for alias in node.names)
+    return found
+
+
+def test_each_module_imports_only_what_the_readme_layout_allows():
+    """The README's Layout table is the module map: each row's modules may import only the
+    modules its last column names (the loader's type in epoch.py is imported for annotations
+    only)."""
+    text = (ROOT / "README.md").read_text()
+    layout = text[text.index("## Layout") :]
+    allowed: dict[str, set[str]] = {}
+    for row in re.findall(r"^\| (`[^|]+`) \| [^|]+ \| ([^|]+) \|$", layout, flags=re.M):
+        names = re.findall(r"`([a-z0-9_]+)\.py`", row[0])
+        deps = set(re.findall(r"`([a-z_]+)`", row[1]))
+        for name in names:
+            allowed[name] = deps
+    allowed["epoch"] = allowed["epoch"] | {"loader"}
+    allowed["_migrations"] = {"rows"}
+    for name in ("_checks", "_state", "_random"):
+        allowed[name] = set()
+    modules = {p.stem for p in (ROOT / "sbloader").glob("*.py")} - {"__init__"}
+    assert modules <= set(allowed), (
+        f"modules missing from the README's Layout: {modules - set(allowed)}"
+    )
+    for name in sorted(modules):
+        extra = sbloader_imports(ROOT / "sbloader" / f"{name}.py") - allowed[name]
+        assert not extra, (
+            f"sbloader/{name}.py imports {sorted(extra)}, which the Layout does not allow"
+        )

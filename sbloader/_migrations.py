@@ -1,0 +1,46 @@
+"""Older states of the loader, read by migrating them to the current version one step at a
+time (see :func:`sbloader._state.check_version`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .rows import Rows
+
+__all__ = ["loader_state_v1_to_v2"]
+
+
+def loader_state_v1_to_v2(
+    state: dict[str, Any], has_prefix: bool, keep_logits: bool
+) -> dict[str, Any]:
+    """A version-1 state (positional pending columns, no identity) as version 2.
+
+    NOTE: version 1 stored each pending chunk as one list of columns: the data fields, then
+    indices, losses, probabilities and weights, then the frozen prefix's outputs (with
+    ``frozen_prefix``), then the logits (with ``keep_logits``); its identity was only seed
+    and rank.
+    """
+    fmt = state.get("format")
+    nfields = len(fmt["keys"]) if fmt is not None else 0
+    parts = []
+    for cols in state["pending"]["parts"]:
+        extra = list(cols[nfields + 4 :])
+        features = extra.pop(0) if has_prefix else None
+        logits = extra.pop(0) if keep_logits else None
+        indices, losses, probabilities, weights = cols[nfields : nfields + 4]
+        rows = Rows(list(cols[:nfields]), indices, losses, probabilities, weights, features, logits)
+        parts.append(rows.state_dict())
+    return {
+        "version": 2,
+        "identity": {"seed": state["seed"], "rank": state["rank"]},
+        "epoch": state["epoch"],
+        "position": state["position"],
+        "active": state["active"],
+        "rng": state["rng"],
+        "source": state["source"],
+        "policy": state["policy"],
+        "pending": {"count": state["pending"]["count"], "parts": parts},
+        "codec": {"version": 1, "format": fmt},
+        "scorer": {"version": 1, "logits_shape": state.get("logits_shape")},
+        "stats": state["stats"],
+    }
