@@ -223,10 +223,14 @@ def reduce_stats(
                 "of training on every rank"
             )
         counts = torch.tensor(
-            [[getattr(e, c) for c in COUNT_FIELDS] for e in epochs], dtype=torch.int64, device=device
+            [[getattr(e, c) for c in COUNT_FIELDS] for e in epochs],
+            dtype=torch.int64,
+            device=device,
         ).reshape(len(epochs), len(COUNT_FIELDS))
         times = torch.tensor(
-            [[getattr(e, t) for t in TIME_FIELDS] for e in epochs], dtype=torch.float64, device=device
+            [[getattr(e, t) for t in TIME_FIELDS] for e in epochs],
+            dtype=torch.float64,
+            device=device,
         ).reshape(len(epochs), len(TIME_FIELDS))
         rates = torch.tensor(
             [e.target_rate * e.examples_seen for e in epochs], dtype=torch.float64, device=device
