@@ -25,6 +25,8 @@ class BatchCodec:
         input_key, target_key: the model input and loss target fields (positions in tuple/list
             batches, default 0 and 1; keys in dict batches, default ``"input"``, ``"target"``).
         memory_format: e.g. ``torch.channels_last``, applied to 4-d inputs.
+        metadata_key: carry the selection results inside yielded batches under this key (see
+            ``SelectiveLoader(metadata_key=)``), or None.
 
     Example:
         >>> import torch
@@ -41,9 +43,11 @@ class BatchCodec:
         input_key: Hashable | None,
         target_key: Hashable | None,
         memory_format: torch.memory_format | None,
+        metadata_key: str | None = None,
     ) -> None:
         self.input_key, self.target_key = input_key, target_key
         self.memory_format = memory_format
+        self.metadata_key = metadata_key
         self.format: B.BatchFormat | None = None
 
     @property
@@ -62,6 +66,12 @@ class BatchCodec:
         """The source batch's fields as columns on ``device``, checked for consistent lengths."""
         if self.format is None:
             self.format = B.BatchFormat.infer(raw, self.input_key, self.target_key)
+            meta_key = self.metadata_key
+            if meta_key is not None and self.format.kind is dict and meta_key in self.format.keys:
+                raise ValueError(
+                    f"metadata_key={meta_key!r} is already a key of the source's dict batches; "
+                    "pass another metadata_key"
+                )
         fmt = self.format
         in_pos = self.input_position
         columns = [
@@ -94,15 +104,33 @@ class BatchCodec:
             # NOTE: index_select and cat return the default layout; restore the requested one
             # (a no-op when the batch already has it, e.g. passthrough batches).
             data[in_pos] = x.contiguous(memory_format=self.memory_format)
-        batch = self.format.build(data)
         weights = rows.weights / rows.weights.mean() if normalize_weights else rows.weights
-        batch._set_meta(
-            rows.indices if has_indices else None, rows.losses, rows.probabilities, weights
-        )
-        batch.features = rows.features
+        indices = rows.indices if has_indices else None
         logits = rows.logits
         if logits is not None and logits.dim() == 2 and logits.shape[1] == 0:
             logits = None  # no selection pass has shown the outputs' shape yet
+        batch = self.format.build(data)
+        if self.metadata_key is not None:
+            meta: dict[str, Any] = {
+                "indices": indices,
+                "losses": rows.losses,
+                "probabilities": rows.probabilities,
+                "weights": weights,
+            }
+            if rows.features is not None:
+                meta["features"] = rows.features
+            if rows.logits is not None:
+                meta["logits"] = logits
+            if isinstance(batch, dict):
+                batch[self.metadata_key] = meta
+            else:
+                batch = (
+                    B.SelectedList([*data, meta])
+                    if isinstance(batch, list)
+                    else (B.SelectedTuple((*data, meta)))
+                )
+        batch._set_meta(indices, rows.losses, rows.probabilities, weights)
+        batch.features = rows.features
         batch.logits = logits
         return batch
 

@@ -220,6 +220,11 @@ class EpochIterator:
                 )
         stats.examples_seen += n
         scorer = loader._scorer
+        if not loader._probed:
+            loader._probed = True
+            if n and not self._fresh and loader.policy.uses_losses():
+                codec = loader._codec
+                scorer.probe(data[codec.input_position], data[codec.target_position])
         if self._passthrough:
             inputs = data[loader._codec.input_position]
             rows = metadata_rows(data, None, None, indices, n, device)

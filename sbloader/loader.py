@@ -155,6 +155,12 @@ class SelectiveLoader:
             interleave its draws with the training step's and runs would not be reproducible:
             pass ``prefetch=1`` there only for datasets without global randomness (such as
             :class:`~sbloader.datasets.ArrayDataset`). FFCV loaders fetch ahead themselves.
+        metadata_key: also carry the selection results inside each yielded batch, so that they
+            survive frameworks that rebuild batches when moving them to a device (Lightning,
+            Accelerate's ``send_to_device``): dict batches get this key, tuple and list batches
+            one more last element, holding ``{"indices", "losses", "probabilities",
+            "weights"}`` (and ``"features"``, ``"logits"`` when kept). Default None: the
+            results are only attributes of the batch.
 
     Attributes:
         stats: a :class:`~sbloader.stats.LoaderStats` with per-epoch and total counts and times.
@@ -221,6 +227,7 @@ class SelectiveLoader:
         process_group: Any = None,
         cdf: str = "local",
         prefetch: int | None = None,
+        metadata_key: str | None = None,
     ) -> None:
         for name, module, optional in (("model", model, False), ("selector", selector, True)):
             if not isinstance(module, nn.Module) and not (optional and module is None):
@@ -309,7 +316,13 @@ class SelectiveLoader:
             )
         self._device = torch.device(device) if device is not None else None
         self.input_key, self.target_key = input_key, target_key
-        self._codec = BatchCodec(input_key, target_key, memory_format)
+        if metadata_key is not None and not isinstance(metadata_key, str):
+            raise TypeError(
+                "metadata_key should be a str (the dict key to carry the selection results under) "
+                f"or None, but got metadata_key={metadata_key!r}"
+            )
+        self.metadata_key = metadata_key
+        self._codec = BatchCodec(input_key, target_key, memory_format, metadata_key)
         # Cross-epoch state.
         self.stats = LoaderStats()
         self.epoch = 0
@@ -318,6 +331,8 @@ class SelectiveLoader:
         # An epoch that no live iterator owns but that did not end: (position, resume). A
         # restored mid-epoch state resumes it; an abandoned one is skipped by the next iterator.
         self._unfinished: tuple[int, bool] | None = None
+        # Whether the model and loss_fn were checked on a source batch (see EpochIterator).
+        self._probed = False
 
     @staticmethod
     def _default_rank() -> int:
@@ -339,6 +354,16 @@ class SelectiveLoader:
         """The selection pass: the model or selector, the loss, the speed options, the frozen
         prefix's cache (:class:`~sbloader.scoring.Scorer`)."""
         return self._scorer
+
+    @property
+    def dataset(self) -> Any:
+        """The source's dataset (e.g. the DataLoader's), for ``len(loader.dataset)``."""
+        return self._source.dataset
+
+    @property
+    def sampler(self) -> Any:
+        """The source's sampler (e.g. a DistributedSampler), or None."""
+        return self._source.sampler
 
     @property
     def pending_examples(self) -> int:

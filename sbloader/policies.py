@@ -126,6 +126,11 @@ class Policy(abc.ABC):
         """Whether :meth:`choose` needs fresh selection-pass losses in ``epoch``."""
         return True
 
+    def uses_losses(self) -> bool:
+        """Whether the policy needs selection-pass losses in any epoch (the loader then checks
+        the model and ``loss_fn`` on the first source batch, even in an epoch without a pass)."""
+        return True
+
     def begin_epoch(self, epoch: int) -> None:  # noqa: B027 - optional hook
         """Called by the loader when ``epoch`` (0-based) starts."""
 
@@ -188,6 +193,9 @@ class Traditional(Policy):
         return True
 
     def needs_losses(self, epoch: int) -> bool:
+        return False
+
+    def uses_losses(self) -> bool:
         return False
 
     def choose(self, losses, indices, rng, n):
@@ -413,6 +421,9 @@ class RandomBackprop(Policy):
     def needs_losses(self, epoch: int) -> bool:
         return False
 
+    def uses_losses(self) -> bool:
+        return False
+
     def choose(self, losses, indices, rng, n):
         return Choice.bernoulli(np.full(check_int("n", n, minimum=0), self.selectivity), rng)
 
@@ -625,6 +636,9 @@ class Phased(Policy):
 
     def needs_losses(self, epoch: int) -> bool:
         return self.active(epoch) and self.policy.needs_losses(epoch - self.warmup_epochs)
+
+    def uses_losses(self) -> bool:
+        return self.policy.uses_losses()
 
     def begin_epoch(self, epoch: int) -> None:
         self._epoch = epoch

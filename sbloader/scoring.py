@@ -130,6 +130,27 @@ class Scorer:
         stats.selection_calls += math.ceil(n / (self.batch_size or n)) if n else 0
         return Scored(losses, values, features, logits)
 
+    def probe(self, inputs: torch.Tensor, targets: Any) -> None:
+        """Run the selection forward on the first two candidates and discard the result, so that
+        a ``loss_fn`` without one loss per example or an unselectable model fails at once.
+
+        NOTE: used where an epoch has no selection pass (a warm-up) but later ones will: without
+        it, such a mistake would surface only after the whole warm-up. It changes nothing: eval
+        mode and inference mode as in a selection pass, no stats, no cache, and the outputs'
+        shape is not recorded.
+        """
+        k = min(int(inputs.shape[0]), 2)
+        self.forward(
+            unwrap(self.selector if self.selector is not None else self.model),
+            inputs[:k],
+            targets[:k],
+            self.loss_fn,
+            batch_size=None,
+            autocast_dtype=self.autocast,
+            eval=self.eval_selection,
+            keep_outputs=self.keep_logits,
+        )
+
     def features(
         self,
         inputs: torch.Tensor,

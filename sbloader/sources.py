@@ -133,6 +133,16 @@ class Source(abc.ABC):
         return None
 
     @property
+    def dataset(self) -> Any:
+        """The wrapped loader's dataset, or None (``loader.dataset`` passes it through)."""
+        return None
+
+    @property
+    def sampler(self) -> Any:
+        """The wrapped loader's sampler, or None (``loader.sampler`` passes it through)."""
+        return None
+
+    @property
     def epoch_size(self) -> int | None:
         """Examples per epoch on this process (a DistributedSampler's share), or None."""
         return self.dataset_size
@@ -335,6 +345,10 @@ class DataLoaderSource(Source):
         return len(self.loader.dataset)  # type: ignore[arg-type]
 
     @property
+    def dataset(self) -> Any:
+        return self.loader.dataset
+
+    @property
     def epoch_size(self) -> int | None:
         # NOTE: under DDP a DistributedSampler gives this rank len(sampler) examples, not
         # len(dataset): batch-count estimates must use the sampler's length.
@@ -398,3 +412,11 @@ class IterableSource(Source):
     @property
     def batch_size(self) -> int | None:
         return getattr(self.iterable, "batch_size", None)
+
+    @property
+    def dataset(self) -> Any:
+        return getattr(self.iterable, "dataset", None)
+
+    @property
+    def sampler(self) -> Any:
+        return getattr(self.iterable, "sampler", None)

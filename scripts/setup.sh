@@ -25,16 +25,23 @@ PIP="python3 -m pip install -q --disable-pip-version-check"
 if ! python3 -c "import torch, sys; sys.exit(not torch.__version__.startswith('2.13.0'))" 2>/dev/null; then
   $PIP "torch==2.13.0"
 fi
-$PIP -e ".[dev,bench]"
+# NOTE: every later install is constrained to the torch, numpy, numba and llvmlite installed now,
+# so that resolving sbloader's extras or ffcv's dependencies can never replace them.
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+python3 -c "import importlib.metadata as m
+for name in ('torch', 'numpy', 'numba', 'llvmlite'):
+    try:
+        print(f'{name}=={m.version(name)}')
+    except m.PackageNotFoundError:
+        pass" >"$constraints"
+$PIP -c "$constraints" -e ".[dev,bench,frameworks]"
 
 # FFCV (an optional, fast source; sbloader.ffcv). ffcv 1.0.2 builds from source (~15 s) against
-# the apt libraries above. NOTE: the constraints pin the torch, numpy, numba and llvmlite already
-# installed, so that resolving ffcv's dependencies can never replace them.
+# the apt libraries above.
 if ! python3 -c "import importlib.metadata as m, sys; sys.exit(m.version('ffcv') != '1.0.2')" 2>/dev/null; then
-  constraints="$(mktemp)"
   python3 -c "import importlib.metadata as m
-for name in ('torch', 'numpy', 'numba', 'llvmlite'):
-    print(f'{name}=={m.version(name)}')" >"$constraints"
+for name in ('numba', 'llvmlite'):
+    print(f'{name}=={m.version(name)}')" >>"$constraints"
   $PIP -c "$constraints" "ffcv==1.0.2"
-  rm -f "$constraints"
 fi
