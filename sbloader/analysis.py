@@ -210,7 +210,7 @@ def _fractions(fractions: Any) -> np.ndarray:
 
 def _top_sizes(fractions: np.ndarray, n: int) -> np.ndarray:
     """k = fraction * n rounded to the nearest integer, halves up (int64, same shape)."""
-    # Rounding to 9 decimals first keeps 0.35 * 10 = 3.4999999999999996 a half, rounded up.
+    # Rounding to 9 decimals first keeps 0.145 * 100 = 14.499999999999998 a half, rounded up.
     return np.floor(np.round(fractions * n, 9) + 0.5).astype(np.int64)
 
 

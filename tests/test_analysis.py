@@ -278,11 +278,12 @@ def test_overlap_curve_expected_ties_match_enumerated_tie_breaks():
 
 
 def test_overlap_curve_k_rounds_halves_up_and_empty_tops_are_nan():
-    ranks = np.arange(10)
-    # 0.35 * 10 is 3.4999999999999996 in floating point, still a half: k = 4, not 3.
-    same(random_overlap(10, [0.35, 0.25]), [0.4, 0.3])
-    shifted = np.r_[100, ranks[1:]]  # top 4 of A: 0-3, of B: 1-4 -> 3/4 (k = 3 would give 2/3)
-    same(overlap_curve(ranks, shifted, 0.35), 3 / 4)
+    # 0.145 * 100 is 14.499999999999998 in floating point, still a half: k = 15, not 14.
+    same(random_overlap(100, [0.145, 0.25, 0.005]), [0.15, 0.25, 0.01])
+    same(random_overlap(10, 0.25), 0.3)
+    ranks = np.arange(100)
+    shifted = np.r_[1000, ranks[1:]]  # top 15 of A: 0-14, of B: 1-15 (k = 14 would give 13/14)
+    same(overlap_curve(ranks, shifted, 0.145), 14 / 15)
     # N = 3: f = 0.1 gives k = 0 (NaN); f = 0.5 gives k = 2 (1.5 up): {0, 1} and {2, 1}.
     same(overlap_curve([1.0, 2.0, 3.0], [3.0, 2.0, 1.0], [0.1, 0.5]), [nan, 0.5])
     same(overlap_curve([], [], [0.5, 1.0]), [nan, nan])
