@@ -17,6 +17,7 @@ Example:
     0
 """
 
+from . import analysis as analysis
 from .batch import SelectedBatch, SelectedDict, SelectedList, SelectedTuple
 from .el2n import EL2NResult, el2n_scores, prune
 from .epoch import EpochIterator
