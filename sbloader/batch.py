@@ -129,6 +129,12 @@ class BatchFormat:
     def position(self, key: Hashable) -> int:
         return self.keys.index(key)
 
+    def view(self, columns: Sequence[Column]) -> Any:
+        """The source batch's structure (a plain dict, tuple or list) over ``columns``."""
+        if self.kind is dict:
+            return dict(zip(self.keys, columns))
+        return self.kind(columns)
+
     def build(self, columns: Sequence[Column]) -> SelectedBatch:
         """A yielded batch of the source's structure from columns."""
         if self.kind is dict:
@@ -139,7 +145,28 @@ class BatchFormat:
 
 
 def column_length(column: Column, field: Hashable) -> int:
-    """The number of examples in a column, or raise naming the field."""
+    """The number of examples in a column, or raise naming the field.
+
+    A nested field (a dict inside the batch) has as many examples as each of its entries, which
+    must agree.
+
+    Example:
+        >>> column_length({"ids": torch.zeros(3, 5), "meta": {"len": [1, 2, 3]}}, "inputs")
+        3
+    """
+    if isinstance(column, Mapping):
+        if not column:
+            raise ValueError(
+                f"field {field!r} of the batch is an empty dict; SelectiveLoader selects "
+                "examples along dimension 0, so every field needs one entry per example"
+            )
+        lengths = {k: column_length(v, f"{field}.{k}") for k, v in column.items()}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(
+                f"the entries of the nested field {field!r} have different numbers of examples "
+                f"({lengths}); every entry needs one per example"
+            )
+        return next(iter(lengths.values()))
     if isinstance(column, torch.Tensor):
         if column.dim() == 0:
             raise ValueError(
@@ -151,14 +178,20 @@ def column_length(column: Column, field: Hashable) -> int:
         return len(column)
     raise TypeError(
         f"field {field!r} of the batch is a {type(column).__name__}; SelectiveLoader can select "
-        "tensors, numpy arrays and lists with one entry per example"
+        "tensors, numpy arrays, lists and dicts of them with one entry per example"
     )
 
 
 def to_column(
     value: Any, device: torch.device, memory_format: torch.memory_format | None
 ) -> Column:
-    """Move a field to ``device`` (numpy arrays become tensors); lists stay on the host."""
+    """Move a field to ``device`` (numpy arrays become tensors); lists stay on the host.
+
+    A nested field (a dict) is moved entry by entry (``memory_format`` applies at the top level
+    only).
+    """
+    if isinstance(value, Mapping):
+        return {k: to_column(v, device, None) for k, v in value.items()}
     if isinstance(value, np.ndarray):
         value = torch.from_numpy(value)
     if isinstance(value, torch.Tensor):
@@ -173,7 +206,10 @@ def to_column(
 
 
 def take(column: Column, positions: torch.Tensor, positions_list: list[int] | None) -> Column:
-    """Rows ``positions`` of a column, gathered where the column lives (no host round trip)."""
+    """Rows ``positions`` of a column, gathered where the column lives (no host round trip);
+    a nested field's entries are gathered recursively."""
+    if isinstance(column, Mapping):
+        return {k: take(v, positions, positions_list) for k, v in column.items()}
     if isinstance(column, torch.Tensor):
         if positions.device != column.device:
             positions = positions.to(column.device, non_blocking=True)
@@ -183,9 +219,11 @@ def take(column: Column, positions: torch.Tensor, positions_list: list[int] | No
 
 
 def concat(parts: Sequence[Column]) -> Column:
-    """Concatenate column chunks along the example dimension."""
+    """Concatenate column chunks along the example dimension (nested fields entry by entry)."""
     if len(parts) == 1:
         return parts[0]
+    if isinstance(parts[0], Mapping):
+        return {k: concat([p[k] for p in parts]) for k in parts[0]}
     if isinstance(parts[0], torch.Tensor):
         return torch.cat(list(parts), dim=0)
     out: list[Any] = []
@@ -196,4 +234,30 @@ def concat(parts: Sequence[Column]) -> Column:
 
 def split(column: Column, k: int) -> tuple[Column, Column]:
     """The first ``k`` rows of a column and the rest."""
-    return column[:k], column[k:]
+    return rows(column, 0, k), rows(column, k, None)
+
+
+def rows(column: Column, start: int, stop: int | None) -> Column:
+    """Rows ``start:stop`` of a column (views of tensors; nested fields entry by entry).
+
+    Example:
+        >>> rows({"ids": torch.arange(4), "names": list("abcd")}, 1, 3)
+        {'ids': tensor([1, 2]), 'names': ['b', 'c']}
+    """
+    if isinstance(column, Mapping):
+        return {k: rows(v, start, stop) for k, v in column.items()}
+    return column[start:stop]
+
+
+def move(column: Column, device: torch.device) -> Column:
+    """A column with its tensors (nested ones too) on ``device``; lists stay lists."""
+    if isinstance(column, Mapping):
+        return {k: move(v, device) for k, v in column.items()}
+    return column.to(device) if isinstance(column, torch.Tensor) else column
+
+
+def plain(column: Column) -> Column:
+    """A column as tensors, lists and dicts only (for a saved state)."""
+    if isinstance(column, Mapping):
+        return {k: plain(v) for k, v in column.items()}
+    return column if isinstance(column, torch.Tensor) else list(column)

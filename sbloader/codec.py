@@ -92,6 +92,12 @@ class BatchCodec:
             )
         return columns, n
 
+    def view(self, data: list[Any]) -> Any:
+        """The source batch's structure (a plain dict, tuple or list) over the columns ``data``,
+        e.g. for a ``forward=`` hook (no copy)."""
+        assert self.format is not None
+        return self.format.view(data)
+
     def build(self, rows: Rows, normalize_weights: bool, has_indices: bool) -> B.SelectedBatch:
         """A yielded batch of the source's structure from ``rows``, with the selection results
         as attributes (``indices`` None when the source has none; weights scaled to mean 1 when

@@ -224,7 +224,8 @@ class EpochIterator:
             loader._probed = True
             if n and not self._fresh and loader.policy.uses_losses():
                 codec = loader._codec
-                scorer.probe(data[codec.input_position], data[codec.target_position])
+                inputs, targets = data[codec.input_position], data[codec.target_position]
+                scorer.probe(inputs, targets, codec.view(data))
         if self._passthrough:
             inputs = data[loader._codec.input_position]
             rows = metadata_rows(data, None, None, indices, n, device)
@@ -244,7 +245,8 @@ class EpochIterator:
         if self._fresh:
             inputs = data[loader._codec.input_position]
             targets = data[loader._codec.target_position]
-            scored = scorer.score(inputs, targets, indices, self.epoch, stats)
+            batch = loader._codec.view(data)
+            scored = scorer.score(inputs, targets, indices, self.epoch, stats, batch)
         choice = self._decide(scored, indices, n)
         stats.selection_s += perf_counter() - t0
         positions = choice.positions

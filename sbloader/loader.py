@@ -28,7 +28,7 @@ from .features import make_feature_cache
 from .policies import Policy, SelectiveBackprop
 from .rows import PendingRows
 from .scoring import Scorer
-from .selection import SelectionForward, check_loss_fn, model_device
+from .selection import Forward, Output, SelectionForward, check_loss_fn, input_fields, model_device
 from .sources import Source
 from .stats import EpochStats, LoaderStats
 
@@ -103,6 +103,10 @@ class SelectiveLoader:
             training.
         input_key, target_key: the model input and loss target fields: positions in tuple/list
             batches (default 0 and 1), keys in dict batches (default ``"input"``, ``"target"``).
+            A tuple ``input_key`` names several fields, the model's positional inputs:
+            ``input_key=("input_ids", "attention_mask")`` scores ``model(ids, mask)``. A dict
+            batch with tensor fields that the model is not given (neither input nor target nor
+            index field) is warned about on the first selection pass: pass ``forward=``.
         index_key: the field holding dataset indices, for sources that carry them themselves.
         selector: a separate (cheaper) model for selection passes. Default: ``model``.
         compile_selection: run selection forwards through ``torch.compile`` of the unwrapped
@@ -128,11 +132,33 @@ class SelectiveLoader:
             and a changed input raises ``ValueError``. Needs dataset indices. Its memory is
             dataset size x prefix output size (in the ``autocast`` dtype when given).
         keep_logits: yielded batches also carry ``batch.logits``, the selection pass's model
-            outputs for their examples (float32, one row each; the selector's outputs when
+            outputs for their examples (float32, one row each, as ``output=`` picks them from
+            the model's outputs; the selector's outputs when
             ``selector`` is given, on downsampled inputs with ``selection_scale``), e.g. for
             distillation or monitoring, without a second forward. Rows of examples chosen without
             a selection pass (stale epochs, warm-up, passthrough) are NaN; ``batch.logits`` is
             ``None`` until a selection pass has shown the outputs' shape. Default False.
+        forward: ``forward(model, batch)``, how the selection pass calls the model, for models
+            that are not ``model(inputs)`` (several inputs, keyword inputs, nested batches):
+            ``batch`` is the source batch's structure (a dict, tuple or list, nested dicts
+            included, on the loader's device) restricted to the candidates of one selection
+            forward (a chunk of ``selection_batch_size``), and ``model`` is the (unwrapped,
+            compiled with ``compile_selection``) selection model: call it, not a model from an
+            enclosing scope. It runs like the default forward: in eval mode (restored even when
+            it raises), under ``torch.inference_mode()`` and ``autocast``. E.g.
+            ``forward=lambda model, batch: model(batch["input_ids"],
+            attention_mask=batch["attention_mask"])``; ``input_key`` then only names the field
+            whose length counts the examples. Not with ``frozen_prefix`` or ``selection_scale``
+            (refused). Training forwards are yours and are not affected.
+        output: what ``loss_fn`` and ``keep_logits`` take from the model's outputs: a key or
+            attribute name (``output="scores"``), a position in a tuple output (``output=0``),
+            or a callable (``output=lambda out: out.logits[:, -1]``). A name the outputs lack is
+            refused on the first selection pass, with the names they have. Default: the logits,
+            i.e. a Tensor as is, a dict's or Hugging Face ``ModelOutput``'s ``"logits"``, an
+            object's (a dataclass's) Tensor attribute ``logits``, anything else whole; taken by
+            ``keep_logits`` and by a torch loss module (such as the default
+            ``nn.CrossEntropyLoss``), whereas a ``loss_fn`` of your own takes non-tensor outputs
+            whole (pass ``output=`` to hand it a part).
         subset: dataset indices to train on (e.g. from :func:`sbloader.prune`); the others are
             never yielded. A DataLoader source does not even load them. Needs dataset indices.
         eval_selection: run selection passes in eval mode (default True).
@@ -191,6 +217,24 @@ class SelectiveLoader:
         >>> batch = next(iter(loader))
         >>> batch.indices.shape, batch.weights.shape
         (torch.Size([32]), torch.Size([32]))
+
+    A model with several inputs and dict outputs, on dict batches:
+
+        >>> class Masked(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.fc = nn.Linear(8, 3)
+        ...     def forward(self, x, attention_mask):
+        ...         return {"logits": self.fc(x * attention_mask)}
+        >>> rows = [{"input_ids": torch.randn(8), "attention_mask": torch.ones(8), "labels": i % 3}
+        ...         for i in range(64)]
+        >>> loader = sbloader.SelectiveLoader(
+        ...     DataLoader(rows, batch_size=32), Masked(), input_key="input_ids",
+        ...     target_key="labels", keep_logits=True, batch_size=8,
+        ...     forward=lambda model, b: model(b["input_ids"], attention_mask=b["attention_mask"]))
+        >>> batch = next(iter(loader))
+        >>> sorted(batch), batch.logits.shape
+        (['attention_mask', 'input_ids', 'labels'], torch.Size([8, 3]))
     """
 
     STATE_VERSION = 2
@@ -220,6 +264,8 @@ class SelectiveLoader:
         frozen_prefix: nn.Module | None = None,
         cache_features: bool | str | torch.device = False,
         keep_logits: bool = False,
+        forward: Forward | None = None,
+        output: Output = None,
         subset: Any = None,
         eval_selection: bool = True,
         rank: int | None = None,
@@ -274,19 +320,25 @@ class SelectiveLoader:
         if subset is not None and not self._source.has_indices():
             raise indices_needed("subset=")
         self._subset = None if subset is None else subset_mask(subset, self._source.dataset_size)
-        forward = SelectionForward(
-            compile=compile_selection, scale=selection_scale, frozen_prefix=frozen_prefix
+        codec_input_key, call = input_fields(input_key, forward)
+        selection_forward = SelectionForward(
+            compile=compile_selection,
+            scale=selection_scale,
+            frozen_prefix=frozen_prefix,
+            forward=call,
+            output=output,
         )
         self._scorer = Scorer(
             model,
             self.loss_fn,
             selector,
-            forward,
+            selection_forward,
             make_feature_cache(cache_features, frozen_prefix, autocast, self._source),
             autocast,
             self.selection_batch_size,
             self.eval_selection,
             keep_logits,
+            index_key=index_key,
         )
         self._scorer.check()
         if batch_size is None:
@@ -322,7 +374,7 @@ class SelectiveLoader:
                 f"or None, but got metadata_key={metadata_key!r}"
             )
         self.metadata_key = metadata_key
-        self._codec = BatchCodec(input_key, target_key, memory_format, metadata_key)
+        self._codec = BatchCodec(codec_input_key, target_key, memory_format, metadata_key)
         # Cross-epoch state.
         self.stats = LoaderStats()
         self.epoch = 0

@@ -60,7 +60,7 @@ class Rows:
         """The first ``k`` rows and the rest."""
 
         def cut(c: Any) -> tuple[Any, Any]:
-            return (None, None) if c is None else (c[:k], c[k:])
+            return (None, None) if c is None else B.split(c, k)
 
         columns = [cut(c) for c in self._columns()]
         heads = self._from_columns([c[0] for c in columns])
@@ -85,10 +85,11 @@ class Rows:
         return first._from_columns(merged)
 
     def to(self, device: torch.device) -> Rows:
-        """The rows with every tensor except ``indices`` on ``device`` (lists stay lists)."""
+        """The rows with every tensor except ``indices`` on ``device`` (lists stay lists; nested
+        fields' tensors move too)."""
 
         def move(c: Any) -> Any:
-            return c.to(device) if isinstance(c, torch.Tensor) else c
+            return B.move(c, device)
 
         return replace(
             self,
@@ -101,10 +102,11 @@ class Rows:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The rows as CPU tensors and lists (loadable with ``torch.load(weights_only=True)``)."""
+        """The rows as CPU tensors, lists and dicts of them (nested fields), loadable with
+        ``torch.load(weights_only=True)``."""
         cpu = self.to(torch.device("cpu"))
         return {
-            "data": [c if isinstance(c, torch.Tensor) else list(c) for c in cpu.data],
+            "data": [B.plain(c) for c in cpu.data],
             "indices": cpu.indices,
             "losses": cpu.losses,
             "probabilities": cpu.probabilities,

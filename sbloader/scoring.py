@@ -9,7 +9,8 @@ shape of the model's outputs for ``keep_logits``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
@@ -18,9 +19,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import batch as B
 from ._state import check_version
 from .features import FeatureCache
-from .selection import SelectionForward, unwrap
+from .selection import SelectionForward, restrict, unused_fields, unwrap
 from .stats import EpochStats
 
 __all__ = ["Scored", "Scorer"]
@@ -56,6 +58,7 @@ class Scorer:
         batch_size: examples per selection forward, or None for whole source batches.
         eval_selection: run selection passes in eval mode.
         keep_logits: keep the model's outputs for yielded batches.
+        index_key: the field holding dataset indices (no model input), or None.
     """
 
     VERSION = 1
@@ -71,6 +74,8 @@ class Scorer:
         batch_size: int | None,
         eval_selection: bool,
         keep_logits: bool,
+        *,
+        index_key: Hashable | None = None,
     ) -> None:
         self.model = model
         self.loss_fn = loss_fn
@@ -81,6 +86,8 @@ class Scorer:
         self.batch_size = batch_size
         self.eval_selection = eval_selection
         self.keep_logits = keep_logits
+        self.index_key = index_key
+        self._fields_checked = False
         #: The shape of one example's selection output (keep_logits), once a pass has shown it.
         self.logits_shape: tuple[int, ...] | None = None
 
@@ -94,20 +101,28 @@ class Scorer:
 
     def score(
         self,
-        inputs: torch.Tensor,
+        inputs: Any,
         targets: Any,
         indices: np.ndarray | None,
         epoch: int,
         stats: EpochStats,
+        batch: Any = None,
     ) -> Scored:
-        """One selection pass over a source batch, counted and timed in ``stats``."""
-        n = inputs.shape[0]
+        """One selection pass over a source batch, counted and timed in ``stats``.
+
+        ``batch`` is the source batch's structure over its columns (a dict, tuple or list), which
+        a ``forward=`` hook takes; without a hook, the model takes ``inputs`` alone, and a dict
+        batch with other tensor fields is warned about once (see :meth:`check_fields`).
+        """
         t0 = perf_counter()
+        if not self._fields_checked:
+            self._fields_checked = True
+            self.check_fields(batch, inputs, targets)
         cached = None
         if self.feature_cache is not None:
             cached = self._prefix_outputs(inputs, indices, None, epoch, stats)
         elif self.has_prefix:
-            stats.prefix_forwards += n
+            stats.prefix_forwards += inputs.shape[0]
         losses, features, logits = self.forward(
             unwrap(self.selector if self.selector is not None else self.model),
             inputs,
@@ -118,7 +133,9 @@ class Scorer:
             eval=self.eval_selection,
             features=cached,
             keep_outputs=self.keep_logits,
+            batch=batch,
         )
+        n = losses.shape[0]
         if logits is not None:
             self.logits_shape = tuple(logits.shape[1:])
         # NOTE: the policy needs the losses on the host anyway; copying them inside the timed
@@ -130,25 +147,55 @@ class Scorer:
         stats.selection_calls += math.ceil(n / (self.batch_size or n)) if n else 0
         return Scored(losses, values, features, logits)
 
-    def probe(self, inputs: torch.Tensor, targets: Any) -> None:
+    def probe(self, inputs: Any, targets: Any, batch: Any = None) -> None:
         """Run the selection forward on the first two candidates and discard the result, so that
         a ``loss_fn`` without one loss per example or an unselectable model fails at once.
 
         NOTE: used where an epoch has no selection pass (a warm-up) but later ones will: without
         it, such a mistake would surface only after the whole warm-up. It changes nothing: eval
         mode and inference mode as in a selection pass, no stats, no cache, and the outputs'
-        shape is not recorded.
+        shape is not recorded. ``batch`` is the source batch's structure, as in :meth:`score`
+        (a ``forward=`` hook takes its first two rows).
         """
-        k = min(int(inputs.shape[0]), 2)
+        if not self._fields_checked:
+            self._fields_checked = True
+            self.check_fields(batch, inputs, targets)
+        k = min(B.column_length(inputs, "input"), 2)
         self.forward(
             unwrap(self.selector if self.selector is not None else self.model),
-            inputs[:k],
-            targets[:k],
+            B.rows(inputs, 0, k),
+            B.rows(targets, 0, k),
             self.loss_fn,
             batch_size=None,
             autocast_dtype=self.autocast,
             eval=self.eval_selection,
             keep_outputs=self.keep_logits,
+            batch=None if batch is None else restrict(batch, 0, k),
+        )
+
+    def check_fields(self, batch: Any, inputs: Any, targets: Any) -> None:
+        """Warn (``UserWarning``) when the model is called on the input field alone but a dict
+        batch has other tensor fields it may need (an attention mask): the selection losses
+        would then silently differ from the training forward's. Not with ``forward=`` (or a
+        tuple ``input_key``), which decides what the model takes, nor with a frozen prefix,
+        which takes the input field alone by design."""
+        if self.forward.call is not None or self.has_prefix or not isinstance(batch, Mapping):
+            return
+        ignore = () if self.index_key is None else (self.index_key,)
+        extra = unused_fields(batch, [inputs, targets], ignore)
+        if not extra:
+            return
+        key = next((k for k, v in batch.items() if v is inputs), None)
+        warnings.warn(
+            f"the source's dict batches have tensor fields {extra!r} besides the input field "
+            f"{key!r} and the target, but the selection pass scores model(batch[{key!r}]) alone, "
+            "without them. If the model needs them (e.g. an attention mask), pass forward=, e.g. "
+            f"forward=lambda model, batch: model(batch[{key!r}], {extra[0]}=batch[{extra[0]!r}]), "
+            f"or input_key= a tuple of the model's positional inputs; to score with {key!r} "
+            f"alone and silence this warning, pass forward=lambda model, batch: "
+            f"model(batch[{key!r}])",
+            UserWarning,
+            stacklevel=2,
         )
 
     def features(

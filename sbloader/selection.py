@@ -3,24 +3,41 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._checks import check_float
+from . import batch as B
+from ._checks import FieldError, check_float
 
 __all__ = [
+    "FieldsForward",
+    "Forward",
+    "Output",
     "SelectionForward",
+    "check_forward",
     "check_loss_fn",
+    "check_output",
     "downsample",
     "eval_mode",
+    "input_fields",
+    "model_output",
     "prefix_features",
+    "restrict",
     "selection_outputs",
+    "unused_fields",
     "unwrap",
 ]
+
+#: ``forward(model, batch) -> outputs``: how the selection pass calls the model on a chunk of
+#: candidates (``batch``: the source batch's structure restricted to the chunk's rows).
+Forward = Callable[[nn.Module, Any], Any]
+#: Which part of the model's outputs ``loss_fn`` and ``keep_logits`` take: None (the default
+#: rule, see :func:`model_output`), a key or attribute name, a position, or a callable.
+Output = str | int | Callable[[Any], Any] | None
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -72,6 +89,200 @@ def check_loss_fn(loss_fn: Callable[..., torch.Tensor]) -> None:
         )
 
 
+class FieldsForward:
+    """``model(*fields)``: several batch fields as the model's positional inputs (what a tuple
+    ``input_key`` means).
+
+    Example:
+        >>> fwd = FieldsForward(("x", "scale"))
+        >>> fwd(lambda x, s: x * s, {"x": torch.ones(2), "scale": torch.full((2,), 3.0), "y": 0})
+        tensor([3., 3.])
+    """
+
+    def __init__(self, keys: Sequence[Hashable]) -> None:
+        self.keys = tuple(keys)
+
+    def __call__(self, model: Callable[..., Any], batch: Any) -> Any:
+        return model(*(batch[k] for k in self.keys))
+
+    def check(self, batch: Any) -> None:
+        """Refuse keys that name no field of the source's batches (on the first batch)."""
+        fields = list(batch.keys()) if isinstance(batch, Mapping) else list(range(len(batch)))
+        for k in self.keys:
+            if isinstance(batch, Mapping):
+                ok = k in batch
+            else:
+                ok = (
+                    isinstance(k, int) and not isinstance(k, bool) and -len(batch) <= k < len(batch)
+                )
+            if not ok:
+                raise FieldError(
+                    f"input_key={self.keys!r} names {k!r}, which is no field of the source's "
+                    f"batches ({fields!r}); pass input_key= a tuple of its fields, or forward= "
+                    "to call the model on the batch yourself"
+                )
+
+    def __repr__(self) -> str:
+        return f"input_key={self.keys!r}"
+
+
+def input_fields(
+    input_key: Hashable | Sequence[Hashable] | None, forward: Forward | None
+) -> tuple[Hashable | None, Forward | None]:
+    """The single input field the batch format tracks (its length counts the examples) and the
+    selection hook, from ``input_key`` and ``forward``: a tuple (or list) ``input_key`` becomes
+    a :class:`FieldsForward` over its fields, the first of them tracked.
+
+    Example:
+        >>> input_fields(("input_ids", "attention_mask"), None)
+        ('input_ids', input_key=('input_ids', 'attention_mask'))
+    """
+    check_forward(forward)
+    if not isinstance(input_key, (tuple, list)):
+        return input_key, forward
+    if not input_key:
+        raise ValueError(
+            "input_key should name at least one field, but got an empty "
+            f"{type(input_key).__name__}; pass input_key= a field, or a tuple of the fields that "
+            "are the model's positional inputs"
+        )
+    if forward is not None:
+        raise ValueError(
+            f"input_key={tuple(input_key)!r} and forward= cannot be combined: a tuple input_key "
+            "calls model(*fields) itself; pass forward= with a single input_key (the field whose "
+            "length counts the examples), or drop forward="
+        )
+    return input_key[0], FieldsForward(input_key)
+
+
+def check_forward(forward: Any) -> None:
+    if forward is not None and not callable(forward):
+        raise TypeError(
+            "forward should be a callable forward(model, batch) returning the model's outputs, "
+            f"e.g. forward=lambda model, batch: model(batch['input_ids'], "
+            f"attention_mask=batch['attention_mask']), but got {type(forward).__name__}"
+        )
+
+
+def check_output(output: Any) -> None:
+    if output is None or callable(output) or isinstance(output, str):
+        return
+    if isinstance(output, int) and not isinstance(output, bool):
+        return
+    raise TypeError(
+        "output should be None (a Tensor as is, else its 'logits'), a key or attribute name such "
+        "as output='logits', a position such as output=0, or a callable, but got "
+        f"output={output!r}"
+    )
+
+
+def describe(out: Any) -> str:
+    """A model output in a few words, for error messages."""
+    if isinstance(out, torch.Tensor):
+        return f"a Tensor of shape {tuple(out.shape)}"
+    if isinstance(out, Mapping):
+        return f"a {type(out).__name__} with keys {list(out.keys())!r}"
+    if isinstance(out, (tuple, list)):
+        return f"a {type(out).__name__} of {len(out)}"
+    fields = getattr(out, "__dataclass_fields__", None)
+    if fields:
+        return f"a {type(out).__name__} with fields {list(fields)!r}"
+    return f"a {type(out).__name__}"
+
+
+def model_output(out: Any, output: Output = None) -> Any:
+    """The part of a model's outputs that ``loss_fn`` (and ``keep_logits``) take.
+
+    ``output=None`` (the default): a Tensor as is; a dict (or Hugging Face ``ModelOutput``)
+    holding ``"logits"``: that entry; an object (e.g. a dataclass) with a Tensor attribute
+    ``logits``: that attribute; anything else as is (``loss_fn`` then takes it whole). A string
+    names a key (dicts) or an attribute, an int a position (tuples and lists), a callable is
+    applied. A name or position that the outputs lack is refused (``ValueError``) with the keys
+    they have.
+
+    Example:
+        >>> model_output({"logits": torch.zeros(2, 3), "hidden": None}).shape
+        torch.Size([2, 3])
+        >>> model_output((torch.zeros(2, 3), torch.ones(2)), 1)
+        tensor([1., 1.])
+    """
+    if output is None:
+        if isinstance(out, torch.Tensor):
+            return out
+        if isinstance(out, Mapping):
+            return out["logits"] if "logits" in out else out
+        logits = getattr(out, "logits", None)
+        return logits if isinstance(logits, torch.Tensor) else out
+    if isinstance(output, str):
+        if isinstance(out, Mapping):
+            if output in out:
+                return out[output]
+        elif getattr(out, output, None) is not None:
+            return getattr(out, output)
+        raise ValueError(
+            f"output={output!r} names no key or attribute of the model's outputs, which are "
+            f"{describe(out)}; pass output= one of them (or a callable that picks the per-example "
+            "outputs)"
+        )
+    if isinstance(output, int):
+        if isinstance(out, (tuple, list)) and -len(out) <= output < len(out):
+            return out[output]
+        raise ValueError(
+            f"output={output!r} names no position of the model's outputs, which are "
+            f"{describe(out)}; pass output= a position of a tuple output, a key or attribute name, "
+            "or a callable"
+        )
+    return output(out)
+
+
+def unused_fields(
+    batch: Any, used: Sequence[Any], ignore: Sequence[Hashable] = ()
+) -> list[Hashable]:
+    """The fields of a dict batch that are tensors (or nested dicts) other than the columns
+    ``used`` (compared by identity) and the keys ``ignore``: inputs the model may need but that
+    ``model(batch[input_key])`` does not pass it.
+
+    Example:
+        >>> ids, mask, y = torch.zeros(2, 4), torch.ones(2, 4), torch.zeros(2)
+        >>> unused_fields({"ids": ids, "mask": mask, "y": y, "name": ["a", "b"]}, [ids, y])
+        ['mask']
+    """
+    if not isinstance(batch, Mapping):
+        return []
+    return [
+        k
+        for k, v in batch.items()
+        if isinstance(v, (torch.Tensor, Mapping))
+        and not any(v is u for u in used)
+        and k not in ignore
+    ]
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    items = value.values() if isinstance(value, Mapping) else value
+    if isinstance(items, (list, tuple)) or isinstance(value, Mapping):
+        for v in items:
+            found = _first_tensor(v)
+            if found is not None:
+                return found
+    return None
+
+
+def restrict(batch: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of every field of a batch structure (a dict, tuple or list of
+    columns; nested dicts entry by entry).
+
+    Example:
+        >>> restrict({"x": torch.arange(5), "meta": {"n": list("abcde")}}, 1, 3)
+        {'x': tensor([1, 2]), 'meta': {'n': ['b', 'c']}}
+    """
+    if isinstance(batch, Mapping):
+        return {k: B.rows(v, start, stop) for k, v in batch.items()}
+    return type(batch)(B.rows(v, start, stop) for v in batch)
+
+
 def selection_outputs(
     model: nn.Module,
     inputs: Any,
@@ -82,12 +293,22 @@ def selection_outputs(
     autocast_dtype: torch.dtype | None = None,
     eval: bool = True,
     keep_outputs: bool = False,
+    forward: Forward | None = None,
+    batch: Any = None,
+    output: Output = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-example losses of ``model`` on the candidates, without autograd, and the model's
     outputs (logits) when ``keep_outputs`` (else ``None``).
 
     Runs under ``torch.inference_mode()`` in chunks of ``batch_size`` examples (all at once when
-    None), in eval mode unless ``eval=False``, optionally under autocast.
+    None), in eval mode unless ``eval=False``, optionally under autocast. Each chunk's losses are
+    ``loss_fn(model_output(model(x), output), y)``, or with ``forward``
+    ``loss_fn(model_output(forward(model, chunk), output), y)``, where ``chunk`` is ``batch`` (the
+    source batch's structure: a dict, tuple or list of fields, nested dicts included) restricted
+    to the chunk's rows (see :func:`model_output` for ``output``). With ``output=None`` a
+    ``loss_fn`` that is not a torch loss module takes the model's outputs whole (a dict, a
+    tuple, ...), as it did before ``output=`` existed; the kept outputs are
+    ``model_output(...)`` either way.
 
     NOTE (eval-mode selection): a train-mode forward updates BatchNorm running statistics even
     without gradients and applies dropout noise to the losses; eval mode does neither, and a
@@ -104,42 +325,79 @@ def selection_outputs(
         ...     nn.CrossEntropyLoss(reduction="none"), keep_outputs=True)
         >>> losses.shape, logits.shape
         (torch.Size([4]), torch.Size([4, 2]))
+        >>> batch = {"x": torch.zeros(4, 3), "scale": torch.ones(4, 1), "y": torch.zeros(4).long()}
+        >>> losses, _ = selection_outputs(
+        ...     nn.Linear(3, 2), batch["x"], batch["y"], nn.CrossEntropyLoss(reduction="none"),
+        ...     forward=lambda model, b: {"logits": model(b["x"]) * b["scale"]}, batch=batch,
+        ...     batch_size=3)
+        >>> losses.shape
+        torch.Size([4])
     """
-    n = inputs.shape[0]
+    if forward is not None and batch is None:
+        raise ValueError("selection_outputs with forward= needs batch= (the source batch)")
+    n = B.column_length(inputs, "input")
     step = n if not batch_size else batch_size
     chunks = []
     outputs = []
-    device_type = inputs.device.type if isinstance(inputs, torch.Tensor) else "cpu"
+    first = _first_tensor(inputs)
+    if first is None and batch is not None:
+        first = _first_tensor(batch)
+    device_type = first.device.type if first is not None else "cpu"
     autocast = (
         torch.autocast(device_type, dtype=autocast_dtype)
         if autocast_dtype is not None
         else contextlib.nullcontext()
     )
+    custom = forward is not None and not isinstance(forward, FieldsForward)
+    source = f"output={output!r}" if output is not None else "forward=" if custom else "the model"
     with eval_mode(model, eval), torch.inference_mode(), autocast:
         for start in range(0, n, step):
-            x = inputs[start : start + step]
-            y = targets[start : start + step]
-            logits = model(x)
-            out = loss_fn(logits, y)
-            if not isinstance(out, torch.Tensor) or out.shape != (x.shape[0],):
+            stop = min(start + step, n)
+            m = stop - start
+            y = B.rows(targets, start, stop)
+            if forward is None:
+                raw = model(B.rows(inputs, start, stop))
+            else:
+                raw = forward(model, restrict(batch, start, stop))
+            logits = model_output(raw, output)
+            # NOTE: by default a loss_fn of the user's own takes non-tensor outputs whole, as it
+            # did before output= existed; a torch loss module takes tensors only.
+            whole = output is None and not isinstance(loss_fn, nn.modules.loss._Loss)
+            loss_input = raw if whole else logits
+            if isinstance(loss_input, torch.Tensor) and loss_input.dim() == 0:
+                raise ValueError(
+                    f"{source} returned a 0-d tensor (one value for a chunk of {m} examples, e.g. "
+                    "a loss already reduced over the batch), but the selection pass needs the "
+                    "model's outputs, one row per example, for loss_fn(outputs, targets); "
+                    + _scalar_fix(output, custom)
+                )
+            try:
+                out = loss_fn(loss_input, y)
+            except (TypeError, AttributeError) as e:
+                if isinstance(loss_input, torch.Tensor):
+                    raise
+                raise TypeError(
+                    f"loss_fn(outputs, targets) raised {type(e).__name__} ({e}) on the outputs "
+                    f"of {source}, {describe(loss_input)}; pass output= naming the per-example "
+                    "outputs in them (a key or attribute such as output='logits', a position such "
+                    "as output=0, or a callable)"
+                ) from e
+            if not isinstance(out, torch.Tensor) or out.shape != (m,):
                 shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise ValueError(
-                    f"loss_fn should return one loss per example (shape ({x.shape[0]},)), but "
+                    f"loss_fn should return one loss per example (shape ({m},)), but "
                     f"returned {shape}; pass reduction='none', e.g. "
                     "nn.CrossEntropyLoss(reduction='none')"
                 )
             chunks.append(out.float())
             if keep_outputs:
-                if not isinstance(logits, torch.Tensor) or logits.shape[:1] != (x.shape[0],):
-                    found: tuple[int, ...] | str = (
-                        tuple(logits.shape)
-                        if isinstance(logits, torch.Tensor)
-                        else type(logits).__name__
-                    )
+                if not isinstance(logits, torch.Tensor) or logits.shape[:1] != (m,):
                     raise ValueError(
-                        "keep_outputs (SelectiveLoader's keep_logits=True) keeps one model output "
-                        f"row per example ({x.shape[0]} here), but the model returned {found}; "
-                        "pass keep_logits=False"
+                        "keep_outputs (SelectiveLoader's keep_logits=True) keeps one output row "
+                        f"per example ({m} here), but {source} returned {describe(logits)}; pass "
+                        "output= naming the per-example logits in the model's outputs (a key or "
+                        "attribute such as output='logits', a position such as output=0, or a "
+                        "callable), or pass keep_logits=False"
                     )
                 outputs.append(logits.float())
         losses = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
@@ -148,6 +406,17 @@ def selection_outputs(
             kept = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     # Cloning outside inference mode turns the inference tensor into an ordinary one.
     return losses.clone(), None if kept is None else kept.clone()
+
+
+def _scalar_fix(output: Output, custom: bool) -> str:
+    if output is not None:
+        return "pass output= naming the per-example outputs (e.g. output='logits'), not a loss"
+    if custom:
+        return (
+            "make forward= return the model's outputs (e.g. return model(...), not a loss "
+            "computed from them), or pass output= to pick them from what it returns"
+        )
+    return "have the model return its per-example outputs, or pass output= to pick them"
 
 
 def downsample(inputs: torch.Tensor, scale: float) -> torch.Tensor:
@@ -217,6 +486,12 @@ class SelectionForward:
         scale: resize 4-d inputs by this factor in (0, 1] before the selection forward only.
         frozen_prefix: a module with no trainable parameters whose outputs are the model's
             inputs: the selection pass computes them once and keeps them for training.
+        forward: ``forward(model, batch)`` calls the model on a chunk of candidates (``batch``:
+            the source batch's structure restricted to the chunk's rows), instead of
+            ``model(inputs)``; a :class:`FieldsForward` for a tuple ``input_key``. Not with
+            ``scale`` or ``frozen_prefix``.
+        output: which part of the model's outputs ``loss_fn`` and ``keep_outputs`` take (see
+            :func:`model_output`).
 
     Example:
         >>> fwd = SelectionForward(scale=0.5)
@@ -234,7 +509,27 @@ class SelectionForward:
         compile: bool | Mapping[str, Any] = False,
         scale: float | None = None,
         frozen_prefix: nn.Module | None = None,
+        forward: Forward | None = None,
+        output: Output = None,
     ) -> None:
+        check_forward(forward)
+        check_output(output)
+        self.call, self.output = forward, output
+        if forward is not None:
+            name = repr(forward) if isinstance(forward, FieldsForward) else "forward="
+            if frozen_prefix is not None:
+                raise ValueError(
+                    f"{name} and frozen_prefix cannot be combined: with a frozen prefix the "
+                    "model (the head) takes the prefix's outputs, computed from the input field "
+                    "alone; pass frozen_prefix=None and call the whole model in forward=, or "
+                    "drop forward="
+                )
+            if scale is not None:
+                raise ValueError(
+                    f"{name} and selection_scale cannot be combined: selection_scale resizes the "
+                    "input field before model(inputs); pass selection_scale=None and resize in "
+                    "forward= (e.g. F.interpolate(batch['image'], scale_factor=0.5))"
+                )
         if isinstance(compile, Mapping):
             self.compile_kwargs: dict[str, Any] | None = dict(compile)
         elif isinstance(compile, bool):
@@ -318,6 +613,11 @@ class SelectionForward:
     ) -> torch.Tensor:
         """The frozen prefix's outputs on ``inputs`` (compiled when compiling)."""
         assert self.frozen_prefix is not None
+        if not isinstance(inputs, torch.Tensor):
+            raise TypeError(
+                "frozen_prefix takes the input field as one tensor, but it is a "
+                f"{type(inputs).__name__}; pass input_key= a tensor field, or frozen_prefix=None"
+            )
         prefix = self.module(self.frozen_prefix)
         return prefix_features(prefix, inputs, batch_size=batch_size, autocast_dtype=autocast_dtype)
 
@@ -333,11 +633,13 @@ class SelectionForward:
         eval: bool = True,
         features: torch.Tensor | None = None,
         keep_outputs: bool = False,
+        batch: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Per-example losses of ``model`` on the candidates, the frozen prefix's outputs
         (``None`` without a frozen prefix; ``features``, when given, are those outputs already
         computed, e.g. from a cache, and the prefix does not run), and the model's outputs when
-        ``keep_outputs`` (else ``None``).
+        ``keep_outputs`` (else ``None``). ``batch`` is the source batch's structure (a dict,
+        tuple or list of fields), which ``forward`` takes in chunks.
 
         NOTE: the prefix runs under ``autocast_dtype`` too, since it is most of a frozen-backbone
         model's selection cost; its outputs, which become the selected examples' training
@@ -351,6 +653,8 @@ class SelectionForward:
         elif self.scale is not None:
             with torch.inference_mode():
                 inputs = downsample(inputs, self.scale)
+        if isinstance(self.call, FieldsForward):
+            self.call.check(batch)
         losses, outputs = selection_outputs(
             self.module(model),
             inputs,
@@ -360,6 +664,9 @@ class SelectionForward:
             autocast_dtype=autocast_dtype,
             eval=eval,
             keep_outputs=keep_outputs,
+            forward=self.call,
+            batch=batch,
+            output=self.output,
         )
         return losses, features, outputs
 

@@ -47,16 +47,16 @@ def test_a_loss_without_one_value_per_example_fails_before_the_warmup_trains():
 
 
 def test_an_unselectable_model_fails_before_the_warmup_trains():
-    class DictOut(IndexLoss):
+    class TupleOut(IndexLoss):
         def forward(self, x):
-            return {"logits": super().forward(x)}
+            return super().forward(x), x.sum(1)
 
     def loss_fn(out, y):
-        return F.cross_entropy(out["logits"], y, reduction="none")
+        return F.cross_entropy(out[0], y, reduction="none")
 
     loader = SelectiveLoader(
         DataLoader(EncodedDataset(90), batch_size=30),
-        DictOut(),
+        TupleOut(),
         loss_fn=loss_fn,
         policy=warmup_policy(),
         batch_size=10,

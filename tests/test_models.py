@@ -1,0 +1,409 @@
+"""Models that are not ``model(x)``: ``forward=``, a tuple ``input_key``, nested batches and the
+``output=`` extractor, with a small transformer over token ids and an attention mask."""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from sbloader import Phased, RandomBackprop, SelectiveBackprop, SelectiveLoader
+from sbloader.selection import eval_mode
+
+V, L, D, C, N = 30, 10, 16, 3, 120  # vocabulary, sequence length, width, classes, examples
+
+
+class Tokens(Dataset):
+    """Token ids padded with 0 to length L, a boolean attention mask (True: a real token) and a
+    label; ``nested=True`` puts the model's inputs in a dict of their own."""
+
+    def __init__(self, nested: bool = False) -> None:
+        g = torch.Generator().manual_seed(0)
+        lengths = torch.randint(2, L + 1, (N,), generator=g)
+        self.mask = torch.arange(L)[None, :] < lengths[:, None]
+        self.ids = torch.randint(1, V, (N, L), generator=g).masked_fill(~self.mask, 0)
+        self.labels = torch.randint(0, C, (N,), generator=g)
+        self.nested = nested
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        inputs = {"input_ids": self.ids[i], "attention_mask": self.mask[i]}
+        if self.nested:
+            return {"inputs": inputs, "labels": self.labels[i]}
+        return {**inputs, "labels": self.labels[i]}
+
+
+class TinyEncoder(nn.Module):
+    """A one-layer ``nn.TransformerEncoder`` over token ids, mean-pooled over the real tokens;
+    returns ``{"logits": ...}``. Without a mask it attends to (and pools) the padding too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(V, D)
+        layer = nn.TransformerEncoderLayer(
+            D, nhead=2, dim_feedforward=32, dropout=0.1, batch_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False)
+        self.head = nn.Linear(D, C)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        h = self.embed(input_ids)
+        if attention_mask is None:
+            return {"logits": self.head(self.encoder(h).mean(1))}
+        real = attention_mask.bool()
+        h = self.encoder(h, src_key_padding_mask=~real).masked_fill(~real[..., None], 0.0)
+        pooled = h.sum(1) / real.sum(1, keepdim=True)
+        return {"logits": self.head(pooled)}
+
+
+def with_mask(model: nn.Module, batch: dict[str, Any]) -> Any:
+    return model(batch["input_ids"], attention_mask=batch["attention_mask"])
+
+
+def source(nested: bool = False, batch_size: int = 40) -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    return DataLoader(Tokens(nested), batch_size=batch_size, shuffle=True, generator=g)
+
+
+def make_loader(model: nn.Module, nested: bool = False, **kw: Any) -> SelectiveLoader:
+    kw.setdefault("input_key", "inputs" if nested else "input_ids")
+    kw.setdefault("policy", SelectiveBackprop(0.5))
+    return SelectiveLoader(
+        source(nested),
+        model,
+        batch_size=16,
+        seed=3,
+        target_key="labels",
+        keep_logits=True,
+        **kw,
+    )
+
+
+def reference(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The model's logits as a selection pass computes them: eval mode, no autograd."""
+    with eval_mode(model), torch.no_grad():
+        return model(ids, attention_mask=mask)["logits"]
+
+
+def test_selection_losses_are_the_masked_models_and_logits_its_outputs():
+    """forward= gets the whole input: each yielded example's selection loss is the loss of the
+    model with the attention mask (not of the model without it), batch.logits rows are the
+    model's outputs for those examples, and the hook sees chunks of selection_batch_size in
+    eval mode under inference mode, with the training flags restored afterwards."""
+    model = TinyEncoder().train()
+    seen: list[tuple[list[str], int, bool, bool]] = []
+
+    def forward(m: nn.Module, batch: dict[str, Any]) -> Any:
+        rows = batch["input_ids"].shape[0]
+        seen.append((sorted(batch), rows, m.training, torch.is_inference_mode_enabled()))
+        return with_mask(m, batch)
+
+    data = Tokens()
+    batches = list(make_loader(model, forward=forward, selection_batch_size=7))
+    assert batches and all(m.training for m in model.modules())
+    assert {s[0] == ["attention_mask", "input_ids", "labels"] for s in seen} == {True}
+    assert [s[1] for s in seen[:6]] == [7, 7, 7, 7, 7, 5]  # one source batch of 40, in chunks
+    assert {(s[2], s[3]) for s in seen} == {(False, True)}
+    for b in batches:
+        ids, mask, labels = b["input_ids"], b["attention_mask"], b["labels"]
+        assert torch.equal(ids, data.ids[b.indices]) and torch.equal(mask, data.mask[b.indices])
+        full = reference(model, ids, mask)
+        torch.testing.assert_close(b.logits, full)
+        torch.testing.assert_close(b.losses, F.cross_entropy(full, labels, reduction="none"))
+        unmasked = F.cross_entropy(reference(model, ids, None), labels, reduction="none")
+        assert (unmasked - b.losses).abs().max() > 1e-2
+
+
+def test_a_tuple_input_key_passes_the_fields_as_positional_inputs():
+    forward = list(make_loader(TinyEncoder(), forward=with_mask))
+    fields = list(make_loader(TinyEncoder(), input_key=("input_ids", "attention_mask")))
+    assert len(forward) == len(fields) > 0
+    for a, b in zip(forward, fields):
+        assert torch.equal(a.indices, b.indices)
+        assert torch.equal(a.losses, b.losses) and torch.equal(a.logits, b.logits)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return torch.equal(a, b)
+
+
+def test_nested_batches_are_selected_and_resume_mid_epoch_exactly():
+    """Dict batches with the model's inputs in a nested dict: rows are gathered in every
+    nested field, and a loader restored mid-epoch (through torch.save / weights_only load, with
+    nested rows pending) yields exactly what the uninterrupted one does."""
+    model = TinyEncoder()
+
+    def forward(m: nn.Module, batch: dict[str, Any]) -> Any:
+        return m(**batch["inputs"])
+
+    data = Tokens(nested=True)
+    whole = make_loader(model, nested=True, forward=forward)
+    expected = list(whole) + list(whole)
+    for b in expected:
+        assert torch.equal(b["inputs"]["input_ids"], data.ids[b.indices])
+        assert torch.equal(b["inputs"]["attention_mask"], data.mask[b.indices])
+        inputs = b["inputs"]
+        torch.testing.assert_close(
+            b.logits, reference(model, inputs["input_ids"], inputs["attention_mask"])
+        )
+
+    first = make_loader(model, nested=True, forward=forward)
+    it = iter(first)
+    got = [next(it) for _ in range(2)]
+    assert first.pending_examples > 0  # nested rows wait in the saved state
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = make_loader(model, nested=True, forward=forward)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    got += list(resumed) + list(resumed)
+    assert len(got) == len(expected)
+    for a, b in zip(expected, got):
+        assert _equal(dict(a), dict(b))
+        assert torch.equal(a.indices, b.indices) and torch.equal(a.losses, b.losses)
+        assert torch.equal(a.logits, b.logits)
+
+
+@dataclass
+class Out:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class ModelOutput(OrderedDict):
+    """Like Hugging Face's ModelOutput: a dict whose entries are attributes too."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+WRAPS = {
+    "dict": (lambda z: {"hidden": z * 2, "logits": z}, None),
+    "modeloutput": (lambda z: ModelOutput(loss=z.sum(), logits=z), None),
+    "dataclass": (lambda z: Out(logits=z, hidden=z * 2), None),
+    "key": (lambda z: {"scores": z, "logits": z * 2}, "scores"),
+    "attribute": (lambda z: Out(logits=z * 2, hidden=z), "hidden"),
+    "position": (lambda z: (z * 2, z), 1),
+    "callable": (lambda z: [{"out": z}], lambda out: out[0]["out"]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WRAPS))
+def test_the_output_extractor_feeds_loss_fn_and_keep_logits(kind):
+    wrap, output = WRAPS[kind]
+    model = TinyEncoder()
+
+    def forward(m: nn.Module, batch: dict[str, Any]) -> Any:
+        return wrap(with_mask(m, batch)["logits"])
+
+    batches = list(make_loader(model, forward=forward, output=output))
+    assert batches
+    for b in batches:
+        full = reference(model, b["input_ids"], b["attention_mask"])
+        torch.testing.assert_close(b.logits, full)
+        torch.testing.assert_close(b.losses, F.cross_entropy(full, b["labels"], reduction="none"))
+
+
+def test_a_loss_fn_of_ones_own_takes_dict_outputs_whole_and_keep_logits_their_logits():
+    """As before output= existed, a loss_fn that is not a torch loss module gets the model's dict
+    whole; keep_logits keeps its "logits"; output= hands the loss_fn a part instead."""
+    model = TinyEncoder()
+    taken: list[type] = []
+
+    def whole(out: Any, y: torch.Tensor) -> torch.Tensor:
+        taken.append(type(out))
+        return F.cross_entropy(out["logits"], y, reduction="none")
+
+    def part(out: Any, y: torch.Tensor) -> torch.Tensor:
+        taken.append(type(out))
+        return F.cross_entropy(out, y, reduction="none")
+
+    for loss_fn, output, kind in ((whole, None, dict), (part, "logits", torch.Tensor)):
+        taken.clear()
+        batches = list(make_loader(model, forward=with_mask, loss_fn=loss_fn, output=output))
+        assert batches and set(taken) == {kind}
+        for b in batches:
+            full = reference(model, b["input_ids"], b["attention_mask"])
+            torch.testing.assert_close(b.logits, full)
+            torch.testing.assert_close(
+                b.losses, F.cross_entropy(full, b["labels"], reduction="none")
+            )
+
+
+def _first_batch_fails(model: nn.Module, error: type, match: str, **kw: Any) -> None:
+    """The first next() raises, after one selection forward at most, with the flags restored."""
+    calls: list[int] = []
+    hook = kw.get("forward")
+    if hook is not None:
+
+        def counted(m: nn.Module, batch: Any) -> Any:
+            calls.append(1)
+            return hook(m, batch)
+
+        kw["forward"] = counted
+    loader = make_loader(model.train(), **kw)
+    with pytest.raises(error, match=match):
+        next(iter(loader))
+    assert all(m.training for m in model.modules())  # restored although the pass raised
+    assert len(calls) <= 1 and loader.stats.current.selection_forwards == 0
+
+
+def test_user_errors_are_refused_on_the_first_batch_naming_the_fix():
+    model = TinyEncoder()
+
+    def loss(m: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        return F.cross_entropy(with_mask(m, batch)["logits"], batch["labels"])
+
+    _first_batch_fails(
+        model,
+        ValueError,
+        r"forward= returned a 0-d tensor .* make forward= return the model's outputs",
+        forward=loss,
+    )
+    _first_batch_fails(
+        model,
+        ValueError,
+        r"output='logit' names no key or attribute of the model's outputs, which are a dict "
+        r"with keys \['logits'\]; pass output= one of them",
+        forward=with_mask,
+        output="logit",
+    )
+    _first_batch_fails(
+        model,
+        ValueError,
+        r"output='loss' returned a 0-d tensor .* pass output= naming the per-example outputs",
+        forward=lambda m, b: {"loss": loss(m, b), "logits": with_mask(m, b)["logits"]},
+        output="loss",
+    )
+    _first_batch_fails(
+        model,
+        TypeError,
+        r"on the outputs of forward=, a dict with keys \['scores'\]; pass output= naming",
+        forward=lambda m, b: {"scores": with_mask(m, b)["logits"]},
+    )
+    _first_batch_fails(
+        model,
+        KeyError,
+        r"input_key=\('input_ids', 'mask'\) names 'mask', which is no field",
+        input_key=("input_ids", "mask"),
+    )
+
+
+def test_the_hook_runs_like_the_default_forward():
+    """Eval mode restored when the hook raises; autocast applied; compile_selection hands the
+    hook the compiled module."""
+    model = TinyEncoder().train()
+
+    def boom(m: nn.Module, batch: Any) -> Any:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        next(iter(make_loader(model, forward=boom)))
+    assert all(m.training for m in model.modules())
+
+    flags: list[bool] = []
+
+    def autocast(m: nn.Module, batch: Any) -> Any:
+        flags.append(torch.is_autocast_enabled("cpu"))
+        return with_mask(m, batch)
+
+    next(iter(make_loader(model, forward=autocast, autocast=torch.bfloat16)))
+    assert flags and all(flags)
+
+    kinds: list[str] = []
+
+    def compiled(m: nn.Module, batch: Any) -> Any:
+        kinds.append(type(m).__name__)
+        return with_mask(m, batch)
+
+    loader = make_loader(model, forward=compiled, compile_selection={"backend": "eager"})
+    got = next(iter(loader))
+    assert set(kinds) == {"OptimizedModule"}
+    plain = next(iter(make_loader(model, forward=with_mask)))
+    assert torch.equal(got.indices, plain.indices)
+
+
+def test_bad_combinations_are_refused_when_the_loader_is_built():
+    model, dl = TinyEncoder(), source()
+    cases: list[tuple[dict[str, Any], type, str]] = [
+        ({"forward": "model"}, TypeError, r"forward should be a callable forward\(model, batch\)"),
+        ({"output": 1.5}, TypeError, "output should be None"),
+        ({"forward": with_mask, "frozen_prefix": nn.Identity()}, ValueError, "frozen_prefix=None"),
+        ({"forward": with_mask, "selection_scale": 0.5}, ValueError, "selection_scale=None"),
+        ({"input_key": ()}, ValueError, "input_key should name at least one field"),
+        (
+            {"input_key": ("input_ids", "attention_mask"), "forward": with_mask},
+            ValueError,
+            "cannot be combined: a tuple input_key calls model",
+        ),
+    ]
+    for kw, error, match in cases:
+        kw.setdefault("input_key", "input_ids")
+        with pytest.raises(error, match=match):
+            SelectiveLoader(dl, model, target_key="labels", **kw)
+
+
+def test_fields_the_model_is_not_given_are_warned_about():
+    """input_key="input_ids" alone scores without the attention mask: warned, naming forward=;
+    not with forward=, nor for the index field or list fields."""
+    model = TinyEncoder()
+    with pytest.warns(UserWarning, match=r"\['attention_mask'\] besides the input field") as rec:
+        first = next(iter(make_loader(model)))
+    assert "pass forward=" in str(rec[0].message) and first.logits is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        next(iter(make_loader(model, forward=with_mask)))
+        g = torch.Generator().manual_seed(0)
+        rows = [
+            {"x": torch.randn(4, generator=g), "y": i % 2, "idx": i, "name": f"ex{i}"}
+            for i in range(32)
+        ]
+        loader = SelectiveLoader(
+            [b for b in DataLoader(rows, batch_size=16)],
+            nn.Linear(4, 2),
+            input_key="x",
+            target_key="y",
+            index_key="idx",
+            batch_size=4,
+        )
+        next(iter(loader))
+
+
+def test_a_warm_up_tries_the_hook_on_its_first_batch():
+    """An epoch without selection passes (a Random-Backprop warm-up) still tries forward= on the
+    first source batch: a good hook trains through it, a bad one fails at once, and fields the
+    model is not given are warned about there."""
+
+    def warmup() -> Phased:
+        return Phased(SelectiveBackprop(0.5), warmup_epochs=1, warmup_policy=RandomBackprop(0.5))
+
+    model = TinyEncoder()
+    loader = make_loader(model, forward=with_mask, policy=warmup())
+    assert list(loader) and loader.stats.current.selection_forwards == 0
+    assert list(loader) and loader.stats.current.selection_forwards == N
+
+    def loss(m: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        return F.cross_entropy(with_mask(m, batch)["logits"], batch["labels"])
+
+    with pytest.raises(ValueError, match="forward= returned a 0-d tensor"):
+        next(iter(make_loader(model, forward=loss, policy=warmup())))
+    with pytest.warns(UserWarning, match=r"\['attention_mask'\] besides the input field"):
+        next(iter(make_loader(model, policy=warmup())))
