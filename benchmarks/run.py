@@ -3,6 +3,9 @@
 Trains the reference CNN on Fashion-MNIST (Debian's dataset-fashion-mnist: 60,000 real images)
 with each strategy and reports, from one run on one machine:
 
+- the frontier (the headline): for targets Traditional's final error x1.0, x1.05, x1.1, x1.2 and
+  x1.4, the best control's wall-clock to the target (Traditional and Random-Backprop, at every
+  budget run) over the best sbloader family's (``benchmarks/core/frontier.py``);
 - Table 1 (the paper's): wall-clock to reach Traditional's final test error x1.0, x1.1, x1.2 and
   x1.4, as a speedup over Traditional (mean over seeds, with the spread);
 - Figure 7: test error against wall-clock; Figure 1/10: the time breakdown per strategy;
@@ -18,9 +21,16 @@ learning-rate schedule keyed on position in the data (epochs of candidates consu
     python3 benchmarks/run.py --preset quick           # the main job: ~11 minutes on 2 cores
     python3 benchmarks/run.py --preset full            # everything (hours)
     python3 benchmarks/run.py --preset full --resume --out results/full   # continue a run
+    python3 benchmarks/run.py --preset frontier        # families at several budgets (hours)
+
+Strategy names come from the registry in ``benchmarks/core/strategies.py``; ``_eN`` after a name
+plans N epochs. ``--interleave`` (on in the ``frontier`` preset) holds all of a seed's runs in
+memory and trains them an epoch each in turn, so that a busy spell of a shared machine falls on
+all of them alike; each run owns its randomness, so its selections are those it makes alone.
 
 Each run is saved as soon as it ends (``runs/*.json`` in the output folder), so an interrupted
-benchmark keeps what it measured and ``--resume`` skips it next time.
+benchmark keeps what it measured and ``--resume`` skips it next time (interleaved runs not yet
+ended start again).
 """
 
 from __future__ import annotations
@@ -51,7 +61,21 @@ from benchmarks.core.data import load_data
 from benchmarks.core.machine import machine_info
 from benchmarks.core.records import Run, load_runs, run_key, save_run
 from benchmarks.core.report import plots, summary_markdown, write_curves
-from benchmarks.core.train import Trainer
+from benchmarks.core.train import Data, Trainer, train_interleaved
+
+
+def _family(text: str) -> tuple[str, tuple[int, ...]]:
+    """``--families`` item ``NAME:B1,B2,...`` as (strategy, budgets)."""
+    name, sep, budgets = text.partition(":")
+    try:
+        parsed = tuple(int(b) for b in budgets.split(","))
+    except ValueError:
+        parsed = ()
+    if not sep or not parsed or min(parsed) < 1:
+        raise argparse.ArgumentTypeError(
+            f"a family should be NAME:EPOCHS,EPOCHS,... such as traditional:2,4,10, got {text!r}"
+        )
+    return name, parsed
 
 
 def configure(args: argparse.Namespace) -> Config:
@@ -59,6 +83,9 @@ def configure(args: argparse.Namespace) -> Config:
     cfg = Config(preset=args.preset, **PRESETS[args.preset])
     if args.strategies:
         cfg.strategies = tuple(args.strategies)
+        cfg.families = ()  # the runs named, and no others
+    if args.families:
+        cfg.families = tuple(args.families)
     if args.seeds:
         cfg.seeds = tuple(args.seeds)
     if args.epochs:
@@ -69,8 +96,14 @@ def configure(args: argparse.Namespace) -> Config:
         cfg.device = args.device
     if args.data:
         cfg.data_root = str(Path(args.data).resolve())
+    if args.interleave is not None:
+        cfg.interleave = args.interleave
+    if args.train_examples:
+        cfg.train_examples = args.train_examples
+    if args.test_examples:
+        cfg.test_examples = args.test_examples
     cfg.device = str(cfg.resolved_device())
-    for name in (*cfg.strategies, *cfg.noise_strategies):
+    for name in (*cfg.run_names(), *cfg.noise_strategies):
         strategies.get(name)  # fail fast on a typo
     return cfg
 
@@ -81,7 +114,7 @@ def jobs(cfg: Config) -> list[tuple[str, int, float]]:
     seeds."""
     out = []
     for seed in cfg.seeds:
-        out += [(s, seed, 0.0) for s in cfg.strategies]
+        out += [(s, seed, 0.0) for s in cfg.run_names()]
         if seed in cfg.noise_seeds:
             out += [(s, seed, nz) for nz in cfg.label_noise if nz > 0 for s in cfg.noise_strategies]
     return out
@@ -96,11 +129,12 @@ def _log(run: Run) -> None:
     )
 
 
-def train(cfg: Config, todo: list[tuple[str, int, float]], folder: Path) -> None:
-    """Train each run, one after another, saving each as it ends."""
+def train_sequential(
+    cfg: Config, todo: list[tuple[str, int, float]], data: Data, folder: Path
+) -> None:
+    """Train each run start to end, one after another, saving each as it ends."""
     from tqdm import tqdm
 
-    data = load_data(cfg)
     for name, seed, nz in todo:
         strat = strategies.get(name)
         steps = 100 * strat.planned(cfg.epochs)  # the bar counts hundredths of an epoch of data
@@ -116,6 +150,72 @@ def train(cfg: Config, todo: list[tuple[str, int, float]], folder: Path) -> None
         _log(run)
 
 
+def train_each_seed_interleaved(
+    cfg: Config, todo: list[tuple[str, int, float]], data: Data, folder: Path
+) -> None:
+    """Per seed, hold all of its runs in memory and train them an epoch each in turn, saving
+    each run as it ends."""
+    from tqdm import tqdm
+
+    for seed in dict.fromkeys(seed for _, seed, _ in todo):
+        trainers = [
+            Trainer(cfg, strategies.get(name), s, nz, data, interleaved=True)
+            for name, s, nz in todo
+            if s == seed
+        ]
+        with tqdm(
+            total=sum(t.planned for t in trainers),
+            desc=f"seed {seed}: {len(trainers)} runs interleaved, epochs",
+            leave=False,
+            file=sys.stderr,
+        ) as bar:
+
+            def epoch_done(t: Trainer) -> None:
+                bar.update(1)
+                last = t.run.points[-1]["error"]
+                bar.set_postfix(run=t.run.strategy, err=f"{100 * last:.2f}%")
+
+            def run_done(run: Run) -> None:
+                save_run(run, folder)
+                _log(run)
+
+            train_interleaved(trainers, epoch_done, run_done)
+
+
+def execute(
+    cfg: Config, out: Path, machine: dict, resume: bool = False, data: Data | None = None
+) -> None:
+    """Train the configuration's runs (those not in ``out`` already, with ``resume``) into
+    ``out/runs``, interleaved per seed when ``cfg.interleave``."""
+    todo = [
+        job
+        for job in jobs(cfg)
+        if not (resume and (out / "runs" / f"{run_key(*job)}.json").exists())
+    ]
+    print(
+        f"# {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
+        f"{len(todo)} runs{', interleaved per seed' if cfg.interleave else ''} -> {out}",
+        flush=True,
+    )
+    data = load_data(cfg) if data is None else data
+    train = train_each_seed_interleaved if cfg.interleave else train_sequential
+    train(cfg, todo, data, out / "runs")
+
+
+def report(cfg: Config, machine: dict, out: Path) -> str:
+    """Summary, curves and plots of the runs in ``out/runs``; returns the summary."""
+    runs = load_runs(out / "runs")
+    text = summary_markdown(cfg, runs, machine)
+    (out / "summary.md").write_text(text + "\n")
+    write_curves(runs, out)
+    figs = plots(cfg, runs, out)
+    print()
+    print(text)
+    print("Plots:", *[str(f) for f in figs], sep="\n  ")
+    print(f"Everything: {out}/ (summary.md, curves.csv, runs/*.json, config.json, machine.json)")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -123,6 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", choices=sorted(PRESETS), default="quick")
     p.add_argument("--out", help="results folder (default: results/<preset>-<time>)")
     p.add_argument("--strategies", nargs="+", help="override the preset's strategies")
+    p.add_argument(
+        "--families",
+        nargs="+",
+        type=_family,
+        metavar="NAME:EPOCHS,...",
+        help="override the preset's families (strategies at several budgets), e.g. "
+        "traditional:2,4,10 random_0.33:5,10",
+    )
     p.add_argument("--seeds", nargs="+", type=int, help="override the preset's seeds")
     p.add_argument("--epochs", type=int, help="override the planned epochs")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
@@ -130,6 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--data", help="folder of a local CIFAR-10/100 or SVHN copy (torchvision format)"
     )
+    p.add_argument(
+        "--interleave",
+        action=argparse.BooleanOptionalAction,
+        help="train each seed's runs an epoch each in turn (default: the preset's; frontier: on)",
+    )
+    p.add_argument("--train-examples", type=int, help="train on a prefix of the training set")
+    p.add_argument("--test-examples", type=int, help="evaluate on a prefix of the test set")
     p.add_argument("--resume", action="store_true", help="skip runs already in --out")
     p.add_argument(
         "--report-only",
@@ -155,28 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         machine = json.loads((out / "machine.json").read_text())
     else:
         (out / "machine.json").write_text(json.dumps(machine, indent=1))
-
     if not args.report_only:
-        todo = [
-            job
-            for job in jobs(cfg)
-            if not (args.resume and (out / "runs" / f"{run_key(*job)}.json").exists())
-        ]
-        print(
-            f"# {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
-            f"{len(todo)} runs -> {out}",
-            flush=True,
-        )
-        train(cfg, todo, out / "runs")
-    runs = load_runs(out / "runs")
-    text = summary_markdown(cfg, runs, machine)
-    (out / "summary.md").write_text(text + "\n")
-    write_curves(runs, out)
-    figs = plots(cfg, runs, out)
-    print()
-    print(text)
-    print("Plots:", *[str(f) for f in figs], sep="\n  ")
-    print(f"Everything: {out}/ (summary.md, curves.csv, runs/*.json, config.json, machine.json)")
+        execute(cfg, out, machine, resume=args.resume)
+    report(cfg, machine, out)
     return 0
 
 

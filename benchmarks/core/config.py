@@ -75,6 +75,17 @@ class Config:
     """Random crops (padding 4) and, unless svhn, flips of training batches [bool]."""
     channels_last: bool = True
     """Model and inputs in the channels_last memory format [bool]."""
+    families: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """Families run at several budgets, added to ``strategies``: (strategy, planned epochs of
+    each run) pairs; a budget equal to ``epochs`` runs under the strategy's own name [names,
+    epochs]."""
+    interleave: bool = False
+    """Hold all of a seed's runs in memory and train them one epoch each in turn, so that a busy
+    spell of a shared machine falls on all of them alike [bool]."""
+    train_examples: int | None = None
+    """Train on this prefix of the training set only (None: all of it) [examples]."""
+    test_examples: int | None = None
+    """Evaluate on this prefix of the test set only (None: all of it) [examples]."""
 
     def resolved_device(self) -> torch.device:
         """The device, with ``"auto"`` resolved to cuda when available."""
@@ -92,7 +103,15 @@ class Config:
         it was saved keep their defaults)."""
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names}
+        kw["families"] = tuple((f, tuple(b)) for f, b in kw.get("families", ()))
         return cls(**kw)
+
+    def run_names(self) -> tuple[str, ...]:
+        """``strategies`` followed by every member of ``families`` (each name once)."""
+        names = list(self.strategies)
+        for family, budgets in self.families:
+            names += strategies.family_members(family, tuple(budgets), self.epochs)
+        return tuple(dict.fromkeys(names))
 
 
 # Shared by every ResNet-18 configuration (a GPU's): run.py's presets and breakdown's --gpu.
@@ -165,6 +184,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     "svhn": dict(
         dataset="svhn", augment=True, epochs=20, strategies=_GPU_STRATEGIES, **_RESNET_RUN
+    ),
+    # The frontier measure (issue 12): each family at several budgets, trained interleaved.
+    "frontier": dict(
+        seeds=(0, 1, 2),
+        strategies=("traditional",),  # the reference: Traditional at ``epochs``
+        families=tuple(strategies.FAMILIES.items()),
+        interleave=True,
     ),
 }
 

@@ -34,7 +34,17 @@ def train_set(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def load_data(cfg: Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Normalised float32 train and test images (N, C, H, W) and int64 labels, on the CPU."""
+    """Normalised float32 train and test images (N, C, H, W) and int64 labels, on the CPU
+    (prefixes of ``train_examples`` and ``test_examples`` when those are set)."""
+    x, y, xt, yt = _full_data(cfg)
+    if cfg.train_examples is not None:
+        x, y = x[: cfg.train_examples].contiguous(), y[: cfg.train_examples].contiguous()
+    if cfg.test_examples is not None:
+        xt, yt = xt[: cfg.test_examples].contiguous(), yt[: cfg.test_examples].contiguous()
+    return x, y, xt, yt
+
+
+def _full_data(cfg: Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if cfg.dataset == "fashion_mnist":
         x, y = fashion_mnist_tensors("train")
         xt, yt = fashion_mnist_tensors("test")

@@ -40,6 +40,8 @@ class Run:
     diverged: bool = False
     """Collapsed: chance-level test error at some point from epoch 1 on (see :func:`collapsed`)."""
     classes: int = 10
+    interleaved: bool = False
+    """Trained an epoch at a time in turn with the other runs of its seed."""
 
     def key(self) -> str:
         return run_key(self.strategy, self.seed, self.noise)

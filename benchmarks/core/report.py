@@ -1,7 +1,9 @@
-"""run.py's report: the summary (markdown), the error curves (CSV) and the plots."""
+"""run.py's report: the summary (markdown: the frontier table first, then Table 1, the time
+breakdown, the Pareto share and label noise), the error curves (CSV) and the plots."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -10,6 +12,7 @@ import numpy as np
 
 from .analysis import MULTIPLIERS, pareto, speedup_table
 from .config import Config
+from .frontier import TARGETS, Reached, Record, frontier_table
 from .machine import describe_commit
 from .records import Run
 from .strategies import get
@@ -24,6 +27,126 @@ def _fmt(cell: dict) -> str:
     if cell["never"]:
         s += f", never in {cell['never']}/{cell['seeds']}"
     return s
+
+
+def frontier_records(runs: Sequence[Run], noise: float = 0.0) -> list[Record]:
+    """The runs at label noise ``noise`` as the frontier sees them: family, budget, seed and
+    (wall-clock, error) of each evaluation."""
+    return [
+        Record(
+            family=get(r.strategy).family,
+            budget=r.planned_epochs,
+            seed=r.seed,
+            evaluations=tuple((p["time_s"], p["error"]) for p in r.points),
+        )
+        for r in runs
+        if r.noise == noise
+    ]
+
+
+def _times(m: float) -> str:
+    """A multiplier as x1.0, x1.05, x1.1."""
+    return f"x{m:.1f}" if round(m, 1) == m else f"x{m:.2f}"
+
+
+def _ratio(x: float | None) -> str:
+    if x is None:
+        return "never"
+    return "∞" if math.isinf(x) else f"{x:.2f}x"
+
+
+def _where(r: Reached | None) -> str:
+    return "never" if r is None else f"{r.family}, {r.budget} ep ({r.time_s:.0f} s)"
+
+
+def frontier_section(cfg: Config, runs: Sequence[Run]) -> list[str]:
+    """The headline: per target, the best control's frontier time over the best sbloader
+    family's (see ``frontier.py``), then each family's frontier; nothing without a reference
+    run (Traditional at the configuration's planned epochs)."""
+    records = frontier_records(runs)
+    controls = {get(r.strategy).family for r in runs if not get(r.strategy).selective}
+    table = frontier_table(records, controls, ("traditional", cfg.epochs), TARGETS)
+    if not table.seeds:
+        return []
+    budgets = {
+        f: sorted({r.budget for r in records if r.family == f})
+        for f in (*table.controls, *table.selective)
+    }
+
+    def family(f: str) -> str:
+        return f"{f} ({', '.join(map(str, budgets[f]))} ep)"
+
+    lines = [
+        "## Frontier: the best sbloader family against the best control, at each target",
+        "",
+        f"Target = Traditional-{cfg.epochs}'s final error in each seed x k. A family is one "
+        "strategy at several planned budgets; its frontier time is the least training "
+        "wall-clock at which any of its runs is evaluated at or below the target. Speedup = "
+        "the best control's frontier time ÷ the best sbloader family's (above 1: sbloader "
+        "gets there sooner than every control at every budget tried); mean over seeds, range "
+        "in parentheses; never: no sbloader family reached it; ∞: only sbloader did. "
+        f"Controls: {', '.join(map(family, table.controls)) or 'none'}. sbloader: "
+        f"{', '.join(map(family, table.selective)) or 'none'}.",
+        "",
+        "| target | error | speedup | best control | best sbloader |",
+        "|---|---|---|---|---|",
+    ]
+    for m in table.multipliers:
+        sm = table.summary(m)
+        speed = _ratio(sm.mean)
+        if sm.seeds > 1 and sm.mean is not None:
+            speed += f" ({_ratio(sm.low)} to {_ratio(sm.high)})"
+        if sm.never:
+            speed += f", never in {sm.never}/{sm.seeds}"
+        cells = [table.cells[s, m] for s in table.seeds]
+        tag = (lambda s: f"seed {s}: ") if len(cells) > 1 else (lambda s: "")
+        lines.append(
+            f"| {_times(m)} | {100 * sm.mean_target:.2f}% | {speed} | "
+            + "; ".join(tag(c.seed) + _where(c.control) for c in cells)
+            + " | "
+            + "; ".join(tag(c.seed) + _where(c.sbloader) for c in cells)
+            + " |"
+        )
+    lines.append("")
+    if len(table.seeds) > 1:
+        lines += [
+            "Speedup per seed:",
+            "",
+            "| seed | " + " | ".join(_times(m) for m in table.multipliers) + " |",
+            "|" + "---|" * (len(table.multipliers) + 1),
+        ]
+        for s in table.seeds:
+            lines.append(
+                f"| {s} | "
+                + " | ".join(_ratio(table.cells[s, m].ratio) for m in table.multipliers)
+                + " |"
+            )
+        lines.append("")
+    names = (*table.controls, *table.selective)
+    lines += [
+        "Frontier time per family (s, mean over the seeds that reached the target; the budget "
+        "that got there first in parentheses when one seed):",
+        "",
+        "| target | " + " | ".join(family(f) for f in names) + " |",
+        "|" + "---|" * (len(names) + 1),
+    ]
+    for m in table.multipliers:
+        cells = []
+        for f in names:
+            got = [table.families[f, s, m] for s in table.seeds]
+            times = [r.time_s for r in got if r is not None]
+            if not times:
+                cells.append("never")
+                continue
+            cell = f"{sum(times) / len(times):.0f}"
+            if len(got) == 1:
+                cell += f" ({got[0].budget} ep)"
+            elif len(times) < len(got):
+                cell += f", never in {len(got) - len(times)}/{len(got)}"
+            cells.append(cell)
+        lines.append(f"| {_times(m)} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
 
 
 def summary_markdown(cfg: Config, runs: Sequence[Run], machine: dict[str, Any]) -> str:
@@ -42,8 +165,14 @@ def summary_markdown(cfg: Config, runs: Sequence[Run], machine: dict[str, Any]) 
         f"{cfg.epochs} planned epochs unless "
         f"named (`_eN`), seeds {list(cfg.seeds)}, evaluation every {cfg.eval_every} epochs "
         "(excluded from wall-clock)."
+        + (
+            " Runs trained interleaved: each seed's runs an epoch each in turn."
+            if cfg.interleave
+            else ""
+        )
     )
     lines.append("")
+    lines += frontier_section(cfg, runs)
     table = speedup_table(runs)
     if table:
         final = table["traditional"][1.0]["target"]

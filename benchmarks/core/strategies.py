@@ -192,3 +192,23 @@ def get(name: str) -> Strategy:
         f"unknown strategy {name!r}: a registered name (such as {', '.join(list(REGISTRY)[:4])}; "
         f"all in benchmarks/core/strategies.py), optionally followed by a budget such as _e4"
     )
+
+
+FAMILIES: dict[str, tuple[int, ...]] = {
+    "traditional": (2, 3, 4, 6, 10),
+    "random_0.33": (5, 10, 15, 20),
+    "sb_0.33_rwarmup": (5, 10, 15),
+    "stale_sb_3_rwarmup": (5, 10, 15),
+}
+"""The frontier preset's families and their budgets [planned epochs]: the controls over budgets
+wide enough that their frontiers are reached (issue 12: 2-10 epochs for Traditional, 5-20 for
+Random-Backprop), and sbloader's recipes."""
+
+
+def family_members(family: str, budgets: tuple[int, ...], default_epochs: int) -> list[str]:
+    """The run names of ``family`` at ``budgets``: ``<family>_e<N>``, or the family's own name
+    for the budget equal to ``default_epochs`` (``traditional``, not ``traditional_e10``)."""
+    base = get(family)
+    if base.epochs is not None:
+        raise ValueError(f"a family is a strategy without a budget, but got {family!r}")
+    return [family if b == default_epochs else base.with_budget(b).name for b in budgets]

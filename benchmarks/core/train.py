@@ -3,13 +3,15 @@
 A :class:`Trainer` owns everything its run draws randomness from: the model is initialised from
 the run's seed before any training (leaving the global RNGs alone), the source has its own
 generator, the loader its own seed and augmentation its own generator. Nothing draws from a
-global RNG during training.
+global RNG during training, so runs trained in turn, an epoch each (:func:`train_interleaved`),
+make the same selections as each run trained alone.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -80,6 +82,7 @@ class Trainer:
         noise: float,
         data: Data,
         progress: Any = None,
+        interleaved: bool = False,
     ) -> None:
         x_train, y_train, x_test, y_test = data
         self.cfg, self.strat, self.progress = cfg, strat, progress
@@ -87,7 +90,7 @@ class Trainer:
         classes = int(y_train.max()) + 1
         channels = x_train.shape[1]
         self.planned = strat.planned(cfg.epochs)
-        self.run = Run(strat.name, seed, noise, self.planned)
+        self.run = Run(strat.name, seed, noise, self.planned, interleaved=interleaved)
         self.run.classes = classes
         self.device = device = cfg.resolved_device()
         self.model = seeded_model(cfg, seed, classes, channels)
@@ -230,3 +233,27 @@ def run_one(
 ) -> Run:
     """One run trained alone, start to end."""
     return Trainer(cfg, strat, seed, noise, data, progress).train()
+
+
+def train_interleaved(
+    trainers: Sequence[Trainer],
+    on_epoch: Callable[[Trainer], None] | None = None,
+    on_done: Callable[[Run], None] | None = None,
+) -> list[Run]:
+    """Train the runs an epoch each in turn (round-robin) until each has its planned epochs, so
+    that a busy spell of a shared machine falls on all of them alike. ``on_epoch`` is called
+    after each epoch of a run, ``on_done`` with each run's record as it ends. Returns the
+    records in the order of ``trainers``."""
+    runs: dict[int, Run] = {}
+    while len(runs) < len(trainers):
+        for i, t in enumerate(trainers):
+            if i in runs:
+                continue
+            t.train_epoch()
+            if on_epoch is not None:
+                on_epoch(t)
+            if t.done:
+                runs[i] = t.finish()
+                if on_done is not None:
+                    on_done(runs[i])
+    return [runs[i] for i in range(len(trainers))]
