@@ -33,32 +33,43 @@ The machine may be shared: timings from a busy machine are indicative only.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:
+    # Run as a file: run this checkout's ``benchmarks.breakdown`` as ``python3 -m`` would from
+    # the repository, so that this checkout's benchmarks and sbloader are the ones that run.
+    import runpy
+    import sys
+    from pathlib import Path
+
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+    runpy.run_module("benchmarks.breakdown", run_name="__main__", alter_sys=True)
+    raise SystemExit(0)
+
 import argparse
-import contextlib
 import dataclasses
 import inspect
 import json
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from _machine import machine_info
 from torch import nn
-from torch.utils.data import DataLoader
 
 import sbloader
-from sbloader.datasets import ArrayDataset, fashion_mnist_tensors
-from sbloader.recipes import resnet18, small_cnn
+from benchmarks.core.config import Config, Measurement, measurement
+from benchmarks.core.data import shuffled, train_set
+from benchmarks.core.machine import describe_commit, machine_info
+from benchmarks.core.models import make_loader, seeded_model, split_backbone
+from benchmarks.core.sources import Sources
+from benchmarks.core.throughput import throughput
+from benchmarks.core.timing import StepTimer, median, sync
+from benchmarks.core.train import train_step
+from sbloader.datasets import ArrayDataset
 from sbloader.selection import SelectionForward, unwrap
 
-ROOT = Path(__file__).resolve().parents[1]
 CATEGORIES = ("data", "selection_fwd", "train_fwd", "backward", "other")
 LABELS = {
     "data": "data loading",
@@ -69,183 +80,23 @@ LABELS = {
 }
 
 
-# ---------------------------------------------------------------------------- configuration
-@dataclass
-class Config:
-    """The benchmark's settings. Units in brackets."""
-
-    quick: bool = False
-    examples: int = 60_000  # training examples per epoch [examples] (a prefix of the train set)
-    batch_size: int = 128  # training batch [examples]
-    pool_batch_size: int = 512  # source batch of SB and Stale-SB: one selection forward [examples]
-    selectivity: float = 1 / 3  # SB's expected kept fraction [1]
-    staleness: int = 3  # Stale-SB: a fresh selection pass every n-th epoch [epochs]
-    selection_bf16: bool = True  # breakdown: selection passes under bf16 autocast [bool]
-    channels_last: bool = True  # breakdown: inputs and model in channels_last [bool]
-    lr: float = 0.05  # SGD learning rate (constant: the schedule does not change timings) [1]
-    warmup_batches: int = 8  # untimed batches before each measurement [batches]
-    repeats: int = 1  # measurements per configuration; figures are medians [runs]
-    ffcv_workers: int = 1  # FFCV decoding threads [threads]
-    option_batches: int = 12  # selection cost: examples per round, in source batches [batches]
-    throughput_epochs: int = 2  # trivial-model throughput: epochs per measurement [epochs]
-    frozen_examples: int = 60_000  # frozen-backbone comparison: examples per epoch [examples]
-    seed: int = 0  # model initialisation and data order [1]
-    threads: int | None = None  # torch intra-op threads (None: torch's default) [threads]
-    model: str = "small_cnn"  # "small_cnn" (28 x 28) or "resnet18" (32 x 32) [name]
-    image_size: int = 28  # Fashion-MNIST padded to this size [pixels]
-    device: str = "cpu"  # where the model trains [device]
-    train_bf16: bool = False  # training forwards under bf16 autocast [bool]
-
-    @classmethod
-    def make(cls, quick: bool, gpu: bool = False, **overrides: Any) -> Config:
-        base = (
-            dict(
-                quick=True,
-                examples=6_144,
-                warmup_batches=4,
-                option_batches=4,
-                throughput_epochs=1,
-                frozen_examples=4_096,
-            )
-            if quick
-            else dict(repeats=3)
-        )
-        if gpu:
-            base.update(
-                model="resnet18",
-                image_size=32,
-                device="cuda",
-                train_bf16=True,
-                batch_size=256,
-                pool_batch_size=1024,
-            )
-        base.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**base)
-
-
 # ---------------------------------------------------------------------------- helpers
-def median(values: Iterable[float]) -> float:
-    return float(np.median(list(values)))
-
-
-def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
-    for group in opt.param_groups:
-        group["lr"] = lr
-
-
 def stale_sb_available() -> bool:
     """Whether this sbloader's SelectiveBackprop has ``staleness=`` (Stale-SB)."""
     return "staleness" in inspect.signature(sbloader.SelectiveBackprop).parameters
 
 
-def policy_for(strategy: str, cfg: Config) -> sbloader.Policy:
-    if strategy == "traditional":
-        return sbloader.Traditional()
-    if strategy == "sb":
-        return sbloader.SelectiveBackprop(cfg.selectivity)
-    return sbloader.SelectiveBackprop(cfg.selectivity, staleness=cfg.staleness)
-
-
-def make_model(cfg: Config) -> nn.Module:
-    torch.manual_seed(cfg.seed)  # the benchmark's own process: model initialisation only
-    model = resnet18(10, 1) if cfg.model == "resnet18" else small_cnn()
-    model = model.to(cfg.device)
-    return model.to(memory_format=torch.channels_last) if cfg.channels_last else model
-
-
-def split_backbone(cfg: Config, model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """The model's convolutional backbone and its classifier head."""
-    cut = 7 if cfg.model == "resnet18" else 8
-    return model[:cut], model[cut:]
-
-
-def sync(cfg: Config) -> None:
-    """Wait for the GPU's queued work, so that a timer read next includes it."""
-    if torch.device(cfg.device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def train_autocast(cfg: Config) -> Any:
-    if cfg.train_bf16:
-        return torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-class Sources:
-    """The same examples as a DataLoader and as an FFCV loader (a .beton in a temporary folder)."""
-
-    def __init__(self, cfg: Config, x: torch.Tensor, y: torch.Tensor, ffcv: bool) -> None:
-        self.cfg, self.x, self.y = cfg, x, y
-        # NOTE: on a GPU the examples live on the device (num_workers=0), as a GPU user would
-        # keep a dataset of this size.
-        self.dataset = ArrayDataset(x.to(cfg.device), y.to(cfg.device))
-        self._tmp = tempfile.TemporaryDirectory(prefix="sbloader-breakdown-")
-        self.beton: Path | None = None
-        self.write_s: float | None = None
-        if ffcv:
-            import sbloader.ffcv as sbffcv
-
-            t0 = time.perf_counter()
-            # NOTE: the same normalised float32 tensors as the DataLoader's, so that both
-            # sources feed the model identical inputs (60,000 images: 188 MB).
-            self.beton = sbffcv.write_beton(
-                Path(self._tmp.name) / "fashion_mnist.beton", (x.numpy(), y.numpy())
-            )
-            self.write_s = time.perf_counter() - t0
-
-    def kinds(self) -> list[str]:
-        return ["dataloader"] + (["ffcv"] if self.beton is not None else [])
-
-    def make(self, kind: str, batch_size: int, seed: int) -> Any:
-        if kind == "dataloader":
-            gen = torch.Generator().manual_seed(seed)
-            return DataLoader(self.dataset, batch_size=batch_size, shuffle=True, generator=gen)
-        import sbloader.ffcv as sbffcv
-
-        assert self.beton is not None
-        return sbffcv.open_beton(
-            self.beton,
-            batch_size,
-            order="random",
-            seed=seed,
-            num_workers=self.cfg.ffcv_workers,
-        )
-
-    def close(self) -> None:
-        self._tmp.cleanup()
-
-
-def selective_loader(
-    source: Any, model: nn.Module, policy: sbloader.Policy, cfg: Config, **kw: Any
-) -> sbloader.SelectiveLoader:
-    kw.setdefault("autocast", torch.bfloat16 if cfg.selection_bf16 else None)
-    return sbloader.SelectiveLoader(
-        source,
-        model,
-        policy=policy,
-        batch_size=cfg.batch_size,
-        memory_format=torch.channels_last if cfg.channels_last else None,
-        seed=cfg.seed,
-        **kw,
-    )
-
-
-def warm_up(source: Any, model: nn.Module, cfg: Config, batches: int) -> None:
+def warm_up(source: Any, model: nn.Module, cfg: Config, m: Measurement) -> None:
     """Untimed training steps through a throwaway loader over the same source and model: first
     calls, kernel choices, numba's and FFCV's compilation. The model is restored afterwards."""
     state = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    loader = selective_loader(source, model, sbloader.SelectiveBackprop(0.5), cfg)
+    loader = make_loader(cfg, source, model, sbloader.SelectiveBackprop(0.5), m.seed)
     for i, batch in enumerate(loader):
-        with train_autocast(cfg):
-            out = model(batch[0])
-        loss = F.cross_entropy(out.float(), batch[1])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if i + 1 >= batches:
+        train_step(cfg, model, opt, batch[0], batch[1])
+        if i + 1 >= m.warmup_batches:
             break
-    sync(cfg)
+    sync(cfg.device)
     model.load_state_dict(state)
     model.zero_grad(set_to_none=True)
 
@@ -262,24 +113,14 @@ def train_epoch(
 
     On a GPU each phase ends with a synchronisation, so that its time holds its own GPU work
     (and the loader's selection timer starts on an idle GPU)."""
-    fwd = bwd = 0.0
-    sync(cfg)
+    timer = StepTimer(cfg.device, synchronise=True)
+    sync(cfg.device)
     t_start = time.perf_counter()
     for batch in loader:
-        t0 = time.perf_counter()
         x = batch[0] if inputs_of is None else inputs_of(batch)
-        with train_autocast(cfg):
-            out = model(x)
-        loss = (F.cross_entropy(out.float(), batch[1], reduction="none") * batch.weights).mean()
-        sync(cfg)
-        t1 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sync(cfg)
-        fwd += t1 - t0
-        bwd += time.perf_counter() - t1
+        train_step(cfg, model, opt, x, batch[1], batch.weights, timer)
     wall = time.perf_counter() - t_start
+    fwd, bwd = timer.totals()
     st = loader.stats.current
     assert st is not None
     loader_own = st.selection_s - st.selection_forward_s + st.overhead_s
@@ -297,7 +138,9 @@ def train_epoch(
     }
 
 
-def breakdown(cfg: Config, sources: Sources, log: Callable[[str], None]) -> list[dict[str, Any]]:
+def breakdown(
+    cfg: Config, m: Measurement, sources: Sources, log: Callable[[str], None]
+) -> list[dict[str, Any]]:
     strategies = ["traditional", "sb"] + (["stale_sb"] if stale_sb_available() else [])
     if not stale_sb_available():
         log("# Stale-SB skipped: this sbloader's SelectiveBackprop has no staleness=")
@@ -305,20 +148,20 @@ def breakdown(cfg: Config, sources: Sources, log: Callable[[str], None]) -> list
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {c: [] for c in configs}
     # NOTE: repeats are the outer loop, so that a slow spell of a shared machine spreads over
     # all configurations instead of falling on one.
-    for rep in range(cfg.repeats):
+    for rep in range(m.repeats):
         for kind, strategy in configs:
-            epochs = cfg.staleness if strategy == "stale_sb" else 1
+            epochs = m.staleness if strategy == "stale_sb" else 1
             source_bs = cfg.batch_size if strategy == "traditional" else cfg.pool_batch_size
-            model = make_model(cfg)
+            model = seeded_model(cfg, m.seed)
             opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
-            source = sources.make(kind, source_bs, cfg.seed + rep)
-            warm_up(source, model, cfg, cfg.warmup_batches)
-            loader = selective_loader(source, model, policy_for(strategy, cfg), cfg)
+            source = sources.make(kind, source_bs, m.seed + rep)
+            warm_up(source, model, cfg, m)
+            loader = make_loader(cfg, source, model, m.policy(strategy), m.seed)
             per_epoch = [train_epoch(loader, model, opt, cfg) for _ in range(epochs)]
             run = {k: float(np.mean([e[k] for e in per_epoch])) for k in per_epoch[0]}
             runs[kind, strategy].append(run | {"epochs": per_epoch})
             log(
-                f"[{rep + 1}/{cfg.repeats}] {kind:10s} {strategy:9s} epoch {run['wall']:6.2f}s  "
+                f"[{rep + 1}/{m.repeats}] {kind:10s} {strategy:9s} epoch {run['wall']:6.2f}s  "
                 + "  ".join(f"{c} {run[c]:5.2f}s" for c in CATEGORIES)
                 + f"  loader-own {100 * run['loader_own'] / run['wall']:.1f}%"
             )
@@ -327,7 +170,7 @@ def breakdown(cfg: Config, sources: Sources, log: Callable[[str], None]) -> list
         row: dict[str, Any] = {
             "source": kind,
             "strategy": strategy,
-            "measured_epochs": cfg.staleness if strategy == "stale_sb" else 1,
+            "measured_epochs": m.staleness if strategy == "stale_sb" else 1,
         }
         for k in ("wall", *CATEGORIES, "loader_own", "examples_seen", "backprop"):
             row[k] = median(r[k] for r in rs)
@@ -400,11 +243,17 @@ class TrainingStep:
     """Timed training steps (forward, backward, SGD step at lr 0) over a fixed set of batches."""
 
     def __init__(
-        self, x: torch.Tensor, y: torch.Tensor, cfg: Config, channels_last: bool, batches: int
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        cfg: Config,
+        seed: int,
+        channels_last: bool,
+        batches: int,
     ) -> None:
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         self.cfg = cfg
-        self.model = make_model(cfg).to(memory_format=fmt)
+        self.model = seeded_model(dataclasses.replace(cfg, channels_last=channels_last), seed)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.0, momentum=0.9)
         bs = cfg.batch_size
         dev = cfg.device
@@ -416,16 +265,11 @@ class TrainingStep:
 
     def run(self) -> float:
         """Seconds per example."""
-        sync(self.cfg)
+        sync(self.cfg.device)
         t0 = time.perf_counter()
         for xb, yb in self.batches:
-            with train_autocast(self.cfg):
-                out = self.model(xb)
-            loss = F.cross_entropy(out.float(), yb)
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            self.opt.step()
-        sync(self.cfg)
+            train_step(self.cfg, self.model, self.opt, xb, yb)
+        sync(self.cfg.device)
         return (time.perf_counter() - t0) / sum(len(yb) for _, yb in self.batches)
 
 
@@ -433,12 +277,18 @@ class SelectionPass:
     """Timed selection passes with one option's settings, through sbloader's SelectionForward."""
 
     def __init__(
-        self, option: dict[str, Any], x: torch.Tensor, y: torch.Tensor, cfg: Config, n: int
+        self,
+        option: dict[str, Any],
+        x: torch.Tensor,
+        y: torch.Tensor,
+        cfg: Config,
+        seed: int,
+        n: int,
     ) -> None:
         cl = option.get("channels_last", False)
         fmt = torch.channels_last if cl else torch.contiguous_format
         self.cfg = cfg
-        model = proxy_selector(cfg) if option.get("proxy") else make_model(cfg)
+        model = proxy_selector(cfg) if option.get("proxy") else seeded_model(cfg, seed)
         model = model.to(memory_format=fmt)
         self.selector = resolution_agnostic(cfg, model) if option.get("scale") else model
         self.forward = SelectionForward(
@@ -458,7 +308,7 @@ class SelectionPass:
 
     def run(self) -> float:
         """Seconds per example."""
-        sync(self.cfg)
+        sync(self.cfg.device)
         t0 = time.perf_counter()
         for xb, yb in self.chunks:
             self.forward(
@@ -469,12 +319,12 @@ class SelectionPass:
                 batch_size=self.bs,
                 autocast_dtype=self.dtype,
             )
-        sync(self.cfg)
+        sync(self.cfg.device)
         return (time.perf_counter() - t0) / sum(len(yb) for _, yb in self.chunks)
 
 
 def selection_costs(
-    cfg: Config, x: torch.Tensor, y: torch.Tensor, log: Callable[[str], None]
+    cfg: Config, m: Measurement, x: torch.Tensor, y: torch.Tensor, log: Callable[[str], None]
 ) -> dict[str, Any]:
     """c per option: selection seconds per example over training-step seconds per example.
 
@@ -483,18 +333,18 @@ def selection_costs(
     sides of a ratio alike. The training reference is channels_last (the faster layout here,
     and what the breakdown trains with): a fair c compares with the best training step.
     """
-    n = cfg.option_batches * cfg.pool_batch_size
+    n = m.option_batches * cfg.pool_batch_size
     x, y = x[:n], y[:n]
     train_batches = n // cfg.batch_size
-    train = {cl: TrainingStep(x, y, cfg, cl, train_batches) for cl in (False, True)}
-    rounds = max(3, 3 * cfg.repeats)
+    train = {cl: TrainingStep(x, y, cfg, m.seed, cl, train_batches) for cl in (False, True)}
+    rounds = max(3, 3 * m.repeats)
     layout = {False: [], True: []}
     for _ in range(rounds):
         for cl, step in train.items():
             layout[cl].append(step.run())
     rows = []
     for option in OPTIONS:
-        sel = SelectionPass(option, x, y, cfg, n)
+        sel = SelectionPass(option, x, y, cfg, m.seed, n)
         pairs = [(train[True].run(), sel.run()) for _ in range(rounds)]
         row = {
             "option": option["name"],
@@ -518,90 +368,12 @@ def selection_costs(
     }
 
 
-# ---------------------------------------------------------------------------- 3. throughput
-def throughput(cfg: Config, sources: Sources, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Examples per second: the raw source against SelectiveLoader with a trivial model and a
-    training loop that does nothing (Traditional: yielded examples; SB: candidates consumed).
-
-    A DataLoader source is measured with the next batch fetched on demand and fetched ahead on
-    a thread (``prefetch=1``; the in-memory dataset draws no global randomness); FFCV fetches
-    ahead itself."""
-
-    def trivial() -> nn.Module:
-        return nn.Sequential(nn.Flatten(), nn.Linear(cfg.image_size**2, 10)).to(cfg.device)
-
-    configs = [
-        (kind, strategy, bs, prefetch)
-        for kind in sources.kinds()
-        for strategy, bs in (("traditional", cfg.batch_size), ("sb", cfg.pool_batch_size))
-        for prefetch in ((0, 1) if kind == "dataloader" else (0,))
-    ]
-    measured: dict[tuple[str, str, int, int], list[tuple[float, float]]] = {c: [] for c in configs}
-    for rep in range(cfg.repeats):
-        for kind, strategy, bs, prefetch in configs:
-            source = sources.make(kind, bs, cfg.seed + rep)
-            raw = raw_rate(source, cfg)
-            loader = sbloader.SelectiveLoader(
-                source,
-                trivial(),
-                policy=policy_for(strategy, cfg),
-                batch_size=cfg.batch_size,
-                prefetch=prefetch,
-            )
-            for i, _ in enumerate(loader):  # warm-up
-                if i >= cfg.warmup_batches:
-                    break
-            seen, t0 = 0, time.perf_counter()
-            for _ in range(cfg.throughput_epochs):
-                for _ in loader:
-                    pass
-                seen += loader.stats.current.examples_seen
-            measured[kind, strategy, bs, prefetch].append((raw, seen / (time.perf_counter() - t0)))
-    rows = []
-    for (kind, strategy, bs, prefetch), pairs in measured.items():
-        row = {
-            "source": kind,
-            "strategy": strategy,
-            "source_batch": bs,
-            "prefetch": prefetch,
-            "raw_examples_per_s": median(r for r, _ in pairs),
-            "loader_examples_per_s": median(v for _, v in pairs),
-            "ratio": median(v / r for r, v in pairs),  # paired: measured back to back
-        }
-        rows.append(row)
-        log(
-            f"{kind:10s} {strategy:12s} prefetch {prefetch} raw "
-            f"{row['raw_examples_per_s']:9.0f}/s  loader "
-            f"{row['loader_examples_per_s']:9.0f}/s  ratio {row['ratio']:.3f}"
-        )
-    return rows
-
-
-def raw_rate(source: Any, cfg: Config) -> float:
-    """Examples per second of iterating the source itself (FFCV: threads restored after)."""
-
-    guard: Any = contextlib.nullcontext()
-    if not isinstance(source, DataLoader):
-        import sbloader.ffcv as sbffcv
-
-        guard = sbffcv.preserved_threads()
-    with guard:
-        for i, _ in enumerate(source):  # warm-up
-            if i >= cfg.warmup_batches:
-                break
-        seen, t0 = 0, time.perf_counter()
-        for _ in range(cfg.throughput_epochs):
-            for batch in source:
-                seen += len(batch[0])
-        return seen / (time.perf_counter() - t0)
-
-
 # ---------------------------------------------------------------------------- 4. frozen backbone
 FROZEN_VARIANTS = ("traditional", "sb_without_caching", "sb_with_caching", "sb_with_feature_cache")
 
 
 def frozen_backbone(
-    cfg: Config, x: torch.Tensor, y: torch.Tensor, log: Callable[[str], None]
+    cfg: Config, m: Measurement, x: torch.Tensor, y: torch.Tensor, log: Callable[[str], None]
 ) -> dict[str, Any]:
     """Fine-tuning the classifier on a frozen convolutional backbone (BatchNorm in eval mode).
 
@@ -613,41 +385,41 @@ def frozen_backbone(
     Each variant trains two epochs; the second is the figure (with the feature cache, the first
     fills the cache and is reported on its own).
     """
-    n = min(len(x), cfg.frozen_examples)
+    n = min(len(x), m.frozen_examples)
     dataset = ArrayDataset(x[:n].to(cfg.device), y[:n].to(cfg.device))
     walls: dict[str, list[float]] = {v: [] for v in FROZEN_VARIANTS}
     filling: list[float] = []
-    for rep in range(cfg.repeats):
+    for rep in range(m.repeats):
         for variant in FROZEN_VARIANTS:
-            full = make_model(cfg)
+            full = seeded_model(cfg, m.seed)
             backbone, head = split_backbone(cfg, full)
             backbone.requires_grad_(False)
             backbone.eval()
             opt = torch.optim.SGD(head.parameters(), lr=cfg.lr, momentum=0.9)
-            gen = torch.Generator().manual_seed(cfg.seed + rep)
             bs = cfg.batch_size if variant == "traditional" else cfg.pool_batch_size
-            source = DataLoader(dataset, batch_size=bs, shuffle=True, generator=gen)
-            policy = policy_for("traditional" if variant == "traditional" else "sb", cfg)
+            source = shuffled(dataset, bs, m.seed + rep)
+            policy = m.policy("traditional" if variant == "traditional" else "sb")
             inputs_of: Callable[[Any], torch.Tensor] | None = None
             trained: nn.Module = full
             if variant in ("sb_with_caching", "sb_with_feature_cache"):
-                loader = selective_loader(
+                loader = make_loader(
+                    cfg,
                     source,
                     head,
                     policy,
-                    cfg,
+                    m.seed,
                     frozen_prefix=backbone,
                     cache_features=variant == "sb_with_feature_cache",
                 )
                 trained, inputs_of = head, (lambda b: b.features)
             else:
-                loader = selective_loader(source, full, policy, cfg)
+                loader = make_loader(cfg, source, full, policy, m.seed)
             first = train_epoch(loader, trained, opt, cfg, inputs_of)["wall"]  # warm-up
             walls[variant].append(train_epoch(loader, trained, opt, cfg, inputs_of)["wall"])
             if variant == "sb_with_feature_cache":
                 filling.append(first)
             log(
-                f"[{rep + 1}/{cfg.repeats}] frozen backbone, {variant:22s} "
+                f"[{rep + 1}/{m.repeats}] frozen backbone, {variant:22s} "
                 f"{walls[variant][-1]:6.2f}s (first epoch {first:.2f}s)"
             )
     out: dict[str, Any] = {"examples": n}
@@ -671,25 +443,25 @@ def frozen_backbone(
 
 
 # ---------------------------------------------------------------------------- reporting
-def markdown(cfg: Config, machine: dict[str, Any], results: dict[str, Any]) -> str:
+def markdown(cfg: Config, m: Measurement, machine: dict[str, Any], results: dict[str, Any]) -> str:
     lines = [
         "# Epoch breakdown and selection cost"
-        + (" (quick mode: indicative only)" if cfg.quick else ""),
+        + (" (quick mode: indicative only)" if m.quick else ""),
         "",
         f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['torch_threads']} torch "
         f"threads, GPU: {machine['gpu'] or 'none'}. Python {machine['python']}, torch "
         f"{machine['torch']}, numpy {machine['numpy']}, numba {machine['numba']}, ffcv "
         f"{machine['ffcv'] or 'not installed'}, sbloader {machine['sbloader']} "
-        f"(commit {machine['git_commit'] or '?'}), {machine['date']}.",
+        f"({describe_commit(machine)}), {machine['date']}.",
         "",
-        f"Fashion-MNIST ({cfg.image_size} x {cfg.image_size}), first {cfg.examples} training "
+        f"Fashion-MNIST ({cfg.image_size} x {cfg.image_size}), first {m.examples} training "
         f"examples, {cfg.model} on {cfg.device}"
         f"{' (bf16 training)' if cfg.train_bf16 else ''}, training batch "
         f"{cfg.batch_size}, SB/Stale-SB source batch {cfg.pool_batch_size}, selectivity "
-        f"{cfg.selectivity:.3g}, Stale-SB staleness {cfg.staleness}; selection "
+        f"{m.selectivity:.3g}, Stale-SB staleness {m.staleness}; selection "
         f"{'bf16' if cfg.selection_bf16 else 'fp32'}, "
         f"{'channels_last' if cfg.channels_last else 'default layout'}; median of "
-        f"{cfg.repeats} run(s), warm-up excluded.",
+        f"{m.repeats} run(s), warm-up excluded.",
         "",
         "## 1. One epoch's wall-clock (seconds)",
         "",
@@ -814,15 +586,6 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- main
-def padded_train_set(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fashion-MNIST's training set, padded with the background value to ``image_size``."""
-    x, y = fashion_mnist_tensors("train")
-    pad = (cfg.image_size - x.shape[-1]) // 2
-    if pad > 0:
-        x = F.pad(x, (pad,) * 4, value=float(x.min())).contiguous()
-    return x, y
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -840,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", help="override the device (e.g. cpu, to try --gpu's settings)")
     p.add_argument("--frozen-examples", type=int, help="examples per frozen-backbone epoch")
     args = p.parse_args(argv)
-    cfg = Config.make(
+    cfg, m = measurement(
         args.quick,
         args.gpu,
         device=args.device,
@@ -859,12 +622,13 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
         log_lines.append(line)
 
-    machine = machine_info()
+    machine = machine_info(exclude=args.out)
     log(f"# {json.dumps(machine)}")
-    log(f"# {dataclasses.asdict(cfg)}")
+    config = {"setting": dataclasses.asdict(cfg), "measurement": dataclasses.asdict(m)}
+    log(f"# {config}")
     started = time.perf_counter()
-    x, y = padded_train_set(cfg)
-    x, y = x[: cfg.examples].contiguous(), y[: cfg.examples].contiguous()
+    x, y = train_set(cfg)
+    x, y = x[: m.examples].contiguous(), y[: m.examples].contiguous()
     use_ffcv = not args.no_ffcv
     if use_ffcv:
         import sbloader.ffcv as sbffcv
@@ -872,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
         if not sbffcv.ffcv_available():
             log("# FFCV skipped: ffcv is not installed (pip install ffcv==1.0.2)")
             use_ffcv = False
-    sources = Sources(cfg, x, y, use_ffcv)
+    sources = Sources(x, y, cfg.device, use_ffcv, m.ffcv_workers)
     try:
         results: dict[str, Any] = {
             "ffcv_write_s": sources.write_s,
@@ -880,22 +644,22 @@ def main(argv: list[str] | None = None) -> int:
             "device": cfg.device,
         }
         log("## 1. breakdown")
-        results["breakdown"] = breakdown(cfg, sources, log)
+        results["breakdown"] = breakdown(cfg, m, sources, log)
         log("## 2. selection cost")
-        results["selection"] = selection_costs(cfg, x, y, log)
+        results["selection"] = selection_costs(cfg, m, x, y, log)
         log("## 3. throughput")
-        results["throughput"] = throughput(cfg, sources, log)
+        results["throughput"] = throughput(cfg, m, sources, log)
     finally:
         sources.close()
     log("## 4. frozen backbone")
     fx, fy = x, y
-    if cfg.frozen_examples > len(x):
-        fx, fy = padded_train_set(cfg)
-    results["frozen_backbone"] = frozen_backbone(cfg, fx, fy, log)
+    if m.frozen_examples > len(x):
+        fx, fy = train_set(cfg)
+    results["frozen_backbone"] = frozen_backbone(cfg, m, fx, fy, log)
     results["total_s"] = time.perf_counter() - started
-    report = {"config": dataclasses.asdict(cfg), "machine": machine, "results": results}
+    report = {"config": config, "machine": machine, "results": results}
     (args.out / "breakdown.json").write_text(json.dumps(report, indent=1))
-    (args.out / "breakdown.md").write_text(markdown(cfg, machine, results))
+    (args.out / "breakdown.md").write_text(markdown(cfg, m, machine, results))
     plot(results, args.out / "breakdown.png")
     (args.out / "breakdown.log").write_text("\n".join(log_lines) + "\n")
     log(f"# wrote {args.out}/breakdown.{{md,json,png,log}} in {results['total_s']:.0f}s")

@@ -23,6 +23,17 @@ The machine may be shared: timings from a busy machine are indicative only.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:
+    # Run as a file: run this checkout's ``benchmarks.store_scale`` as ``python3 -m`` would from
+    # the repository, so that this checkout's benchmarks and sbloader are the ones that run.
+    import runpy
+    import sys
+    from pathlib import Path
+
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+    runpy.run_module("benchmarks.store_scale", run_name="__main__", alter_sys=True)
+    raise SystemExit(0)
+
 import argparse
 import dataclasses
 import gc
@@ -37,8 +48,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _machine import machine_info
 
+from benchmarks.core.machine import describe_commit, machine_info
 from sbloader import ExampleStore
 
 OPERATIONS = ("record", "lookup", "count_selected")
@@ -132,7 +143,8 @@ def markdown(cfg: Config, machine: dict[str, Any], results: list[dict[str, Any]]
         "",
         f"Machine: {machine['cpu']}, {machine['cores']} cores, Python {machine['python']}, "
         f"numpy {machine['numpy']}, numba {machine['numba']} (JIT "
-        f"{'on' if machine['numba_jit'] else 'off'}), sbloader {machine['sbloader']}, "
+        f"{'on' if machine['numba_jit'] else 'off'}), sbloader {machine['sbloader']} "
+        f"({describe_commit(machine)}), "
         f"{machine['date']}.",
         f"Batches of {cfg.batch} uniformly random indices; rates are the median of "
         f"{cfg.repeats} passes of {cfg.calls} calls, after {cfg.warmup_calls} untimed calls.",
@@ -162,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         cfg = dataclasses.replace(cfg, sizes=(10**6, 10**7))
     args.out.mkdir(parents=True, exist_ok=True)
-    machine = machine_info()
+    machine = machine_info(exclude=args.out)
     # Load (or compile) the kernels before any memory is measured.
     warm = ExampleStore(8)
     run_operation(warm, "record", np.arange(8)[None], np.ones((1, 8)))

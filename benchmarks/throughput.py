@@ -11,20 +11,30 @@ repeats the whole measurement N times and reports each run and the median ratio.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:
+    # Run as a file: run this checkout's ``benchmarks.throughput`` as ``python3 -m`` would from
+    # the repository, so that this checkout's benchmarks and sbloader are the ones that run.
+    import runpy
+    import sys
+    from pathlib import Path
+
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+    runpy.run_module("benchmarks.throughput", run_name="__main__", alter_sys=True)
+    raise SystemExit(0)
+
 import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import breakdown as bd
-from _machine import machine_info
-
 import sbloader.ffcv as sbffcv
+from benchmarks.core.config import measurement
+from benchmarks.core.data import train_set
+from benchmarks.core.machine import describe_commit, machine_info
+from benchmarks.core.sources import Sources
+from benchmarks.core.throughput import throughput
 
 
 def main() -> int:
@@ -35,23 +45,23 @@ def main() -> int:
     args = p.parse_args()
     if args.runs < 1:
         raise SystemExit(f"--runs should be >= 1, but got --runs={args.runs}")
-    cfg = bd.Config.make(False)
-    x, y = bd.padded_train_set(cfg)
-    x, y = x[: cfg.examples].contiguous(), y[: cfg.examples].contiguous()
+    cfg, m = measurement(False)
+    x, y = train_set(cfg)
+    x, y = x[: m.examples].contiguous(), y[: m.examples].contiguous()
     use_ffcv = not args.no_ffcv and sbffcv.ffcv_available()
-    sources = bd.Sources(cfg, x, y, use_ffcv)
+    sources = Sources(x, y, cfg.device, use_ffcv, m.ffcv_workers)
     started = time.perf_counter()
     runs = []
     try:
         for i in range(args.runs):
             print(f"# run {i + 1}/{args.runs}", flush=True)
-            runs.append(bd.throughput(cfg, sources, print))
+            runs.append(throughput(cfg, m, sources, print))
     finally:
         sources.close()
-    machine = machine_info()
+    machine = machine_info(exclude=args.out)
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
-        "config": dataclasses.asdict(cfg),
+        "config": {"setting": dataclasses.asdict(cfg), "measurement": dataclasses.asdict(m)},
         "machine": machine,
         "runs": runs,
         "seconds": time.perf_counter() - started,
@@ -61,9 +71,9 @@ def main() -> int:
         "# SelectiveLoader throughput with a trivial model (section 3 of breakdown.py)",
         "",
         f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
-        f"sbloader {machine['sbloader']} (commit {machine['git_commit']}), {machine['date']}. "
-        f"{cfg.examples} examples, {cfg.throughput_epochs} epochs per measurement, median of "
-        f"{cfg.repeats} per run; {args.runs} runs.",
+        f"sbloader {machine['sbloader']} ({describe_commit(machine)}), {machine['date']}. "
+        f"{m.examples} examples, {m.throughput_epochs} epochs per measurement, median of "
+        f"{m.repeats} per run; {args.runs} runs.",
         "",
         "| source | strategy | prefetch | ratio per run | median ratio |",
         "|---|---|---|---|---|",

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import run as bench
+import sbloader
+from benchmarks import run as bench
+from benchmarks.core import strategies
+from benchmarks.core.analysis import pareto, speedup_table, time_to
+from benchmarks.core.config import Config
+from benchmarks.core.records import Run, collapsed
 
 
 def make_run(name, seed, curve, noise=0.0):
-    r = bench.Run(name, seed, noise, planned_epochs=len(curve))
+    r = Run(name, seed, noise, planned_epochs=len(curve))
     r.points = [dict(position=0.0, time_s=0.0, error=1.0, backprops=0, selections=0)]
     r.points += [
         dict(position=i + 1.0, time_s=t, error=e, backprops=0, selections=0)
@@ -25,9 +28,9 @@ def make_run(name, seed, curve, noise=0.0):
 
 def test_time_to_is_the_first_evaluation_at_or_below_target():
     r = make_run("x", 0, [(10, 0.2), (20, 0.1), (30, 0.12), (40, 0.08)])
-    assert bench.time_to(r.points, 0.1) == 20
-    assert bench.time_to(r.points, 0.08) == 40
-    assert bench.time_to(r.points, 0.05) is None
+    assert time_to(r.points, 0.1) == 20
+    assert time_to(r.points, 0.08) == 40
+    assert time_to(r.points, 0.05) is None
 
 
 def test_speedups_are_paired_by_seed_and_count_never():
@@ -39,7 +42,7 @@ def test_speedups_are_paired_by_seed_and_count_never():
         make_run("slow", 0, [(50, 0.11)]),
         make_run("slow", 1, [(80, 0.105)]),
     ]
-    table = bench.speedup_table(runs)
+    table = speedup_table(runs)
     assert table["traditional"][1.0]["mean"] == 1.0
     fast = table["fast"][1.0]
     assert fast["mean"] == pytest.approx((20 / 5 + 40 / 10) / 2) and fast["never"] == 0
@@ -56,7 +59,7 @@ def test_each_seed_is_measured_against_its_own_traditional_final_error():
         make_run("x", 0, [(5, 0.09), (10, 0.08)]),
         make_run("x", 1, [(5, 0.12)]),
     ]
-    table = bench.speedup_table(runs)
+    table = speedup_table(runs)
     trad = table["traditional"][1.0]
     assert trad["mean"] == 1.0 and trad["never"] == 0
     assert table["x"][1.0]["min"] == pytest.approx(2.0) and table["x"][1.0]["max"] == 4.0
@@ -64,17 +67,18 @@ def test_each_seed_is_measured_against_its_own_traditional_final_error():
 
 
 def test_warmup_suffixes_build_matched_policies():
-    cfg = bench.Config()
-    rw = bench._strategy("stale_sb_3_rwarmup").policy(cfg)
-    assert isinstance(rw.warmup_policy, bench.sbloader.RandomBackprop)
+    cfg = Config()
+    rw = strategies.get("stale_sb_3_rwarmup").policy(cfg.epochs)
+    assert isinstance(rw.warmup_policy, sbloader.RandomBackprop)
     assert rw.warmup_policy.selectivity == pytest.approx(1 / 3) and rw.policy.staleness == 3
-    control = bench._strategy("random_0.33_warmup").policy(cfg)
-    assert isinstance(control.policy, bench.sbloader.RandomBackprop)
-    assert isinstance(control.warmup_policy, bench.sbloader.Traditional)
-    assert bench._strategy("diet_sb_rwarmup").prune
+    control = strategies.get("random_0.33_warmup").policy(cfg.epochs)
+    assert isinstance(control.policy, sbloader.RandomBackprop)
+    assert isinstance(control.warmup_policy, sbloader.Traditional)
+    assert strategies.get("diet_sb_rwarmup").prune
     # Annealing follows the strategy's own schedule (built with its planned epochs).
-    anneal = bench._strategy("sb_0.33_anneal_e16")
-    assert anneal.policy(bench.dataclasses.replace(cfg, epochs=16)).anneal_from_epoch == 14
+    anneal = strategies.get("sb_0.33_anneal_e16")
+    assert anneal.planned(cfg.epochs) == 16
+    assert anneal.policy(anneal.planned(cfg.epochs)).anneal_from_epoch == 14
 
 
 def test_pareto_frontier_keeps_only_non_dominated_points():
@@ -82,29 +86,31 @@ def test_pareto_frontier_keeps_only_non_dominated_points():
         make_run("a", 0, [(10, 0.3), (20, 0.2), (30, 0.15)]),
         make_run("b", 0, [(15, 0.25), (25, 0.22), (35, 0.1)]),
     ]
-    front = bench.pareto(runs)
+    front = pareto(runs)
     assert [(n, t) for n, t, _ in front] == [("a", 10), ("b", 15), ("a", 20), ("a", 30), ("b", 35)]
 
 
 def test_strategy_names_parse_and_typos_fail():
-    s = bench._strategy("stale_sb_3_e20")
-    assert s.epochs == 20 and s.family == "selective" and s.selectivity == pytest.approx(1 / 3)
-    assert bench._strategy("traditional_e4").epochs == 4
+    s = strategies.get("stale_sb_3_e20")
+    assert s.epochs == 20 and s.selective and s.selectivity == pytest.approx(1 / 3)
+    assert s.name == "stale_sb_3_e20" and s.family == "stale_sb_3"
+    assert strategies.get("traditional_e4").epochs == 4
+    assert not strategies.get("traditional_e4").selective
     with pytest.raises(ValueError, match="unknown strategy"):
-        bench._strategy("sbb_0.3")
+        strategies.get("sbb_0.3")
 
 
 def test_a_run_that_sat_at_chance_level_is_collapsed_even_if_it_recovered():
     healthy = make_run("x", 0, [(10, 0.40), (20, 0.12), (30, 0.09)])
     healthy.points[1]["position"] = 0.5  # a high error before the first epoch ends is fine
-    assert not bench.collapsed(healthy)
+    assert not collapsed(healthy)
     stuck = make_run("x", 0, [(10, 0.90), (20, 0.90), (30, 0.74)])  # recovered part way
-    assert bench.collapsed(stuck)
+    assert collapsed(stuck)
     many = make_run("x", 0, [(10, 0.95), (20, 0.90)])
     many.classes = 100  # chance level on 100 classes is 99%
-    assert not bench.collapsed(many)
+    assert not collapsed(many)
     nan = make_run("x", 0, [(10, 0.2), (20, float("nan"))])
-    assert bench.collapsed(nan)
+    assert collapsed(nan)
 
 
 def test_a_report_keeps_and_describes_the_recorded_machine_and_config(tmp_path, capsys):
@@ -112,11 +118,11 @@ def test_a_report_keeps_and_describes_the_recorded_machine_and_config(tmp_path, 
     runs.mkdir()
     for name, curve in [("traditional", [(10, 0.2), (20, 0.1)]), ("sb_0.33", [(5, 0.1)])]:
         r = make_run(name, 0, curve)
-        (runs / f"{r.key()}.json").write_text(json.dumps(bench.dataclasses.asdict(r)))
+        (runs / f"{r.key()}.json").write_text(json.dumps(dataclasses.asdict(r)))
     machine = {"cpu": "Recorded CPU", "cores": 16, "torch": "9.9", "torch_threads": 16}
     machine.update(gpu="Recorded GPU", numba="0", sbloader="0", date="then")
     (tmp_path / "machine.json").write_text(json.dumps(machine))
-    cfg = bench.dataclasses.asdict(bench.Config(preset="gpu", device="cuda", model="resnet18"))
+    cfg = dataclasses.asdict(Config(preset="gpu", device="cuda", model="resnet18"))
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert bench.main(["--preset", "quick", "--out", str(tmp_path), "--report-only"]) == 0
     assert json.loads((tmp_path / "machine.json").read_text()) == machine  # not overwritten

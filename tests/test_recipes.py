@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 from torch import nn
 
+from benchmarks.core.data import augment
 from sbloader.recipes import error_rate, resnet18, small_cnn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import run as bench
 
 
 def test_resnet18_shapes_backbone_split_and_any_resolution():
@@ -46,7 +41,7 @@ def test_error_rate_counts_mistakes_and_restores_training_flags():
 def test_benchmark_augmentation_shifts_and_flips_each_image_whole():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(16, 2, 8, 8)
-    out = bench.augment(x, g, flip=True, pad=2)
+    out = augment(x, g, flip=True, pad=2)
     assert out.shape == x.shape
     padded = nn.functional.pad(x, (2,) * 4)
     flipped = nn.functional.pad(x.flip(3), (2,) * 4)
@@ -60,5 +55,5 @@ def test_benchmark_augmentation_shifts_and_flips_each_image_whole():
         assert any(torch.equal(out[i], c) for c in crops), i
     # Not the identity for every image, and reproducible from the generator.
     assert not torch.equal(out, x)
-    again = bench.augment(x, torch.Generator().manual_seed(0), flip=True, pad=2)
+    again = augment(x, torch.Generator().manual_seed(0), flip=True, pad=2)
     assert torch.equal(out, again)

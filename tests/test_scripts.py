@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 from tqdm import tqdm
 
+from benchmarks.core import strategies
+from benchmarks.core.config import Config
+from benchmarks.core.data import load_data
+from benchmarks.core.train import run_one
 from sbloader.datasets import load_fashion_mnist
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import run as bench  # noqa: E402
 
 try:
     load_fashion_mnist("test")
@@ -47,11 +49,11 @@ def test_the_example_trains_both_strategies_and_reports_counts(tmp_path):
 
 @pytest.mark.parametrize("name", ["traditional", "stale_sb_3_rwarmup", "kath18", "diet_sb"])
 def test_a_benchmark_run_records_its_curve_costs_and_breakdown(name):
-    cfg = bench.Config(epochs=2, eval_every=1.0, el2n_epochs=1, el2n_models=1)
-    x, y, xt, yt = bench.load_data(cfg)
+    cfg = Config(epochs=2, eval_every=1.0, el2n_epochs=1, el2n_models=1)
+    x, y, xt, yt = load_data(cfg)
     data = (x[:2048], y[:2048], xt[:500], yt[:500])
     with tqdm(total=200, disable=True) as bar:
-        run = bench.run_one(cfg, bench._strategy(name), 0, 0.0, data, bar)
+        run = run_one(cfg, strategies.get(name), 0, 0.0, data, bar)
     assert [p["position"] for p in run.points] == [0.0, 1.0, 2.0]
     times = [p["time_s"] for p in run.points]
     assert times == sorted(times) and run.train_s >= times[-1] - 1e-6

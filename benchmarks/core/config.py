@@ -1,0 +1,270 @@
+"""The one configuration object of every benchmark (:class:`Config`), the presets of ``run.py``, and
+what the timing benchmarks measure (:class:`Measurement`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import sbloader
+
+from . import strategies
+
+
+@dataclass
+class Config:
+    """A benchmark's training setting and plan. Units in brackets in each field's docstring.
+
+    ``run.py`` uses every field; ``breakdown.py`` and ``throughput.py`` use the training setting
+    (model, data, batches, precision, layout, device, threads) and add their own measurement
+    settings. Saved as ``config.json`` next to a run's results, flat, field by field.
+    """
+
+    preset: str = "quick"
+    """The preset this configuration came from [name]."""
+    epochs: int = 10
+    """Planned epochs of the default schedule; a strategy named ``..._eN`` plans N [epochs]."""
+    seeds: tuple[int, ...] = (0,)
+    """Seeds: model initialisation, data order, selection randomness, label noise [1]."""
+    strategies: tuple[str, ...] = ("traditional", "sb_0.33", "stale_sb_3")
+    """Strategy names from ``benchmarks.core.strategies`` [names]."""
+    batch_size: int = 128
+    """Training batch [examples]."""
+    pool_batch_size: int = 512
+    """Source batch of selective strategies: the candidates of one selection pass [examples]."""
+    lr: float = 0.05
+    """Peak learning rate of the cosine schedule [1]."""
+    momentum: float = 0.9
+    """SGD (Nesterov) momentum [1]."""
+    weight_decay: float = 5e-4
+    """SGD weight decay [1]."""
+    eval_every: float = 0.5
+    """Evaluation interval [epochs of data]."""
+    selection_bf16: bool = True
+    """Selection passes under bf16 autocast; training stays fp32 unless ``train_bf16`` [bool]."""
+    label_noise: tuple[float, ...] = (0.0,)
+    """Fractions of training labels flipped [1]."""
+    noise_strategies: tuple[str, ...] = ()
+    """Strategies also run at the non-zero label-noise levels [names]."""
+    noise_seeds: tuple[int, ...] = (0,)
+    """Seeds of the label-noise runs [1]."""
+    el2n_models: int = 2
+    """EL2N: copies trained for scoring [models]."""
+    el2n_epochs: int = 1
+    """EL2N: epochs per scoring copy [epochs]."""
+    el2n_keep: float = 0.7
+    """EL2N: fraction of the training set kept [1]."""
+    threads: int | None = None
+    """torch intra-op threads (None: torch's default) [threads]."""
+    model: str = "small_cnn"
+    """``"small_cnn"`` (28 x 28) or ``"resnet18"`` (CIFAR-style, 32 x 32) [name]."""
+    dataset: str = "fashion_mnist"
+    """``"fashion_mnist"``, or ``"cifar10"``, ``"cifar100"``, ``"svhn"`` from local files [name]."""
+    data_root: str | None = None
+    """Folder of a local dataset in torchvision's format (``--data``) [path]."""
+    image_size: int = 28
+    """Fashion-MNIST is padded to this size [pixels]."""
+    device: str = "cpu"
+    """``"cpu"``, ``"cuda"`` or ``"auto"`` (cuda when available) [device]."""
+    train_bf16: bool = False
+    """Training forwards under bf16 autocast (GPU presets) [bool]."""
+    augment: bool = False
+    """Random crops (padding 4) and, unless svhn, flips of training batches [bool]."""
+    channels_last: bool = True
+    """Model and inputs in the channels_last memory format [bool]."""
+    families: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """Families run at several budgets, added to ``strategies``: (strategy, planned epochs of
+    each run) pairs; a budget equal to ``epochs`` runs under the strategy's own name [names,
+    epochs]."""
+    interleave: bool = False
+    """Hold all of a seed's runs in memory and train them one epoch each in turn, so that a busy
+    spell of a shared machine falls on all of them alike [bool]."""
+    train_examples: int | None = None
+    """Train on this prefix of the training set only (None: all of it) [examples]."""
+    test_examples: int | None = None
+    """Evaluate on this prefix of the test set only (None: all of it) [examples]."""
+
+    def resolved_device(self) -> torch.device:
+        """The device, with ``"auto"`` resolved to cuda when available."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def memory_format(self) -> torch.memory_format | None:
+        return torch.channels_last if self.channels_last else None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Config:
+        """A configuration saved as ``config.json`` (lists back to tuples; fields added since
+        it was saved keep their defaults)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names}
+        kw["families"] = tuple((f, tuple(b)) for f, b in kw.get("families", ()))
+        return cls(**kw)
+
+    def run_names(self) -> tuple[str, ...]:
+        """``strategies`` followed by every member of ``families`` (each name once)."""
+        names = list(self.strategies)
+        for family, budgets in self.families:
+            names += strategies.family_members(family, tuple(budgets), self.epochs)
+        return tuple(dict.fromkeys(names))
+
+
+# Shared by every ResNet-18 configuration (a GPU's): run.py's presets and breakdown's --gpu.
+RESNET: dict[str, Any] = dict(
+    model="resnet18",
+    image_size=32,
+    train_bf16=True,
+    batch_size=256,
+    pool_batch_size=1024,
+)
+_RESNET_RUN: dict[str, Any] = dict(RESNET, device="auto", lr=0.1)
+_GPU_STRATEGIES = (
+    "traditional",
+    "traditional_e4",
+    "random_0.33",
+    "sb_0.33",
+    "sb_0.33_rwarmup",
+    "stale_sb_3",
+    "stale_sb_3_rwarmup",
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "quick": dict(
+        strategies=(
+            "traditional",
+            "traditional_e4",
+            "random_0.33",
+            "sb_0.33_rwarmup",
+            "stale_sb_3_rwarmup",
+        ),
+    ),
+    "full": dict(
+        seeds=(0, 1, 2),
+        # The headline comparisons first, so that a run cut short still holds them.
+        strategies=(
+            "traditional",
+            "traditional_e4",
+            "traditional_e6",
+            "random_0.33",
+            "random_0.33_warmup",
+            "sb_0.33_rwarmup",
+            "stale_sb_3_rwarmup",
+            "sb_0.33",
+            "stale_sb_3",
+            "stale_sb_2",
+            "random_0.5",
+            "random_0.25",
+            "sb_0.5",
+            "sb_0.25",
+            "kath18",
+            "el2n",
+            "diet_sb",
+            "diet_sb_rwarmup",
+            "sb_0.33_warmup",
+            "stale_sb_3_warmup",
+            "sb_0.33_anneal",
+            "sb_0.33_reweight",
+        ),
+        label_noise=(0.0, 0.01, 0.1, 0.2),
+        noise_strategies=("traditional", "random_0.33", "sb_0.33_rwarmup"),
+    ),
+    # For a lent GPU: ResNet-18 on Fashion-MNIST padded to 32 x 32, larger batches, bf16.
+    "gpu": dict(seeds=(0, 1, 2), strategies=_GPU_STRATEGIES, **_RESNET_RUN),
+    # For data a user has locally in torchvision's format (never downloaded): --data FOLDER.
+    "cifar10": dict(
+        dataset="cifar10", augment=True, epochs=30, strategies=_GPU_STRATEGIES, **_RESNET_RUN
+    ),
+    "cifar100": dict(
+        dataset="cifar100", augment=True, epochs=30, strategies=_GPU_STRATEGIES, **_RESNET_RUN
+    ),
+    "svhn": dict(
+        dataset="svhn", augment=True, epochs=20, strategies=_GPU_STRATEGIES, **_RESNET_RUN
+    ),
+    # The frontier measure (issue 12): each family at several budgets, trained interleaved.
+    "frontier": dict(
+        seeds=(0, 1, 2),
+        strategies=("traditional",),  # the reference: Traditional at ``epochs``
+        families=tuple(strategies.FAMILIES.items()),
+        interleave=True,
+    ),
+}
+
+
+def preset(name: str, **overrides: Any) -> Config:
+    """The configuration of a preset, with ``overrides`` (None values ignored)."""
+    if name not in PRESETS:
+        raise ValueError(f"preset should be one of {sorted(PRESETS)}, but got preset={name!r}")
+    kw = dict(PRESETS[name])
+    kw.update({k: v for k, v in overrides.items() if v is not None})
+    return Config(preset=name, **kw)
+
+
+@dataclass
+class Measurement:
+    """How ``breakdown.py`` and ``throughput.py`` measure: what is timed, how often, on how much
+    data (the training setting itself is a :class:`Config`). Units in brackets."""
+
+    quick: bool = False
+    """A small subset, for an indicative figure in minutes [bool]."""
+    examples: int = 60_000
+    """Training examples per epoch (a prefix of the training set) [examples]."""
+    selectivity: float = 1 / 3
+    """SB's and Stale-SB's expected kept fraction [1]."""
+    staleness: int = 3
+    """Stale-SB: a fresh selection pass every n-th epoch [epochs]."""
+    warmup_batches: int = 8
+    """Untimed batches before each measurement [batches]."""
+    repeats: int = 1
+    """Measurements per configuration; figures are medians [runs]."""
+    ffcv_workers: int = 1
+    """FFCV decoding threads [threads]."""
+    option_batches: int = 12
+    """Selection cost: examples per round, in source batches [batches]."""
+    throughput_epochs: int = 2
+    """Trivial-model throughput: epochs per measurement [epochs]."""
+    frozen_examples: int = 60_000
+    """Frozen-backbone comparison: examples per epoch [examples]."""
+    seed: int = 0
+    """Model initialisation and data order [1]."""
+
+    def policy(self, kind: str) -> sbloader.Policy:
+        """The policy measured as ``kind``: ``traditional``, ``sb`` (SB at ``selectivity``) or
+        ``stale_sb`` (Stale-SB at ``selectivity`` with ``staleness``)."""
+        if kind == "traditional":
+            return strategies.traditional().policy(1)
+        if kind == "sb":
+            return strategies.selective_backprop(self.selectivity).policy(1)
+        if kind == "stale_sb":
+            return strategies.stale_sb(self.staleness, selectivity=self.selectivity).policy(1)
+        raise ValueError(f"kind should be traditional, sb or stale_sb, but got kind={kind!r}")
+
+
+def measurement(quick: bool, gpu: bool = False, **overrides: Any) -> tuple[Config, Measurement]:
+    """The training setting and the measurement of ``breakdown.py`` (``throughput.py``: not
+    quick). ``quick``: a small subset; ``gpu``: ResNet-18 at 32 x 32 on CUDA with bf16 training.
+    ``overrides`` (None values ignored) go to whichever of the two has the field."""
+    setting: dict[str, Any] = dict(preset="breakdown")
+    measure: dict[str, Any] = (
+        dict(
+            quick=True,
+            examples=6_144,
+            warmup_batches=4,
+            option_batches=4,
+            throughput_epochs=1,
+            frozen_examples=4_096,
+        )
+        if quick
+        else dict(repeats=3)
+    )
+    if gpu:
+        setting.update(RESNET, device="cuda")
+    names = {f.name for f in dataclasses.fields(Measurement)}
+    for k, v in overrides.items():
+        if v is not None:
+            (measure if k in names else setting)[k] = v
+    return Config(**setting), Measurement(**measure)

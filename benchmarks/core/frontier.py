@@ -1,0 +1,183 @@
+"""The frontier measure (issue 12): how much sooner the best sbloader family reaches each target
+error than the best control. Pure: records in, tables out; no I/O.
+
+A *family* is one strategy at several planned budgets (``traditional`` at 2, 3, 4, 6 and 10
+epochs). Its frontier time at a target error e, T_F(e), is the least training wall-clock at which
+any of its runs (in one seed) is evaluated at a test error <= e. The targets are the reference
+run's final error (Traditional at the reference budget, in the same seed) times each multiplier.
+The headline is T_best control(e) / T_best sbloader family(e): above 1, sbloader gets there
+sooner than every control at every budget tried.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+
+TARGETS = (1.0, 1.05, 1.1, 1.2, 1.4)
+"""Multipliers of the reference's final error: the frontier table's rows."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One run, as the frontier sees it."""
+
+    family: str
+    budget: int
+    """Planned epochs [epochs]."""
+    seed: int
+    evaluations: tuple[tuple[float, float], ...]
+    """(training wall-clock [s], test error [1]) of each evaluation, in training order."""
+
+    @property
+    def final_error(self) -> float:
+        return self.evaluations[-1][1]
+
+
+@dataclass(frozen=True)
+class Reached:
+    """Where a family (or the best of several) first reaches a target: which run, and when."""
+
+    family: str
+    budget: int
+    time_s: float
+
+
+def first_time(evaluations: Iterable[tuple[float, float]], target: float) -> float | None:
+    """Wall-clock of the first evaluation at or below ``target`` (None: never)."""
+    for t, err in evaluations:
+        if err <= target:
+            return t
+    return None
+
+
+def _earliest(candidates: Iterable[Reached]) -> Reached | None:
+    """The soonest; ties go to the smaller budget, then to the family named first (sorted)."""
+    return min(candidates, key=lambda r: (r.time_s, r.budget, r.family), default=None)
+
+
+def family_time(records: Iterable[Record], family: str, seed: int, target: float) -> Reached | None:
+    """T_F(target) in ``seed``: the least wall-clock at which a run of ``family`` is evaluated
+    at or below ``target``, and that run's budget (None: no run of it gets there)."""
+    found = []
+    for r in records:
+        if r.family == family and r.seed == seed:
+            t = first_time(r.evaluations, target)
+            if t is not None:
+                found.append(Reached(family, r.budget, t))
+    return _earliest(found)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One seed at one target: the best control, the best sbloader family and their ratio."""
+
+    seed: int
+    multiplier: float
+    target: float
+    control: Reached | None
+    sbloader: Reached | None
+
+    @property
+    def ratio(self) -> float | None:
+        """T_best control / T_best sbloader: ``inf`` when only sbloader reaches the target,
+        None when no sbloader family does (whatever the controls do)."""
+        if self.sbloader is None:
+            return None
+        if self.control is None:
+            return math.inf
+        if self.sbloader.time_s == 0:
+            return math.inf if self.control.time_s > 0 else 1.0
+        return self.control.time_s / self.sbloader.time_s
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One target over the seeds: the ratio's mean and range over the seeds where some sbloader
+    family reached it, and in how many seeds none did."""
+
+    multiplier: float
+    mean_target: float
+    mean: float | None
+    low: float | None
+    high: float | None
+    never: int
+    seeds: int
+
+
+@dataclass
+class FrontierTable:
+    reference: tuple[str, int]
+    """(family, budget) whose final error sets the targets."""
+    multipliers: tuple[float, ...]
+    controls: tuple[str, ...]
+    selective: tuple[str, ...]
+    seeds: tuple[int, ...]
+    """Seeds with a reference run (the others are left out)."""
+    cells: dict[tuple[int, float], Cell] = field(default_factory=dict)
+    """By (seed, multiplier)."""
+    families: dict[tuple[str, int, float], Reached | None] = field(default_factory=dict)
+    """Each family's frontier by (family, seed, multiplier)."""
+
+    def summary(self, multiplier: float) -> Summary:
+        cells = [self.cells[s, multiplier] for s in self.seeds]
+        ratios = [c.ratio for c in cells if c.ratio is not None]
+        return Summary(
+            multiplier=multiplier,
+            mean_target=statistics.fmean(c.target for c in cells) if cells else math.nan,
+            mean=statistics.fmean(ratios) if ratios else None,
+            low=min(ratios) if ratios else None,
+            high=max(ratios) if ratios else None,
+            never=len(cells) - len(ratios),
+            seeds=len(cells),
+        )
+
+
+def frontier_table(
+    records: Sequence[Record],
+    controls: Collection[str],
+    reference: tuple[str, int],
+    multipliers: Sequence[float] = TARGETS,
+) -> FrontierTable:
+    """Family frontiers and the ratio of the best control's to the best sbloader family's time,
+    per seed and target.
+
+    ``controls`` names the control families (Traditional, Random-Backprop); every other family
+    in ``records`` is an sbloader family. ``reference`` is the (family, budget) whose final error
+    in each seed, times each multiplier, is that seed's target. Seeds without a reference run
+    are left out.
+    """
+    families = list(dict.fromkeys(r.family for r in records))
+    table = FrontierTable(
+        reference=reference,
+        multipliers=tuple(multipliers),
+        controls=tuple(f for f in families if f in controls),
+        selective=tuple(f for f in families if f not in controls),
+        seeds=(),
+    )
+    refs: dict[int, Record] = {}
+    for r in records:
+        if (r.family, r.budget) == reference:
+            if r.seed in refs:
+                raise ValueError(f"two reference runs {reference} in seed {r.seed}")
+            refs[r.seed] = r
+    table.seeds = tuple(sorted(refs))
+    for seed in table.seeds:
+        for m in table.multipliers:
+            target = refs[seed].final_error * m
+            for f in families:
+                table.families[f, seed, m] = family_time(records, f, seed, target)
+            table.cells[seed, m] = Cell(
+                seed,
+                m,
+                target,
+                control=_earliest(
+                    r for f in table.controls if (r := table.families[f, seed, m]) is not None
+                ),
+                sbloader=_earliest(
+                    r for f in table.selective if (r := table.families[f, seed, m]) is not None
+                ),
+            )
+    return table

@@ -1,0 +1,393 @@
+"""run.py's report: the summary (markdown: the frontier table first, then Table 1, the time
+breakdown, the Pareto share and label noise), the error curves (CSV) and the plots."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .analysis import MULTIPLIERS, pareto, speedup_table
+from .config import Config
+from .frontier import TARGETS, Reached, Record, frontier_table
+from .machine import describe_commit
+from .records import Run
+from .strategies import get
+
+
+def _fmt(cell: dict) -> str:
+    if cell["mean"] is None:
+        return "never"
+    s = f"{cell['mean']:.2f}x"
+    if cell["seeds"] > 1:
+        s += f" ({cell['min']:.2f} to {cell['max']:.2f})"
+    if cell["never"]:
+        s += f", never in {cell['never']}/{cell['seeds']}"
+    return s
+
+
+def frontier_records(runs: Sequence[Run], noise: float = 0.0) -> list[Record]:
+    """The runs at label noise ``noise`` as the frontier sees them: family, budget, seed and
+    (wall-clock, error) of each evaluation."""
+    return [
+        Record(
+            family=get(r.strategy).family,
+            budget=r.planned_epochs,
+            seed=r.seed,
+            evaluations=tuple((p["time_s"], p["error"]) for p in r.points),
+        )
+        for r in runs
+        if r.noise == noise
+    ]
+
+
+def _times(m: float) -> str:
+    """A multiplier as x1.0, x1.05, x1.1."""
+    return f"x{m:.1f}" if round(m, 1) == m else f"x{m:.2f}"
+
+
+def _ratio(x: float | None) -> str:
+    if x is None:
+        return "never"
+    return "∞" if math.isinf(x) else f"{x:.2f}x"
+
+
+def _where(r: Reached | None) -> str:
+    return "never" if r is None else f"{r.family}, {r.budget} ep ({r.time_s:.0f} s)"
+
+
+def frontier_section(cfg: Config, runs: Sequence[Run]) -> list[str]:
+    """The headline: per target, the best control's frontier time over the best sbloader
+    family's (see ``frontier.py``), then each family's frontier; nothing without a reference
+    run (Traditional at the configuration's planned epochs)."""
+    records = frontier_records(runs)
+    controls = {get(r.strategy).family for r in runs if not get(r.strategy).selective}
+    table = frontier_table(records, controls, ("traditional", cfg.epochs), TARGETS)
+    if not table.seeds:
+        return []
+    budgets = {
+        f: sorted({r.budget for r in records if r.family == f})
+        for f in (*table.controls, *table.selective)
+    }
+
+    def family(f: str) -> str:
+        return f"{f} ({', '.join(map(str, budgets[f]))} ep)"
+
+    lines = [
+        "## Frontier: the best sbloader family against the best control, at each target",
+        "",
+        f"Target = Traditional-{cfg.epochs}'s final error in each seed x k. A family is one "
+        "strategy at several planned budgets; its frontier time is the least training "
+        "wall-clock at which any of its runs is evaluated at or below the target. Speedup = "
+        "the best control's frontier time ÷ the best sbloader family's (above 1: sbloader "
+        "gets there sooner than every control at every budget tried); mean over seeds, range "
+        "in parentheses; never: no sbloader family reached it; ∞: only sbloader did. "
+        f"Controls: {', '.join(map(family, table.controls)) or 'none'}. sbloader: "
+        f"{', '.join(map(family, table.selective)) or 'none'}.",
+        "",
+        "| target | error | speedup | best control | best sbloader |",
+        "|---|---|---|---|---|",
+    ]
+    for m in table.multipliers:
+        sm = table.summary(m)
+        speed = _ratio(sm.mean)
+        if sm.seeds > 1 and sm.mean is not None:
+            speed += f" ({_ratio(sm.low)} to {_ratio(sm.high)})"
+        if sm.never:
+            speed += f", never in {sm.never}/{sm.seeds}"
+        cells = [table.cells[s, m] for s in table.seeds]
+        tag = (lambda s: f"seed {s}: ") if len(cells) > 1 else (lambda s: "")
+        lines.append(
+            f"| {_times(m)} | {100 * sm.mean_target:.2f}% | {speed} | "
+            + "; ".join(tag(c.seed) + _where(c.control) for c in cells)
+            + " | "
+            + "; ".join(tag(c.seed) + _where(c.sbloader) for c in cells)
+            + " |"
+        )
+    lines.append("")
+    if len(table.seeds) > 1:
+        lines += [
+            "Speedup per seed:",
+            "",
+            "| seed | " + " | ".join(_times(m) for m in table.multipliers) + " |",
+            "|" + "---|" * (len(table.multipliers) + 1),
+        ]
+        for s in table.seeds:
+            lines.append(
+                f"| {s} | "
+                + " | ".join(_ratio(table.cells[s, m].ratio) for m in table.multipliers)
+                + " |"
+            )
+        lines.append("")
+    names = (*table.controls, *table.selective)
+    lines += [
+        "Frontier time per family (s, mean over the seeds that reached the target; the budget "
+        "that got there first in parentheses when one seed):",
+        "",
+        "| target | " + " | ".join(family(f) for f in names) + " |",
+        "|" + "---|" * (len(names) + 1),
+    ]
+    for m in table.multipliers:
+        cells = []
+        for f in names:
+            got = [table.families[f, s, m] for s in table.seeds]
+            times = [r.time_s for r in got if r is not None]
+            if not times:
+                cells.append("never")
+                continue
+            cell = f"{sum(times) / len(times):.0f}"
+            if len(got) == 1:
+                cell += f" ({got[0].budget} ep)"
+            elif len(times) < len(got):
+                cell += f", never in {len(got) - len(times)}/{len(got)}"
+            cells.append(cell)
+        lines.append(f"| {_times(m)} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
+
+
+def summary_markdown(cfg: Config, runs: Sequence[Run], machine: dict[str, Any]) -> str:
+    lines = [f"# sbloader benchmark: preset `{cfg.preset}`", ""]
+    lines.append(
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} "
+        f"({machine['torch_threads']} threads), GPU: {machine['gpu'] or 'none'}, numba "
+        f"{machine['numba']}, sbloader {machine['sbloader']} ({describe_commit(machine)}), "
+        f"{machine['date']}."
+    )
+    lines.append(
+        f"{cfg.dataset} ({cfg.image_size} x {cfg.image_size}"
+        f"{', augmented' if cfg.augment else ''}), "
+        f"{cfg.model} on {cfg.device}{' (bf16 training)' if cfg.train_bf16 else ''}, "
+        f"batch {cfg.batch_size}, source batch {cfg.pool_batch_size}, peak lr {cfg.lr:g}, "
+        f"{cfg.epochs} planned epochs unless "
+        f"named (`_eN`), seeds {list(cfg.seeds)}, evaluation every {cfg.eval_every} epochs "
+        "(excluded from wall-clock)."
+        + (
+            " Runs trained interleaved: each seed's runs an epoch each in turn."
+            if cfg.interleave
+            else ""
+        )
+    )
+    lines.append("")
+    lines += frontier_section(cfg, runs)
+    table = speedup_table(runs)
+    if table:
+        final = table["traditional"][1.0]["target"]
+        lines.append(
+            f"## Table 1: speedup to Traditional's final error (mean {100 * final:.2f}%) x k"
+        )
+        lines.append("")
+        lines.append(
+            "Speedup = Traditional's wall-clock to the target ÷ the strategy's, paired by seed "
+            "(the target in each seed is that seed's Traditional final error x k); mean over "
+            "seeds, range in parentheses."
+        )
+        lines.append("")
+        head = (
+            "| strategy | final error | wall-clock s | backprops/epoch | "
+            + " | ".join(f"x{m:g}" for m in MULTIPLIERS)
+            + " |"
+        )
+        lines += [head, "|" + "---|" * (4 + len(MULTIPLIERS))]
+        broken = []
+        for name, row in table.items():
+            rs = [r for r in runs if r.strategy == name and r.noise == 0]
+            err = np.mean([r.final_error for r in rs])
+            bad = sum(r.diverged for r in rs)
+            if bad:
+                broken.append(f"{name} in {bad} of {len(rs)} seeds")
+                name = f"{name} (collapsed)"
+            wall = np.mean([r.train_s for r in rs])
+            per_epoch = [e["examples_yielded"] for r in rs for e in r.epochs]
+            bp = sum(per_epoch) / len(per_epoch) if per_epoch else float("nan")
+            lines.append(
+                f"| {name} | {100 * err:.2f}% | {wall:.1f} | {bp:.0f} | "
+                + " | ".join(_fmt(row[m]) for m in MULTIPLIERS)
+                + " |"
+            )
+        lines.append("")
+        if broken:
+            lines.append(
+                "Collapsed: the test error sat at chance level (the model predicts one class) "
+                f"after the first epoch for {'; '.join(broken)}. Loss-based selection from "
+                "a random initialisation can do this; the `_warmup` and `_rwarmup` variants "
+                "start it after one epoch."
+            )
+            lines.append("")
+    lines.append("## Time breakdown (seconds per run, mean over seeds)")
+    lines.append("")
+    parts = ("selection", "forward", "backward", "data", "el2n", "other")
+    lines += [
+        "| strategy | " + " | ".join(parts) + " | eval (excluded) |",
+        "|" + "---|" * (len(parts) + 2),
+    ]
+    for name in dict.fromkeys(r.strategy for r in runs if r.noise == 0):
+        rs = [r for r in runs if r.strategy == name and r.noise == 0]
+        vals = [np.mean([r.breakdown.get(p, 0.0) for r in rs]) for p in parts]
+        lines.append(
+            f"| {name} | "
+            + " | ".join(f"{v:.1f}" for v in vals)
+            + f" | {np.mean([r.eval_s for r in rs]):.1f} |"
+        )
+    lines.append("")
+    front = pareto(runs)
+    if front:
+        sel = sum(1 for n, _, _ in front if get(n).selective)
+        lines.append(
+            f"## Pareto frontier: {len(front)} points, {sel} "
+            f"({100 * sel / len(front):.0f}%) from selective strategies"
+        )
+        lines.append("")
+        lines.append(", ".join(f"{n} ({t:.0f}s, {100 * e:.2f}%)" for n, t, e in front))
+        lines.append("")
+    noisy = sorted({r.noise for r in runs if r.noise > 0})
+    if noisy:
+        lines.append("## Label noise: final test error")
+        lines.append("")
+        names = list(dict.fromkeys(r.strategy for r in runs if r.noise > 0))
+        lines += ["| flipped | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+        for nz in [0.0, *noisy]:
+            cells = []
+            for n in names:
+                rs = [r for r in runs if r.strategy == n and r.noise == nz]
+                cells.append(f"{100 * np.mean([r.final_error for r in rs]):.2f}%" if rs else "")
+            lines.append(f"| {100 * nz:g}% | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plots(cfg: Config, runs: Sequence[Run], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    clean = [r for r in runs if r.noise == 0]
+    names = list(dict.fromkeys(r.strategy for r in clean))
+    cmap = plt.cm.tab10 if len(names) <= 10 else plt.cm.tab20  # distinct colours first
+    colors = {n: cmap(i % cmap.N) for i, n in enumerate(names)}
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in clean:
+        pts = r.points[1:]
+        ax.plot(
+            [p["time_s"] for p in pts],
+            [100 * p["error"] for p in pts],
+            color=colors[r.strategy],
+            alpha=0.9 if r.seed == cfg.seeds[0] else 0.35,
+            label=r.strategy if r.seed == cfg.seeds[0] else None,
+        )
+    ax.set(
+        xlabel="training wall-clock (s, evaluation excluded)",
+        ylabel="test error (%)",
+        title="Figure 7: test error against wall-clock",
+        ylim=(5, 20),
+    )
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    paths.append(out / "fig7_error_vs_time.png")
+    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+    parts = ("selection", "forward", "backward", "data", "el2n", "other")
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(names) + 1.5))
+    left = np.zeros(len(names))
+    for p in parts:
+        vals = np.array(
+            [
+                np.mean(
+                    [r.breakdown.get(p, 0.0) / r.planned_epochs for r in clean if r.strategy == n]
+                )
+                for n in names
+            ]
+        )
+        ax.barh(names, vals, left=left, label=p)
+        left += vals
+    ax.set(xlabel="seconds per epoch", title="Figure 1/10: where an epoch's time goes")
+    ax.legend(fontsize=8)
+    paths.append(out / "fig1_breakdown.png")
+    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+    sweep = [n for n in names if n.startswith(("sb_", "random_")) and n.count("_") == 1]
+    if len(sweep) >= 2:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for fam in ("sb", "random"):
+            xs = sorted(float(n.split("_")[1]) for n in sweep if n.startswith(fam + "_"))
+            if not xs:
+                continue
+            err = [
+                np.mean([r.final_error for r in clean if r.strategy == f"{fam}_{x:g}"]) for x in xs
+            ]
+            ax.plot(xs, [100 * e for e in err], "o-", label=fam)
+        ax.set(
+            xlabel="selectivity",
+            ylabel="final test error (%)",
+            title="Figure 13: selectivity sweep",
+        )
+        ax.legend()
+        paths.append(out / "fig13_selectivity.png")
+        fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+        plt.close(fig)
+
+    front = pareto(runs)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in clean:
+        ax.scatter(
+            [p["time_s"] for p in r.points[1:]],
+            [100 * p["error"] for p in r.points[1:]],
+            s=6,
+            color=colors[r.strategy],
+            alpha=0.4,
+        )
+    ax.step([t for _, t, _ in front], [100 * e for _, _, e in front], where="post", color="k")
+    for n, t, e in front:
+        ax.annotate(n, (t, 100 * e), fontsize=6)
+    ax.set(
+        xlabel="wall-clock (s)",
+        ylabel="test error (%)",
+        ylim=(5, 20),
+        title="Figure 14: Pareto frontier of time against error",
+    )
+    paths.append(out / "fig14_pareto.png")
+    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+    noisy = sorted({r.noise for r in runs})
+    if len(noisy) > 1:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for n in dict.fromkeys(r.strategy for r in runs if r.noise > 0):
+            xs = [nz for nz in noisy if any(r.strategy == n and r.noise == nz for r in runs)]
+            ys = [
+                100 * np.mean([r.final_error for r in runs if r.strategy == n and r.noise == nz])
+                for nz in xs
+            ]
+            ax.plot([100 * x for x in xs], ys, "o-", label=n)
+        ax.set(
+            xlabel="labels flipped (%)",
+            ylabel="final test error (%)",
+            title="Figure 12: label noise",
+        )
+        ax.legend()
+        paths.append(out / "fig12_noise.png")
+        fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+        plt.close(fig)
+    return paths
+
+
+def write_curves(runs: Sequence[Run], out: Path) -> Path:
+    """Every evaluation of every run as ``curves.csv``."""
+    with open(out / "curves.csv", "w") as f:
+        f.write("strategy,seed,noise,position,time_s,error,backprops,selections\n")
+        for r in runs:
+            for pt in r.points:
+                f.write(
+                    f"{r.strategy},{r.seed},{r.noise},{pt['position']:.4f},"
+                    f"{pt['time_s']:.3f},{pt['error']:.5f},{pt['backprops']},"
+                    f"{pt['selections']}\n"
+                )
+    return out / "curves.csv"

@@ -1,0 +1,214 @@
+"""The strategy registry: every benchmarked strategy as a named entry built by a function.
+
+A strategy is a policy, how its candidates are batched, and its planned epochs. The builders
+below (:func:`traditional`, :func:`random_backprop`, :func:`selective_backprop`,
+:func:`stale_sb`, :func:`kath18`, :func:`el2n`, :func:`diet_sb`) make one each and name it;
+:data:`REGISTRY` holds them over the grids the benchmarks use. A *budget* (planned epochs other
+than the configuration's) is written ``_eN`` after a registered name: ``traditional_e4`` is
+Traditional decayed over 4 epochs, ``stale_sb_3_rwarmup_e15`` the Stale-SB recipe over 15. The
+strategies that differ only in their budget form a *family*, named by the strategy without it.
+
+Variants (a suffix of the name): ``_warmup`` (one Traditional epoch first), ``_rwarmup`` (one
+Random-Backprop epoch at the same selectivity first), ``_anneal`` (the last eighth of the
+planned epochs on all the data), ``_reweight`` (SB's unbiased weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import sbloader
+
+PolicyFn = Callable[[int], sbloader.Policy]
+"""Builds a policy for a strategy planned over the given number of epochs."""
+
+SELECTIVITIES = (0.1, 0.2, 0.25, 0.33, 0.5)
+"""Selectivities registered for ``random_<s>`` and ``sb_<s>`` (the name holds the value as
+written: ``sb_0.33`` keeps 0.33, not 1/3)."""
+STALENESS = (2, 3, 4, 5)
+"""Staleness values registered for ``stale_sb_<n>`` [epochs]."""
+BUDGET = "_e"
+"""What separates a registered name from its budget: ``traditional_e4``."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How to build one strategy's loader."""
+
+    name: str
+    selective: bool
+    """sbloader's selection (True) or a control: Traditional, Random-Backprop (False)."""
+    make_policy: PolicyFn = dataclasses.field(repr=False)
+    epochs: int | None = None
+    """Planned epochs (None: the configuration's)."""
+    pooled: bool = True
+    """Candidates come in source batches of ``pool_batch_size`` (else ``batch_size``)."""
+    prune: bool = False
+    """EL2N pre-pruning first, its cost charged to the run."""
+    selectivity: float | None = None
+    family: str = ""
+    """The strategy without its budget: the name of its family (set by :func:`_named`)."""
+
+    def policy(self, planned_epochs: int) -> sbloader.Policy:
+        """A fresh policy for a run planned over ``planned_epochs``."""
+        return self.make_policy(planned_epochs)
+
+    def planned(self, default_epochs: int) -> int:
+        """The run's planned epochs: the strategy's budget, else ``default_epochs``."""
+        return self.epochs or default_epochs
+
+    def with_budget(self, epochs: int) -> Strategy:
+        """The same strategy planned over ``epochs`` (named ``<family>_e<epochs>``)."""
+        if not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"a budget should be a whole number of epochs >= 1, got {epochs!r}")
+        return dataclasses.replace(self, name=f"{self.family}{BUDGET}{epochs}", epochs=epochs)
+
+
+def _named(name: str, selective: bool, make_policy: PolicyFn, **kw) -> Strategy:
+    return Strategy(name, selective, make_policy, family=name, **kw)
+
+
+def _label(x: float) -> str:
+    return f"{x:g}"
+
+
+def _phased(make: PolicyFn, variant: str, selectivity: float) -> PolicyFn:
+    """``make`` with a variant's schedule: ``warmup`` (one Traditional epoch first),
+    ``rwarmup`` (one Random-Backprop epoch at ``selectivity``), ``anneal`` (all the data in
+    the last eighth of the planned epochs, at least one); ``""`` or ``reweight``: ``make``."""
+    if variant in ("", "reweight"):
+        return make
+    if variant not in ("warmup", "rwarmup", "anneal"):
+        raise ValueError(f"unknown variant {variant!r}")
+
+    def policy(planned: int) -> sbloader.Policy:
+        return sbloader.Phased(
+            make(planned),
+            warmup_epochs=0 if variant == "anneal" else 1,
+            warmup_policy=sbloader.RandomBackprop(selectivity) if variant == "rwarmup" else None,
+            anneal_from_epoch=planned - max(1, round(planned / 8)) if variant == "anneal" else None,
+        )
+
+    return policy
+
+
+def _suffix(variant: str) -> str:
+    return f"_{variant}" if variant else ""
+
+
+def traditional() -> Strategy:
+    """Every example backpropagated; source batches of the training batch size."""
+    return _named("traditional", False, lambda planned: sbloader.Traditional(), pooled=False)
+
+
+def random_backprop(selectivity: float, variant: str = "") -> Strategy:
+    """Random-Backprop: a uniform share ``selectivity`` of each pool, no selection pass."""
+    s = selectivity
+    return _named(
+        f"random_{_label(s)}{_suffix(variant)}",
+        False,
+        _phased(lambda planned: sbloader.RandomBackprop(s), variant, s),
+        selectivity=s,
+    )
+
+
+def selective_backprop(selectivity: float, variant: str = "") -> Strategy:
+    """Selective-Backprop keeping ``selectivity`` in expectation (``reweight``: unbiased)."""
+    s = selectivity
+    reweight = variant == "reweight"
+    return _named(
+        f"sb_{_label(s)}{_suffix(variant)}",
+        True,
+        _phased(lambda planned: sbloader.SelectiveBackprop(s, reweight=reweight), variant, s),
+        selectivity=s,
+    )
+
+
+def stale_sb(staleness: int, variant: str = "", selectivity: float = 1 / 3) -> Strategy:
+    """Stale-SB: a fresh selection pass every ``staleness``-th epoch (named ``_s<selectivity>``
+    after the staleness unless 1/3)."""
+    n, s = staleness, selectivity
+    label = "" if s == 1 / 3 else f"_s{_label(s)}"
+    return _named(
+        f"stale_sb_{n}{label}{_suffix(variant)}",
+        True,
+        _phased(lambda planned: sbloader.SelectiveBackprop(s, staleness=n), variant, s),
+        selectivity=s,
+    )
+
+
+def kath18() -> Strategy:
+    """Katharopoulos & Fleuret (2018) importance sampling at 1/3."""
+    return _named("kath18", True, lambda planned: sbloader.Kath18(1 / 3), selectivity=1 / 3)
+
+
+def el2n() -> Strategy:
+    """EL2N pruning to ``el2n_keep`` of the data (scoring charged), then Traditional."""
+    return _named("el2n", True, lambda planned: sbloader.Traditional(), prune=True, pooled=False)
+
+
+def diet_sb(variant: str = "") -> Strategy:
+    """EL2N pruning, then SB at 1/3."""
+    return _named(
+        f"diet_sb{_suffix(variant)}",
+        True,
+        _phased(lambda planned: sbloader.SelectiveBackprop(1 / 3), variant, 1 / 3),
+        prune=True,
+        selectivity=1 / 3,
+    )
+
+
+def _build_registry() -> dict[str, Strategy]:
+    entries = [traditional(), kath18(), el2n()]
+    for s in SELECTIVITIES:
+        entries += [random_backprop(s, v) for v in ("", "warmup", "anneal")]
+        entries += [
+            selective_backprop(s, v) for v in ("", "warmup", "rwarmup", "anneal", "reweight")
+        ]
+    for n in STALENESS:
+        entries += [stale_sb(n, v) for v in ("", "warmup", "rwarmup", "anneal")]
+    entries += [diet_sb(v) for v in ("", "warmup", "rwarmup")]
+    registry = {}
+    for e in entries:
+        assert e.name not in registry, e.name
+        registry[e.name] = e
+    return registry
+
+
+REGISTRY: dict[str, Strategy] = _build_registry()
+"""Every registered strategy by name (without budgets; :func:`get` adds those)."""
+
+
+def get(name: str) -> Strategy:
+    """The strategy called ``name``: a registered name, optionally with a budget ``_eN``."""
+    if name in REGISTRY:
+        return REGISTRY[name]
+    family, sep, epochs = name.rpartition(BUDGET)
+    if sep and family in REGISTRY and epochs.isdigit() and epochs == str(int(epochs) or ""):
+        return REGISTRY[family].with_budget(int(epochs))
+    raise ValueError(
+        f"unknown strategy {name!r}: a registered name (such as {', '.join(list(REGISTRY)[:4])}; "
+        f"all in benchmarks/core/strategies.py), optionally followed by a budget such as _e4"
+    )
+
+
+FAMILIES: dict[str, tuple[int, ...]] = {
+    "traditional": (2, 3, 4, 6, 10),
+    "random_0.33": (5, 10, 15, 20),
+    "sb_0.33_rwarmup": (5, 10, 15),
+    "stale_sb_3_rwarmup": (5, 10, 15),
+}
+"""The frontier preset's families and their budgets [planned epochs]: the controls over budgets
+wide enough that their frontiers are reached (issue 12: 2-10 epochs for Traditional, 5-20 for
+Random-Backprop), and sbloader's recipes."""
+
+
+def family_members(family: str, budgets: tuple[int, ...], default_epochs: int) -> list[str]:
+    """The run names of ``family`` at ``budgets``: ``<family>_e<N>``, or the family's own name
+    for the budget equal to ``default_epochs`` (``traditional``, not ``traditional_e10``)."""
+    base = get(family)
+    if base.epochs is not None:
+        raise ValueError(f"a family is a strategy without a budget, but got {family!r}")
+    return [family if b == default_epochs else base.with_budget(b).name for b in budgets]

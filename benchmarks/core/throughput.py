@@ -1,0 +1,97 @@
+"""SelectiveLoader's throughput with a trivial model against the raw source's (section 3 of
+``breakdown.py``, and all of ``throughput.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.utils.data import DataLoader
+
+import sbloader
+
+from .config import Config, Measurement
+from .sources import Sources
+from .timing import median
+
+
+def throughput(
+    cfg: Config, m: Measurement, sources: Sources, log: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """Examples per second: the raw source against SelectiveLoader with a trivial model and a
+    training loop that does nothing (Traditional: yielded examples; SB: candidates consumed).
+
+    A DataLoader source is measured with the next batch fetched on demand and fetched ahead on
+    a thread (``prefetch=1``; the in-memory dataset draws no global randomness); FFCV fetches
+    ahead itself."""
+
+    def trivial() -> nn.Module:
+        return nn.Sequential(nn.Flatten(), nn.Linear(cfg.image_size**2, 10)).to(cfg.device)
+
+    configs = [
+        (kind, strategy, bs, prefetch)
+        for kind in sources.kinds()
+        for strategy, bs in (("traditional", cfg.batch_size), ("sb", cfg.pool_batch_size))
+        for prefetch in ((0, 1) if kind == "dataloader" else (0,))
+    ]
+    measured: dict[tuple[str, str, int, int], list[tuple[float, float]]] = {c: [] for c in configs}
+    for rep in range(m.repeats):
+        for kind, strategy, bs, prefetch in configs:
+            source = sources.make(kind, bs, m.seed + rep)
+            raw = raw_rate(source, m)
+            loader = sbloader.SelectiveLoader(
+                source,
+                trivial(),
+                policy=m.policy(strategy),
+                batch_size=cfg.batch_size,
+                prefetch=prefetch,
+            )
+            for i, _ in enumerate(loader):  # warm-up
+                if i >= m.warmup_batches:
+                    break
+            seen, t0 = 0, time.perf_counter()
+            for _ in range(m.throughput_epochs):
+                for _ in loader:
+                    pass
+                seen += loader.stats.current.examples_seen
+            measured[kind, strategy, bs, prefetch].append((raw, seen / (time.perf_counter() - t0)))
+    rows = []
+    for (kind, strategy, bs, prefetch), pairs in measured.items():
+        row = {
+            "source": kind,
+            "strategy": strategy,
+            "source_batch": bs,
+            "prefetch": prefetch,
+            "raw_examples_per_s": median(r for r, _ in pairs),
+            "loader_examples_per_s": median(v for _, v in pairs),
+            "ratio": median(v / r for r, v in pairs),  # paired: measured back to back
+        }
+        rows.append(row)
+        log(
+            f"{kind:10s} {strategy:12s} prefetch {prefetch} raw "
+            f"{row['raw_examples_per_s']:9.0f}/s  loader "
+            f"{row['loader_examples_per_s']:9.0f}/s  ratio {row['ratio']:.3f}"
+        )
+    return rows
+
+
+def raw_rate(source: Any, m: Measurement) -> float:
+    """Examples per second of iterating the source itself (FFCV: threads restored after)."""
+
+    guard: Any = contextlib.nullcontext()
+    if not isinstance(source, DataLoader):
+        import sbloader.ffcv as sbffcv
+
+        guard = sbffcv.preserved_threads()
+    with guard:
+        for i, _ in enumerate(source):  # warm-up
+            if i >= m.warmup_batches:
+                break
+        seen, t0 = 0, time.perf_counter()
+        for _ in range(m.throughput_epochs):
+            for batch in source:
+                seen += len(batch[0])
+        return seen / (time.perf_counter() - t0)

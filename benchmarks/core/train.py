@@ -1,0 +1,259 @@
+"""The one training step, and one run of one strategy trained an epoch at a time.
+
+A :class:`Trainer` owns everything its run draws randomness from: the model is initialised from
+the run's seed before any training (leaving the global RNGs alone), the source has its own
+generator, the loader its own seed and augmentation its own generator. Nothing draws from a
+global RNG during training, so runs trained in turn, an epoch each (:func:`train_interleaved`),
+make the same selections as each run trained alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sbloader
+from sbloader.datasets import ArrayDataset
+from sbloader.recipes import cosine_lr, error_rate
+
+from .config import Config
+from .data import augment, flip_labels, shuffled
+from .models import make_loader, make_model, make_optimizer, seeded_model
+from .records import Run, collapsed
+from .strategies import Strategy
+from .timing import StepTimer, sync, train_autocast
+
+Data = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""Train images, train labels, test images, test labels (see ``data.load_data``)."""
+
+
+def train_step(
+    cfg: Config,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    timer: StepTimer | None = None,
+) -> torch.Tensor:
+    """One training step: forward (under bf16 autocast when ``cfg.train_bf16``), cross-entropy
+    in fp32 (per example times ``weights``, then the mean; without weights, the mean), backward
+    and the optimizer step. ``timer`` is marked before the forward, after the loss and after the
+    step. Returns the loss."""
+    if timer is not None:
+        timer.mark()
+    with train_autocast(cfg):
+        out = model(x)
+    if weights is None:
+        loss = F.cross_entropy(out.float(), y)
+    else:
+        loss = (F.cross_entropy(out.float(), y, reduction="none") * weights).mean()
+    if timer is not None:
+        timer.mark()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    if timer is not None:
+        timer.mark()
+    return loss
+
+
+class Trainer:
+    """One strategy trained once (one seed, one label-noise level), an epoch per call.
+
+    Wall-clock accounting: everything the user pays for (selection passes, EL2N's scoring, data
+    loading) counts; evaluation does not. Each epoch is timed on its own, so that runs can be
+    trained in turn; the time of a point on the error curve is the run's training time so far.
+    The learning rate follows a cosine schedule by position in the data (``loader.progress``)
+    over the run's planned epochs.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        strat: Strategy,
+        seed: int,
+        noise: float,
+        data: Data,
+        progress: Any = None,
+        interleaved: bool = False,
+    ) -> None:
+        x_train, y_train, x_test, y_test = data
+        self.cfg, self.strat, self.progress = cfg, strat, progress
+        y_noisy = flip_labels(y_train, noise, seed)
+        classes = int(y_train.max()) + 1
+        channels = x_train.shape[1]
+        self.planned = strat.planned(cfg.epochs)
+        self.run = Run(strat.name, seed, noise, self.planned, interleaved=interleaved)
+        self.run.classes = classes
+        self.device = device = cfg.resolved_device()
+        self.model = seeded_model(cfg, seed, classes, channels)
+        self.opt = make_optimizer(cfg, self.model)
+        # NOTE: on a GPU the training set lives on the device, as a GPU user would keep a
+        # dataset of this size; the DataLoader then only indexes it (num_workers=0).
+        dataset = ArrayDataset(x_train.to(device), y_noisy.to(device))
+        self.x_test, self.y_test = x_test.to(device), y_test.to(device)
+        self.clock = 0.0  # training seconds so far, at the start of the current epoch
+        subset = None
+        if strat.prune:
+            r = sbloader.el2n_scores(
+                functools.partial(make_model, cfg, classes, channels),
+                shuffled(dataset, cfg.batch_size, seed),
+                make_optimizer=functools.partial(make_optimizer, cfg),
+                models=cfg.el2n_models,
+                epochs=cfg.el2n_epochs,
+                seed=1000 + seed,
+                device=device,
+            )
+            subset = sbloader.prune(r.scores, cfg.el2n_keep, keep="hardest")
+            self.run.pre_cost = r.cost()
+            self.clock += r.seconds  # the user pays for scoring
+        self.loader = make_loader(
+            cfg,
+            shuffled(dataset, cfg.pool_batch_size if strat.pooled else cfg.batch_size, seed),
+            self.model,
+            strat.policy(self.planned),  # its own schedule
+            seed,
+            subset=subset,
+        )
+        self.aug_gen = torch.Generator(device=device).manual_seed(20_000 + seed)
+        self.timer = StepTimer(device)
+        self.epoch = 0
+        self.backprops = 0
+        self.next_eval = cfg.eval_every
+        self._epoch_start = 0.0
+        self._epoch_eval = 0.0
+        self.run.points.append(
+            dict(position=0.0, time_s=self.clock, error=1.0, backprops=0, selections=0)
+        )
+
+    @property
+    def done(self) -> bool:
+        return self.epoch >= self.planned
+
+    def evaluate(self) -> float:
+        bf16 = torch.bfloat16 if self.cfg.train_bf16 else None
+        return error_rate(self.model, self.x_test, self.y_test, autocast=bf16)
+
+    def _record(self, position: float) -> float:
+        """Evaluate (excluded from the wall-clock) and add a point to the curve."""
+        sync(self.device)
+        e0 = time.perf_counter()
+        err = self.evaluate()
+        elapsed = self.clock + e0 - self._epoch_start - self._epoch_eval
+        spent = time.perf_counter() - e0
+        self._epoch_eval += spent
+        self.run.eval_s += spent
+        self.run.points.append(
+            dict(
+                position=position,
+                time_s=elapsed,
+                error=err,
+                backprops=self.backprops,
+                selections=self.loader.stats.total.selection_forwards,
+            )
+        )
+        return err
+
+    def train_epoch(self) -> None:
+        """Train one epoch, evaluating every ``eval_every`` epochs of data and at the end."""
+        if self.done:
+            raise RuntimeError(f"{self.run.key()} has trained its {self.planned} epochs")
+        cfg, loader, progress = self.cfg, self.loader, self.progress
+        sync(self.device)  # work still queued (another run's, on a GPU) is not this run's
+        self._epoch_eval = 0.0
+        self._epoch_start = time.perf_counter()
+        for batch in loader:
+            x, y = batch
+            if cfg.augment:
+                x = augment(x, self.aug_gen, flip=cfg.dataset != "svhn")
+            lr = cosine_lr(cfg.lr, loader.progress, self.planned)
+            for group in self.opt.param_groups:
+                group["lr"] = lr
+            train_step(cfg, self.model, self.opt, x, y, batch.weights, self.timer)
+            self.backprops += len(y)
+            if loader.progress + 1e-9 >= self.next_eval:
+                err = self._record(loader.progress)
+                self.next_eval += cfg.eval_every
+                if progress is not None:
+                    st = loader.stats.current
+                    progress.set_postfix(
+                        epoch=f"{loader.progress:.1f}",
+                        rate=f"{st.selection_rate:.2f}",
+                        err=f"{100 * err:.2f}%",
+                    )
+            if progress is not None:  # hundredths of an epoch
+                progress.update(int(100 * loader.progress) - progress.n)
+        self.epoch += 1
+        # The final state is always evaluated (also when eval_every does not divide the epochs).
+        if self.done and self.run.points[-1]["position"] < self.planned - 1e-9:
+            self._record(float(self.planned))
+        sync(self.device)
+        self.clock += time.perf_counter() - self._epoch_start - self._epoch_eval
+
+    def finish(self) -> Run:
+        """The run's record, once its planned epochs are trained."""
+        if not self.done:
+            raise RuntimeError(f"{self.run.key()} has {self.planned - self.epoch} epochs to go")
+        run = self.run
+        run.final_error = run.points[-1]["error"]
+        run.train_s = self.clock
+        t = self.loader.stats.total
+        fwd_s, bwd_s = self.timer.totals()
+        # NOTE: on a GPU the loader's selection time also holds the wait for training work still
+        # queued when a selection pass starts (it needs the losses on the host), so there the
+        # breakdown's parts can exceed the wall-clock; "other" is what remains, at least 0.
+        run.breakdown = dict(
+            selection=t.selection_s,
+            forward=fwd_s,
+            backward=bwd_s,
+            data=t.source_s,
+            el2n=run.pre_cost.get("seconds", 0.0),
+        )
+        run.breakdown["other"] = max(0.0, run.train_s - sum(run.breakdown.values()))
+        run.epochs = [e.as_dict() for e in self.loader.stats.epochs]
+        run.diverged = collapsed(run)
+        return run
+
+    def train(self) -> Run:
+        """Every planned epoch, then the record."""
+        while not self.done:
+            self.train_epoch()
+        return self.finish()
+
+
+def run_one(
+    cfg: Config, strat: Strategy, seed: int, noise: float, data: Data, progress: Any = None
+) -> Run:
+    """One run trained alone, start to end."""
+    return Trainer(cfg, strat, seed, noise, data, progress).train()
+
+
+def train_interleaved(
+    trainers: Sequence[Trainer],
+    on_epoch: Callable[[Trainer], None] | None = None,
+    on_done: Callable[[Run], None] | None = None,
+) -> list[Run]:
+    """Train the runs an epoch each in turn (round-robin) until each has its planned epochs, so
+    that a busy spell of a shared machine falls on all of them alike. ``on_epoch`` is called
+    after each epoch of a run, ``on_done`` with each run's record as it ends. Returns the
+    records in the order of ``trainers``."""
+    runs: dict[int, Run] = {}
+    while len(runs) < len(trainers):
+        for i, t in enumerate(trainers):
+            if i in runs:
+                continue
+            t.train_epoch()
+            if on_epoch is not None:
+                on_epoch(t)
+            if t.done:
+                runs[i] = t.finish()
+                if on_done is not None:
+                    on_done(runs[i])
+    return [runs[i] for i in range(len(trainers))]

@@ -1,0 +1,207 @@
+"""The benchmark's frontier measure (pure), its registry of families, and interleaved training."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from benchmarks import run as bench
+from benchmarks.core import strategies
+from benchmarks.core.config import PRESETS, Config, preset
+from benchmarks.core.frontier import Reached, Record, family_time, first_time, frontier_table
+from benchmarks.core.machine import machine_info, tree_changes
+from benchmarks.core.train import Trainer, train_interleaved
+from sbloader.datasets import load_fashion_mnist
+
+
+def rec(family, budget, evaluations, seed=0):
+    return Record(family, budget, seed, tuple(evaluations))
+
+
+# A control family (Traditional at 10 and 4 epochs) and an sbloader family (at 5 and 10).
+# Traditional-10 ends at 0.10, so the targets are 0.10, 0.12 and 0.20 (x1.0, x1.2, x2.0).
+TRAD_10 = rec("traditional", 10, [(10, 0.30), (20, 0.20), (30, 0.125), (40, 0.10)])
+TRAD_4 = rec("traditional", 4, [(8, 0.25), (16, 0.115)])
+SB_5 = rec("sb", 5, [(5, 0.18), (10, 0.13)])
+SB_10 = rec("sb", 10, [(6, 0.22), (12, 0.15), (18, 0.095)])
+RECORDS = [TRAD_10, TRAD_4, SB_5, SB_10]
+
+
+def test_first_time_counts_an_evaluation_at_the_target_and_none_when_never():
+    ev = [(1.0, 0.3), (2.0, 0.2), (3.0, 0.25)]
+    assert first_time(ev, 0.2) == 2.0  # at the target counts
+    assert first_time(ev, 0.25) == 2.0  # the first, not the last, below it
+    assert first_time(ev, 0.1) is None
+
+
+def test_a_family_frontier_takes_the_budget_that_gets_there_first():
+    # Shorter budget first at a loose target, longer budget at a tight one.
+    assert family_time(RECORDS, "sb", 0, 0.20) == Reached("sb", 5, 5)
+    assert family_time(RECORDS, "sb", 0, 0.12) == Reached("sb", 10, 18)  # sb-5 ends at 0.13
+    assert family_time(RECORDS, "traditional", 0, 0.12) == Reached("traditional", 4, 16)
+    assert family_time(RECORDS, "traditional", 0, 0.10) == Reached("traditional", 10, 40)
+    assert family_time(RECORDS, "sb", 0, 0.05) is None
+    assert family_time(RECORDS, "sb", 1, 0.20) is None  # no run in that seed
+
+
+def test_ratio_table_by_hand():
+    table = frontier_table(RECORDS, {"traditional"}, ("traditional", 10), (1.0, 1.2, 2.0))
+    assert table.controls == ("traditional",) and table.selective == ("sb",)
+    assert table.seeds == (0,)
+    c = {m: table.cells[0, m] for m in (1.0, 1.2, 2.0)}
+    assert [x.target for x in c.values()] == pytest.approx([0.10, 0.12, 0.20])
+    assert c[1.0].control == Reached("traditional", 10, 40)
+    assert c[1.0].sbloader == Reached("sb", 10, 18)
+    assert c[1.0].ratio == pytest.approx(40 / 18)
+    assert c[1.2].ratio == pytest.approx(16 / 18)  # Traditional-4 beats sb-10 here
+    assert c[2.0].control == Reached("traditional", 4, 16)  # before Traditional-10's 20 s
+    assert c[2.0].ratio == pytest.approx(16 / 5)  # sb-5 first
+    assert table.families["sb", 0, 2.0] == Reached("sb", 5, 5)
+    s = table.summary(1.2)
+    assert (s.mean, s.low, s.high, s.never, s.seeds) == pytest.approx((16 / 18,) * 3 + (0, 1))
+
+
+def test_ties_never_and_only_sbloader():
+    records = [
+        rec("traditional", 10, [(10, 0.2), (20, 0.1)]),
+        rec("random", 5, [(20, 0.11)]),  # ties Traditional at x1.1
+        rec("random", 10, [(20, 0.105)]),  # ties its own family's shorter budget
+        rec("sb", 10, [(20, 0.109), (30, 0.104)]),  # ties the controls at x1.1
+        rec("sb", 3, [(5, 0.5)]),
+    ]
+    table = frontier_table(records, {"traditional", "random"}, ("traditional", 10), (1.0, 1.1))
+    tie = table.cells[0, 1.1]
+    assert tie.control.time_s == 20 and tie.ratio == 1.0
+    assert table.families["random", 0, 1.1] == Reached("random", 5, 20)  # the smaller budget
+    assert tie.control == Reached("random", 5, 20)  # ties between families: smaller budget
+    never = table.cells[0, 1.0]  # 0.1: only Traditional gets there
+    assert never.sbloader is None and never.ratio is None
+    assert table.summary(1.0).never == 1 and table.summary(1.0).mean is None
+    only_sb = frontier_table(
+        [rec("traditional", 10, [(10, 0.2)]), rec("sb", 10, [(5, 0.25), (8, 0.19)])],
+        {"traditional"},
+        ("traditional", 10),
+        (0.96,),
+    )
+    assert math.isinf(only_sb.cells[0, 0.96].ratio)
+
+
+def test_seeds_pair_their_own_targets_and_summarise_mean_and_range():
+    records = [
+        rec("traditional", 10, [(10, 0.2), (20, 0.1)], seed=0),
+        rec("traditional", 10, [(10, 0.3), (40, 0.2)], seed=1),
+        rec("sb", 10, [(10, 0.1)], seed=0),  # 2x in seed 0
+        rec("sb", 10, [(10, 0.25), (20, 0.2)], seed=1),  # 2x in seed 1 (target 0.2)
+        rec("sb", 10, [(5, 0.2)], seed=2),  # no reference in seed 2: left out
+    ]
+    table = frontier_table(records, {"traditional"}, ("traditional", 10), (1.0, 1.5))
+    assert table.seeds == (0, 1)
+    s = table.summary(1.0)
+    assert (s.mean, s.low, s.high, s.never) == (2.0, 2.0, 2.0, 0)
+    assert s.mean_target == pytest.approx(0.15)
+    # x1.5: seed 0 target 0.15, Traditional at 20 s, sb at 10 s; seed 1 target 0.3, both at 10 s
+    s = table.summary(1.5)
+    assert (s.low, s.high) == (1.0, 2.0) and s.mean == pytest.approx(1.5)
+
+
+def test_families_and_the_frontier_preset_name_registered_runs():
+    for name, settings in PRESETS.items():
+        cfg = preset(name)
+        for run in (*cfg.run_names(), *settings.get("noise_strategies", ())):
+            strategies.get(run)
+    cfg = preset("frontier")
+    names = cfg.run_names()
+    assert cfg.interleave and names[0] == "traditional" and "traditional_e10" not in names
+    assert "traditional_e4" in names and "random_0.33_e20" in names
+    assert "stale_sb_3_rwarmup_e15" in names and len(names) == len(set(names))
+    members = strategies.family_members("random_0.33", (5, 10), 10)
+    assert members == ["random_0.33_e5", "random_0.33"]
+    assert strategies.get("stale_sb_3_rwarmup_e15").family == "stale_sb_3_rwarmup"
+    with pytest.raises(ValueError, match="without a budget"):
+        strategies.family_members("traditional_e4", (2,), 10)
+    saved = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    assert Config.from_dict(saved) == cfg
+
+
+def _tiny_data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(160, 1, 28, 28, generator=g)
+    y = torch.randint(0, 10, (160,), generator=g)
+    return x, y, x[:64].clone(), y[:64].clone()
+
+
+def _selections(run, model):
+    epochs = [{k: v for k, v in e.items() if not k.endswith("_s")} for e in run.epochs]
+    points = [(p["position"], p["error"], p["backprops"], p["selections"]) for p in run.points]
+    return epochs, points, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_interleaved_runs_make_the_same_selections_as_runs_trained_alone():
+    cfg = Config(batch_size=16, pool_batch_size=32, epochs=2, eval_every=1.0)
+    data = _tiny_data()
+    jobs = [
+        ("traditional", 0, 0.0),
+        ("sb_0.33_rwarmup", 0, 0.0),  # a Random-Backprop epoch, then SB
+        ("stale_sb_2", 1, 0.0),  # a fresh selection epoch, then a stale one
+        ("random_0.33_e3", 0, 0.1),  # its own budget and label noise
+        ("kath18", 2, 0.0),
+    ]
+    alone = []
+    for name, seed, nz in jobs:
+        t = Trainer(cfg, strategies.get(name), seed, nz, data)
+        alone.append(_selections(t.train(), t.model))
+    torch.manual_seed(123)  # a different global RNG state must not matter either
+    trainers = [
+        Trainer(cfg, strategies.get(name), seed, nz, data, interleaved=True)
+        for name, seed, nz in jobs
+    ]
+    order = []
+    runs = train_interleaved(trainers, on_epoch=lambda t: order.append(t.run.strategy))
+    names = [name for name, _, _ in jobs]
+    assert order == names + names + ["random_0.33_e3"]  # one epoch each in turn
+    assert all(r.interleaved for r in runs)
+    for (name, _, _), before, run, t in zip(jobs, alone, runs, trainers):
+        after = _selections(run, t.model)
+        assert after[0] == before[0], name  # per-epoch counts: seen, selected, backpropagated
+        assert after[1] == before[1], name  # test errors and counts at each evaluation
+        for k in before[2]:  # the trained weights: every step's loss was the same
+            assert torch.equal(after[2][k], before[2][k]), (name, k)
+    assert [e["examples_yielded"] for e in runs[0].epochs] == [160, 160]
+    assert runs[1].epochs[0]["selection_forwards"] == 0 < runs[1].epochs[1]["selection_forwards"]
+
+
+def test_the_machine_record_says_whether_the_tree_was_dirty(tmp_path):
+    info = machine_info()
+    assert isinstance(info["git_dirty"], bool) and info["git_commit"]
+    assert info["git_dirty"] == bool(tree_changes())
+    assert info["sbloader_path"].endswith("sbloader")
+
+
+try:
+    load_fashion_mnist("test")
+    HAVE_DATA = True
+except FileNotFoundError:
+    HAVE_DATA = False
+
+
+@pytest.mark.realdata
+@pytest.mark.skipif(not HAVE_DATA, reason="needs Debian's dataset-fashion-mnist")
+def test_the_frontier_preset_runs_interleaved_and_reports_the_frontier_first(tmp_path):
+    argv = ["--preset", "frontier", "--out", str(tmp_path), "--seeds", "0", "--epochs", "2"]
+    argv += ["--families", "traditional:1,2", "random_0.33:1,2", "stale_sb_3_rwarmup:2"]
+    argv += ["--train-examples", "512", "--test-examples", "128"]
+    assert bench.main(argv) == 0
+    runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    names = ["random_0.33", "random_0.33_e1", "stale_sb_3_rwarmup", "traditional"]
+    assert runs == [f"{n}__s0__n0.json" for n in [*names, "traditional_e1"]]
+    assert all(json.loads((tmp_path / "runs" / r).read_text())["interleaved"] for r in runs)
+    summary = (tmp_path / "summary.md").read_text()
+    head = summary.index("## Frontier")
+    assert head < summary.index("## Table 1") < summary.index("## Pareto frontier")
+    assert "| x1.0 |" in summary and "| x1.05 |" in summary and "| x1.4 |" in summary
+    assert "traditional (1, 2 ep)" in summary and "stale_sb_3_rwarmup (2 ep)" in summary
+    assert json.loads((tmp_path / "config.json").read_text())["interleave"] is True
