@@ -40,11 +40,13 @@ Example (needs ffcv; ``images`` float32 of shape (N, 1, 28, 28), ``labels`` int6
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import importlib.util
 import multiprocessing
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -72,6 +74,62 @@ _PURE_ORDERS = ("Sequential", "Random")
 
 
 # ---------------------------------------------------------------------------------- threads
+_SETTLE_LOCK = threading.Lock()
+
+
+def _settle_numba_threading_layer() -> None:
+    """Launch numba's threading layer on this thread, if nothing has yet, and let it settle.
+
+    Called before sbloader (or ffcv, through sbloader) first touches numba's thread count, which
+    is what launches the layer; the layer, its thread count and numba's configuration are the
+    ones numba would have chosen anyway.
+
+    NOTE (numba's TBB layer hangs exit after a fork on one core): launching the TBB layer queues
+    an empty task (``tg->run([]{})`` in numba's ``tbbpool.cpp``) that TBB's worker threads
+    normally run at once. With one usable core (``taskset -c 0``, a one-CPU container) TBB
+    starts no workers, so the task waits in the launching thread's task pool; a ``fork()`` (FFCV's
+    writer processes in :func:`write_beton`, DataLoader workers, ``multiprocessing``) then runs
+    numba's ``prepare_fork`` (``tbb::finalize``), which drops that pool, and at exit numba's
+    ``unload_tbb`` waits on the task group (``tg->wait()``) forever. Waiting on the group right
+    after the launch, on the launching thread, runs the empty task there and leaves nothing to
+    lose. It must be that thread: another thread's ``tg->wait()`` blocks forever as well. So
+    this settles only a launch it makes itself, holding numba's own launch locks (in numba's
+    order) so that no other thread can launch in between; a layer launched earlier by someone
+    else is left alone. Reproduce without sbloader: under ``taskset -c 0``,
+    ``import numba, os; numba.get_num_threads(); os.fork() or os._exit(0); os.wait()`` never
+    exits. Needs nothing of numba's configuration changed (no thread count, no layer choice).
+
+    Example:
+        >>> _settle_numba_threading_layer()  # idempotent
+        >>> _settle_numba_threading_layer()
+    """
+    if "numba" not in sys.modules:
+        return
+    with _SETTLE_LOCK:
+        try:
+            parallel = importlib.import_module("numba.np.ufunc.parallel")
+            if parallel._is_initialized:
+                return
+            if not parallel._backend_init_process_lock:
+                parallel._set_init_process_lock()
+            process_lock = parallel._backend_init_process_lock
+            thread_lock = parallel._backend_init_thread_lock
+        except (ImportError, AttributeError):  # another numba: launch as numba would
+            return
+        with process_lock, thread_lock:  # numba's _launch_threads takes them in this order
+            if parallel._is_initialized:
+                return
+            parallel._launch_threads()
+            if getattr(parallel, "_threading_layer", None) != "tbb":
+                return
+            try:
+                tbbpool = importlib.import_module("numba.np.ufunc.tbbpool")
+                synchronize = ctypes.CFUNCTYPE(None)(tbbpool.synchronize)
+            except (ImportError, AttributeError):
+                return
+            synchronize()  # tg->wait() on the launching thread: runs the queued empty task
+
+
 def _numba_threads() -> int | None:
     numba = sys.modules.get("numba")
     return None if numba is None else int(numba.get_num_threads())
@@ -80,6 +138,9 @@ def _numba_threads() -> int | None:
 @contextlib.contextmanager
 def preserved_threads() -> Iterator[None]:
     """Restore torch's and numba's thread counts (of the calling thread) on exit.
+
+    On entry, numba's threading layer is launched and settled on the calling thread if nothing
+    has launched it yet (:func:`_settle_numba_threading_layer`).
 
     NOTE: torch's count is restored unconditionally, even when it reads unchanged: a
     ``torch.set_num_threads`` call on another thread (FFCV's batch thread calls one when it
@@ -94,6 +155,7 @@ def preserved_threads() -> Iterator[None]:
         >>> torch.get_num_threads() == before
         True
     """
+    _settle_numba_threading_layer()
     torch_threads = torch.get_num_threads()
     numba_threads = _numba_threads()
     try:
