@@ -45,6 +45,7 @@ import importlib
 import importlib.util
 import multiprocessing
 import os
+import queue
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -523,6 +524,47 @@ def _field_kind(loader: Any, name: str) -> str | None:
     return None if field is None else type(field).__name__
 
 
+def _stop_epoch_iterator(it: Any) -> None:
+    """Stop an FFCV ``EpochIterator`` (finished or abandoned), wait for its thread, then close it.
+
+    NOTE (an abandoned FFCV epoch): ffcv's ``EpochIterator.close()`` only sets a flag that its
+    batch thread checks between 0.5 s waits to hand over a batch, and then immediately ends the
+    epoch's page reads (``memory_context.__exit__``), possibly under the thread's feet. Once the
+    thread has produced the epoch's last batch it waits for room in its full queue without a
+    timeout (``output_queue.put(None)``), so an epoch abandoned within ``batches_ahead`` batches
+    of its end leaves that thread blocked for the rest of the process, however often ``close()``
+    is called. So, in this order: take the batches the thread has not started
+    (exhausting its ``iter_ixes``), so that it computes nothing more; set its terminate flag;
+    take what it queued until it has ended (emptying the queue unblocks the final ``put``; as
+    nothing more is computed, no buffer the caller may still hold is written); join it; and only
+    then close the epoch's reads, once (``closed`` is ffcv's own flag, which it never sets).
+    """
+    if isinstance(it, threading.Thread) and it is not threading.current_thread():
+        pending = getattr(it, "iter_ixes", None)
+        if pending is not None:
+            for _ in pending:  # the thread's next `next(iter_ixes)` ends its loop
+                pass
+        stop = getattr(it, "terminate_event", None)
+        if stop is not None:
+            stop.set()
+        output = getattr(it, "output_queue", None)
+        while it.is_alive():
+            if output is not None:
+                try:
+                    while True:
+                        output.get_nowait()
+                except queue.Empty:
+                    pass
+            it.join(timeout=0.05)
+    if getattr(it, "closed", False):
+        return
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()
+        with contextlib.suppress(AttributeError):
+            it.closed = True
+
+
 class FFCVSource(Source):
     """An FFCV ``Loader`` as a SelectiveLoader source, with every example's dataset index.
 
@@ -621,12 +663,13 @@ class FFCVSource(Source):
         # NOTE: FFCV draws the epoch's order from its own counter; setting it makes the order a
         # function of the SelectiveLoader's epoch alone (exact resume, repeated runs agree).
         loader.next_epoch = epoch
-        with preserved_threads():
-            it = iter(loader)
-            # NOTE: FFCV's batch thread calls torch.set_num_threads when it starts, which is
-            # before it hands out the first batch: restoring after that batch is race-free.
-            first = next(it, None)
+        it = None
         try:
+            with preserved_threads():
+                it = iter(loader)
+                # NOTE: FFCV's batch thread calls torch.set_num_threads when it starts, which is
+                # before it hands out the first batch: restoring after that batch is race-free.
+                first = next(it, None)
             b = 0
             batch = first
             while batch is not None:
@@ -635,9 +678,10 @@ class FFCVSource(Source):
                 b += 1
                 batch = next(it, None)
         finally:
-            close = getattr(it, "close", None)
-            if close is not None:
-                close()
+            # Also on close() or garbage collection of this generator (GeneratorExit): an
+            # abandoned epoch's batch thread is stopped and joined here, see the NOTE there.
+            if it is not None:
+                _stop_epoch_iterator(it)
 
     def _convert(
         self, batch: Any, b: int, recovered: list[np.ndarray] | None
