@@ -76,59 +76,92 @@ _PURE_ORDERS = ("Sequential", "Random")
 
 # ---------------------------------------------------------------------------------- threads
 _SETTLE_LOCK = threading.Lock()
+_settled = False  # numba's TBB layer has no queued task left (see _launch_numba_threads)
 
 
-def _settle_numba_threading_layer() -> None:
-    """Launch numba's threading layer on this thread, if nothing has yet, and let it settle.
+def _tbb_synchronize() -> Callable[[], None] | None:
+    """numba's TBB ``synchronize`` (``tg->wait()``), or None for another layer or numba."""
+    try:
+        parallel = importlib.import_module("numba.np.ufunc.parallel")
+        if getattr(parallel, "_threading_layer", None) != "tbb":
+            return None
+        tbbpool = importlib.import_module("numba.np.ufunc.tbbpool")
+        return ctypes.CFUNCTYPE(None)(tbbpool.synchronize)
+    except (ImportError, AttributeError):
+        return None
 
-    Called before sbloader (or ffcv, through sbloader) first touches numba's thread count, which
-    is what launches the layer; the layer, its thread count and numba's configuration are the
-    ones numba would have chosen anyway.
+
+def _launch_numba_threads() -> None:
+    """Launch numba's threading layer on this thread if nothing has yet, and let it settle.
+
+    Called where sbloader (or ffcv, through sbloader) would first touch numba's thread count,
+    which is what launches the layer: the layer, its thread count and numba's configuration are
+    the ones numba would have chosen anyway.
 
     NOTE (numba's TBB layer hangs exit after a fork on one core): launching the TBB layer queues
     an empty task (``tg->run([]{})`` in numba's ``tbbpool.cpp``) that TBB's worker threads
-    normally run at once. With one usable core (``taskset -c 0``, a one-CPU container) TBB
-    starts no workers, so the task waits in the launching thread's task pool; a ``fork()`` (FFCV's
-    writer processes in :func:`write_beton`, DataLoader workers, ``multiprocessing``) then runs
-    numba's ``prepare_fork`` (``tbb::finalize``), which drops that pool, and at exit numba's
-    ``unload_tbb`` waits on the task group (``tg->wait()``) forever. Waiting on the group right
-    after the launch, on the launching thread, runs the empty task there and leaves nothing to
-    lose. It must be that thread: another thread's ``tg->wait()`` blocks forever as well. So
-    this settles only a launch it makes itself, holding numba's own launch locks (in numba's
-    order) so that no other thread can launch in between; a layer launched earlier by someone
-    else is left alone. Reproduce without sbloader: under ``taskset -c 0``,
+    normally run at once. With one usable core (``taskset -c 0``, a one-CPU container) TBB starts
+    no workers, so the task waits in the launching thread's own (implicit) arena. A ``fork()``
+    from that thread (FFCV's writer processes in :func:`write_beton`, DataLoader workers,
+    ``multiprocessing``) runs numba's ``prepare_fork`` (``tbb::finalize``), which drops the task,
+    and at exit numba's ``unload_tbb`` waits on the task group (``tg->wait()``) forever.
+    Waiting on the group right after the launch, on the launching thread, runs the empty task
+    and leaves nothing to lose. Only that thread can: any other thread's ``tg->wait()`` blocks
+    forever too (as does exit when the launcher was not the main thread). So this settles a
+    launch it makes itself, holding numba's launch locks (in numba's order) so that no other
+    thread launches in between. Reproduce without sbloader: under ``taskset -c 0``,
     ``import numba, os; numba.get_num_threads(); os.fork() or os._exit(0); os.wait()`` never
-    exits. Needs nothing of numba's configuration changed (no thread count, no layer choice).
+    exits. Nothing of numba's configuration changes (no thread count, no layer choice).
 
     Example:
-        >>> _settle_numba_threading_layer()  # idempotent
-        >>> _settle_numba_threading_layer()
+        >>> _launch_numba_threads()  # idempotent
+        >>> _launch_numba_threads()
     """
-    if "numba" not in sys.modules:
+    global _settled
+    if _settled or "numba" not in sys.modules:
         return
     with _SETTLE_LOCK:
         try:
             parallel = importlib.import_module("numba.np.ufunc.parallel")
             if parallel._is_initialized:
-                return
+                return  # launched by someone else: see _settle_before_fork
             if not parallel._backend_init_process_lock:
                 parallel._set_init_process_lock()
-            process_lock = parallel._backend_init_process_lock
-            thread_lock = parallel._backend_init_thread_lock
-        except (ImportError, AttributeError):  # another numba: launch as numba would
+            locks = (parallel._backend_init_process_lock, parallel._backend_init_thread_lock)
+        except (ImportError, AttributeError):  # another numba: it launches as it would
             return
-        with process_lock, thread_lock:  # numba's _launch_threads takes them in this order
+        with locks[0], locks[1]:  # numba's _launch_threads takes them in this order
             if parallel._is_initialized:
                 return
             parallel._launch_threads()
-            if getattr(parallel, "_threading_layer", None) != "tbb":
-                return
-            try:
-                tbbpool = importlib.import_module("numba.np.ufunc.tbbpool")
-                synchronize = ctypes.CFUNCTYPE(None)(tbbpool.synchronize)
-            except (ImportError, AttributeError):
-                return
-            synchronize()  # tg->wait() on the launching thread: runs the queued empty task
+            synchronize = _tbb_synchronize()
+            if synchronize is not None:
+                synchronize()  # on the launching thread: runs the queued empty task
+            _settled = True
+
+
+def _settle_before_fork() -> None:
+    """Before sbloader forks (ffcv's writer processes): settle a TBB layer launched elsewhere.
+
+    NOTE: when the layer was launched before sbloader touched numba (``import ffcv``, a user's
+    ``numba.get_num_threads()``), only its launching thread can run the queued task (see
+    :func:`_launch_numba_threads`), and which thread that was is not known. So this waits only
+    on the main thread, the usual launcher. When another thread launched it, waiting here blocks
+    only where the process could not exit anyway: with workers (more than one core) the task
+    has run and the wait returns; with none, exit waits on the main thread for a task only its
+    launcher can run. Called only right before sbloader's own fork, where it matters.
+    """
+    global _settled
+    if _settled or threading.current_thread() is not threading.main_thread():
+        return
+    _launch_numba_threads()
+    parallel = sys.modules.get("numba.np.ufunc.parallel")
+    if _settled or parallel is None or not getattr(parallel, "_is_initialized", False):
+        return
+    synchronize = _tbb_synchronize()
+    if synchronize is not None:
+        synchronize()
+    _settled = True
 
 
 def _numba_threads() -> int | None:
@@ -141,7 +174,7 @@ def preserved_threads() -> Iterator[None]:
     """Restore torch's and numba's thread counts (of the calling thread) on exit.
 
     On entry, numba's threading layer is launched and settled on the calling thread if nothing
-    has launched it yet (:func:`_settle_numba_threading_layer`).
+    has launched it yet (:func:`_launch_numba_threads`).
 
     NOTE: torch's count is restored unconditionally, even when it reads unchanged: a
     ``torch.set_num_threads`` call on another thread (FFCV's batch thread calls one when it
@@ -156,7 +189,7 @@ def preserved_threads() -> Iterator[None]:
         >>> torch.get_num_threads() == before
         True
     """
-    _settle_numba_threading_layer()
+    _launch_numba_threads()
     torch_threads = torch.get_num_threads()
     numba_threads = _numba_threads()
     try:
@@ -405,6 +438,7 @@ def write_beton(
     except ValueError as e:
         raise ValueError(f"sample 0 {e}; pass fields= matching the data") from None
     path = Path(path)
+    _settle_before_fork()  # the writer forks its worker processes
     with preserved_threads():
         writer = writer_mod.DatasetWriter(str(path), fields, num_workers=num_workers)
         writer.from_indexed_dataset(indexed, chunksize=chunksize)

@@ -404,16 +404,20 @@ def test_closing_an_abandoned_epoch_stops_ffcvs_batch_thread(beton):
     assert set(ffcv_batch_threads()) <= before
 
 
-def test_breaking_out_of_epochs_on_one_core_exits(tmp_path):
+@pytest.mark.parametrize("launched_by", ["sbloader", "user"])
+def test_breaking_out_of_epochs_on_one_core_exits(tmp_path, launched_by):
     """Issue 11: a process with one usable core that writes a .beton (forking writer processes)
     and breaks out of FFCV epochs through SelectiveLoader must exit. It hung at exit in numba's
-    TBB teardown (see sbloader.ffcv._settle_numba_threading_layer) and left FFCV's batch thread
-    of an epoch abandoned near its end blocked forever."""
+    TBB teardown (see sbloader.ffcv._launch_numba_threads), whether sbloader or the user first
+    launched numba's threading layer, and left FFCV's batch thread of an epoch abandoned near
+    its end blocked forever."""
+    user_launch = "numba.get_num_threads()" if launched_by == "user" else ""
     code = textwrap.dedent(
         f"""
         import os
         os.sched_setaffinity(0, {{min(os.sched_getaffinity(0))}})  # before numba and TBB load
-        import threading, numpy as np, torch, sbloader, sbloader.ffcv as F
+        import threading, numba, numpy as np, torch, sbloader, sbloader.ffcv as F
+        {user_launch}
         images = np.repeat(np.arange(200, dtype=np.float32), 16).reshape(200, 1, 4, 4)
         path = F.write_beton({str(tmp_path / "one.beton")!r}, (images, np.arange(200) % 4))
         loader = F.open_beton(path, 20, order="random", num_workers=1)  # 10 batches
