@@ -40,11 +40,14 @@ Example (needs ffcv; ``images`` float32 of shape (N, 1, 28, 28), ``labels`` int6
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import importlib.util
 import multiprocessing
 import os
+import queue
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -72,6 +75,95 @@ _PURE_ORDERS = ("Sequential", "Random")
 
 
 # ---------------------------------------------------------------------------------- threads
+_SETTLE_LOCK = threading.Lock()
+_settled = False  # numba's TBB layer has no queued task left (see _launch_numba_threads)
+
+
+def _tbb_synchronize() -> Callable[[], None] | None:
+    """numba's TBB ``synchronize`` (``tg->wait()``), or None for another layer or numba."""
+    try:
+        parallel = importlib.import_module("numba.np.ufunc.parallel")
+        if getattr(parallel, "_threading_layer", None) != "tbb":
+            return None
+        tbbpool = importlib.import_module("numba.np.ufunc.tbbpool")
+        return ctypes.CFUNCTYPE(None)(tbbpool.synchronize)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _launch_numba_threads() -> None:
+    """Launch numba's threading layer on this thread if nothing has yet, and let it settle.
+
+    Called where sbloader (or ffcv, through sbloader) would first touch numba's thread count,
+    which is what launches the layer: the layer, its thread count and numba's configuration are
+    the ones numba would have chosen anyway.
+
+    NOTE (numba's TBB layer hangs exit after a fork on one core): launching the TBB layer queues
+    an empty task (``tg->run([]{})`` in numba's ``tbbpool.cpp``) that TBB's worker threads
+    normally run at once. With one usable core (``taskset -c 0``, a one-CPU container) TBB starts
+    no workers, so the task waits in the launching thread's own (implicit) arena. A ``fork()``
+    from that thread (FFCV's writer processes in :func:`write_beton`, DataLoader workers,
+    ``multiprocessing``) runs numba's ``prepare_fork`` (``tbb::finalize``), which drops the task,
+    and at exit numba's ``unload_tbb`` waits on the task group (``tg->wait()``) forever.
+    Waiting on the group right after the launch, on the launching thread, runs the empty task
+    and leaves nothing to lose. Only that thread can: any other thread's ``tg->wait()`` blocks
+    forever too (as does exit when the launcher was not the main thread). So this settles a
+    launch it makes itself, holding numba's launch locks (in numba's order) so that no other
+    thread launches in between. Reproduce without sbloader: under ``taskset -c 0``,
+    ``import numba, os; numba.get_num_threads(); os.fork() or os._exit(0); os.wait()`` never
+    exits. Nothing of numba's configuration changes (no thread count, no layer choice).
+
+    Example:
+        >>> _launch_numba_threads()  # idempotent
+        >>> _launch_numba_threads()
+    """
+    global _settled
+    if _settled or "numba" not in sys.modules:
+        return
+    with _SETTLE_LOCK:
+        try:
+            parallel = importlib.import_module("numba.np.ufunc.parallel")
+            if parallel._is_initialized:
+                return  # launched by someone else: see _settle_before_fork
+            if not parallel._backend_init_process_lock:
+                parallel._set_init_process_lock()
+            locks = (parallel._backend_init_process_lock, parallel._backend_init_thread_lock)
+        except (ImportError, AttributeError):  # another numba: it launches as it would
+            return
+        with locks[0], locks[1]:  # numba's _launch_threads takes them in this order
+            if parallel._is_initialized:
+                return
+            parallel._launch_threads()
+            synchronize = _tbb_synchronize()
+            if synchronize is not None:
+                synchronize()  # on the launching thread: runs the queued empty task
+            _settled = True
+
+
+def _settle_before_fork() -> None:
+    """Before sbloader forks (ffcv's writer processes): settle a TBB layer launched elsewhere.
+
+    NOTE: when the layer was launched before sbloader touched numba (``import ffcv``, a user's
+    ``numba.get_num_threads()``), only its launching thread can run the queued task (see
+    :func:`_launch_numba_threads`), and which thread that was is not known. So this waits only
+    on the main thread, the usual launcher. When another thread launched it, waiting here blocks
+    only where the process could not exit anyway: with workers (more than one core) the task
+    has run and the wait returns; with none, exit waits on the main thread for a task only its
+    launcher can run. Called only right before sbloader's own fork, where it matters.
+    """
+    global _settled
+    if _settled or threading.current_thread() is not threading.main_thread():
+        return
+    _launch_numba_threads()
+    parallel = sys.modules.get("numba.np.ufunc.parallel")
+    if _settled or parallel is None or not getattr(parallel, "_is_initialized", False):
+        return
+    synchronize = _tbb_synchronize()
+    if synchronize is not None:
+        synchronize()
+    _settled = True
+
+
 def _numba_threads() -> int | None:
     numba = sys.modules.get("numba")
     return None if numba is None else int(numba.get_num_threads())
@@ -80,6 +172,9 @@ def _numba_threads() -> int | None:
 @contextlib.contextmanager
 def preserved_threads() -> Iterator[None]:
     """Restore torch's and numba's thread counts (of the calling thread) on exit.
+
+    On entry, numba's threading layer is launched and settled on the calling thread if nothing
+    has launched it yet (:func:`_launch_numba_threads`).
 
     NOTE: torch's count is restored unconditionally, even when it reads unchanged: a
     ``torch.set_num_threads`` call on another thread (FFCV's batch thread calls one when it
@@ -94,6 +189,7 @@ def preserved_threads() -> Iterator[None]:
         >>> torch.get_num_threads() == before
         True
     """
+    _launch_numba_threads()
     torch_threads = torch.get_num_threads()
     numba_threads = _numba_threads()
     try:
@@ -342,6 +438,7 @@ def write_beton(
     except ValueError as e:
         raise ValueError(f"sample 0 {e}; pass fields= matching the data") from None
     path = Path(path)
+    _settle_before_fork()  # the writer forks its worker processes
     with preserved_threads():
         writer = writer_mod.DatasetWriter(str(path), fields, num_workers=num_workers)
         writer.from_indexed_dataset(indexed, chunksize=chunksize)
@@ -461,6 +558,47 @@ def _field_kind(loader: Any, name: str) -> str | None:
     return None if field is None else type(field).__name__
 
 
+def _stop_epoch_iterator(it: Any) -> None:
+    """Stop an FFCV ``EpochIterator`` (finished or abandoned), wait for its thread, then close it.
+
+    NOTE (an abandoned FFCV epoch): ffcv's ``EpochIterator.close()`` only sets a flag that its
+    batch thread checks between 0.5 s waits to hand over a batch, and then immediately ends the
+    epoch's page reads (``memory_context.__exit__``), possibly under the thread's feet. Once the
+    thread has produced the epoch's last batch it waits for room in its full queue without a
+    timeout (``output_queue.put(None)``), so an epoch abandoned within ``batches_ahead`` batches
+    of its end leaves that thread blocked for the rest of the process, however often ``close()``
+    is called. So, in this order: take the batches the thread has not started
+    (exhausting its ``iter_ixes``), so that it computes nothing more; set its terminate flag;
+    take what it queued until it has ended (emptying the queue unblocks the final ``put``; as
+    nothing more is computed, no buffer the caller may still hold is written); join it; and only
+    then close the epoch's reads, once (``closed`` is ffcv's own flag, which it never sets).
+    """
+    if isinstance(it, threading.Thread) and it is not threading.current_thread():
+        pending = getattr(it, "iter_ixes", None)
+        if pending is not None:
+            for _ in pending:  # the thread's next `next(iter_ixes)` ends its loop
+                pass
+        stop = getattr(it, "terminate_event", None)
+        if stop is not None:
+            stop.set()
+        output = getattr(it, "output_queue", None)
+        while it.is_alive():
+            if output is not None:
+                try:
+                    while True:
+                        output.get_nowait()
+                except queue.Empty:
+                    pass
+            it.join(timeout=0.05)
+    if getattr(it, "closed", False):
+        return
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()
+        with contextlib.suppress(AttributeError):
+            it.closed = True
+
+
 class FFCVSource(Source):
     """An FFCV ``Loader`` as a SelectiveLoader source, with every example's dataset index.
 
@@ -563,12 +701,13 @@ class FFCVSource(Source):
         # NOTE: FFCV draws the epoch's order from its own counter; setting it makes the order a
         # function of the SelectiveLoader's epoch alone (exact resume, repeated runs agree).
         loader.next_epoch = epoch
-        with preserved_threads():
-            it = iter(loader)
-            # NOTE: FFCV's batch thread calls torch.set_num_threads when it starts, which is
-            # before it hands out the first batch: restoring after that batch is race-free.
-            first = next(it, None)
+        it = None
         try:
+            with preserved_threads():
+                it = iter(loader)
+                # NOTE: FFCV's batch thread calls torch.set_num_threads when it starts, which is
+                # before it hands out the first batch: restoring after that batch is race-free.
+                first = next(it, None)
             b = 0
             batch = first
             while batch is not None:
@@ -577,9 +716,10 @@ class FFCVSource(Source):
                 b += 1
                 batch = next(it, None)
         finally:
-            close = getattr(it, "close", None)
-            if close is not None:
-                close()
+            # Also on close() or garbage collection of this generator (GeneratorExit): an
+            # abandoned epoch's batch thread is stopped and joined here, see the NOTE there.
+            if it is not None:
+                _stop_epoch_iterator(it)
 
     def _convert(
         self, batch: Any, b: int, recovered: list[np.ndarray] | None

@@ -7,11 +7,13 @@ so any mix-up of images, labels and indices shows. Skipped when ffcv is not inst
 from __future__ import annotations
 
 import copy
+import operator
 import os
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -371,6 +373,88 @@ def test_using_ffcv_through_sbloader_never_changes_thread_counts(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def ffcv_batch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if type(t).__name__ == "EpochIterator"]
+
+
+def test_closing_an_abandoned_epoch_stops_ffcvs_batch_thread(beton):
+    """An epoch abandoned once FFCV's thread has produced its last batch: that thread waits for
+    room in its full queue without a timeout, and closing the epoch must still end it."""
+    loader = sbffcv.open_beton(beton, 30, order="random", seed=0)  # 10 batches, 3 ahead
+    source = sbffcv.FFCVSource(loader)
+    before = set(ffcv_batch_threads())
+    epoch = source.epoch()
+    for _ in range(7):  # holding batch 6; batches 7, 8, 9 fill the queue
+        held, _ = next(epoch)
+    (thread,) = set(ffcv_batch_threads()) - before
+    deadline = time.monotonic() + 60
+    while not (operator.length_hint(thread.iter_ixes) == 0 and thread.output_queue.full()):
+        assert time.monotonic() < deadline, "FFCV's thread never produced the epoch's batches"
+        time.sleep(0.01)
+    snapshot = [x.clone() for x in held]
+    epoch.close()
+    assert not thread.is_alive()
+    # Stopping computed no further batch: the batch the caller still holds is intact.
+    assert all(torch.equal(x, y) for x, y in zip(held, snapshot))
+    next_epoch = source.epoch()
+    next(next_epoch)
+    del next_epoch  # garbage-collected: the same
+    assert set(ffcv_batch_threads()) <= before
+
+
+@pytest.mark.parametrize("launched_by", ["sbloader", "user"])
+def test_breaking_out_of_epochs_on_one_core_exits(tmp_path, launched_by):
+    """Issue 11: a process with one usable core that writes a .beton (forking writer processes)
+    and breaks out of FFCV epochs through SelectiveLoader must exit. It hung at exit in numba's
+    TBB teardown (see sbloader.ffcv._launch_numba_threads), whether sbloader or the user first
+    launched numba's threading layer, and left FFCV's batch thread of an epoch abandoned near
+    its end blocked forever."""
+    user_launch = "numba.get_num_threads()" if launched_by == "user" else ""
+    code = textwrap.dedent(
+        f"""
+        import os
+        os.sched_setaffinity(0, {{min(os.sched_getaffinity(0))}})  # before numba and TBB load
+        import threading, numba, numpy as np, torch, sbloader, sbloader.ffcv as F
+        {user_launch}
+        images = np.repeat(np.arange(200, dtype=np.float32), 16).reshape(200, 1, 4, 4)
+        path = F.write_beton({str(tmp_path / "one.beton")!r}, (images, np.arange(200) % 4))
+        loader = F.open_beton(path, 20, order="random", num_workers=1)  # 10 batches
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 4))
+        for policy in (sbloader.Traditional(), sbloader.SelectiveBackprop(0.5)):
+            sl = sbloader.SelectiveLoader(loader, model, policy=policy, batch_size=10)
+            for stop in (0, 6):
+                for i, batch in enumerate(sl):
+                    if i == stop:
+                        break
+                for batch in sl:
+                    pass
+        left = [t for t in threading.enumerate() if type(t).__name__ == "EpochIterator"]
+        assert not left, left
+        print("ok", flush=True)
+        """
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    child = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        out, err = child.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, err = child.communicate()
+        where = "at exit, after printing ok" if out.strip().endswith("ok") else "before ok"
+        pytest.fail(f"the one-core process hung {where}: {err[-2000:]}")
+    assert out.strip().endswith("ok") and child.returncode == 0, err[-3000:]
 
 
 def test_import_sbloader_ffcv_and_a_dataloader_source_never_import_ffcv():
