@@ -224,6 +224,36 @@ def test_kath18_weights_are_unbiased():
     assert np.mean(estimates) == pytest.approx(x.mean(), abs=4 * np.std(estimates) / 141)
 
 
+def test_kath18_weighted_losses_estimate_the_pool_mean_loss_exactly():
+    """E[(1/b) sum_j w_j loss_j] is the pool's mean loss. With draws in proportion to the loss
+    and w = 1 / (B p), each draw's estimate is that mean (no variance), so a tight tolerance
+    catches self-normalised weights (w / mean(w): the harmonic mean of the drawn losses) and
+    weights from the inclusion probability (b / (B P)), which are biased by far more."""
+    rng = np.random.default_rng(2)
+    losses = rng.gamma(0.5, size=40) + 1e-3
+    k = Kath18(selectivity=0.5, tau_threshold=0.0)
+    k.tau = 1.0  # already past the threshold
+    estimates = []
+    for _ in range(4000):
+        c = k.choose(losses, None, rng, 40)
+        assert k.importance_sampling and len(c.positions) == 20
+        estimates.append(np.sum(c.weights * losses[c.positions]) / len(c.positions))
+    tolerance = 4 * np.std(estimates) / np.sqrt(len(estimates)) + 1e-9 * losses.mean()
+    assert np.mean(estimates) == pytest.approx(losses.mean(), abs=tolerance)
+
+
+def test_kath18_biased_weights_are_all_one():
+    rng = np.random.default_rng(3)
+    losses = rng.gamma(0.5, size=40) + 1e-3
+    k = Kath18(selectivity=0.5, tau_threshold=0.0, unbiased=False)
+    k.tau = 1.0
+    for _ in range(50):
+        c = k.choose(losses, None, rng, 40)
+        assert k.importance_sampling and len(c.positions) == 20
+        assert c.weights.tolist() == [1.0] * 20
+    assert len(np.unique(c.positions)) < 20  # drawn with replacement: importance-sampled
+
+
 def test_kath18_through_the_loader_carries_weights():
     loader = loader_for(Kath18(1 / 3, tau_threshold=0.0), EncodedDataset(600), bs=10, source_bs=30)
     batches = [b for _ in range(3) for b in loader]
