@@ -253,6 +253,35 @@ def test_selection_batch_size_chunks_the_forward():
     assert a == yielded(make_loader(bs=10, source_bs=50), 1)  # same losses, same choices
 
 
+class ReversedIndexLoss(IndexLoss):
+    """:class:`IndexLoss` ranked the other way round: the lower the index, the higher the loss."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        idx = x[:, 0]
+        logits = torch.zeros(x.shape[0], N_CLASSES)
+        logits[torch.arange(x.shape[0]), idx.long() % N_CLASSES] = 8.0 + idx / 100.0
+        return logits + 0.0 * self.lin(x)
+
+
+def test_a_selector_scores_the_candidates_instead_of_the_model():
+    def chosen(**kw):
+        loader = make_loader(bs=10, source_bs=50, policy=SelectiveBackprop(beta=3.0), **kw)
+        return [b for _ in range(3) for b in loader]
+
+    model, selector = IndexLoss(), ReversedIndexLoss()
+    batches = chosen(model=model, selector=selector)
+    assert model.calls == 0 and selector.calls == 3 * 4  # one selection forward per source batch
+    for b in batches:
+        check_pairing(b)
+        expected = nn.functional.cross_entropy(selector(b[0]), b[1], reduction="none")
+        torch.testing.assert_close(b.losses, expected)  # the selector's losses, not the model's
+    # The selector's hardest examples are the lowest indices, the model's the highest.
+    by_selector = torch.cat([b.indices for b in batches]).float()
+    by_model = torch.cat([b.indices for b in chosen(model=IndexLoss())]).float()
+    assert by_selector.median() < 70 and by_model.median() > 130
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_reducing_loss_module_is_rejected_up_front(reduction):
     with pytest.raises(ValueError, match="reduction='none'"):
