@@ -315,6 +315,19 @@ def test_prune_keeps_exactly_the_requested_fraction(fraction):
     assert len(easy) == len(kept)
 
 
+@pytest.mark.parametrize("fraction", [0.1, 0.33, 0.5, 0.9])
+def test_prune_keeps_the_easiest_or_hardest_with_ties_to_the_lower_index(fraction):
+    scores = np.round(np.random.default_rng(1).random(500), 1)  # ties at every cut
+    k = round(fraction * 500)
+    easiest = sorted(range(500), key=lambda i: (scores[i], i))[:k]
+    hardest = sorted(range(500), key=lambda i: (-scores[i], i))[:k]
+    got = prune(scores, fraction, keep="easiest")
+    assert got.dtype == np.int64 and got.tolist() == sorted(easiest)
+    assert prune(scores, fraction, keep="hardest").tolist() == sorted(hardest)
+    ties = np.full(8, 0.5)
+    assert prune(ties, 0.5).tolist() == [0, 1, 2, 3] == prune(ties, 0.5, keep="easiest").tolist()
+
+
 def test_prune_rejects_nan_and_bad_fractions():
     with pytest.raises(ValueError, match="NaN"):
         prune([0.1, float("nan")], 0.5)
