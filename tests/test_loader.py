@@ -234,6 +234,37 @@ def test_model_mode_is_restored_when_the_selection_pass_raises(exc):
     assert model.training and model.bn.training
 
 
+class ModeDependent(IndexLoss):
+    """:class:`IndexLoss`, with every loss raised by a wrong-class logit in train mode (as
+    dropout or BatchNorm's batch statistics would change it); records the mode of each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.modes: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.modes.append(self.training)
+        logits = super().forward(x)
+        if self.training:
+            logits[:, 0] += 1.0 + 0.1 * (x[:, 0] % 7)
+        return logits
+
+
+@pytest.mark.parametrize("eval_selection", [True, False])
+def test_eval_selection_false_scores_in_train_mode_and_keeps_the_mode(eval_selection):
+    model = ModeDependent().train()
+    loader = make_loader(model=model, bs=10, source_bs=50, eval_selection=eval_selection)
+    batches = list(loader)
+    assert model.modes == [not eval_selection] * 4 and model.training
+    scorer = copy.deepcopy(model).train(not eval_selection)
+    for b in batches:
+        expected = nn.functional.cross_entropy(scorer(b[0]), b[1], reduction="none")
+        torch.testing.assert_close(b.losses, expected)
+    frozen = ModeDependent().eval()  # eval_selection=False does not put a model in train mode
+    list(make_loader(model=frozen, bs=10, source_bs=50, eval_selection=False))
+    assert not any(frozen.modes) and not frozen.training
+
+
 def test_weights_and_losses_work_in_autograd():
     torch.manual_seed(0)
     model = bn_model()
