@@ -385,6 +385,31 @@ def test_a_batch_of_one_never_reaches_a_batchnorm_model():
     assert [len(b[0]) for b in plain] == [20, 20, 1] and len(plain) == 3
 
 
+@pytest.mark.parametrize("min_batch_size, dropped", [(3, 0), (4, 3)])
+def test_a_user_min_batch_size_drops_smaller_batches_and_counts_them(min_batch_size, dropped):
+    ds = EncodedDataset(53)  # 53 = 5 * 10 + 3: 3 examples left at the end of an epoch
+    sizes = [10] * 5 + ([3] if not dropped else [])
+    trad = SelectiveLoader(
+        DataLoader(ds, batch_size=10),
+        IndexLoss(),
+        policy=Traditional(),
+        min_batch_size=min_batch_size,
+    )
+    assert [len(b[0]) for b in trad] == sizes and len(trad) == len(sizes)
+    assert trad.stats.current.dropped == dropped
+    everything = SelectiveBackprop(beta=0.0)  # selective, but keeps every example
+    short = SelectiveLoader(
+        DataLoader(ds, batch_size=10),
+        IndexLoss(),
+        policy=everything,
+        remainder="short",
+        min_batch_size=min_batch_size,
+    )
+    assert [len(b[0]) for b in short] == sizes
+    e = short.stats.current
+    assert e.dropped == dropped and e.examples_yielded + e.dropped == e.examples_selected == 53
+
+
 def test_len_is_honest_or_absent():
     with pytest.raises(TypeError, match="expected_batches"):
         len(make_loader())
