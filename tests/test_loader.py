@@ -176,6 +176,38 @@ def test_iterable_sources_with_and_without_an_index_field():
         SelectiveLoader(iter(batches), IndexLoss(), batch_size=5)
 
 
+@pytest.mark.parametrize("input_key, target_key", [(2, 0), (-1, -3)])
+def test_positional_input_and_target_keys(input_key, target_key):
+    ds = EncodedDataset(40)
+    batches = [
+        (
+            torch.stack([ds[i][1] for i in range(s, s + 10)]),  # targets first
+            torch.arange(s, s + 10),  # then the dataset indices
+            torch.stack([ds[i][0] for i in range(s, s + 10)]),  # inputs last
+        )
+        for s in range(0, 40, 10)
+    ]
+    model = IndexLoss()
+    loader = SelectiveLoader(
+        batches,
+        model,
+        policy=SelectiveBackprop(0.5),
+        batch_size=5,
+        input_key=input_key,
+        target_key=target_key,
+        index_key=1,
+    )
+    got = list(loader)
+    assert got and model.calls == 4
+    for b in got:
+        assert isinstance(b, tuple) and len(b) == 3
+        y, idx, x = b
+        assert torch.equal(idx, b.indices) and torch.equal(x[:, 0].long(), b.indices)
+        assert torch.equal(y, b.indices % N_CLASSES)
+        expected = nn.functional.cross_entropy(model(x), y, reduction="none")
+        torch.testing.assert_close(b.losses, expected)
+
+
 # ------------------------------------------------------------------ determinism
 def yielded(loader, epochs=2):
     return [b.indices.tolist() for _ in range(epochs) for b in loader]
