@@ -141,6 +141,30 @@ def test_channels_last_and_a_copied_selector_keep_the_choices():
     assert chosen(with_selector) == chosen(plain)
 
 
+class AutocastRecorder(nn.Module):
+    """Records, per forward, whether CPU autocast is on and the dtype its matmul computes in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3 * 8 * 8, CLASSES)
+        self.seen: list[tuple[bool, torch.dtype]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x.flatten(1))
+        self.seen.append((torch.is_autocast_enabled("cpu"), out.dtype))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_autocast_applies_to_the_selection_forward(dtype):
+    model = seeded(AutocastRecorder)
+    _, batches = run(model=model, epochs=1, autocast=dtype)
+    expected = (True, torch.bfloat16) if dtype is not None else (False, torch.float32)
+    assert model.seen == [expected] * (N // 60)  # every selection forward
+    assert batches and all(b.losses.dtype == torch.float32 for b in batches)
+    assert not torch.is_autocast_enabled("cpu")  # only inside the selection pass
+
+
 def test_selection_forward_time_is_part_of_selection_time():
     loader, _ = run()
     e = loader.stats.total
