@@ -555,6 +555,58 @@ def test_one_process_is_not_distributed_and_cdf_global_changes_nothing():
     assert run("global") == run("local")
 
 
+COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+)
+
+
+def test_distributed_false_under_an_initialised_group_makes_no_collectives(tmp_path, monkeypatch):
+    def run(**kw) -> list[list[int]]:
+        loader = SelectiveLoader(
+            DataLoader(
+                EncodedDataset(120), batch_size=30, shuffle=True, generator=torch.Generator()
+            ),
+            IndexLoss(),
+            policy=SelectiveBackprop(1 / 3, history=64),
+            batch_size=10,
+            cdf="global",
+            remainder="short",
+            seed=0,
+            **kw,
+        )
+        return [b.indices.tolist() for _ in range(2) for b in loader]
+
+    alone = run()
+    calls: Counter = Counter()
+    for name in COLLECTIVES:
+        real = getattr(dist, name)
+
+        def spy(*args, _name=name, _real=real, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(dist, name, spy)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert run(distributed=False) == alone and not calls
+        assert run() == alone and not calls  # automatic: one rank is not distributed
+        assert run(distributed=True) == alone and calls["all_reduce"] > 0  # the spy sees them
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize(
     "kwargs, exc, message",
     [
