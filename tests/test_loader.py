@@ -656,6 +656,50 @@ def test_mid_epoch_resume_yields_what_an_uninterrupted_run_would(stop_after, wor
     assert [e.epoch for e in loader.stats.epochs] == [0, 1, 2]
 
 
+@pytest.mark.parametrize("stop_after", [0, 1, 4, 7])
+def test_mid_epoch_resume_of_an_iterable_source_yields_what_an_uninterrupted_run_would(
+    stop_after,
+):
+    ds = EncodedDataset(120)
+    order = torch.randperm(120, generator=torch.Generator().manual_seed(0)).tolist()
+    batches = [
+        (
+            torch.stack([ds[i][0] for i in order[s : s + 12]]),
+            torch.stack([ds[i][1] for i in order[s : s + 12]]),
+            torch.tensor(order[s : s + 12]),
+        )
+        for s in range(0, 120, 12)
+    ]
+
+    def build():
+        return SelectiveLoader(
+            batches,
+            IndexLoss(),
+            policy=SelectiveBackprop(1 / 3, history=64),
+            batch_size=5,
+            index_key=2,
+            seed=0,
+        )
+
+    def rows(got):
+        return [(b.indices.tolist(), b.losses.tolist(), b.probabilities.tolist()) for b in got]
+
+    whole = build()
+    full = rows(b for _ in range(3) for b in whole)
+    loader = build()
+    got = rows(loader)
+    it = iter(loader)
+    got += rows(next(it) for _ in range(stop_after))
+    state = copy.deepcopy(loader.state_dict())
+    del it
+    resumed = build()
+    resumed.load_state_dict(state)
+    got += rows(resumed)  # the rest of epoch 1
+    got += rows(resumed)  # epoch 2
+    assert got == full
+    assert [e.epoch for e in resumed.stats.epochs] == [0, 1, 2]
+
+
 def test_mid_epoch_resume_without_a_generator_is_refused_with_the_fix():
     dl = DataLoader(EncodedDataset(), batch_size=20, shuffle=True)
     loader = SelectiveLoader(dl, IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=10)
