@@ -266,6 +266,37 @@ def test_model_mode_is_restored_when_the_selection_pass_raises(exc):
     assert model.training and model.bn.training
 
 
+class RaisesAfterBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(6)
+        self.lin = nn.Linear(6, N_CLASSES)
+        self.explode = True
+        self.bn_calls = 0
+
+    def forward(self, x):
+        h = self.bn(x)
+        self.bn_calls += 1
+        if self.explode:
+            raise RuntimeError("after BatchNorm")
+        return self.lin(h)
+
+
+def test_batchnorm_buffers_are_untouched_when_the_selection_pass_raises_after_batchnorm():
+    model = RaisesAfterBatchNorm().train()
+    before = copy.deepcopy(model.state_dict())
+    loader = make_loader(model=model, bs=10, source_bs=50)
+    with pytest.raises(RuntimeError, match="after BatchNorm"):
+        next(iter(loader))
+    assert model.bn_calls == 1 and model.training and model.bn.training
+    for k, v in model.state_dict().items():  # running_mean, running_var, num_batches_tracked
+        assert torch.equal(v, before[k]), k
+    model.explode = False  # the same loader carries on, still without touching them
+    assert len(list(loader)) > 0 and model.training and model.bn.training
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
 class ModeDependent(IndexLoss):
     """:class:`IndexLoss`, with every loss raised by a wrong-class logit in train mode (as
     dropout or BatchNorm's batch statistics would change it); records the mode of each call."""
