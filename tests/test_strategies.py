@@ -4,6 +4,11 @@ pruning, Diet-SB and the beyond-paper options (warm-up, annealing, reweighting).
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -424,6 +429,42 @@ def test_store_round_trips_through_state_dict():
     assert s.nbytes == 12 * 100
 
 
+def test_store_matches_a_numpy_reference():
+    """record, lookup and count_selected against numpy: a non-finite loss keeps what was stored,
+    a repeated index keeps its last finite loss and is counted once per occurrence."""
+    size, rng = 50, np.random.default_rng(4)
+    s = ExampleStore(size)
+    loss, epoch = np.full(size, np.nan), np.full(size, -1, dtype=np.int64)
+    count = np.zeros(size, dtype=np.int64)
+    for step in range(30):
+        idx = rng.integers(0, size - 10, 40)  # the last 10 never scored
+        values = rng.exponential(size=40)
+        bad = rng.random(40) < 0.2
+        values[bad] = rng.choice(np.array([np.nan, np.inf, -np.inf]), bad.sum())
+        s.record(idx, values, epoch=3 * step)
+        finite = np.flatnonzero(np.isfinite(values))[::-1]  # the last occurrence wins
+        last = finite[np.unique(idx[finite], return_index=True)[1]]
+        loss[idx[last]] = values[last].astype(np.float32)
+        epoch[idx[last]] = 3 * step
+        chosen = idx[rng.random(40) < 0.3]
+        s.count_selected(chosen)
+        np.add.at(count, chosen, 1)
+        probe = rng.integers(0, size, 60)
+        got_loss, got_epoch = s.lookup(probe)
+        assert got_loss.dtype == np.float64 and got_epoch.dtype == np.int64
+        np.testing.assert_array_equal(got_loss, loss[probe])
+        np.testing.assert_array_equal(got_epoch, epoch[probe])
+        np.testing.assert_array_equal(s.selected, count)
+    assert np.isnan(loss).any() and (count > 1).any()  # never-scored and repeated examples
+    for call in (
+        lambda: s.record(np.array([3, size]), np.ones(2), epoch=0),
+        lambda: s.lookup(np.array([-1, 3])),
+        lambda: s.count_selected(np.array([size + 5])),
+    ):
+        with pytest.raises(IndexError, match="outside the store"):
+            call()
+
+
 def test_store_handles_indices_above_2_31_exactly(tmp_path):
     n = 2**31 + 10
     s = ExampleStore(n, path=tmp_path)  # sparse files: no 25 GB written
@@ -441,6 +482,20 @@ def test_store_handles_indices_above_2_31_exactly(tmp_path):
         s.record(np.array([n]), np.array([1.0]), epoch=0)
     with pytest.raises(TypeError, match="integers"):
         s.lookup(np.array([1.0]))
+
+
+def test_store_kernels_run_without_jit():
+    """The store's tests (here and the property test) also pass with NUMBA_DISABLE_JIT=1, the
+    kernels running as plain Python (the window's: test_window.py)."""
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "NUMBA_DISABLE_JIT": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    cmd += ["-k", "test_store_ and not without_jit"]  # not itself: no recursion
+    cmd += [str(here / "test_strategies.py"), str(here / "test_properties.py")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed and int(passed.group(1)) >= 4, proc.stdout[-3000:]
 
 
 def test_public_api_has_the_strategies():
