@@ -30,10 +30,16 @@ import sbloader
 from sbloader import Phased, Policy, RandomBackprop, SelectiveBackprop, SelectiveLoader
 from sbloader.distributed import reduce_stats
 
-#: Seconds a spawned group may run before the test fails as a hang.
-DEADLINE_S = 60
-#: The process groups' own timeout: a collective that waits longer raises in the worker.
-PG_TIMEOUT_S = 30
+#: Seconds a spawned group may run before the test fails as a hang. NOTE: a group takes about
+#: 10 s alone and up to about 60 s on a loaded 2-core machine (each rank imports torch, DDP
+#: and numba's kernels); a hang never ends, so a wide margin costs nothing but the wait.
+DEADLINE_S = 240
+#: The process groups' own timeout: a collective that waits longer raises in the worker (the
+#: rendezvous included, where one rank may still be importing while another waits).
+PG_TIMEOUT_S = 120
+
+#: A test may set up two spawned groups (module-scoped fixtures) before its own body runs.
+pytestmark = pytest.mark.timeout(2 * DEADLINE_S + 120)
 
 
 # ------------------------------------------------------------------ spawning ranks
