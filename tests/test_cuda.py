@@ -84,3 +84,29 @@ def test_frozen_prefix_features_on_the_gpu():
         x, _ = batch
         assert batch.features.is_cuda
         torch.testing.assert_close(batch.features, backbone(x))
+
+
+def test_features_cached_on_the_cpu_for_a_model_on_the_gpu(monkeypatch):
+    stored_on = set()
+    put = sbloader.FeatureCache.put
+
+    def spy(self, indices, features):
+        put(self, indices, features)
+        stored_on.add(self.values.device.type)
+
+    monkeypatch.setattr(sbloader.FeatureCache, "put", spy)
+    backbone = nn.Sequential(nn.Linear(6, 8), nn.ReLU()).cuda().requires_grad_(False)
+    head = nn.Linear(8, 4).cuda()
+    loader = cuda_loader(
+        sbloader.SelectiveBackprop(1 / 3, history=64),
+        model=head,
+        frozen_prefix=backbone,
+        cache_features="cpu",
+    )
+    for _ in range(2):
+        for batch in loader:
+            x, _ = batch
+            assert batch.features.is_cuda
+            torch.testing.assert_close(batch.features, backbone(x))
+    assert stored_on == {"cpu"}
+    assert loader.stats.epochs[1].prefix_forwards <= sbloader.FeatureCache.CHECKED

@@ -30,10 +30,16 @@ import sbloader
 from sbloader import Phased, Policy, RandomBackprop, SelectiveBackprop, SelectiveLoader
 from sbloader.distributed import reduce_stats
 
-#: Seconds a spawned group may run before the test fails as a hang.
-DEADLINE_S = 60
-#: The process groups' own timeout: a collective that waits longer raises in the worker.
-PG_TIMEOUT_S = 30
+#: Seconds a spawned group may run before the test fails as a hang. NOTE: a group takes about
+#: 10 s alone and up to about 60 s on a loaded 2-core machine (each rank imports torch, DDP
+#: and numba's kernels); a hang never ends, so a wide margin costs nothing but the wait.
+DEADLINE_S = 240
+#: The process groups' own timeout: a collective that waits longer raises in the worker (the
+#: rendezvous included, where one rank may still be importing while another waits).
+PG_TIMEOUT_S = 120
+
+#: A test may set up two spawned groups (module-scoped fixtures) before its own body runs.
+pytestmark = pytest.mark.timeout(2 * DEADLINE_S + 120)
 
 
 # ------------------------------------------------------------------ spawning ranks
@@ -363,6 +369,75 @@ def scenario_rounds(rank: int, world_size: int) -> dict:
     return res
 
 
+class NonFiniteFor(IndexLoss):
+    """:class:`IndexLoss` with a NaN selection loss for the indices in ``NAN`` and an infinite
+    one for those in ``INF`` (two of each on each of two rank-blocked halves of 120 examples)."""
+
+    NAN, INF = (7, 77), (18, 95)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)
+        idx = x[:, 0].long()
+        logits = torch.where(torch.isin(idx, torch.tensor(self.NAN))[:, None], np.nan, logits)
+        inf = torch.isin(idx, torch.tensor(self.INF))
+        logits[inf, idx[inf] % N_CLASSES] = -np.inf  # the target's logit: an infinite loss
+        return logits
+
+
+class FiniteOnly(SelectiveBackprop):
+    """SelectiveBackprop that records every loss it is given to observe or to choose from."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.given: list[np.ndarray] = []
+
+    def observe(self, losses, indices, *, cdf=True):
+        self.given.append(np.array(losses))
+        super().observe(losses, indices, cdf=cdf)
+
+    def choose(self, losses, indices, rng, n):
+        self.given.append(np.array(losses))
+        return super().choose(losses, indices, rng, n)
+
+
+def scenario_nonfinite(rank: int, world_size: int) -> dict:
+    """Non-finite selection losses on every rank, through the loss exchange (a global CDF, and
+    Stale-SB's store, which shares losses even with a local one); then distributed=False."""
+    res: dict = {}
+    for cdf, mode in (("global", "skip"), ("local", "select")):
+        policy = FiniteOnly(1.0, history=1024, staleness=2)  # keeps every finite example
+        loader = SelectiveLoader(
+            DataLoader(EncodedDataset(120), batch_size=15, sampler=Block(120, rank, world_size)),
+            NonFiniteFor(),
+            policy=policy,
+            batch_size=10,
+            cdf=cdf,
+            nonfinite=mode,
+            remainder="short",
+            seed=0,
+        )
+        yielded = sorted(i for b in loader for i in b.indices.tolist())
+        res[cdf] = {
+            "yielded": yielded,
+            "given": policy.given,
+            "window": policy.window.values(),
+            "store": policy.store.lookup(np.arange(120)),
+            "nonfinite": loader.stats.current.nonfinite,
+            "reduced": reduce_stats(loader.stats.current).nonfinite,
+        }
+    # Uneven sources (4 batches and 1): on their own, each rank yields its own batches.
+    for name, distributed in (("alone", False), ("lockstep", None)):
+        loader = SelectiveLoader(
+            _iterable(rank, [4, 1][rank]),
+            IndexLoss(),
+            policy=RandomBackprop(1.0),
+            batch_size=10,
+            distributed=distributed,
+        )
+        res[name] = [len(b[0]) for b in loader]
+    return res
+
+
 def scenario_two(rank: int, world_size: int) -> dict:
     return {
         "sb": scenario_ddp(rank, world_size, "sb"),
@@ -376,7 +451,7 @@ def scenario_three(rank: int, world_size: int) -> dict:
 
 # NOTE: one spawned group per world size, running every scenario in sequence: each process
 # pays the imports (torch, DDP's torch._dynamo, numba's cached kernels) once.
-SCENARIOS = {"two": scenario_two, "three": scenario_three}
+SCENARIOS = {"two": scenario_two, "three": scenario_three, "nonfinite": scenario_nonfinite}
 
 
 # ------------------------------------------------------------------ tests on spawned ranks
@@ -399,6 +474,11 @@ def two(tmp_path_factory) -> list[dict]:
 @pytest.fixture(scope="module")
 def rounds(tmp_path_factory) -> list[dict]:
     return run_ranks("three", 3, tmp_path_factory.mktemp("three"))
+
+
+@pytest.fixture(scope="module")
+def nonfinite(tmp_path_factory) -> list[dict]:
+    return run_ranks("nonfinite", 2, tmp_path_factory.mktemp("nonfinite"))
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -525,6 +605,35 @@ def test_reduce_stats_sums_counts_and_takes_the_slowest_time(rounds):
 
 
 # ------------------------------------------------------------------ one process
+@pytest.mark.parametrize("cdf", ["global", "local"])
+def test_nonfinite_losses_never_cross_the_exchange_and_are_counted(nonfinite, cdf):
+    bad = sorted(NonFiniteFor.NAN + NonFiniteFor.INF)
+    good = np.setdiff1d(np.arange(120), bad)
+    for rank, r in enumerate(nonfinite):
+        res = r[cdf]
+        own = np.arange(60 * rank, 60 * (rank + 1))
+        own_bad = [i for i in bad if i in own]
+        assert len(own_bad) == 2 and res["nonfinite"] == 2 and res["reduced"] == 4
+        given = np.concatenate(res["given"])  # all the policy was asked to observe or rank
+        assert np.isfinite(given).all() and len(given) == len(good)
+        window = res["window"]
+        assert np.isfinite(window).all()
+        assert len(window) == (len(good) if cdf == "global" else len(own) - len(own_bad))
+        losses, epochs = res["store"]  # every rank's store: both ranks' finite losses only
+        assert np.isnan(losses[bad]).all() and (epochs[bad] == -1).all()
+        assert np.isfinite(losses[good]).all() and (epochs[good] == 0).all()
+        expected = own if cdf == "local" else np.setdiff1d(own, bad)  # select / skip
+        assert res["yielded"] == expected.tolist()
+    if cdf == "global":
+        np.testing.assert_array_equal(nonfinite[0][cdf]["window"], nonfinite[1][cdf]["window"])
+
+
+def test_distributed_false_on_two_ranks_keeps_each_rank_on_its_own(nonfinite):
+    assert [r["alone"] for r in nonfinite] == [[10] * 4, [10]]
+    lockstep = [r["lockstep"] for r in nonfinite]  # the default: equal steps on every rank
+    assert lockstep[0] == lockstep[1]
+
+
 def random_choices(rank: int, seed: int = 0) -> list[int]:
     loader = SelectiveLoader(
         DataLoader(EncodedDataset(100), batch_size=20),
@@ -556,6 +665,58 @@ def test_one_process_is_not_distributed_and_cdf_global_changes_nothing():
         return [b.indices.tolist() for b in loader]
 
     assert run("global") == run("local")
+
+
+COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+)
+
+
+def test_distributed_false_under_an_initialised_group_makes_no_collectives(tmp_path, monkeypatch):
+    def run(**kw) -> list[list[int]]:
+        loader = SelectiveLoader(
+            DataLoader(
+                EncodedDataset(120), batch_size=30, shuffle=True, generator=torch.Generator()
+            ),
+            IndexLoss(),
+            policy=SelectiveBackprop(1 / 3, history=64),
+            batch_size=10,
+            cdf="global",
+            remainder="short",
+            seed=0,
+            **kw,
+        )
+        return [b.indices.tolist() for _ in range(2) for b in loader]
+
+    alone = run()
+    calls: Counter = Counter()
+    for name in COLLECTIVES:
+        real = getattr(dist, name)
+
+        def spy(*args, _name=name, _real=real, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(dist, name, spy)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert run(distributed=False) == alone and not calls
+        assert run() == alone and not calls  # automatic: one rank is not distributed
+        assert run(distributed=True) == alone and calls["all_reduce"] > 0  # the spy sees them
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(

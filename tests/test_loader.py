@@ -176,6 +176,38 @@ def test_iterable_sources_with_and_without_an_index_field():
         SelectiveLoader(iter(batches), IndexLoss(), batch_size=5)
 
 
+@pytest.mark.parametrize("input_key, target_key", [(2, 0), (-1, -3)])
+def test_positional_input_and_target_keys(input_key, target_key):
+    ds = EncodedDataset(40)
+    batches = [
+        (
+            torch.stack([ds[i][1] for i in range(s, s + 10)]),  # targets first
+            torch.arange(s, s + 10),  # then the dataset indices
+            torch.stack([ds[i][0] for i in range(s, s + 10)]),  # inputs last
+        )
+        for s in range(0, 40, 10)
+    ]
+    model = IndexLoss()
+    loader = SelectiveLoader(
+        batches,
+        model,
+        policy=SelectiveBackprop(0.5),
+        batch_size=5,
+        input_key=input_key,
+        target_key=target_key,
+        index_key=1,
+    )
+    got = list(loader)
+    assert got and model.calls == 4
+    for b in got:
+        assert isinstance(b, tuple) and len(b) == 3
+        y, idx, x = b
+        assert torch.equal(idx, b.indices) and torch.equal(x[:, 0].long(), b.indices)
+        assert torch.equal(y, b.indices % N_CLASSES)
+        expected = nn.functional.cross_entropy(model(x), y, reduction="none")
+        torch.testing.assert_close(b.losses, expected)
+
+
 # ------------------------------------------------------------------ determinism
 def yielded(loader, epochs=2):
     return [b.indices.tolist() for _ in range(epochs) for b in loader]
@@ -234,6 +266,68 @@ def test_model_mode_is_restored_when_the_selection_pass_raises(exc):
     assert model.training and model.bn.training
 
 
+class RaisesAfterBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(6)
+        self.lin = nn.Linear(6, N_CLASSES)
+        self.explode = True
+        self.bn_calls = 0
+
+    def forward(self, x):
+        h = self.bn(x)
+        self.bn_calls += 1
+        if self.explode:
+            raise RuntimeError("after BatchNorm")
+        return self.lin(h)
+
+
+def test_batchnorm_buffers_are_untouched_when_the_selection_pass_raises_after_batchnorm():
+    model = RaisesAfterBatchNorm().train()
+    before = copy.deepcopy(model.state_dict())
+    loader = make_loader(model=model, bs=10, source_bs=50)
+    with pytest.raises(RuntimeError, match="after BatchNorm"):
+        next(iter(loader))
+    assert model.bn_calls == 1 and model.training and model.bn.training
+    for k, v in model.state_dict().items():  # running_mean, running_var, num_batches_tracked
+        assert torch.equal(v, before[k]), k
+    model.explode = False  # the same loader carries on, still without touching them
+    assert len(list(loader)) > 0 and model.training and model.bn.training
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+class ModeDependent(IndexLoss):
+    """:class:`IndexLoss`, with every loss raised by a wrong-class logit in train mode (as
+    dropout or BatchNorm's batch statistics would change it); records the mode of each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.modes: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.modes.append(self.training)
+        logits = super().forward(x)
+        if self.training:
+            logits[:, 0] += 1.0 + 0.1 * (x[:, 0] % 7)
+        return logits
+
+
+@pytest.mark.parametrize("eval_selection", [True, False])
+def test_eval_selection_false_scores_in_train_mode_and_keeps_the_mode(eval_selection):
+    model = ModeDependent().train()
+    loader = make_loader(model=model, bs=10, source_bs=50, eval_selection=eval_selection)
+    batches = list(loader)
+    assert model.modes == [not eval_selection] * 4 and model.training
+    scorer = copy.deepcopy(model).train(not eval_selection)
+    for b in batches:
+        expected = nn.functional.cross_entropy(scorer(b[0]), b[1], reduction="none")
+        torch.testing.assert_close(b.losses, expected)
+    frozen = ModeDependent().eval()  # eval_selection=False does not put a model in train mode
+    list(make_loader(model=frozen, bs=10, source_bs=50, eval_selection=False))
+    assert not any(frozen.modes) and not frozen.training
+
+
 def test_weights_and_losses_work_in_autograd():
     torch.manual_seed(0)
     model = bn_model()
@@ -251,6 +345,35 @@ def test_selection_batch_size_chunks_the_forward():
     a = yielded(loader, 1)
     assert model.calls == 4 * 4  # ceil(50 / 16) chunks per source batch
     assert a == yielded(make_loader(bs=10, source_bs=50), 1)  # same losses, same choices
+
+
+class ReversedIndexLoss(IndexLoss):
+    """:class:`IndexLoss` ranked the other way round: the lower the index, the higher the loss."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        idx = x[:, 0]
+        logits = torch.zeros(x.shape[0], N_CLASSES)
+        logits[torch.arange(x.shape[0]), idx.long() % N_CLASSES] = 8.0 + idx / 100.0
+        return logits + 0.0 * self.lin(x)
+
+
+def test_a_selector_scores_the_candidates_instead_of_the_model():
+    def chosen(**kw):
+        loader = make_loader(bs=10, source_bs=50, policy=SelectiveBackprop(beta=3.0), **kw)
+        return [b for _ in range(3) for b in loader]
+
+    model, selector = IndexLoss(), ReversedIndexLoss()
+    batches = chosen(model=model, selector=selector)
+    assert model.calls == 0 and selector.calls == 3 * 4  # one selection forward per source batch
+    for b in batches:
+        check_pairing(b)
+        expected = nn.functional.cross_entropy(selector(b[0]), b[1], reduction="none")
+        torch.testing.assert_close(b.losses, expected)  # the selector's losses, not the model's
+    # The selector's hardest examples are the lowest indices, the model's the highest.
+    by_selector = torch.cat([b.indices for b in batches]).float()
+    by_model = torch.cat([b.indices for b in chosen(model=IndexLoss())]).float()
+    assert by_selector.median() < 70 and by_model.median() > 130
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -323,6 +446,31 @@ def test_a_batch_of_one_never_reaches_a_batchnorm_model():
     assert loader.stats.current.dropped == 1
     plain = SelectiveLoader(DataLoader(ds, batch_size=20), IndexLoss(), policy=Traditional())
     assert [len(b[0]) for b in plain] == [20, 20, 1] and len(plain) == 3
+
+
+@pytest.mark.parametrize("min_batch_size, dropped", [(3, 0), (4, 3)])
+def test_a_user_min_batch_size_drops_smaller_batches_and_counts_them(min_batch_size, dropped):
+    ds = EncodedDataset(53)  # 53 = 5 * 10 + 3: 3 examples left at the end of an epoch
+    sizes = [10] * 5 + ([3] if not dropped else [])
+    trad = SelectiveLoader(
+        DataLoader(ds, batch_size=10),
+        IndexLoss(),
+        policy=Traditional(),
+        min_batch_size=min_batch_size,
+    )
+    assert [len(b[0]) for b in trad] == sizes and len(trad) == len(sizes)
+    assert trad.stats.current.dropped == dropped
+    everything = SelectiveBackprop(beta=0.0)  # selective, but keeps every example
+    short = SelectiveLoader(
+        DataLoader(ds, batch_size=10),
+        IndexLoss(),
+        policy=everything,
+        remainder="short",
+        min_batch_size=min_batch_size,
+    )
+    assert [len(b[0]) for b in short] == sizes
+    e = short.stats.current
+    assert e.dropped == dropped and e.examples_yielded + e.dropped == e.examples_selected == 53
 
 
 def test_len_is_honest_or_absent():
@@ -537,6 +685,50 @@ def test_mid_epoch_resume_yields_what_an_uninterrupted_run_would(stop_after, wor
     got += train_epochs(loader, model, opt, 1)  # epoch 3
     assert got == full
     assert [e.epoch for e in loader.stats.epochs] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("stop_after", [0, 1, 4, 7])
+def test_mid_epoch_resume_of_an_iterable_source_yields_what_an_uninterrupted_run_would(
+    stop_after,
+):
+    ds = EncodedDataset(120)
+    order = torch.randperm(120, generator=torch.Generator().manual_seed(0)).tolist()
+    batches = [
+        (
+            torch.stack([ds[i][0] for i in order[s : s + 12]]),
+            torch.stack([ds[i][1] for i in order[s : s + 12]]),
+            torch.tensor(order[s : s + 12]),
+        )
+        for s in range(0, 120, 12)
+    ]
+
+    def build():
+        return SelectiveLoader(
+            batches,
+            IndexLoss(),
+            policy=SelectiveBackprop(1 / 3, history=64),
+            batch_size=5,
+            index_key=2,
+            seed=0,
+        )
+
+    def rows(got):
+        return [(b.indices.tolist(), b.losses.tolist(), b.probabilities.tolist()) for b in got]
+
+    whole = build()
+    full = rows(b for _ in range(3) for b in whole)
+    loader = build()
+    got = rows(loader)
+    it = iter(loader)
+    got += rows(next(it) for _ in range(stop_after))
+    state = copy.deepcopy(loader.state_dict())
+    del it
+    resumed = build()
+    resumed.load_state_dict(state)
+    got += rows(resumed)  # the rest of epoch 1
+    got += rows(resumed)  # epoch 2
+    assert got == full
+    assert [e.epoch for e in resumed.stats.epochs] == [0, 1, 2]
 
 
 def test_mid_epoch_resume_without_a_generator_is_refused_with_the_fix():

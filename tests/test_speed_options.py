@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from sbloader import RandomBackprop, SelectiveBackprop, SelectiveLoader, Traditional
+from sbloader import FeatureCache, RandomBackprop, SelectiveBackprop, SelectiveLoader, Traditional
 
 N, CLASSES = 240, 4
 
@@ -139,6 +139,30 @@ def test_channels_last_and_a_copied_selector_keep_the_choices():
     model = cnn()
     _, with_selector = run(model=model, selector=copy.deepcopy(model))
     assert chosen(with_selector) == chosen(plain)
+
+
+class AutocastRecorder(nn.Module):
+    """Records, per forward, whether CPU autocast is on and the dtype its matmul computes in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3 * 8 * 8, CLASSES)
+        self.seen: list[tuple[bool, torch.dtype]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x.flatten(1))
+        self.seen.append((torch.is_autocast_enabled("cpu"), out.dtype))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_autocast_applies_to_the_selection_forward(dtype):
+    model = seeded(AutocastRecorder)
+    _, batches = run(model=model, epochs=1, autocast=dtype)
+    expected = (True, torch.bfloat16) if dtype is not None else (False, torch.float32)
+    assert model.seen == [expected] * (N // 60)  # every selection forward
+    assert batches and all(b.losses.dtype == torch.float32 for b in batches)
+    assert not torch.is_autocast_enabled("cpu")  # only inside the selection pass
 
 
 def test_selection_forward_time_is_part_of_selection_time():
@@ -297,6 +321,31 @@ def test_cached_features_run_the_prefix_once_per_example_and_change_nothing(poli
     assert sum(e.prefix_forwards for e in loader.stats.epochs) == counting.examples
     if loader.policy.needs_losses(2):  # every candidate scored: all cached after epoch 0
         assert loader.stats.epochs[-1].prefix_forwards <= 4
+
+
+@pytest.mark.parametrize("where", ["cpu", torch.device("cpu")])
+def test_cached_features_on_a_given_device_run_the_prefix_once_and_change_nothing(
+    where, monkeypatch
+):
+    stored_on = set()
+    put = FeatureCache.put
+
+    def spy(self, indices, features):
+        put(self, indices, features)
+        stored_on.add(self.values.device)
+
+    monkeypatch.setattr(FeatureCache, "put", spy)
+    backbone, head = backbone_and_head()
+    counting = CountingPrefix(backbone)
+    _, plain = run(model=head, frozen_prefix=backbone, epochs=3)
+    loader, cached = run(model=head, frozen_prefix=counting, epochs=3, cache_features=where)
+    assert chosen(cached) == chosen(plain)
+    for a, b in zip(cached, plain):
+        torch.testing.assert_close(a.features, b.features)
+        torch.testing.assert_close(a.losses, b.losses)
+    forwards = [e.prefix_forwards for e in loader.stats.epochs]
+    assert forwards[0] == N and all(f <= FeatureCache.CHECKED for f in forwards[1:])
+    assert counting.examples == sum(forwards) and stored_on == {torch.device("cpu")}
 
 
 def test_cached_features_refuse_inputs_that_change_between_epochs():

@@ -4,6 +4,11 @@ pruning, Diet-SB and the beyond-paper options (warm-up, annealing, reweighting).
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -224,6 +229,36 @@ def test_kath18_weights_are_unbiased():
     assert np.mean(estimates) == pytest.approx(x.mean(), abs=4 * np.std(estimates) / 141)
 
 
+def test_kath18_weighted_losses_estimate_the_pool_mean_loss_exactly():
+    """E[(1/b) sum_j w_j loss_j] is the pool's mean loss. With draws in proportion to the loss
+    and w = 1 / (B p), each draw's estimate is that mean (no variance), so a tight tolerance
+    catches self-normalised weights (w / mean(w): the harmonic mean of the drawn losses) and
+    weights from the inclusion probability (b / (B P)), which are biased by far more."""
+    rng = np.random.default_rng(2)
+    losses = rng.gamma(0.5, size=40) + 1e-3
+    k = Kath18(selectivity=0.5, tau_threshold=0.0)
+    k.tau = 1.0  # already past the threshold
+    estimates = []
+    for _ in range(4000):
+        c = k.choose(losses, None, rng, 40)
+        assert k.importance_sampling and len(c.positions) == 20
+        estimates.append(np.sum(c.weights * losses[c.positions]) / len(c.positions))
+    tolerance = 4 * np.std(estimates) / np.sqrt(len(estimates)) + 1e-9 * losses.mean()
+    assert np.mean(estimates) == pytest.approx(losses.mean(), abs=tolerance)
+
+
+def test_kath18_biased_weights_are_all_one():
+    rng = np.random.default_rng(3)
+    losses = rng.gamma(0.5, size=40) + 1e-3
+    k = Kath18(selectivity=0.5, tau_threshold=0.0, unbiased=False)
+    k.tau = 1.0
+    for _ in range(50):
+        c = k.choose(losses, None, rng, 40)
+        assert k.importance_sampling and len(c.positions) == 20
+        assert c.weights.tolist() == [1.0] * 20
+    assert len(np.unique(c.positions)) < 20  # drawn with replacement: importance-sampled
+
+
 def test_kath18_through_the_loader_carries_weights():
     loader = loader_for(Kath18(1 / 3, tau_threshold=0.0), EncodedDataset(600), bs=10, source_bs=30)
     batches = [b for _ in range(3) for b in loader]
@@ -283,6 +318,19 @@ def test_prune_keeps_exactly_the_requested_fraction(fraction):
         assert scores[kept].min() >= scores[rest].max()
     easy = prune(scores, fraction, keep="easiest")
     assert len(easy) == len(kept)
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.33, 0.5, 0.9])
+def test_prune_keeps_the_easiest_or_hardest_with_ties_to_the_lower_index(fraction):
+    scores = np.round(np.random.default_rng(1).random(500), 1)  # ties at every cut
+    k = round(fraction * 500)
+    easiest = sorted(range(500), key=lambda i: (scores[i], i))[:k]
+    hardest = sorted(range(500), key=lambda i: (-scores[i], i))[:k]
+    got = prune(scores, fraction, keep="easiest")
+    assert got.dtype == np.int64 and got.tolist() == sorted(easiest)
+    assert prune(scores, fraction, keep="hardest").tolist() == sorted(hardest)
+    ties = np.full(8, 0.5)
+    assert prune(ties, 0.5).tolist() == [0, 1, 2, 3] == prune(ties, 0.5, keep="easiest").tolist()
 
 
 def test_prune_rejects_nan_and_bad_fractions():
@@ -381,6 +429,42 @@ def test_store_round_trips_through_state_dict():
     assert s.nbytes == 12 * 100
 
 
+def test_store_matches_a_numpy_reference():
+    """record, lookup and count_selected against numpy: a non-finite loss keeps what was stored,
+    a repeated index keeps its last finite loss and is counted once per occurrence."""
+    size, rng = 50, np.random.default_rng(4)
+    s = ExampleStore(size)
+    loss, epoch = np.full(size, np.nan), np.full(size, -1, dtype=np.int64)
+    count = np.zeros(size, dtype=np.int64)
+    for step in range(30):
+        idx = rng.integers(0, size - 10, 40)  # the last 10 never scored
+        values = rng.exponential(size=40)
+        bad = rng.random(40) < 0.2
+        values[bad] = rng.choice(np.array([np.nan, np.inf, -np.inf]), bad.sum())
+        s.record(idx, values, epoch=3 * step)
+        finite = np.flatnonzero(np.isfinite(values))[::-1]  # the last occurrence wins
+        last = finite[np.unique(idx[finite], return_index=True)[1]]
+        loss[idx[last]] = values[last].astype(np.float32)
+        epoch[idx[last]] = 3 * step
+        chosen = idx[rng.random(40) < 0.3]
+        s.count_selected(chosen)
+        np.add.at(count, chosen, 1)
+        probe = rng.integers(0, size, 60)
+        got_loss, got_epoch = s.lookup(probe)
+        assert got_loss.dtype == np.float64 and got_epoch.dtype == np.int64
+        np.testing.assert_array_equal(got_loss, loss[probe])
+        np.testing.assert_array_equal(got_epoch, epoch[probe])
+        np.testing.assert_array_equal(s.selected, count)
+    assert np.isnan(loss).any() and (count > 1).any()  # never-scored and repeated examples
+    for call in (
+        lambda: s.record(np.array([3, size]), np.ones(2), epoch=0),
+        lambda: s.lookup(np.array([-1, 3])),
+        lambda: s.count_selected(np.array([size + 5])),
+    ):
+        with pytest.raises(IndexError, match="outside the store"):
+            call()
+
+
 def test_store_handles_indices_above_2_31_exactly(tmp_path):
     n = 2**31 + 10
     s = ExampleStore(n, path=tmp_path)  # sparse files: no 25 GB written
@@ -398,6 +482,20 @@ def test_store_handles_indices_above_2_31_exactly(tmp_path):
         s.record(np.array([n]), np.array([1.0]), epoch=0)
     with pytest.raises(TypeError, match="integers"):
         s.lookup(np.array([1.0]))
+
+
+def test_store_kernels_run_without_jit():
+    """The store's tests (here and the property test) also pass with NUMBA_DISABLE_JIT=1, the
+    kernels running as plain Python (the window's: test_window.py)."""
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "NUMBA_DISABLE_JIT": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    cmd += ["-k", "test_store_ and not without_jit"]  # not itself: no recursion
+    cmd += [str(here / "test_strategies.py"), str(here / "test_properties.py")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed and int(passed.group(1)) >= 4, proc.stdout[-3000:]
 
 
 def test_public_api_has_the_strategies():
