@@ -476,7 +476,7 @@ def _check_workers(num_workers: int) -> int:
     import numba
 
     resolved = multiprocessing.cpu_count() if num_workers < 1 else num_workers
-    limit = int(numba.config.NUMBA_NUM_THREADS)
+    limit = int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
     if resolved > limit:
         raise ValueError(
             f"num_workers={num_workers} asks for {resolved} FFCV threads, but numba allows at "
@@ -739,6 +739,7 @@ class FFCVSource(Source):
                     f"{len(indices)}; pass index_field= with an index field instead"
                 )
         else:
+            assert self.index_pos is not None  # an index field was named
             # NOTE: a copy, not a view of FFCV's reused buffer: indices outlive the batch.
             indices = check_indices(
                 f"the index field {self.index_field!r}", values[self.index_pos]
