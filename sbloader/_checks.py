@@ -7,6 +7,9 @@ import numbers
 from collections.abc import Collection
 from typing import Any
 
+import numpy as np
+import torch
+
 
 def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
     """Return ``value`` as an int, or raise naming ``name``."""
@@ -61,9 +64,6 @@ def check_indices(name: str, value: Any) -> Any:
         >>> check_indices("indices", [3, 1]).tolist()
         [3, 1]
     """
-    import numpy as np
-    import torch
-
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
     idx = np.asarray(value)
