@@ -113,6 +113,18 @@ def _vector(name: str, value: Any, *, nan: bool) -> np.ndarray:
     return vector
 
 
+def _pair(scores_a: Any, scores_b: Any, *, nan: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Two score vectors over the same examples, checked (see :func:`_vector`)."""
+    a = _vector("scores_a", scores_a, nan=nan)
+    b = _vector("scores_b", scores_b, nan=nan)
+    if a.shape != b.shape:
+        raise ValueError(
+            f"scores_a and scores_b should score the same examples, but have {a.size} and "
+            f"{b.size} values"
+        )
+    return a, b
+
+
 def _counts(name: str, value: Any) -> np.ndarray:
     """Non-negative integer counts as int64: a 1-d array, or a 0-d one to broadcast."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
@@ -623,13 +635,7 @@ def overlap_curve(
         >>> overlap_curve([0, 0, 0, 1], [0, 1, 0, 1], 0.5, ties="expected").tolist()
         0.6666666666666666
     """
-    a = _vector("scores_a", scores_a, nan=False)
-    b = _vector("scores_b", scores_b, nan=False)
-    if a.shape != b.shape:
-        raise ValueError(
-            f"scores_a and scores_b should score the same examples, but have {a.size} and "
-            f"{b.size} values"
-        )
+    a, b = _pair(scores_a, scores_b, nan=False)
     fracs = _fractions(fractions)
     direction = _direction(direction)
     ties = check_choice("ties", ties, _TIES)
@@ -800,13 +806,7 @@ def combined_rank(scores_a: Any, scores_b: Any) -> np.ndarray:
         >>> combined_rank([0.1, 0.2, 0.3, float("nan")], [0.5, 0.5, 0.1, 0.0]).tolist()
         [3.5, 4.5, 4.0, nan]
     """
-    a = _vector("scores_a", scores_a, nan=True)
-    b = _vector("scores_b", scores_b, nan=True)
-    if a.shape != b.shape:
-        raise ValueError(
-            f"scores_a and scores_b should score the same examples, but have {a.size} and "
-            f"{b.size} values"
-        )
+    a, b = _pair(scores_a, scores_b, nan=True)
     both = np.flatnonzero(~np.isnan(a) & ~np.isnan(b))
     combined = np.full(a.size, np.nan, dtype=np.float64)
     combined[both] = _average_ranks(a[both]) + _average_ranks(b[both])
