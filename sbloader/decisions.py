@@ -27,6 +27,7 @@ def choose_finite(
     rng: np.random.Generator,
     n: int,
     nonfinite: str,
+    finite: np.ndarray | None = None,
 ) -> tuple[Choice, int]:
     """Ask ``policy`` to choose among ``n`` candidates so that it never sees a non-finite loss.
 
@@ -39,6 +40,7 @@ def choose_finite(
         nonfinite: ``"skip"`` (non-finite candidates get P = 0 and are not chosen),
             ``"select"`` (P = 1, chosen with weight 1, in position order among the others) or
             ``"raise"`` (``FloatingPointError`` naming the first dataset indices).
+        finite: ``np.isfinite(values)`` when the caller has it already (computed otherwise).
 
     Returns:
         The choice over all ``n`` candidates, and how many losses were not finite.
@@ -52,7 +54,7 @@ def choose_finite(
     """
     if values is None:
         return policy.choose(None, indices, rng, n), 0
-    finite = np.isfinite(values)
+    finite = np.isfinite(values) if finite is None else finite
     if finite.all():
         return policy.choose(values, indices, rng, n), 0
     bad = np.flatnonzero(~finite)

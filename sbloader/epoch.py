@@ -13,6 +13,7 @@ epoch, process one source batch, one distributed drain round, the end-of-epoch r
 
 from __future__ import annotations
 
+from dataclasses import replace
 from enum import Enum
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
@@ -229,10 +230,10 @@ class EpochIterator:
         if self._passthrough:
             inputs = data[loader._codec.input_position]
             rows = metadata_rows(data, None, None, indices, n, device)
-            rows = _with_extras(
+            rows = replace(
                 rows,
-                scorer.features(inputs, None, None, indices, self.epoch, stats),
-                scorer.logits(None, None, n, device),
+                features=scorer.features(inputs, None, None, indices, self.epoch, stats),
+                logits=scorer.logits(None, None, n, device),
             )
             stats.examples_selected += n
             if self._agree(int(n >= loader.min_batch_size)):
@@ -264,10 +265,10 @@ class EpochIterator:
                 None if scored is None else scored.losses,
             )
             inputs = data[loader._codec.input_position]
-            rows = _with_extras(
+            rows = replace(
                 rows,
-                scorer.features(inputs, scored, positions, indices, self.epoch, stats),
-                scorer.logits(scored, positions, k, device),
+                features=scorer.features(inputs, scored, positions, indices, self.epoch, stats),
+                logits=scorer.logits(scored, positions, k, device),
             )
             loader._pending.add(rows)
         self._owed = self._agree(loader._pending.full_batches(loader.batch_size))
@@ -361,10 +362,13 @@ class EpochIterator:
     def _choose(self, values: np.ndarray | None, indices: np.ndarray | None, n: int) -> Any:
         loader, stats = self._loader, self.stats
         assert stats is not None
+        finite = None
         if values is not None:
-            bad = int(np.count_nonzero(~np.isfinite(values)))
-            stats.nonfinite += bad  # counted before "raise" raises
-        choice, _ = choose_finite(loader.policy, values, indices, loader._rng, n, loader.nonfinite)
+            finite = np.isfinite(values)
+            stats.nonfinite += int(finite.size - np.count_nonzero(finite))  # before "raise" raises
+        choice, _ = choose_finite(
+            loader.policy, values, indices, loader._rng, n, loader.nonfinite, finite
+        )
         return choice
 
     def _observe(self, shared: list[tuple[np.ndarray, np.ndarray | None]]) -> None:
@@ -402,11 +406,3 @@ def _gather(data: list[Any], positions: np.ndarray, device: torch.device) -> lis
     pos_t = torch.from_numpy(positions).to(device, non_blocking=True)
     pos_list = positions.tolist() if any(not isinstance(c, torch.Tensor) for c in data) else None
     return [B.take(c, pos_t, pos_list) for c in data]
-
-
-def _with_extras(rows: Rows, features: torch.Tensor | None, logits: torch.Tensor | None) -> Rows:
-    if features is None and logits is None:
-        return rows
-    return Rows(
-        rows.data, rows.indices, rows.losses, rows.probabilities, rows.weights, features, logits
-    )

@@ -287,9 +287,8 @@ class SelectiveLoader:
                 "policy should be an sbloader policy such as sbloader.SelectiveBackprop(...), but "
                 f"got {type(self.policy).__name__}"
             )
-        self.loss_fn = nn.CrossEntropyLoss(reduction="none") if loss_fn is None else loss_fn
-        check_loss_fn(self.loss_fn)
-        self.model, self.selector = model, selector
+        loss_fn = nn.CrossEntropyLoss(reduction="none") if loss_fn is None else loss_fn
+        check_loss_fn(loss_fn)
         if not isinstance(keep_logits, bool):
             raise TypeError(
                 f"keep_logits should be True or False, but got keep_logits={keep_logits!r}"
@@ -330,7 +329,7 @@ class SelectiveLoader:
         )
         self._scorer = Scorer(
             model,
-            self.loss_fn,
+            loss_fn,
             selector,
             selection_forward,
             make_feature_cache(cache_features, frozen_prefix, autocast, self._source),
@@ -400,6 +399,21 @@ class SelectiveLoader:
     @property
     def source(self) -> Source:
         return self._source
+
+    @property
+    def model(self) -> nn.Module:
+        """The model being trained (selection passes score with it unless ``selector`` is set)."""
+        return self._scorer.model
+
+    @property
+    def selector(self) -> nn.Module | None:
+        """The separate selection model, or None."""
+        return self._scorer.selector
+
+    @property
+    def loss_fn(self) -> Callable[..., torch.Tensor]:
+        """The per-example loss of selection passes."""
+        return self._scorer.loss_fn
 
     @property
     def scorer(self) -> Scorer:
@@ -493,10 +507,6 @@ class SelectiveLoader:
     def _begin(self, it: EpochIterator) -> tuple[int, int, bool, EpochStats]:
         """Hand the next epoch (or the rest of a restored one) to ``it``: its number, the source
         batches to skip, whether it resumes a restored epoch, and its stats."""
-        if self._live_iterator() is not it:
-            raise RuntimeError(
-                "this epoch iterator was replaced by a newer iter(loader) before it started"
-            )
         self._scorer.check()  # a frozen prefix may have been unfrozen
         check_device(self.device, self._device is not None)
         skip, resumed = 0, False

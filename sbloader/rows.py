@@ -20,6 +20,9 @@ from . import batch as B
 
 __all__ = ["PendingRows", "Rows", "metadata_rows"]
 
+#: The fields of :class:`Rows` besides the data columns (``features`` and ``logits`` may be None).
+_META = ("indices", "losses", "probabilities", "weights", "features", "logits")
+
 
 @dataclass(frozen=True)
 class Rows:
@@ -58,31 +61,29 @@ class Rows:
 
     def split(self, k: int) -> tuple[Rows, Rows]:
         """The first ``k`` rows and the rest."""
-
-        def cut(c: Any) -> tuple[Any, Any]:
-            return (None, None) if c is None else B.split(c, k)
-
-        columns = [cut(c) for c in self._columns()]
-        heads = self._from_columns([c[0] for c in columns])
-        rests = self._from_columns([c[1] for c in columns])
-        return heads, rests
+        cut = [B.split(c, k) for c in self.data]
+        meta: dict[str, Any] = {
+            f: (None, None) if getattr(self, f) is None else B.split(getattr(self, f), k)
+            for f in _META
+        }
+        head = Rows([c[0] for c in cut], **{f: v[0] for f, v in meta.items()})
+        rest = Rows([c[1] for c in cut], **{f: v[1] for f, v in meta.items()})
+        return head, rest
 
     @staticmethod
     def concat(parts: Sequence[Rows]) -> Rows:
         """The rows of ``parts`` in order, as one block."""
         if len(parts) == 1:
             return parts[0]
-        first = parts[0]
-        columns = [[p._columns()[j] for p in parts] for j in range(len(first._columns()))]
-        merged: list[Any] = []
-        for j, chunks in enumerate(columns):
+
+        def join(field: str) -> Any:
+            chunks = [getattr(p, field) for p in parts]
             if chunks[0] is None:
-                merged.append(None)
-            elif j == len(columns) - 1:  # logits
-                merged.append(B.concat(_widen(chunks)))
-            else:
-                merged.append(B.concat(chunks))
-        return first._from_columns(merged)
+                return None
+            return B.concat(_widen(chunks) if field == "logits" else chunks)
+
+        data = [B.concat([p.data[j] for p in parts]) for j in range(len(parts[0].data))]
+        return Rows(data, **{f: join(f) for f in _META})
 
     def to(self, device: torch.device) -> Rows:
         """The rows with every tensor except ``indices`` on ``device`` (lists stay lists; nested
@@ -128,23 +129,6 @@ class Rows:
             logits=state.get("logits"),
         )
         return rows.to(device)
-
-    # The fields as one list (data columns first), and back.
-    def _columns(self) -> list[Any]:
-        return [
-            *self.data,
-            self.indices,
-            self.losses,
-            self.probabilities,
-            self.weights,
-            self.features,
-            self.logits,
-        ]
-
-    def _from_columns(self, columns: list[Any]) -> Rows:
-        n = len(self.data)
-        indices, losses, probabilities, weights, features, logits = columns[n:]
-        return Rows(columns[:n], indices, losses, probabilities, weights, features, logits)
 
 
 def _widen(chunks: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -18,6 +18,15 @@ from .records import Run
 from .strategies import get
 
 
+def _save(fig: Any, path: Path) -> Path:
+    """Write a figure as a PNG and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def _fmt(cell: dict) -> str:
     if cell["mean"] is None:
         return "never"
@@ -289,9 +298,7 @@ def plots(cfg: Config, runs: Sequence[Run], out: Path) -> list[Path]:
     )
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
-    paths.append(out / "fig7_error_vs_time.png")
-    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    paths.append(_save(fig, out / "fig7_error_vs_time.png"))
 
     parts = ("selection", "forward", "backward", "data", "el2n", "other")
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(names) + 1.5))
@@ -309,9 +316,7 @@ def plots(cfg: Config, runs: Sequence[Run], out: Path) -> list[Path]:
         left += vals
     ax.set(xlabel="seconds per epoch", title="Figure 1/10: where an epoch's time goes")
     ax.legend(fontsize=8)
-    paths.append(out / "fig1_breakdown.png")
-    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    paths.append(_save(fig, out / "fig1_breakdown.png"))
 
     sweep = [n for n in names if n.startswith(("sb_", "random_")) and n.count("_") == 1]
     if len(sweep) >= 2:
@@ -330,9 +335,7 @@ def plots(cfg: Config, runs: Sequence[Run], out: Path) -> list[Path]:
             title="Figure 13: selectivity sweep",
         )
         ax.legend()
-        paths.append(out / "fig13_selectivity.png")
-        fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
-        plt.close(fig)
+        paths.append(_save(fig, out / "fig13_selectivity.png"))
 
     front = pareto(runs)
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -353,9 +356,7 @@ def plots(cfg: Config, runs: Sequence[Run], out: Path) -> list[Path]:
         ylim=(5, 20),
         title="Figure 14: Pareto frontier of time against error",
     )
-    paths.append(out / "fig14_pareto.png")
-    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    paths.append(_save(fig, out / "fig14_pareto.png"))
 
     noisy = sorted({r.noise for r in runs})
     if len(noisy) > 1:
@@ -373,9 +374,7 @@ def plots(cfg: Config, runs: Sequence[Run], out: Path) -> list[Path]:
             title="Figure 12: label noise",
         )
         ax.legend()
-        paths.append(out / "fig12_noise.png")
-        fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
-        plt.close(fig)
+        paths.append(_save(fig, out / "fig12_noise.png"))
     return paths
 
 
