@@ -31,6 +31,7 @@ from .policies import (
     RandomBackprop,
     SelectiveBackprop,
     Traditional,
+    default_policy,
 )
 from .sources import DataLoaderSource, IterableSource, Source
 from .stats import EpochStats, LoaderStats
@@ -63,6 +64,7 @@ __all__ = [
     "Source",
     "Traditional",
     "__version__",
+    "default_policy",
     "el2n_scores",
     "prune",
 ]

@@ -25,7 +25,8 @@ from .decisions import NONFINITE, subset_mask
 from .distributed import RankSync, make_sync
 from .epoch import EpochIterator
 from .features import make_feature_cache
-from .policies import Policy, SelectiveBackprop
+from .feedback import FeedbackBuffer, check_range
+from .policies import Policy, default_policy
 from .rows import PendingRows
 from .scoring import Scorer
 from .selection import Forward, Output, SelectionForward, check_loss_fn, input_fields, model_device
@@ -57,6 +58,7 @@ K_RNG, K_SOURCE, K_POLICY, K_PENDING, K_CODEC, K_SCORER, K_STATS = (
     "scorer",
     "stats",
 )
+K_FEEDBACK = "feedback"  # optional: states saved before feedback existed have none
 
 
 class SelectiveLoader:
@@ -80,7 +82,10 @@ class SelectiveLoader:
             ``frozen_prefix``, the trainable part that runs on the prefix's outputs (the head).
         loss_fn: per-example loss, ``loss_fn(model(inputs), targets)`` of shape ``(B,)``.
             Default ``nn.CrossEntropyLoss(reduction="none")``.
-        policy: the selection policy. Default ``SelectiveBackprop(selectivity=1/3)``.
+        policy: the selection policy. Default :func:`~sbloader.policies.default_policy`: one
+            Random-Backprop epoch at 1/3, then Stale-SB at 1/3 with a selection pass every
+            third epoch (every epoch where the source gives no dataset indices); logged. The
+            paper's plain SB is ``SelectiveBackprop(1 / 3)``.
         seed: seeds the loader's own generator (the only randomness it uses).
         batch_size: examples per yielded training batch. Default: the source's batch size.
         selection_batch_size: examples per selection forward (chunks of a source batch). Default:
@@ -281,12 +286,18 @@ class SelectiveLoader:
                     f"{name} should be a torch.nn.Module{' or None' if optional else ''}, but "
                     f"got {type(module).__name__}"
                 )
-        self.policy: Policy = SelectiveBackprop() if policy is None else policy
+        self._source: Source = make_source(source, index_key)
+        # NOTE: the default depends on the source: Stale-SB's store needs dataset indices.
+        self.policy: Policy = (
+            default_policy(self._source.has_indices()) if policy is None else policy
+        )
         if not isinstance(self.policy, Policy):
             raise TypeError(
                 "policy should be an sbloader policy such as sbloader.SelectiveBackprop(...), but "
                 f"got {type(self.policy).__name__}"
             )
+        if policy is None:
+            logger.info("policy: %r (the default recipe, chosen for this source)", self.policy)
         loss_fn = nn.CrossEntropyLoss(reduction="none") if loss_fn is None else loss_fn
         check_loss_fn(loss_fn)
         if not isinstance(keep_logits, bool):
@@ -304,7 +315,6 @@ class SelectiveLoader:
             if selection_batch_size is None
             else check_int("selection_batch_size", selection_batch_size, minimum=1)
         )
-        self._source: Source = make_source(source, index_key)
         if self.policy.needs_indices() and not self._source.has_indices():
             raise indices_needed(repr(self.policy))
         self.seed = check_int("seed", seed, minimum=0)
@@ -378,6 +388,7 @@ class SelectiveLoader:
         self.stats = LoaderStats()
         self.epoch = 0
         self._pending = PendingRows()
+        self._feedback = FeedbackBuffer()
         self._live: weakref.ref[EpochIterator] | None = None
         # An epoch that no live iterator owns but that did not end: (position, resume). A
         # restored mid-epoch state resumes it; an abandoned one is skipped by the next iterator.
@@ -518,11 +529,70 @@ class SelectiveLoader:
             else:
                 self.epoch += 1  # the previous epoch was abandoned part-way (e.g. ``break``)
         self._source.set_epoch(self.epoch)
+        if not resumed:
+            self._apply_feedback()
         self.policy.begin_epoch(self.epoch)
         current = self.stats.current
         if not (resumed and current is not None and current.epoch == self.epoch):
             current = self.stats.begin_epoch(self.epoch, self.policy.target_rate)
         return self.epoch, skip, resumed, current
+
+    def feedback(self, indices: Any, losses: Any) -> None:
+        """Report the training step's per-example losses, to keep the policy's scores fresh.
+
+        Stale-SB (``SelectiveBackprop(staleness=n)``, and the default recipe) decides the epochs
+        between selection passes from each example's stored loss. Reported here, the loss the
+        training step computed anyway replaces the stored one, so those decisions use each
+        example's loss from the last time it was trained instead of from the last selection pass,
+        at no cost. Other policies ignore it, so the same training loop works with every policy.
+        Reports take effect when the next epoch starts (and are part of :meth:`state_dict`).
+
+        Args:
+            indices: the batch's dataset indices (``batch.indices``, or ``batch[key]["indices"]``
+                with ``metadata_key=``).
+            losses: one loss per example of the batch, as computed by the training step
+                (``reduction="none"``; detached here, left on its device until the epoch ends).
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from torch.utils.data import DataLoader, TensorDataset
+            >>> import sbloader
+            >>> data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+            >>> model = nn.Linear(4, 2)
+            >>> policy = sbloader.SelectiveBackprop(1 / 3, staleness=3)
+            >>> loader = sbloader.SelectiveLoader(DataLoader(data, batch_size=16), model,
+            ...                                   policy=policy, batch_size=8)
+            >>> for batch in loader:
+            ...     x, y = batch
+            ...     losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+            ...     losses.mean().backward()
+            ...     loader.feedback(batch.indices, losses)
+            >>> loader.stats.total.feedback == loader.stats.total.examples_yielded
+            True
+        """
+        n = self._feedback.add(indices, losses, self._source.dataset_size)
+        current = self.stats.current
+        if current is not None:
+            current.feedback += n
+        if not self.policy.takes_feedback():
+            self._feedback.take()  # nothing uses it: hold nothing
+
+    def _apply_feedback(self) -> None:
+        """Hand the reports since the last epoch start to the policy (every rank's, when the
+        ranks share per-example records)."""
+        indices, losses = self._feedback.take()
+        if not self.policy.takes_feedback():
+            return
+        check_range(indices, self._source.dataset_size)  # device-side reports are checked here
+        epoch = max(self.epoch - 1, 0)
+        if self._sync is not None and self.policy.records_examples():
+            self._sync.bind(self.device)
+            for values, idx in self._sync.exchange(losses, indices):
+                if idx is not None:
+                    self.policy.feedback(idx, values, epoch)
+        else:
+            self.policy.feedback(indices, losses, epoch)
 
     def _abandon(self, it: EpochIterator) -> None:
         """``it`` ended part-way: the next iterator starts the next epoch."""
@@ -593,6 +663,7 @@ class SelectiveLoader:
             K_CODEC: self._codec.state_dict(),
             K_SCORER: self._scorer.state_dict(),
             K_STATS: self.stats.state_dict(),
+            K_FEEDBACK: self._feedback.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -624,6 +695,10 @@ class SelectiveLoader:
         self._scorer.load_state_dict(state[K_SCORER])
         self._pending.load_state_dict(state[K_PENDING], self.device)
         self.stats.load_state_dict(state[K_STATS])
+        if K_FEEDBACK in state:
+            self._feedback.load_state_dict(state[K_FEEDBACK])
+        else:
+            self._feedback = FeedbackBuffer()
 
     def _from_v1(self, state: dict[str, Any]) -> dict[str, Any]:
         return loader_state_v1_to_v2(state, self._scorer.has_prefix, self.keep_logits)

@@ -22,6 +22,7 @@ from .window import LossWindow
 
 __all__ = [
     "Choice",
+    "default_policy",
     "Kath18",
     "Phased",
     "Policy",
@@ -134,6 +135,18 @@ class Policy(abc.ABC):
     def begin_epoch(self, epoch: int) -> None:  # noqa: B027 - optional hook
         """Called by the loader when ``epoch`` (0-based) starts."""
 
+    def takes_feedback(self) -> bool:
+        """Whether :meth:`feedback` uses training-step losses (a per-example store does)."""
+        return False
+
+    def feedback(  # noqa: B027 - optional hook
+        self, indices: np.ndarray, losses: np.ndarray, epoch: int
+    ) -> None:
+        """Training-step losses of examples backpropagated in ``epoch``, reported through
+        :meth:`SelectiveLoader.feedback <sbloader.SelectiveLoader.feedback>`. The loader calls
+        this only when an epoch starts, before :meth:`begin_epoch` (never mid-epoch: see the
+        threading contract), with every rank's reports in a distributed run."""
+
     def observe(  # noqa: B027 - optional hook
         self, losses: np.ndarray, indices: np.ndarray | None, *, cdf: bool = True
     ) -> None:
@@ -223,6 +236,11 @@ class SelectiveBackprop(Policy):
         beta: the exponent, >= 0 (beta = 0 keeps everything).
         history: R, the number of recent losses the CDF is taken over (paper: 1024).
         staleness: n, a fresh selection pass every n-th epoch (1: every epoch, plain SB).
+        fed_staleness: m >= n, the passes' spacing while the training step reports its losses
+            (:meth:`SelectiveLoader.feedback <sbloader.SelectiveLoader.feedback>`): those
+            reports keep the stored losses fresh, so a pass is needed less often. An epoch runs
+            a pass when at least m epochs have passed since the last one and the previous epoch's
+            losses were reported, or n epochs and they were not. Default: n.
         reweight: weight each kept example by 1/P, normalised to mean 1 per yielded batch, so that
             the expected gradient matches the unselected one's (off by default, as in the paper).
         store_path: a folder to memory-map the per-example store in (Stale-SB on huge datasets).
@@ -247,6 +265,7 @@ class SelectiveBackprop(Policy):
         beta: float | None = None,
         history: int = 1024,
         staleness: int = 1,
+        fed_staleness: int | None = None,
         reweight: bool = False,
         store_path: str | None = None,
     ) -> None:
@@ -262,7 +281,19 @@ class SelectiveBackprop(Policy):
         self.beta = check_float("beta", beta, low=0.0)
         self.window = LossWindow(check_int("history", history, minimum=1))
         self.staleness = check_int("staleness", staleness, minimum=1)
+        self.fed_staleness = (
+            self.staleness
+            if fed_staleness is None
+            else check_int("fed_staleness", fed_staleness, minimum=self.staleness)
+        )
         self.reweight = bool(reweight)
+        # The pass schedule (state): the last epoch with a pass, whether the losses of the
+        # epoch before the current one were reported, the epoch begun and its decision.
+        self._last_fresh: int | None = None
+        self._fed = False
+        self._begun: int | None = None
+        self._fresh = True
+        self._legacy = False  # restored from a state without a schedule (see load_state_dict)
         self.store_path = store_path
         self.store: ExampleStore | None = None
         self._epoch = 0
@@ -301,11 +332,26 @@ class SelectiveBackprop(Policy):
         if self.store is None or len(self.store) != num_examples:
             self.store = ExampleStore(num_examples, self.store_path)
 
+    def _due(self, epoch: int) -> bool:
+        """Whether ``epoch`` would run a selection pass if it began now."""
+        if self._last_fresh is None:
+            return epoch % self.staleness == 0 if self._legacy else True
+        return epoch - self._last_fresh >= (self.fed_staleness if self._fed else self.staleness)
+
     def needs_losses(self, epoch: int) -> bool:
-        return epoch % self.staleness == 0
+        if self.staleness == 1:
+            return True
+        return self._fresh if epoch == self._begun else self._due(epoch)
 
     def begin_epoch(self, epoch: int) -> None:
         self._epoch = epoch
+        # NOTE: idempotent for the epoch already begun: a resumed epoch keeps its decision.
+        if epoch != self._begun:
+            self._fresh = self._due(epoch)
+            if self._fresh:
+                self._last_fresh = epoch
+            self._fed = False  # the reports of this epoch arrive when the next one starts
+            self._begun = epoch
         # NOTE: the threading contract (see Policy): in a stale epoch prefilter reads the window
         # on the prefetch thread, so nothing may change it until the next fresh epoch.
         self.window.frozen = self.can_prefilter()
@@ -317,7 +363,18 @@ class SelectiveBackprop(Policy):
         return not self.needs_losses(self._epoch) and self.store is not None
 
     def kind(self) -> str:
-        return f"SelectiveBackprop(staleness={self.staleness})"
+        fed = f", fed_staleness={self.fed_staleness}" if self.fed_staleness != self.staleness else ""
+        return f"SelectiveBackprop(staleness={self.staleness}{fed})"
+
+    def takes_feedback(self) -> bool:
+        return self.store is not None
+
+    def feedback(self, indices: np.ndarray, losses: np.ndarray, epoch: int) -> None:
+        """Training losses enter the store (by index; the window is left alone: it ranks
+        selection-pass losses, which training losses of the hardest examples would skew)."""
+        if self.store is not None and len(indices):
+            self.store.record(indices, losses, epoch)
+            self._fed = True
 
     def observe(self, losses: np.ndarray, indices: np.ndarray | None, *, cdf: bool = True) -> None:
         """Another rank's losses enter the window (if ``cdf``) and the store (by index)."""
@@ -373,9 +430,15 @@ class SelectiveBackprop(Policy):
         return Choice(positions, p, weights)
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"beta": self.beta, "window": self.window.state_dict()}
+        state: dict[str, Any] = {"beta": self.beta, "window": self.window.state_dict()}
         if self.store is not None:
             state["store"] = self.store.state_dict()
+        state["schedule"] = {
+            "last_fresh": self._last_fresh,
+            "fed": self._fed,
+            "begun": self._begun,
+            "fresh": self._fresh,
+        }
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -392,9 +455,21 @@ class SelectiveBackprop(Policy):
                     "has none; construct it with the saved staleness and attach it to a loader"
                 )
             self.store.load_state_dict(state["store"])
+        schedule = state.get("schedule")
+        if schedule is None:
+            # NOTE: saved before the schedule was state, when passes ran in epochs 0, n, 2n...:
+            # until the next pass, the schedule continues that way (see _due).
+            schedule = {"last_fresh": None, "fed": False, "begun": None, "fresh": True}
+            self._legacy = True
+        self._last_fresh = schedule["last_fresh"]
+        self._fed = bool(schedule["fed"])
+        self._begun = schedule["begun"]
+        self._fresh = bool(schedule["fresh"])
 
     def __repr__(self) -> str:
         extra = f", staleness={self.staleness}" if self.staleness > 1 else ""
+        if self.fed_staleness != self.staleness:
+            extra += f", fed_staleness={self.fed_staleness}"
         extra += ", reweight=True" if self.reweight else ""
         return f"SelectiveBackprop(beta={self.beta:g}, history={self.history}{extra})"
 
@@ -656,6 +731,14 @@ class Phased(Policy):
     def records_examples(self) -> bool:
         return self.policy.records_examples()
 
+    def takes_feedback(self) -> bool:
+        return self.policy.takes_feedback()
+
+    def feedback(self, indices: np.ndarray, losses: np.ndarray, epoch: int) -> None:
+        # NOTE: also from warm-up epochs (recorded as the wrapped policy's epoch 0): the store
+        # is the wrapped policy's, whichever policy chose the examples.
+        self.policy.feedback(indices, losses, max(epoch - self.warmup_epochs, 0))
+
     def observe(self, losses: np.ndarray, indices: np.ndarray | None, *, cdf: bool = True) -> None:
         # NOTE: like choose, only while active, so that windows stay identical across ranks.
         if self.active(self._epoch):
@@ -684,3 +767,34 @@ class Phased(Policy):
             f"Phased({self.policy!r}, warmup_epochs={self.warmup_epochs}, "
             f"anneal_from_epoch={self.anneal_from_epoch}{warm})"
         )
+
+
+def default_policy(has_indices: bool = True) -> Policy:
+    """The policy of ``SelectiveLoader(source, model)`` with no ``policy=``: the recipe that
+    measured fastest to every target here (README, Measured), not the paper's plain SB.
+
+    ``Phased(SelectiveBackprop(1/3, staleness=3, fed_staleness=10), warmup_epochs=1,
+    warmup_policy=RandomBackprop(1/3))``: one Random-Backprop epoch (no selection pass; from a
+    random initialisation loss-based selection can collapse), then Stale-SB keeping a third. The
+    epochs between selection passes decide each example from its stored loss. A training loop
+    that reports its losses (:meth:`SelectiveLoader.feedback
+    <sbloader.SelectiveLoader.feedback>`) keeps those fresh, and then a pass runs only every tenth
+    epoch; one that does not gets a pass every third epoch. Where the source gives no dataset
+    indices (so no per-example store), every active epoch runs a selection pass.
+
+    The paper's plain SB is ``SelectiveBackprop(1 / 3)``.
+
+    Example:
+        >>> p = default_policy()
+        >>> p.policy.staleness, p.policy.fed_staleness, p.warmup_epochs
+        (3, 10, 1)
+        >>> default_policy(has_indices=False).policy.staleness
+        1
+    """
+    return Phased(
+        SelectiveBackprop(1 / 3, staleness=3, fed_staleness=10)
+        if has_indices
+        else SelectiveBackprop(1 / 3),
+        warmup_epochs=1,
+        warmup_policy=RandomBackprop(1 / 3),
+    )

@@ -24,6 +24,7 @@ COUNT_FIELDS = (
     "prefiltered",
     "excluded",
     "prefix_forwards",
+    "feedback",
 )
 #: The time fields of :class:`EpochStats`, in seconds (summed across epochs, max across ranks).
 TIME_FIELDS = ("selection_s", "selection_forward_s", "source_s", "consumer_s", "wall_s")
@@ -50,6 +51,7 @@ class EpochStats:
             filter, dropped after loading where it cannot); not in ``examples_seen``.
         prefix_forwards: examples run through a ``frozen_prefix`` (with ``cache_features``, only
             those not cached yet, and the few recomputed to check the cache).
+        feedback: training-step losses reported through ``loader.feedback`` in the epoch.
         target_rate: the policy's expected selection rate.
         selection_s: seconds spent in selection passes (model forward and policy).
         selection_forward_s: the part of ``selection_s`` spent in the selection model's forward
@@ -71,6 +73,7 @@ class EpochStats:
     prefiltered: int = 0
     excluded: int = 0
     prefix_forwards: int = 0
+    feedback: int = 0
     target_rate: float = 1.0
     selection_s: float = 0.0
     selection_forward_s: float = 0.0

@@ -27,7 +27,7 @@ PolicyFn = Callable[[int], sbloader.Policy]
 SELECTIVITIES = (0.1, 0.2, 0.25, 0.33, 0.5)
 """Selectivities registered for ``random_<s>`` and ``sb_<s>`` (the name holds the value as
 written: ``sb_0.33`` keeps 0.33, not 1/3)."""
-STALENESS = (2, 3, 4, 5)
+STALENESS = (2, 3, 4, 5, 10)
 """Staleness values registered for ``stale_sb_<n>`` [epochs]."""
 BUDGET = "_e"
 """What separates a registered name from its budget: ``traditional_e4``."""
@@ -48,6 +48,11 @@ class Strategy:
     prune: bool = False
     """EL2N pre-pruning first, its cost charged to the run."""
     selectivity: float | None = None
+    feedback: bool = False
+    """The training step reports its per-example losses (``loader.feedback``)."""
+    as_user: bool = False
+    """The loader as a user gets it with no options: source batches of the training batch and
+    fp32 selection passes (else the configuration's pools and selection precision)."""
     family: str = ""
     """The strategy without its budget: the name of its family (set by :func:`_named`)."""
 
@@ -126,16 +131,35 @@ def selective_backprop(selectivity: float, variant: str = "") -> Strategy:
     )
 
 
-def stale_sb(staleness: int, variant: str = "", selectivity: float = 1 / 3) -> Strategy:
+def stale_sb(
+    staleness: int, variant: str = "", selectivity: float = 1 / 3, feedback: bool = False
+) -> Strategy:
     """Stale-SB: a fresh selection pass every ``staleness``-th epoch (named ``_s<selectivity>``
-    after the staleness unless 1/3)."""
+    after the staleness unless 1/3; ``_fb`` at the end when the training step reports its
+    losses, so that stale epochs decide from each example's last training loss)."""
     n, s = staleness, selectivity
     label = "" if s == 1 / 3 else f"_s{_label(s)}"
     return _named(
-        f"stale_sb_{n}{label}{_suffix(variant)}",
+        f"stale_sb_{n}{label}{_suffix(variant)}{'_fb' if feedback else ''}",
         True,
         _phased(lambda planned: sbloader.SelectiveBackprop(s, staleness=n), variant, s),
         selectivity=s,
+        feedback=feedback,
+    )
+
+
+def recipe(feedback: bool = False, as_user: bool = False) -> Strategy:
+    """sbloader's default policy (:func:`sbloader.default_policy`): ``recipe`` with the
+    benchmark's selection settings, ``default`` as ``SelectiveLoader(source, model)`` builds it;
+    ``_fb`` when the training step reports its losses."""
+    return _named(
+        f"{'default' if as_user else 'recipe'}{'_fb' if feedback else ''}",
+        True,
+        lambda planned: sbloader.default_policy(),
+        selectivity=1 / 3,
+        feedback=feedback,
+        as_user=as_user,
+        pooled=not as_user,
     )
 
 
@@ -162,6 +186,7 @@ def diet_sb(variant: str = "") -> Strategy:
 
 def _build_registry() -> dict[str, Strategy]:
     entries = [traditional(), kath18(), el2n()]
+    entries += [recipe(fb, user) for fb in (False, True) for user in (False, True)]
     for s in SELECTIVITIES:
         entries += [random_backprop(s, v) for v in ("", "warmup", "anneal")]
         entries += [
@@ -169,6 +194,8 @@ def _build_registry() -> dict[str, Strategy]:
         ]
     for n in STALENESS:
         entries += [stale_sb(n, v) for v in ("", "warmup", "rwarmup", "anneal")]
+        entries += [stale_sb(n, v, feedback=True) for v in ("", "rwarmup")]
+        entries += [stale_sb(n, "rwarmup", s, feedback=True) for s in (0.2, 0.25)]
     entries += [diet_sb(v) for v in ("", "warmup", "rwarmup")]
     registry = {}
     for e in entries:
@@ -197,8 +224,7 @@ def get(name: str) -> Strategy:
 FAMILIES: dict[str, tuple[int, ...]] = {
     "traditional": (2, 3, 4, 6, 10),
     "random_0.33": (5, 10, 15, 20),
-    "sb_0.33_rwarmup": (5, 10, 15),
-    "stale_sb_3_rwarmup": (5, 10, 15),
+    "recipe_fb": (5, 10, 15),
 }
 """The frontier preset's families and their budgets [planned epochs]: the controls over budgets
 wide enough that their frontiers are reached (issue 12: 2-10 epochs for Traditional, 5-20 for

@@ -43,17 +43,15 @@ def train_step(
     timer: StepTimer | None = None,
 ) -> torch.Tensor:
     """One training step: forward (under bf16 autocast when ``cfg.train_bf16``), cross-entropy
-    in fp32 (per example times ``weights``, then the mean; without weights, the mean), backward
-    and the optimizer step. ``timer`` is marked before the forward, after the loss and after the
-    step. Returns the loss."""
+    in fp32 per example (times ``weights``), its mean, backward and the optimizer step. ``timer``
+    is marked before the forward, after the loss and after the step. Returns the per-example
+    losses (detached), which a strategy with feedback reports to its loader."""
     if timer is not None:
         timer.mark()
     with train_autocast(cfg):
         out = model(x)
-    if weights is None:
-        loss = F.cross_entropy(out.float(), y)
-    else:
-        loss = (F.cross_entropy(out.float(), y, reduction="none") * weights).mean()
+    per_example = F.cross_entropy(out.float(), y, reduction="none")
+    loss = (per_example if weights is None else per_example * weights).mean()
     if timer is not None:
         timer.mark()
     opt.zero_grad(set_to_none=True)
@@ -61,7 +59,7 @@ def train_step(
     opt.step()
     if timer is not None:
         timer.mark()
-    return loss
+    return per_example.detach()
 
 
 class Trainer:
@@ -114,6 +112,7 @@ class Trainer:
             subset = sbloader.prune(r.scores, cfg.el2n_keep, keep="hardest")
             self.run.pre_cost = r.cost()
             self.clock += r.seconds  # the user pays for scoring
+        user = dict(autocast=None) if strat.as_user else {}
         self.loader = make_loader(
             cfg,
             shuffled(dataset, cfg.pool_batch_size if strat.pooled else cfg.batch_size, seed),
@@ -121,6 +120,7 @@ class Trainer:
             strat.policy(self.planned),  # its own schedule
             seed,
             subset=subset,
+            **user,
         )
         self.aug_gen = torch.Generator(device=device).manual_seed(20_000 + seed)
         self.timer = StepTimer(device)
@@ -176,7 +176,9 @@ class Trainer:
             lr = cosine_lr(cfg.lr, loader.progress, self.planned)
             for group in self.opt.param_groups:
                 group["lr"] = lr
-            train_step(cfg, self.model, self.opt, x, y, batch.weights, self.timer)
+            losses = train_step(cfg, self.model, self.opt, x, y, batch.weights, self.timer)
+            if self.strat.feedback:
+                loader.feedback(batch.indices, losses)
             self.backprops += len(y)
             if loader.progress + 1e-9 >= self.next_eval:
                 err = self._record(loader.progress)

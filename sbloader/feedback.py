@@ -1,0 +1,134 @@
+"""Training-step losses reported back to the loader (:meth:`SelectiveLoader.feedback`).
+
+The training step already computes each backpropagated example's loss. Reported back, those
+losses keep a per-example store fresh at no cost: a Stale-SB epoch then decides each example
+from its loss the last time it was trained, not from the last selection pass (InfoBatch's source
+of scores). This module only holds what was reported until the loader hands it to the policy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._checks import check_indices
+from ._state import check_version
+
+__all__ = ["FeedbackBuffer", "check_range"]
+
+
+def check_range(indices: np.ndarray, size: int | None) -> np.ndarray:
+    """``indices``, or an ``IndexError`` naming the fix if one is outside ``0 .. size - 1``."""
+    if size is None or not len(indices):
+        return indices
+    outside = (indices < 0) | (indices >= size)
+    if outside.any():
+        raise IndexError(
+            f"loader.feedback got dataset indices outside 0..{size - 1} (e.g. "
+            f"{indices[outside][:5].tolist()}); pass the yielded batch's own indices "
+            "(batch.indices)"
+        )
+    return indices
+
+
+def _as_tensor(name: str, values: Any) -> torch.Tensor:
+    """``values`` as a detached 1-d tensor, left on its device (no host synchronisation)."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().reshape(-1)
+    try:
+        return torch.as_tensor(np.asarray(values)).reshape(-1)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"{name} should be a tensor or array with one entry per example, but got "
+            f"{type(values).__name__}"
+        ) from e
+
+
+class FeedbackBuffer:
+    """Reported (dataset index, training loss) pairs, held until the next epoch starts.
+
+    NOTE: reported losses reach the policy only when the next epoch starts, never mid-epoch.
+    Within an epoch a Stale-SB policy decides which examples to load before loading them (on the
+    prefetch thread) and must decide the same again afterwards; a store changing under it would
+    break that, and a resumed run would decide differently from an uninterrupted one. Tensors stay
+    where they are (a GPU's losses are not copied to the host on every step) until :meth:`take`.
+
+    Example:
+        >>> import torch
+        >>> buf = FeedbackBuffer()
+        >>> buf.add(torch.tensor([4, 7]), torch.tensor([0.5, 2.0]))
+        2
+        >>> idx, losses = buf.take()
+        >>> idx.tolist(), losses.tolist(), len(buf)
+        ([4, 7], [0.5, 2.0], 0)
+    """
+
+    VERSION = 1
+
+    def __init__(self) -> None:
+        self._indices: list[torch.Tensor] = []
+        self._losses: list[torch.Tensor] = []
+        self._count = 0
+
+    def __len__(self) -> int:
+        """The number of examples reported since the last :meth:`take`."""
+        return self._count
+
+    def add(self, indices: Any, losses: Any, size: int | None = None) -> int:
+        """Hold one step's losses; returns how many examples were reported.
+
+        Args:
+            indices: dataset indices, one per loss.
+            losses: the training step's per-example losses.
+            size: the dataset's size, to check host-side indices against at once (device-side
+                ones are checked by :func:`check_range` when taken, to avoid a synchronisation).
+
+        Raises:
+            ValueError: the counts differ. TypeError: indices that are not integers.
+            IndexError: a host-side index outside ``0 .. size - 1``.
+        """
+        idx, val = _as_tensor("indices", indices), _as_tensor("losses", losses)
+        if idx.shape[0] != val.shape[0]:
+            raise ValueError(
+                f"feedback needs one loss per example, but got {idx.shape[0]} indices and "
+                f"{val.shape[0]} losses; pass the per-example losses (reduction='none') of the "
+                "batch whose indices you pass"
+            )
+        if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+            raise TypeError(
+                f"indices should hold whole dataset indices (an integer tensor such as "
+                f"batch.indices), but got dtype {idx.dtype}"
+            )
+        if idx.device.type == "cpu":
+            check_range(check_indices("indices", idx.numpy()), size)
+        self._indices.append(idx)
+        self._losses.append(val)
+        self._count += int(idx.shape[0])
+        return int(idx.shape[0])
+
+    def take(self) -> tuple[np.ndarray, np.ndarray]:
+        """Everything held, as int64 indices and float64 losses on the host; then empty."""
+        if not self._indices:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64)
+        idx = torch.cat([t.to("cpu", torch.int64) for t in self._indices]).numpy()
+        val = torch.cat([t.to("cpu", torch.float64) for t in self._losses]).numpy()
+        self._indices, self._losses, self._count = [], [], 0
+        return check_indices("indices", idx), val
+
+    def state_dict(self) -> dict[str, Any]:
+        """What is held, as CPU tensors (loads with ``torch.load(weights_only=True)``)."""
+        idx, val = self.take()
+        self.add(torch.from_numpy(idx), torch.from_numpy(val))
+        return {
+            "version": self.VERSION,
+            "indices": torch.from_numpy(idx.copy()),
+            "losses": torch.from_numpy(val.copy()),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = check_version(state, "FeedbackBuffer", self.VERSION)
+        self._indices, self._losses, self._count = [], [], 0
+        if len(state["indices"]):
+            self.add(state["indices"], state["losses"])

@@ -1,0 +1,205 @@
+"""Training-step losses reported through ``loader.feedback``: where they go, when they take
+effect, how they are checked and saved."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import EncodedDataset, IndexLoss
+from torch.utils.data import DataLoader
+
+from sbloader import (
+    Phased,
+    RandomBackprop,
+    SelectiveBackprop,
+    SelectiveLoader,
+    Traditional,
+)
+from sbloader._random import hashed_uniforms
+from sbloader.feedback import FeedbackBuffer
+
+N = 300
+
+
+def loader_for(policy, *, bs=10, source_bs=30, seed=0, **kw):
+    dl = DataLoader(
+        EncodedDataset(N),
+        batch_size=source_bs,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+    )
+    return SelectiveLoader(dl, IndexLoss(), policy=policy, batch_size=bs, seed=seed, **kw)
+
+
+def reported(indices: torch.Tensor) -> torch.Tensor:
+    """A training loss that reverses the selection pass's order: example i reports N - i."""
+    return (N - indices).double()
+
+
+def test_reports_replace_stored_losses_when_the_next_epoch_starts():
+    policy = SelectiveBackprop(1 / 3, staleness=3)
+    loader = loader_for(policy)
+    trained = []
+    for batch in loader:  # fresh epoch 0
+        loader.feedback(batch.indices, reported(batch.indices))
+        trained += batch.indices.tolist()
+        # Nothing reported reaches the store mid-epoch (the epoch's decisions stay its own).
+        stored, _ = policy.store.lookup(batch.indices.numpy())
+        assert not np.array_equal(stored, reported(batch.indices).numpy())
+    assert loader.stats.epochs[0].feedback == len(trained)
+    before, _ = policy.store.lookup(np.arange(N))
+    it = iter(loader)
+    next(it)  # stale epoch 1 starts: the reports are in the store now
+    after, epochs = policy.store.lookup(np.arange(N))
+    t = np.array(sorted(set(trained)))
+    untrained = np.setdiff1d(np.arange(N), t)
+    np.testing.assert_array_equal(after[t], (N - t).astype(np.float32))
+    np.testing.assert_array_equal(after[untrained], before[untrained])
+    assert (epochs[t] == 0).all()
+
+
+def test_stale_epoch_decides_from_the_reported_losses():
+    """Examples reported with a loss above everything in the window are kept with P = 1; those
+    reported with loss 0 get P = 0, whatever the selection pass had measured for them."""
+    policy = SelectiveBackprop(1 / 3, staleness=2)
+    loader = loader_for(policy, remainder="short")
+    list(loader)  # fresh epoch 0 scores everything (IndexLoss: loss grows with the index)
+    high = np.arange(0, 50)  # the easiest examples by the selection pass...
+    low = np.arange(250, 300)  # ...and the hardest
+    loader.feedback(torch.from_numpy(high), torch.full((50,), 100.0))
+    loader.feedback(torch.from_numpy(low), torch.zeros(50))
+    before = policy.store.selected.copy()
+    list(loader)  # stale epoch 1
+    chosen = set(np.flatnonzero(policy.store.selected - before).tolist())
+    assert set(high.tolist()) <= chosen
+    assert not chosen & set(low.tolist())
+    # Everything else is decided from its stale selection loss, as without feedback.
+    stored, _ = policy.store.lookup(np.arange(N))
+    p = policy.stale_probabilities(np.arange(N))
+    expected = hashed_uniforms(policy._key, 1, np.arange(N)) < p
+    assert chosen == set(np.flatnonzero(expected).tolist())
+
+
+def test_feedback_leaves_the_current_epoch_and_the_window_alone():
+    def run(feed: bool):
+        policy = SelectiveBackprop(1 / 3, staleness=3, history=64)
+        loader = loader_for(policy)
+        out = []
+        for batch in loader:
+            out.append(batch.indices.tolist())
+            if feed:
+                loader.feedback(batch.indices, reported(batch.indices))
+        return out, policy.window.sorted_values()
+
+    (plain, w_plain), (fed, w_fed) = run(False), run(True)
+    assert plain == fed
+    np.testing.assert_array_equal(w_plain, w_fed)
+
+
+def test_reports_change_stale_epochs_and_nothing_else():
+    def run(feed: bool):
+        loader = loader_for(SelectiveBackprop(1 / 3, staleness=2))
+        epochs = []
+        for _ in range(3):
+            got = []
+            for batch in loader:
+                got += batch.indices.tolist()
+                if feed:
+                    loader.feedback(batch.indices, reported(batch.indices))
+            epochs.append(got)
+        return epochs
+
+    plain, fed = run(False), run(True)
+    assert plain[0] == fed[0]  # fresh epoch: the selection pass decides
+    assert plain[1] != fed[1]  # stale epoch: the reported losses decide
+
+
+@pytest.mark.parametrize("stop", [0, 2, 5])
+def test_resume_with_reports_pending_is_exact(stop):
+    def build():
+        return loader_for(
+            Phased(
+                SelectiveBackprop(1 / 3, staleness=2, history=64),
+                warmup_epochs=1,
+                warmup_policy=RandomBackprop(1 / 3),
+            )
+        )
+
+    def train(loader, batches):
+        got = []
+        for batch in batches:
+            got.append(batch.indices.tolist())
+            loader.feedback(batch.indices, reported(batch.indices))
+        return got
+
+    full_loader = build()
+    full = [b for _ in range(4) for b in train(full_loader, full_loader)]
+
+    loader = build()
+    got = train(loader, loader)  # warm-up
+    epoch1 = train(loader, loader)  # fresh epoch
+    it = iter(loader)  # stale epoch 2: the reports of epoch 1 are applied when it starts
+    part = train(loader, [next(it) for _ in range(stop)])
+    got += epoch1 + part
+    state = loader.state_dict()  # holds the reports not applied yet
+    held = sum(map(len, part)) if stop else sum(map(len, epoch1))
+    assert state["feedback"]["indices"].numel() == held
+    again = build()
+    again.load_state_dict(state)
+    got += [b for _ in range(2) for b in train(again, again)]
+    assert got == full
+    np.testing.assert_array_equal(
+        again.policy.policy.store.loss, full_loader.policy.policy.store.loss
+    )
+
+
+@pytest.mark.parametrize("policy", [Traditional(), RandomBackprop(0.5), SelectiveBackprop(0.5)])
+def test_policies_without_a_store_count_and_ignore_reports(policy):
+    loader = loader_for(policy)
+    first = []
+    for batch in loader:
+        first.append(batch.indices.tolist())
+        loader.feedback(batch.indices, reported(batch.indices))
+    assert loader.stats.epochs[0].feedback == sum(map(len, first))
+    assert len(loader._feedback) == 0  # nothing held for a policy that cannot use it
+    assert loader.state_dict()["feedback"]["indices"].numel() == 0
+
+
+def test_bad_reports_are_refused_at_once_naming_the_fix():
+    loader = loader_for(SelectiveBackprop(1 / 3, staleness=2))
+    batch = next(iter(loader))
+    with pytest.raises(ValueError, match="one loss per example"):
+        loader.feedback(batch.indices, torch.zeros(len(batch.indices) + 1))
+    with pytest.raises(TypeError, match="whole dataset indices"):
+        loader.feedback(batch.indices.float(), torch.zeros(len(batch.indices)))
+    with pytest.raises(IndexError, match=r"outside 0\.\.299"):
+        loader.feedback(torch.tensor([5, 300]), torch.zeros(2))
+    with pytest.raises(IndexError, match="batch.indices"):
+        loader.feedback(torch.tensor([-1]), torch.zeros(1))
+    assert len(loader._feedback) == 0  # nothing half-added
+
+
+def test_feedback_buffer_round_trips_and_takes_everything_once():
+    buf = FeedbackBuffer()
+    buf.add(torch.tensor([3, 1]), torch.tensor([0.5, 1.5]))
+    buf.add(np.array([2]), np.array([2.5]))
+    state = buf.state_dict()
+    assert len(buf) == 3  # saving does not consume
+    other = FeedbackBuffer()
+    other.load_state_dict(state)
+    idx, val = other.take()
+    assert idx.tolist() == [3, 1, 2] and val.tolist() == [0.5, 1.5, 2.5]
+    assert other.take()[0].size == 0
+    with pytest.raises(ValueError, match="version"):
+        other.load_state_dict({**state, "version": 99})
+
+
+def test_an_old_state_without_reports_loads():
+    loader = loader_for(SelectiveBackprop(1 / 3, staleness=2))
+    list(loader)
+    state = loader.state_dict()
+    del state["feedback"]
+    again = loader_for(SelectiveBackprop(1 / 3, staleness=2))
+    again.load_state_dict(state)
+    assert len(again._feedback) == 0
