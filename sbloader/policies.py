@@ -22,13 +22,13 @@ from .window import LossWindow
 
 __all__ = [
     "Choice",
-    "default_policy",
     "Kath18",
     "Phased",
     "Policy",
     "RandomBackprop",
     "SelectiveBackprop",
     "Traditional",
+    "default_policy",
 ]
 
 
@@ -363,7 +363,9 @@ class SelectiveBackprop(Policy):
         return not self.needs_losses(self._epoch) and self.store is not None
 
     def kind(self) -> str:
-        fed = f", fed_staleness={self.fed_staleness}" if self.fed_staleness != self.staleness else ""
+        fed = ""
+        if self.fed_staleness != self.staleness:
+            fed = f", fed_staleness={self.fed_staleness}"
         return f"SelectiveBackprop(staleness={self.staleness}{fed})"
 
     def takes_feedback(self) -> bool:
