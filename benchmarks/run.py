@@ -114,7 +114,7 @@ def jobs(cfg: Config) -> list[tuple[str, int, float]]:
     seeds."""
     out = []
     for seed in cfg.seeds:
-        out += [(s, seed, 0.0) for s in cfg.run_names()]
+        out += [(s, seed, cfg.noise) for s in cfg.run_names()]
         if seed in cfg.noise_seeds:
             out += [(s, seed, nz) for nz in cfg.label_noise if nz > 0 for s in cfg.noise_strategies]
     return out

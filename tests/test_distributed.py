@@ -438,10 +438,41 @@ def scenario_nonfinite(rank: int, world_size: int) -> dict:
     return res
 
 
+def scenario_feedback(rank: int, world_size: int) -> dict:
+    """Stale-SB with training losses reported on every rank: each rank reports 1000 + index for
+    what it trained in epoch 0 (only rank 0 in epoch 1); the reports reach every rank's store."""
+    ds = EncodedDataset(120)
+    sampler = DistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+    loader = SelectiveLoader(
+        DataLoader(ds, batch_size=[24, 10][rank], sampler=sampler),
+        IndexLoss(),
+        policy=SelectiveBackprop(1 / 3, staleness=2, fed_staleness=3),
+        batch_size=8,
+        seed=0,
+    )
+    reported: list[list[int]] = []
+    stores = []
+    for epoch in range(3):
+        mine: list[int] = []
+        for batch in loader:
+            if epoch == 0 or rank == 0:
+                loader.feedback(batch.indices, 1000.0 + batch.indices.double())
+                mine += batch.indices.tolist()
+        reported.append(mine)
+        stores.append(loader.policy.store.loss.copy())
+    return {
+        "reported": reported,
+        "stores": stores,
+        "forwards": [e.selection_forwards for e in loader.stats.epochs],
+        "batches": [e.batches_yielded for e in loader.stats.epochs],
+    }
+
+
 def scenario_two(rank: int, world_size: int) -> dict:
     return {
         "sb": scenario_ddp(rank, world_size, "sb"),
         "random": scenario_ddp(rank, world_size, "random"),
+        "feedback": scenario_feedback(rank, world_size),
     }
 
 
@@ -507,6 +538,24 @@ def test_ddp_ranks_take_equal_steps_and_stay_identical(two, rounds, world_size, 
         assert red["batches_yielded"] == world_size * results[0]["total"]["batches_yielded"]
         slowest = [max(x["epochs"][e]["wall_s"] for x in results) for e in range(2)]
         assert red["wall_s"] == pytest.approx(sum(slowest))
+
+
+def test_reported_losses_reach_every_ranks_store_and_schedule(two):
+    results = [r["feedback"] for r in two]
+    # Epoch 0's reports (both ranks') are in every rank's store once epoch 1 has started...
+    reported = sorted({i for r in results for i in r["reported"][0]})
+    assert len(reported) > 40
+    for r in results:
+        np.testing.assert_array_equal(r["stores"][1][reported], 1000.0 + np.array(reported))
+    np.testing.assert_array_equal(results[0]["stores"][1], results[1]["stores"][1])
+    # ...and both ranks agree that the reports make epoch 1 and 2 stale (fed_staleness=3),
+    # although in epoch 1 only rank 0 reported: the ranks see the same reports.
+    assert [r["forwards"][1:] for r in results] == [[0, 0], [0, 0]]
+    assert results[0]["forwards"][0] > 0 and results[1]["forwards"][0] > 0
+    assert results[0]["batches"] == results[1]["batches"]
+    only0 = sorted(set(results[0]["reported"][1]))
+    for r in results:
+        np.testing.assert_array_equal(r["stores"][2][only0], 1000.0 + np.array(only0))
 
 
 @pytest.mark.parametrize("remainder", ["carry", "short", "drop"])

@@ -9,11 +9,13 @@ import math
 import pytest
 import torch
 
+import sbloader
 from benchmarks import run as bench
 from benchmarks.core import strategies
 from benchmarks.core.config import PRESETS, Config, preset
 from benchmarks.core.frontier import Reached, Record, family_time, first_time, frontier_table
 from benchmarks.core.machine import machine_info, tree_changes
+from benchmarks.core.report import pairwise_lines
 from benchmarks.core.train import Trainer, train_interleaved
 from sbloader.datasets import load_fashion_mnist
 
@@ -108,6 +110,24 @@ def test_seeds_pair_their_own_targets_and_summarise_mean_and_range():
     assert (s.low, s.high) == (1.0, 2.0) and s.mean == pytest.approx(1.5)
 
 
+def test_each_sbloader_family_against_each_control_by_hand():
+    rand = rec("random", 10, [(4, 0.19), (9, 0.121)])
+    table = frontier_table([*RECORDS, rand], {"traditional", "random"}, ("traditional", 10))
+    lines = pairwise_lines(table)
+    rows = {tuple(x.strip() for x in line.split("|")[1:3]): line for line in lines[4:-1]}
+    assert set(rows) == {("sb", "traditional"), ("sb", "random")}
+    cells = [c.strip() for c in rows["sb", "random"].split("|")[3:-1]]
+    # x1.0 (target 0.10): sb-10 at 18 s, random never (it ends at 0.121).
+    assert cells[0] == "∞ (∞)"
+    assert cells[4] == "0.90x (0.90x)"  # x1.4 (0.14): random at 9 s, sb-5 at 10 s
+    cells = [c.strip() for c in rows["sb", "traditional"].split("|")[3:-1]]
+    assert cells[0] == "2.22x (2.22x)"  # Traditional-10 at 40 s against sb-10 at 18 s
+    assert cells[3] == "0.89x (0.89x)"  # x1.2: Traditional-4 at 16 s against sb-10 at 18 s
+    worse = rec("sb", 3, [(1, 0.5)], seed=0)
+    table = frontier_table([TRAD_10, worse], {"traditional"}, ("traditional", 10), (1.0,))
+    assert "never in 1/1" in pairwise_lines(table)[-2]
+
+
 def test_families_and_the_frontier_preset_name_registered_runs():
     for name, settings in PRESETS.items():
         cfg = preset(name)
@@ -117,7 +137,16 @@ def test_families_and_the_frontier_preset_name_registered_runs():
     names = cfg.run_names()
     assert cfg.interleave and names[0] == "traditional" and "traditional_e10" not in names
     assert "traditional_e4" in names and "random_0.33_e20" in names
-    assert "stale_sb_3_rwarmup_e15" in names and len(names) == len(set(names))
+    assert "recipe_fb_e15" in names and len(names) == len(set(names))
+    quick = preset("quick")
+    assert quick.interleave and quick.run_names()[0] == "traditional"
+    assert {"traditional_e4", "random_0.33_e5", "recipe_fb_e5", "recipe_fb"} <= set(
+        quick.run_names()
+    )
+    recipe, default = strategies.get("recipe_fb"), strategies.get("default")
+    assert recipe.feedback and recipe.pooled and not recipe.as_user
+    assert default.as_user and not default.pooled and not default.feedback
+    assert repr(recipe.policy(10)) == repr(sbloader.default_policy())
     members = strategies.family_members("random_0.33", (5, 10), 10)
     assert members == ["random_0.33_e5", "random_0.33"]
     assert strategies.get("stale_sb_3_rwarmup_e15").family == "stale_sb_3_rwarmup"

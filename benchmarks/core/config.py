@@ -45,6 +45,9 @@ class Config:
     """Evaluation interval [epochs of data]."""
     selection_bf16: bool = True
     """Selection passes under bf16 autocast; training stays fp32 unless ``train_bf16`` [bool]."""
+    noise: float = 0.0
+    """Fraction of training labels flipped in every run of ``strategies`` and ``families``
+    (the frontier under label noise) [1]."""
     label_noise: tuple[float, ...] = (0.0,)
     """Fractions of training labels flipped [1]."""
     noise_strategies: tuple[str, ...] = ()
@@ -60,7 +63,8 @@ class Config:
     threads: int | None = None
     """torch intra-op threads (None: torch's default) [threads]."""
     model: str = "small_cnn"
-    """``"small_cnn"`` (28 x 28) or ``"resnet18"`` (CIFAR-style, 32 x 32) [name]."""
+    """``"small_cnn"`` (28 x 28), ``"mlp"`` (784-1024-1024-10) or ``"resnet18"`` (CIFAR-style,
+    32 x 32) [name]."""
     dataset: str = "fashion_mnist"
     """``"fashion_mnist"``, or ``"cifar10"``, ``"cifar100"``, ``"svhn"`` from local files [name]."""
     data_root: str | None = None
@@ -134,14 +138,15 @@ _GPU_STRATEGIES = (
 )
 
 PRESETS: dict[str, dict[str, Any]] = {
+    # The main job: the frontier measure for one seed, every run trained interleaved.
     "quick": dict(
-        strategies=(
-            "traditional",
-            "traditional_e4",
-            "random_0.33",
-            "sb_0.33_rwarmup",
-            "stale_sb_3_rwarmup",
+        strategies=("traditional",),  # the reference: Traditional at ``epochs``
+        families=(
+            ("traditional", (4, 10)),
+            ("random_0.33", (5, 10)),
+            ("recipe_fb", (5, 10)),
         ),
+        interleave=True,
     ),
     "full": dict(
         seeds=(0, 1, 2),
@@ -190,6 +195,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         seeds=(0, 1, 2),
         strategies=("traditional",),  # the reference: Traditional at ``epochs``
         families=tuple(strategies.FAMILIES.items()),
+        interleave=True,
+    ),
+    # The same with the MLP (784-1024-1024-10), and with 10% of the labels flipped.
+    "frontier_mlp": dict(
+        seeds=(0, 1, 2),
+        model="mlp",
+        strategies=("traditional",),
+        families=tuple(strategies.FAMILIES.items()),
+        interleave=True,
+    ),
+    "frontier_noise": dict(
+        seeds=(0, 1, 2),
+        noise=0.1,
+        strategies=("traditional",),
+        families=tuple(strategies.FAMILIES.items()),
+        interleave=True,
+    ),
+    # The default's safety: SelectiveLoader(source, model) as a user builds it, against
+    # Random-Backprop at the same budget, over ten seeds.
+    "default_safety": dict(
+        seeds=tuple(range(10)),
+        strategies=("random_0.33", "default", "default_fb"),
         interleave=True,
     ),
 }

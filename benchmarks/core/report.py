@@ -4,6 +4,7 @@ breakdown, the Pareto share and label noise), the error curves (CSV) and the plo
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import numpy as np
 
 from .analysis import MULTIPLIERS, pareto, speedup_table
 from .config import Config
-from .frontier import TARGETS, Reached, Record, frontier_table
+from .frontier import TARGETS, Cell, FrontierTable, Reached, Record, frontier_table
 from .machine import describe_commit
 from .records import Run
 from .strategies import get
@@ -72,7 +73,7 @@ def frontier_section(cfg: Config, runs: Sequence[Run]) -> list[str]:
     """The headline: per target, the best control's frontier time over the best sbloader
     family's (see ``frontier.py``), then each family's frontier; nothing without a reference
     run (Traditional at the configuration's planned epochs)."""
-    records = frontier_records(runs)
+    records = frontier_records(runs, cfg.noise)
     controls = {get(r.strategy).family for r in runs if not get(r.strategy).selective}
     table = frontier_table(records, controls, ("traditional", cfg.epochs), TARGETS)
     if not table.seeds:
@@ -154,6 +155,48 @@ def frontier_section(cfg: Config, runs: Sequence[Run]) -> list[str]:
                 cell += f", never in {len(got) - len(times)}/{len(got)}"
             cells.append(cell)
         lines.append(f"| {_times(m)} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += pairwise_lines(table)
+    return lines
+
+
+def pairwise_lines(table: FrontierTable) -> list[str]:
+    """Each sbloader family against each control family on its own: per target, the control's
+    frontier time over the family's, mean over seeds and the worst seed (the default's safety
+    check: never behind Random-Backprop)."""
+    if not table.selective or not table.controls:
+        return []
+    lines = [
+        "Each sbloader family against each control family (control's time ÷ the family's; mean "
+        "over seeds, worst seed in parentheses; never: the family missed the target in some "
+        "seed where the control reached it; ∞: only the family reached it):",
+        "",
+        "| sbloader family | control | " + " | ".join(_times(m) for m in table.multipliers) + " |",
+        "|" + "---|" * (len(table.multipliers) + 2),
+    ]
+    for f in table.selective:
+        for c in table.controls:
+            cells = []
+            for m in table.multipliers:
+                ratios: list[float] = []
+                missed = 0
+                for s in table.seeds:
+                    mine, theirs = table.families[f, s, m], table.families[c, s, m]
+                    if mine is None:
+                        missed += theirs is not None
+                        continue
+                    cell = Cell(s, m, 0.0, control=theirs, sbloader=mine)
+                    if cell.ratio is not None:
+                        ratios.append(cell.ratio)
+                if missed:
+                    cells.append(f"never in {missed}/{len(table.seeds)}")
+                elif not ratios:
+                    cells.append("neither")
+                else:
+                    finite = [r for r in ratios if math.isfinite(r)]
+                    mean = statistics.fmean(finite) if finite else math.inf
+                    cells.append(f"{_ratio(mean)} ({_ratio(min(ratios))})")
+            lines.append(f"| {f} | {c} | " + " | ".join(cells) + " |")
     lines.append("")
     return lines
 
