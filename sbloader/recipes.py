@@ -12,7 +12,24 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["cosine_lr", "error_rate", "resnet18", "small_cnn"]
+__all__ = ["cosine_lr", "error_rate", "mlp", "resnet18", "small_cnn"]
+
+
+def mlp(num_classes: int = 10, in_features: int = 28 * 28, hidden: int = 1024) -> nn.Module:
+    """784-1024-1024-10 with ReLUs, on flattened inputs (the papers' second architecture here).
+
+    Example:
+        >>> mlp()(torch.zeros(2, 1, 28, 28)).shape
+        torch.Size([2, 10])
+    """
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(in_features, hidden),
+        nn.ReLU(inplace=True),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(inplace=True),
+        nn.Linear(hidden, num_classes),
+    )
 
 
 def small_cnn(num_classes: int = 10, in_channels: int = 1) -> nn.Module:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import sbloader
-from sbloader.recipes import resnet18, small_cnn
+from sbloader.recipes import mlp, resnet18, small_cnn
 
 from .config import Config
 
@@ -20,8 +20,12 @@ def make_model(cfg: Config, classes: int = 10, channels: int = 1) -> nn.Module:
         model = small_cnn(classes, channels)
     elif cfg.model == "resnet18":
         model = resnet18(classes, channels)
+    elif cfg.model == "mlp":
+        model = mlp(classes, channels * cfg.image_size * cfg.image_size)
     else:
-        raise ValueError(f"model should be 'small_cnn' or 'resnet18', but got model={cfg.model!r}")
+        raise ValueError(
+            f"model should be 'small_cnn', 'mlp' or 'resnet18', but got model={cfg.model!r}"
+        )
     device = cfg.resolved_device()
     if cfg.memory_format is None:
         return model.to(device)
