@@ -236,6 +236,7 @@ class SelectiveLoader:
         >>> loader = sbloader.SelectiveLoader(
         ...     DataLoader(rows, batch_size=32), Masked(), input_key="input_ids",
         ...     target_key="labels", keep_logits=True, batch_size=8,
+        ...     policy=sbloader.SelectiveBackprop(1 / 3),
         ...     forward=lambda model, b: model(b["input_ids"], attention_mask=b["attention_mask"]))
         >>> batch = next(iter(loader))
         >>> sorted(batch), batch.logits.shape
@@ -287,10 +288,10 @@ class SelectiveLoader:
                     f"got {type(module).__name__}"
                 )
         self._source: Source = make_source(source, index_key)
-        # NOTE: the default depends on the source: Stale-SB's store needs dataset indices.
-        self.policy: Policy = (
-            default_policy(self._source.has_indices()) if policy is None else policy
-        )
+        # NOTE: the default depends on the source: Stale-SB's store needs dataset indices and
+        # the dataset's size.
+        store = self._source.has_indices() and self._source.dataset_size is not None
+        self.policy: Policy = default_policy(store) if policy is None else policy
         if not isinstance(self.policy, Policy):
             raise TypeError(
                 "policy should be an sbloader policy such as sbloader.SelectiveBackprop(...), but "

@@ -771,7 +771,7 @@ class Phased(Policy):
         )
 
 
-def default_policy(has_indices: bool = True) -> Policy:
+def default_policy(has_store: bool = True) -> Policy:
     """The policy of ``SelectiveLoader(source, model)`` with no ``policy=``: the recipe that
     measured fastest to every target here (README, Measured), not the paper's plain SB.
 
@@ -781,8 +781,9 @@ def default_policy(has_indices: bool = True) -> Policy:
     epochs between selection passes decide each example from its stored loss. A training loop
     that reports its losses (:meth:`SelectiveLoader.feedback
     <sbloader.SelectiveLoader.feedback>`) keeps those fresh, and then a pass runs only every tenth
-    epoch; one that does not gets a pass every third epoch. Where the source gives no dataset
-    indices (so no per-example store), every active epoch runs a selection pass.
+    epoch; one that does not gets a pass every third epoch. Without a per-example store
+    (``has_store=False``: the source gives no dataset indices, or not the dataset's size), every
+    active epoch runs a selection pass.
 
     The paper's plain SB is ``SelectiveBackprop(1 / 3)``.
 
@@ -790,12 +791,12 @@ def default_policy(has_indices: bool = True) -> Policy:
         >>> p = default_policy()
         >>> p.policy.staleness, p.policy.fed_staleness, p.warmup_epochs
         (3, 10, 1)
-        >>> default_policy(has_indices=False).policy.staleness
+        >>> default_policy(has_store=False).policy.staleness
         1
     """
     return Phased(
         SelectiveBackprop(1 / 3, staleness=3, fed_staleness=10)
-        if has_indices
+        if has_store
         else SelectiveBackprop(1 / 3),
         warmup_epochs=1,
         warmup_policy=RandomBackprop(1 / 3),

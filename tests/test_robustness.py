@@ -438,7 +438,11 @@ def test_label_out_of_range_surfaces_and_the_same_loader_carries_on():
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, N_CLASSES)).train()
     model[1].eval()  # a frozen BatchNorm stays frozen
     ds = Relabel(60)
-    loader = SelectiveLoader(DataLoader(ds, batch_size=20), model, batch_size=10)
+    # Plain SB: the selection pass of every epoch meets every example (the default's
+    # Random-Backprop warm-up makes none, so the training step would meet the label instead).
+    loader = SelectiveLoader(
+        DataLoader(ds, batch_size=20), model, policy=SelectiveBackprop(1 / 3), batch_size=10
+    )
     with pytest.raises(IndexError, match="out of bounds"):
         list(loader)  # the loss's own error
     assert model.training and not model[1].training
