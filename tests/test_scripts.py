@@ -32,19 +32,23 @@ pytestmark = [
 
 def test_the_example_trains_both_strategies_and_reports_counts(tmp_path):
     out = tmp_path / "rows.json"
-    cmd = [sys.executable, str(ROOT / "examples/train_fashion_mnist.py"), "--epochs", "2"]
-    cmd += ["--train-examples", "3072", "--json", str(out)]
+    cmd = [sys.executable, str(ROOT / "examples/train_fashion_mnist.py"), "--epochs", "3"]
+    cmd += ["--train-examples", "2048", "--json", str(out)]
+    cmd += ["--strategies", "traditional", "recipe", "sb"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    assert "SB epoch (with selection passes) / Traditional epoch wall-clock" in proc.stdout
+    assert "sb epoch with a selection pass / Traditional epoch wall-clock" in proc.stdout
     results = json.loads(out.read_text())["results"]
-    trad, sb = results["traditional"], results["sb"]
-    assert [r["backprop"] for r in trad] == [3072, 3072]
+    trad, recipe, sb = results["traditional"], results["recipe"], results["sb"]
+    assert [r["backprop"] for r in trad] == [2048] * 3
     assert sb[0]["selection_forwards"] == 0  # the Random-Backprop warm-up epoch
-    assert sb[1]["selection_forwards"] == 3072
-    for r in sb:  # about a third backpropagated, in full batches of 128
-        assert 0.2 < r["backprop"] / 3072 < 0.5 and r["backprop"] % 128 == 0
-    assert all(0 <= r["test_error"] <= 1 for r in trad + sb)
+    assert sb[1]["selection_forwards"] == sb[2]["selection_forwards"] == 2048
+    # The default recipe: the warm-up, one selection pass, then a stale epoch decided from the
+    # losses the example's training step reported.
+    assert [r["selection_forwards"] for r in recipe] == [0, 2048, 0]
+    for r in sb + recipe:  # about a third backpropagated, in full batches of 128
+        assert 0.15 < r["backprop"] / 2048 < 0.5 and r["backprop"] % 128 == 0
+    assert all(0 <= r["test_error"] <= 1 for r in trad + sb + recipe)
 
 
 @pytest.mark.parametrize("name", ["traditional", "stale_sb_3_rwarmup", "kath18", "diet_sb"])
