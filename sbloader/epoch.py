@@ -115,6 +115,14 @@ class EpochIterator:
         """Whether the epoch has begun and neither ended nor been closed."""
         return self._phase not in (_Phase.NEW, _Phase.DONE, _Phase.CLOSED)
 
+    def pause(self) -> None:
+        """The caller stops asking for batches for a while, within the epoch (a training epoch
+        of ``batches_per_epoch`` ended here): the time since the last batch was handed out is
+        counted as the caller's now, not together with whatever the caller does next."""
+        if self._handed_out is not None and self.stats is not None:
+            self.stats.consumer_s += perf_counter() - self._handed_out
+            self._handed_out = None
+
     def close(self) -> None:
         """End the iterator: stop its fetcher (and prefetch thread) and hand the epoch back.
 

@@ -122,6 +122,13 @@ class Policy(abc.ABC):
         """The expected fraction of candidates backpropagated (for ``loader.stats``)."""
         return 1.0
 
+    @property
+    def steady_rate(self) -> float:
+        """The expected fraction backpropagated once any warm-up is over: what
+        ``SelectiveLoader(batches_per_epoch="expected")`` sizes its epochs by (``target_rate``
+        unless the policy changes its rate by epoch, as :class:`Phased` does)."""
+        return self.target_rate
+
     def needs_losses(self, epoch: int) -> bool:
         """Whether :meth:`choose` needs fresh selection-pass losses in ``epoch``."""
         return True
@@ -296,7 +303,8 @@ class SelectiveBackprop(Policy):
             raise ValueError(
                 f"SelectiveBackprop(staleness={self.staleness}) stores each example's loss by "
                 "dataset index, so it needs the dataset's size, which this source does not "
-                "give; use a DataLoader over a map-style dataset, or staleness=1"
+                "give; pass dataset_size= to the SelectiveLoader (an iterable source), use a "
+                "DataLoader over a map-style dataset, or staleness=1"
             )
         if self.store is None or len(self.store) != num_examples:
             self.store = ExampleStore(num_examples, self.store_path)
@@ -629,6 +637,11 @@ class Phased(Policy):
     def target_rate(self) -> float:
         current = self._current(self._epoch)
         return 1.0 if current is None else current.target_rate
+
+    @property
+    def steady_rate(self) -> float:
+        """The wrapped policy's rate: what it keeps between the warm-up and the anneal."""
+        return self.policy.steady_rate
 
     def attach(self, num_examples: int | None, key: int) -> None:
         self.policy.attach(num_examples, key)
