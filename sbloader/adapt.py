@@ -69,4 +69,3 @@ def _adapt(source: Any, index_key: Hashable | None, dataset_size: int | None) ->
             f"iterable of batches, but got {type(source).__name__}"
         )
     return IterableSource(source, index_key, dataset_size)
-

@@ -670,7 +670,7 @@ class FFCVSource(Source):
     def has_indices(self) -> bool:
         return True
 
-    def index_field(self) -> int | None:
+    def index_field_key(self) -> int | None:
         """The position of the index output in the batches (None when recovered)."""
         return self.index_pos
 

@@ -220,7 +220,7 @@ class FixedEpochIterator:
             if fewest != most:
                 raise ValueError(
                     f"batches_per_epoch should be the same on every rank, but the ranks have "
-                    f"from {fewest} to {most}; pass the same int on every rank (\"expected\" "
+                    f'from {fewest} to {most}; pass the same int on every rank ("expected" '
                     "differs where the ranks' sources differ in length)"
                 )
         if clock._active and not clock._resume:  # the previous training epoch was abandoned

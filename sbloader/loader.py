@@ -416,8 +416,10 @@ class SelectiveLoader:
             )
         self.metadata_key = metadata_key
         if not isinstance(drop_index, bool):
-            raise TypeError(f"drop_index should be True or False, but got drop_index={drop_index!r}")
-        drop_key = self._source.index_field() if drop_index else None
+            raise TypeError(
+                f"drop_index should be True or False, but got drop_index={drop_index!r}"
+            )
+        drop_key = self._source.index_field_key() if drop_index else None
         if drop_index and drop_key is None:
             raise ValueError(
                 "drop_index=True leaves the index field out of yielded batches, but this "
@@ -591,7 +593,7 @@ class SelectiveLoader:
         if not self.policy.passthrough():
             raise TypeError(
                 f"len() is undefined for a SelectiveLoader with {self.policy!r}: the number of "
-                "batches per epoch is random. Pass batches_per_epoch=\"expected\" (or an int) "
+                'batches per epoch is random. Pass batches_per_epoch="expected" (or an int) '
                 "for epochs of a fixed number of batches, use loader.expected_batches() for an "
                 "estimate, or key schedules on loader.progress"
             )
@@ -754,7 +756,7 @@ class SelectiveLoader:
         self._scorer.load_state_dict(state[K_SCORER])
         self._pending.load_state_dict(state[K_PENDING], self.device)
         self.stats.load_state_dict(state[K_STATS])
-        if self._fixed is not None:
+        if self._fixed is not None and training is not None:
             self._fixed.load_state_dict(training)
 
     def _from_v1(self, state: dict[str, Any]) -> dict[str, Any]:

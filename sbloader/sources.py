@@ -81,7 +81,7 @@ class Source(abc.ABC):
         """Whether :meth:`epoch` yields dataset indices (False: ``None`` instead)."""
         return False
 
-    def index_field(self) -> Hashable | None:
+    def index_field_key(self) -> Hashable | None:
         """The key or position of the field of the source's batches that holds the dataset
         indices, or None when the batches hold none (e.g. indices recovered by a DataLoader
         source). ``SelectiveLoader(drop_index=True)`` leaves this field out of yielded batches."""
@@ -387,9 +387,10 @@ class IterableSource(Source):
 
     Example:
         >>> import torch
-        >>> batches = [(torch.zeros(4, 2), torch.zeros(4), torch.arange(4) + 4 * b) for b in range(3)]
+        >>> batches = [(torch.zeros(4, 2), torch.zeros(4), torch.arange(4 * b, 4 * b + 4))
+        ...            for b in range(3)]
         >>> src = IterableSource(batches, index_key=2, dataset_size=12)
-        >>> [idx.tolist() for _, idx in src.epoch(skip=1)], src.epoch_size, src.index_field()
+        >>> [idx.tolist() for _, idx in src.epoch(skip=1)], src.epoch_size, src.index_field_key()
         ([[4, 5, 6, 7], [8, 9, 10, 11]], 12, 2)
     """
 
@@ -413,7 +414,7 @@ class IterableSource(Source):
     def has_indices(self) -> bool:
         return self.index_key is not None
 
-    def index_field(self) -> Hashable | None:
+    def index_field_key(self) -> Hashable | None:
         return self.index_key
 
     def epoch(

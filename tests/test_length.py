@@ -285,7 +285,7 @@ def test_drop_index_makes_the_readme_loop_work():
     assert torch.equal(batch[1], batch.indices % 4)
     assert n == loader.stats.epochs[0].examples_yielded > 0
     with pytest.raises(ValueError, match="too many values to unpack"):
-        for x, y in stream_loader(index_key=2):  # without drop_index: the original failure
+        for _x, _y in stream_loader(index_key=2):  # without drop_index: the original failure
             pass
 
 
@@ -334,7 +334,7 @@ def test_expected_batches_of_a_stream_without_length_names_the_fix():
     loader = stream_loader(index_key=2)
     with pytest.raises(TypeError, match="pass dataset_size="):
         loader.expected_batches()
-    with pytest.raises(ValueError, match='"expected" cannot be computed.*dataset_size='):
+    with pytest.raises(ValueError, match=r'"expected" cannot be computed.*dataset_size='):
         stream_loader(index_key=2, batches_per_epoch="expected")
     sized = stream_loader(index_key=2, dataset_size=120)
     assert sized.expected_batches() == pytest.approx(120 * 0.5 / 8)
