@@ -83,7 +83,8 @@ class FixedEpochs:
 
     Attributes:
         count: batches per training epoch.
-        epoch: the number of the current (or next) training epoch, from 0.
+        epoch: the number of the current (or next) training epoch, from 0, once it has begun
+            (an abandoned one ends when the next begins; :meth:`current` counts it as ended).
         yielded: batches yielded in the current training epoch so far.
 
     Example:
@@ -125,13 +126,25 @@ class FixedEpochs:
         self.epoch += 1
         self.yielded = 0
 
+    def current(self) -> tuple[int, int, bool]:
+        """The training epoch's number, the batches yielded in it, and whether it is under way
+        (the next iterator goes on with it). An abandoned epoch counts as ended, as the next
+        ``iter(loader)`` will end it."""
+        epoch, yielded, active = self.epoch, self.yielded, self._active
+        live = None if self._live is None else self._live()
+        running = live is not None and live._phase is _Phase.RUNNING
+        if active and not (self._resume or running):
+            return epoch + 1, 0, False
+        return epoch, yielded, active
+
     def state_dict(self) -> dict[str, Any]:
+        epoch, yielded, active = self.current()
         return {
             "version": self.VERSION,
             "count": self.count,
-            "epoch": self.epoch,
-            "yielded": self.yielded,
-            "active": self._active,
+            "epoch": epoch,
+            "yielded": yielded,
+            "active": active,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -163,6 +176,17 @@ class FixedEpochIterator:
 
     Attributes:
         epoch: the training epoch's number (None before it starts).
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> import sbloader
+        >>> data = TensorDataset(torch.randn(300, 4), torch.randint(0, 2, (300,)))
+        >>> loader = sbloader.SelectiveLoader(
+        ...     DataLoader(data, batch_size=60), torch.nn.Linear(4, 2), batch_size=10,
+        ...     policy=sbloader.SelectiveBackprop(1 / 3), batches_per_epoch="expected")
+        >>> len(loader), [sum(1 for _ in loader) for _ in range(3)]
+        (10, [10, 10, 10])
     """
 
     def __init__(self, loader: SelectiveLoader, clock: FixedEpochs) -> None:

@@ -224,7 +224,9 @@ class SelectiveLoader:
             with ``remainder="carry"``).
 
     ``iter(loader)`` returns an :class:`~sbloader.epoch.EpochIterator` for the next epoch (or the
-    rest of a restored one); a newer iterator closes an older one (see its documentation).
+    rest of a restored one); a newer iterator closes an older one (see its documentation). With
+    ``batches_per_epoch`` it returns a :class:`~sbloader.length.FixedEpochIterator` over the next
+    training epoch of ``len(loader)`` batches.
 
     ``len(loader)`` is ``batches_per_epoch`` when given. Without it, it is exact for passthrough
     policies (Traditional) and raises ``TypeError`` for selective ones, whose batch count per
@@ -501,7 +503,7 @@ class SelectiveLoader:
         """The number of the current (or next) training epoch, from 0: with
         ``batches_per_epoch``, counted in epochs of that many batches; else :attr:`epoch` (one
         epoch is one pass over the data)."""
-        return self.epoch if self._fixed is None else self._fixed.epoch
+        return self.epoch if self._fixed is None else self._fixed.current()[0]
 
     @property
     def world_size(self) -> int:

@@ -229,7 +229,8 @@ class SelectiveBackprop(Policy):
             not given.
         beta: the exponent, >= 0 (beta = 0 keeps everything).
         history: R, the number of recent losses the CDF is taken over (paper: 1024).
-        staleness: n, a fresh selection pass every n-th epoch (1: every epoch, plain SB).
+        staleness: n, a fresh selection pass every n-th epoch (1: every epoch, plain SB); epochs
+            are passes over the data (``loader.epoch``), also with ``batches_per_epoch``.
         reweight: weight each kept example by 1/P, normalised to mean 1 per yielded batch, so that
             the expected gradient matches the unselected one's (off by default, as in the paper).
         store_path: a folder to memory-map the per-example store in (Stale-SB on huge datasets).
@@ -562,7 +563,9 @@ class Phased(Policy):
 
     Args:
         policy: the policy to run in between.
-        warmup_epochs: epochs decided by ``warmup_policy`` first.
+        warmup_epochs: epochs decided by ``warmup_policy`` first. Epochs here are passes over
+            the data (``loader.epoch``), also where ``batches_per_epoch`` cuts training epochs
+            of another length.
         anneal_from_epoch: the first epoch (0-based, counted like ``loader.epoch``) of Traditional
             training at the end; None for no annealing.
         warmup_policy: the policy of the warm-up epochs; it must need no selection losses and no

@@ -104,7 +104,7 @@ def test_expected_uses_the_rate_after_the_warmup():
 
 @pytest.mark.parametrize("policy", ["sb-third", "random", "phased", "stale", "kath18"])
 @pytest.mark.parametrize("remainder", ["carry", "drop"])
-@pytest.mark.parametrize("per_epoch", [3, "expected", 11])
+@pytest.mark.parametrize("per_epoch", [3, 11])
 def test_the_batches_are_those_of_the_loader_without_the_option(policy, remainder, per_epoch):
     """Short passes continue into the next pass, long ones carry their surplus: the batches, in
     order, are exactly the unfixed loader's; no example is lost or yielded twice."""
@@ -126,10 +126,27 @@ def test_an_abandoned_epoch_loses_nothing_and_the_next_has_its_full_count():
     it = iter(loader)
     got += [next(it).indices.tolist() for _ in range(2)]  # `break` after two batches
     del it
-    assert loader.training_epoch == 1
+    assert loader.training_epoch == 2  # epoch 1 was abandoned
     again = indices(loader)
     assert len(again) == 5 and loader.training_epoch == 3  # epoch 1 was abandoned
     assert got + again == stream(make(per_epoch=None), 12)
+
+
+def test_a_state_saved_after_an_abandoned_epoch_resumes_with_the_next():
+    def run(resume: bool) -> list[list[int]]:
+        loader = make(per_epoch=5)
+        got = indices(loader)
+        it = iter(loader)
+        got += [next(it).indices.tolist() for _ in range(2)]
+        del it  # `break`: training epoch 1 is abandoned
+        if resume:
+            state = copy.deepcopy(loader.state_dict())
+            loader = make(per_epoch=5)
+            loader.load_state_dict(state)
+        assert loader.training_epoch == 2  # the abandoned epoch counts as ended
+        return got + indices(loader) + [[loader.training_epoch]]
+
+    assert run(resume=True) == run(resume=False)
 
 
 def test_a_closed_epoch_iterator_refuses_to_go_on():
@@ -237,6 +254,16 @@ def test_bad_batches_per_epoch_is_refused_at_construction(bad):
 def test_remainder_short_is_refused_with_a_fixed_length():
     with pytest.raises(ValueError, match="remainder='carry' or 'drop'"):
         make(per_epoch=5, remainder="short")
+
+
+def test_expected_counts_only_the_subset():
+    half = list(range(0, 120, 2))
+    loader = make("sb-half", per_epoch="expected", subset=half)
+    assert loader.expected_batches() == pytest.approx(60 * 0.5 / 8)
+    assert len(loader) == round(60 * 0.5 / 8) == 4
+    for _ in range(3):
+        got = indices(loader)
+        assert len(got) == 4 and all(i % 2 == 0 for b in got for i in b)
 
 
 def test_expected_rounding_to_no_batch_is_refused():
