@@ -137,6 +137,8 @@ class SelectiveLoader:
             :meth:`expected_batches`, ``batches_per_epoch="expected"`` and :attr:`progress` the
             examples per epoch (each pass is taken to yield each example once; dataset indices
             must lie in ``[0, dataset_size)``). Refused when the source knows another size.
+            Under DDP, an iterable that streams each rank a shard yields fewer examples per pass
+            on each rank than ``dataset_size``: pass ``batches_per_epoch`` an int there.
         selector: a separate (cheaper) model for selection passes. Default: ``model``.
         compile_selection: run selection forwards through ``torch.compile`` of the unwrapped
             selection model, compiled once on first use (``True``, or a dict of
