@@ -171,6 +171,20 @@ def test_pass_epochs_and_training_epochs_are_counted_apart():
     assert sum(e.batches_yielded for e in loader.stats.epochs) == 8
 
 
+def test_time_between_training_epochs_is_not_the_passes(monkeypatch):
+    """An evaluation between training epochs (here 1000 s of a fake clock) is counted neither as
+    the training step's time (consumer_s) nor as the pass's wall time, though the pass spans it."""
+    now = [0.0]
+    monkeypatch.setattr(sbloader.epoch, "perf_counter", lambda: now[0])
+    loader = make("random", per_epoch=2)  # 3.75 batches a pass: passes span training epochs
+    for _ in range(4):
+        for _batch in loader:
+            now[0] += 1.0  # the training step
+        now[0] += 1000.0  # the evaluation
+    total = loader.stats.total
+    assert 0 < total.consumer_s <= 8 and 0 < total.wall_s <= 8
+
+
 # ---------------------------------------------------------------------- frameworks that need len
 def test_one_cycle_lr_steps_through_every_epoch():
     loader = make("sb-third", per_epoch="expected")
