@@ -380,6 +380,26 @@ def test_expected_batches_of_a_stream_without_length_names_the_fix():
     sized = stream_loader(index_key=2, dataset_size=120)
     assert sized.expected_batches() == pytest.approx(120 * 0.5 / 8)
 
+    class Samples(torch.utils.data.IterableDataset):  # one (x, y, index) at a time, no len
+        def __iter__(self):
+            ds = EncodedDataset(120)
+            return ((*ds[i], i) for i in range(120))
+
+    batched = DataLoader(Samples(), batch_size=20)  # the DataLoader over a stream
+    with pytest.raises(TypeError, match=r"has no length.*pass dataset_size="):
+        SelectiveLoader(batched, IndexLoss(), index_key=2, batch_size=8).expected_batches()
+    loader = SelectiveLoader(
+        batched,
+        IndexLoss(),
+        index_key=2,
+        batch_size=8,
+        dataset_size=120,
+        drop_index=True,
+        policy=SelectiveBackprop(0.5),
+        batches_per_epoch="expected",
+    )
+    assert len(loader) == 8 and [len(b) for b in loader] == [2] * 8  # (x, y) batches
+
 
 def test_dataset_size_gives_a_stream_an_honest_length_and_progress():
     loader = stream_loader(index_key=2, dataset_size=120, batches_per_epoch="expected")
