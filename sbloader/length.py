@@ -20,6 +20,12 @@ epochs (Phased's warm-up and anneal, Stale-SB's fresh and stale epochs) count pa
 data; ``loader.training_epoch`` counts training epochs. Topping a short epoch up from the next
 pass keeps every selection decision where it was, whereas ending passes early (or padding them)
 would change what the policies see.
+
+Under DDP the ranks' passes yield the same number of batches round by round (see
+:mod:`sbloader.distributed`), so the cut after ``count`` batches falls at the same point of every
+rank's pass; the ranks check once that they agree on ``count``. ``loader.state_dict()`` holds the
+training epoch's clock (:class:`FixedEpochs`) besides the pass's position: a resumed run yields
+exactly the uninterrupted one's batches, epoch by epoch.
 """
 
 from __future__ import annotations
