@@ -244,6 +244,20 @@ def test_a_resume_mid_epoch_yields_what_an_uninterrupted_run_does(policy, stop):
     assert resumed.epoch == whole.epoch and resumed.pending_examples == whole.pending_examples
 
 
+def test_a_resume_with_a_prefetch_thread_is_exact():
+    """The suspended pass's prefetch thread has fetched ahead when the state is saved between
+    training epochs: the batches it fetched are not counted, and are loaded again on resume."""
+    whole = make(per_epoch=4, prefetch=1)
+    expected = [indices(whole) for _ in range(4)]
+    loader = make(per_epoch=4, prefetch=1)
+    got = [indices(loader) for _ in range(2)]
+    state = copy.deepcopy(loader.state_dict())
+    assert state["active"] and state["position"] > 0  # saved inside a pass
+    resumed = make(per_epoch=4, prefetch=1)
+    resumed.load_state_dict(state)
+    assert got + [indices(resumed) for _ in range(2)] == expected
+
+
 def test_a_state_of_another_length_is_refused():
     loader = make(per_epoch=5)
     list(loader)
