@@ -22,6 +22,7 @@ from .batch import SelectedBatch, SelectedDict, SelectedList, SelectedTuple
 from .el2n import EL2NResult, el2n_scores, prune
 from .epoch import EpochIterator
 from .features import FeatureCache
+from .length import FixedEpochIterator
 from .loader import SelectiveLoader
 from .policies import (
     Choice,
@@ -48,6 +49,7 @@ __all__ = [
     "EpochStats",
     "ExampleStore",
     "FeatureCache",
+    "FixedEpochIterator",
     "IterableSource",
     "Kath18",
     "LoaderStats",

@@ -18,7 +18,9 @@ from .sources import DataLoaderSource, IterableSource, Source
 __all__ = ["make_source"]
 
 
-def make_source(source: Any, index_key: Hashable | None = None) -> Source:
+def make_source(
+    source: Any, index_key: Hashable | None = None, dataset_size: int | None = None
+) -> Source:
     """Adapt what the user passed to a :class:`~sbloader.sources.Source`.
 
     Args:
@@ -27,6 +29,8 @@ def make_source(source: Any, index_key: Hashable | None = None) -> Source:
             iterable dataset, it is iterated as it is), an FFCV ``Loader`` (detected without
             importing ffcv), or any re-iterable of batches.
         index_key: the batch field holding dataset indices, for sources that carry them.
+        dataset_size: the number of examples, for an iterable source (which cannot tell it); a
+            source that knows its size must agree with it.
 
     Example:
         >>> import torch
@@ -35,11 +39,22 @@ def make_source(source: Any, index_key: Hashable | None = None) -> Source:
         >>> type(src).__name__, src.has_indices(), src.can_filter()
         ('DataLoaderSource', True, True)
     """
+    made = _adapt(source, index_key, dataset_size)
+    if dataset_size is not None and made.dataset_size != dataset_size:
+        has = "no dataset_size" if made.dataset_size is None else f"{made.dataset_size} examples"
+        raise ValueError(
+            f"dataset_size={dataset_size!r} was given, but the {type(made).__name__} has {has}; "
+            "dataset_size= is for iterable sources, which cannot tell their size: leave it out"
+        )
+    return made
+
+
+def _adapt(source: Any, index_key: Hashable | None, dataset_size: int | None) -> Source:
     if isinstance(source, Source):
         return source
     if isinstance(source, DataLoader) and not isinstance(source.dataset, IterableDataset):
         if index_key is not None:
-            return IterableSource(source, index_key)
+            return IterableSource(source, index_key, dataset_size)
         return DataLoaderSource(source)
     if is_ffcv_loader(source):
         if index_key is not None and not isinstance(index_key, (str, int)):
@@ -53,4 +68,4 @@ def make_source(source: Any, index_key: Hashable | None = None) -> Source:
             "SelectiveLoader's source should be a torch DataLoader, an FFCV Loader or an "
             f"iterable of batches, but got {type(source).__name__}"
         )
-    return IterableSource(source, index_key)
+    return IterableSource(source, index_key, dataset_size)

@@ -27,6 +27,9 @@ class BatchCodec:
         memory_format: e.g. ``torch.channels_last``, applied to 4-d inputs.
         metadata_key: carry the selection results inside yielded batches under this key (see
             ``SelectiveLoader(metadata_key=)``), or None.
+        drop_key: a field of the source's batches (the index field) that yielded batches leave
+            out (see ``SelectiveLoader(drop_index=)``), or None. Input and target keys still
+            name fields of the source's batches.
 
     Example:
         >>> import torch
@@ -44,11 +47,15 @@ class BatchCodec:
         target_key: Hashable | None,
         memory_format: torch.memory_format | None,
         metadata_key: str | None = None,
+        drop_key: Hashable | None = None,
     ) -> None:
         self.input_key, self.target_key = input_key, target_key
         self.memory_format = memory_format
         self.metadata_key = metadata_key
+        self.drop_key = drop_key
         self.format: B.BatchFormat | None = None
+        # The source format it was made for, the yielded batches' format, the dropped position.
+        self._yielded: tuple[B.BatchFormat, B.BatchFormat, int] | None = None
 
     @property
     def input_position(self) -> int:
@@ -72,6 +79,7 @@ class BatchCodec:
                     f"metadata_key={meta_key!r} is already a key of the source's dict batches; "
                     "pass another metadata_key"
                 )
+            self._check_drop_key()
         fmt = self.format
         in_pos = self.input_position
         columns = [
@@ -91,6 +99,33 @@ class BatchCodec:
                 f"the source batch has {n} examples but {indices.shape[0]} dataset indices"
             )
         return columns, n
+
+    def _check_drop_key(self) -> None:
+        fmt, key = self.format, self.drop_key
+        if key is None or fmt is None:
+            return
+        if fmt.kind is not dict and isinstance(key, int) and -len(fmt.keys) <= key < 0:
+            key = key % len(fmt.keys)  # a position from the end, as the index field allows
+        if key not in fmt.keys or key in (fmt.input_key, fmt.target_key):
+            raise ValueError(
+                f"drop_index=True leaves the index field {self.drop_key!r} out of yielded "
+                "batches, but it is no field of the source's batches, or it is the input or target "
+                "field; pass index_key= the field that holds the dataset indices"
+            )
+        self.drop_key = key
+
+    def _yielded_format(self) -> tuple[B.BatchFormat, int] | None:
+        """The yielded batches' format without ``drop_key``'s field, and that field's position,
+        or None when nothing is dropped."""
+        fmt = self.format
+        if self.drop_key is None or fmt is None:
+            return None
+        if self._yielded is None or self._yielded[0] is not fmt:
+            pos = fmt.position(self.drop_key)
+            keys = fmt.keys[:pos] + fmt.keys[pos + 1 :]
+            out = B.BatchFormat(fmt.kind, keys, fmt.input_key, fmt.target_key)
+            self._yielded = (fmt, out, pos)
+        return self._yielded[1], self._yielded[2]
 
     def view(self, data: list[Any]) -> Any:
         """The source batch's structure (a plain dict, tuple or list) over the columns ``data``,
@@ -115,7 +150,12 @@ class BatchCodec:
         logits = rows.logits
         if logits is not None and logits.dim() == 2 and logits.shape[1] == 0:
             logits = None  # no selection pass has shown the outputs' shape yet
-        batch = self.format.build(data)
+        fmt = self.format
+        dropped = self._yielded_format()
+        if dropped is not None:
+            fmt, pos = dropped
+            del data[pos]
+        batch = fmt.build(data)
         if self.metadata_key is not None:
             meta: dict[str, Any] = {
                 "indices": indices,
@@ -161,3 +201,4 @@ class BatchCodec:
             keys = tuple(fmt["keys"])
             kind = _KINDS[fmt["kind"]]
             self.format = B.BatchFormat(kind, keys, fmt["input_key"], fmt["target_key"])
+            self._check_drop_key()

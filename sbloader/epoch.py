@@ -75,6 +75,7 @@ class EpochIterator:
         self._handed_out: float | None = None
         self._start = 0.0
         self._fresh = self._passthrough = self._filtering = False
+        self._paused = False  # paused between training epochs (see pause())
 
     # ------------------------------------------------------------------ protocol
     def __iter__(self) -> EpochIterator:
@@ -82,6 +83,8 @@ class EpochIterator:
 
     def __next__(self) -> B.SelectedBatch:
         stats = self.stats
+        if self._paused:
+            self._paused, self._start = False, perf_counter()
         if self._handed_out is not None and stats is not None:
             stats.consumer_s += perf_counter() - self._handed_out
             self._handed_out = None
@@ -114,6 +117,20 @@ class EpochIterator:
     def running(self) -> bool:
         """Whether the epoch has begun and neither ended nor been closed."""
         return self._phase not in (_Phase.NEW, _Phase.DONE, _Phase.CLOSED)
+
+    def pause(self) -> None:
+        """The caller stops asking for batches for a while, within the epoch (a training epoch
+        of ``batches_per_epoch`` ended here): the time since the last batch was handed out is
+        counted as the caller's now, and neither ``consumer_s`` nor ``wall_s`` counts whatever
+        the caller does until it asks for the next batch (e.g. an evaluation)."""
+        now = perf_counter()
+        if self._handed_out is not None and self.stats is not None:
+            self.stats.consumer_s += now - self._handed_out
+            self._handed_out = None
+        if self._start and self.stats is not None:  # the pause is not the epoch's wall time
+            self.stats.wall_s += now - self._start
+            self._start = 0.0
+            self._paused = True
 
     def close(self) -> None:
         """End the iterator: stop its fetcher (and prefetch thread) and hand the epoch back.

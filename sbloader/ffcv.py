@@ -670,6 +670,10 @@ class FFCVSource(Source):
     def has_indices(self) -> bool:
         return True
 
+    def index_field_key(self) -> int | None:
+        """The position of the index output in the batches (None when recovered)."""
+        return self.index_pos
+
     def drop_last(self) -> bool:
         return bool(self.loader.drop_last)
 

@@ -8,9 +8,10 @@ The loader holds configuration and cross-epoch state; an :class:`~sbloader.epoch
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ from .distributed import RankSync, make_sync
 from .epoch import EpochIterator
 from .features import make_feature_cache
 from .feedback import FeedbackBuffer, check_range
+from .length import FixedEpochIterator, FixedEpochs, check_batches_per_epoch
 from .policies import Policy, default_policy
 from .rows import PendingRows
 from .scoring import Scorer
@@ -59,6 +61,9 @@ K_RNG, K_SOURCE, K_POLICY, K_PENDING, K_CODEC, K_SCORER, K_STATS = (
     "stats",
 )
 K_FEEDBACK = "feedback"  # optional: states saved before feedback existed have none
+# NOTE: an optional key of version 2 (absent from states saved before batches_per_epoch): the
+# training-epoch clock, or None without batches_per_epoch.
+K_TRAINING = "training"
 
 
 class SelectiveLoader:
@@ -94,7 +99,21 @@ class SelectiveLoader:
         remainder: what happens to selected examples that do not fill a batch when an epoch ends:
             ``"carry"`` (default, the paper's Algorithm 1) keeps them for the next epoch's first
             batch; ``"short"`` yields them as a short batch; ``"drop"`` drops them (counted in
-            ``stats``).
+            ``stats``). With ``batches_per_epoch`` this applies at the end of each pass over the
+            data; ``"short"`` is then refused (a short batch would fall inside a training epoch).
+        batches_per_epoch: fix the number of training batches per epoch, so that ``len(loader)``
+            is exact (``OneCycleLR(steps_per_epoch=len(loader))``, ``tqdm(loader)``,
+            Lightning's ``estimated_stepping_batches``): an int, or ``"expected"``, the expected
+            number of batches per pass over the data, rounded (examples per epoch x the policy's
+            :attr:`~sbloader.Policy.steady_rate`, its rate after any warm-up / ``batch_size``;
+            for ``Traditional`` the exact count; refused when the source's size is unknown: pass
+            ``dataset_size=``). Every epoch then yields exactly that many full batches, cut from
+            the same stream of batches as without the option: an epoch that needs more goes on
+            into the next pass over the data, and a pass's surplus is carried into the next
+            epoch (nothing lost, nothing twice). ``epoch``, ``progress``, ``stats`` and policies
+            keyed on epochs (Phased, Stale-SB) count passes over the data, ``training_epoch``
+            counts these epochs (see :mod:`sbloader.length`). Default None: an epoch is one pass,
+            of a random number of batches.
         min_batch_size: smaller batches are never yielded (dropped and counted). Default 2 when
             the model has BatchNorm layers (a batch of one makes BatchNorm raise in training),
             else 1.
@@ -113,6 +132,18 @@ class SelectiveLoader:
             batch with tensor fields that the model is not given (neither input nor target nor
             index field) is warned about on the first selection pass: pass ``forward=``.
         index_key: the field holding dataset indices, for sources that carry them themselves.
+        drop_index: leave the index field out of yielded batches (``index_key``'s field, or an
+            FFCV loader's index output), so that ``for inputs, targets in loader`` works over a
+            source of ``(inputs, targets, indices)``; the indices stay in ``batch.indices``.
+            ``input_key`` and ``target_key`` still name fields of the source's batches. Default
+            False.
+        dataset_size: the number of examples, for an iterable source (which cannot tell it): it
+            sizes Stale-SB's per-example store and ``subset``, and gives
+            :meth:`expected_batches`, ``batches_per_epoch="expected"`` and :attr:`progress` the
+            examples per epoch (each pass is taken to yield each example once; dataset indices
+            must lie in ``[0, dataset_size)``). Refused when the source knows another size.
+            Under DDP, an iterable that streams each rank a shard yields fewer examples per pass
+            on each rank than ``dataset_size``: pass ``batches_per_epoch`` an int there.
         selector: a separate (cheaper) model for selection passes. Default: ``model``.
         compile_selection: run selection forwards through ``torch.compile`` of the unwrapped
             selection model, compiled once on first use (``True``, or a dict of
@@ -200,11 +231,14 @@ class SelectiveLoader:
             with ``remainder="carry"``).
 
     ``iter(loader)`` returns an :class:`~sbloader.epoch.EpochIterator` for the next epoch (or the
-    rest of a restored one); a newer iterator closes an older one (see its documentation).
+    rest of a restored one); a newer iterator closes an older one (see its documentation). With
+    ``batches_per_epoch`` it returns a :class:`~sbloader.length.FixedEpochIterator` over the next
+    training epoch of ``len(loader)`` batches.
 
-    ``len(loader)`` is exact for passthrough policies (Traditional) and raises ``TypeError`` for
-    selective ones, whose batch count per epoch is random: use :meth:`expected_batches` or
-    schedule by :attr:`progress` instead.
+    ``len(loader)`` is ``batches_per_epoch`` when given. Without it, it is exact for passthrough
+    policies (Traditional) and raises ``TypeError`` for selective ones, whose batch count per
+    epoch is random: pass ``batches_per_epoch=``, use :meth:`expected_batches`, or schedule by
+    :attr:`progress` instead.
 
     Example:
         >>> import torch
@@ -256,6 +290,7 @@ class SelectiveLoader:
         batch_size: int | None = None,
         selection_batch_size: int | None = None,
         remainder: str = "carry",
+        batches_per_epoch: int | Literal["expected"] | None = None,
         min_batch_size: int | None = None,
         nonfinite: str = "skip",
         device: torch.device | str | None = None,
@@ -264,6 +299,8 @@ class SelectiveLoader:
         input_key: Hashable | None = None,
         target_key: Hashable | None = None,
         index_key: Hashable | None = None,
+        drop_index: bool = False,
+        dataset_size: int | None = None,
         selector: nn.Module | None = None,
         compile_selection: bool | dict[str, Any] = False,
         selection_scale: float | None = None,
@@ -287,7 +324,9 @@ class SelectiveLoader:
                     f"{name} should be a torch.nn.Module{' or None' if optional else ''}, but "
                     f"got {type(module).__name__}"
                 )
-        self._source: Source = make_source(source, index_key)
+        if dataset_size is not None:
+            dataset_size = check_int("dataset_size", dataset_size, minimum=1)
+        self._source: Source = make_source(source, index_key, dataset_size)
         # NOTE: the default depends on the source: Stale-SB's store needs dataset indices and
         # the dataset's size.
         store = self._source.has_indices() and self._source.dataset_size is not None
@@ -360,6 +399,13 @@ class SelectiveLoader:
                 )
         self.batch_size = check_int("batch_size", batch_size, minimum=1)
         self.remainder = check_choice("remainder", remainder, _REMAINDERS)
+        per_epoch = check_batches_per_epoch(batches_per_epoch)
+        if per_epoch is not None and self.remainder == "short":
+            raise ValueError(
+                "remainder='short' yields a short batch at the end of each pass over the data, "
+                "which with batches_per_epoch falls inside a training epoch of full batches; use "
+                "remainder='carry' or 'drop' with batches_per_epoch"
+            )
         self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE)
         self.cdf = check_choice("cdf", cdf, _CDFS)
         self.prefetch = (
@@ -384,7 +430,25 @@ class SelectiveLoader:
                 f"or None, but got metadata_key={metadata_key!r}"
             )
         self.metadata_key = metadata_key
-        self._codec = BatchCodec(codec_input_key, target_key, memory_format, metadata_key)
+        if not isinstance(drop_index, bool):
+            raise TypeError(
+                f"drop_index should be True or False, but got drop_index={drop_index!r}"
+            )
+        drop_key = self._source.index_field_key() if drop_index else None
+        if drop_index and drop_key is None:
+            raise ValueError(
+                "drop_index=True leaves the index field out of yielded batches, but this "
+                "source's batches have none; pass index_key= naming the field that holds the "
+                "dataset indices (a DataLoader over a map-style dataset has no index field: "
+                "leave drop_index out)"
+            )
+        self._codec = BatchCodec(codec_input_key, target_key, memory_format, metadata_key, drop_key)
+        # NOTE: resolved last: "expected" needs the source, batch size, subset and policy.
+        if per_epoch == "expected":
+            per_epoch = self._expected_count()
+        self._fixed = None if per_epoch is None else FixedEpochs(int(per_epoch))
+        #: Training batches per epoch (``len(loader)``), or None (one pass per epoch).
+        self.batches_per_epoch: int | None = None if self._fixed is None else self._fixed.count
         # Cross-epoch state.
         self.stats = LoaderStats()
         self.epoch = 0
@@ -449,6 +513,13 @@ class SelectiveLoader:
         return len(self._pending)
 
     @property
+    def training_epoch(self) -> int:
+        """The number of the current (or next) training epoch, from 0: with
+        ``batches_per_epoch``, counted in epochs of that many batches; else :attr:`epoch` (one
+        epoch is one pass over the data)."""
+        return self.epoch if self._fixed is None else self._fixed.current()[0]
+
+    @property
     def world_size(self) -> int:
         """The number of ranks the loader keeps in step (1 on a single process)."""
         return 1 if self._sync is None else self._sync.world_size
@@ -481,22 +552,71 @@ class SelectiveLoader:
         return float(self.epoch + (min(it.position / n, 1.0) if n else 0.0))
 
     def expected_batches(self) -> float:
-        """The expected number of training batches per epoch (an estimate when selective)."""
-        examples = self._source.epoch_size
+        """The expected number of training batches per pass over the data (an estimate when
+        selective): examples per epoch (this rank's share, within ``subset``) x the policy's
+        current ``target_rate`` / ``batch_size``.
+
+        Raises:
+            TypeError: the source's number of examples is unknown (an iterable without a length
+                or without a batch size); the message names the fix, ``dataset_size=``.
+        """
+        return self._batches_at(self.policy.target_rate)
+
+    def _batches_at(self, rate: float) -> float:
+        examples: float | None = self._source.epoch_size
         if examples is None:
             bs = self._source.batch_size
-            if bs is None:
-                raise TypeError("the source's size is unknown, so no batch count can be estimated")
-            examples = len(self._source) * bs
-        return examples * self.policy.target_rate / self.batch_size
+            try:
+                n: int | None = len(self._source)
+            except TypeError:
+                n = None
+            if bs is None or n is None:
+                raise TypeError(
+                    "the number of examples per epoch of this source is unknown (it has no "
+                    f"{'length' if n is None else 'batch_size'}), so no batch count can be "
+                    "estimated; pass dataset_size= (the number of examples) to the "
+                    "SelectiveLoader, or use a sized source such as a DataLoader over a "
+                    "map-style dataset"
+                )
+            examples = n * bs
+        if self._subset is not None and len(self._subset):
+            examples *= np.count_nonzero(self._subset) / len(self._subset)
+        return examples * rate / self.batch_size
+
+    def _expected_count(self) -> int:
+        """``batches_per_epoch="expected"``: the expected batches per pass, rounded."""
+        if self.policy.passthrough():
+            try:
+                return self._pass_length()  # exact
+            except TypeError:
+                pass
+        try:
+            expected = self._batches_at(self.policy.steady_rate)
+        except TypeError as e:
+            raise ValueError(f'batches_per_epoch="expected" cannot be computed: {e}') from None
+        count = math.floor(expected + 0.5)
+        if count < 1:
+            raise ValueError(
+                f'batches_per_epoch="expected": {expected:.3g} batches are expected per pass '
+                "over the data, which rounds to 0; pass batches_per_epoch= an int, or a smaller "
+                "batch_size"
+            )
+        return count
 
     def __len__(self) -> int:
+        if self._fixed is not None:
+            return self._fixed.count
         if not self.policy.passthrough():
             raise TypeError(
                 f"len() is undefined for a SelectiveLoader with {self.policy!r}: the number of "
-                "batches per epoch is random. Use loader.expected_batches() for an estimate, or "
-                "key schedules on loader.progress"
+                'batches per epoch is random. Pass batches_per_epoch="expected" (or an int) '
+                "for epochs of a fixed number of batches, use loader.expected_batches() for an "
+                "estimate, or key schedules on loader.progress"
             )
+        return self._pass_length()
+
+    def _pass_length(self) -> int:
+        """The exact number of batches of a pass of a passthrough policy (the source's)."""
         n = len(self._source)
         size, bs = self._source.epoch_size, self._source.batch_size
         if size is not None and bs and not self._source.drop_last():
@@ -504,7 +624,14 @@ class SelectiveLoader:
                 n -= 1  # the source's last batch is too small and will be dropped
         return n
 
-    def __iter__(self) -> EpochIterator:
+    def __iter__(self) -> EpochIterator | FixedEpochIterator:
+        if self._fixed is not None:
+            return self._fixed.iterate(self)
+        return self._new_pass()
+
+    def _new_pass(self) -> EpochIterator:
+        """The iterator of the next pass over the data (one epoch without
+        ``batches_per_epoch``)."""
         live = self._live_iterator()
         if live is not None:
             live.close()  # a started epoch it had not finished counts as abandoned
@@ -634,6 +761,7 @@ class SelectiveLoader:
             "world_size": self.world_size,
             "policy": self.policy.kind(),
             "dataset_size": self._source.dataset_size,
+            "batches_per_epoch": self.batches_per_epoch,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -665,6 +793,7 @@ class SelectiveLoader:
             K_SCORER: self._scorer.state_dict(),
             K_STATS: self.stats.state_dict(),
             K_FEEDBACK: self._feedback.state_dict(),
+            K_TRAINING: None if self._fixed is None else self._fixed.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -683,6 +812,13 @@ class SelectiveLoader:
             "and world size) to resume it",
         )
         active, position = bool(state[K_ACTIVE]), int(state[K_POSITION])
+        training = state.get(K_TRAINING)
+        if self._fixed is not None and training is None:
+            raise ValueError(
+                f"the saved SelectiveLoader state has no training epochs of batches_per_epoch="
+                f"{self._fixed.count} (it was saved without batches_per_epoch); build the loader "
+                "with the saved run's arguments to resume it"
+            )
         self._source.load_state_dict(state[K_SOURCE], mid_epoch=active and position > 0)
         live = self._live_iterator()
         if live is not None:
@@ -700,6 +836,8 @@ class SelectiveLoader:
             self._feedback.load_state_dict(state[K_FEEDBACK])
         else:
             self._feedback = FeedbackBuffer()
+        if self._fixed is not None and training is not None:
+            self._fixed.load_state_dict(training)
 
     def _from_v1(self, state: dict[str, Any]) -> dict[str, Any]:
         return loader_state_v1_to_v2(state, self._scorer.has_prefix, self.keep_logits)

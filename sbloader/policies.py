@@ -123,6 +123,13 @@ class Policy(abc.ABC):
         """The expected fraction of candidates backpropagated (for ``loader.stats``)."""
         return 1.0
 
+    @property
+    def steady_rate(self) -> float:
+        """The expected fraction backpropagated once any warm-up is over: what
+        ``SelectiveLoader(batches_per_epoch="expected")`` sizes its epochs by (``target_rate``
+        unless the policy changes its rate by epoch, as :class:`Phased` does)."""
+        return self.target_rate
+
     def needs_losses(self, epoch: int) -> bool:
         """Whether :meth:`choose` needs fresh selection-pass losses in ``epoch``."""
         return True
@@ -235,7 +242,8 @@ class SelectiveBackprop(Policy):
             not given.
         beta: the exponent, >= 0 (beta = 0 keeps everything).
         history: R, the number of recent losses the CDF is taken over (paper: 1024).
-        staleness: n, a fresh selection pass every n-th epoch (1: every epoch, plain SB).
+        staleness: n, a fresh selection pass every n-th epoch (1: every epoch, plain SB); epochs
+            are passes over the data (``loader.epoch``), also with ``batches_per_epoch``.
         fed_staleness: m >= n, the passes' spacing while the training step reports its losses
             (:meth:`SelectiveLoader.feedback <sbloader.SelectiveLoader.feedback>`): those
             reports keep the stored losses fresh, so a pass is needed less often. An epoch runs
@@ -327,7 +335,8 @@ class SelectiveBackprop(Policy):
             raise ValueError(
                 f"SelectiveBackprop(staleness={self.staleness}) stores each example's loss by "
                 "dataset index, so it needs the dataset's size, which this source does not "
-                "give; use a DataLoader over a map-style dataset, or staleness=1"
+                "give; pass dataset_size= to the SelectiveLoader (an iterable source), use a "
+                "DataLoader over a map-style dataset, or staleness=1"
             )
         if self.store is None or len(self.store) != num_examples:
             self.store = ExampleStore(num_examples, self.store_path)
@@ -631,7 +640,9 @@ class Phased(Policy):
 
     Args:
         policy: the policy to run in between.
-        warmup_epochs: epochs decided by ``warmup_policy`` first.
+        warmup_epochs: epochs decided by ``warmup_policy`` first. Epochs here are passes over
+            the data (``loader.epoch``), also where ``batches_per_epoch`` cuts training epochs
+            of another length.
         anneal_from_epoch: the first epoch (0-based, counted like ``loader.epoch``) of Traditional
             training at the end; None for no annealing.
         warmup_policy: the policy of the warm-up epochs; it must need no selection losses and no
@@ -706,6 +717,11 @@ class Phased(Policy):
     def target_rate(self) -> float:
         current = self._current(self._epoch)
         return 1.0 if current is None else current.target_rate
+
+    @property
+    def steady_rate(self) -> float:
+        """The wrapped policy's rate: what it keeps between the warm-up and the anneal."""
+        return self.policy.steady_rate
 
     def attach(self, num_examples: int | None, key: int) -> None:
         self.policy.attach(num_examples, key)

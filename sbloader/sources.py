@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 from torch.utils.data.dataloader import default_collate
 
-from ._checks import FieldError, check_indices
+from ._checks import FieldError, check_indices, check_int
 
 __all__ = ["DataLoaderSource", "IterableSource", "Source"]
 
@@ -80,6 +80,12 @@ class Source(abc.ABC):
     def has_indices(self) -> bool:
         """Whether :meth:`epoch` yields dataset indices (False: ``None`` instead)."""
         return False
+
+    def index_field_key(self) -> Hashable | None:
+        """The key or position of the field of the source's batches that holds the dataset
+        indices, or None when the batches hold none (e.g. indices recovered by a DataLoader
+        source). ``SelectiveLoader(drop_index=True)`` leaves this field out of yielded batches."""
+        return None
 
     def can_filter(self) -> bool:
         """Whether :meth:`epoch` honours ``keep`` (rejected examples are then never loaded)."""
@@ -369,9 +375,31 @@ class DataLoaderSource(Source):
 
 
 class IterableSource(Source):
-    """Any re-iterable of batches; indices come from the field ``index_key`` if given."""
+    """Any re-iterable of batches; indices come from the field ``index_key`` if given.
 
-    def __init__(self, iterable: Iterable, index_key: Hashable | None = None) -> None:
+    Args:
+        iterable: the batches, one pass per epoch.
+        index_key: the field holding dataset indices, or None.
+        dataset_size: the number of examples, which an iterable cannot tell: each epoch is taken
+            to yield this many, and the dataset indices must lie in ``[0, dataset_size)``
+            (checked per batch). It sizes Stale-SB's per-example store and a ``subset`` mask,
+            and gives ``loader.expected_batches()`` and ``loader.progress`` their example count.
+
+    Example:
+        >>> import torch
+        >>> batches = [(torch.zeros(4, 2), torch.zeros(4), torch.arange(4 * b, 4 * b + 4))
+        ...            for b in range(3)]
+        >>> src = IterableSource(batches, index_key=2, dataset_size=12)
+        >>> [idx.tolist() for _, idx in src.epoch(skip=1)], src.epoch_size, src.index_field_key()
+        ([[4, 5, 6, 7], [8, 9, 10, 11]], 12, 2)
+    """
+
+    def __init__(
+        self,
+        iterable: Iterable,
+        index_key: Hashable | None = None,
+        dataset_size: int | None = None,
+    ) -> None:
         if iter(iterable) is iterable:
             raise TypeError(
                 "SelectiveLoader's source should be re-iterable (one pass per epoch), but got an "
@@ -379,9 +407,15 @@ class IterableSource(Source):
             )
         self.iterable = iterable
         self.index_key = index_key
+        self._size = (
+            None if dataset_size is None else check_int("dataset_size", dataset_size, minimum=1)
+        )
 
     def has_indices(self) -> bool:
         return self.index_key is not None
+
+    def index_field_key(self) -> Hashable | None:
+        return self.index_key
 
     def epoch(
         self, skip: int = 0, keep: Callable[[np.ndarray], np.ndarray] | None = None
@@ -401,7 +435,16 @@ class IterableSource(Source):
                     f"index_key={self.index_key!r} names no field of the source's batches; pass "
                     "index_key= the key or position of the field that holds dataset indices"
                 ) from None
-            yield batch, check_indices(f"the index field {self.index_key!r}", raw)
+            indices = check_indices(f"the index field {self.index_key!r}", raw)
+            if self._size is not None and indices.size:
+                low, high = int(indices.min()), int(indices.max())
+                if low < 0 or high >= self._size:
+                    raise ValueError(
+                        f"the index field {self.index_key!r} holds indices from {low} to {high}, "
+                        f"outside [0, dataset_size={self._size}); pass dataset_size= the number "
+                        "of examples (one more than the largest dataset index)"
+                    )
+            yield batch, indices
 
     def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
         """Nothing to restore: a mid-epoch resume replays the iterable and skips batches."""
@@ -412,6 +455,11 @@ class IterableSource(Source):
     @property
     def batch_size(self) -> int | None:
         return getattr(self.iterable, "batch_size", None)
+
+    @property
+    def dataset_size(self) -> int | None:
+        """``dataset_size=`` as given (an iterable cannot tell its size), or None."""
+        return self._size
 
     @property
     def dataset(self) -> Any:

@@ -476,8 +476,50 @@ def scenario_two(rank: int, world_size: int) -> dict:
     }
 
 
+def scenario_fixed(rank: int, world_size: int) -> dict:
+    """batches_per_epoch over uneven source lengths and selection rates: the same count on every
+    rank in every epoch, a mid-epoch resume, and ranks given different counts."""
+    res: dict = {}
+
+    def fixed(per_epoch=3) -> SelectiveLoader:
+        return SelectiveLoader(
+            _iterable(rank, [6, 3, 2][rank]),
+            IndexLoss(),
+            policy=RandomBackprop([1.0, 0.5, 0.25][rank]),
+            batch_size=4,
+            index_key=2,
+            batches_per_epoch=per_epoch,
+            seed=1,
+        )
+
+    whole = fixed()
+    res["fixed_whole"] = [[b.indices.tolist() for b in whole] for _ in range(4)]
+    res["fixed_passes"] = whole.epoch
+    loader = fixed()
+    split = [[b.indices.tolist() for b in loader]]
+    it = iter(loader)
+    split.append([next(it).indices.tolist() for _ in range(2)])
+    state = copy.deepcopy(loader.state_dict())
+    del it
+    loader = fixed()
+    loader.load_state_dict(state)
+    split[-1] += [b.indices.tolist() for b in loader]
+    split += [[b.indices.tolist() for b in loader] for _ in range(2)]
+    res["fixed_split"] = split
+    try:
+        next(iter(fixed([3, 4, 3][rank])))
+        res["fixed_mismatch"] = None
+    except ValueError as e:
+        res["fixed_mismatch"] = str(e)
+    return res
+
+
 def scenario_three(rank: int, world_size: int) -> dict:
-    return {**scenario_two(rank, world_size), **scenario_rounds(rank, world_size)}
+    return {
+        **scenario_two(rank, world_size),
+        **scenario_rounds(rank, world_size),
+        **scenario_fixed(rank, world_size),
+    }
 
 
 # NOTE: one spawned group per world size, running every scenario in sequence: each process
@@ -580,6 +622,19 @@ def test_uneven_source_lengths_do_not_hang_and_batch_counts_agree(rounds, remain
         selected = sum(s["examples_selected"] for s in st)
         assert selected == sum(s["examples_yielded"] for s in st) + r["carry_pending"]
     assert rounds[0]["carry_pending"] > rounds[2]["carry_pending"]
+
+
+def test_batches_per_epoch_holds_on_every_rank_and_resumes_exactly(rounds):
+    """Uneven sources (6, 3 and 2 batches a pass) and rates: every rank yields 3 batches in every
+    training epoch; the ranks' passes end in step (rank 2 needs several passes per epoch); a
+    mid-epoch resume on every rank gives the uninterrupted run's batches."""
+    for r in rounds:
+        assert [len(e) for e in r["fixed_whole"]] == [3] * 4
+        assert all(len(b) == 4 for e in r["fixed_whole"] for b in e)
+        assert r["fixed_split"] == r["fixed_whole"]
+    assert len({r["fixed_passes"] for r in rounds}) == 1 and rounds[0]["fixed_passes"] > 1
+    for r in rounds:  # different counts are refused on every rank alike (no hang)
+        assert "the ranks have from 3 to 4" in r["fixed_mismatch"]
 
 
 def test_traditional_with_uneven_sources_drops_the_extra_batches(rounds):

@@ -185,6 +185,27 @@ def test_selective_loader_takes_an_ffcv_loader_directly(beton):
     assert len(by_position) == 10 and all(b.indices is not None for b in by_position)
 
 
+def test_drop_index_leaves_the_index_output_out(beton):
+    loader = sbffcv.open_beton(beton, 30, order="random", seed=0)
+    sl = SelectiveLoader(
+        loader,
+        model(),
+        policy=SelectiveBackprop(0.5),
+        batch_size=10,
+        seed=0,
+        drop_index=True,
+        batches_per_epoch="expected",
+    )
+    assert len(sl) == 15
+    for _ in range(2):
+        n = 0
+        for batch in sl:
+            images, labels = batch  # (image, label): the index output is left out
+            check_pairing(images, labels, batch.indices)
+            n += 1
+        assert n == 15
+
+
 def test_subsets_by_loader_indices_and_by_the_loaders_subset(beton):
     ffcv_subset = sbffcv.open_beton(beton, 16, order="random", indices=np.arange(0, N, 3))
     sl = SelectiveLoader(ffcv_subset, model(), policy=RandomBackprop(1.0), remainder="short")

@@ -1,0 +1,453 @@
+"""An honest ``len(loader)``: training epochs of a fixed number of batches
+(``batches_per_epoch=``), and iterable sources (``drop_index=``, ``dataset_size=``).
+
+The fixed-length epochs are checked against the loader without the option: the same stream of
+batches, only cut into epochs differently, so nothing is lost, repeated or reordered.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from conftest import EncodedDataset, IndexLoss
+from torch.utils.data import DataLoader
+
+import sbloader
+from sbloader import (
+    Kath18,
+    Phased,
+    RandomBackprop,
+    SelectiveBackprop,
+    SelectiveLoader,
+    Traditional,
+)
+from sbloader.length import BARREN_PASSES
+
+POLICIES = {
+    "sb-third": lambda: SelectiveBackprop(1 / 3, history=64),
+    "sb-half": lambda: SelectiveBackprop(0.5, history=64),
+    "random": lambda: RandomBackprop(0.25),
+    "kath18": lambda: Kath18(0.5),
+    "phased": lambda: Phased(SelectiveBackprop(1 / 3, history=64), warmup_epochs=1),
+    "stale": lambda: SelectiveBackprop(1 / 3, history=64, staleness=2),
+    "traditional": Traditional,
+}
+
+
+def source(n: int = 120, bs: int = 20, seed: int = 0) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    return DataLoader(EncodedDataset(n), batch_size=bs, shuffle=True, generator=g)
+
+
+def make(policy="sb-third", seed=0, n=120, per_epoch="expected", **kwargs) -> SelectiveLoader:
+    kwargs.setdefault("batch_size", 8)
+    return SelectiveLoader(
+        source(n, seed=seed),
+        IndexLoss(),
+        policy=POLICIES[policy](),
+        seed=seed,
+        batches_per_epoch=per_epoch,
+        **kwargs,
+    )
+
+
+def indices(batches) -> list[list[int]]:
+    return [b.indices.tolist() for b in batches]
+
+
+def stream(loader: SelectiveLoader, n_batches: int) -> list[list[int]]:
+    """The first ``n_batches`` batches a loader without batches_per_epoch yields, epoch after
+    epoch."""
+    out: list[list[int]] = []
+    while len(out) < n_batches:
+        out += indices(loader)
+    return out[:n_batches]
+
+
+# ---------------------------------------------------------------------- len() is what is yielded
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("per_epoch", ["expected", 4])
+def test_len_is_the_number_of_batches_of_every_epoch(policy, seed, per_epoch):
+    loader = make(policy, seed, per_epoch=per_epoch)
+    k = len(loader)
+    if per_epoch == "expected":  # Traditional: the source's 6 batches; else rounded
+        per_pass = 6 if policy == "traditional" else 120 * loader.policy.steady_rate / 8
+        assert k == round(per_pass)
+    else:
+        assert k == per_epoch
+    for epoch in range(5):
+        assert loader.training_epoch == epoch
+        sizes = [len(b[0]) for b in loader]
+        assert len(sizes) == len(loader) == k
+        if policy != "traditional":  # Traditional yields the source's own batches
+            assert sizes == [8] * k
+
+
+def test_expected_uses_the_rate_after_the_warmup():
+    """A Traditional warm-up keeps everything in pass 0; "expected" is sized by the selecting
+    policy's rate, so the warm-up pass spans about three training epochs."""
+    loader = make("phased", per_epoch="expected")
+    assert loader.expected_batches() == pytest.approx(120 / 8)  # the warm-up pass's rate
+    assert len(loader) == round(120 / 3 / 8) == 5
+    passes = []
+    for _ in range(4):
+        list(loader)
+        passes.append(loader.epoch)
+    # 15 warm-up batches make three training epochs; the pass ends on the fourth's first batch.
+    assert passes == [0, 0, 0, 1]
+    assert loader.stats.epochs[0].batches_yielded == 15
+
+
+@pytest.mark.parametrize("policy", ["sb-third", "random", "phased", "stale", "kath18"])
+@pytest.mark.parametrize("remainder", ["carry", "drop"])
+@pytest.mark.parametrize("per_epoch", [3, 11])
+def test_the_batches_are_those_of_the_loader_without_the_option(policy, remainder, per_epoch):
+    """Short passes continue into the next pass, long ones carry their surplus: the batches, in
+    order, are exactly the unfixed loader's; no example is lost or yielded twice."""
+    fixed = make(policy, remainder=remainder, per_epoch=per_epoch)
+    got = [indices(fixed) for _ in range(6)]
+    flat = [b for epoch in got for b in epoch]
+    assert flat == stream(make(policy, remainder=remainder, per_epoch=None), len(flat))
+    assert all(len(epoch) == len(fixed) for epoch in got)
+    # The counts agree: every selected example was yielded, is pending, or was dropped.
+    total = fixed.stats.total
+    rest = fixed.pending_examples + total.dropped
+    assert total.examples_selected == total.examples_yielded + rest
+    assert total.examples_yielded == 6 * len(fixed) * 8
+
+
+def test_an_abandoned_epoch_loses_nothing_and_the_next_has_its_full_count():
+    loader = make(per_epoch=5)
+    got = indices(loader)
+    it = iter(loader)
+    got += [next(it).indices.tolist() for _ in range(2)]  # `break` after two batches
+    del it
+    assert loader.training_epoch == 2  # epoch 1 was abandoned
+    again = indices(loader)
+    assert len(again) == 5 and loader.training_epoch == 3  # epoch 1 was abandoned
+    assert got + again == stream(make(per_epoch=None), 12)
+
+
+def test_a_state_saved_after_an_abandoned_epoch_resumes_with_the_next():
+    def run(resume: bool) -> list[list[int]]:
+        loader = make(per_epoch=5)
+        got = indices(loader)
+        it = iter(loader)
+        got += [next(it).indices.tolist() for _ in range(2)]
+        del it  # `break`: training epoch 1 is abandoned
+        if resume:
+            state = copy.deepcopy(loader.state_dict())
+            loader = make(per_epoch=5)
+            loader.load_state_dict(state)
+        assert loader.training_epoch == 2  # the abandoned epoch counts as ended
+        return got + indices(loader) + [[loader.training_epoch]]
+
+    assert run(resume=True) == run(resume=False)
+
+
+def test_a_closed_epoch_iterator_refuses_to_go_on():
+    loader = make(per_epoch=5)
+    first = iter(loader)
+    next(first)
+    second = iter(loader)
+    with pytest.raises(RuntimeError, match="closed"):
+        next(first)
+    assert sum(1 for _ in second) == 5
+
+
+def test_pass_epochs_and_training_epochs_are_counted_apart():
+    """loader.epoch and progress count passes over the data (policies are keyed on them);
+    training_epoch counts epochs of batches_per_epoch; stats has one entry per pass."""
+    loader = make("random", per_epoch=2)  # 120 * 0.25 / 8 = 3.75 batches per pass
+    for _ in range(4):
+        list(loader)
+    assert loader.training_epoch == 4
+    assert loader.epoch == 2 and 2.0 < loader.progress < 3.0
+    assert [e.epoch for e in loader.stats.epochs] == [0, 1, 2]
+    assert sum(e.batches_yielded for e in loader.stats.epochs) == 8
+
+
+def test_time_between_training_epochs_is_not_the_passes(monkeypatch):
+    """An evaluation between training epochs (here 1000 s of a fake clock) is counted neither as
+    the training step's time (consumer_s) nor as the pass's wall time, though the pass spans it."""
+    now = [0.0]
+    monkeypatch.setattr(sbloader.epoch, "perf_counter", lambda: now[0])
+    loader = make("random", per_epoch=2)  # 3.75 batches a pass: passes span training epochs
+    for _ in range(4):
+        for _batch in loader:
+            now[0] += 1.0  # the training step
+        now[0] += 1000.0  # the evaluation
+    total = loader.stats.total
+    assert 0 < total.consumer_s <= 8 and 0 < total.wall_s <= 8
+
+
+# ---------------------------------------------------------------------- frameworks that need len
+def test_one_cycle_lr_steps_through_every_epoch():
+    loader = make("sb-third", per_epoch="expected")
+    model = torch.nn.Linear(6, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    epochs = 6
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=0.1, steps_per_epoch=len(loader), epochs=epochs
+    )
+    for _ in range(epochs):
+        for x, y in loader:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            sched.step()
+    with pytest.raises(ValueError, match="Tried to step"):
+        sched.step()  # every scheduled step was taken: one more is refused
+
+
+def test_tqdm_shows_the_total():
+    tqdm = pytest.importorskip("tqdm").tqdm
+    loader = make(per_epoch="expected")
+    out = io.StringIO()
+    bar = tqdm(loader, file=out)
+    assert bar.total == len(loader) == 5
+    assert sum(1 for _ in bar) == 5
+    bar.close()
+    assert "5/5" in out.getvalue()
+
+
+# ---------------------------------------------------------------------- resume
+@pytest.mark.parametrize("policy", ["sb-third", "phased", "stale"])
+@pytest.mark.parametrize("stop", [(1, 3), (2, 0), (1, 7), (3, 5)])
+def test_a_resume_mid_epoch_yields_what_an_uninterrupted_run_does(policy, stop):
+    """Stopped after ``stop[1]`` batches of training epoch ``stop[0]`` (7 of 7: after the last
+    batch, before the epoch's end is asked for, as Lightning's checkpoints are), saved,
+    restored into a new loader: every epoch is the uninterrupted run's."""
+    epochs, (stop_epoch, stop_batch) = 5, stop
+    whole = make(policy, per_epoch=7)
+    expected = [indices(whole) for _ in range(epochs)]
+
+    loader = make(policy, per_epoch=7)
+    got = [indices(loader) for _ in range(stop_epoch)]
+    it = iter(loader)
+    got.append([next(it).indices.tolist() for _ in range(stop_batch)])
+    buffer = io.BytesIO()
+    torch.save(loader.state_dict(), buffer)
+    del it
+    resumed = make(policy, per_epoch=7)
+    buffer.seek(0)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    assert resumed.training_epoch == stop_epoch
+    got[-1] += indices(resumed)
+    got += [indices(resumed) for _ in range(epochs - stop_epoch - 1)]
+    assert got == expected
+    assert resumed.stats.total.as_dict().keys() == whole.stats.total.as_dict().keys()
+    assert resumed.epoch == whole.epoch and resumed.pending_examples == whole.pending_examples
+
+
+def test_a_resume_with_a_prefetch_thread_is_exact():
+    """The suspended pass's prefetch thread has fetched ahead when the state is saved between
+    training epochs: the batches it fetched are not counted, and are loaded again on resume."""
+    whole = make(per_epoch=4, prefetch=1)
+    expected = [indices(whole) for _ in range(4)]
+    loader = make(per_epoch=4, prefetch=1)
+    got = [indices(loader) for _ in range(2)]
+    state = copy.deepcopy(loader.state_dict())
+    assert state["active"] and state["position"] > 0  # saved inside a pass
+    resumed = make(per_epoch=4, prefetch=1)
+    resumed.load_state_dict(state)
+    assert got + [indices(resumed) for _ in range(2)] == expected
+
+
+def test_a_state_of_another_length_is_refused():
+    loader = make(per_epoch=5)
+    list(loader)
+    state = copy.deepcopy(loader.state_dict())
+    with pytest.raises(ValueError, match="batches_per_epoch"):
+        make(per_epoch=6).load_state_dict(state)
+    with pytest.raises(ValueError, match="batches_per_epoch"):
+        make(per_epoch=None).load_state_dict(state)
+    old = make(per_epoch=None).state_dict()  # as saved before batches_per_epoch existed
+    del old["training"], old["identity"]["batches_per_epoch"]
+    with pytest.raises(ValueError, match="saved without batches_per_epoch"):
+        make(per_epoch=5).load_state_dict(old)
+
+
+# ---------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("bad", [0, -1, "foo", 2.0, True, [3]])
+def test_bad_batches_per_epoch_is_refused_at_construction(bad):
+    with pytest.raises((TypeError, ValueError), match="batches_per_epoch should be a positive"):
+        make(per_epoch=bad)
+
+
+def test_remainder_short_is_refused_with_a_fixed_length():
+    with pytest.raises(ValueError, match="remainder='carry' or 'drop'"):
+        make(per_epoch=5, remainder="short")
+
+
+def test_expected_counts_only_the_subset():
+    half = list(range(0, 120, 2))
+    loader = make("sb-half", per_epoch="expected", subset=half)
+    assert loader.expected_batches() == pytest.approx(60 * 0.5 / 8)
+    assert len(loader) == round(60 * 0.5 / 8) == 4
+    for _ in range(3):
+        got = indices(loader)
+        assert len(got) == 4 and all(i % 2 == 0 for b in got for i in b)
+
+
+def test_expected_rounding_to_no_batch_is_refused():
+    with pytest.raises(ValueError, match="rounds to 0"):
+        make("random", n=20, per_epoch="expected", batch_size=16)
+
+
+def test_passes_that_never_fill_a_batch_raise_instead_of_looping():
+    loader = make("random", n=20, per_epoch=1, batch_size=16, remainder="drop")
+    with pytest.raises(ValueError, match=f"{BARREN_PASSES} passes over the source"):
+        next(iter(loader))
+
+
+# ---------------------------------------------------------------------- iterable sources
+class ExampleStream(torch.utils.data.IterableDataset):
+    """Batches of (inputs, targets, indices) with no length, as a streaming source yields."""
+
+    def __init__(self, n: int = 120, bs: int = 20, dicts: bool = False) -> None:
+        self.n, self.bs, self.dicts = n, bs, dicts
+        self.ds = EncodedDataset(n)
+
+    def __iter__(self):
+        for start in range(0, self.n, self.bs):
+            rows = range(start, min(start + self.bs, self.n))
+            x = torch.stack([self.ds[i][0] for i in rows])
+            y = torch.stack([self.ds[i][1] for i in rows])
+            idx = torch.tensor(list(rows))
+            yield {"input": x, "index": idx, "target": y} if self.dicts else (x, y, idx)
+
+
+def stream_loader(**kwargs) -> SelectiveLoader:
+    kwargs.setdefault("policy", SelectiveBackprop(0.5, history=64))
+    kwargs.setdefault("batch_size", 8)
+    return SelectiveLoader(ExampleStream(dicts=kwargs.pop("dicts", False)), IndexLoss(), **kwargs)
+
+
+def test_drop_index_makes_the_readme_loop_work():
+    loader = stream_loader(index_key=2, drop_index=True)
+    n = 0
+    for x, y in loader:  # the README loop: no third element
+        batch_indices = x[:, 0].long()
+        assert torch.equal(batch_indices, y.new_tensor(0) + batch_indices)
+        n += len(y)
+    batch = next(iter(loader))
+    assert torch.equal(batch[0][:, 0].long(), batch.indices)  # indices still attached
+    assert torch.equal(batch[1], batch.indices % 4)
+    assert n == loader.stats.epochs[0].examples_yielded > 0
+    with pytest.raises(ValueError, match="too many values to unpack"):
+        for _x, _y in stream_loader(index_key=2):  # without drop_index: the original failure
+            pass
+
+
+def test_drop_index_on_dicts_by_negative_position_and_with_metadata():
+    batch = next(iter(stream_loader(dicts=True, index_key="index", drop_index=True)))
+    assert list(batch) == ["input", "target"]
+    assert torch.equal(batch["input"][:, 0].long(), batch.indices)
+    x, y, meta = next(iter(stream_loader(index_key=-1, drop_index=True, metadata_key="sb")))
+    assert torch.equal(meta["indices"], x[:, 0].long()) and torch.equal(y, meta["indices"] % 4)
+
+
+def test_drop_index_needs_an_index_field():
+    with pytest.raises(ValueError, match="pass index_key="):
+        stream_loader(drop_index=True)
+    with pytest.raises(ValueError, match="leave drop_index out"):
+        SelectiveLoader(source(), IndexLoss(), drop_index=True)
+    loader = stream_loader(index_key=1, drop_index=True)  # the target field itself
+    with pytest.raises(ValueError, match="it is the input or target field"):
+        next(iter(loader))
+    with pytest.raises(TypeError, match="drop_index should be True or False"):
+        stream_loader(index_key=2, drop_index="yes")
+
+
+def test_drop_index_survives_a_resume():
+    """The index field is still left out after a restored state (the batch format is saved),
+    and the resumed epoch is the uninterrupted one's."""
+
+    def run() -> SelectiveLoader:
+        return stream_loader(index_key=2, drop_index=True, batches_per_epoch=3, dataset_size=120)
+
+    whole = run()
+    expected = [indices(whole) for _ in range(2)]
+    loader = run()
+    it = iter(loader)
+    first = [next(it).indices.tolist()]
+    state = copy.deepcopy(loader.state_dict())
+    del it
+    resumed = run()
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert all(len(b) == 2 for b in rest)  # (inputs, targets): no index field
+    assert [first + indices(rest), indices(resumed)] == expected
+
+
+def test_expected_batches_of_a_stream_without_length_names_the_fix():
+    loader = stream_loader(index_key=2)
+    with pytest.raises(TypeError, match="pass dataset_size="):
+        loader.expected_batches()
+    with pytest.raises(ValueError, match=r'"expected" cannot be computed.*dataset_size='):
+        stream_loader(index_key=2, batches_per_epoch="expected")
+    sized = stream_loader(index_key=2, dataset_size=120)
+    assert sized.expected_batches() == pytest.approx(120 * 0.5 / 8)
+
+    class Samples(torch.utils.data.IterableDataset):  # one (x, y, index) at a time, no len
+        def __iter__(self):
+            ds = EncodedDataset(120)
+            return ((*ds[i], i) for i in range(120))
+
+    batched = DataLoader(Samples(), batch_size=20)  # the issue's DataLoader over a stream
+    with pytest.raises(TypeError, match=r"has no length.*pass dataset_size="):
+        SelectiveLoader(batched, IndexLoss(), index_key=2, batch_size=8).expected_batches()
+    loader = SelectiveLoader(
+        batched,
+        IndexLoss(),
+        index_key=2,
+        batch_size=8,
+        dataset_size=120,
+        drop_index=True,
+        policy=SelectiveBackprop(0.5),
+        batches_per_epoch="expected",
+    )
+    assert len(loader) == 8 and [len(b) for b in loader] == [2] * 8  # (x, y) batches
+
+
+def test_dataset_size_gives_a_stream_an_honest_length_and_progress():
+    loader = stream_loader(index_key=2, dataset_size=120, batches_per_epoch="expected")
+    assert len(loader) == round(120 * 0.5 / 8) == 8
+    for _ in range(3):
+        assert sum(1 for _ in loader) == 8
+    it = iter(loader)
+    next(it)
+    assert loader.progress > loader.epoch  # counted in examples, not stuck at the pass start
+
+
+def test_dataset_size_lets_stale_sb_store_a_stream():
+    with pytest.raises(ValueError, match="pass dataset_size="):
+        stream_loader(index_key=2, policy=SelectiveBackprop(0.5, staleness=2))
+    loader = stream_loader(
+        index_key=2, dataset_size=120, policy=SelectiveBackprop(0.5, history=64, staleness=2)
+    )
+    fresh = indices(loader)
+    losses, epochs = loader.policy.store.lookup(torch.arange(120).numpy())
+    assert (epochs == 0).all() and (losses > 0).all()  # every example stored, by its index
+    stale = indices(loader)
+    assert loader.stats.epochs[1].selection_forwards == 0 and fresh and stale
+
+
+def test_dataset_size_is_checked():
+    with pytest.raises(ValueError, match=r"outside \[0, dataset_size=100\)"):
+        list(stream_loader(index_key=2, dataset_size=100))
+    with pytest.raises(ValueError, match="leave it out"):
+        SelectiveLoader(source(), IndexLoss(), dataset_size=7)
+    with pytest.raises(TypeError, match="dataset_size should be an int"):
+        stream_loader(index_key=2, dataset_size=1.5)
+    assert SelectiveLoader(source(), IndexLoss(), dataset_size=120).expected_batches() > 0
+
+
+def test_the_package_exports_the_epoch_iterator():
+    assert type(iter(make(per_epoch=2))) is sbloader.FixedEpochIterator
+    assert type(iter(make(per_epoch=None))) is sbloader.EpochIterator
