@@ -90,6 +90,8 @@ def configure(args: argparse.Namespace) -> Config:
         cfg.seeds = tuple(args.seeds)
     if args.epochs:
         cfg.epochs = args.epochs
+    if args.reference_error is not None:
+        cfg.reference_error = args.reference_error
     if args.threads:
         cfg.threads = args.threads
     if args.device:
@@ -233,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seeds", nargs="+", type=int, help="override the preset's seeds")
     p.add_argument("--epochs", type=int, help="override the planned epochs")
+    p.add_argument(
+        "--reference-error",
+        type=float,
+        help="the frontier's reference error (a fraction) for seeds without a Traditional run",
+    )
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--device", help="cpu, cuda or auto (default: the preset's)")
     p.add_argument(

@@ -187,9 +187,7 @@ def main() -> None:
         sel = [r["epoch_s"] for r in results[name] if r["selection_forwards"]]  # not warm-up
         if sel:
             ratio = (sum(sel) / len(sel)) / (sum(trad) / len(trad))
-            print(
-                f"{name} epoch with a selection pass / Traditional epoch wall-clock: {ratio:.3f}"
-            )
+            print(f"{name} epoch with a selection pass / Traditional epoch wall-clock: {ratio:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)

@@ -128,6 +128,18 @@ def test_each_sbloader_family_against_each_control_by_hand():
     assert "never in 1/1" in pairwise_lines(table)[-2]
 
 
+def test_a_given_reference_error_sets_the_targets_of_seeds_without_a_reference_run():
+    records = [TRAD_4, SB_5, rec("sb", 5, [(3, 0.2)], seed=1)]
+    assert frontier_table(records, {"traditional"}, ("traditional", 10)).seeds == ()
+    table = frontier_table(records, {"traditional"}, ("traditional", 10), (1.0,), 0.13)
+    assert table.seeds == (0, 1)
+    assert table.cells[0, 1.0].target == 0.13
+    assert table.cells[0, 1.0].ratio == pytest.approx(16 / 10)  # Traditional-4 at 16 s, sb at 10
+    assert table.cells[1, 1.0].sbloader is None
+    with_ref = frontier_table([TRAD_10, *records], {"traditional"}, ("traditional", 10), (1.0,), 1)
+    assert with_ref.cells[0, 1.0].target == 0.10 and with_ref.cells[1, 1.0].target == 1.0
+
+
 def test_families_and_the_frontier_preset_name_registered_runs():
     for name, settings in PRESETS.items():
         cfg = preset(name)

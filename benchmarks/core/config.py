@@ -45,6 +45,9 @@ class Config:
     """Evaluation interval [epochs of data]."""
     selection_bf16: bool = True
     """Selection passes under bf16 autocast; training stays fp32 unless ``train_bf16`` [bool]."""
+    reference_error: float | None = None
+    """The frontier's targets in seeds without a Traditional run at ``epochs`` are this error
+    times each multiplier (None: such seeds are left out) [1]."""
     noise: float = 0.0
     """Fraction of training labels flipped in every run of ``strategies`` and ``families``
     (the frontier under label noise) [1]."""
@@ -218,6 +221,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         seeds=tuple(range(10)),
         strategies=("random_0.33", "default", "default_fb"),
         interleave=True,
+        eval_every=1.0,
+        reference_error=0.074,  # Traditional-10's final error here (frontier, seeds 0-2)
     ),
 }
 

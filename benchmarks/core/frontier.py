@@ -140,6 +140,7 @@ def frontier_table(
     controls: Collection[str],
     reference: tuple[str, int],
     multipliers: Sequence[float] = TARGETS,
+    reference_error: float | None = None,
 ) -> FrontierTable:
     """Family frontiers and the ratio of the best control's to the best sbloader family's time,
     per seed and target.
@@ -147,7 +148,8 @@ def frontier_table(
     ``controls`` names the control families (Traditional, Random-Backprop); every other family
     in ``records`` is an sbloader family. ``reference`` is the (family, budget) whose final error
     in each seed, times each multiplier, is that seed's target. Seeds without a reference run
-    are left out.
+    are left out, unless ``reference_error`` is given: their targets are then that error times
+    each multiplier (e.g. the mean reference error of another sitting's seeds).
     """
     families = list(dict.fromkeys(r.family for r in records))
     table = FrontierTable(
@@ -163,10 +165,13 @@ def frontier_table(
             if r.seed in refs:
                 raise ValueError(f"two reference runs {reference} in seed {r.seed}")
             refs[r.seed] = r
-    table.seeds = tuple(sorted(refs))
+    seeds = set(refs) if reference_error is None else {r.seed for r in records}
+    table.seeds = tuple(sorted(seeds))
     for seed in table.seeds:
+        base = refs[seed].final_error if seed in refs else reference_error
+        assert base is not None
         for m in table.multipliers:
-            target = refs[seed].final_error * m
+            target = base * m
             for f in families:
                 table.families[f, seed, m] = family_time(records, f, seed, target)
             table.cells[seed, m] = Cell(
