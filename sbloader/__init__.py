@@ -33,6 +33,7 @@ from .policies import (
     Traditional,
 )
 from .sources import DataLoaderSource, IterableSource, Source
+from .stateful import StatefulSource
 from .stats import EpochStats, LoaderStats
 from .store import ExampleStore
 from .window import LossWindow
@@ -61,6 +62,7 @@ __all__ = [
     "SelectiveBackprop",
     "SelectiveLoader",
     "Source",
+    "StatefulSource",
     "Traditional",
     "__version__",
     "el2n_scores",

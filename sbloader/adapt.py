@@ -12,8 +12,10 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
+from ._state import Stateful
 from .ffcv import FFCVSource, is_ffcv_loader
 from .sources import DataLoaderSource, IterableSource, Source
+from .stateful import StatefulSource
 
 __all__ = ["make_source"]
 
@@ -22,10 +24,13 @@ def make_source(source: Any, index_key: Hashable | None = None) -> Source:
     """Adapt what the user passed to a :class:`~sbloader.sources.Source`.
 
     Args:
-        source: a :class:`~sbloader.sources.Source` (returned as is), a torch ``DataLoader``
-            (over a map-style dataset its indices are recovered; with ``index_key``, or over an
-            iterable dataset, it is iterated as it is), an FFCV ``Loader`` (detected without
-            importing ffcv), or any re-iterable of batches.
+        source: a :class:`~sbloader.sources.Source` (returned as is), mosaicml-streaming's
+            ``StreamingDataLoader`` (detected without importing streaming; indices from the
+            ``sample_id`` field by default), a loader with its own ``state_dict()`` and
+            ``load_state_dict()`` such as torchdata's ``StatefulDataLoader`` (resumed through
+            them), a torch ``DataLoader`` (over a map-style dataset its indices are recovered;
+            with ``index_key``, or over an iterable dataset, it is iterated as it is), an FFCV
+            ``Loader`` (detected without importing ffcv), or any re-iterable of batches.
         index_key: the batch field holding dataset indices, for sources that carry them.
 
     Example:
@@ -37,6 +42,12 @@ def make_source(source: Any, index_key: Hashable | None = None) -> Source:
     """
     if isinstance(source, Source):
         return source
+    if _is_streaming_loader(source):
+        from .streaming import StreamingSource  # imports streaming: only for its loaders
+
+        return StreamingSource(source, index_key)
+    if isinstance(source, Stateful):
+        return StatefulSource(source, index_key)
     if isinstance(source, DataLoader) and not isinstance(source.dataset, IterableDataset):
         if index_key is not None:
             return IterableSource(source, index_key)
@@ -54,3 +65,12 @@ def make_source(source: Any, index_key: Hashable | None = None) -> Source:
             f"iterable of batches, but got {type(source).__name__}"
         )
     return IterableSource(source, index_key)
+
+
+def _is_streaming_loader(source: Any) -> bool:
+    """Whether ``source`` is mosaicml-streaming's ``StreamingDataLoader`` (or a subclass),
+    without importing streaming."""
+    return any(
+        c.__name__ == "StreamingDataLoader" and c.__module__.split(".")[0] == "streaming"
+        for c in type(source).__mro__
+    )

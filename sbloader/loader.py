@@ -337,7 +337,7 @@ class SelectiveLoader:
             self.selection_batch_size,
             self.eval_selection,
             keep_logits,
-            index_key=index_key,
+            index_key=self._source.index_field_name() if index_key is None else index_key,
         )
         self._scorer.check()
         if batch_size is None:
@@ -384,6 +384,9 @@ class SelectiveLoader:
         self._unfinished: tuple[int, bool] | None = None
         # Whether the model and loss_fn were checked on a source batch (see EpochIterator).
         self._probed = False
+        # The source's state as of the last source batch consumed (see Source.snapshot); None:
+        # ask the source.
+        self._source_state: dict[str, Any] | None = None
 
     @staticmethod
     def _default_rank() -> int:
@@ -587,7 +590,9 @@ class SelectiveLoader:
             K_POSITION: position,
             K_ACTIVE: active,
             K_RNG: self._rng.bit_generator.state,
-            K_SOURCE: self._source.state_dict(),
+            K_SOURCE: (
+                self._source.state_dict() if self._source_state is None else self._source_state
+            ),
             K_POLICY: self.policy.state_dict(),
             K_PENDING: self._pending.state_dict(),
             K_CODEC: self._codec.state_dict(),
@@ -612,6 +617,7 @@ class SelectiveLoader:
         )
         active, position = bool(state[K_ACTIVE]), int(state[K_POSITION])
         self._source.load_state_dict(state[K_SOURCE], mid_epoch=active and position > 0)
+        self._source_state = state[K_SOURCE]
         live = self._live_iterator()
         if live is not None:
             live.close()

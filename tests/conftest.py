@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -54,3 +60,35 @@ def bn_model(dim: int = 6) -> nn.Module:
 @pytest.fixture
 def dataset() -> EncodedDataset:
     return EncodedDataset()
+
+
+# ------------------------------------------------------------------ mosaicml-streaming's import
+PLACEHOLDERS = Path(__file__).resolve().parent / "placeholders"
+
+
+def _torchvision_imports() -> bool:
+    if importlib.util.find_spec("torchvision") is None:
+        return False
+    code = "import torchvision"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+# NOTE: tests only. `import streaming` imports torchvision (for streaming's vision datasets, which
+# sbloader does not use), and PyPI's torchvision does not import against the CPU-only torch this
+# project is tested with. Where streaming is installed and no working torchvision is, the tests put
+# a placeholder torchvision (tests/placeholders) first on their path, and on the path of the
+# processes they start (spawned ranks inherit sys.path; subprocesses get `streaming_env()`).
+# sbloader itself never touches sys.modules or sys.path.
+STREAMING_PATH: list[str] = []
+if importlib.util.find_spec("streaming") is not None and not _torchvision_imports():
+    STREAMING_PATH = [str(PLACEHOLDERS)]
+    sys.path.insert(0, str(PLACEHOLDERS))
+
+
+def streaming_env() -> dict[str, str]:
+    """The environment for a subprocess that imports streaming."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*STREAMING_PATH, env.get("PYTHONPATH", "")]).strip(
+        os.pathsep
+    )
+    return env
