@@ -144,6 +144,11 @@ class IndexedStreamingDataset(StreamingDataset):
 
     def get_item(self, sample_id: int, retry: int = 7) -> Any:
         sample = super().get_item(sample_id, retry)
+        # NOTE: MDS decodes arrays as read-only views of the shard; torch's collate would wrap
+        # them as tensors that must not be written to (and warns). Samples are copied out.
+        for key, value in sample.items():
+            if isinstance(value, np.ndarray) and not value.flags.writeable:
+                sample[key] = value.copy()
         sample[SAMPLE_ID] = np.int64(sample_id)
         return sample
 

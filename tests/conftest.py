@@ -86,9 +86,8 @@ if importlib.util.find_spec("streaming") is not None and not _torchvision_import
 
 
 def streaming_env() -> dict[str, str]:
-    """The environment for a subprocess that imports streaming."""
+    """The environment for a subprocess that imports streaming and this checkout's sbloader."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([*STREAMING_PATH, env.get("PYTHONPATH", "")]).strip(
-        os.pathsep
-    )
+    paths = [*STREAMING_PATH, str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(paths).strip(os.pathsep)
     return env
