@@ -116,6 +116,7 @@ class StatefulSource(Source):
         self._size = dataset_size
         self._position = 0  # source batches produced in the current epoch
         self._finished = False  # whether the loader's last epoch ran to its end
+        self._abandoned = False  # whether it was left part-way (closed or failed)
         self._resume_at: int | None = None  # the position a loaded mid-epoch state resumes at
         self._loaded: dict[str, Any] | None = None  # a loaded state, until the next epoch starts
 
@@ -144,17 +145,20 @@ class StatefulSource(Source):
                 "SelectiveLoader's state and the source's together, from one state_dict()"
             )
         self._loaded = None
-        self._position, self._finished = skip, False
-        if self._twin is not None:
-            for indices, batch in self._twin:
-                self._position += 1
-                yield batch, indices.numpy()
-        else:
-            assert self._rows is not None
-            for batch, indices in self._rows.epoch():
-                self._position += 1
-                yield batch, indices
-        self._finished = True
+        self._position, self._finished, self._abandoned = skip, False, False
+        try:
+            if self._twin is not None:
+                for indices, batch in self._twin:
+                    self._position += 1
+                    yield batch, indices.numpy()
+            else:
+                assert self._rows is not None
+                for batch, indices in self._rows.epoch():
+                    self._position += 1
+                    yield batch, indices
+            self._finished = True
+        finally:
+            self._abandoned = not self._finished
 
     def state_dict(self) -> dict[str, Any]:
         """The loader's own state (a copy) and this epoch's position in source batches."""
@@ -164,6 +168,7 @@ class StatefulSource(Source):
             VERSION: self.STATE_VERSION,
             "position": self._position,
             "finished": self._finished,
+            "abandoned": self._abandoned,
             "loader": copy.deepcopy(self._stateful.state_dict()),
         }
 
@@ -176,6 +181,14 @@ class StatefulSource(Source):
             raise ValueError(
                 f"the saved {type(self).__name__} state ended its epoch, but the SelectiveLoader "
                 "state resumes one; load the two from one state_dict()"
+            )
+        if not mid_epoch and state.get("abandoned"):
+            # NOTE: the loader's own state still describes the pass that was left part-way, and
+            # loading it would resume that pass, where the run it was saved from began a new one.
+            raise ValueError(
+                f"the saved {type(self).__name__} state was taken after an epoch was abandoned "
+                "part-way and before the next epoch's first batch, so it would resume the "
+                "abandoned pass; save the state after a batch of the new epoch instead"
             )
         self._stateful.load_state_dict(self._resumable(copy.deepcopy(state["loader"]), state))
         self._resume_at = int(state["position"]) if mid_epoch else None

@@ -76,11 +76,11 @@ def iterable_loader(**kw):
     )
 
 
-def map_loader(**kw):
+def map_loader(workers=0, **kw):
     """SB over a StatefulDataLoader of a map-style dataset (indices recovered)."""
     ds = EncodedDataset(N)
     sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(3))
-    dl = StatefulDataLoader(ds, batch_size=24, sampler=sampler)
+    dl = StatefulDataLoader(ds, batch_size=24, sampler=sampler, num_workers=workers)
     return SelectiveLoader(
         dl, IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=10, seed=0, **kw
     )
@@ -141,6 +141,36 @@ def test_mid_epoch_resume_yields_what_an_uninterrupted_run_does(make, prefetch, 
     after = run(resumed, epochs - full)
     assert before + after == reference
     assert resumed.epoch == epochs
+
+
+def test_worker_processes_resume_exactly_too():
+    """With workers the loader prefetches by default, and torchdata snapshots its workers."""
+    reference = run(map_loader(workers=2), 2)
+    loader = map_loader(workers=2)
+    assert loader.prefetch == 1
+    before = run(loader, 1)
+    it = iter(loader)
+    before += [next(it).indices.tolist() for _ in range(3)]
+    state = checkpoint(loader.state_dict())
+    it.close()
+    del it, loader
+    resumed = map_loader(workers=2)
+    resumed.load_state_dict(state)
+    assert before + run(resumed, 1) == reference
+
+
+def test_a_state_saved_after_an_abandoned_pass_and_before_the_next_batch_is_refused():
+    """The loader's own state then describes the abandoned pass, which loading would resume."""
+    loader = iterable_loader()
+    it = iter(loader)
+    next(it)
+    it.close()  # the epoch is abandoned part-way (as after `break`)
+    source = loader.source
+    state = source.state_dict()
+    assert state["abandoned"] and not state["finished"]
+    with pytest.raises(ValueError, match="abandoned"):
+        iterable_loader().source.load_state_dict(state, mid_epoch=False)
+    iterable_loader().source.load_state_dict(state, mid_epoch=True)  # resuming that pass is fine
 
 
 def test_the_saved_state_is_that_of_the_last_consumed_batch_not_the_ones_fetched_ahead():
