@@ -215,6 +215,12 @@ class StreamingSource(StatefulSource):
                 "StreamingSource needs a StreamingDataLoader over a StreamingDataset, but its "
                 f"dataset is {type(dataset).__name__}; build it with sbloader.streaming.open_mds"
             )
+        if index_key is None and not isinstance(dataset, IndexedStreamingDataset):
+            raise TypeError(
+                f"a {type(dataset).__name__}'s samples carry no sample id; build it as "
+                "sbloader.streaming.IndexedStreamingDataset (open_mds does), or pass index_key= "
+                "the field that holds each sample's dataset index"
+            )
         super().__init__(
             loader, SAMPLE_ID if index_key is None else index_key, int(dataset.num_samples)
         )

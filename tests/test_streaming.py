@@ -116,6 +116,15 @@ def test_a_streaming_loader_is_a_source_keyed_by_sample_id(mds):
     released(loader, source)
 
 
+def test_a_dataset_without_sample_ids_needs_an_index_key(mds):
+    from streaming import StreamingDataLoader, StreamingDataset
+
+    loader = StreamingDataLoader(StreamingDataset(local=str(mds), batch_size=8), batch_size=8)
+    with pytest.raises(TypeError, match="IndexedStreamingDataset"):
+        SelectiveLoader(loader, IndexLoss(), input_key="image", target_key="label")
+    released(loader)
+
+
 @pytest.mark.parametrize(("stop", "prefetch"), [((1, 3), 0), ((1, 3), 1), ((1, 0), 1)])
 def test_mid_epoch_resume_yields_what_an_uninterrupted_run_does(mds, stop, prefetch):
     epochs = 3
