@@ -12,7 +12,6 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from ._state import Stateful
 from .ffcv import FFCVSource, is_ffcv_loader
 from .sources import DataLoaderSource, IterableSource, Source
 from .stateful import StatefulSource
@@ -25,12 +24,12 @@ def make_source(source: Any, index_key: Hashable | None = None) -> Source:
 
     Args:
         source: a :class:`~sbloader.sources.Source` (returned as is), mosaicml-streaming's
-            ``StreamingDataLoader`` (detected without importing streaming; indices from the
-            ``sample_id`` field by default), a loader with its own ``state_dict()`` and
-            ``load_state_dict()`` such as torchdata's ``StatefulDataLoader`` (resumed through
-            them), a torch ``DataLoader`` (over a map-style dataset its indices are recovered;
-            with ``index_key``, or over an iterable dataset, it is iterated as it is), an FFCV
-            ``Loader`` (detected without importing ffcv), or any re-iterable of batches.
+            ``StreamingDataLoader`` (indices from the ``sample_id`` field by default) or
+            torchdata's ``StatefulDataLoader`` (both detected without importing their library,
+            and resumed through their own state), a torch ``DataLoader`` (over a map-style
+            dataset its indices are recovered; with ``index_key``, or over an iterable dataset,
+            it is iterated as it is), an FFCV ``Loader`` (detected without importing ffcv), or
+            any re-iterable of batches.
         index_key: the batch field holding dataset indices, for sources that carry them.
 
     Example:
@@ -42,11 +41,11 @@ def make_source(source: Any, index_key: Hashable | None = None) -> Source:
     """
     if isinstance(source, Source):
         return source
-    if _is_streaming_loader(source):
+    if _is_a(source, "streaming", "StreamingDataLoader"):
         from .streaming import StreamingSource  # imports streaming: only for its loaders
 
         return StreamingSource(source, index_key)
-    if isinstance(source, Stateful):
+    if _is_a(source, "torchdata", "StatefulDataLoader"):
         return StatefulSource(source, index_key)
     if isinstance(source, DataLoader) and not isinstance(source.dataset, IterableDataset):
         if index_key is not None:
@@ -67,10 +66,14 @@ def make_source(source: Any, index_key: Hashable | None = None) -> Source:
     return IterableSource(source, index_key)
 
 
-def _is_streaming_loader(source: Any) -> bool:
-    """Whether ``source`` is mosaicml-streaming's ``StreamingDataLoader`` (or a subclass),
-    without importing streaming."""
+def _is_a(source: Any, package: str, name: str) -> bool:
+    """Whether ``source`` is an instance of ``package``'s class ``name`` (or of a subclass),
+    without importing ``package``.
+
+    NOTE: by the type's own classes, not ``isinstance``: Accelerate's prepared loaders report
+    their wrapped loader's class, and have a ``state_dict()`` of their own; they are not
+    resumed through it here.
+    """
     return any(
-        c.__name__ == "StreamingDataLoader" and c.__module__.split(".")[0] == "streaming"
-        for c in type(source).__mro__
+        c.__name__ == name and c.__module__.split(".")[0] == package for c in type(source).__mro__
     )

@@ -73,11 +73,11 @@ class SelectiveLoader:
     Args:
         source: a torch ``DataLoader`` (over a map-style dataset the dataset indices are
             recovered automatically, with any sampler and number of workers), an FFCV ``Loader``
-            (indices from its index field, see :mod:`sbloader.ffcv`), a loader with its own
-            ``state_dict()`` such as torchdata's ``StatefulDataLoader`` or streaming's
-            ``StreamingDataLoader`` (resumed through that state, see
-            :class:`~sbloader.StatefulSource` and :mod:`sbloader.streaming`), or any re-iterable
-            of batches (indices then come from the field ``index_key``, or are unknown).
+            (indices from its index field, see :mod:`sbloader.ffcv`), torchdata's
+            ``StatefulDataLoader`` or streaming's ``StreamingDataLoader`` (resumed through their
+            own state; other such loaders through :class:`~sbloader.StatefulSource`), or any
+            re-iterable of batches (indices then come from the field ``index_key``, or are
+            unknown).
         model: the model being trained. Selection passes call its unwrapped module (DDP,
             DataParallel and ``torch.compile`` wrappers are looked through). With
             ``frozen_prefix``, the trainable part that runs on the prefix's outputs (the head).

@@ -229,6 +229,17 @@ def test_a_state_of_another_position_is_refused():
         list(resumed)
 
 
+def test_accelerates_prepared_loader_is_not_taken_for_a_stateful_one():
+    """Accelerate's prepared DataLoader has a state_dict() too (and reports its wrapped loader's
+    class); it stays a DataLoaderSource."""
+    data_loader = pytest.importorskip("accelerate.data_loader")
+    # What Accelerator.prepare returns on one process, built without an Accelerator (whose state
+    # is process-wide).
+    prepared = data_loader.DataLoaderShard(EncodedDataset(N), batch_size=24)
+    assert isinstance(prepared, torch.utils.data.DataLoader) and hasattr(prepared, "state_dict")
+    assert isinstance(make_source(prepared), sbloader.DataLoaderSource)
+
+
 def test_a_loader_without_state_is_refused():
     with pytest.raises(TypeError, match="state_dict"):
         StatefulSource([[1, 2]])
