@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -66,28 +67,46 @@ def dataset() -> EncodedDataset:
 PLACEHOLDERS = Path(__file__).resolve().parent / "placeholders"
 
 
-def _torchvision_imports() -> bool:
+def _placeholder_needed() -> bool:
+    """Whether no working torchvision is installed (checked in a subprocess: a broken one fails
+    its import half-way)."""
     if importlib.util.find_spec("torchvision") is None:
-        return False
+        return True
     code = "import torchvision"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode != 0
 
 
-# NOTE: tests only. `import streaming` imports torchvision (for streaming's vision datasets, which
-# sbloader does not use), and PyPI's torchvision does not import against the CPU-only torch this
-# project is tested with. Where streaming is installed and no working torchvision is, the tests put
-# a placeholder torchvision (tests/placeholders) first on their path, and on the path of the
-# processes they start (spawned ranks inherit sys.path; subprocesses get `streaming_env()`).
-# sbloader itself never touches sys.modules or sys.path.
-STREAMING_PATH: list[str] = []
-if importlib.util.find_spec("streaming") is not None and not _torchvision_imports():
-    STREAMING_PATH = [str(PLACEHOLDERS)]
+def import_streaming() -> Any:
+    """Import mosaicml-streaming, or skip the test where it is not installed.
+
+    NOTE: tests only. `import streaming` imports torchvision (for streaming's vision datasets,
+    which sbloader does not use), and PyPI's torchvision does not import against the CPU-only
+    torch this project is tested with. Where no working torchvision is installed, streaming is
+    imported with a placeholder torchvision (tests/placeholders) first on the path, and the
+    placeholder is then taken off the path and out of sys.modules again, so that libraries
+    imported later (torchmetrics, transformers) still find no torchvision. sbloader itself never
+    touches sys.modules or sys.path.
+    """
+    if "streaming" in sys.modules:
+        return sys.modules["streaming"]
+    if importlib.util.find_spec("streaming") is None:
+        pytest.skip("needs mosaicml-streaming (scripts/setup.sh installs it)")
+    if not _placeholder_needed():
+        return importlib.import_module("streaming")
     sys.path.insert(0, str(PLACEHOLDERS))
+    try:
+        return importlib.import_module("streaming")
+    finally:
+        sys.path.remove(str(PLACEHOLDERS))
+        for name in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
+            del sys.modules[name]
 
 
 def streaming_env() -> dict[str, str]:
-    """The environment for a subprocess that imports streaming and this checkout's sbloader."""
+    """The environment for a subprocess that imports streaming and this checkout's sbloader
+    (with the placeholder torchvision where no working one is installed)."""
     env = dict(os.environ)
-    paths = [*STREAMING_PATH, str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
+    placeholder = [str(PLACEHOLDERS)] if _placeholder_needed() else []
+    paths = [*placeholder, str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(paths).strip(os.pathsep)
     return env

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import import_streaming
 
 import sbloader
 
@@ -58,9 +59,10 @@ def test_public_api_is_complete():
 )
 def test_docstring_examples_run(module):
     # Modules over optional libraries (installed by scripts/setup.sh) are skipped without them.
-    optional = {"sbloader.streaming": "streaming", "sbloader.stateful": "torchdata"}
-    if module in optional:
-        pytest.importorskip(optional[module])
+    if module == "sbloader.streaming":
+        import_streaming()
+    elif module == "sbloader.stateful":
+        pytest.importorskip("torchdata")
     mod = importlib.import_module(module)
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0

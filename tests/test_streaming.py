@@ -19,12 +19,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import N_CLASSES, EncodedDataset, IndexLoss, streaming_env
+from conftest import N_CLASSES, EncodedDataset, IndexLoss, import_streaming, streaming_env
 from torch import nn
 
 from sbloader import SelectiveBackprop, SelectiveLoader, Traditional
 
-pytest.importorskip("streaming", reason="needs mosaicml-streaming (scripts/setup.sh installs it)")
+import_streaming()  # skips the module where mosaicml-streaming is not installed
 sbs = pytest.importorskip("sbloader.streaming")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,12 +117,12 @@ def test_a_streaming_loader_is_a_source_keyed_by_sample_id(mds):
 
 
 def test_a_dataset_without_sample_ids_needs_an_index_key(mds):
-    from streaming import StreamingDataLoader, StreamingDataset
-
-    loader = StreamingDataLoader(StreamingDataset(local=str(mds), batch_size=8), batch_size=8)
+    streaming = import_streaming()
+    dataset = streaming.StreamingDataset(local=str(mds), batch_size=8)
+    loader = streaming.StreamingDataLoader(dataset, batch_size=8)
     with pytest.raises(TypeError, match="IndexedStreamingDataset"):
         SelectiveLoader(loader, IndexLoss(), input_key="image", target_key="label")
-    released(loader)
+    released(loader, dataset)
 
 
 @pytest.mark.parametrize(("stop", "prefetch"), [((1, 3), 0), ((1, 3), 1), ((1, 0), 1)])
