@@ -23,6 +23,7 @@ from conftest import N_CLASSES, EncodedDataset, IndexLoss, import_streaming, str
 from torch import nn
 
 from sbloader import SelectiveBackprop, SelectiveLoader, Traditional
+from sbloader.datasets import load_fashion_mnist
 
 import_streaming()  # skips the module where mosaicml-streaming is not installed
 sbs = pytest.importorskip("sbloader.streaming")
@@ -254,6 +255,16 @@ def test_two_ranks_read_disjoint_shares_and_resume_exactly(mds, tmp_path):
 
 
 # ------------------------------------------------------------------ the example
+def _have_fashion_mnist() -> bool:
+    try:
+        load_fashion_mnist("test")
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.realdata
+@pytest.mark.skipif(not _have_fashion_mnist(), reason="needs Debian's dataset-fashion-mnist")
 def test_the_streaming_example_runs(tmp_path):
     cmd = [sys.executable, str(ROOT / "examples/streaming_fashion_mnist.py")]
     cmd += ["--examples", "1024", "--epochs", "2", "--dir", str(tmp_path)]
