@@ -267,7 +267,8 @@ def _have_fashion_mnist() -> bool:
 @pytest.mark.skipif(not _have_fashion_mnist(), reason="needs Debian's dataset-fashion-mnist")
 def test_the_streaming_example_runs(tmp_path):
     cmd = [sys.executable, str(ROOT / "examples/streaming_fashion_mnist.py")]
-    cmd += ["--examples", "1024", "--epochs", "2", "--dir", str(tmp_path)]
+    cmd += ["--examples", "512", "--epochs", "2", "--selection-batch-size", "128"]
+    cmd += ["--batch-size", "32", "--dir", str(tmp_path)]
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=280, cwd=ROOT, env=streaming_env()
     )
