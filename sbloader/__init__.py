@@ -35,6 +35,7 @@ from .policies import (
     default_policy,
 )
 from .sources import DataLoaderSource, IterableSource, Source
+from .stateful import StatefulSource
 from .stats import EpochStats, LoaderStats
 from .store import ExampleStore
 from .window import LossWindow
@@ -64,6 +65,7 @@ __all__ = [
     "SelectiveBackprop",
     "SelectiveLoader",
     "Source",
+    "StatefulSource",
     "Traditional",
     "__version__",
     "default_policy",

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from .ffcv import FFCVSource, is_ffcv_loader
 from .sources import DataLoaderSource, IterableSource, Source
+from .stateful import StatefulSource
 
 __all__ = ["make_source"]
 
@@ -24,10 +25,13 @@ def make_source(
     """Adapt what the user passed to a :class:`~sbloader.sources.Source`.
 
     Args:
-        source: a :class:`~sbloader.sources.Source` (returned as is), a torch ``DataLoader``
-            (over a map-style dataset its indices are recovered; with ``index_key``, or over an
-            iterable dataset, it is iterated as it is), an FFCV ``Loader`` (detected without
-            importing ffcv), or any re-iterable of batches.
+        source: a :class:`~sbloader.sources.Source` (returned as is), mosaicml-streaming's
+            ``StreamingDataLoader`` (indices from the ``sample_id`` field by default) or
+            torchdata's ``StatefulDataLoader`` (both detected without importing their library,
+            and resumed through their own state), a torch ``DataLoader`` (over a map-style
+            dataset its indices are recovered; with ``index_key``, or over an iterable dataset,
+            it is iterated as it is), an FFCV ``Loader`` (detected without importing ffcv), or
+            any re-iterable of batches.
         index_key: the batch field holding dataset indices, for sources that carry them.
         dataset_size: the number of examples, for an iterable source (which cannot tell it); a
             source that knows its size must agree with it.
@@ -52,6 +56,12 @@ def make_source(
 def _adapt(source: Any, index_key: Hashable | None, dataset_size: int | None) -> Source:
     if isinstance(source, Source):
         return source
+    if _is_a(source, "streaming", "StreamingDataLoader"):
+        from .streaming import StreamingSource  # imports streaming: only for its loaders
+
+        return StreamingSource(source, index_key)
+    if _is_a(source, "torchdata", "StatefulDataLoader"):
+        return StatefulSource(source, index_key, dataset_size)
     if isinstance(source, DataLoader) and not isinstance(source.dataset, IterableDataset):
         if index_key is not None:
             return IterableSource(source, index_key, dataset_size)
@@ -69,3 +79,16 @@ def _adapt(source: Any, index_key: Hashable | None, dataset_size: int | None) ->
             f"iterable of batches, but got {type(source).__name__}"
         )
     return IterableSource(source, index_key, dataset_size)
+
+
+def _is_a(source: Any, package: str, name: str) -> bool:
+    """Whether ``source`` is an instance of ``package``'s class ``name`` (or of a subclass),
+    without importing ``package``.
+
+    NOTE: by the type's own classes, not ``isinstance``: Accelerate's prepared loaders report
+    their wrapped loader's class, and have a ``state_dict()`` of their own; they are not
+    resumed through it here.
+    """
+    return any(
+        c.__name__ == name and c.__module__.split(".")[0] == package for c in type(source).__mro__
+    )

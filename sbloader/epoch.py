@@ -188,12 +188,18 @@ class EpochIterator:
             else (None, [0, 0])
         )
         tally = self._tally
+        snapshot = source.snapshot
 
         def make_iter() -> Any:
             return source.epoch(skip, keep)
 
-        def read_tally() -> tuple[int, int]:
-            return (tally[0], tally[1])
+        # NOTE: the source's snapshot travels with each batch, taken right after it on the
+        # fetching thread: the state saved mid-epoch is that of the last batch consumed, never of
+        # the ones fetched ahead.
+        def read_tally() -> tuple[int, int, Any]:
+            return (tally[0], tally[1], snapshot())
+
+        loader._source_state = snapshot()
 
         self._fetch = (
             Prefetcher(make_iter, loader.prefetch, read_tally)
@@ -219,10 +225,12 @@ class EpochIterator:
             (raw, indices), now = self._fetch.next()
         except StopIteration:
             self._count_unloaded(self._fetch.last_tally)
+            loader._source_state = self._fetch.last_tally[2]
             self._phase = _Phase.DRAIN if loader._sync is not None else _Phase.REMAINDER
             return
         stats.source_s += perf_counter() - t0
         self._count_unloaded(now)  # examples left out before loading, up to this batch
+        loader._source_state = now[2]
         self.position += 1
         device = loader.device  # NOTE: looked up once per source batch (it walks the model)
         data, n = loader._codec.columns(raw, indices, device)
@@ -397,7 +405,7 @@ class EpochIterator:
                 idx = None if indices is None else indices[finite]
                 loader.policy.observe(values[finite], idx, cdf=loader.cdf == "global")
 
-    def _count_unloaded(self, now: tuple[int, int]) -> None:
+    def _count_unloaded(self, now: tuple[int, int, Any]) -> None:
         """Add the candidates left out before loading since the last count to the stats."""
         stats = self.stats
         assert stats is not None
@@ -405,7 +413,7 @@ class EpochIterator:
         stats.examples_seen += rejected
         stats.prefiltered += rejected
         stats.excluded += excluded
-        self._counted = now
+        self._counted = (now[0], now[1])
 
     def _stop_fetch(self) -> None:
         fetch, self._fetch = self._fetch, None

@@ -80,8 +80,11 @@ class SelectiveLoader:
     Args:
         source: a torch ``DataLoader`` (over a map-style dataset the dataset indices are
             recovered automatically, with any sampler and number of workers), an FFCV ``Loader``
-            (indices from its index field, see :mod:`sbloader.ffcv`), or any re-iterable of
-            batches (indices then come from the field ``index_key``, or are unknown).
+            (indices from its index field, see :mod:`sbloader.ffcv`), torchdata's
+            ``StatefulDataLoader`` or streaming's ``StreamingDataLoader`` (resumed through their
+            own state; other such loaders through :class:`~sbloader.StatefulSource`), or any
+            re-iterable of batches (indices then come from the field ``index_key``, or are
+            unknown).
         model: the model being trained. Selection passes call its unwrapped module (DDP,
             DataParallel and ``torch.compile`` wrappers are looked through). With
             ``frozen_prefix``, the trainable part that runs on the prefix's outputs (the head).
@@ -387,7 +390,7 @@ class SelectiveLoader:
             self.selection_batch_size,
             self.eval_selection,
             keep_logits,
-            index_key=index_key,
+            index_key=self._source.index_field_name() if index_key is None else index_key,
         )
         self._scorer.check()
         if batch_size is None:
@@ -460,6 +463,9 @@ class SelectiveLoader:
         self._unfinished: tuple[int, bool] | None = None
         # Whether the model and loss_fn were checked on a source batch (see EpochIterator).
         self._probed = False
+        # The source's state as of the last source batch consumed (see Source.snapshot); None:
+        # ask the source.
+        self._source_state: dict[str, Any] | None = None
 
     @staticmethod
     def _default_rank() -> int:
@@ -786,7 +792,9 @@ class SelectiveLoader:
             K_POSITION: position,
             K_ACTIVE: active,
             K_RNG: self._rng.bit_generator.state,
-            K_SOURCE: self._source.state_dict(),
+            K_SOURCE: (
+                self._source.state_dict() if self._source_state is None else self._source_state
+            ),
             K_POLICY: self.policy.state_dict(),
             K_PENDING: self._pending.state_dict(),
             K_CODEC: self._codec.state_dict(),
@@ -820,6 +828,7 @@ class SelectiveLoader:
                 "with the saved run's arguments to resume it"
             )
         self._source.load_state_dict(state[K_SOURCE], mid_epoch=active and position > 0)
+        self._source_state = state[K_SOURCE]
         live = self._live_iterator()
         if live is not None:
             live.close()

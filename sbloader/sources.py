@@ -104,6 +104,21 @@ class Source(abc.ABC):
         """Source batches worth fetching ahead on a thread by default (see ``prefetch=``)."""
         return 0
 
+    def index_field_name(self) -> Hashable | None:
+        """The batch field this source reads dataset indices from (no model input), or None."""
+        return None
+
+    def snapshot(self) -> dict[str, Any] | None:
+        """This source's :meth:`state_dict` as of the batch its epoch iterator produced last.
+
+        Called on the thread that advances :meth:`epoch` (the prefetch thread, if any), right
+        after each batch, and on the caller's thread before an epoch starts; the loader saves the
+        snapshot of the last batch the caller consumed. None (the default): :meth:`state_dict`,
+        called at any time on the caller's thread, is already right (sources whose state does
+        not move while batches are fetched ahead).
+        """
+        return None
+
     @abc.abstractmethod
     def epoch(
         self, skip: int = 0, keep: Callable[[np.ndarray], np.ndarray] | None = None
@@ -214,6 +229,28 @@ def _generators(loader: DataLoader) -> list[torch.Generator]:
     return gens
 
 
+def indexed_loader_kwargs(loader: DataLoader, batch_sampler: Any) -> dict[str, Any]:
+    """The arguments of ``loader``'s twin over :class:`IndexedDataset`: the same batches from
+    ``batch_sampler``, workers and memory options, collated into ``(indices, batch)``."""
+    kwargs: dict[str, Any] = dict(
+        batch_sampler=batch_sampler,
+        num_workers=loader.num_workers,
+        collate_fn=IndexedCollate(loader.collate_fn or default_collate),
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
+    )
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    if hasattr(loader, "in_order"):
+        kwargs["in_order"] = loader.in_order
+    return kwargs
+
+
 class DataLoaderSource(Source):
     """A torch DataLoader over a map-style dataset, with every example's index recovered.
 
@@ -237,23 +274,9 @@ class DataLoaderSource(Source):
         self._batch_sampler = _SkippingBatchSampler(loader.batch_sampler)
         self._gens = _generators(loader)
         self._epoch_start: list[torch.Tensor] | None = None
-        kwargs: dict[str, Any] = dict(
-            batch_sampler=self._batch_sampler,
-            num_workers=loader.num_workers,
-            collate_fn=IndexedCollate(loader.collate_fn or default_collate),
-            pin_memory=loader.pin_memory,
-            timeout=loader.timeout,
-            worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context,
-            generator=loader.generator,
-            persistent_workers=loader.persistent_workers,
-            pin_memory_device=loader.pin_memory_device,
+        self._indexed = DataLoader(
+            IndexedDataset(loader.dataset), **indexed_loader_kwargs(loader, self._batch_sampler)
         )
-        if loader.num_workers > 0:
-            kwargs["prefetch_factor"] = loader.prefetch_factor
-        if hasattr(loader, "in_order"):
-            kwargs["in_order"] = loader.in_order
-        self._indexed = DataLoader(IndexedDataset(loader.dataset), **kwargs)
 
     def has_indices(self) -> bool:
         return True

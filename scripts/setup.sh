@@ -28,7 +28,8 @@ fi
 # NOTE: every later install is constrained to the torch, numpy, numba and llvmlite installed now,
 # so that resolving sbloader's extras or ffcv's dependencies can never replace them.
 constraints="$(mktemp)"
-trap 'rm -f "$constraints"' EXIT
+requirements="$(mktemp)"
+trap 'rm -f "$constraints" "$requirements"' EXIT
 python3 -c "import importlib.metadata as m
 for name in ('torch', 'numpy', 'numba', 'llvmlite'):
     try:
@@ -45,3 +46,22 @@ for name in ('numba', 'llvmlite'):
     print(f'{name}=={m.version(name)}')" >>"$constraints"
   $PIP -c "$constraints" "ffcv==1.0.2"
 fi
+
+# mosaicml-streaming (sbloader.streaming; tests/test_streaming.py), with every dependency it
+# declares but one. NOTE: 0.10.0 is the newest release that accepts numpy 2 (0.11 to 0.13 pin
+# numpy<2.2). It declares torchvision, whose PyPI wheels do not import against this CPU-only torch
+# ("operator torchvision::nms does not exist"), and an installed torchvision that fails to import
+# breaks `import lightning` (through torchmetrics). So streaming itself is installed without
+# resolving, then the requirements its own metadata declares, torchvision excepted, are installed
+# (constrained like the rest). `import streaming` still imports torchvision: the tests put a
+# placeholder for it on their path (tests/placeholders); with a working torchvision (a GPU
+# machine's CUDA build) `pip install ".[streaming]"` is all a user needs.
+if ! python3 -c "import importlib.metadata as m, sys; sys.exit(m.version('mosaicml-streaming') != '0.10.0')" 2>/dev/null; then
+  $PIP --no-deps "mosaicml-streaming==0.10.0"
+fi
+python3 -c "import importlib.metadata as m
+from packaging.requirements import Requirement
+for r in map(Requirement, m.requires('mosaicml-streaming') or []):
+    if r.name != 'torchvision' and (r.marker is None or r.marker.evaluate({'extra': ''})):
+        print(r)" >"$requirements"
+$PIP -c "$constraints" -r "$requirements"

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -54,3 +61,52 @@ def bn_model(dim: int = 6) -> nn.Module:
 @pytest.fixture
 def dataset() -> EncodedDataset:
     return EncodedDataset()
+
+
+# ------------------------------------------------------------------ mosaicml-streaming's import
+PLACEHOLDERS = Path(__file__).resolve().parent / "placeholders"
+
+
+def _placeholder_needed() -> bool:
+    """Whether no working torchvision is installed (checked in a subprocess: a broken one fails
+    its import half-way)."""
+    if importlib.util.find_spec("torchvision") is None:
+        return True
+    code = "import torchvision"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode != 0
+
+
+def import_streaming() -> Any:
+    """Import mosaicml-streaming, or skip the test where it is not installed.
+
+    NOTE: tests only. `import streaming` imports torchvision (for streaming's vision datasets,
+    which sbloader does not use), and PyPI's torchvision does not import against the CPU-only
+    torch this project is tested with. Where no working torchvision is installed, streaming is
+    imported with a placeholder torchvision (tests/placeholders) first on the path, and the
+    placeholder is then taken off the path and out of sys.modules again, so that libraries
+    imported later (torchmetrics, transformers) still find no torchvision. sbloader itself never
+    touches sys.modules or sys.path.
+    """
+    if "streaming" in sys.modules:
+        return sys.modules["streaming"]
+    if importlib.util.find_spec("streaming") is None:
+        pytest.skip("needs mosaicml-streaming (scripts/setup.sh installs it)")
+    if not _placeholder_needed():
+        return importlib.import_module("streaming")
+    sys.path.insert(0, str(PLACEHOLDERS))
+    try:
+        return importlib.import_module("streaming")
+    finally:
+        sys.path.remove(str(PLACEHOLDERS))
+        for name in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
+            del sys.modules[name]
+
+
+def streaming_env() -> dict[str, str]:
+    """The environment for a subprocess that imports streaming and this checkout's sbloader
+    (with the placeholder torchvision where no working one is installed)."""
+    env = dict(os.environ)
+    placeholder = [str(PLACEHOLDERS)] if _placeholder_needed() else []
+    paths = [*placeholder, str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(paths).strip(os.pathsep)
+    return env

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import import_streaming
 
 import sbloader
 
@@ -57,6 +58,11 @@ def test_public_api_is_complete():
     "module", sorted(m.name for m in pkgutil.iter_modules(sbloader.__path__, "sbloader."))
 )
 def test_docstring_examples_run(module):
+    # Modules over optional libraries (installed by scripts/setup.sh) are skipped without them.
+    if module == "sbloader.streaming":
+        import_streaming()
+    elif module == "sbloader.stateful":
+        pytest.importorskip("torchdata")
     mod = importlib.import_module(module)
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0

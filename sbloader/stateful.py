@@ -1,0 +1,231 @@
+"""Sources that keep their own state: resumed through their own ``state_dict()``, not replayed.
+
+torchdata's ``StatefulDataLoader`` and mosaicml-streaming's ``StreamingDataLoader`` know where
+they are in an epoch (their sampler's or dataset's position, a stateful dataset's own state).
+Replaying such a loader from the start of its epoch and discarding batches diverges wherever that
+state matters (an iterable dataset that shuffles with its own generator, a streaming dataset that
+resumes from a sample count); :class:`StatefulSource` saves and restores the loader's own state
+instead.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
+
+import numpy as np
+from torch.utils.data import DataLoader, IterableDataset
+
+from ._checks import check_int
+from ._state import VERSION, Stateful, check_version
+from .sources import IndexedDataset, IterableSource, Source, indexed_loader_kwargs
+
+__all__ = ["StatefulSource"]
+
+
+def _has_state(loader: Any) -> bool:
+    return isinstance(loader, Stateful)
+
+
+def _map_style(loader: Any) -> bool:
+    return isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset)
+
+
+def _indexed_twin(loader: DataLoader) -> DataLoader:
+    """A loader of ``loader``'s own class over its dataset with indices, yielding
+    ``(indices, batch)``: the same sampler objects, so its state is the user's loader's."""
+    if loader.batch_sampler is None:
+        raise ValueError(
+            "SelectiveLoader needs a batching DataLoader, but got one with batch_size=None "
+            "(automatic batching disabled); give the DataLoader a batch_size"
+        )
+    kwargs = indexed_loader_kwargs(loader, loader.batch_sampler)
+    # NOTE: StatefulDataLoader's one argument beyond DataLoader's; copied where the loader has
+    # it, so that the twin snapshots its workers' state as often as the user's loader would.
+    every = getattr(loader, "snapshot_every_n_steps", None)
+    if every is not None:
+        kwargs["snapshot_every_n_steps"] = every
+    return type(loader)(IndexedDataset(loader.dataset), **kwargs)
+
+
+class _Passes:
+    """Each ``iter()`` is one pass over ``loader``, started on the first ``next()``.
+
+    NOTE: :class:`~sbloader.sources.IterableSource` checks that its iterable is re-iterable by
+    calling ``iter()`` once; on a DataLoader that would build an iterator (drawing from the
+    loader's generator, starting workers) and change the very state this source saves.
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from self.loader
+
+
+class StatefulSource(Source):
+    """A loader with its own ``state_dict()`` / ``load_state_dict()``, resumed through them.
+
+    Each epoch is one pass over the loader; a mid-epoch checkpoint holds the loader's own state
+    as of the last source batch the :class:`~sbloader.SelectiveLoader` consumed (a copy taken on
+    the fetching thread right after that batch, so batches fetched ahead by ``prefetch=`` are not
+    counted), and resuming loads it into the loader, which continues from there. Rejected
+    examples are loaded and dropped (the loader decides what it loads).
+
+    Args:
+        loader: a re-iterable of batches with ``state_dict()`` and ``load_state_dict()``, such as
+            torchdata's ``StatefulDataLoader``. Over a map-style dataset (without ``index_key``)
+            the dataset indices are recovered as for a DataLoader: the loader is rebuilt as a
+            twin of its own class around the same dataset, sampler and options, and the twin's
+            state is saved.
+        index_key: the batch field holding dataset indices (an iterable dataset's own ids).
+        dataset_size: the number of distinct dataset indices, for Stale-SB's per-example store.
+            Default: ``len(dataset)`` for a map-style dataset, else unknown.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import TensorDataset
+        >>> from torchdata.stateful_dataloader import StatefulDataLoader
+        >>> src = StatefulSource(StatefulDataLoader(TensorDataset(torch.arange(6.0)), batch_size=4))
+        >>> [(batch[0].tolist(), idx.tolist()) for batch, idx in src.epoch()]
+        [([0.0, 1.0, 2.0, 3.0], [0, 1, 2, 3]), ([4.0, 5.0], [4, 5])]
+        >>> src.state_dict()["position"], src.state_dict()["finished"]
+        (2, True)
+    """
+
+    STATE_VERSION = 1
+
+    def __init__(
+        self, loader: Any, index_key: Hashable | None = None, dataset_size: int | None = None
+    ) -> None:
+        if not _has_state(loader):
+            raise TypeError(
+                "StatefulSource needs a loader with state_dict() and load_state_dict(), but got "
+                f"{type(loader).__name__}; pass other loaders to SelectiveLoader directly"
+            )
+        self.loader = loader
+        self.index_key = index_key
+        self._twin = _indexed_twin(loader) if index_key is None and _map_style(loader) else None
+        self._rows = None if self._twin is not None else IterableSource(_Passes(loader), index_key)
+        self._stateful: Any = self._twin if self._twin is not None else loader
+        if dataset_size is not None:
+            dataset_size = check_int("dataset_size", dataset_size, minimum=1)
+        elif _map_style(loader):
+            dataset_size = len(loader.dataset)
+        self._size = dataset_size
+        self._position = 0  # source batches produced in the current epoch
+        self._finished = False  # whether the loader's last epoch ran to its end
+        self._abandoned = False  # whether it was left part-way (closed or failed)
+        self._resume_at: int | None = None  # the position a loaded mid-epoch state resumes at
+        self._loaded: dict[str, Any] | None = None  # a loaded state, until the next epoch starts
+
+    def has_indices(self) -> bool:
+        return self._twin is not None or self.index_key is not None
+
+    def index_field_name(self) -> Hashable | None:
+        return self.index_key
+
+    def drop_last(self) -> bool:
+        return bool(getattr(self.loader, "drop_last", False))
+
+    def default_prefetch(self) -> int:
+        """1 with worker processes (the next batch is then fetched while the caller trains)."""
+        return 1 if getattr(self.loader, "num_workers", 0) > 0 else 0
+
+    def epoch(
+        self, skip: int = 0, keep: Callable[[np.ndarray], np.ndarray] | None = None
+    ) -> Iterator[tuple[Any, np.ndarray | None]]:
+        # NOTE: nothing is skipped here: a loaded state has already put the loader at ``skip``.
+        expected, self._resume_at = self._resume_at or 0, None
+        if skip != expected:
+            raise ValueError(
+                f"{type(self).__name__} can resume at source batch {expected} (where its loaded "
+                f"state was saved), but the loader asked for batch {skip}; load the "
+                "SelectiveLoader's state and the source's together, from one state_dict()"
+            )
+        self._loaded = None
+        self._position, self._finished, self._abandoned = skip, False, False
+        try:
+            if self._twin is not None:
+                for indices, batch in self._twin:
+                    self._position += 1
+                    yield batch, indices.numpy()
+            else:
+                assert self._rows is not None
+                for batch, indices in self._rows.epoch():
+                    self._position += 1
+                    yield batch, indices
+            self._finished = True
+        finally:
+            self._abandoned = not self._finished
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's own state (a copy) and this epoch's position in source batches."""
+        if self._loaded is not None:
+            return self._loaded
+        return {
+            VERSION: self.STATE_VERSION,
+            "position": self._position,
+            "finished": self._finished,
+            "abandoned": self._abandoned,
+            "loader": copy.deepcopy(self._stateful.state_dict()),
+        }
+
+    def snapshot(self) -> dict[str, Any] | None:
+        return self.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
+        state = check_version(state, type(self).__name__, self.STATE_VERSION)
+        if mid_epoch and state["finished"]:
+            raise ValueError(
+                f"the saved {type(self).__name__} state ended its epoch, but the SelectiveLoader "
+                "state resumes one; load the two from one state_dict()"
+            )
+        if not mid_epoch and state.get("abandoned"):
+            # NOTE: the loader's own state still describes the pass that was left part-way, and
+            # loading it would resume that pass, where the run it was saved from began a new one.
+            raise ValueError(
+                f"the saved {type(self).__name__} state was taken after an epoch was abandoned "
+                "part-way and before the next epoch's first batch, so it would resume the "
+                "abandoned pass; save the state after a batch of the new epoch instead"
+            )
+        self._stateful.load_state_dict(self._resumable(copy.deepcopy(state["loader"]), state))
+        self._resume_at = int(state["position"]) if mid_epoch else None
+        self._loaded = state
+
+    def _resumable(self, loader_state: Any, state: dict[str, Any]) -> Any:
+        """What to load into the loader for ``state`` (overridden where the loader's own state at
+        an epoch's end would not start the next epoch)."""
+        return loader_state
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def batch_size(self) -> int | None:
+        return getattr(self.loader, "batch_size", None)
+
+    @property
+    def dataset_size(self) -> int | None:
+        return self._size
+
+    @property
+    def dataset(self) -> Any:
+        return getattr(self.loader, "dataset", None)
+
+    @property
+    def sampler(self) -> Any:
+        return getattr(getattr(self.loader, "batch_sampler", None), "sampler", None)
+
+    @property
+    def epoch_size(self) -> int | None:
+        try:
+            return len(self.sampler)
+        except TypeError:
+            return self.dataset_size
+
+    def set_epoch(self, epoch: int) -> None:
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)

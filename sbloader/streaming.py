@@ -1,0 +1,240 @@
+"""mosaicml-streaming as a source: MDS shards written from arrays, read back keyed by sample id.
+
+For data that does not fit one machine: a ``StreamingDataset`` streams MDS shards into a local
+cache and hands each rank a disjoint share of every epoch. :class:`IndexedStreamingDataset` adds
+each sample's own streaming sample id (its global index over all streams, the same on every rank
+and in every epoch) to the sample, as the field ``"sample_id"``, and :class:`StreamingSource`
+uses it as the dataset index, so Stale-SB's per-example store is keyed by it. A
+``StreamingDataLoader`` is resumed through its own ``state_dict()`` (exact mid-epoch resume, the
+sample count saved as of the last batch the loader consumed).
+
+Importing this module imports ``streaming`` (``import sbloader`` does not; pass a
+``StreamingDataLoader`` to ``SelectiveLoader`` and it is imported then). Note that ``import
+streaming`` imports torchvision (for streaming's own vision datasets).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from streaming import MDSWriter, StreamingDataLoader, StreamingDataset
+
+from ._checks import check_int
+from .stateful import StatefulSource
+
+__all__ = ["SAMPLE_ID", "IndexedStreamingDataset", "StreamingSource", "open_mds", "write_mds"]
+
+#: The field :class:`IndexedStreamingDataset` adds to every sample: its streaming sample id.
+SAMPLE_ID = "sample_id"
+
+
+def _column(value: Any) -> tuple[str, Any]:
+    """An MDS encoding for one field, from its first value, and a converter for every value."""
+    if isinstance(value, torch.Tensor):
+        value = value.numpy()
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError("write_mds cannot store booleans; convert them to integers first")
+    if isinstance(value, (int, np.integer)) or (isinstance(value, np.ndarray) and value.ndim == 0):
+        kind = np.asarray(value).dtype.kind
+        if kind in "iu":
+            return "int64", lambda v: np.int64(v)
+        return "float64", lambda v: np.float64(v)
+    if isinstance(value, (float, np.floating)):
+        return "float64", lambda v: np.float64(v)
+    if isinstance(value, np.ndarray):
+        shape = ",".join(str(d) for d in value.shape)
+        dtype = value.dtype
+
+        def convert(v: Any) -> np.ndarray:
+            v = v.numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+            return np.ascontiguousarray(v, dtype=dtype)
+
+        return f"ndarray:{dtype.name}:{shape}", convert
+    raise TypeError(
+        f"write_mds stores arrays, tensors and numbers, but got a {type(value).__name__} field"
+    )
+
+
+def write_mds(
+    path: str | os.PathLike,
+    data: Any,
+    *,
+    names: Sequence[str] | None = None,
+    size_limit: int = 1 << 26,
+) -> Path:
+    """Write a map-style dataset, or equal-length arrays, as MDS shards into ``path``.
+
+    Sample ``i`` written is sample id ``i`` of a ``StreamingDataset`` over this one directory:
+    :class:`IndexedStreamingDataset` hands it out with ``sample_id = i``.
+
+    Args:
+        path: the output directory (must be empty or not exist).
+        data: a map-style dataset whose items are tuples (or single values), or a tuple/list of
+            arrays or tensors of equal length (e.g. ``(images, labels)``).
+        names: field names, one per sample entry. Default ``("image", "label")`` for two entries,
+            ``("image",)`` for one, else required.
+        size_limit: bytes per shard (streaming's default, 64 MiB).
+
+    Returns:
+        The directory written.
+
+    Example:
+        >>> import tempfile, numpy as np
+        >>> data = (np.zeros((5, 2), np.float32), np.arange(5))
+        >>> out = write_mds(tempfile.mkdtemp() + "/mds", data)
+        >>> sorted(p.name for p in out.iterdir())
+        ['index.json', 'shard.00000.mds']
+    """
+    path = Path(path)
+    if path.exists() and any(path.iterdir()):
+        raise ValueError(f"write_mds writes into an empty directory, but path={str(path)!r} is not")
+    if isinstance(data, (tuple, list)):
+        columns = [c.numpy() if isinstance(c, torch.Tensor) else np.asarray(c) for c in data]
+        lengths = {len(c) for c in columns}
+        if len(lengths) != 1:
+            raise ValueError(f"write_mds needs arrays of equal length, but got {sorted(lengths)}")
+        n = lengths.pop()
+
+        def sample(i: int) -> tuple[Any, ...]:
+            return tuple(c[i] for c in columns)
+
+    else:
+        n = len(data)
+
+        def sample(i: int) -> tuple[Any, ...]:
+            item = data[i]
+            return tuple(item) if isinstance(item, (tuple, list)) else (item,)
+
+    if n == 0:
+        raise ValueError("write_mds needs at least one sample, but data is empty")
+    first = sample(0)
+    if names is None:
+        defaults = {1: ("image",), 2: ("image", "label")}
+        if len(first) not in defaults:
+            raise ValueError(
+                f"samples have {len(first)} entries; pass names= (one field name per entry)"
+            )
+        names = defaults[len(first)]
+    if len(names) != len(first) or SAMPLE_ID in names:
+        raise ValueError(
+            f"names should give one name per sample entry ({len(first)}) and not {SAMPLE_ID!r}, "
+            f"but got names={tuple(names)!r}"
+        )
+    encodings = [_column(v) for v in first]
+    columns_spec = {name: enc for name, (enc, _) in zip(names, encodings)}
+    with MDSWriter(out=str(path), columns=columns_spec, size_limit=size_limit) as writer:
+        for i in range(n):
+            values = sample(i)
+            writer.write({name: conv(v) for name, (_, conv), v in zip(names, encodings, values)})
+    return path
+
+
+class IndexedStreamingDataset(StreamingDataset):
+    """A ``StreamingDataset`` whose samples carry their own sample id, as ``"sample_id"``.
+
+    Takes ``StreamingDataset``'s arguments. Every sample dict gets the field
+    :data:`SAMPLE_ID`: its global sample id over all streams, which is what the shuffling and
+    partitioning permute, so it names the same example on every rank and in every epoch.
+    """
+
+    def get_item(self, sample_id: int, retry: int = 7) -> Any:
+        sample = super().get_item(sample_id, retry)
+        # NOTE: MDS decodes arrays as read-only views of the shard; torch's collate would wrap
+        # them as tensors that must not be written to (and warns). Samples are copied out.
+        for key, value in sample.items():
+            if isinstance(value, np.ndarray) and not value.flags.writeable:
+                sample[key] = value.copy()
+        sample[SAMPLE_ID] = np.int64(sample_id)
+        return sample
+
+
+def open_mds(
+    local: str | os.PathLike,
+    batch_size: int,
+    *,
+    shuffle: bool = True,
+    seed: int = 0,
+    num_workers: int = 0,
+    **dataset_kwargs: Any,
+) -> StreamingDataLoader:
+    """A ``StreamingDataLoader`` over the MDS directory ``local``, with sample ids.
+
+    Each rank (of an initialised ``torch.distributed`` job, or ``RANK``/``WORLD_SIZE`` in the
+    environment) reads a disjoint share of every epoch.
+
+    Args:
+        local: the MDS directory (read where it lies; no remote).
+        batch_size: examples per source batch (per rank).
+        shuffle: shuffle every epoch (streaming's deterministic, world-size-independent order).
+        seed: the shuffle seed.
+        num_workers: DataLoader worker processes.
+        **dataset_kwargs: further ``StreamingDataset`` arguments.
+
+    Example:
+        >>> import tempfile, numpy as np
+        >>> data = (np.zeros((5, 2), np.float32), np.arange(5))
+        >>> out = write_mds(tempfile.mkdtemp() + "/mds", data)
+        >>> loader = open_mds(out, 2, shuffle=False)
+        >>> [b["sample_id"].tolist() for b in loader]
+        [[0, 1], [2, 3], [4]]
+        >>> del loader  # releases streaming's shared memory for this directory
+    """
+    batch_size = check_int("batch_size", batch_size, minimum=1)
+    dataset = IndexedStreamingDataset(
+        local=str(local),
+        batch_size=batch_size,
+        shuffle=shuffle,
+        shuffle_seed=check_int("seed", seed, minimum=0),
+        **dataset_kwargs,
+    )
+    return StreamingDataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
+
+
+class StreamingSource(StatefulSource):
+    """A ``StreamingDataLoader`` as a source, keyed by the batch field ``index_key``.
+
+    Resumed through the loader's own ``state_dict()`` (the samples seen this epoch, as of the last
+    source batch consumed). The dataset size (for Stale-SB's store) is the dataset's number of
+    underlying samples, so sample ids index it; the epoch size is this rank's share.
+
+    Args:
+        loader: a ``StreamingDataLoader`` over a ``StreamingDataset``.
+        index_key: the batch field holding dataset indices: :data:`SAMPLE_ID` by default, as
+            :class:`IndexedStreamingDataset` yields; or a field written with the data.
+    """
+
+    def __init__(self, loader: StreamingDataLoader, index_key: Hashable | None = None) -> None:
+        dataset = getattr(loader, "dataset", None)
+        if not isinstance(dataset, StreamingDataset):
+            raise TypeError(
+                "StreamingSource needs a StreamingDataLoader over a StreamingDataset, but its "
+                f"dataset is {type(dataset).__name__}; build it with sbloader.streaming.open_mds"
+            )
+        if index_key is None and not isinstance(dataset, IndexedStreamingDataset):
+            raise TypeError(
+                f"a {type(dataset).__name__}'s samples carry no sample id; build it as "
+                "sbloader.streaming.IndexedStreamingDataset (open_mds does), or pass index_key= "
+                "the field that holds each sample's dataset index"
+            )
+        super().__init__(
+            loader, SAMPLE_ID if index_key is None else index_key, int(dataset.num_samples)
+        )
+
+    def _resumable(self, loader_state: Any, state: dict[str, Any]) -> Any:
+        # NOTE: streaming resumes a state saved at an epoch's end inside that same epoch, which
+        # then yields nothing; the next epoch's start is what an uninterrupted run reads next.
+        if state["finished"] and loader_state is not None:
+            return dict(loader_state, epoch=int(loader_state["epoch"]) + 1, sample_in_epoch=0)
+        return loader_state
+
+    def set_epoch(self, epoch: int) -> None:
+        """Nothing to forward: a StreamingDataset counts its epochs itself (and saves them)."""
+
+    @property
+    def epoch_size(self) -> int | None:
+        return len(self.loader.dataset)

@@ -1,0 +1,1 @@
+"""A placeholder torchvision for tests that import mosaicml-streaming (see ../../README.md)."""

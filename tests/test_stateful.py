@@ -1,0 +1,245 @@
+"""Sources that keep their own state (torchdata's StatefulDataLoader): resumed, not replayed."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import N_CLASSES, EncodedDataset, IndexLoss
+from torch import nn
+from torch.utils.data import IterableDataset
+
+import sbloader
+from sbloader import SelectiveBackprop, SelectiveLoader
+from sbloader.adapt import make_source
+from sbloader.stateful import StatefulSource
+
+tdl = pytest.importorskip("torchdata.stateful_dataloader")
+StatefulDataLoader = tdl.StatefulDataLoader
+RandomSampler = pytest.importorskip("torchdata.stateful_dataloader.sampler").RandomSampler
+
+N = 120
+
+# torchdata 0.11 calls a deprecated torch function on every iter().
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+
+
+class ShufflingStream(IterableDataset):
+    """Yields ``(x, y, index)`` (x encodes the index) in an order drawn from its own generator
+    each epoch. Its ``state_dict`` is what torchdata asks of a stateful dataset: the generator
+    at the epoch's start and the position, so a loaded state continues the same order. Replaying
+    it from the start draws a new order instead."""
+
+    def __init__(self, n: int = N, dim: int = 6, seed: int = 0) -> None:
+        self.n, self.dim = n, dim
+        self.gen = torch.Generator().manual_seed(seed)
+        self._start = self.gen.get_state()
+        self._pos = 0
+        self._resume: tuple[list[int], int] | None = None
+
+    def __iter__(self):
+        # NOTE: the order is decided when iter() is called, not on the first next(): torchdata
+        # calls iter() right after load_state_dict (the resumed pass) and, if the saved pass had
+        # ended, once more for the next one.
+        if self._resume is not None:
+            (order, pos), self._resume = self._resume, None
+        else:
+            self._start = self.gen.get_state()
+            order, pos = torch.randperm(self.n, generator=self.gen).tolist(), 0
+        return self._samples(order, pos)
+
+    def _samples(self, order, pos):
+        for k in range(pos, self.n):
+            self._pos = k + 1
+            i = order[k]
+            yield torch.full((self.dim,), float(i)), torch.tensor(i % N_CLASSES), i
+
+    def state_dict(self):
+        return {"start": self._start.clone(), "pos": self._pos}
+
+    def load_state_dict(self, state):
+        self.gen.set_state(state["start"])
+        self._start = state["start"].clone()
+        order = torch.randperm(self.n, generator=self.gen).tolist()
+        self._pos = state["pos"]
+        self._resume = (order, self._pos)
+
+
+def iterable_loader(**kw):
+    """SB over a StatefulDataLoader of the shuffling stream; indices in field 2."""
+    dl = StatefulDataLoader(ShufflingStream(), batch_size=24)
+    return SelectiveLoader(
+        dl, IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=10, seed=0, index_key=2, **kw
+    )
+
+
+def map_loader(workers=0, **kw):
+    """SB over a StatefulDataLoader of a map-style dataset (indices recovered)."""
+    ds = EncodedDataset(N)
+    sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(3))
+    dl = StatefulDataLoader(ds, batch_size=24, sampler=sampler, num_workers=workers)
+    return SelectiveLoader(
+        dl, IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=10, seed=0, **kw
+    )
+
+
+def check_pairing(batch) -> None:
+    x, y = batch[0], batch[1]
+    assert torch.equal(x[:, 0].long(), batch.indices)
+    assert torch.equal(y, batch.indices % N_CLASSES)
+
+
+def run(loader, epochs: int) -> list[list[int]]:
+    out = []
+    for _ in range(epochs):
+        for b in loader:
+            check_pairing(b)
+            out.append(b.indices.tolist())
+    return out
+
+
+def checkpoint(state):
+    """A save and load through torch's default (weights-only) unpickler."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf)
+
+
+def test_stateful_loaders_are_stateful_sources():
+    src = make_source(StatefulDataLoader(ShufflingStream(), batch_size=24), index_key=2)
+    assert isinstance(src, StatefulSource) and src.has_indices() and not src.can_filter()
+    src = make_source(StatefulDataLoader(EncodedDataset(N), batch_size=24))
+    assert isinstance(src, StatefulSource) and src.has_indices() and src.dataset_size == N
+
+
+@pytest.mark.parametrize("make", [iterable_loader, map_loader], ids=["iterable", "map"])
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("stop", [(0, 3), (1, 5), (1, 0)])
+def test_mid_epoch_resume_yields_what_an_uninterrupted_run_does(make, prefetch, stop):
+    epochs = 3
+    reference = run(make(prefetch=prefetch), epochs)
+    # The run to interrupt: full epochs, then `steps` batches of the next one.
+    full, steps = stop
+    loader = make(prefetch=prefetch)
+    before = run(loader, full)
+    it = iter(loader)
+    for _ in range(steps):
+        b = next(it)
+        check_pairing(b)
+        before.append(b.indices.tolist())
+    if steps:
+        assert it.position > 0
+    state = checkpoint(loader.state_dict())
+    del it, loader  # the interrupted process ends
+
+    resumed = make(prefetch=prefetch)  # a fresh process: a new dataset, loader and model
+    resumed.load_state_dict(state)
+    after = run(resumed, epochs - full)
+    assert before + after == reference
+    assert resumed.epoch == epochs
+
+
+def test_worker_processes_resume_exactly_too():
+    """With workers the loader prefetches by default, and torchdata snapshots its workers."""
+    reference = run(map_loader(workers=2), 2)
+    loader = map_loader(workers=2)
+    assert loader.prefetch == 1
+    before = run(loader, 1)
+    it = iter(loader)
+    before += [next(it).indices.tolist() for _ in range(3)]
+    state = checkpoint(loader.state_dict())
+    it.close()
+    del it, loader
+    resumed = map_loader(workers=2)
+    resumed.load_state_dict(state)
+    assert before + run(resumed, 1) == reference
+
+
+def test_a_state_saved_after_an_abandoned_pass_and_before_the_next_batch_is_refused():
+    """The loader's own state then describes the abandoned pass, which loading would resume."""
+    loader = iterable_loader()
+    it = iter(loader)
+    next(it)
+    it.close()  # the epoch is abandoned part-way (as after `break`)
+    source = loader.source
+    state = source.state_dict()
+    assert state["abandoned"] and not state["finished"]
+    with pytest.raises(ValueError, match="abandoned"):
+        iterable_loader().source.load_state_dict(state, mid_epoch=False)
+    iterable_loader().source.load_state_dict(state, mid_epoch=True)  # resuming that pass is fine
+
+
+def test_the_saved_state_is_that_of_the_last_consumed_batch_not_the_ones_fetched_ahead():
+    loader = iterable_loader(prefetch=3)
+    it = iter(loader)
+    next(it)
+    consumed = it.position
+    dataset = loader.source.loader.dataset
+    deadline = time.monotonic() + 60  # the thread fetches ahead of the consumer
+    while dataset._pos <= consumed * 24 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert dataset._pos > consumed * 24
+    state = loader.state_dict()
+    assert state["source"]["position"] == consumed
+    assert state["source"]["loader"]["dataset_state"]["pos"] == consumed * 24
+
+
+def test_replaying_the_stream_would_diverge():
+    """The issue's failing row, kept as a control: the stream's epochs differ, so a resume that
+    replays it from the start of the epoch (without its state) yields other examples."""
+    stream = ShufflingStream()
+    first, second = [[int(s[2]) for s in stream] for _ in range(2)]
+    assert first != second
+
+
+def test_stale_sb_keys_its_store_by_the_streams_indices():
+    """Stale-SB's per-example store over a stateful iterable source: each stored loss is the
+    loss of the example whose index the stream gave."""
+    dl = StatefulDataLoader(ShufflingStream(), batch_size=24)
+    source = sbloader.StatefulSource(dl, index_key=2, dataset_size=N)
+    policy = SelectiveBackprop(1 / 3, staleness=2)
+    loader = SelectiveLoader(source, IndexLoss(), policy=policy, batch_size=10, seed=0)
+    run(loader, 1)
+    x = torch.stack([EncodedDataset(N)[i][0] for i in range(N)])
+    with torch.no_grad():
+        expected = nn.functional.cross_entropy(
+            IndexLoss()(x), torch.arange(N) % N_CLASSES, reduction="none"
+        ).numpy()
+    losses, epochs = policy.store.lookup(np.arange(N))
+    np.testing.assert_array_equal(losses, expected)
+    assert (epochs == 0).all()
+    run(loader, 1)  # a stale epoch decides from the stored losses: no selection forward
+    assert loader.stats.epochs[1].selection_forwards == 0
+
+
+def test_a_state_of_another_position_is_refused():
+    loader = iterable_loader()
+    it = iter(loader)
+    next(it)
+    next(it)
+    state = loader.state_dict()
+    state["source"] = dict(state["source"], position=state["source"]["position"] + 1)
+    resumed = iterable_loader()
+    resumed.load_state_dict(state)
+    with pytest.raises(ValueError, match="can resume at source batch"):
+        list(resumed)
+
+
+def test_accelerates_prepared_loader_is_not_taken_for_a_stateful_one():
+    """Accelerate's prepared DataLoader has a state_dict() too (and reports its wrapped loader's
+    class); it stays a DataLoaderSource."""
+    data_loader = pytest.importorskip("accelerate.data_loader")
+    # What Accelerator.prepare returns on one process, built without an Accelerator (whose state
+    # is process-wide).
+    prepared = data_loader.DataLoaderShard(EncodedDataset(N), batch_size=24)
+    assert isinstance(prepared, torch.utils.data.DataLoader) and hasattr(prepared, "state_dict")
+    assert isinstance(make_source(prepared), sbloader.DataLoaderSource)
+
+
+def test_a_loader_without_state_is_refused():
+    with pytest.raises(TypeError, match="state_dict"):
+        StatefulSource([[1, 2]])

@@ -1,0 +1,276 @@
+"""mosaicml-streaming as a source: MDS written with sbloader, read back keyed by sample id, resumed
+through StreamingDataLoader's own state, on one process and on two gloo ranks."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import io
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import N_CLASSES, EncodedDataset, IndexLoss, import_streaming, streaming_env
+from torch import nn
+
+from sbloader import SelectiveBackprop, SelectiveLoader, Traditional
+from sbloader.datasets import load_fashion_mnist
+
+import_streaming()  # skips the module where mosaicml-streaming is not installed
+sbs = pytest.importorskip("sbloader.streaming")
+
+ROOT = Path(__file__).resolve().parents[1]
+N = 120
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def mds(tmp_path) -> Path:
+    """EncodedDataset(N) written as MDS: image i is [i, ..., i], label i % N_CLASSES."""
+    return sbs.write_mds(tmp_path / "mds", EncodedDataset(N))
+
+
+def released(*objects) -> None:
+    """Drop a loader (and its StreamingDataset): streaming lets one dataset per local directory
+    live at a time, and frees its shared memory when the dataset is collected."""
+    del objects
+    gc.collect()
+
+
+def make_loader(local, policy=None, prefetch=0, **kw) -> SelectiveLoader:
+    source = sbs.open_mds(local, 24, shuffle=True, seed=7)
+    return SelectiveLoader(
+        source,
+        IndexLoss(),
+        policy=policy or SelectiveBackprop(0.5),
+        batch_size=10,
+        seed=0,
+        input_key="image",
+        target_key="label",
+        prefetch=prefetch,
+        **kw,
+    )
+
+
+def check_pairing(batch) -> None:
+    """Each yielded example's image, label and index (its sample id) belong together."""
+    idx = batch.indices
+    assert torch.equal(batch["sample_id"], idx)
+    assert torch.equal(batch["image"][:, 0].long(), idx)
+    assert torch.equal(batch["label"], idx % N_CLASSES)
+
+
+def run(loader, epochs: int) -> list[list[int]]:
+    out = []
+    for _ in range(epochs):
+        for b in loader:
+            check_pairing(b)
+            out.append(b.indices.tolist())
+    return out
+
+
+def expected_losses(n: int) -> np.ndarray:
+    x = torch.stack([EncodedDataset(n)[i][0] for i in range(n)])
+    with torch.no_grad():
+        return nn.functional.cross_entropy(
+            IndexLoss()(x), torch.arange(n) % N_CLASSES, reduction="none"
+        ).numpy()
+
+
+def checkpoint(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf)
+
+
+def test_write_mds_is_read_back_with_each_samples_own_id(mds):
+    loader = sbs.open_mds(mds, 16, shuffle=True, seed=1)
+    epochs = []
+    for _ in range(2):
+        ids = []
+        for b in loader:
+            assert torch.equal(b["image"][:, 0].long(), b["sample_id"])
+            assert torch.equal(b["label"], b["sample_id"] % N_CLASSES)
+            ids += b["sample_id"].tolist()
+        assert sorted(ids) == list(range(N))
+        epochs.append(ids)
+    assert epochs[0] != epochs[1]  # shuffled anew every epoch
+    released(loader)
+
+
+def test_a_streaming_loader_is_a_source_keyed_by_sample_id(mds):
+    loader = make_loader(mds)
+    source = loader.source
+    assert isinstance(source, sbs.StreamingSource)
+    assert source.has_indices() and source.dataset_size == N and source.epoch_size == N
+    assert len(run(loader, 1)) >= 5
+    released(loader, source)
+
+
+def test_a_dataset_without_sample_ids_needs_an_index_key(mds):
+    streaming = import_streaming()
+    dataset = streaming.StreamingDataset(local=str(mds), batch_size=8)
+    loader = streaming.StreamingDataLoader(dataset, batch_size=8)
+    with pytest.raises(TypeError, match="IndexedStreamingDataset"):
+        SelectiveLoader(loader, IndexLoss(), input_key="image", target_key="label")
+    released(loader, dataset)
+
+
+@pytest.mark.parametrize(("stop", "prefetch"), [((1, 3), 0), ((1, 3), 1), ((1, 0), 1)])
+def test_mid_epoch_resume_yields_what_an_uninterrupted_run_does(mds, stop, prefetch):
+    epochs = 3
+    loader = make_loader(mds, prefetch=prefetch)
+    reference = run(loader, epochs)
+    released(loader)
+
+    full, steps = stop
+    loader = make_loader(mds, prefetch=prefetch)
+    before = run(loader, full)
+    it = iter(loader)
+    for _ in range(steps):
+        b = next(it)
+        check_pairing(b)
+        before.append(b.indices.tolist())
+    state = checkpoint(loader.state_dict())
+    it.close()
+    released(loader, it)
+
+    resumed = make_loader(mds, prefetch=prefetch)  # a new dataset, loader and model
+    resumed.load_state_dict(state)
+    assert before + run(resumed, epochs - full) == reference
+    released(resumed)
+
+
+def test_stale_sb_stores_each_loss_under_its_sample_id(mds):
+    policy = SelectiveBackprop(1 / 3, staleness=2)
+    loader = make_loader(mds, policy=policy)
+    run(loader, 2)
+    losses, epochs = policy.store.lookup(np.arange(N))
+    np.testing.assert_array_equal(losses, expected_losses(N))
+    assert (epochs == 0).all()
+    assert [e.selection_forwards for e in loader.stats.epochs] == [N, 0]
+    released(loader)
+
+
+# ------------------------------------------------------------------ two gloo ranks
+DEADLINE_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_ranks(rank: int, world_size: int, port: int, local: str, out: str) -> None:
+    # NOTE: a spawned child of the test. streaming reads the ranks and the node layout from these
+    # variables (torchrun sets them), not from torch.distributed.
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        result: dict = {}
+        loader = make_loader(local, policy=Traditional())
+        result["seen"] = [[i for b in loader for i in b.indices.tolist()] for _ in range(2)]
+        released(loader)
+        dist.barrier()
+
+        def stale() -> SelectiveLoader:
+            return make_loader(local, policy=SelectiveBackprop(0.5, staleness=2), prefetch=1)
+
+        loader = stale()
+        result["reference"] = run(loader, 3)
+        result["stored"] = loader.policy.store.lookup(np.arange(N))[0]
+        released(loader)
+        dist.barrier()
+        loader = stale()
+        before = run(loader, 1)
+        it = iter(loader)
+        before += [next(it).indices.tolist() for _ in range(2)]
+        state = checkpoint(loader.state_dict())
+        it.close()
+        released(loader, it)
+        dist.barrier()
+        loader = stale()
+        loader.load_state_dict(state)
+        result["resumed"] = before + run(loader, 2)
+        released(loader)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    with open(Path(out) / f"{rank}.pkl", "wb") as f:
+        pickle.dump(result, f)
+
+
+@pytest.mark.slow  # two spawned ranks, each importing streaming (and transformers): ~25 s
+def test_two_ranks_read_disjoint_shares_and_resume_exactly(mds, tmp_path):
+    ctx = mp.start_processes(
+        _two_ranks,
+        args=(2, _free_port(), str(mds), str(tmp_path)),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"two streaming ranks ran past {DEADLINE_S} s: a hang")
+    finally:
+        for p in ctx.processes:  # only the processes this test started
+            if p.is_alive():
+                p.kill()
+                p.join()
+    results = [pickle.loads((tmp_path / f"{r}.pkl").read_bytes()) for r in range(2)]
+    for epoch in range(2):
+        a, b = (set(r["seen"][epoch]) for r in results)
+        assert len(results[0]["seen"][epoch]) == len(a) == N // 2 == len(b)
+        assert not a & b and a | b == set(range(N))  # disjoint shares of the whole dataset
+    for r in results:
+        # Each rank's store holds every example's loss under its sample id (the ranks exchange
+        # their losses), and the resumed run yields what the uninterrupted one did.
+        np.testing.assert_array_equal(r["stored"], expected_losses(N))
+        assert r["resumed"] == r["reference"]
+
+
+# ------------------------------------------------------------------ the example
+def _have_fashion_mnist() -> bool:
+    try:
+        load_fashion_mnist("test")
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.realdata
+@pytest.mark.skipif(not _have_fashion_mnist(), reason="needs Debian's dataset-fashion-mnist")
+def test_the_streaming_example_runs(tmp_path):
+    cmd = [sys.executable, str(ROOT / "examples/streaming_fashion_mnist.py")]
+    cmd += ["--examples", "512", "--epochs", "2", "--selection-batch-size", "128"]
+    cmd += ["--batch-size", "32", "--dir", str(tmp_path)]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=280, cwd=ROOT, env=streaming_env()
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed run matches the uninterrupted one: True" in proc.stdout
