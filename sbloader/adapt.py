@@ -18,13 +18,23 @@ from .sources import DataLoaderSource, IterableSource, Source
 __all__ = ["make_source"]
 
 
+def _is_accelerate_loader(source: Any) -> bool:
+    """Whether ``source`` is one of Accelerate's loader types, checked without importing it.
+
+    NOTE: they claim to be a ``DataLoader`` (their ``__class__`` is overridden); ``type()`` is
+    not fooled.
+    """
+    return type(source).__module__.split(".")[0] == "accelerate"
+
+
 def make_source(source: Any, index_key: Hashable | None = None) -> Source:
     """Adapt what the user passed to a :class:`~sbloader.sources.Source`.
 
     Args:
-        source: a :class:`~sbloader.sources.Source` (returned as is), a torch ``DataLoader``
-            (over a map-style dataset its indices are recovered; with ``index_key``, or over an
-            iterable dataset, it is iterated as it is), an FFCV ``Loader`` (detected without
+        source: a :class:`~sbloader.sources.Source` (returned as is), a loader prepared by
+            Hugging Face Accelerate (see :mod:`sbloader.integrations.accelerate`), a torch
+            ``DataLoader`` (over a map-style dataset its indices are recovered; with
+            ``index_key``, or over an iterable dataset, it is iterated as it is), an FFCV ``Loader`` (detected without
             importing ffcv), or any re-iterable of batches.
         index_key: the batch field holding dataset indices, for sources that carry them.
 
@@ -37,6 +47,10 @@ def make_source(source: Any, index_key: Hashable | None = None) -> Source:
     """
     if isinstance(source, Source):
         return source
+    if _is_accelerate_loader(source):  # NOTE: before the DataLoader check, which it passes
+        from .integrations.accelerate import shard_source
+
+        return shard_source(source, index_key)
     if isinstance(source, DataLoader) and not isinstance(source.dataset, IterableDataset):
         if index_key is not None:
             return IterableSource(source, index_key)

@@ -115,6 +115,30 @@ class EpochIterator:
         """Whether the epoch has begun and neither ended nor been closed."""
         return self._phase not in (_Phase.NEW, _Phase.DONE, _Phase.CLOSED)
 
+    def finishing(self) -> bool:
+        """Whether the epoch has no batch left after those handed out so far.
+
+        To know, the iterator runs ahead until its next batch is ready or the epoch ends: it may
+        process source batches (their selection passes then run before the caller's step on the
+        last batch handed out, one step staler) and end the epoch (``loader.epoch`` then counts
+        it). The batch it runs ahead to stays owed, so a state saved now still yields it.
+        Used by :class:`sbloader.integrations.accelerate.AcceleratedLoader` to mark an epoch's
+        last batch as Accelerate's own loaders do.
+        """
+        t0 = perf_counter()
+        try:
+            while self._direct is None and not self._owed and not self._short:
+                if self._phase in (_Phase.DONE, _Phase.CLOSED):
+                    return True
+                self._advance()
+            return False
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            if self._handed_out is not None:  # the run-ahead is the loader's time, not the caller's
+                self._handed_out += perf_counter() - t0
+
     def close(self) -> None:
         """End the iterator: stop its fetcher (and prefetch thread) and hand the epoch back.
 

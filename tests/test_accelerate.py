@@ -1,0 +1,244 @@
+"""SelectiveLoader under Hugging Face Accelerate (the real library, on the CPU).
+
+The 2-process tests launch tests/accelerate_scenarios.py with torchrun once (gloo) under a
+deadline, so a hang fails instead of blocking the suite; the tests below compare its ranks.
+"""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+import sbloader
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+
+from sbloader.integrations.accelerate import AcceleratedLoader, AcceleratedShardSource  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+import accelerate_scenarios as S  # noqa: E402
+
+#: Seconds the 2-process run may take before it fails as a hang (about 20 s alone on one core;
+#: a loaded machine is several times slower, and a hang never ends).
+DEADLINE_S = 300
+
+pytestmark = pytest.mark.timeout(DEADLINE_S + 60)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("accelerate")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(ROOT / "tests" / "accelerate_scenarios.py"), str(out)]
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=DEADLINE_S, cwd=ROOT, env=env
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the 2-process Accelerate run took more than {DEADLINE_S} s: a hang")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [pickle.loads((out / f"{r}.pkl").read_bytes()) for r in range(2)]
+
+
+# ------------------------------------------------------------------ 2 processes
+def test_the_shards_are_the_prepared_loaders_own_and_do_not_overlap(ranks):
+    """A Traditional SelectiveLoader over a prepared loader yields exactly the batches the
+    prepared loader's own __iter__ yields (its generator synchronisation reproduced, with
+    generators seeded differently on each rank), so the ranks' shards partition the data."""
+    for r in ranks:
+        assert r["selective"] == r["native"]
+    for epoch in range(2):
+        shards = [sorted(i for b in r["selective"][epoch] for i in b) for r in ranks]
+        assert not set(shards[0]) & set(shards[1])
+        assert sorted(shards[0] + shards[1]) == list(range(S.N))
+    assert ranks[0]["selective"][0] != ranks[0]["selective"][1]  # reshuffled per epoch
+
+
+def test_epoch_size_and_length_are_each_processes_share(ranks):
+    for r in ranks:
+        assert r["epoch_size"] == r["epoch_size_sb"] == S.N // 2
+        assert r["len"] == S.N // 2 // S.SOURCE_BATCH
+
+
+def test_ranks_take_equal_steps_on_disjoint_examples(ranks):
+    ref = [r["reference"] for r in ranks]
+    assert [len(e) for e in ref[0]] == [len(e) for e in ref[1]]
+    for e0, e1 in zip(*ref):
+        seen = [{i for s in e for i in s["indices"]} for e in (e0, e1)]
+        assert not seen[0] & seen[1]  # remainder="drop": nothing carried across epochs
+
+
+def test_gradient_accumulation_syncs_on_each_epochs_last_batch(ranks):
+    for r in ranks:
+        epochs = r["reference"]
+        # The test means something only if an epoch's length is no multiple of the steps.
+        assert any(len(e) % S.ACCUMULATE for e in epochs)
+        for steps in epochs + r["resumed"]:
+            assert steps[-1]["sync"]
+            assert steps[0]["clean"]  # no gradient carried over from the previous epoch
+        for steps in epochs:  # every ACCUMULATE-th step, and the last
+            syncs = [i + 1 for i, s in enumerate(steps) if s["sync"]]
+            expected = sorted({*range(S.ACCUMULATE, len(steps) + 1, S.ACCUMULATE), len(steps)})
+            assert syncs == expected
+
+
+def test_register_for_checkpointing_resumes_exactly(ranks):
+    for r in ranks:
+        ref = [s for e in r["reference"] for s in e]
+        cut = next(i for i, s in enumerate(ref) if s.get("saved")) + 1
+        resumed = [s for e in r["resumed"] for s in e]
+        assert [s["indices"] for s in resumed] == [s["indices"] for s in ref[cut:]]
+        assert [s["sync"] for s in resumed] == [s["sync"] for s in ref[cut:]]
+        assert r["resumed_at"][0] == S.SAVE_EPOCH and r["resumed_at"][1] > 0  # mid-epoch
+
+
+# ------------------------------------------------------------------ one process
+@pytest.fixture
+def fresh_accelerate():
+    """Accelerate keeps process-wide singletons; each test starts and ends without them."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def data(n: int = 96) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def one_process_run(accumulate: int, epochs: int = 2, ckpt: Path | None = None, load=False):
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    source = DataLoader(data(), batch_size=16, shuffle=True, generator=g)
+    model, opt, source = accelerator.prepare(model, opt, source)
+    sb = sbloader.SelectiveLoader(
+        source, model, policy=sbloader.SelectiveBackprop(selectivity=0.5), batch_size=4, seed=2
+    )
+    loader = AcceleratedLoader(sb)
+    accelerator.register_for_checkpointing(loader)
+    if load:
+        accelerator.load_state(str(ckpt))
+    log = []
+    for _ in range(sb.epoch, epochs):
+        steps = []
+        for batch in loader:
+            x, y = batch
+            with accelerator.accumulate(model):
+                loss = (F.cross_entropy(model(x), y, reduction="none") * batch.weights).mean()
+                accelerator.backward(loss)
+                opt.step()
+                opt.zero_grad()
+                steps.append((batch.indices.tolist(), accelerator.sync_gradients))
+            if ckpt is not None and not load and sb.epoch == 0 and len(steps) == 4:
+                accelerator.save_state(str(ckpt))  # gradient_accumulation_steps=2: a sync step
+        log.append(steps)
+    return log, sb
+
+
+def test_one_process_source_and_accumulation(fresh_accelerate):
+    log, sb = one_process_run(accumulate=3)
+    assert isinstance(sb.source, AcceleratedShardSource)
+    assert sb.source.epoch_size == 96 and len(sb.source) == 6
+    for steps in log:
+        assert steps[-1][1] is True
+    assert any(len(steps) % 3 for steps in log)
+
+
+def test_one_process_checkpoint_resumes_exactly(fresh_accelerate, tmp_path):
+    ref, _ = one_process_run(accumulate=2, ckpt=tmp_path / "ckpt")
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    resumed, _ = one_process_run(accumulate=2, ckpt=tmp_path / "ckpt", load=True)
+    assert [s for e in resumed for s in e] == [s for e in ref for s in e][4:]
+
+
+def test_without_accumulation_nothing_runs_ahead(fresh_accelerate):
+    """gradient_accumulation_steps=1: the batches are the plain SelectiveLoader's (no
+    look-ahead), though the model trains between them."""
+    ahead, _ = one_process_run(accumulate=1)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    source = DataLoader(data(), batch_size=16, shuffle=True, generator=g)
+    model, opt, source = accelerator.prepare(model, opt, source)
+    sb = sbloader.SelectiveLoader(
+        source, model, policy=sbloader.SelectiveBackprop(selectivity=0.5), batch_size=4, seed=2
+    )
+    plain = []
+    for _ in range(2):
+        steps = []
+        for batch in sb:
+            x, y = batch
+            loss = (F.cross_entropy(model(x), y, reduction="none") * batch.weights).mean()
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            steps.append((batch.indices.tolist(), True))
+        plain.append(steps)
+    assert ahead == plain
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        for i in range(8):
+            yield torch.zeros(2), i
+
+
+@pytest.mark.parametrize(
+    "make, kwargs, message",
+    [
+        (lambda a: a.prepare(DataLoader(Stream(), batch_size=4)), {}, "DataLoaderDispatcher: pass"),
+        (
+            lambda a: a.skip_first_batches(a.prepare(DataLoader(data(), batch_size=4)), 1),
+            {},
+            "restoring the SelectiveLoader's state",
+        ),
+        (
+            lambda a: a.prepare(DataLoader(data(), batch_size=4)),
+            {"index_key": 0},
+            "drop index_key",
+        ),
+    ],
+)
+def test_what_cannot_work_is_refused_with_the_supported_way(
+    fresh_accelerate, make, kwargs, message
+):
+    accelerator = Accelerator(cpu=True)
+    with pytest.raises(ValueError, match=message):
+        sbloader.SelectiveLoader(make(accelerator), nn.Linear(6, 3), batch_size=4, **kwargs)
+
+
+def test_accelerated_loader_wraps_only_a_selective_loader():
+    with pytest.raises(TypeError, match="SelectiveLoader"):
+        AcceleratedLoader(DataLoader(data(), batch_size=4))  # type: ignore[arg-type]
+
+
+def test_a_state_from_another_number_of_processes_is_refused(fresh_accelerate):
+    accelerator = Accelerator(cpu=True)
+    source = accelerator.prepare(DataLoader(data(), batch_size=16))
+    loader = AcceleratedLoader(sbloader.SelectiveLoader(source, nn.Linear(6, 3), batch_size=4))
+    state = loader.state_dict()
+    assert state["world_size"] == 1 and len(state["ranks"]) == 1
+    with pytest.raises(ValueError, match="number of processes"):
+        loader.load_state_dict({**state, "ranks": state["ranks"] * 2, "world_size": 2})
