@@ -34,8 +34,8 @@ def make_source(source: Any, index_key: Hashable | None = None) -> Source:
         source: a :class:`~sbloader.sources.Source` (returned as is), a loader prepared by
             Hugging Face Accelerate (see :mod:`sbloader.integrations.accelerate`), a torch
             ``DataLoader`` (over a map-style dataset its indices are recovered; with
-            ``index_key``, or over an iterable dataset, it is iterated as it is), an FFCV ``Loader`` (detected without
-            importing ffcv), or any re-iterable of batches.
+            ``index_key``, or over an iterable dataset, it is iterated as it is), an FFCV
+            ``Loader`` (detected without importing ffcv), or any re-iterable of batches.
         index_key: the batch field holding dataset indices, for sources that carry them.
 
     Example:

@@ -245,12 +245,16 @@ class EpochIterator:
                 )
         stats.examples_seen += n
         scorer = loader._scorer
+        probing = not loader._probed and bool(n) and loader.policy.uses_losses()
+        pad = self._selection_round(scorer.chunks(n) if self._fresh else int(probing))
         if not loader._probed:
             loader._probed = True
             if n and not self._fresh and loader.policy.uses_losses():
                 codec = loader._codec
                 inputs, targets = data[codec.input_position], data[codec.target_position]
                 scorer.probe(inputs, targets, codec.view(data))
+        if not self._fresh:
+            scorer.pad(pad)
         if self._passthrough:
             inputs = data[loader._codec.input_position]
             rows = metadata_rows(data, None, None, indices, n, device)
@@ -272,6 +276,7 @@ class EpochIterator:
             targets = data[loader._codec.target_position]
             batch = loader._codec.view(data)
             scored = scorer.score(inputs, targets, indices, self.epoch, stats, batch)
+            scorer.pad(pad)
         choice = self._decide(scored, indices, n)
         stats.selection_s += perf_counter() - t0
         positions = choice.positions
@@ -306,6 +311,8 @@ class EpochIterator:
         loader = self._loader
         sync = loader._sync
         assert sync is not None
+        loader._scorer.pad(self._selection_round(0))
+        loader._probed = True
         if loader._sharing() and not self._passthrough:
             self._observe(sync.exchange(None, None))
         count, active = sync.agree(loader._pending.full_batches(loader.batch_size), active=False)
@@ -360,6 +367,28 @@ class EpochIterator:
         return batch
 
     # ------------------------------------------------------------------ decisions
+    def _selection_round(self, real: int) -> int:
+        """How many padding selection forwards this rank runs this round after its ``real`` ones:
+        under FSDP on several ranks, as many as make every rank run the same number (the most
+        any rank runs); otherwise 0, without a collective.
+
+        NOTE: whether the ranks agree is decided alike on every rank (a fresh epoch, or the
+        first round's probe), so that they all make this collective or none does.
+        """
+        loader = self._loader
+        sync, scorer = loader._sync, loader._scorer
+        probing = not loader._probed and not self._fresh and loader.policy.uses_losses()
+        if sync is None or not scorer.collective or not (self._fresh or probing):
+            return 0
+        most, stuck = sync.most(real, not real and not scorer.can_pad)
+        if stuck and most:
+            raise RuntimeError(
+                "under FSDP every rank runs as many selection forwards as the others, but a rank "
+                "had no candidate yet to run them on (its source was empty when the others' "
+                "was not); give every rank data in each epoch (e.g. a DistributedSampler)"
+            )
+        return most - real
+
     def _agree(self, ready: int, active: bool = True) -> int:
         """How many of ``ready`` batches to yield now: all of them on one process; on several
         ranks the fewest any rank has ready, so that every rank makes the same number of steps."""

@@ -22,7 +22,7 @@ from ._state import check_identity, check_version
 from .adapt import make_source
 from .codec import BatchCodec
 from .decisions import NONFINITE, subset_mask
-from .distributed import RankSync, make_sync
+from .distributed import RankSync, is_distributed, make_sync
 from .epoch import EpochIterator
 from .features import make_feature_cache
 from .policies import Policy, SelectiveBackprop
@@ -357,6 +357,13 @@ class SelectiveLoader:
             else check_int("prefetch", prefetch, minimum=0)
         )
         self._sync: RankSync | None = make_sync(distributed, process_group)
+        if self._scorer.collective and self._sync is None and is_distributed(process_group):
+            raise ValueError(
+                "distributed=False cannot be used with an FSDP-sharded model on several ranks: "
+                "each selection forward gathers parameters from every rank, so the ranks must "
+                "run them in step; pass distributed=True (the default under an initialised "
+                "process group)"
+            )
         if min_batch_size is None:
             min_batch_size = 2 if any(isinstance(m, _BATCHNORM) for m in model.modules()) else 1
         self.min_batch_size = check_int("min_batch_size", min_batch_size, minimum=1)

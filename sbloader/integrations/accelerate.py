@@ -98,7 +98,8 @@ def shard_source(loader: Any, index_key: Hashable | None = None) -> Source:
         )
     if getattr(loader, "skip_batches", 0) or isinstance(loader.batch_sampler, SkipBatchSampler):
         raise ValueError(
-            "the prepared loader skips its first batches (accelerator.skip_first_batches); pass the loader without skipping and resume by restoring the "
+            "the prepared loader skips its first batches (accelerator.skip_first_batches); pass "
+            "the loader without skipping and resume by restoring the "
             "SelectiveLoader's state (AcceleratedLoader with "
             "accelerator.register_for_checkpointing)"
         )
