@@ -6,6 +6,8 @@ deadline, so a hang fails instead of blocking the suite; the tests below compare
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
 import subprocess
 import sys
@@ -41,7 +43,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("accelerate")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd += [str(ROOT / "tests" / "accelerate_scenarios.py"), str(out)]
-    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     try:
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=DEADLINE_S, cwd=ROOT, env=env
@@ -242,3 +244,40 @@ def test_a_state_from_another_number_of_processes_is_refused(fresh_accelerate):
     assert state["world_size"] == 1 and len(state["ranks"]) == 1
     with pytest.raises(ValueError, match="number of processes"):
         loader.load_state_dict({**state, "ranks": state["ranks"] * 2, "world_size": 2})
+
+
+# ------------------------------------------------------------------ the example
+def have_fashion_mnist() -> bool:
+    from sbloader.datasets import load_fashion_mnist
+
+    try:
+        load_fashion_mnist("test")
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.slow  # three epochs and two processes started: about a minute on a busy core
+@pytest.mark.realdata
+@pytest.mark.skipif(not have_fashion_mnist(), reason="needs Debian's dataset-fashion-mnist")
+def test_the_example_accumulates_to_each_epochs_end_and_resumes(tmp_path):
+    script = str(ROOT / "examples" / "accelerate_fashion_mnist.py")
+    common = ["--examples", "1536", "--batch-size", "32", "--accumulate", "3"]
+    common += ["--checkpoint", str(tmp_path / "ckpt")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def run(*extra: str) -> list[dict]:
+        out = tmp_path / "rows.json"
+        cmd = [sys.executable, script, *common, "--json", str(out), *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads(out.read_text())
+
+    rows = run("--epochs", "2")
+    assert [r["epoch"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["last_batch_synced"]
+        assert r["optimizer_steps"] == -(-r["steps"] // 3)  # every 3rd step, and the last
+        assert r["backprop_per_process"][0] == 32 * r["steps"]
+    resumed = run("--epochs", "3", "--resume", str(tmp_path / "ckpt"))
+    assert [r["epoch"] for r in resumed] == [2]
