@@ -311,8 +311,9 @@ class EpochIterator:
         loader = self._loader
         sync = loader._sync
         assert sync is not None
-        loader._scorer.pad(self._selection_round(0))
-        loader._probed = True
+        if loader._scorer.collective:
+            loader._scorer.pad(self._selection_round(0))
+            loader._probed = True  # as on the ranks that probed this round
         if loader._sharing() and not self._passthrough:
             self._observe(sync.exchange(None, None))
         count, active = sync.agree(loader._pending.full_batches(loader.batch_size), active=False)

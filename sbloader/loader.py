@@ -610,6 +610,14 @@ class SelectiveLoader:
         state. The next ``iter(loader)`` continues a restored unfinished epoch.
         """
         state = check_version(state, "SelectiveLoader", self.STATE_VERSION, {1: self._from_v1})
+        saved_rank = state[K_IDENTITY].get("rank", self.rank)
+        if saved_rank != self.rank and self.world_size > 1:
+            raise ValueError(
+                f"rank {self.rank} was given the loader state of rank {saved_rank}: every rank "
+                "must load its own state. Save and load it on each rank, or under Accelerate "
+                "register sbloader.integrations.accelerate.AcceleratedLoader(loader) for "
+                "checkpointing (Accelerate saves a registered object from the main process only)"
+            )
         check_identity(
             "SelectiveLoader",
             state[K_IDENTITY],

@@ -123,6 +123,21 @@ def train(
     return epochs
 
 
+def bare_loader_registered(path: Path) -> str:
+    """The SelectiveLoader itself registered for checkpointing: Accelerate saves rank 0's state
+    only; loading it on rank 1 must be refused, naming AcceleratedLoader (returns the error)."""
+    accelerator = Accelerator(cpu=True)
+    source = accelerator.prepare(shuffled(Points(), accelerator.process_index))
+    bare = sbloader.SelectiveLoader(source, nn.Linear(6, 3), batch_size=TRAIN_BATCH)
+    accelerator.register_for_checkpointing(bare)
+    accelerator.save_state(str(path))
+    try:
+        accelerator.load_state(str(path))
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE)
@@ -138,6 +153,8 @@ def main() -> None:
     resumed.load_state(str(out / "ckpt"))
     result["resumed_at"] = (loader.loader.epoch, loader.loader.state_dict()["position"])
     result["resumed"] = train(resumed, model, opt, loader)
+    accelerator.wait_for_everyone()
+    result["bare"] = bare_loader_registered(out / "bare")
     accelerator.wait_for_everyone()
     with open(out / f"{rank}.pkl", "wb") as f:
         pickle.dump(result, f)

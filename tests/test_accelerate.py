@@ -106,6 +106,13 @@ def test_register_for_checkpointing_resumes_exactly(ranks):
         assert r["resumed_at"][0] == S.SAVE_EPOCH and r["resumed_at"][1] > 0  # mid-epoch
 
 
+def test_the_selective_loader_registered_itself_is_refused_on_another_rank(ranks):
+    """Accelerate saves a registered object from the main process only: rank 1 would resume
+    rank 0's run. It is refused, naming the supported way."""
+    assert ranks[0]["bare"] == ""
+    assert "AcceleratedLoader" in ranks[1]["bare"] and "rank 1" in ranks[1]["bare"]
+
+
 # ------------------------------------------------------------------ one process
 @pytest.fixture
 def fresh_accelerate():
