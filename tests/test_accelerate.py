@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -22,14 +21,12 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 import sbloader
 
 accelerate = pytest.importorskip("accelerate")
+import accelerate_scenarios as S  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from launch import ROOT, torchrun_ranks  # noqa: E402
 
 from sbloader.integrations.accelerate import AcceleratedLoader, AcceleratedShardSource  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-import accelerate_scenarios as S  # noqa: E402
 
 #: Seconds the 2-process run may take before it fails as a hang (about 20 s alone on one core;
 #: a loaded machine is several times slower, and a hang never ends).
@@ -40,18 +37,7 @@ pytestmark = pytest.mark.timeout(DEADLINE_S + 60)
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("accelerate")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [str(ROOT / "tests" / "accelerate_scenarios.py"), str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=DEADLINE_S, cwd=ROOT, env=env
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the 2-process Accelerate run took more than {DEADLINE_S} s: a hang")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [pickle.loads((out / f"{r}.pkl").read_bytes()) for r in range(2)]
+    return torchrun_ranks("accelerate_scenarios.py", tmp_path_factory.mktemp("acc"), DEADLINE_S)
 
 
 # ------------------------------------------------------------------ 2 processes
@@ -117,11 +103,9 @@ def test_the_selective_loader_registered_itself_is_refused_on_another_rank(ranks
 @pytest.fixture
 def fresh_accelerate():
     """Accelerate keeps process-wide singletons; each test starts and ends without them."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
 
 
 def data(n: int = 96) -> TensorDataset:
@@ -129,7 +113,13 @@ def data(n: int = 96) -> TensorDataset:
     return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
 
 
-def one_process_run(accumulate: int, epochs: int = 2, ckpt: Path | None = None, load=False):
+def one_process_run(
+    accumulate: int, ckpt: Path | None = None, load: bool = False, wrap: bool = True
+) -> tuple[list[list[tuple[list[int], bool]]], sbloader.SelectiveLoader]:
+    """Two epochs on one process: per epoch, per step, the indices and sync_gradients.
+
+    ``ckpt``: save there after the 4th step (or, with ``load``, resume from it); ``wrap=False``
+    iterates the SelectiveLoader itself instead of an AcceleratedLoader."""
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
     torch.manual_seed(0)
     model = nn.Linear(6, 3)
@@ -140,12 +130,13 @@ def one_process_run(accumulate: int, epochs: int = 2, ckpt: Path | None = None, 
     sb = sbloader.SelectiveLoader(
         source, model, policy=sbloader.SelectiveBackprop(selectivity=0.5), batch_size=4, seed=2
     )
-    loader = AcceleratedLoader(sb)
-    accelerator.register_for_checkpointing(loader)
+    loader = AcceleratedLoader(sb) if wrap else sb
+    if wrap:
+        accelerator.register_for_checkpointing(loader)
     if load:
         accelerator.load_state(str(ckpt))
     log = []
-    for _ in range(sb.epoch, epochs):
+    for _ in range(sb.epoch, 2):
         steps = []
         for batch in loader:
             x, y = batch
@@ -161,6 +152,11 @@ def one_process_run(accumulate: int, epochs: int = 2, ckpt: Path | None = None, 
     return log, sb
 
 
+def reset_accelerate() -> None:
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 def test_one_process_source_and_accumulation(fresh_accelerate):
     log, sb = one_process_run(accumulate=3)
     assert isinstance(sb.source, AcceleratedShardSource)
@@ -172,8 +168,7 @@ def test_one_process_source_and_accumulation(fresh_accelerate):
 
 def test_one_process_checkpoint_resumes_exactly(fresh_accelerate, tmp_path):
     ref, _ = one_process_run(accumulate=2, ckpt=tmp_path / "ckpt")
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     resumed, _ = one_process_run(accumulate=2, ckpt=tmp_path / "ckpt", load=True)
     assert [s for e in resumed for s in e] == [s for e in ref for s in e][4:]
 
@@ -182,29 +177,8 @@ def test_without_accumulation_nothing_runs_ahead(fresh_accelerate):
     """gradient_accumulation_steps=1: the batches are the plain SelectiveLoader's (no
     look-ahead), though the model trains between them."""
     ahead, _ = one_process_run(accumulate=1)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    accelerator = Accelerator(cpu=True)
-    torch.manual_seed(0)
-    model = nn.Linear(6, 3)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(1)
-    source = DataLoader(data(), batch_size=16, shuffle=True, generator=g)
-    model, opt, source = accelerator.prepare(model, opt, source)
-    sb = sbloader.SelectiveLoader(
-        source, model, policy=sbloader.SelectiveBackprop(selectivity=0.5), batch_size=4, seed=2
-    )
-    plain = []
-    for _ in range(2):
-        steps = []
-        for batch in sb:
-            x, y = batch
-            loss = (F.cross_entropy(model(x), y, reduction="none") * batch.weights).mean()
-            accelerator.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            steps.append((batch.indices.tolist(), True))
-        plain.append(steps)
+    reset_accelerate()
+    plain, _ = one_process_run(accumulate=1, wrap=False)
     assert ahead == plain
 
 

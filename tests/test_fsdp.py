@@ -7,19 +7,13 @@ between the ranks would hang); the tests compare its ranks.
 
 from __future__ import annotations
 
-import os
-import pickle
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from launch import torchrun_ranks
 from torch import nn
 
 from sbloader.scoring import Scorer
 from sbloader.selection import SelectionForward, is_fsdp
 
-ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("FullyShardedDataParallel", "fully_shard")
 #: Seconds the 2-process run may take before it fails as a hang (about 30 s alone on one core).
 DEADLINE_S = 300
@@ -29,18 +23,7 @@ pytestmark = pytest.mark.timeout(DEADLINE_S + 60)
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("fsdp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [str(ROOT / "tests" / "fsdp_scenarios.py"), str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=DEADLINE_S, cwd=ROOT, env=env
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the 2-process FSDP run took more than {DEADLINE_S} s: a hang")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [pickle.loads((out / f"{r}.pkl").read_bytes()) for r in range(2)]
+    return torchrun_ranks("fsdp_scenarios.py", tmp_path_factory.mktemp("fsdp"), DEADLINE_S)
 
 
 @pytest.mark.parametrize("kind", KINDS)
