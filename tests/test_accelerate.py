@@ -262,3 +262,17 @@ def test_the_example_accumulates_to_each_epochs_end_and_resumes(tmp_path):
         assert r["backprop_per_process"][0] == 32 * r["steps"]
     resumed = run("--epochs", "3", "--resume", str(tmp_path / "ckpt"))
     assert [r["epoch"] for r in resumed] == [2]
+
+
+def test_one_process_shuffling_with_the_global_rng_cannot_resume_mid_epoch(fresh_accelerate):
+    """On one process Accelerate leaves a shuffling DataLoader on torch's global RNG, whose
+    order cannot be replayed: a mid-epoch state is refused with the fix, as for any DataLoader."""
+    accelerator = Accelerator(cpu=True)
+    source = accelerator.prepare(DataLoader(data(), batch_size=16, shuffle=True))
+    loader = sbloader.SelectiveLoader(source, nn.Linear(6, 3), batch_size=4)
+    assert not loader.source.replayable
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match="generator="):
+        sbloader.SelectiveLoader(source, nn.Linear(6, 3), batch_size=4).load_state_dict(state)

@@ -52,7 +52,7 @@ from accelerate.data_loader import (
 )
 from accelerate.state import GradientState
 from accelerate.utils import synchronize_rng_states
-from torch.utils.data import BatchSampler, IterableDataset
+from torch.utils.data import BatchSampler, IterableDataset, RandomSampler
 
 from .._state import check_version
 from ..loader import SelectiveLoader
@@ -153,7 +153,10 @@ class AcceleratedShardSource(DataLoaderSource):
 
     @property
     def replayable(self) -> bool:
-        return True  # NOTE: accelerate gives every shuffling sampler a generator
+        # NOTE: on several processes Accelerate gives a shuffling sampler a generator; on one
+        # it leaves the DataLoader's own (None: torch's global RNG, which cannot be replayed).
+        sampler = self.sampler
+        return not (isinstance(sampler, RandomSampler) and sampler.generator is None)
 
     @cached_property
     def epoch_size(self) -> int | None:
