@@ -276,3 +276,12 @@ def test_one_process_shuffling_with_the_global_rng_cannot_resume_mid_epoch(fresh
     state = loader.state_dict()
     with pytest.raises(ValueError, match="generator="):
         sbloader.SelectiveLoader(source, nn.Linear(6, 3), batch_size=4).load_state_dict(state)
+
+
+def test_the_modules_docstring_example_runs(fresh_accelerate):
+    import doctest
+
+    import sbloader.integrations.accelerate as module
+
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted and result.failed == 0
