@@ -131,6 +131,7 @@ def bare_loader_registered(path: Path) -> str:
     bare = sbloader.SelectiveLoader(source, nn.Linear(6, 3), batch_size=TRAIN_BATCH)
     accelerator.register_for_checkpointing(bare)
     accelerator.save_state(str(path))
+    accelerator.wait_for_everyone()  # (the main process writes the files)
     try:
         accelerator.load_state(str(path))
     except ValueError as e:
