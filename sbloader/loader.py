@@ -76,7 +76,9 @@ class SelectiveLoader:
             (indices from its index field, see :mod:`sbloader.ffcv`), or any re-iterable of
             batches (indices then come from the field ``index_key``, or are unknown).
         model: the model being trained. Selection passes call its unwrapped module (DDP,
-            DataParallel and ``torch.compile`` wrappers are looked through). With
+            DataParallel and ``torch.compile`` wrappers are looked through); an FSDP-sharded
+            model is called as it is, under ``no_grad``, as many times on every rank (see
+            :mod:`sbloader.distributed`). With
             ``frozen_prefix``, the trainable part that runs on the prefix's outputs (the head).
         loss_fn: per-example loss, ``loss_fn(model(inputs), targets)`` of shape ``(B,)``.
             Default ``nn.CrossEntropyLoss(reduction="none")``.
