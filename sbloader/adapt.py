@@ -19,19 +19,29 @@ from .stateful import StatefulSource
 __all__ = ["make_source"]
 
 
+def _is_accelerate_loader(source: Any) -> bool:
+    """Whether ``source`` is one of Accelerate's loader types, checked without importing it.
+
+    NOTE: they claim to be a ``DataLoader`` (their ``__class__`` is overridden); ``type()`` is
+    not fooled.
+    """
+    return type(source).__module__.split(".")[0] == "accelerate"
+
+
 def make_source(
     source: Any, index_key: Hashable | None = None, dataset_size: int | None = None
 ) -> Source:
     """Adapt what the user passed to a :class:`~sbloader.sources.Source`.
 
     Args:
-        source: a :class:`~sbloader.sources.Source` (returned as is), mosaicml-streaming's
-            ``StreamingDataLoader`` (indices from the ``sample_id`` field by default) or
-            torchdata's ``StatefulDataLoader`` (both detected without importing their library,
-            and resumed through their own state), a torch ``DataLoader`` (over a map-style
-            dataset its indices are recovered; with ``index_key``, or over an iterable dataset,
-            it is iterated as it is), an FFCV ``Loader`` (detected without importing ffcv), or
-            any re-iterable of batches.
+        source: a :class:`~sbloader.sources.Source` (returned as is), a loader prepared by
+            Hugging Face Accelerate (see :mod:`sbloader.integrations.accelerate`),
+            mosaicml-streaming's ``StreamingDataLoader`` (indices from the ``sample_id`` field
+            by default) or torchdata's ``StatefulDataLoader`` (both detected without importing
+            their library, and resumed through their own state), a torch ``DataLoader`` (over
+            a map-style dataset its indices are recovered; with ``index_key``, or over an
+            iterable dataset, it is iterated as it is), an FFCV ``Loader`` (detected without
+            importing ffcv), or any re-iterable of batches.
         index_key: the batch field holding dataset indices, for sources that carry them.
         dataset_size: the number of examples, for an iterable source (which cannot tell it); a
             source that knows its size must agree with it.
@@ -56,6 +66,10 @@ def make_source(
 def _adapt(source: Any, index_key: Hashable | None, dataset_size: int | None) -> Source:
     if isinstance(source, Source):
         return source
+    if _is_accelerate_loader(source):  # NOTE: before the DataLoader check, which it passes
+        from .integrations.accelerate import shard_source
+
+        return shard_source(source, index_key)
     if _is_a(source, "streaming", "StreamingDataLoader"):
         from .streaming import StreamingSource  # imports streaming: only for its loaders
 

@@ -12,6 +12,9 @@ rank selects different examples, so each would fill a different number of batche
 - a rank whose source is exhausted keeps taking part (``active = 0``, no new data) until no rank
   is active, so source lengths may differ (Stale-SB's stale epochs load a different number of
   examples on each rank; an iterable source may simply be shorter on one rank);
+- when the selection model is sharded by FSDP (each selection forward is then a collective),
+  the ranks first agree on the most selection forwards any of them runs in the round
+  (:meth:`RankSync.most`), and each runs that many (padding with forwards on one kept example);
 - with ``cdf="global"``, or a policy that keeps per-example records (Stale-SB's store), the ranks
   also all-gather their selection losses and dataset indices (:meth:`RankSync.exchange`), and
   each rank feeds the others' into its policy through :meth:`~sbloader.Policy.observe`.
@@ -107,6 +110,17 @@ class RankSync:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         fewest, neg_active = t.tolist()
         return int(fewest), neg_active < 0
+
+    def most(self, count: int, flag: bool) -> tuple[int, bool]:
+        """The largest ``count`` of any rank, and whether any rank raised ``flag``.
+
+        One ``all_reduce(MAX)`` of ``[count, flag]`` (the selection forwards of a round under
+        FSDP, see :meth:`sbloader.scoring.Scorer.pad`).
+        """
+        t = torch.tensor([count, int(flag)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        most, any_flag = t.tolist()
+        return int(most), any_flag > 0
 
     def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         parts = [torch.empty_like(t) for _ in range(self.world_size)]

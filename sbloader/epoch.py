@@ -132,6 +132,30 @@ class EpochIterator:
             self._start = 0.0
             self._paused = True
 
+    def finishing(self) -> bool:
+        """Whether the epoch has no batch left after those handed out so far.
+
+        To know, the iterator runs ahead until its next batch is ready or the epoch ends: it may
+        process source batches (their selection passes then run before the caller's step on the
+        last batch handed out, one step staler) and end the epoch (``loader.epoch`` then counts
+        it). The batch it runs ahead to stays owed, so a state saved now still yields it.
+        Used by :class:`sbloader.integrations.accelerate.AcceleratedLoader` to mark an epoch's
+        last batch as Accelerate's own loaders do.
+        """
+        t0 = perf_counter()
+        try:
+            while self._direct is None and not self._owed and not self._short:
+                if self._phase in (_Phase.DONE, _Phase.CLOSED):
+                    return True
+                self._advance()
+            return False
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            if self._handed_out is not None:  # the run-ahead is the loader's time, not the caller's
+                self._handed_out += perf_counter() - t0
+
     def close(self) -> None:
         """End the iterator: stop its fetcher (and prefetch thread) and hand the epoch back.
 
@@ -246,12 +270,16 @@ class EpochIterator:
                 )
         stats.examples_seen += n
         scorer = loader._scorer
+        probing = not loader._probed and bool(n) and loader.policy.uses_losses()
+        pad = self._selection_round(scorer.chunks(n) if self._fresh else int(probing))
         if not loader._probed:
             loader._probed = True
             if n and not self._fresh and loader.policy.uses_losses():
                 codec = loader._codec
                 inputs, targets = data[codec.input_position], data[codec.target_position]
                 scorer.probe(inputs, targets, codec.view(data))
+        if not self._fresh:
+            scorer.pad(pad)
         if self._passthrough:
             inputs = data[loader._codec.input_position]
             rows = metadata_rows(data, None, None, indices, n, device)
@@ -273,6 +301,7 @@ class EpochIterator:
             targets = data[loader._codec.target_position]
             batch = loader._codec.view(data)
             scored = scorer.score(inputs, targets, indices, self.epoch, stats, batch)
+            scorer.pad(pad)
         choice = self._decide(scored, indices, n)
         stats.selection_s += perf_counter() - t0
         positions = choice.positions
@@ -307,6 +336,9 @@ class EpochIterator:
         loader = self._loader
         sync = loader._sync
         assert sync is not None
+        if loader._scorer.collective:
+            loader._scorer.pad(self._selection_round(0))
+            loader._probed = True  # as on the ranks that probed this round
         if loader._sharing() and not self._passthrough:
             self._observe(sync.exchange(None, None))
         count, active = sync.agree(loader._pending.full_batches(loader.batch_size), active=False)
@@ -361,6 +393,28 @@ class EpochIterator:
         return batch
 
     # ------------------------------------------------------------------ decisions
+    def _selection_round(self, real: int) -> int:
+        """How many padding selection forwards this rank runs this round after its ``real`` ones:
+        under FSDP on several ranks, as many as make every rank run the same number (the most
+        any rank runs); otherwise 0, without a collective.
+
+        NOTE: whether the ranks agree is decided alike on every rank (a fresh epoch, or the
+        first round's probe), so that they all make this collective or none does.
+        """
+        loader = self._loader
+        sync, scorer = loader._sync, loader._scorer
+        probing = not loader._probed and not self._fresh and loader.policy.uses_losses()
+        if sync is None or not scorer.collective or not (self._fresh or probing):
+            return 0
+        most, stuck = sync.most(real, not real and not scorer.can_pad)
+        if stuck and most:
+            raise RuntimeError(
+                "under FSDP every rank runs as many selection forwards as the others, but a rank "
+                "had no candidate yet to run them on (its source was empty when the others' "
+                "was not); give every rank data in each epoch (e.g. a DistributedSampler)"
+            )
+        return most - real
+
     def _agree(self, ready: int, active: bool = True) -> int:
         """How many of ``ready`` batches to yield now: all of them on one process; on several
         ranks the fewest any rank has ready, so that every rank makes the same number of steps."""

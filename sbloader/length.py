@@ -232,6 +232,12 @@ class FixedEpochIterator:
         clock.yielded += 1
         return batch
 
+    def finishing(self) -> bool:
+        """Whether the training epoch has no batch left after those handed out so far (known
+        from the count, without running ahead; see :meth:`EpochIterator.finishing
+        <sbloader.epoch.EpochIterator.finishing>`)."""
+        return self._phase is not _Phase.NEW and self._clock.yielded >= self._clock.count
+
     def close(self) -> None:
         """End the iterator (the pass over the data it was reading stays open for the next)."""
         if self._phase is not _Phase.DONE:

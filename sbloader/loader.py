@@ -23,7 +23,7 @@ from ._state import check_identity, check_version
 from .adapt import make_source
 from .codec import BatchCodec
 from .decisions import NONFINITE, subset_mask
-from .distributed import RankSync, make_sync
+from .distributed import RankSync, is_distributed, make_sync
 from .epoch import EpochIterator
 from .features import make_feature_cache
 from .feedback import FeedbackBuffer, check_range
@@ -86,7 +86,9 @@ class SelectiveLoader:
             re-iterable of batches (indices then come from the field ``index_key``, or are
             unknown).
         model: the model being trained. Selection passes call its unwrapped module (DDP,
-            DataParallel and ``torch.compile`` wrappers are looked through). With
+            DataParallel and ``torch.compile`` wrappers are looked through); an FSDP-sharded
+            model is called as it is, under ``no_grad``, as many times on every rank (see
+            :mod:`sbloader.distributed`). With
             ``frozen_prefix``, the trainable part that runs on the prefix's outputs (the head).
         loss_fn: per-example loss, ``loss_fn(model(inputs), targets)`` of shape ``(B,)``.
             Default ``nn.CrossEntropyLoss(reduction="none")``.
@@ -417,6 +419,13 @@ class SelectiveLoader:
             else check_int("prefetch", prefetch, minimum=0)
         )
         self._sync: RankSync | None = make_sync(distributed, process_group)
+        if self._scorer.collective and self._sync is None and is_distributed(process_group):
+            raise ValueError(
+                "distributed=False cannot be used with an FSDP-sharded model on several ranks: "
+                "each selection forward gathers parameters from every rank, so the ranks must "
+                "run them in step; pass distributed=True (the default under an initialised "
+                "process group)"
+            )
         if min_batch_size is None:
             min_batch_size = 2 if any(isinstance(m, _BATCHNORM) for m in model.modules()) else 1
         self.min_batch_size = check_int("min_batch_size", min_batch_size, minimum=1)
@@ -812,6 +821,14 @@ class SelectiveLoader:
         state. The next ``iter(loader)`` continues a restored unfinished epoch.
         """
         state = check_version(state, "SelectiveLoader", self.STATE_VERSION, {1: self._from_v1})
+        saved_rank = state[K_IDENTITY].get("rank", self.rank)
+        if saved_rank != self.rank and self.world_size > 1:
+            raise ValueError(
+                f"rank {self.rank} was given the loader state of rank {saved_rank}: every rank "
+                "must load its own state. Save and load it on each rank, or under Accelerate "
+                "register sbloader.integrations.accelerate.AcceleratedLoader(loader) for "
+                "checkpointing (Accelerate saves a registered object from the main process only)"
+            )
         check_identity(
             "SelectiveLoader",
             state[K_IDENTITY],

@@ -22,7 +22,7 @@ from torch import nn
 from . import batch as B
 from ._state import check_version
 from .features import FeatureCache
-from .selection import SelectionForward, restrict, unused_fields, unwrap
+from .selection import SelectionForward, is_fsdp, restrict, unused_fields, unwrap
 from .stats import EpochStats
 
 __all__ = ["Scored", "Scorer"]
@@ -90,6 +90,17 @@ class Scorer:
         self._fields_checked = False
         #: The shape of one example's selection output (keep_logits), once a pass has shown it.
         self.logits_shape: tuple[int, ...] | None = None
+        #: Whether a selection forward is a collective (an FSDP-sharded selection model): every
+        #: rank must then run as many as the others, in the same rounds (see :meth:`pad`).
+        self.collective = is_fsdp(selector if selector is not None else model)
+        if self.collective and forward.frozen_prefix is not None:
+            raise ValueError(
+                "frozen_prefix cannot be combined with an FSDP-sharded model (the prefix runs on "
+                "the chosen rows only, a different number of forwards on each rank); pass "
+                "frozen_prefix=None, or a selector= that is not sharded"
+            )
+        # One candidate (inputs, targets, batch) kept for padding forwards (collective only).
+        self._template: tuple[Any, Any, Any] | None = None
 
     @property
     def has_prefix(self) -> bool:
@@ -134,7 +145,9 @@ class Scorer:
             features=cached,
             keep_outputs=self.keep_logits,
             batch=batch,
+            inference=not self.collective,
         )
+        self._keep_template(inputs, targets, batch)
         n = losses.shape[0]
         if logits is not None:
             self.logits_shape = tuple(logits.shape[1:])
@@ -171,7 +184,52 @@ class Scorer:
             eval=self.eval_selection,
             keep_outputs=self.keep_logits,
             batch=None if batch is None else restrict(batch, 0, k),
+            inference=not self.collective,
         )
+        self._keep_template(inputs, targets, batch)
+
+    def chunks(self, n: int) -> int:
+        """The selection forwards a pass over ``n`` candidates runs (chunks of ``batch_size``)."""
+        return math.ceil(n / (self.batch_size or n)) if n else 0
+
+    @property
+    def can_pad(self) -> bool:
+        """Whether :meth:`pad` has a candidate to run (one was scored or probed before)."""
+        return self._template is not None
+
+    def pad(self, count: int) -> None:
+        """Run ``count`` selection forwards on one kept candidate and discard them.
+
+        NOTE (FSDP): each forward of a sharded model all-gathers its parameters from every rank,
+        so a rank with fewer chunks to score in a round (a shorter source batch, or none left)
+        runs these, through the same model, hook and options, until every rank has run as many
+        as the one with the most. Counted nowhere, changes nothing.
+        """
+        if count <= 0:
+            return
+        assert self._template is not None, "pad() before any selection pass"
+        inputs, targets, batch = self._template
+        model = unwrap(self.selector if self.selector is not None else self.model)
+        for _ in range(count):
+            self.forward(
+                model,
+                inputs,
+                targets,
+                self.loss_fn,
+                batch_size=None,
+                autocast_dtype=self.autocast,
+                eval=self.eval_selection,
+                batch=batch,
+                inference=False,
+            )
+
+    def _keep_template(self, inputs: Any, targets: Any, batch: Any) -> None:
+        if self.collective and self._template is None:
+            self._template = (
+                _owned(B.rows(inputs, 0, 1)),
+                _owned(B.rows(targets, 0, 1)),
+                None if batch is None else _owned(restrict(batch, 0, 1)),
+            )
 
     def check_fields(self, batch: Any, inputs: Any, targets: Any) -> None:
         """Warn (``UserWarning``) when the model is called on the input field alone but a dict
@@ -286,3 +344,14 @@ class Scorer:
         state = check_version(state, "Scorer", self.VERSION)
         shape = state["logits_shape"]
         self.logits_shape = None if shape is None else tuple(int(v) for v in shape)
+
+
+def _owned(value: Any) -> Any:
+    """``value`` with its tensors copied (a view would keep its whole source batch alive)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, Mapping):
+        return {k: _owned(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_owned(v) for v in value)
+    return value

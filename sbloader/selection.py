@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -24,6 +25,7 @@ __all__ = [
     "downsample",
     "eval_mode",
     "input_fields",
+    "is_fsdp",
     "model_output",
     "prefix_features",
     "restrict",
@@ -56,6 +58,25 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = orig
             continue
         return model
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    """Whether ``model`` (or a submodule) is sharded by FSDP (``FullyShardedDataParallel`` or
+    ``fully_shard``): its forward then gathers parameters from every rank, a collective.
+
+    Example:
+        >>> is_fsdp(nn.Linear(2, 2))
+        False
+    """
+    # NOTE: a model sharded by FSDP was made with torch.distributed.fsdp already imported;
+    # importing it here for every other model would cost about a second.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return False
+    kinds = tuple(
+        getattr(fsdp, k) for k in ("FullyShardedDataParallel", "FSDPModule") if hasattr(fsdp, k)
+    )
+    return any(isinstance(m, kinds) for m in model.modules())
 
 
 @contextlib.contextmanager
@@ -296,19 +317,24 @@ def selection_outputs(
     forward: Forward | None = None,
     batch: Any = None,
     output: Output = None,
+    inference: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-example losses of ``model`` on the candidates, without autograd, and the model's
     outputs (logits) when ``keep_outputs`` (else ``None``).
 
-    Runs under ``torch.inference_mode()`` in chunks of ``batch_size`` examples (all at once when
-    None), in eval mode unless ``eval=False``, optionally under autocast. Each chunk's losses are
-    ``loss_fn(model_output(model(x), output), y)``, or with ``forward``
-    ``loss_fn(model_output(forward(model, chunk), output), y)``, where ``chunk`` is ``batch`` (the
-    source batch's structure: a dict, tuple or list of fields, nested dicts included) restricted
-    to the chunk's rows (see :func:`model_output` for ``output``). With ``output=None`` a
-    ``loss_fn`` that is not a torch loss module takes the model's outputs whole (a dict, a
-    tuple, ...), as it did before ``output=`` existed; the kept outputs are
-    ``model_output(...)`` either way.
+    Runs under ``torch.inference_mode()`` (``torch.no_grad()`` when not ``inference``) in chunks of
+    ``batch_size`` examples (all at once when None), in eval mode unless ``eval=False``, optionally
+    under autocast. Each chunk's losses are ``loss_fn(model_output(model(x), output), y)``, or with
+    ``forward`` ``loss_fn(model_output(forward(model, chunk), output), y)``, where ``chunk`` is
+    ``batch`` (the source batch's structure: a dict, tuple or list of fields, nested dicts included)
+    restricted to the chunk's rows (see :func:`model_output` for ``output``). With ``output=None`` a
+    ``loss_fn`` that is not a torch loss module takes the model's outputs whole (a dict, a tuple,
+    ...), as it did before ``output=`` existed; the kept outputs are ``model_output(...)`` either
+    way.
+
+    NOTE (FSDP): an FSDP model's forward under ``inference_mode`` leaves inference tensors in
+    its gathered parameters, and its next training forward then fails; ``inference=False``
+    (``no_grad``) is for it.
 
     NOTE (eval-mode selection): a train-mode forward updates BatchNorm running statistics even
     without gradients and applies dropout noise to the losses; eval mode does neither, and a
@@ -350,7 +376,8 @@ def selection_outputs(
     )
     custom = forward is not None and not isinstance(forward, FieldsForward)
     source = f"output={output!r}" if output is not None else "forward=" if custom else "the model"
-    with eval_mode(model, eval), torch.inference_mode(), autocast:
+    grad_free = torch.inference_mode() if inference else torch.no_grad()
+    with eval_mode(model, eval), grad_free, autocast:
         for start in range(0, n, step):
             stop = min(start + step, n)
             m = stop - start
@@ -634,6 +661,7 @@ class SelectionForward:
         features: torch.Tensor | None = None,
         keep_outputs: bool = False,
         batch: Any = None,
+        inference: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Per-example losses of ``model`` on the candidates, the frozen prefix's outputs
         (``None`` without a frozen prefix; ``features``, when given, are those outputs already
@@ -651,7 +679,7 @@ class SelectionForward:
                 features = self.features(inputs, batch_size, autocast_dtype)
             inputs = features
         elif self.scale is not None:
-            with torch.inference_mode():
+            with torch.inference_mode() if inference else torch.no_grad():
                 inputs = downsample(inputs, self.scale)
         if isinstance(self.call, FieldsForward):
             self.call.check(batch)
@@ -667,6 +695,7 @@ class SelectionForward:
             forward=self.call,
             batch=batch,
             output=self.output,
+            inference=inference,
         )
         return losses, features, outputs
 

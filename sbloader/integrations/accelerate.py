@@ -1,0 +1,285 @@
+"""Hugging Face Accelerate: a SelectiveLoader over a prepared DataLoader, seen by Accelerate as
+one of its own loaders.
+
+Two pieces, each doing what Accelerate's own ``DataLoaderShard`` does:
+
+- the source: a DataLoader prepared by ``accelerator.prepare`` (a ``DataLoaderShard`` whose
+  ``BatchSamplerShard`` gives each process its share of every epoch) is rebuilt, like any
+  DataLoader, to recover the dataset indices, and each epoch starts as the shard's own
+  ``__iter__`` starts one: the shard's generators are synchronised across the processes (rank
+  0's state broadcast, so that every rank shuffles alike and the shards do not overlap) and the
+  epoch is passed on to the samplers. :func:`sbloader.adapt.make_source` builds it
+  (:func:`shard_source`), so ``SelectiveLoader(accelerator.prepare(dataloader), model)`` works.
+- :class:`AcceleratedLoader` wraps the SelectiveLoader for the training loop: it registers with
+  Accelerate's ``GradientState`` while an epoch runs and marks the epoch's last batch, so that
+  ``accelerator.accumulate()`` synchronises gradients and steps on it; and its state is every
+  process's loader state, so ``accelerator.register_for_checkpointing`` restores each rank
+  exactly (Accelerate saves a registered object's state from the main process only).
+
+Example:
+    >>> import torch
+    >>> from accelerate import Accelerator
+    >>> from torch import nn
+    >>> from torch.utils.data import DataLoader, TensorDataset
+    >>> import sbloader
+    >>> from sbloader.integrations.accelerate import AcceleratedLoader
+    >>> accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    >>> data = TensorDataset(torch.randn(96, 8), torch.randint(0, 3, (96,)))
+    >>> model, source = accelerator.prepare(nn.Linear(8, 3), DataLoader(data, batch_size=32))
+    >>> loader = AcceleratedLoader(sbloader.SelectiveLoader(
+    ...     source, model, policy=sbloader.SelectiveBackprop(selectivity=0.5), batch_size=8))
+    >>> accelerator.register_for_checkpointing(loader)
+    >>> syncs = []
+    >>> for inputs, targets in loader:
+    ...     with accelerator.accumulate(model):
+    ...         syncs.append(accelerator.sync_gradients)
+    >>> syncs[-1]  # the epoch's last batch
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+from functools import cached_property
+from typing import Any
+
+import torch.distributed as dist
+from accelerate.data_loader import (
+    BatchSamplerShard,
+    DataLoaderStateMixin,
+    SkipBatchSampler,
+    get_sampler,
+)
+from accelerate.state import GradientState
+from accelerate.utils import synchronize_rng_states
+from torch.utils.data import BatchSampler, IterableDataset, RandomSampler
+
+from .._state import check_version
+from ..loader import SelectiveLoader
+from ..sources import DataLoaderSource, Source
+
+__all__ = ["AcceleratedLoader", "AcceleratedShardSource", "shard_source"]
+
+_SUPPORTED = (
+    "pass the DataLoader prepared by accelerator.prepare() over a map-style dataset (a "
+    "DataLoaderShard, the default), or the unprepared DataLoader with each process's share "
+    "(a DistributedSampler): SelectiveLoader keeps the processes in step either way"
+)
+
+
+def shard_source(loader: Any, index_key: Hashable | None = None) -> Source:
+    """The source for a loader prepared by Accelerate, or a refusal naming the supported way.
+
+    Supported: a ``DataLoaderShard`` over a map-style dataset (what ``accelerator.prepare``
+    makes of a DataLoader by default). Refused (``ValueError``): batches dispatched from the
+    main process (``dispatch_batches=True``, Accelerate's default for iterable datasets),
+    iterable datasets, ``split_batches=True``, ``skip_first_batches`` (resume through the
+    loader's state instead), and ``index_key`` (the indices are recovered without it).
+    """
+    kind = type(loader).__name__
+    if kind != "DataLoaderShard":
+        fix = (
+            "; to resume mid-epoch, restore the SelectiveLoader's state instead of skipping "
+            "batches (AcceleratedLoader with accelerator.register_for_checkpointing)"
+            if kind == "SkipDataLoader"
+            else ""
+        )
+        raise ValueError(f"SelectiveLoader cannot read Accelerate's {kind}: {_SUPPORTED}{fix}")
+    if isinstance(loader.dataset, IterableDataset):
+        raise ValueError(
+            "SelectiveLoader cannot read a loader prepared by Accelerate over an iterable "
+            f"dataset (its batches carry no dataset indices); {_SUPPORTED}, with index_key= "
+            "naming the field that holds the indices"
+        )
+    if index_key is not None:
+        raise ValueError(
+            f"index_key={index_key!r} is not needed for a loader prepared by Accelerate over a "
+            "map-style dataset: the dataset indices are recovered; drop index_key"
+        )
+    if getattr(loader, "skip_batches", 0) or isinstance(loader.batch_sampler, SkipBatchSampler):
+        raise ValueError(
+            "the prepared loader skips its first batches (accelerator.skip_first_batches); pass "
+            "the loader without skipping and resume by restoring the "
+            "SelectiveLoader's state (AcceleratedLoader with "
+            "accelerator.register_for_checkpointing)"
+        )
+    if getattr(loader.batch_sampler, "split_batches", False):
+        raise ValueError(
+            "SelectiveLoader cannot read a loader prepared with split_batches=True (its batch "
+            "sampler reports the whole batch size, not each process's part); prepare it with "
+            "split_batches=False (the default) and batch_size= each process's share"
+        )
+    return AcceleratedShardSource(loader)
+
+
+class AcceleratedShardSource(DataLoaderSource):
+    """A DataLoader prepared by ``accelerator.prepare`` (a ``DataLoaderShard``): this process's
+    share of each epoch, with every example's dataset index.
+
+    Each epoch starts as the shard's own ``__iter__`` starts one, on the caller's thread: first
+    the shard's random number generators are synchronised (``synchronize_rng_states`` with the
+    shard's ``rng_types``: rank 0's sampler generator, by default, broadcast to every rank, so
+    that all ranks draw the same permutation and each takes its own batches of it), then the
+    shard's ``set_epoch`` passes the epoch number on to its samplers. The shard's batch sampler
+    (``BatchSamplerShard``) then decides this rank's batches as it does for the shard.
+
+    NOTE: the rebuilt DataLoader is iterated, not the shard's own ``__iter__``, because only the
+    rebuilt one carries the dataset indices with the data; what the shard's ``__iter__`` adds
+    besides is its ``GradientState`` registration (the :class:`AcceleratedLoader`'s job, for
+    the yielded batches rather than the source's) and device placement (the SelectiveLoader's
+    ``device``). The synchronisation runs in :meth:`set_epoch`, which the loader calls on the
+    caller's thread at every epoch start, since a collective must not run on the prefetch
+    thread; a resumed epoch then restores its saved generator states over the synchronised ones.
+    """
+
+    def __init__(self, loader: Any) -> None:
+        super().__init__(loader)
+        self.shard = loader
+        sampler = get_sampler(loader)
+        gens = [getattr(loader, "synchronized_generator", None), loader.generator]
+        gens.append(getattr(sampler, "generator", None))
+        self._gens = []
+        for g in gens:
+            if g is not None and all(g is not h for h in self._gens):
+                self._gens.append(g)
+
+    @property
+    def sampler(self) -> Any:
+        """The sampler inside the shard's batch sampler (e.g. the RandomSampler)."""
+        return get_sampler(self.shard)
+
+    def drop_last(self) -> bool:
+        return bool(getattr(self.shard.batch_sampler, "drop_last", False))
+
+    @property
+    def replayable(self) -> bool:
+        # NOTE: on several processes Accelerate gives a shuffling sampler a generator; on one
+        # it leaves the DataLoader's own (None: torch's global RNG, which cannot be replayed).
+        sampler = self.sampler
+        return not (isinstance(sampler, RandomSampler) and sampler.generator is None)
+
+    @cached_property
+    def epoch_size(self) -> int | None:
+        """This process's examples per epoch (its ``BatchSamplerShard`` share, padding included).
+
+        NOTE: counted by running the shard's own batch sampler logic over ``range(n)``, so that
+        every case (``drop_last``, ``even_batches`` padding) is exactly Accelerate's.
+        """
+        shard = self.shard.batch_sampler
+        if not isinstance(shard, BatchSamplerShard):  # one process: the batch sampler as is
+            return super().epoch_size
+        inner = shard.batch_sampler
+        sampler = getattr(inner, "sampler", None)
+        size = getattr(inner, "batch_size", None)
+        try:
+            n = len(sampler)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+        if size is None:
+            return None
+        proxy = BatchSamplerShard(
+            BatchSampler(range(n), size, bool(getattr(inner, "drop_last", False))),
+            num_processes=shard.num_processes,
+            process_index=shard.process_index,
+            split_batches=shard.split_batches,
+            even_batches=shard.even_batches,
+        )
+        return sum(len(b) for b in proxy)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Synchronise the shard's generators across processes, then ``shard.set_epoch``."""
+        rng_types = getattr(self.shard, "rng_types", None)
+        if rng_types:
+            synchronize_rng_states(rng_types, getattr(self.shard, "synchronized_generator", None))
+        self.shard.set_epoch(epoch)
+
+
+class AcceleratedLoader(DataLoaderStateMixin):
+    """A :class:`~sbloader.SelectiveLoader` as Accelerate sees its own loaders.
+
+    Iterate it instead of the SelectiveLoader; it yields the same batches (with their
+    ``indices``, ``losses``, ``probabilities`` and ``weights``) and:
+
+    - registers with Accelerate's ``GradientState`` while an epoch runs, as
+      ``DataLoaderShard`` does, and sets ``end_of_dataloader`` on the epoch's last batch, so
+      that ``accelerator.accumulate(model)`` synchronises the gradients and lets the optimizer
+      step there: with gradient accumulation no half-accumulated gradient crosses into the next
+      epoch;
+    - saves and restores every process's loader state: register it with
+      ``accelerator.register_for_checkpointing(loader)`` (not the SelectiveLoader itself:
+      Accelerate writes a registered object's state from the main process only, which on
+      several processes would give every rank rank 0's state) and ``save_state`` /
+      ``load_state`` resume each rank exactly, also mid-epoch.
+
+    NOTE (one batch ahead): the end of a selective epoch is known only once the next batch is
+    selected, so with gradient accumulation (``gradient_accumulation_steps > 1`` and
+    ``sync_with_dataloader``, Accelerate's default) the loader selects the next batch before
+    handing out the current one, as Accelerate's own loaders fetch one batch ahead: that
+    batch's selection pass then runs before the optimizer step on the current one. Without
+    accumulation every step synchronises anyway, nothing runs ahead, and the batches are
+    exactly the SelectiveLoader's alone. ``remainder`` stays -1 (Accelerate's "unknown"): a
+    selected batch holds no padding to cut in ``gather_for_metrics``.
+
+    Args:
+        loader: the SelectiveLoader, over the prepared DataLoader (or any source).
+
+    Attributes:
+        loader: the wrapped SelectiveLoader (``stats``, ``epoch``, ``progress``, ...).
+    """
+
+    VERSION = 1
+
+    def __init__(self, loader: SelectiveLoader) -> None:
+        if not isinstance(loader, SelectiveLoader):
+            raise TypeError(
+                "AcceleratedLoader wraps a sbloader.SelectiveLoader, but got "
+                f"{type(loader).__name__}; pass SelectiveLoader(accelerator.prepare(dataloader), "
+                "model, ...)"
+            )
+        self.loader = loader
+        self.gradient_state = GradientState()
+        self._drop_last = True  # NOTE: keeps DataLoaderStateMixin.begin() from a remainder
+
+    def __iter__(self) -> Iterator[Any]:
+        state = self.gradient_state
+        ahead = state.num_steps > 1 and state.sync_with_dataloader
+        it = iter(self.loader)
+        self.begin()
+        try:
+            for batch in it:
+                if ahead:
+                    self.end_of_dataloader = it.finishing()
+                yield batch
+        finally:
+            self.end()
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every process's loader state, in rank order (a collective on several processes:
+        every rank calls it, as ``accelerator.save_state`` does)."""
+        own = self.loader.state_dict()
+        sync = self.loader._sync
+        if sync is None:
+            states: list[Any] = [own]
+        else:
+            states = [None] * sync.world_size
+            dist.all_gather_object(states, own, group=sync.group)
+        return {"version": self.VERSION, "world_size": len(states), "ranks": states}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this process's entry of a :meth:`state_dict`."""
+        state = check_version(state, "AcceleratedLoader", self.VERSION)
+        ranks = state["ranks"]
+        world = self.loader.world_size
+        if len(ranks) != world:
+            raise ValueError(
+                f"the saved AcceleratedLoader state holds {len(ranks)} processes' loader states, "
+                f"but this run has {world}; resume with the saved run's number of processes"
+            )
+        sync = self.loader._sync
+        self.loader.load_state_dict(ranks[0 if sync is None else sync.rank])
+
+    def __repr__(self) -> str:
+        return f"AcceleratedLoader({self.loader!r})"

@@ -1,0 +1,287 @@
+"""SelectiveLoader under Hugging Face Accelerate (the real library, on the CPU).
+
+The 2-process tests launch tests/accelerate_scenarios.py with torchrun once (gloo) under a
+deadline, so a hang fails instead of blocking the suite; the tests below compare its ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+import sbloader
+
+accelerate = pytest.importorskip("accelerate")
+import accelerate_scenarios as S  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from launch import ROOT, torchrun_ranks  # noqa: E402
+
+from sbloader.integrations.accelerate import AcceleratedLoader, AcceleratedShardSource  # noqa: E402
+
+#: Seconds the 2-process run may take before it fails as a hang (about 20 s alone on one core;
+#: a loaded machine is several times slower, and a hang never ends).
+DEADLINE_S = 300
+
+pytestmark = pytest.mark.timeout(DEADLINE_S + 60)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    return torchrun_ranks("accelerate_scenarios.py", tmp_path_factory.mktemp("acc"), DEADLINE_S)
+
+
+# ------------------------------------------------------------------ 2 processes
+def test_the_shards_are_the_prepared_loaders_own_and_do_not_overlap(ranks):
+    """A Traditional SelectiveLoader over a prepared loader yields exactly the batches the
+    prepared loader's own __iter__ yields (its generator synchronisation reproduced, with
+    generators seeded differently on each rank), so the ranks' shards partition the data."""
+    for r in ranks:
+        assert r["selective"] == r["native"]
+    for epoch in range(2):
+        shards = [sorted(i for b in r["selective"][epoch] for i in b) for r in ranks]
+        assert not set(shards[0]) & set(shards[1])
+        assert sorted(shards[0] + shards[1]) == list(range(S.N))
+    assert ranks[0]["selective"][0] != ranks[0]["selective"][1]  # reshuffled per epoch
+
+
+def test_epoch_size_and_length_are_each_processes_share(ranks):
+    for r in ranks:
+        assert r["epoch_size"] == r["epoch_size_sb"] == S.N // 2
+        assert r["len"] == S.N // 2 // S.SOURCE_BATCH
+
+
+def test_ranks_take_equal_steps_on_disjoint_examples(ranks):
+    ref = [r["reference"] for r in ranks]
+    assert [len(e) for e in ref[0]] == [len(e) for e in ref[1]]
+    for e0, e1 in zip(*ref):
+        seen = [{i for s in e for i in s["indices"]} for e in (e0, e1)]
+        assert not seen[0] & seen[1]  # remainder="drop": nothing carried across epochs
+
+
+def test_gradient_accumulation_syncs_on_each_epochs_last_batch(ranks):
+    for r in ranks:
+        epochs = r["reference"]
+        # The test means something only if an epoch's length is no multiple of the steps.
+        assert any(len(e) % S.ACCUMULATE for e in epochs)
+        for steps in epochs + r["resumed"]:
+            assert steps[-1]["sync"]
+            assert steps[0]["clean"]  # no gradient carried over from the previous epoch
+        for steps in epochs:  # every ACCUMULATE-th step, and the last
+            syncs = [i + 1 for i, s in enumerate(steps) if s["sync"]]
+            expected = sorted({*range(S.ACCUMULATE, len(steps) + 1, S.ACCUMULATE), len(steps)})
+            assert syncs == expected
+
+
+def test_register_for_checkpointing_resumes_exactly(ranks):
+    for r in ranks:
+        ref = [s for e in r["reference"] for s in e]
+        cut = next(i for i, s in enumerate(ref) if s.get("saved")) + 1
+        resumed = [s for e in r["resumed"] for s in e]
+        assert [s["indices"] for s in resumed] == [s["indices"] for s in ref[cut:]]
+        assert [s["sync"] for s in resumed] == [s["sync"] for s in ref[cut:]]
+        assert r["resumed_at"][0] == S.SAVE_EPOCH and r["resumed_at"][1] > 0  # mid-epoch
+
+
+def test_the_selective_loader_registered_itself_is_refused_on_another_rank(ranks):
+    """Accelerate saves a registered object from the main process only: rank 1 would resume
+    rank 0's run. It is refused, naming the supported way."""
+    assert ranks[0]["bare"] == ""
+    assert "AcceleratedLoader" in ranks[1]["bare"] and "rank 1" in ranks[1]["bare"]
+
+
+# ------------------------------------------------------------------ one process
+@pytest.fixture
+def fresh_accelerate():
+    """Accelerate keeps process-wide singletons; each test starts and ends without them."""
+    reset_accelerate()
+    yield
+    reset_accelerate()
+
+
+def data(n: int = 96) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def one_process_run(
+    accumulate: int, ckpt: Path | None = None, load: bool = False, wrap: bool = True
+) -> tuple[list[list[tuple[list[int], bool]]], sbloader.SelectiveLoader]:
+    """Two epochs on one process: per epoch, per step, the indices and sync_gradients.
+
+    ``ckpt``: save there after the 4th step (or, with ``load``, resume from it); ``wrap=False``
+    iterates the SelectiveLoader itself instead of an AcceleratedLoader."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    source = DataLoader(data(), batch_size=16, shuffle=True, generator=g)
+    model, opt, source = accelerator.prepare(model, opt, source)
+    sb = sbloader.SelectiveLoader(
+        source, model, policy=sbloader.SelectiveBackprop(selectivity=0.5), batch_size=4, seed=2
+    )
+    loader = AcceleratedLoader(sb) if wrap else sb
+    if wrap:
+        accelerator.register_for_checkpointing(loader)
+    if load:
+        accelerator.load_state(str(ckpt))
+    log = []
+    for _ in range(sb.epoch, 2):
+        steps = []
+        for batch in loader:
+            x, y = batch
+            with accelerator.accumulate(model):
+                loss = (F.cross_entropy(model(x), y, reduction="none") * batch.weights).mean()
+                accelerator.backward(loss)
+                opt.step()
+                opt.zero_grad()
+                steps.append((batch.indices.tolist(), accelerator.sync_gradients))
+            if ckpt is not None and not load and sb.epoch == 0 and len(steps) == 4:
+                accelerator.save_state(str(ckpt))  # gradient_accumulation_steps=2: a sync step
+        log.append(steps)
+    return log, sb
+
+
+def reset_accelerate() -> None:
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def test_one_process_source_and_accumulation(fresh_accelerate):
+    log, sb = one_process_run(accumulate=3)
+    assert isinstance(sb.source, AcceleratedShardSource)
+    assert sb.source.epoch_size == 96 and len(sb.source) == 6
+    for steps in log:
+        assert steps[-1][1] is True
+    assert any(len(steps) % 3 for steps in log)
+
+
+def test_one_process_checkpoint_resumes_exactly(fresh_accelerate, tmp_path):
+    ref, _ = one_process_run(accumulate=2, ckpt=tmp_path / "ckpt")
+    reset_accelerate()
+    resumed, _ = one_process_run(accumulate=2, ckpt=tmp_path / "ckpt", load=True)
+    assert [s for e in resumed for s in e] == [s for e in ref for s in e][4:]
+
+
+def test_without_accumulation_nothing_runs_ahead(fresh_accelerate):
+    """gradient_accumulation_steps=1: the batches are the plain SelectiveLoader's (no
+    look-ahead), though the model trains between them."""
+    ahead, _ = one_process_run(accumulate=1)
+    reset_accelerate()
+    plain, _ = one_process_run(accumulate=1, wrap=False)
+    assert ahead == plain
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        for i in range(8):
+            yield torch.zeros(2), i
+
+
+@pytest.mark.parametrize(
+    "make, kwargs, message",
+    [
+        (lambda a: a.prepare(DataLoader(Stream(), batch_size=4)), {}, "DataLoaderDispatcher: pass"),
+        (
+            lambda a: a.skip_first_batches(a.prepare(DataLoader(data(), batch_size=4)), 1),
+            {},
+            "restoring the SelectiveLoader's state",
+        ),
+        (
+            lambda a: a.prepare(DataLoader(data(), batch_size=4)),
+            {"index_key": 0},
+            "drop index_key",
+        ),
+    ],
+)
+def test_what_cannot_work_is_refused_with_the_supported_way(
+    fresh_accelerate, make, kwargs, message
+):
+    accelerator = Accelerator(cpu=True)
+    with pytest.raises(ValueError, match=message):
+        sbloader.SelectiveLoader(make(accelerator), nn.Linear(6, 3), batch_size=4, **kwargs)
+
+
+def test_accelerated_loader_wraps_only_a_selective_loader():
+    with pytest.raises(TypeError, match="SelectiveLoader"):
+        AcceleratedLoader(DataLoader(data(), batch_size=4))  # type: ignore[arg-type]
+
+
+def test_a_state_from_another_number_of_processes_is_refused(fresh_accelerate):
+    accelerator = Accelerator(cpu=True)
+    source = accelerator.prepare(DataLoader(data(), batch_size=16))
+    loader = AcceleratedLoader(sbloader.SelectiveLoader(source, nn.Linear(6, 3), batch_size=4))
+    state = loader.state_dict()
+    assert state["world_size"] == 1 and len(state["ranks"]) == 1
+    with pytest.raises(ValueError, match="number of processes"):
+        loader.load_state_dict({**state, "ranks": state["ranks"] * 2, "world_size": 2})
+
+
+# ------------------------------------------------------------------ the example
+def have_fashion_mnist() -> bool:
+    from sbloader.datasets import load_fashion_mnist
+
+    try:
+        load_fashion_mnist("test")
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.slow  # three epochs and two processes started: about a minute on a busy core
+@pytest.mark.realdata
+@pytest.mark.skipif(not have_fashion_mnist(), reason="needs Debian's dataset-fashion-mnist")
+def test_the_example_accumulates_to_each_epochs_end_and_resumes(tmp_path):
+    script = str(ROOT / "examples" / "accelerate_fashion_mnist.py")
+    common = ["--examples", "1536", "--batch-size", "32", "--accumulate", "3"]
+    common += ["--checkpoint", str(tmp_path / "ckpt")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def run(*extra: str) -> list[dict]:
+        out = tmp_path / "rows.json"
+        cmd = [sys.executable, script, *common, "--json", str(out), *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads(out.read_text())
+
+    rows = run("--epochs", "2")
+    assert [r["epoch"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["last_batch_synced"]
+        assert r["optimizer_steps"] == -(-r["steps"] // 3)  # every 3rd step, and the last
+        assert r["backprop_per_process"][0] == 32 * r["steps"]
+    resumed = run("--epochs", "3", "--resume", str(tmp_path / "ckpt"))
+    assert [r["epoch"] for r in resumed] == [2]
+
+
+def test_one_process_shuffling_with_the_global_rng_cannot_resume_mid_epoch(fresh_accelerate):
+    """On one process Accelerate leaves a shuffling DataLoader on torch's global RNG, whose
+    order cannot be replayed: a mid-epoch state is refused with the fix, as for any DataLoader."""
+    accelerator = Accelerator(cpu=True)
+    source = accelerator.prepare(DataLoader(data(), batch_size=16, shuffle=True))
+    loader = sbloader.SelectiveLoader(source, nn.Linear(6, 3), batch_size=4)
+    assert not loader.source.replayable
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match="generator="):
+        sbloader.SelectiveLoader(source, nn.Linear(6, 3), batch_size=4).load_state_dict(state)
+
+
+def test_the_modules_docstring_example_runs(fresh_accelerate):
+    import doctest
+
+    import sbloader.integrations.accelerate as module
+
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted and result.failed == 0
