@@ -451,3 +451,15 @@ def test_dataset_size_is_checked():
 def test_the_package_exports_the_epoch_iterator():
     assert type(iter(make(per_epoch=2))) is sbloader.FixedEpochIterator
     assert type(iter(make(per_epoch=None))) is sbloader.EpochIterator
+
+
+@pytest.mark.parametrize("per_epoch", ["expected", 3])
+def test_finishing_is_true_exactly_at_each_training_epochs_last_batch(per_epoch):
+    """What Accelerate's gradient accumulation asks (AcceleratedLoader): known from the count."""
+    loader = make(per_epoch=per_epoch)
+    for _ in range(3):
+        it = iter(loader)
+        flags = []
+        for _batch in it:
+            flags.append(it.finishing())
+        assert flags == [False] * (len(loader) - 1) + [True]
