@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import doctest
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -226,7 +227,9 @@ def test_resume_after_an_epoch_cut_short_by_limit_train_batches(tmp_path):
     module = Classifier()
     t = trainer(callbacks=checkpoints(tmp_path, every=1000), limit_train_batches=5)
     t.fit(module)
-    assert len(module.trained) == 15 and t.train_dataloader.loader.epoch == 3
+    loader = t.train_dataloader.loader
+    assert len(module.trained) == 15 and loader.epoch == 2  # the third epoch was abandoned,
+    assert loader.state_dict()["epoch"] == 3  # so a state saved now starts the next one
     path = tmp_path / "epochs" / "epoch=0-step=5.ckpt"
     after = resumed(path, limit_train_batches=5)
     assert module.trained[:5] + after == module.trained
@@ -247,25 +250,67 @@ def test_module_docstring_example_runs():
     assert result.failed == 0 and result.attempted > 0
 
 
-@pytest.mark.slow
-def test_ddp_two_processes(tmp_path):
-    """Lightning's DDP on the CPU (gloo), two processes: both ranks make the same number of
-    steps, and no example is trained on twice in an epoch (each rank trains only its own
-    shard, remainder="drop")."""
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "lightning_ddp_run.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
+def have_fashion_mnist() -> bool:
+    from sbloader.datasets import load_fashion_mnist
+
+    try:
+        load_fashion_mnist("test")
+    except FileNotFoundError:
+        return False
+    return True
+
+
+needs_data = pytest.mark.skipif(not have_fashion_mnist(), reason="needs dataset-fashion-mnist")
+
+
+def run_example(*args: str, timeout: int = 300) -> str:
+    cmd = [sys.executable, str(ROOT / "examples" / "lightning_fashion_mnist.py"), *args]
+    # This checkout's sbloader, also in the process Lightning starts for rank 1.
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert [len(r["steps"]) for r in ranks] == [len(ranks[0]["steps"])] * 2
+    return out.stdout
+
+
+@pytest.mark.realdata
+@needs_data
+def test_the_example_runs():
+    out = run_example("--epochs", "2", "--examples", "1024", "--test-examples", "500")
+    assert "epoch 0: seen 1024, selection forwards 0" in out  # the Random-Backprop warm-up
+    assert "epoch 1: seen 1024, selection forwards 1024" in out
+    assert "test error" in out
+
+
+@pytest.mark.slow
+@pytest.mark.realdata
+@needs_data
+def test_ddp_two_processes_step_together_split_the_data_and_resume_exactly(tmp_path):
+    """Lightning's DDP on the CPU (gloo), two processes started by Lightning itself: both ranks
+    make the same number of steps, no example is trained on twice in an epoch (each rank
+    trains only its own shard; remainder="drop"), and a run resumed from the end-of-epoch
+    checkpoint trains each rank on what the uninterrupted run did (every rank's loader state
+    is in the checkpoint)."""
+    common = ["--epochs", "2", "--examples", "2048", "--test-examples", "200", "--devices", "2"]
+    common += ["--remainder", "drop"]
+    full, again = tmp_path / "full", tmp_path / "resumed"
+    full.mkdir(), again.mkdir()
+    run_example(*common, "--record", str(full), "--ckpt-dir", str(tmp_path / "ckpt"), timeout=600)
+    ranks = [json.loads((full / f"rank{r}.json").read_text()) for r in range(2)]
+    assert len(ranks[0]["steps"]) == len(ranks[1]["steps"]) > 0
     for epoch in range(2):
-        per_rank = [[i for s in r["steps"] if s["epoch"] == epoch for i in s["indices"]] for r in ranks]
+        per_rank = [
+            [i for s in r["steps"] if s["epoch"] == epoch for i in s["indices"]] for r in ranks
+        ]
         assert len(per_rank[0]) == len(per_rank[1]) > 0
         both = per_rank[0] + per_rank[1]
-        assert len(set(both)) == len(both)  # 512 examples split evenly: no padding
-        for r, shard in zip(ranks, per_rank):
-            assert set(shard) <= set(r["shards"][epoch])
+        assert len(set(both)) == len(both)  # 2048 examples split evenly: no padding
+        for r, trained in zip(ranks, per_rank):
+            assert set(trained) <= set(r["shards"][epoch])
+    (ckpt,) = (tmp_path / "ckpt").glob("epoch=0-*.ckpt")
+    run_example(*common, "--record", str(again), "--resume", str(ckpt), timeout=600)
+    for r in range(2):
+        resumed = json.loads((again / f"rank{r}.json").read_text())["steps"]
+        assert resumed == [s for s in ranks[r]["steps"] if s["epoch"] == 1]

@@ -61,7 +61,6 @@ Example:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
