@@ -347,12 +347,14 @@ class EpochIterator:
         """The batches a state saved now must hand out first when resumed: the last one handed
         out when ``unconsumed`` is 1 (fetched ahead by a framework, not trained yet), then those
         taken back by the state this epoch resumed and not handed out yet."""
-        if unconsumed and self._last is None:
+        if not unconsumed:
+            return list(self._replay)
+        if self._last is None:
             raise ValueError(
                 f"unconsumed={unconsumed}, but this epoch has handed out no batch yet; pass the "
                 "number of batches the caller has fetched from the loader and not trained on"
             )
-        return ([self._last] if unconsumed else []) + self._replay
+        return [self._last, *self._replay]
 
     # ------------------------------------------------------------------ decisions
     def _agree(self, ready: int, active: bool = True) -> int:

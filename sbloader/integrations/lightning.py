@@ -273,7 +273,8 @@ def selective_loader(
             Trainer's processes.
     """
     trainer = module.trainer
-    found = [cb for cb in trainer.callbacks if isinstance(cb, SelectiveLoaderCallback)]
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # (set outside Trainer's body)
+    found = [cb for cb in callbacks if isinstance(cb, SelectiveLoaderCallback)]
     if len(found) != 1:
         raise ValueError(
             f"selective_loader needs one SelectiveLoaderCallback in the Trainer's callbacks, but "
