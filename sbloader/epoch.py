@@ -119,10 +119,18 @@ class EpochIterator:
         """Whether the epoch has begun and neither ended nor been closed."""
         return self._phase not in (_Phase.NEW, _Phase.DONE, _Phase.CLOSED)
 
-    def close(self) -> None:
+    def close(self, resumable: bool = True) -> None:
         """End the iterator: stop its fetcher (and prefetch thread) and hand the epoch back.
 
-        A started epoch that did not end counts as abandoned. Closing twice is harmless.
+        A started epoch that did not end counts as abandoned: the next iterator starts the next
+        epoch. Closing twice is harmless.
+
+        Args:
+            resumable: whether a state saved before the next epoch starts resumes this one
+                where it stopped (the default, as after ``break``: a run saved after leaving
+                its loop goes on from there). False ends the epoch here for good (a framework
+                that ends its epochs early, e.g. Lightning's ``limit_train_batches``): the state
+                then starts the next epoch, as the run does.
         """
         if self._phase in (_Phase.DONE, _Phase.CLOSED):
             return
@@ -135,7 +143,7 @@ class EpochIterator:
         self._loader._returned[:0], self._replay = self._replay, []  # handed out next epoch
         self._stop_fetch()
         if running:
-            self._loader._abandon(self)
+            self._loader._abandon(self, resumable)
 
     def __del__(self) -> None:
         # NOTE: a `for` loop left with `break` drops its iterator; closing it here stops the

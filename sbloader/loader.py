@@ -530,11 +530,16 @@ class SelectiveLoader:
         returned, self._returned = self._returned, []
         return self.epoch, skip, resumed, current, returned
 
-    def _abandon(self, it: EpochIterator) -> None:
-        """``it`` ended part-way: the next iterator starts the next epoch."""
+    def _abandon(self, it: EpochIterator, resumable: bool) -> None:
+        """``it`` ended part-way: the next iterator starts the next epoch (and a state saved
+        before then resumes ``it``'s epoch where it stopped if ``resumable``)."""
         live = self._live_iterator()
         if live is None or live is it:  # (a dropped iterator's weak reference may be dead)
-            self._unfinished = (it.position, False)
+            if resumable:
+                self._unfinished = (it.position, False)
+            else:
+                self._unfinished = None
+                self.epoch += 1
 
     def _end(self, it: EpochIterator) -> None:
         """``it`` finished its epoch."""
@@ -586,8 +591,9 @@ class SelectiveLoader:
                 out first (no selection pass is made again for it), then goes on as the
                 uninterrupted run did. Only while an epoch is running. Default 0.
 
-        NOTE: an epoch abandoned part-way (``break``) is saved as the start of the next one,
-        which is what the next ``iter(loader)`` would begin.
+        An epoch left part-way (``break``) is saved where it stopped, so that saving after
+        leaving the loop resumes it; one closed with ``close(resumable=False)`` is saved as the
+        start of the next epoch.
         """
         if unconsumed not in (0, 1):
             raise ValueError(
@@ -595,7 +601,7 @@ class SelectiveLoader:
                 f"on yet), but got unconsumed={unconsumed!r}"
             )
         it = self._live_iterator()
-        epoch, returned = self.epoch, self._returned
+        returned = self._returned
         if it is not None and it.running:
             active, position = True, it.position
             returned = it._not_trained(unconsumed)
@@ -604,11 +610,10 @@ class SelectiveLoader:
                 "unconsumed=1, but no epoch is running: the batches handed out were all part of "
                 "an epoch that has ended; pass unconsumed=0"
             )
-        elif self._unfinished is not None and self._unfinished[1]:
-            active, position = True, self._unfinished[0]  # restored and not resumed yet
+        elif self._unfinished is not None:
+            active, position = True, self._unfinished[0]
         else:
             active, position = False, 0
-            epoch += self._unfinished is not None  # abandoned: the next epoch starts afresh
         stats = self.stats.state_dict()
         if unconsumed:
             current = stats["epochs"][-1]  # the taken-back batch is counted when handed out again
@@ -617,7 +622,7 @@ class SelectiveLoader:
         return {
             K_VERSION: self.STATE_VERSION,
             K_IDENTITY: self._identity(),
-            K_EPOCH: epoch,
+            K_EPOCH: self.epoch,
             K_POSITION: position,
             K_ACTIVE: active,
             K_RNG: self._rng.bit_generator.state,

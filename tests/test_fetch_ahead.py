@@ -108,24 +108,37 @@ def test_unconsumed_is_checked():
         loader.state_dict(unconsumed=1)
 
 
-def test_an_abandoned_epoch_is_saved_as_the_start_of_the_next():
-    """After ``break`` the next iter(loader) starts the next epoch; a state saved in between
-    resumes there too (it used to resume the abandoned epoch where it stopped)."""
+def test_an_epoch_closed_for_good_is_saved_as_the_start_of_the_next():
+    """``close(resumable=False)`` (what the Lightning integration does when Lightning ends an
+    epoch early): the next iter(loader) starts the next epoch, and a state saved in between
+    resumes there too; after a plain ``break`` a saved state resumes the epoch where it
+    stopped."""
 
-    def run(loader, stop_after=None):
-        seen = []
-        for k, batch in enumerate(loader):
+    def run(loader, stop_after=None, resumable=True):
+        seen, it = [], iter(loader)
+        for k, batch in enumerate(it):
             seen.append(batch.indices.tolist())
             if k == stop_after:
+                it.close(resumable=resumable)
                 break
         return seen
 
     first, _, _ = setup()
     run(first)
-    run(first, stop_after=1)
+    run(first, stop_after=1, resumable=False)
     state = first.state_dict()
     assert state["epoch"] == 2 and not state["active"]
     expected = run(first)
     second, _, _ = setup()
     second.load_state_dict(state)
     assert run(second) == expected and second.epoch == first.epoch == 3
+
+    third, _, _ = setup()
+    run(third)
+    head = run(third, stop_after=1)  # left like a `break`
+    state = third.state_dict()
+    assert state["epoch"] == 1 and state["active"] and state["position"] > 0
+    fourth, _, _ = setup()
+    fourth.load_state_dict(state)
+    rest = run(fourth)
+    assert len(head) == 2 and rest and not set(map(tuple, head)) & set(map(tuple, rest))

@@ -228,8 +228,8 @@ def test_resume_after_an_epoch_cut_short_by_limit_train_batches(tmp_path):
     t = trainer(callbacks=checkpoints(tmp_path, every=1000), limit_train_batches=5)
     t.fit(module)
     loader = t.train_dataloader.loader
-    assert len(module.trained) == 15 and loader.epoch == 2  # the third epoch was abandoned,
-    assert loader.state_dict()["epoch"] == 3  # so a state saved now starts the next one
+    assert len(module.trained) == 15 and loader.epoch == 3  # each epoch ended after 5 batches
+    assert not loader.state_dict()["active"]  # so a state saved now starts the next one
     path = tmp_path / "epochs" / "epoch=0-step=5.ckpt"
     after = resumed(path, limit_train_batches=5)
     assert module.trained[:5] + after == module.trained

@@ -154,7 +154,7 @@ class LightningLoader:
         # did. (Whether it ends or is abandoned changes what the source draws next: a torch
         # RandomSampler draws again from its generator when it is exhausted.)
         if length is None or stats is None or stats.batches_yielded < length:
-            epoch.close()
+            epoch.close(resumable=False)
             return
         extra = next(epoch, None)
         if extra is not None:
