@@ -269,8 +269,8 @@ def selective_loader(
 
     Raises:
         ValueError: no :class:`SelectiveLoaderCallback` (or more than one) in the Trainer's
-            callbacks, or a source DataLoader without a ``DistributedSampler`` for the
-            Trainer's processes.
+            callbacks, a ``training_step`` that takes ``dataloader_iter``, or a source
+            DataLoader without a ``DistributedSampler`` for the Trainer's processes.
     """
     trainer = module.trainer
     callbacks = trainer.callbacks  # type: ignore[attr-defined]  # (set outside Trainer's body)
@@ -281,6 +281,12 @@ def selective_loader(
             f"found {len(found)}: pass Trainer(callbacks=[SelectiveLoaderCallback()]) (or return "
             "it from the module's configure_callbacks), so that checkpoints save and restore "
             "the loader"
+        )
+    if "dataloader_iter" in inspect.signature(module.training_step).parameters:
+        raise ValueError(
+            "selective_loader does not support training_step(dataloader_iter): the callback "
+            "counts the batches Lightning hands to training_step, so take the batch argument, "
+            "training_step(self, batch, batch_idx)"
         )
     world = trainer.world_size
     if world > 1 and isinstance(source, DataLoader):
