@@ -118,6 +118,17 @@ def test_without_the_callback_the_fix_is_named():
         trainer(epochs=1, naive=True).fit(Classifier())
 
 
+def test_the_callback_may_come_from_configure_callbacks():
+    class SelfContained(Classifier):
+        def configure_callbacks(self):
+            return [SelectiveLoaderCallback()]
+
+    module = SelfContained()
+    t = trainer(epochs=1, naive=True)  # no callback in the Trainer's list
+    t.fit(module)
+    assert module.trained and t.train_dataloader.loader.epoch == 1
+
+
 def test_training_step_with_dataloader_iter_is_refused():
     class Iterating(Classifier):
         def training_step(self, dataloader_iter):

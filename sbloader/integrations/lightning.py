@@ -164,9 +164,10 @@ class LightningLoader:
                 "the loader's len()"
             )
 
-    # NOTE: the two methods below make Lightning treat the loader as resumable (without them it
-    # warns, on a mid-epoch resume, that the loader is not). The state itself is the callback's;
-    # Lightning's copy is only a marker, checked when Lightning restores a mid-epoch loader.
+    # NOTE: the two methods below make Lightning treat the loader as resumable (without them,
+    # resuming a loader with a len() mid-epoch, it warns that the loader is not). The state
+    # itself is the callback's; Lightning's copy is only a marker, checked when Lightning
+    # restores a mid-epoch loader.
     def state_dict(self) -> dict[str, Any]:
         return {"saved_by": "SelectiveLoaderCallback"}
 
