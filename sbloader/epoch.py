@@ -70,6 +70,10 @@ class EpochIterator:
         self._owed = 0  # full batches agreed on and not handed out yet
         self._short = 0  # the size of a short last batch to hand out (remainder="short")
         self._direct: Rows | None = None  # a passthrough batch to hand out as it is
+        # Batches a saved state took back from the caller (see SelectiveLoader.state_dict's
+        # ``unconsumed``), handed out first and as they were; and the last batch handed out.
+        self._replay: list[Rows] = []
+        self._last: Rows | None = None
         self._tally: list[int] = [0, 0]
         self._counted = (0, 0)
         self._handed_out: float | None = None
@@ -156,10 +160,18 @@ class EpochIterator:
             if self._handed_out is not None:  # the run-ahead is the loader's time, not the caller's
                 self._handed_out += perf_counter() - t0
 
-    def close(self) -> None:
+    def close(self, resumable: bool = True) -> None:
         """End the iterator: stop its fetcher (and prefetch thread) and hand the epoch back.
 
-        A started epoch that did not end counts as abandoned. Closing twice is harmless.
+        A started epoch that did not end counts as abandoned: the next iterator starts the next
+        epoch. Closing twice is harmless.
+
+        Args:
+            resumable: whether a state saved before the next epoch starts resumes this one
+                where it stopped (the default, as after ``break``: a run saved after leaving
+                its loop goes on from there). False ends the epoch here for good (a framework
+                that ends its epochs early, e.g. Lightning's ``limit_train_batches``): the state
+                then starts the next epoch, as the run does.
         """
         if self._phase in (_Phase.DONE, _Phase.CLOSED):
             return
@@ -168,10 +180,11 @@ class EpochIterator:
         # Batches agreed on but not handed out stay in the loader's pending rows: the next epoch
         # yields them (nothing selected is lost).
         self._owed = self._short = 0
-        self._direct = None
+        self._direct = self._last = None
+        self._loader._returned[:0], self._replay = self._replay, []  # handed out next epoch
         self._stop_fetch()
         if running:
-            self._loader._abandon(self)
+            self._loader._abandon(self, resumable)
 
     def __del__(self) -> None:
         # NOTE: a `for` loop left with `break` drops its iterator; closing it here stops the
@@ -199,8 +212,8 @@ class EpochIterator:
 
     def _begin(self) -> None:
         loader = self._loader
-        epoch, skip, resumed, stats = loader._begin(self)
-        self.epoch, self.position, self.stats = epoch, skip, stats
+        epoch, skip, resumed, stats, replay = loader._begin(self)
+        self.epoch, self.position, self.stats, self._replay = epoch, skip, stats, replay
         policy = loader.policy
         self._fresh = policy.needs_losses(epoch)
         self._passthrough = policy.passthrough()
@@ -370,6 +383,8 @@ class EpochIterator:
     def _next_ready(self) -> B.SelectedBatch | None:
         """A batch owed to the caller, or None."""
         loader = self._loader
+        if self._replay:
+            return self._build(self._replay.pop(0))
         if self._direct is not None:
             rows, self._direct = self._direct, None
             return self._build(rows)
@@ -390,7 +405,21 @@ class EpochIterator:
         )
         stats.examples_yielded += len(rows)
         stats.batches_yielded += 1
+        self._last = rows
         return batch
+
+    def _not_trained(self, unconsumed: int) -> list[Rows]:
+        """The batches a state saved now must hand out first when resumed: the last one handed
+        out when ``unconsumed`` is 1 (fetched ahead by a framework, not trained yet), then those
+        taken back by the state this epoch resumed and not handed out yet."""
+        if not unconsumed:
+            return list(self._replay)
+        if self._last is None:
+            raise ValueError(
+                f"unconsumed={unconsumed}, but this epoch has handed out no batch yet; pass the "
+                "number of batches the caller has fetched from the loader and not trained on"
+            )
+        return [self._last, *self._replay]
 
     # ------------------------------------------------------------------ decisions
     def _selection_round(self, real: int) -> int:

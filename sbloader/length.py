@@ -143,8 +143,13 @@ class FixedEpochs:
             return epoch + 1, 0, False
         return epoch, yielded, active
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, unconsumed: int = 0) -> dict[str, Any]:
+        """The clock; ``unconsumed`` batches handed out last are taken back (see
+        :meth:`SelectiveLoader.state_dict <sbloader.SelectiveLoader.state_dict>`): the resumed
+        training epoch hands them out again and counts them then."""
         epoch, yielded, active = self.current()
+        if active:
+            yielded -= min(unconsumed, yielded)
         return {
             "version": self.VERSION,
             "count": self.count,
@@ -238,8 +243,21 @@ class FixedEpochIterator:
         <sbloader.epoch.EpochIterator.finishing>`)."""
         return self._phase is not _Phase.NEW and self._clock.yielded >= self._clock.count
 
-    def close(self) -> None:
-        """End the iterator (the pass over the data it was reading stays open for the next)."""
+    @property
+    def running(self) -> bool:
+        """Whether the training epoch has begun and neither ended nor been closed."""
+        return self._phase is _Phase.RUNNING
+
+    def close(self, resumable: bool = True) -> None:
+        """End the iterator (the pass over the data it was reading stays open for the next).
+
+        Args:
+            resumable: accepted for :meth:`EpochIterator.close
+                <sbloader.epoch.EpochIterator.close>`'s callers; a training epoch left part-way
+                always counts as ended (the next one starts with its full count, and nothing
+                selected is lost), so either way a state saved now starts the next one.
+        """
+        del resumable
         if self._phase is not _Phase.DONE:
             self._phase = _Phase.CLOSED
 

@@ -29,7 +29,7 @@ from .features import make_feature_cache
 from .feedback import FeedbackBuffer, check_range
 from .length import FixedEpochIterator, FixedEpochs, check_batches_per_epoch
 from .policies import Policy, default_policy
-from .rows import PendingRows
+from .rows import PendingRows, Rows
 from .scoring import Scorer
 from .selection import Forward, Output, SelectionForward, check_loss_fn, input_fields, model_device
 from .sources import Source
@@ -51,7 +51,7 @@ K_VERSION, K_IDENTITY, K_EPOCH, K_POSITION, K_ACTIVE = (
     "position",
     "active",
 )
-K_RNG, K_SOURCE, K_POLICY, K_PENDING, K_CODEC, K_SCORER, K_STATS = (
+K_RNG, K_SOURCE, K_POLICY, K_PENDING, K_CODEC, K_SCORER, K_STATS, K_RETURNED = (
     "rng",
     "source",
     "policy",
@@ -59,6 +59,7 @@ K_RNG, K_SOURCE, K_POLICY, K_PENDING, K_CODEC, K_SCORER, K_STATS = (
     "codec",
     "scorer",
     "stats",
+    "returned",
 )
 K_FEEDBACK = "feedback"  # optional: states saved before feedback existed have none
 # NOTE: an optional key of version 2 (absent from states saved before batches_per_epoch): the
@@ -470,6 +471,9 @@ class SelectiveLoader:
         # An epoch that no live iterator owns but that did not end: (position, resume). A
         # restored mid-epoch state resumes it; an abandoned one is skipped by the next iterator.
         self._unfinished: tuple[int, bool] | None = None
+        # Batches handed out but not trained when a state was saved (``state_dict(unconsumed=)``):
+        # the next epoch iterator hands them out first, as they were.
+        self._returned: list[Rows] = []
         # Whether the model and loss_fn were checked on a source batch (see EpochIterator).
         self._probed = False
         # The source's state as of the last source batch consumed (see Source.snapshot); None:
@@ -658,9 +662,10 @@ class SelectiveLoader:
         return None if self._live is None else self._live()
 
     # ------------------------------------------------------------------ the epoch handover
-    def _begin(self, it: EpochIterator) -> tuple[int, int, bool, EpochStats]:
+    def _begin(self, it: EpochIterator) -> tuple[int, int, bool, EpochStats, list[Rows]]:
         """Hand the next epoch (or the rest of a restored one) to ``it``: its number, the source
-        batches to skip, whether it resumes a restored epoch, and its stats."""
+        batches to skip, whether it resumes a restored epoch, its stats, and the batches to hand
+        out first (taken back by a saved state)."""
         self._scorer.check()  # a frozen prefix may have been unfrozen
         check_device(self.device, self._device is not None)
         skip, resumed = 0, False
@@ -678,7 +683,8 @@ class SelectiveLoader:
         current = self.stats.current
         if not (resumed and current is not None and current.epoch == self.epoch):
             current = self.stats.begin_epoch(self.epoch, self.policy.target_rate)
-        return self.epoch, skip, resumed, current
+        returned, self._returned = self._returned, []
+        return self.epoch, skip, resumed, current, returned
 
     def feedback(self, indices: Any, losses: Any) -> None:
         """Report the training step's per-example losses, to keep the policy's scores fresh.
@@ -737,11 +743,16 @@ class SelectiveLoader:
         else:
             self.policy.feedback(indices, losses, epoch)
 
-    def _abandon(self, it: EpochIterator) -> None:
-        """``it`` ended part-way: the next iterator starts the next epoch."""
+    def _abandon(self, it: EpochIterator, resumable: bool) -> None:
+        """``it`` ended part-way: the next iterator starts the next epoch (and a state saved
+        before then resumes ``it``'s epoch where it stopped if ``resumable``)."""
         live = self._live_iterator()
         if live is None or live is it:  # (a dropped iterator's weak reference may be dead)
-            self._unfinished = (it.position, False)
+            if resumable:
+                self._unfinished = (it.position, False)
+            else:
+                self._unfinished = None
+                self.epoch += 1
 
     def _end(self, it: EpochIterator) -> None:
         """``it`` finished its epoch."""
@@ -779,21 +790,49 @@ class SelectiveLoader:
             "batches_per_epoch": self.batches_per_epoch,
         }
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, unconsumed: int = 0) -> dict[str, Any]:
         """Everything needed to resume: epoch, position, generator, policy, pending rows, stats.
 
         Tensors are CPU tensors and everything else plain Python, so the state loads with
         ``torch.load(..., weights_only=True)``. Restore with :meth:`load_state_dict` on a loader
         built with the same arguments (checked: seed, rank, world size, policy kind, dataset
         size).
+
+        Args:
+            unconsumed: 1 when the caller has fetched the last batch handed out but not trained
+                on it yet (a framework that fetches ahead, as Lightning does): the state is then
+                the one that batch was handed out from, and a resumed run hands that same batch
+                out first (no selection pass is made again for it), then goes on as the
+                uninterrupted run did. Only while an epoch is running. Default 0.
+
+        An epoch left part-way (``break``) is saved where it stopped, so that saving after
+        leaving the loop resumes it; one closed with ``close(resumable=False)`` is saved as the
+        start of the next epoch.
         """
+        if unconsumed not in (0, 1):
+            raise ValueError(
+                "unconsumed should be 0 or 1 (the batches fetched from the loader and not trained "
+                f"on yet), but got unconsumed={unconsumed!r}"
+            )
         it = self._live_iterator()
+        returned = self._returned
         if it is not None and it.running:
             active, position = True, it.position
+            returned = it._not_trained(unconsumed)
+        elif unconsumed:
+            raise ValueError(
+                "unconsumed=1, but no epoch is running: the batches handed out were all part of "
+                "an epoch that has ended; pass unconsumed=0"
+            )
         elif self._unfinished is not None:
             active, position = True, self._unfinished[0]
         else:
             active, position = False, 0
+        stats = self.stats.state_dict()
+        if unconsumed:
+            current = stats["epochs"][-1]  # the taken-back batch is counted when handed out again
+            current["examples_yielded"] -= len(returned[0])
+            current["batches_yielded"] -= 1
         return {
             K_VERSION: self.STATE_VERSION,
             K_IDENTITY: self._identity(),
@@ -806,11 +845,12 @@ class SelectiveLoader:
             ),
             K_POLICY: self.policy.state_dict(),
             K_PENDING: self._pending.state_dict(),
+            K_RETURNED: [rows.state_dict() for rows in returned],
             K_CODEC: self._codec.state_dict(),
             K_SCORER: self._scorer.state_dict(),
-            K_STATS: self.stats.state_dict(),
+            K_STATS: stats,
             K_FEEDBACK: self._feedback.state_dict(),
-            K_TRAINING: None if self._fixed is None else self._fixed.state_dict(),
+            K_TRAINING: None if self._fixed is None else self._fixed.state_dict(unconsumed),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -857,6 +897,8 @@ class SelectiveLoader:
         self._codec.load_state_dict(state[K_CODEC])
         self._scorer.load_state_dict(state[K_SCORER])
         self._pending.load_state_dict(state[K_PENDING], self.device)
+        # (absent from states saved before ``unconsumed`` existed)
+        self._returned = [Rows.from_state(r, self.device) for r in state.get(K_RETURNED, [])]
         self.stats.load_state_dict(state[K_STATS])
         if K_FEEDBACK in state:
             self._feedback.load_state_dict(state[K_FEEDBACK])

@@ -1,0 +1,305 @@
+"""Lightning: a SelectiveLoader as a LightningModule's training loader, checkpointed exactly.
+
+Two pieces, both needed:
+
+- :func:`selective_loader`, called in ``train_dataloader``: builds the
+  :class:`~sbloader.SelectiveLoader` over your source DataLoader, scoring with the module (or a
+  submodule you pass), with the selection results inside each batch (``metadata_key="sb"``), so
+  that they survive Lightning's device transfer.
+- :class:`SelectiveLoaderCallback`, in ``Trainer(callbacks=[...])`` (or returned by the module's
+  ``configure_callbacks``): saves the loader's state with every checkpoint and restores it when
+  the loader is built again from ``fit(ckpt_path=...)``.
+
+Why a callback: Lightning saves a loader's ``state_dict()`` but restores it only when it resumes
+in the middle of an epoch (so a run resumed from an end-of-epoch checkpoint would restart the
+loader at epoch 0: its warm-up again, its carried examples lost), and it fetches one batch ahead
+of the training step (so the loader's own state at a mid-epoch checkpoint is one batch past what
+was trained). The callback counts the batches Lightning hands to ``training_step`` and saves the
+state the last of them was trained from (``SelectiveLoader.state_dict(unconsumed=1)``): the
+batch fetched ahead is handed out again, as it was, by the resumed run. A resumed run then trains
+on exactly the examples the uninterrupted run did, at any checkpoint.
+
+Under DDP every rank saves its own loader state (gathered into the checkpoint that rank 0
+writes); each rank's source needs a ``DistributedSampler`` (checked).
+
+Example:
+    >>> import lightning.pytorch as pl
+    >>> import torch
+    >>> import torch.nn.functional as F
+    >>> from torch import nn
+    >>> from torch.utils.data import DataLoader, TensorDataset
+    >>> import sbloader
+    >>> from sbloader.integrations.lightning import SelectiveLoaderCallback, selective_loader
+    >>> class Classifier(pl.LightningModule):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.net = nn.Linear(4, 3)
+    ...         self.seen = []
+    ...     def forward(self, x):
+    ...         return self.net(x)
+    ...     def train_dataloader(self):
+    ...         data = TensorDataset(torch.randn(96, 4), torch.randint(0, 3, (96,)))
+    ...         source = DataLoader(data, batch_size=32, shuffle=True,
+    ...                             generator=torch.Generator().manual_seed(0))
+    ...         return selective_loader(self, source, policy=sbloader.SelectiveBackprop(0.5),
+    ...                                 batch_size=8, seed=0)
+    ...     def training_step(self, batch, batch_idx):
+    ...         x, y, sb = batch  # sb: indices, losses, probabilities, weights
+    ...         self.seen.append(sb["indices"])
+    ...         return (F.cross_entropy(self(x), y, reduction="none") * sb["weights"]).mean()
+    ...     def configure_optimizers(self):
+    ...         return torch.optim.SGD(self.parameters(), lr=0.1)
+    >>> module = Classifier()
+    >>> trainer = pl.Trainer(max_epochs=2, callbacks=[SelectiveLoaderCallback()],
+    ...                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    ...                      enable_model_summary=False, accelerator="cpu")
+    >>> trainer.fit(module)
+    >>> all(len(i) == 8 for i in module.seen), trainer.train_dataloader.loader.epoch
+    (True, 2)
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from .._state import check_version
+from ..epoch import EpochIterator
+from ..length import FixedEpochIterator
+from ..loader import SelectiveLoader
+
+__all__ = ["LightningLoader", "SelectiveLoaderCallback", "selective_loader"]
+
+#: The version of the callback's checkpoint state.
+STATE_VERSION = 1
+
+
+class LightningLoader:
+    """What :func:`selective_loader` returns to Lightning: the loader, as Lightning iterates it.
+
+    Counts the batches Lightning fetches in the current epoch (``fetched``) against those the
+    callback saw handed to ``training_step`` (``trained``), so that a checkpoint saves the state
+    the last trained batch came from. ``len()`` is the loader's.
+
+    Attributes:
+        loader: the :class:`~sbloader.SelectiveLoader` (its ``stats``, ``epoch``, ``progress``).
+        fetched: batches Lightning fetched from the current epoch's iterator.
+        trained: batches of those handed to ``training_step``.
+    """
+
+    def __init__(self, loader: SelectiveLoader) -> None:
+        self.loader = loader
+        self.fetched = self.trained = 0
+        self._epoch: EpochIterator | FixedEpochIterator | None = None
+        self._state: dict[str, Any] | None = None  # restored, loaded when iterated first
+        self._restored = False
+
+    def __iter__(self) -> LightningLoader:
+        if self._state is not None:
+            # NOTE: loaded here, not when built: Lightning may build the loader before it moves
+            # the model to its device (estimated_stepping_batches in configure_optimizers), and
+            # the restored rows go to the model's device.
+            state, self._state = self._state, None
+            self.loader.load_state_dict(state)
+        self._epoch = iter(self.loader)
+        self.fetched = self.trained = 0
+        return self
+
+    def __next__(self) -> Any:
+        if self._epoch is None:
+            raise StopIteration
+        batch = next(self._epoch)
+        self.fetched += 1
+        return batch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def saved_state(self) -> dict[str, Any]:
+        """The loader's state as of the last batch handed to ``training_step``."""
+        if self._state is not None:
+            return self._state  # restored and not iterated yet: nothing has changed
+        running = self._epoch is not None and self._epoch.running
+        return self.loader.state_dict(unconsumed=self.fetched - self.trained if running else 0)
+
+    def end_epoch(self) -> None:
+        """Lightning ended its epoch: end the loader's too, as a plain loop would.
+
+        Lightning stops asking for batches after ``len()`` of them when the loader has a length,
+        and early with ``limit_train_batches``, ``max_steps`` or a hook returning -1; the
+        loader's epoch then has not seen its end. After exactly ``len()`` batches the end of
+        epoch runs now (what the next ``next()`` of a plain loop does: the remainder, the
+        stats); otherwise the epoch is abandoned, so that a checkpoint saved now resumes at the
+        next epoch, as the uninterrupted run goes on.
+        """
+        epoch = self._epoch
+        if epoch is None or not epoch.running:
+            return
+        try:
+            length: int | None = len(self.loader)
+        except TypeError:
+            length = None
+        stats = self.loader.stats.current
+        # NOTE: counted over the whole epoch (its stats are restored with a mid-epoch state),
+        # not since this iterator started: a resumed epoch must end as the uninterrupted one
+        # did. (Whether it ends or is abandoned changes what the source draws next: a torch
+        # RandomSampler draws again from its generator when it is exhausted.)
+        if length is None or stats is None or stats.batches_yielded < length:
+            epoch.close(resumable=False)
+            return
+        extra = next(epoch, None)
+        if extra is not None:
+            raise RuntimeError(
+                f"the loader handed out more than len(loader)={length} batches in an epoch, so "
+                "Lightning (which stops after len() batches) would skip one; this is a bug in "
+                "the loader's len()"
+            )
+
+    # NOTE: the two methods below make Lightning treat the loader as resumable (without them,
+    # resuming a loader with a len() mid-epoch, it warns that the loader is not). The state
+    # itself is the callback's; Lightning's copy is only a marker, checked when Lightning
+    # restores a mid-epoch loader.
+    def state_dict(self) -> dict[str, Any]:
+        return {"saved_by": "SelectiveLoaderCallback"}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not self._restored:
+            raise RuntimeError(
+                "Lightning is resuming this loader in the middle of an epoch, but the checkpoint "
+                "holds no SelectiveLoaderCallback state for it; resume from a checkpoint saved "
+                "with the callback in Trainer(callbacks=[...])"
+            )
+
+
+class SelectiveLoaderCallback(pl.Callback):
+    """Saves the SelectiveLoader's state with every checkpoint and restores it on resume.
+
+    Add one to ``Trainer(callbacks=[...])`` (or return it from the module's
+    ``configure_callbacks``) and build the loader with :func:`selective_loader`. Its checkpoint
+    state (under ``checkpoint["callbacks"]["SelectiveLoaderCallback"]``) holds each rank's loader
+    state as of the last batch handed to ``training_step``. One callback per training run: a
+    loader built again by the same callback (``reload_dataloaders_every_n_epochs``) carries on
+    from the previous one's state.
+    """
+
+    def __init__(self) -> None:
+        self._loader: LightningLoader | None = None
+        self._restored: list[dict[str, Any]] | None = None
+
+    @property
+    def loader(self) -> LightningLoader | None:
+        """The loader built by :func:`selective_loader` for this run, or None before."""
+        return self._loader
+
+    def _attach(self, wrapper: LightningLoader, rank: int, world_size: int) -> None:
+        previous, self._loader = self._loader, wrapper
+        if self._restored is not None:
+            states, self._restored = self._restored, None
+            if len(states) != world_size:
+                raise ValueError(
+                    f"the checkpoint holds the loader states of {len(states)} processes, but "
+                    f"this run has {world_size}; resume with as many processes as were saved"
+                )
+            wrapper._state, wrapper._restored = states[rank], True
+        elif previous is not None:
+            wrapper._state = previous.saved_state()
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._loader is not None:
+            self._loader.trained += 1
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._loader is not None:
+            self._loader.end_epoch()
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._loader is None:
+            if self._restored is None:
+                return {}
+            states = self._restored  # restored, and the loader not built yet
+        else:
+            states = _gather(self._loader.saved_state())
+        return {"version": STATE_VERSION, "ranks": states}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = check_version(state_dict, "SelectiveLoaderCallback", STATE_VERSION)
+        self._restored = list(state["ranks"])
+
+
+def _gather(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's state, in rank order (a collective under DDP: Lightning saves checkpoints on
+    every rank, and only rank 0 writes the file)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [state]
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return states
+
+
+def selective_loader(
+    module: pl.LightningModule, source: Any, model: nn.Module | None = None, **options: Any
+) -> LightningLoader:
+    """The training loader for ``module``: return it from ``train_dataloader``.
+
+    Args:
+        module: the LightningModule being trained (attached to a Trainer that has a
+            :class:`SelectiveLoaderCallback`).
+        source: the candidates, e.g. a DataLoader (with a ``DistributedSampler`` under DDP,
+            ``DistributedSampler(data, num_replicas=self.trainer.world_size,
+            rank=self.global_rank, seed=0)``, which also works on one process; with
+            ``generator=`` when it shuffles, so that a run can resume mid-epoch).
+        model: what the selection pass scores with. Default: ``module`` (its ``forward``).
+        **options: :class:`~sbloader.SelectiveLoader`'s options (``policy``, ``batch_size``,
+            ``seed``, ...). Defaults here: ``metadata_key="sb"``, so that ``training_step``
+            finds the selection results in the batch (``x, y, sb = batch`` for tuples,
+            ``batch["sb"]`` for dicts), and ``batches_per_epoch="expected"`` where the loader
+            has that option, so that ``len()`` and ``trainer.estimated_stepping_batches``
+            work.
+
+    Raises:
+        ValueError: no :class:`SelectiveLoaderCallback` (or more than one) in the Trainer's
+            callbacks, a ``training_step`` that takes ``dataloader_iter``, or a source
+            DataLoader without a ``DistributedSampler`` for the Trainer's processes.
+    """
+    trainer = module.trainer
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # (set outside Trainer's body)
+    found = [cb for cb in callbacks if isinstance(cb, SelectiveLoaderCallback)]
+    if len(found) != 1:
+        raise ValueError(
+            f"selective_loader needs one SelectiveLoaderCallback in the Trainer's callbacks, but "
+            f"found {len(found)}: pass Trainer(callbacks=[SelectiveLoaderCallback()]) (or return "
+            "it from the module's configure_callbacks), so that checkpoints save and restore "
+            "the loader"
+        )
+    if "dataloader_iter" in inspect.signature(module.training_step).parameters:
+        raise ValueError(
+            "selective_loader does not support training_step(dataloader_iter): the callback "
+            "counts the batches Lightning hands to training_step, so take the batch argument, "
+            "training_step(self, batch, batch_idx)"
+        )
+    world = trainer.world_size
+    if world > 1 and isinstance(source, DataLoader):
+        sampler = getattr(source.batch_sampler, "sampler", source.sampler)
+        if getattr(sampler, "num_replicas", None) != world:
+            raise ValueError(
+                f"the Trainer runs {world} processes, but the source DataLoader's sampler "
+                f"({type(sampler).__name__}) does not split the data between them; build it with "
+                "sampler=DistributedSampler(dataset, num_replicas=self.trainer.world_size, "
+                "rank=self.global_rank, seed=0)"
+            )
+    options.setdefault("metadata_key", "sb")
+    # NOTE: a fixed number of batches per epoch gives the loader the len() that Lightning's
+    # estimated_stepping_batches (and OneCycleLR, progress bars) need.
+    options.setdefault("batches_per_epoch", "expected")
+    loader = SelectiveLoader(source, module if model is None else model, **options)
+    wrapper = LightningLoader(loader)
+    found[0]._attach(wrapper, trainer.global_rank, world)
+    return wrapper

@@ -1,0 +1,144 @@
+"""Resuming a caller that fetches one batch ahead of training (as Lightning does), and an
+abandoned epoch's saved state: ``SelectiveLoader.state_dict(unconsumed=1)``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from sbloader import SelectiveBackprop, SelectiveLoader
+from sbloader.datasets import ArrayDataset
+
+EPOCHS = 3
+
+
+def setup():
+    g = torch.Generator().manual_seed(0)
+    data = ArrayDataset(torch.randn(150, 6, generator=g), torch.randint(0, 4, (150,), generator=g))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    source = DataLoader(
+        data, batch_size=40, shuffle=True, generator=torch.Generator().manual_seed(1)
+    )
+    loader = SelectiveLoader(source, model, policy=SelectiveBackprop(0.5), batch_size=12, seed=0)
+    return loader, model, torch.optim.SGD(model.parameters(), lr=0.5)
+
+
+def fetch_ahead(loader, model, opt, trained, save_at=None, unconsumed=True):
+    """Train to EPOCHS, fetching the next batch before training on the current one (the model
+    that scores a source batch is then one step older than in a plain loop). Returns the
+    checkpoint saved after step ``save_at``."""
+    saved = None
+    while loader.epoch < EPOCHS:
+        it = iter(loader)
+        upcoming = next(it, None)
+        while upcoming is not None:
+            batch, upcoming = upcoming, next(it, None)
+            x, y = batch
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            trained.append(batch.indices.tolist())
+            if len(trained) - 1 == save_at:
+                ahead = int(upcoming is not None and unconsumed)
+                saved = copy.deepcopy(
+                    (model.state_dict(), opt.state_dict(), loader.state_dict(unconsumed=ahead))
+                )
+    return saved
+
+
+def reference(save_at, unconsumed=True):
+    loader, model, opt = setup()
+    trained: list[list[int]] = []
+    saved = fetch_ahead(loader, model, opt, trained, save_at, unconsumed)
+    return trained, saved, loader
+
+
+def resume(saved):
+    loader, model, opt = setup()
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    loader.load_state_dict(saved[2])
+    trained: list[list[int]] = []
+    fetch_ahead(loader, model, opt, trained)
+    return trained, loader
+
+
+@pytest.mark.parametrize("save_at", [2, 6, 9, 15])  # 6: the last of epoch 0
+def test_a_fetch_ahead_caller_resumes_exactly(save_at):
+    trained, saved, loader = reference(save_at)
+    after, resumed = resume(saved)
+    assert trained[: save_at + 1] + after == trained
+    assert resumed.stats.total.examples_yielded == loader.stats.total.examples_yielded
+    assert resumed.stats.total.batches_yielded == loader.stats.total.batches_yielded
+
+
+def test_the_batch_fetched_ahead_is_handed_out_again_as_it_was():
+    """The state taken back one batch: resuming hands out that batch first, without a new
+    selection pass, so its examples are those chosen by the model one step older."""
+    trained, saved, _ = reference(4)
+    assert len(saved[2]["returned"]) == 1
+    assert saved[2]["returned"][0]["indices"].tolist() == trained[5]
+
+
+def test_without_taking_back_the_fetched_batch_the_resumed_run_differs():
+    """The comparison above is sensitive: the loader's own state at the save is one batch past
+    what was trained, and that batch is then never trained."""
+    trained, saved, _ = reference(4, unconsumed=False)
+    after, _ = resume(saved)
+    assert after[0] != trained[5] and trained[:5] + after != trained
+
+
+def test_unconsumed_is_checked():
+    loader, _, _ = setup()
+    with pytest.raises(ValueError, match="unconsumed should be 0 or 1"):
+        loader.state_dict(unconsumed=2)
+    with pytest.raises(ValueError, match="no epoch is running"):
+        loader.state_dict(unconsumed=1)
+    it = iter(loader)
+    next(it)
+    loader.state_dict(unconsumed=1)
+    it.close()
+    with pytest.raises(ValueError, match="no epoch is running"):
+        loader.state_dict(unconsumed=1)
+
+
+def test_an_epoch_closed_for_good_is_saved_as_the_start_of_the_next():
+    """``close(resumable=False)`` (what the Lightning integration does when Lightning ends an
+    epoch early): the next iter(loader) starts the next epoch, and a state saved in between
+    resumes there too; after a plain ``break`` a saved state resumes the epoch where it
+    stopped."""
+
+    def run(loader, stop_after=None, resumable=True):
+        seen, it = [], iter(loader)
+        for k, batch in enumerate(it):
+            seen.append(batch.indices.tolist())
+            if k == stop_after:
+                it.close(resumable=resumable)
+                break
+        return seen
+
+    first, _, _ = setup()
+    run(first)
+    run(first, stop_after=1, resumable=False)
+    state = first.state_dict()
+    assert state["epoch"] == 2 and not state["active"]
+    expected = run(first)
+    second, _, _ = setup()
+    second.load_state_dict(state)
+    assert run(second) == expected and second.epoch == first.epoch == 3
+
+    third, _, _ = setup()
+    run(third)
+    head = run(third, stop_after=1)  # left like a `break`
+    state = third.state_dict()
+    assert state["epoch"] == 1 and state["active"] and state["position"] > 0
+    fourth, _, _ = setup()
+    fourth.load_state_dict(state)
+    rest = run(fourth)
+    assert len(head) == 2 and rest and not set(map(tuple, head)) & set(map(tuple, rest))

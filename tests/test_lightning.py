@@ -1,0 +1,341 @@
+"""sbloader.integrations.lightning with the real Lightning on the CPU: the batches and their
+selection results in training_step, and kill-and-resume equal to the uninterrupted run at an
+end-of-epoch checkpoint and mid-epoch (where Lightning has fetched one batch ahead)."""
+
+from __future__ import annotations
+
+import doctest
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from sbloader import Phased, RandomBackprop, SelectiveBackprop, SelectiveLoader, Traditional
+from sbloader.datasets import ArrayDataset
+
+pl = pytest.importorskip("lightning.pytorch")
+lightning_sb = pytest.importorskip("sbloader.integrations.lightning")
+SelectiveLoaderCallback = lightning_sb.SelectiveLoaderCallback
+selective_loader = lightning_sb.selective_loader
+
+ROOT = Path(__file__).resolve().parents[1]
+N = 512
+
+
+def data() -> ArrayDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 8, generator=g)
+    y = (x[:, :4] + 0.5 * torch.randn(N, 4, generator=g)).argmax(1)
+    return ArrayDataset(x, y)
+
+
+def warmup_then_sb():
+    return Phased(SelectiveBackprop(0.5), warmup_epochs=1, warmup_policy=RandomBackprop(0.5))
+
+
+class Classifier(pl.LightningModule):
+    """Records the dataset indices (and weights) of every batch handed to training_step."""
+
+    def __init__(self, policy=warmup_then_sb, naive: bool = False, **options) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.policy, self.naive, self.options = policy, naive, options
+        self.trained: list[list[int]] = []
+        self.weights: list[torch.Tensor] = []
+
+    def forward(self, x):
+        return self.net(x)
+
+    def train_dataloader(self):
+        source = DataLoader(
+            data(), batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(1)
+        )
+        options = dict(policy=self.policy(), batch_size=24, seed=0, **self.options)
+        if self.naive:  # what a user would write without the integration
+            return SelectiveLoader(source, self, metadata_key="sb", **options)
+        return selective_loader(self, source, **options)
+
+    def training_step(self, batch, batch_idx):
+        x, y, sb = batch
+        self.trained.append(sb["indices"].tolist())
+        self.weights.append(sb["weights"])
+        return (F.cross_entropy(self(x), y, reduction="none") * sb["weights"]).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.2)
+
+
+def trainer(epochs: int = 3, callbacks=(), naive: bool = False, **kwargs):
+    extra = [] if naive else [SelectiveLoaderCallback()]
+    return pl.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[*extra, *callbacks],
+        logger=False,
+        enable_checkpointing=bool(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
+
+
+def test_import_sbloader_does_not_import_lightning():
+    code = "import sys, sbloader; assert 'lightning' not in sys.modules; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_fit_hands_training_step_full_batches_with_their_selection_results():
+    module = Classifier()
+    t = trainer(epochs=2)
+    t.fit(module)
+    loader = t.train_dataloader.loader
+    assert loader.epoch == 2 and loader.metadata_key == "sb"
+    assert all(len(i) == 24 for i in module.trained)
+    assert len(module.trained) == sum(e.batches_yielded for e in loader.stats.epochs)
+    assert t.global_step == len(module.trained)
+    # Epoch 0 is the Random-Backprop warm-up: about half the examples, each at most once.
+    first = [i for b in module.trained[: loader.stats.epochs[0].batches_yielded] for i in b]
+    assert len(set(first)) == len(first) and 0.35 * N < len(first) < 0.65 * N
+    assert all(torch.equal(w, torch.ones(24)) for w in module.weights)
+    # Epoch 1 made selection passes over every example.
+    assert loader.stats.epochs[1].selection_forwards > 0
+
+
+def test_without_the_callback_the_fix_is_named():
+    with pytest.raises(ValueError, match=r"Trainer\(callbacks=\[SelectiveLoaderCallback\(\)\]\)"):
+        trainer(epochs=1, naive=True).fit(Classifier())
+
+
+def test_the_callback_may_come_from_configure_callbacks():
+    class SelfContained(Classifier):
+        def configure_callbacks(self):
+            return [SelectiveLoaderCallback()]
+
+    module = SelfContained()
+    t = trainer(epochs=1, naive=True)  # no callback in the Trainer's list
+    t.fit(module)
+    assert module.trained and t.train_dataloader.loader.epoch == 1
+
+
+def test_training_step_with_dataloader_iter_is_refused():
+    class Iterating(Classifier):
+        def training_step(self, dataloader_iter):
+            return super().training_step(next(dataloader_iter)[0], 0)
+
+    with pytest.raises(ValueError, match=r"training_step\(self, batch, batch_idx\)"):
+        trainer(epochs=1).fit(Iterating())
+
+
+def checkpoints(tmp_path: Path, every: int):
+    steps = pl.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / "steps", every_n_train_steps=every, save_top_k=-1, filename="{step}"
+    )
+    epochs = pl.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / "epochs", every_n_epochs=1, save_top_k=-1, filename="{epoch}-{step}"
+    )
+    return steps, epochs
+
+
+def resumed(path: Path, naive: bool = False, policy=warmup_then_sb, **kwargs) -> list[list[int]]:
+    """The batches a run resumed from ``path`` trains on."""
+    module = Classifier(policy=policy, naive=naive)
+    trainer(naive=naive, **kwargs).fit(module, ckpt_path=path)
+    return module.trained
+
+
+def step_of(path: Path) -> int:
+    return int(torch.load(path, weights_only=False)["global_step"])
+
+
+def reference_run(tmp: Path, naive: bool = False):
+    """An uninterrupted 3-epoch run that saves a checkpoint every 7 steps and at each epoch end
+    (saving does not change what is trained: the states are copies)."""
+    module = Classifier(naive=naive)
+    t = trainer(callbacks=checkpoints(tmp, every=7), naive=naive)
+    t.fit(module)
+    loader = t.train_dataloader if naive else t.train_dataloader.loader
+    return tmp, module.trained, loader
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return reference_run(tmp_path_factory.mktemp("reference"))
+
+
+def end_of_epoch_checkpoint(tmp: Path, loader) -> Path:
+    path = tmp / "epochs" / f"epoch=0-step={loader.stats.epochs[0].batches_yielded}.ckpt"
+    assert path.exists(), sorted(p.name for p in (tmp / "epochs").iterdir())
+    return path
+
+
+def test_resume_from_an_end_of_epoch_checkpoint_equals_the_uninterrupted_run(reference):
+    """Lightning restores a loader only mid-epoch: without the callback the loader restarted at
+    epoch 0 (the warm-up again) and lost its carried examples."""
+    tmp, trained, loader = reference
+    assert loader.stats.epochs[0].examples_yielded % 24 == 0
+    path = end_of_epoch_checkpoint(tmp, loader)
+    step = step_of(path)
+    after = resumed(path)
+    assert trained[:step] + after == trained
+    # The carried examples: epoch 0 selected more than it yielded, and they came back.
+    assert loader.stats.epochs[0].examples_selected > loader.stats.epochs[0].examples_yielded
+
+
+def mid_epoch_checkpoint(tmp: Path, loader) -> Path:
+    """A checkpoint of the reference run inside epoch 1 (the first selective epoch)."""
+    first = loader.stats.epochs[0].batches_yielded
+    second = first + loader.stats.epochs[1].batches_yielded
+    step = next(s for s in range(first + 2, second - 1) if s % 7 == 0)
+    return tmp / "steps" / f"step={step}.ckpt"
+
+
+def test_resume_mid_epoch_equals_the_uninterrupted_run(reference):
+    """Lightning fetches one batch ahead, so the loader's own state at a mid-epoch checkpoint is
+    one batch past what was trained: the callback saves the state that batch was handed out
+    from, and the resumed run hands it out again."""
+    tmp, trained, loader = reference
+    path = mid_epoch_checkpoint(tmp, loader)
+    step = step_of(path)
+    after = resumed(path)
+    assert trained[:step] + after == trained
+
+
+@pytest.mark.parametrize("where", ["end of epoch", "mid-epoch"])
+def test_the_naive_integration_fails_this_comparison(tmp_path, where):
+    """The loader returned directly from train_dataloader, left to Lightning's own state
+    handling: the comparison above catches both of its failures."""
+    tmp, trained, loader = reference_run(tmp_path, naive=True)
+    if where == "mid-epoch":
+        path = mid_epoch_checkpoint(tmp, loader)
+    else:
+        path = end_of_epoch_checkpoint(tmp, loader)
+    after = resumed(path, naive=True)
+    assert trained[: step_of(path)] + after != trained
+
+
+@pytest.mark.parametrize("where", ["end of epoch", "mid-epoch"])
+def test_resume_when_lightning_stops_by_count(tmp_path, where):
+    """A loader with a len() (here Traditional's) is not fetched ahead: Lightning stops after
+    len() batches without the loader seeing its epoch end; the callback ends it."""
+    module = Classifier(policy=Traditional)
+    t = trainer(callbacks=checkpoints(tmp_path, every=5))
+    t.fit(module)
+    per_epoch = N // 64
+    assert len(module.trained) == 3 * per_epoch and t.train_dataloader.loader.epoch == 3
+    if where == "mid-epoch":
+        path = tmp_path / "steps" / "step=10.ckpt"
+    else:
+        path = tmp_path / "epochs" / f"epoch=0-step={per_epoch}.ckpt"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        after = resumed(path, policy=Traditional)
+    assert module.trained[: step_of(path)] + after == module.trained
+    # Lightning sees a resumable loader (mid-epoch, it warns about a sized loader without
+    # state_dict that it is not).
+    assert not [w for w in caught if "not resumable" in str(w.message)]
+
+
+def test_resume_after_an_epoch_cut_short_by_limit_train_batches(tmp_path):
+    """limit_train_batches ends Lightning's epoch early: the loader's epoch is abandoned, and a
+    checkpoint saved then resumes at the next epoch, as the uninterrupted run goes on."""
+    module = Classifier()
+    t = trainer(callbacks=checkpoints(tmp_path, every=1000), limit_train_batches=5)
+    t.fit(module)
+    loader = t.train_dataloader.loader
+    assert len(module.trained) == 15 and loader.epoch == 3  # each epoch ended after 5 batches
+    assert not loader.state_dict()["active"]  # so a state saved now starts the next one
+    path = tmp_path / "epochs" / "epoch=0-step=5.ckpt"
+    after = resumed(path, limit_train_batches=5)
+    assert module.trained[:5] + after == module.trained
+
+
+def test_estimated_stepping_batches_is_epochs_times_len():
+    module = Classifier()
+    t = trainer(epochs=3)
+    t.fit(module)
+    loader = t.train_dataloader
+    assert t.estimated_stepping_batches == 3 * len(loader)
+    assert len(module.trained) == 3 * len(loader)
+
+
+def test_module_docstring_example_runs():
+    result = doctest.testmod(lightning_sb, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
+
+
+def have_fashion_mnist() -> bool:
+    from sbloader.datasets import load_fashion_mnist
+
+    try:
+        load_fashion_mnist("test")
+    except FileNotFoundError:
+        return False
+    return True
+
+
+needs_data = pytest.mark.skipif(not have_fashion_mnist(), reason="needs dataset-fashion-mnist")
+
+
+def run_example(*args: str, timeout: int = 300) -> str:
+    cmd = [sys.executable, str(ROOT / "examples" / "lightning_fashion_mnist.py"), *args]
+    # This checkout's sbloader, also in the process Lightning starts for rank 1.
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out.stdout
+
+
+@pytest.mark.realdata
+@needs_data
+def test_the_example_runs():
+    out = run_example("--epochs", "2", "--examples", "512", "--test-examples", "200")
+    assert "epoch 0: seen 512, selection forwards 0" in out  # the Random-Backprop warm-up
+    assert "epoch 1: seen 512, selection forwards 512" in out
+    assert "test error" in out
+
+
+@pytest.mark.slow
+@pytest.mark.realdata
+@needs_data
+def test_ddp_two_processes_step_together_split_the_data_and_resume_exactly(tmp_path):
+    """Lightning's DDP on the CPU (gloo), two processes started by Lightning itself: both ranks
+    make the same number of steps, no example is trained on twice in an epoch (each rank
+    trains only its own shard; remainder="drop"), and a run resumed from the end-of-epoch
+    checkpoint trains each rank on what the uninterrupted run did (every rank's loader state
+    is in the checkpoint)."""
+    common = ["--epochs", "2", "--examples", "2048", "--test-examples", "200", "--devices", "2"]
+    common += ["--remainder", "drop"]
+    full, again = tmp_path / "full", tmp_path / "resumed"
+    full.mkdir(), again.mkdir()
+    run_example(*common, "--record", str(full), "--ckpt-dir", str(tmp_path / "ckpt"), timeout=600)
+    ranks = [json.loads((full / f"rank{r}.json").read_text()) for r in range(2)]
+    assert len(ranks[0]["steps"]) == len(ranks[1]["steps"]) > 0
+    for epoch in range(2):
+        per_rank = [
+            [i for s in r["steps"] if s["epoch"] == epoch for i in s["indices"]] for r in ranks
+        ]
+        assert len(per_rank[0]) == len(per_rank[1]) > 0
+        both = per_rank[0] + per_rank[1]
+        assert len(set(both)) == len(both)  # 2048 examples split evenly: no padding
+        for r, trained in zip(ranks, per_rank):
+            assert set(trained) <= set(r["shards"][epoch])
+    (ckpt,) = (tmp_path / "ckpt").glob("epoch=0-*.ckpt")
+    run_example(*common, "--record", str(again), "--resume", str(ckpt), timeout=600)
+    for r in range(2):
+        resumed = json.loads((again / f"rank{r}.json").read_text())["steps"]
+        assert resumed == [s for s in ranks[r]["steps"] if s["epoch"] == 1]
