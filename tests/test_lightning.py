@@ -262,12 +262,31 @@ def test_resume_after_an_epoch_cut_short_by_limit_train_batches(tmp_path):
 
 
 def test_estimated_stepping_batches_is_epochs_times_len():
-    module = Classifier()
+    module = Classifier(batches_per_epoch="expected")
     t = trainer(epochs=3)
     t.fit(module)
     loader = t.train_dataloader
-    assert t.estimated_stepping_batches == 3 * len(loader)
+    assert t.estimated_stepping_batches == 3 * len(loader) > 0
     assert len(module.trained) == 3 * len(loader)
+
+
+@pytest.mark.parametrize("where", ["end of epoch", "mid-epoch"])
+def test_resume_with_batches_per_epoch_equals_the_uninterrupted_run(tmp_path, where):
+    """Fixed-length training epochs (what estimated_stepping_batches needs): Lightning stops by
+    count, and the batch it fetched ahead is taken back from the training-epoch clock too."""
+    module = Classifier(batches_per_epoch="expected")
+    t = trainer(callbacks=checkpoints(tmp_path, every=5))
+    t.fit(module)
+    per_epoch = len(t.train_dataloader)
+    assert len(module.trained) == 3 * per_epoch
+    if where == "mid-epoch":
+        step = next(s for s in range(per_epoch + 1, 2 * per_epoch) if s % 5 == 0)
+        path = tmp_path / "steps" / f"step={step}.ckpt"
+    else:
+        path = tmp_path / "epochs" / f"epoch=0-step={per_epoch}.ckpt"
+    again = Classifier(batches_per_epoch="expected")
+    trainer().fit(again, ckpt_path=path)
+    assert module.trained[: step_of(path)] + again.trained == module.trained
 
 
 def test_module_docstring_example_runs():

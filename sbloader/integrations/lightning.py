@@ -296,9 +296,6 @@ def selective_loader(
                 "rank=self.global_rank, seed=0)"
             )
     options.setdefault("metadata_key", "sb")
-    # NOTE: a fixed number of batches per epoch gives the loader the len() that Lightning's
-    # estimated_stepping_batches (and OneCycleLR, progress bars) need.
-    options.setdefault("batches_per_epoch", "expected")
     loader = SelectiveLoader(source, module if model is None else model, **options)
     wrapper = LightningLoader(loader)
     found[0]._attach(wrapper, trainer.global_rank, world)
