@@ -227,7 +227,9 @@ class EpochIterator:
                 codec = loader._codec
                 inputs, targets = data[codec.input_position], data[codec.target_position]
                 scorer.probe(inputs, targets, codec.view(data))
+        targets = data[loader._codec.target_position]
         if self._passthrough:
+            stats.count_classes(targets, None)
             inputs = data[loader._codec.input_position]
             rows = metadata_rows(data, None, None, indices, n, device)
             rows = replace(
@@ -245,7 +247,6 @@ class EpochIterator:
         scored = None
         if self._fresh:
             inputs = data[loader._codec.input_position]
-            targets = data[loader._codec.target_position]
             batch = loader._codec.view(data)
             scored = scorer.score(inputs, targets, indices, self.epoch, stats, batch)
         choice = self._decide(scored, indices, n)
@@ -253,6 +254,7 @@ class EpochIterator:
         positions = choice.positions
         k = len(positions)
         stats.examples_selected += k
+        stats.count_classes(targets, positions)
         if k:
             kept = _gather(data, positions, device)
             rows = metadata_rows(
