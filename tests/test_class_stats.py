@@ -6,14 +6,13 @@ import logging
 
 import numpy as np
 import torch
+from conftest import N_CLASSES, EncodedDataset, IndexLoss
 from torch.utils.data import DataLoader
 
 import sbloader
 from sbloader.datasets import ArrayDataset
 from sbloader.policies import Choice, Policy
 from sbloader.stats import EpochStats, LoaderStats
-
-from conftest import N_CLASSES, EncodedDataset, IndexLoss
 
 
 class KeepLowResidues(Policy):
