@@ -13,6 +13,23 @@ from sbloader.recipes import resnet18, small_cnn
 from .config import Config
 
 
+MODELS = ("small_cnn", "resnet18", "mlp")
+"""The models a configuration can name."""
+
+
+def mlp(classes: int = 10, inputs: int = 784, hidden: int = 1024) -> nn.Module:
+    """A two-hidden-layer perceptron (784-1024-1024-10 for Fashion-MNIST): the second
+    architecture of the analysis's EL2N comparison (the Diet-SB poster's)."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(inputs, hidden),
+        nn.ReLU(inplace=True),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(inplace=True),
+        nn.Linear(hidden, classes),
+    )
+
+
 def make_model(cfg: Config, classes: int = 10, channels: int = 1) -> nn.Module:
     """The configuration's model on its device, in its memory format, initialised from the
     global RNG (see :func:`seeded_model` for a run's own initialisation)."""
@@ -20,8 +37,10 @@ def make_model(cfg: Config, classes: int = 10, channels: int = 1) -> nn.Module:
         model = small_cnn(classes, channels)
     elif cfg.model == "resnet18":
         model = resnet18(classes, channels)
+    elif cfg.model == "mlp":
+        model = mlp(classes, channels * cfg.image_size**2)
     else:
-        raise ValueError(f"model should be 'small_cnn' or 'resnet18', but got model={cfg.model!r}")
+        raise ValueError(f"model should be one of {MODELS}, but got model={cfg.model!r}")
     device = cfg.resolved_device()
     if cfg.memory_format is None:
         return model.to(device)
