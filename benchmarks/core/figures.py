@@ -179,7 +179,7 @@ def stability(an: Analysis, out: Path) -> Figure:
     return Figure(
         _save(fig, out / "selection_stability.png"),
         "Selected-set stability",
-        "|A ∩ B| / |A ∪ B| of the examples yielded in consecutive epochs (epoch 0 is the warm-up "
+        "The Jaccard index (shared / either) of the examples yielded in consecutive epochs (epoch 0 is the warm-up "
         "when there is one); the dashed line is what independent random selections at the same "
         "rates would give.",
     )

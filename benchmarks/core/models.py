@@ -12,7 +12,6 @@ from sbloader.recipes import resnet18, small_cnn
 
 from .config import Config
 
-
 MODELS = ("small_cnn", "resnet18", "mlp")
 """The models a configuration can name."""
 
