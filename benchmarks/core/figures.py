@@ -179,8 +179,8 @@ def stability(an: Analysis, out: Path) -> Figure:
     return Figure(
         _save(fig, out / "selection_stability.png"),
         "Selected-set stability",
-        "The Jaccard index (shared / either) of the examples yielded in consecutive epochs (epoch 0 is the warm-up "
-        "when there is one); the dashed line is what independent random selections at the same "
+        "The Jaccard index (shared / either) of the examples yielded in consecutive epochs "
+        "(epoch 0 is the warm-up when there is one); the dashed line is what independent random selections at the same "
         "rates would give.",
     )
 
