@@ -180,8 +180,8 @@ def stability(an: Analysis, out: Path) -> Figure:
         _save(fig, out / "selection_stability.png"),
         "Selected-set stability",
         "The Jaccard index (shared / either) of the examples yielded in consecutive epochs "
-        "(epoch 0 is the warm-up when there is one); the dashed line is what independent random selections at the same "
-        "rates would give.",
+        "(epoch 0 is the warm-up when there is one); the dashed line is what independent random "
+        "selections at the same rates would give.",
     )
 
 
@@ -221,21 +221,33 @@ def gallery(
     plt = _plt()
     cols = 8
     rows = max(1, -(-len(g.indices) // cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(cols * 1.1, rows * 1.45))
-    for ax in np.atleast_1d(axes).ravel():
-        ax.axis("off")
-    for ax, i in zip(np.atleast_1d(axes).ravel(), g.indices.tolist()):
-        ax.imshow(images[i].reshape(images.shape[-2], images.shape[-1]), cmap="gray_r")
+    h, w = images.shape[-2], images.shape[-1]
+    pad, head = 2, 14  # pixels between tiles, and above each for its two lines of text
+    # NOTE: one mosaic in one axes, not an axes per image: a figure of 16 axes takes seconds.
+    mosaic = np.full((rows * (h + head + pad), cols * (w + pad)), np.nan)
+    fig, ax = plt.subplots(figsize=(cols * 1.1, rows * 1.5))
+    for k, i in enumerate(g.indices.tolist()):
+        r, c = divmod(k, cols)
+        top, left = r * (h + head + pad) + head, c * (w + pad)
+        tile = images[i].reshape(h, w).astype(np.float64)
+        span = float(tile.max() - tile.min()) or 1.0
+        mosaic[top : top + h, left : left + w] = (tile - tile.min()) / span
         label = int(labels[i])
         text = names[label] if label < len(names) else str(label)
         flipped = true_labels is not None and int(true_labels[i]) != label
         if flipped and true_labels is not None:
             text += f" ({names[int(true_labels[i])]})"
-        ax.set_title(
+        ax.text(
+            left + w / 2,
+            top - 1,
             f"{text}\n{g.score_name} {g.scores[i]:.3g}",
-            fontsize=6,
+            ha="center",
+            va="bottom",
+            fontsize=5.5,
             color="red" if flipped else "black",
         )
+    ax.imshow(mosaic, cmap="gray_r", vmin=0, vmax=1, interpolation="nearest")
+    ax.axis("off")
     fig.suptitle(g.title, fontsize=9)
     slug = "".join(c if c.isalnum() else "_" for c in g.title.lower()).strip("_")
     return Figure(_save(fig, out / f"gallery_{slug}.png"), f"Gallery: {g.title}", g.caption)
