@@ -141,6 +141,14 @@ class EpochStats:
         Other targets (sequences, regression values, an ignore index, tensors on an accelerator,
         where reading them would synchronise with the device every source batch) leave the
         epoch's class counts at None: unknown rather than partial.
+
+        Example:
+            >>> e = EpochStats()
+            >>> e.count_classes(np.array([0, 1, 1, 2]), np.array([1, 3]))
+            >>> e.class_seen.tolist(), e.class_selected.tolist()
+            ([1, 2, 1], [0, 1, 1])
+            >>> e.class_selection_rates.tolist()
+            [0.0, 0.5, 1.0]
         """
         if self.class_seen is None or self.class_selected is None:
             return

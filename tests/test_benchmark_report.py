@@ -159,8 +159,13 @@ def test_numbers_are_those_of_the_chosen_runs(folder):
     conf = trad.arrays["eval_confidence"][1].astype(np.float64)
     correct = trad.arrays["eval_predicted"][1] == trad.arrays["test_targets"]
     acc = A.binned_accuracy(conf, correct, 20).accuracy[3]  # the bin ending at p20
-    key = [k for k in numbers if k.startswith("accuracy at p20: Traditional, same wall-clock")]
+    name = "accuracy in the 15-20th confidence percentiles: Traditional, same wall-clock"
+    key = [k for k in numbers if k.startswith(name)]
     assert numbers[key[0]] == pytest.approx(acc)
+    least = np.argsort(conf, kind="stable")[: round(0.2 * T)]
+    name = "accuracy of the 20% least confident: Traditional, same wall-clock"
+    key = [k for k in numbers if k.startswith(name)]
+    assert numbers[key[0]] == pytest.approx(correct[least].mean())
     # SB's counts leave out its warm-up epoch.
     sb_run = next(x for x in loaded if x.run.strategy.startswith("sb") and x.run.noise == 0)
     assert an.warmup == 1

@@ -195,9 +195,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "svhn": dict(
         dataset="svhn", augment=True, epochs=20, strategies=_GPU_STRATEGIES, **_RESNET_RUN
     ),
-    # The per-example analysis (benchmarks/analysis.py) on one core in about 15 minutes: SB and
-    # Traditional of one seed on all of Fashion-MNIST over 5 epochs (not 10), SB again with 10%
-    # of labels flipped, and EL2N scores of the CNN and an MLP (2 copies x 1 epoch each).
+    # The per-example analysis (benchmarks/analysis.py), about 23 minutes on one shared core:
+    # SB and Traditional of one seed on all of Fashion-MNIST over 5 epochs (not 10), SB again
+    # with 10% of labels flipped, and EL2N scores of the CNN and an MLP (2 copies x 1 epoch).
     "analysis": dict(
         epochs=5,
         strategies=("traditional", "sb_0.33_rwarmup"),

@@ -336,9 +336,17 @@ def headline(an: Analysis) -> dict[str, Any]:
     """The numbers the report (and the README) quote, named."""
     out: dict[str, Any] = {}
     b = PERCENTILE * BINS // 100 - 1  # the bin ending at the PERCENTILE-th percentile
+    low = PERCENTILE - 100 // BINS
     for ev in an.evaluations:
-        out[f"accuracy at p{PERCENTILE}: {ev.label}"] = float(an.binned[ev.label].accuracy[b])
-        out[f"confidence at p{PERCENTILE}: {ev.label}"] = float(
+        out[f"accuracy in the {low}-{PERCENTILE}th confidence percentiles: {ev.label}"] = float(
+            an.binned[ev.label].accuracy[b]
+        )
+        least = np.lexsort((np.arange(ev.confidence.size), ev.confidence))
+        least = least[: round(PERCENTILE / 100 * ev.confidence.size)]
+        out[f"accuracy of the {PERCENTILE}% least confident: {ev.label}"] = float(
+            ev.correct[least].mean() if least.size else np.nan
+        )
+        out[f"confidence at the {PERCENTILE}th percentile: {ev.label}"] = float(
             an.inverse_cdf[ev.label][PERCENTILE]
         )
         out[f"test error: {ev.label}"] = float(1 - ev.correct.mean())
