@@ -22,6 +22,7 @@ learning-rate schedule keyed on position in the data (epochs of candidates consu
     python3 benchmarks/run.py --preset full            # everything (hours)
     python3 benchmarks/run.py --preset full --resume --out results/full   # continue a run
     python3 benchmarks/run.py --preset frontier        # families at several budgets (hours)
+    python3 benchmarks/run.py --preset analysis        # per-example analysis, report.html
 
 Strategy names come from the registry in ``benchmarks/core/strategies.py``; ``_eN`` after a name
 plans N epochs. ``--interleave`` (on in the ``frontier`` preset) holds all of a seed's runs in
@@ -61,6 +62,7 @@ from benchmarks.core.data import load_data
 from benchmarks.core.machine import machine_info
 from benchmarks.core.records import Run, load_runs, run_key, save_run
 from benchmarks.core.report import plots, summary_markdown, write_curves
+from benchmarks.core.scores import compute_el2n, el2n_path, save_el2n
 from benchmarks.core.train import Data, Trainer, train_interleaved
 
 
@@ -104,6 +106,8 @@ def configure(args: argparse.Namespace) -> Config:
         cfg.train_examples = args.train_examples
     if args.test_examples:
         cfg.test_examples = args.test_examples
+    if args.keep_outputs:
+        cfg.keep_outputs = True
     cfg.device = str(cfg.resolved_device())
     for name in (*cfg.run_names(), *cfg.noise_strategies):
         strategies.get(name)  # fail fast on a typo
@@ -202,6 +206,13 @@ def execute(
     data = load_data(cfg) if data is None else data
     train = train_each_seed_interleaved if cfg.interleave else train_sequential
     train(cfg, todo, data, out / "runs")
+    for seed in cfg.seeds:
+        for model in cfg.el2n_archs:
+            path = el2n_path(out, model, seed)
+            if not (resume and path.exists()):
+                result = compute_el2n(cfg, data, seed, model)
+                save_el2n(path, result)
+                print(f"EL2N scores of {model}, seed {seed}: {result.seconds:.1f}s", flush=True)
 
 
 def report(cfg: Config, machine: dict, out: Path) -> str:
@@ -252,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--train-examples", type=int, help="train on a prefix of the training set")
     p.add_argument("--test-examples", type=int, help="evaluate on a prefix of the test set")
+    p.add_argument(
+        "--keep-outputs",
+        action="store_true",
+        help="keep the per-example arrays and write the analysis report (benchmarks/analysis.py)",
+    )
     p.add_argument("--resume", action="store_true", help="skip runs already in --out")
     p.add_argument(
         "--report-only",
@@ -280,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         execute(cfg, out, machine, resume=args.resume)
     report(cfg, machine, out)
+    if cfg.keep_outputs:
+        from benchmarks.analysis import write_analysis
+
+        print(f"Analysis: {write_analysis(out)}")
     return 0
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "BinnedAccuracy",
     "NoiseShare",
     "accuracy_by_percentile",
+    "binned_accuracy",
     "combined_rank",
     "confidence_percentiles",
     "flipped_share",
@@ -363,10 +364,38 @@ def accuracy_by_percentile(
     tgt = _targets(targets, *values.shape)
     confidence = target_confidence(values, tgt, logits=logits)
     correct = values.argmax(axis=1) == tgt if values.shape[0] else np.zeros(0, dtype=bool)
-    parts = np.array_split(_order(confidence), bins)
+    return binned_accuracy(confidence, correct, bins)
+
+
+def binned_accuracy(confidence: Any, correct: Any, bins: int = 10) -> BinnedAccuracy:
+    """:func:`accuracy_by_percentile` from target confidences and correctness already computed
+    (e.g. kept from an evaluation instead of the whole outputs); the same bins and ties.
+
+    Args:
+        confidence: (N,) target confidences; no NaN.
+        correct: (N,) booleans: whether each example was classified correctly.
+        bins: the number of bins.
+
+    Returns:
+        :class:`BinnedAccuracy`, least confident first.
+
+    Example:
+        >>> result = binned_accuracy([0.1, 0.4, 0.7, 0.8, 0.5], [False, False, True, True, True], 2)
+        >>> result.accuracy.tolist(), result.examples.tolist()
+        ([0.3333333333333333, 1.0], [3, 2])
+    """
+    bins = check_int("bins", bins, minimum=1)
+    conf = _vector("confidence", confidence, nan=False)
+    right = _numpy(correct)
+    if right.shape != conf.shape or (right.size and right.dtype != np.bool_):
+        raise ValueError(
+            f"correct should be booleans, one per confidence ({conf.size}), but has shape "
+            f"{right.shape} and dtype {right.dtype}"
+        )
+    parts = np.array_split(_order(conf), bins)
     examples = np.array([part.size for part in parts], dtype=np.int64)
     accuracy = np.array(
-        [correct[part].mean() if part.size else np.nan for part in parts], dtype=np.float64
+        [right[part].mean() if part.size else np.nan for part in parts], dtype=np.float64
     )
     return BinnedAccuracy(accuracy, examples)
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .stats import COUNT_FIELDS, TIME_FIELDS, EpochStats, LoaderStats
+from .stats import CLASS_FIELDS, COUNT_FIELDS, TIME_FIELDS, EpochStats, LoaderStats
 
 __all__ = ["RankSync", "collective_device", "is_distributed", "make_sync", "reduce_stats"]
 
@@ -260,8 +260,38 @@ def reduce_stats(
                 setattr(e, t, float(v))
             if e.examples_seen:
                 e.target_rate = rates_l[i] / e.examples_seen
+        _reduce_classes(reduced, group, device)
     if isinstance(stats, EpochStats):
         return reduced[0]
     out = LoaderStats()
     out.epochs = reduced
     return out
+
+
+def _reduce_classes(epochs: list[EpochStats], group: Any, device: torch.device) -> None:
+    """Sum the per-class counts over ranks (in place); an epoch whose classes any rank could not
+    count (None) is None on every rank."""
+    fields = len(CLASS_FIELDS)
+    # Per epoch and field: the count array's length, or -1 for None (the MIN finds any None).
+    sizes = [
+        -1 if getattr(e, f) is None else int(getattr(e, f).size)
+        for e in epochs
+        for f in CLASS_FIELDS
+    ]
+    longest = torch.tensor(sizes, dtype=torch.int64, device=device)
+    fewest = longest.clone()
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=group)
+    width = max([0, *longest.tolist()])
+    counts = torch.zeros(len(epochs), fields, width, dtype=torch.int64, device=device)
+    for i, e in enumerate(epochs):
+        for j, f in enumerate(CLASS_FIELDS):
+            value = getattr(e, f)
+            if value is not None and value.size:
+                counts[i, j, : value.size] = torch.from_numpy(value).to(device)
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+    summed, low, high = counts.cpu().numpy(), fewest.tolist(), longest.tolist()
+    for i, e in enumerate(epochs):
+        for j, f in enumerate(CLASS_FIELDS):
+            k = i * fields + j
+            setattr(e, f, None if low[k] < 0 else summed[i, j, : high[k]].copy())

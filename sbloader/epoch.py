@@ -293,7 +293,9 @@ class EpochIterator:
                 scorer.probe(inputs, targets, codec.view(data))
         if not self._fresh:
             scorer.pad(pad)
+        targets = data[loader._codec.target_position]
         if self._passthrough:
+            stats.count_classes(targets, None)
             inputs = data[loader._codec.input_position]
             rows = metadata_rows(data, None, None, indices, n, device)
             rows = replace(
@@ -311,7 +313,6 @@ class EpochIterator:
         scored = None
         if self._fresh:
             inputs = data[loader._codec.input_position]
-            targets = data[loader._codec.target_position]
             batch = loader._codec.view(data)
             scored = scorer.score(inputs, targets, indices, self.epoch, stats, batch)
             scorer.pad(pad)
@@ -320,6 +321,7 @@ class EpochIterator:
         positions = choice.positions
         k = len(positions)
         stats.examples_selected += k
+        stats.count_classes(targets, positions)
         if k:
             kept = _gather(data, positions, device)
             rows = metadata_rows(

@@ -7,7 +7,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["COUNT_FIELDS", "TIME_FIELDS", "EpochStats", "LoaderStats"]
+import numpy as np
+import torch
+
+__all__ = ["CLASS_FIELDS", "COUNT_FIELDS", "TIME_FIELDS", "EpochStats", "LoaderStats"]
 
 logger = logging.getLogger("sbloader")
 
@@ -28,6 +31,43 @@ COUNT_FIELDS = (
 )
 #: The time fields of :class:`EpochStats`, in seconds (summed across epochs, max across ranks).
 TIME_FIELDS = ("selection_s", "selection_forward_s", "source_s", "consumer_s", "wall_s")
+#: The per-class count fields of :class:`EpochStats` (int64 arrays indexed by class, or None).
+CLASS_FIELDS = ("class_seen", "class_selected")
+#: Up to this many classes, the epoch log line shows every class's selection rate.
+_LOGGED_CLASSES = 20
+
+
+def _no_classes() -> np.ndarray | None:
+    return np.zeros(0, dtype=np.int64)
+
+
+def _class_counts(targets: Any) -> np.ndarray | None:
+    """Targets as int64 class indices on the host, or None where they are not class indices on
+    the CPU (see :meth:`EpochStats.count_classes`)."""
+    if isinstance(targets, torch.Tensor):
+        if targets.dim() != 1 or targets.device.type != "cpu" or targets.dtype == torch.bool:
+            return None
+        if targets.is_floating_point() or targets.is_complex():
+            return None
+        values = targets.numpy()
+    elif isinstance(targets, np.ndarray):
+        if targets.ndim != 1 or targets.dtype.kind not in "iu":
+            return None
+        values = targets
+    else:
+        return None
+    if values.size and values.min() < 0:
+        return None
+    return values
+
+
+def _add(total: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``total + counts`` for per-class counts of possibly different lengths (the longer one)."""
+    if counts.size > total.size:
+        total, counts = counts, total
+    out = total.copy()
+    out[: counts.size] += counts
+    return out
 
 
 @dataclass
@@ -59,6 +99,10 @@ class EpochStats:
         source_s: seconds spent waiting for the source's next batch.
         consumer_s: seconds the caller spent between batches (the training step).
         wall_s: seconds from the epoch's start to its end.
+        class_seen: candidates loaded per class (int64, indexed by class; the length is the
+            highest class seen plus one), or None where the targets are not class indices on the
+            CPU (see :meth:`count_classes`).
+        class_selected: candidates selected per class (with multiplicity), or None likewise.
     """
 
     epoch: int = -1
@@ -80,6 +124,64 @@ class EpochStats:
     source_s: float = 0.0
     consumer_s: float = 0.0
     wall_s: float = 0.0
+    # NOTE: arrays take no part in ==, which would be ambiguous for them; compare as_dict()s.
+    class_seen: np.ndarray | None = field(default_factory=_no_classes, compare=False)
+    class_selected: np.ndarray | None = field(default_factory=_no_classes, compare=False)
+
+    def __post_init__(self) -> None:
+        # Restored states and as_dict() hold lists; the counts are int64 arrays.
+        for name in CLASS_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, np.asarray(value, dtype=np.int64).reshape(-1))
+
+    def count_classes(self, targets: Any, positions: np.ndarray | None) -> None:
+        """Count one source batch's candidates by class, and those selected (``positions``;
+        None: all of them).
+
+        NOTE: class counting is one ``numpy.bincount`` per source batch, so it is done only where
+        it is that cheap: 1-d integer class indices >= 0 on the CPU (tensors or numpy arrays).
+        Other targets (sequences, regression values, an ignore index, tensors on an accelerator,
+        where reading them would synchronise with the device every source batch) leave the
+        epoch's class counts at None: unknown rather than partial.
+
+        Example:
+            >>> e = EpochStats()
+            >>> e.count_classes(np.array([0, 1, 1, 2]), np.array([1, 3]))
+            >>> e.class_seen.tolist(), e.class_selected.tolist()
+            ([1, 2, 1], [0, 1, 1])
+            >>> e.class_selection_rates.tolist()
+            [0.0, 0.5, 1.0]
+        """
+        if self.class_seen is None or self.class_selected is None:
+            return
+        values = _class_counts(targets)
+        if values is None:
+            self.class_seen = self.class_selected = None
+            return
+        seen = np.bincount(values)
+        self.class_seen = _add(self.class_seen, seen)
+        chosen = seen if positions is None else np.bincount(values[positions], minlength=seen.size)
+        self.class_selected = _add(self.class_selected, chosen)
+
+    @property
+    def class_selection_rates(self) -> np.ndarray | None:
+        """Per class, the fraction of its candidates selected (float64, NaN for a class not
+        seen): does the selection starve a class?
+
+        None where the classes were not counted (see :meth:`count_classes`), and in epochs whose
+        policy rejected candidates before loading them (Stale-SB's stale epochs with a
+        DataLoader source: the class of a candidate never loaded is unknown, so
+        ``class_seen`` holds only the loaded ones).
+        """
+        if self.class_seen is None or self.class_selected is None or self.prefiltered:
+            return None
+        seen = np.zeros(max(self.class_seen.size, self.class_selected.size), dtype=np.int64)
+        seen[: self.class_seen.size] = self.class_seen
+        rates = np.full(seen.size, np.nan, dtype=np.float64)
+        selected = _add(self.class_selected, np.zeros(seen.size, dtype=np.int64))
+        np.divide(selected, seen, out=rates, where=seen > 0)
+        return rates
 
     @property
     def selection_rate(self) -> float:
@@ -92,9 +194,23 @@ class EpochStats:
         return max(0.0, self.wall_s - self.selection_s - self.source_s - self.consumer_s)
 
     def as_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        """Every field and derived rate as plain Python values (JSON-ready: class counts and
+        rates as lists or None, the rate of a class not seen None rather than NaN)."""
+        d = self._plain()
+        rates = self.class_selection_rates
+        d["class_selection_rates"] = (
+            None if rates is None else [None if r != r else r for r in rates.tolist()]
+        )
         d["selection_rate"] = self.selection_rate
         d["overhead_s"] = self.overhead_s
+        return d
+
+    def _plain(self) -> dict[str, Any]:
+        """The fields, class counts as lists (what a checkpoint holds)."""
+        d = dataclasses.asdict(self)
+        for name in CLASS_FIELDS:
+            value = getattr(self, name)
+            d[name] = None if value is None else value.tolist()
         return d
 
 
@@ -129,6 +245,9 @@ class LoaderStats:
         for e in self.epochs:
             for name in COUNT_FIELDS + TIME_FIELDS:
                 setattr(t, name, getattr(t, name) + getattr(e, name))
+            for name in CLASS_FIELDS:
+                total, counts = getattr(t, name), getattr(e, name)
+                setattr(t, name, None if total is None or counts is None else _add(total, counts))
         if t.examples_seen:
             t.target_rate = (
                 sum(e.target_rate * e.examples_seen for e in self.epochs) / t.examples_seen
@@ -136,10 +255,14 @@ class LoaderStats:
         return t
 
     def log_epoch(self, e: EpochStats) -> None:
-        logger.info(
+        """Log one epoch's counts and times (and its selection rate by class, where counted)
+        through the ``sbloader`` logger."""
+        text = (
             "epoch %d: seen %d, selection forwards %d, selected %d (rate %.3f, target %.3f), "
             "yielded %d in %d batches, non-finite %d, dropped %d; selection %.2fs, source %.2fs, "
-            "caller %.2fs, wall %.2fs",
+            "caller %.2fs, wall %.2fs"
+        )
+        args: list[Any] = [
             e.epoch,
             e.examples_seen,
             e.selection_forwards,
@@ -154,10 +277,29 @@ class LoaderStats:
             e.source_s,
             e.consumer_s,
             e.wall_s,
-        )
+        ]
+        rates = e.class_selection_rates
+        if rates is not None and rates.size:
+            text += "; selection rate by class: %s"
+            args.append(_by_class(rates))
+        logger.info(text, *args)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epochs": [dataclasses.asdict(e) for e in self.epochs]}
+        return {"epochs": [e._plain() for e in self.epochs]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epochs = [EpochStats(**e) for e in state["epochs"]]
+
+
+def _by_class(rates: np.ndarray) -> str:
+    """Class selection rates for the log: all of them for few classes, else the extremes."""
+    if rates.size <= _LOGGED_CLASSES:
+        return " ".join(f"{c}:{r:.3f}" for c, r in enumerate(rates.tolist()))
+    seen = np.flatnonzero(~np.isnan(rates))
+    if not seen.size:
+        return "no class seen"
+    low, high = seen[np.argmin(rates[seen])], seen[np.argmax(rates[seen])]
+    return (
+        f"lowest {rates[low]:.3f} (class {low}), highest {rates[high]:.3f} (class {high}), "
+        f"{seen.size} classes seen"
+    )

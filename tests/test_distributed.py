@@ -580,6 +580,16 @@ def test_ddp_ranks_take_equal_steps_and_stay_identical(two, rounds, world_size, 
         assert red["batches_yielded"] == world_size * results[0]["total"]["batches_yielded"]
         slowest = [max(x["epochs"][e]["wall_s"] for x in results) for e in range(2)]
         assert red["wall_s"] == pytest.approx(sum(slowest))
+        # Class counts summed over ranks too: every rank's classes (of different lengths
+        # where a rank saw fewer classes), each selection of a class counted once.
+        for field in ("class_seen", "class_selected"):
+            width = max(len(x["total"][field]) for x in results)
+            summed = [
+                sum(x["total"][field][c] for x in results if c < len(x["total"][field]))
+                for c in range(width)
+            ]
+            assert red[field] == summed
+        assert sum(red["class_selected"]) == red["examples_selected"]
 
 
 def test_reported_losses_reach_every_ranks_store_and_schedule(two):

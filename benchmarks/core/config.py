@@ -66,8 +66,8 @@ class Config:
     threads: int | None = None
     """torch intra-op threads (None: torch's default) [threads]."""
     model: str = "small_cnn"
-    """``"small_cnn"`` (28 x 28), ``"mlp"`` (784-1024-1024-10) or ``"resnet18"`` (CIFAR-style,
-    32 x 32) [name]."""
+    """``"small_cnn"`` (28 x 28), ``"resnet18"`` (CIFAR-style, 32 x 32) or ``"mlp"``
+    (784-1024-1024-10) [name]."""
     dataset: str = "fashion_mnist"
     """``"fashion_mnist"``, or ``"cifar10"``, ``"cifar100"``, ``"svhn"`` from local files [name]."""
     data_root: str | None = None
@@ -93,6 +93,15 @@ class Config:
     """Train on this prefix of the training set only (None: all of it) [examples]."""
     test_examples: int | None = None
     """Evaluate on this prefix of the test set only (None: all of it) [examples]."""
+    keep_outputs: bool = False
+    """Save what the per-example analysis needs next to each run's JSON (``runs/<run>.npz``:
+    test-set outputs at every evaluation, selections per epoch, final training losses) and
+    write the analysis report after training (``benchmarks/analysis.py``) [bool]."""
+    el2n_archs: tuple[str, ...] = ()
+    """Models whose EL2N scores the analysis compares (``model`` names), computed per seed with
+    ``el2n_models`` copies of ``el2n_epochs`` epochs each and saved as
+    ``scores/el2n_<model>__s<seed>.npz``; the first is the EL2N ranking compared with SB's
+    selections [names]."""
 
     def resolved_device(self) -> torch.device:
         """The device, with ``"auto"`` resolved to cuda when available."""
@@ -192,6 +201,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     "svhn": dict(
         dataset="svhn", augment=True, epochs=20, strategies=_GPU_STRATEGIES, **_RESNET_RUN
+    ),
+    # The per-example analysis (benchmarks/analysis.py), about 23 minutes on one shared core:
+    # SB and Traditional of one seed on all of Fashion-MNIST over 5 epochs (not 10), SB again
+    # with 10% of labels flipped, and EL2N scores of the CNN and an MLP (2 copies x 1 epoch).
+    "analysis": dict(
+        epochs=5,
+        strategies=("traditional", "sb_0.33_rwarmup"),
+        label_noise=(0.0, 0.1),
+        noise_strategies=("sb_0.33_rwarmup",),
+        keep_outputs=True,
+        el2n_archs=("small_cnn", "mlp"),
+        threads=1,
     ),
     # The frontier measure (issue 12): each family at several budgets, trained interleaved.
     "frontier": dict(

@@ -12,6 +12,9 @@ from sbloader.recipes import mlp, resnet18, small_cnn
 
 from .config import Config
 
+MODELS = ("small_cnn", "resnet18", "mlp")
+"""The models a configuration can name."""
+
 
 def make_model(cfg: Config, classes: int = 10, channels: int = 1) -> nn.Module:
     """The configuration's model on its device, in its memory format, initialised from the
@@ -21,11 +24,9 @@ def make_model(cfg: Config, classes: int = 10, channels: int = 1) -> nn.Module:
     elif cfg.model == "resnet18":
         model = resnet18(classes, channels)
     elif cfg.model == "mlp":
-        model = mlp(classes, channels * cfg.image_size * cfg.image_size)
+        model = mlp(classes, channels * cfg.image_size**2)
     else:
-        raise ValueError(
-            f"model should be 'small_cnn', 'mlp' or 'resnet18', but got model={cfg.model!r}"
-        )
+        raise ValueError(f"model should be one of {MODELS}, but got model={cfg.model!r}")
     device = cfg.resolved_device()
     if cfg.memory_format is None:
         return model.to(device)

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .arrays import arrays_path, save_arrays
+
 
 @dataclass
 class Run:
@@ -42,6 +44,9 @@ class Run:
     classes: int = 10
     interleaved: bool = False
     """Trained an epoch at a time in turn with the other runs of its seed."""
+    arrays: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    """The per-example arrays kept for the analysis (``keep_outputs``), saved next to the JSON
+    as ``.npz`` (see ``arrays.py``); not in the JSON, and None when loaded."""
 
     def key(self) -> str:
         return run_key(self.strategy, self.seed, self.noise)
@@ -66,8 +71,12 @@ def collapsed(run: Run) -> bool:
 
 
 def save_run(run: Run, folder: Path) -> Path:
+    """Write the run as ``<key>.json`` in ``folder`` (and its arrays, if kept, as ``.npz``)."""
     path = folder / f"{run.key()}.json"
-    path.write_text(json.dumps(dataclasses.asdict(run)))
+    record = {f.name: getattr(run, f.name) for f in dataclasses.fields(run) if f.name != "arrays"}
+    path.write_text(json.dumps(record))
+    if run.arrays is not None:
+        save_arrays(arrays_path(path), run.arrays)
     return path
 
 
@@ -77,7 +86,7 @@ def load_runs(folder: Path) -> list[Run]:
     runs = []
     for f in sorted(folder.glob("*.json")):
         d = json.loads(f.read_text())
-        run = Run(**{k: v for k, v in d.items() if k in names})
+        run = Run(**{k: v for k, v in d.items() if k in names and k != "arrays"})
         run.diverged = collapsed(run)  # also for runs saved before the definition changed
         runs.append(run)
     return runs

@@ -22,6 +22,7 @@ import sbloader
 from sbloader.datasets import ArrayDataset
 from sbloader.recipes import cosine_lr, error_rate
 
+from .arrays import Keeper, predict
 from .config import Config
 from .data import augment, flip_labels, shuffled
 from .models import make_loader, make_model, make_optimizer, seeded_model
@@ -122,6 +123,17 @@ class Trainer:
             subset=subset,
             **user,
         )
+        self.keep = (
+            Keeper(
+                y_noisy,
+                (y_noisy != y_train).nonzero().flatten().numpy(),
+                self.planned,
+                subset,
+            )
+            if cfg.keep_outputs
+            else None
+        )
+        self.x_train = dataset.tensors[0] if cfg.keep_outputs else None
         self.aug_gen = torch.Generator(device=device).manual_seed(20_000 + seed)
         self.timer = StepTimer(device)
         self.epoch = 0
@@ -138,15 +150,23 @@ class Trainer:
         return self.epoch >= self.planned
 
     def evaluate(self) -> float:
-        bf16 = torch.bfloat16 if self.cfg.train_bf16 else None
-        return error_rate(self.model, self.x_test, self.y_test, autocast=bf16)
+        return error_rate(self.model, self.x_test, self.y_test, autocast=self._eval_autocast)
+
+    @property
+    def _eval_autocast(self) -> torch.dtype | None:
+        return torch.bfloat16 if self.cfg.train_bf16 else None
 
     def _record(self, position: float) -> float:
-        """Evaluate (excluded from the wall-clock) and add a point to the curve."""
+        """Evaluate (excluded from the wall-clock) and add a point to the curve (keeping the
+        test outputs with ``keep_outputs``)."""
         sync(self.device)
         e0 = time.perf_counter()
-        err = self.evaluate()
         elapsed = self.clock + e0 - self._epoch_start - self._epoch_eval
+        if self.keep is None:
+            err = self.evaluate()
+        else:
+            logits = predict(self.model, self.x_test, autocast=self._eval_autocast)
+            err = self.keep.evaluation(position, elapsed, logits, self.y_test)
         spent = time.perf_counter() - e0
         self._epoch_eval += spent
         self.run.eval_s += spent
@@ -180,6 +200,8 @@ class Trainer:
             if self.strat.feedback:
                 loader.feedback(batch.indices, losses)
             self.backprops += len(y)
+            if self.keep is not None:
+                self.keep.batch(self.epoch, batch.indices, batch.losses)
             if loader.progress + 1e-9 >= self.next_eval:
                 err = self._record(loader.progress)
                 self.next_eval += cfg.eval_every
@@ -221,6 +243,10 @@ class Trainer:
         run.breakdown["other"] = max(0.0, run.train_s - sum(run.breakdown.values()))
         run.epochs = [e.as_dict() for e in self.loader.stats.epochs]
         run.diverged = collapsed(run)
+        if self.keep is not None and self.x_train is not None:
+            run.arrays = self.keep.finish(
+                self.model, self.x_train, self.loader.policy, autocast=self._eval_autocast
+            )
         return run
 
     def train(self) -> Run:

@@ -1,0 +1,140 @@
+"""Per-epoch selection rate by class in ``loader.stats``: known counts from a known policy."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from conftest import N_CLASSES, EncodedDataset, IndexLoss
+from torch.utils.data import DataLoader
+
+import sbloader
+from sbloader.datasets import ArrayDataset
+from sbloader.policies import Choice, Policy
+from sbloader.stats import EpochStats, LoaderStats
+
+
+class KeepLowResidues(Policy):
+    """Keeps the candidates whose dataset index i has i % 8 < 3: of EncodedDataset's classes
+    (i % 4), half of classes 0, 1 and 2, and none of class 3."""
+
+    def needs_indices(self) -> bool:
+        return True
+
+    def choose(self, losses, indices, rng, n):
+        keep = np.flatnonzero(indices % 8 < 3).astype(np.int64)
+        return Choice(keep, np.ones(n), np.ones(len(keep)))
+
+
+def run_epochs(policy, epochs=2, n=200, batch_size=8, **kw):
+    source = DataLoader(
+        EncodedDataset(n), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
+    loader = sbloader.SelectiveLoader(
+        source, IndexLoss(), policy=policy, batch_size=batch_size, seed=0, **kw
+    )
+    for _ in range(epochs):
+        for _batch in loader:
+            pass
+    return loader
+
+
+def test_class_counts_and_rates_of_a_known_policy():
+    loader = run_epochs(KeepLowResidues())
+    for e in loader.stats.epochs:
+        assert e.class_seen.tolist() == [50, 50, 50, 50]
+        assert e.class_selected.tolist() == [25, 25, 25, 0]
+        assert e.class_selection_rates.tolist() == [0.5, 0.5, 0.5, 0.0]
+        assert int(e.class_selected.sum()) == e.examples_selected
+    total = loader.stats.total
+    assert total.class_seen.tolist() == [100] * 4
+    assert total.class_selected.tolist() == [50, 50, 50, 0]
+    d = loader.stats.current.as_dict()
+    assert d["class_selection_rates"] == [0.5, 0.5, 0.5, 0.0]
+    assert d["class_seen"] == [50] * 4 and d["class_selected"] == [25, 25, 25, 0]
+
+
+def test_traditional_selects_every_class_fully():
+    loader = run_epochs(sbloader.Traditional(), epochs=1, n=90)
+    e = loader.stats.current
+    assert e.class_seen.tolist() == np.bincount(np.arange(90) % N_CLASSES).tolist()
+    assert e.class_selection_rates.tolist() == [1.0] * N_CLASSES
+
+
+def test_sb_rates_follow_the_losses():
+    # IndexLoss: loss grows with the index; with labels by index range the high classes are
+    # the hard ones, and SB must select them at a higher rate than the easy ones.
+    n = 400
+    x = torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 6)
+    y = torch.arange(n) * N_CLASSES // n  # class 0: indices 0-99, ..., class 3: 300-399
+    source = DataLoader(
+        ArrayDataset(x, y), batch_size=100, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
+
+    class RangeLoss(IndexLoss):
+        def forward(self, inputs):
+            idx = inputs[:, 0]
+            logits = torch.zeros(inputs.shape[0], N_CLASSES)
+            logits[torch.arange(inputs.shape[0]), (idx.long() * N_CLASSES // n)] = 10 - idx / 40
+            return logits + 0.0 * self.lin(inputs)
+
+    loader = sbloader.SelectiveLoader(
+        source, RangeLoss(), policy=sbloader.SelectiveBackprop(0.3), batch_size=10, seed=0
+    )
+    for _ in range(3):
+        for _batch in loader:
+            pass
+    rates = loader.stats.total.class_selection_rates
+    assert loader.stats.total.class_seen.tolist() == [300] * 4
+    assert np.all(np.diff(rates) > 0), rates  # the easiest class is starved most
+
+
+def test_epoch_log_line_shows_the_class_rates(caplog):
+    with caplog.at_level(logging.INFO, logger="sbloader"):
+        run_epochs(KeepLowResidues(), epochs=1)
+    line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("epoch 0:")]
+    assert line and line[0].endswith("selection rate by class: 0:0.500 1:0.500 2:0.500 3:0.000")
+
+
+def test_targets_that_are_not_cpu_class_indices_are_not_counted():
+    for targets in (
+        torch.rand(6),  # regression targets
+        torch.zeros(6, 3, dtype=torch.int64),  # sequence labels
+        torch.tensor([0, 1, -100, 2, 1, 0]),  # an ignore index
+        [0, 1, 2, 0, 1, 2],  # not an array
+    ):
+        e = EpochStats()
+        e.count_classes(torch.tensor([0, 1, 1]), None)
+        e.count_classes(targets, None)
+        e.count_classes(torch.tensor([0, 1, 1]), None)  # stays unknown, never partial
+        assert e.class_seen is None and e.class_selected is None
+        assert e.class_selection_rates is None and e.as_dict()["class_selection_rates"] is None
+
+
+def test_counts_of_growing_class_ranges_add_up_and_round_trip():
+    s = LoaderStats()
+    e = s.begin_epoch(0, 0.5)
+    e.examples_seen = 5
+    e.count_classes(np.array([0, 0, 1]), np.array([1]))
+    e.count_classes(torch.tensor([3, 0]), np.array([0, 0]))  # Kath18 repeats: with multiplicity
+    assert e.class_seen.tolist() == [3, 1, 0, 1]
+    assert e.class_selected.tolist() == [1, 0, 0, 2]
+    rates = e.class_selection_rates
+    assert rates[:2].tolist() == [1 / 3, 0.0] and np.isnan(rates[2]) and rates[3] == 2.0
+    restored = LoaderStats()
+    restored.load_state_dict(s.state_dict())
+    assert restored.current.as_dict() == e.as_dict()
+    assert e.as_dict()["class_selection_rates"] == [1 / 3, 0.0, None, 2.0]  # JSON: no NaN
+    assert restored.current.class_seen.tolist() == [3, 1, 0, 1]
+    assert restored.current.class_selected.tolist() == [1, 0, 0, 2]
+    assert all(isinstance(v, int) for v in s.state_dict()["epochs"][0]["class_seen"])
+
+
+def test_stale_epochs_that_prefilter_report_no_rates():
+    policy = sbloader.SelectiveBackprop(1 / 3, staleness=2)
+    loader = run_epochs(policy, epochs=2)
+    fresh, stale = loader.stats.epochs
+    assert fresh.class_selection_rates is not None
+    assert stale.prefiltered > 0 and stale.class_selection_rates is None
+    assert stale.class_seen.sum() == stale.examples_seen - stale.prefiltered  # those loaded
