@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import check_float, check_int
+from ._checks import check_float, check_indices, check_int
 from ._random import hashed_uniforms
 from .store import ExampleStore
 from .window import LossWindow
@@ -336,15 +336,19 @@ class SelectiveBackprop(Policy):
         NOTE: an example never scored yet (no finite stored loss) gets P = 1: it is selected,
         never silently skipped.
         """
+        stored, measured = self._stale_store().lookup(indices)
+        p = self.window.rank(stored, self.beta)
+        p[measured < 0] = 1.0
+        return p
+
+    def _stale_store(self) -> ExampleStore:
+        """The per-example store, which stale-epoch selection needs."""
         if self.store is None:
             raise ValueError(
                 "stale-epoch selection needs the per-example store; give the policy "
                 "staleness > 1 and use it through a SelectiveLoader"
             )
-        stored, measured = self.store.lookup(indices)
-        p = self.window.rank(stored, self.beta)
-        p[measured < 0] = 1.0
-        return p
+        return self.store
 
     def prefilter(self, indices: np.ndarray) -> np.ndarray:
         if not self.can_prefilter():
@@ -356,20 +360,35 @@ class SelectiveBackprop(Policy):
         return u < self.stale_probabilities(indices)
 
     def choose(self, losses, indices, rng, n):
+        # NOTE: one kernel call per batch (window, P, draw, positions, weights, store): the
+        # uniforms are drawn here, as rng.random(n) always was, so choices are unchanged.
+        store = self.store
+        if store is not None:
+            indices = check_indices("indices", indices)
         if losses is not None:
-            p = self.probabilities(losses)
-            if self.store is not None:
-                self.store.record(indices, losses, self._epoch)
-            keep = rng.random(n) < p
+            p, positions, weights, outside = self.window.push_rank_and_draw(
+                losses,
+                rng.random(n),
+                self.beta,
+                self.reweight,
+                None if store is None else store.columns,
+                indices,
+                self._epoch,
+            )
         elif self.staleness > 1:
-            p = self.stale_probabilities(indices)
-            keep = hashed_uniforms(self._key, self._epoch, indices) < p
+            store = self._stale_store()
+            p, positions, weights, outside = self.window.rank_and_draw_stored(
+                store.columns,
+                indices,
+                hashed_uniforms(self._key, self._epoch, indices),
+                self.beta,
+                self.reweight,
+            )
         else:
             raise ValueError("SelectiveBackprop needs selection losses, but got losses=None")
-        positions = np.flatnonzero(keep).astype(np.int64)
-        if self.store is not None:
-            self.store.count_selected(indices[positions])
-        weights = 1.0 / p[positions] if self.reweight else np.ones(len(positions))
+        if outside:
+            assert store is not None
+            store.check_outside(outside, indices)
         return Choice(positions, p, weights)
 
     def state_dict(self) -> dict[str, Any]:
