@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from ._checks import check_float, check_indices, check_int
 from ._random import hashed_uniforms
+from .device_decisions import DeviceChoice, DeviceWindow
 from .store import ExampleStore
 from .window import LossWindow
 
@@ -99,6 +101,19 @@ class Policy(abc.ABC):
     def can_prefilter(self) -> bool:
         """Whether :meth:`prefilter` decides in the current epoch (set by :meth:`begin_epoch`)."""
         return False
+
+    def decides_on_device(self) -> bool:
+        """Whether :meth:`choose_device` can decide batches with a selection pass on the
+        losses' device (``SelectiveLoader(decisions="device")``)."""
+        return False
+
+    def choose_device(
+        self, losses: torch.Tensor, generator: torch.Generator, nonfinite: str
+    ) -> DeviceChoice:
+        """Choose among the candidates of ``losses`` (a tensor, possibly with non-finite
+        entries, handled as ``nonfinite`` says) with draws from ``generator``, on the losses'
+        device. Called only where :meth:`decides_on_device` is True."""
+        raise NotImplementedError(f"{type(self).__name__} does not decide on the device")
 
     def kind(self) -> str:
         """What kind of policy this is, for checking that a saved state belongs to it."""
@@ -261,6 +276,8 @@ class SelectiveBackprop(Policy):
             beta = 1.0 / s - 1.0
         self.beta = check_float("beta", beta, low=0.0)
         self.window = LossWindow(check_int("history", history, minimum=1))
+        #: The window of ``decisions="device"`` (the host window is not used then).
+        self.device_window = DeviceWindow(self.window.size)
         self.staleness = check_int("staleness", staleness, minimum=1)
         self.reweight = bool(reweight)
         self.store_path = store_path
@@ -391,8 +408,22 @@ class SelectiveBackprop(Policy):
             store.check_outside(outside, indices)
         return Choice(positions, p, weights)
 
+    def decides_on_device(self) -> bool:
+        # NOTE: Stale-SB's per-example store lives on the host; its decisions stay there.
+        return self.staleness == 1
+
+    def choose_device(self, losses, generator, nonfinite):
+        uniforms = torch.rand(
+            losses.shape[0], generator=generator, dtype=torch.float64, device=losses.device
+        )
+        return self.device_window.push_rank_and_draw(
+            losses, uniforms, self.beta, reweight=self.reweight, nonfinite=nonfinite
+        )
+
     def state_dict(self) -> dict[str, Any]:
         state = {"beta": self.beta, "window": self.window.state_dict()}
+        if len(self.device_window):
+            state["device_window"] = self.device_window.state_dict()
         if self.store is not None:
             state["store"] = self.store.state_dict()
         return state
@@ -404,6 +435,10 @@ class SelectiveBackprop(Policy):
                 f"beta={self.beta}; construct the policy with the saved selectivity"
             )
         self.window.load_state_dict(state["window"])
+        if "device_window" in state:
+            self.device_window.load_state_dict(state["device_window"])
+        else:
+            self.device_window.load_state_dict(DeviceWindow(self.history).state_dict())
         if "store" in state:
             if self.store is None:
                 raise ValueError(
@@ -685,6 +720,13 @@ class Phased(Policy):
         if current is None:
             return Choice.everything(n)
         return current.choose(losses, indices, rng, n)
+
+    def decides_on_device(self) -> bool:
+        return self.policy.decides_on_device()
+
+    def choose_device(self, losses, generator, nonfinite):
+        # Only the wrapped policy needs selection losses (the warm-up policy needs none).
+        return self.policy.choose_device(losses, generator, nonfinite)
 
     def state_dict(self) -> dict[str, Any]:
         return {"policy": self.policy.state_dict(), "warmup": self.warmup_policy.state_dict()}

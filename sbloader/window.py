@@ -107,8 +107,11 @@ class LossWindow:
             raise RuntimeError(_FROZEN)
         n = losses.shape[0]
         _same_length("uniforms", uniforms, n)
+        idx = _NO_INDICES
         if columns is not None:
             _same_length("indices", indices, n)
+            assert indices is not None
+            idx = indices
         out_p = np.empty(n, dtype=np.float64)
         out_pos = np.empty(n, dtype=np.int64)
         out_w = np.empty(n, dtype=np.float64)
@@ -124,7 +127,7 @@ class LossWindow:
             loss_col,
             seen_col,
             selected_col,
-            _NO_INDICES if columns is None else indices,
+            idx,
             int(epoch),
             out_p,
             out_pos,
