@@ -143,7 +143,8 @@ class Scorer:
             self.logits_shape = tuple(logits.shape[1:])
         # NOTE: the policy needs the losses on the host anyway; copying them inside the timed
         # region makes the time exact on a GPU too (it waits for the forward to finish, and for
-        # any training work still queued before it).
+        # any training work still queued before it). With decisions="device" nothing is copied,
+        # so on a GPU the time is that of queueing the forward, not of running it.
         values = losses.detach().cpu().numpy().astype(np.float64) if self.host_values else None
         stats.selection_forward_s += perf_counter() - t0
         stats.selection_forwards += n
