@@ -22,6 +22,9 @@ from .rows import Rows
 
 __all__ = ["DecisionGenerator", "DeviceChoice", "DeviceWindow", "device_rows"]
 
+#: Rows per block of the pairwise comparisons in :meth:`DeviceWindow.ranks`.
+_BLOCK = 1024
+
 
 @dataclass(frozen=True)
 class DeviceChoice:
@@ -102,28 +105,35 @@ class DeviceWindow:
         n, n0, cap = x.shape[0], len(self), self.size
         finite = torch.isfinite(x)
         order = torch.cumsum(finite, 0) - 1  # each finite loss's place among the batch's
-        idx = torch.arange(n, device=x.device)
         pushed = n0 + order + 1  # values pushed so far, the loss included
         size = pushed.clamp(max=cap)
         evicted = pushed - size  # of the whole stream (old values first, then the batch's)
         count = torch.searchsorted(self._sorted, x, right=True)
-        # Old values evicted before each loss (at most n of them: one per push).
-        span = min(n, n0)
-        if n0 + n > cap and span:
-            old = self._values[:span]
-            gone = (old.unsqueeze(0) <= x.unsqueeze(1)) & (
-                torch.arange(span, device=x.device).unsqueeze(0) < evicted.unsqueeze(1)
-            )
-            count = count - gone.sum(1)
-        # The batch's own finite values up to each loss, less those evicted already.
+        span = min(n, n0)  # old values the batch can evict (one per push)
+        arange = torch.arange(max(span, n), device=x.device)
         first_held = (evicted - n0).clamp(min=0)  # place of the batch's oldest value still held
-        held = (
-            (x.unsqueeze(0) <= x.unsqueeze(1))
-            & finite.unsqueeze(0)
-            & (idx.unsqueeze(0) <= idx.unsqueeze(1))
-            & (order.unsqueeze(0) >= first_held.unsqueeze(1))
-        )
-        count = count + held.sum(1)
+        # NOTE: the pairwise comparisons go in blocks of rows, so that memory stays at
+        # _BLOCK x n booleans for any batch (a source batch of 8192 would need 64 MB at once).
+        parts = []
+        for a in range(0, n, _BLOCK):
+            b = min(a + _BLOCK, n)
+            xi = x[a:b].unsqueeze(1)
+            # The batch's own finite values up to each loss (j <= i), less those evicted.
+            held = (
+                (x[:b].unsqueeze(0) <= xi)
+                & finite[:b].unsqueeze(0)
+                & (arange[:b].unsqueeze(0) <= arange[a:b].unsqueeze(1))
+                & (order[:b].unsqueeze(0) >= first_held[a:b].unsqueeze(1))
+            ).sum(1)
+            if n0 + n > cap and span:
+                # Old values evicted before each loss.
+                held -= (
+                    (self._values[:span].unsqueeze(0) <= xi)
+                    & (arange[:span].unsqueeze(0) < evicted[a:b].unsqueeze(1))
+                ).sum(1)
+            parts.append(held)
+        if parts:
+            count = count + torch.cat(parts)
         return count, size, finite
 
     def push(self, losses: torch.Tensor, finite: torch.Tensor, m: int) -> None:

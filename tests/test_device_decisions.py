@@ -36,7 +36,7 @@ def test_same_probabilities_and_selections_as_the_host_window(size, beta):
     in the last bit, since torch's vectorised pow rounds differently from libm's."""
     rng = np.random.default_rng(size + int(beta * 10))
     host, dev = LossWindow(size), DeviceWindow(size)
-    for n in (5, 300, 2 * size + 3, 1, 700):
+    for n in (5, 300, 2 * size + 3, 1, 2500):
         losses, u = stream(rng, n), rng.random(n)
         p, positions, _, _ = host.push_rank_and_draw(losses, u, beta, reweight=False)
         c = dev.push_rank_and_draw(torch.from_numpy(losses), torch.from_numpy(u), beta)
