@@ -51,6 +51,7 @@ from benchmarks.core.data import train_set
 from benchmarks.core.machine import describe_commit, machine_info
 from benchmarks.core.models import seeded_model
 from benchmarks.core.timing import median
+from sbloader.selection import SelectionForward
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
@@ -100,7 +101,9 @@ def dynamic_int8(model: nn.Module, calib: torch.Tensor) -> nn.Module:
 
 
 class Way:
-    """One way of running the selection forward over fixed chunks."""
+    """One way of running the selection forward over fixed chunks, called as the loader calls
+    it (``sbloader.selection.SelectionForward``: eval mode, inference mode, autocast, compile),
+    as ``breakdown.py``'s selection passes are."""
 
     def __init__(
         self,
@@ -112,24 +115,26 @@ class Way:
         build: Callable[[nn.Module, torch.Tensor], nn.Module] | None = None,
         calib: torch.Tensor | None = None,
     ) -> None:
-        self.name, self.bf16, self.chunks = name, bf16, chunks
+        self.name, self.chunks = name, chunks
+        self.dtype = torch.bfloat16 if bf16 else None
         self.refresh_s: float | None = None
         if build is not None:
             assert calib is not None
             t0 = time.perf_counter()
             model = build(model, calib)
             self.refresh_s = time.perf_counter() - t0
-        self.model = model.eval()
-        if compile:
-            self.model = torch.compile(self.model)
+        self.model = model
+        self.forward = SelectionForward(compile=compile)
         self.loss = nn.CrossEntropyLoss(reduction="none")
         t0 = time.perf_counter()
         self.run()
         self.warmup_s = time.perf_counter() - t0
 
     def losses(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=self.bf16):
-            return self.loss(self.model(x).float(), y).float()
+        out = self.forward(
+            self.model, x, y, self.loss, batch_size=len(y), autocast_dtype=self.dtype
+        )[0]
+        return out.float()
 
     def run(self) -> float:
         """Seconds per example."""
@@ -143,7 +148,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("out", type=Path)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--train-examples", type=int, default=12_800, help="partial training")
+    p.add_argument("--train-examples", type=int, default=6_400, help="partial training")
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
     if args.threads:
