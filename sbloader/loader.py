@@ -23,6 +23,7 @@ from ._state import check_identity, check_version
 from .adapt import make_source
 from .codec import BatchCodec
 from .decisions import NONFINITE, subset_mask
+from .device_decisions import DecisionGenerator
 from .distributed import RankSync, is_distributed, make_sync
 from .epoch import EpochIterator
 from .features import make_feature_cache
@@ -41,6 +42,7 @@ logger = logging.getLogger("sbloader")
 
 _REMAINDERS = ("carry", "short", "drop")
 _CDFS = ("local", "global")
+_DECISIONS = ("host", "device")
 _BATCHNORM = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
 
 # The keys of the loader's state (version 2).
@@ -65,6 +67,7 @@ K_FEEDBACK = "feedback"  # optional: states saved before feedback existed have n
 # NOTE: an optional key of version 2 (absent from states saved before batches_per_epoch): the
 # training-epoch clock, or None without batches_per_epoch.
 K_TRAINING = "training"
+K_DEVICE_RNG = "device_rng"  # only with decisions="device"
 
 
 class SelectiveLoader:
@@ -229,6 +232,17 @@ class SelectiveLoader:
             one more last element, holding ``{"indices", "losses", "probabilities",
             "weights"}`` (and ``"features"``, ``"logits"`` when kept). Default None: the
             results are only attributes of the batch.
+        decisions: where the per-batch decisions of a selection pass run. ``"host"``
+            (default): the losses come to the host and the policy decides with the loader's
+            numpy generator (selections identical for a seed on every machine). ``"device"``:
+            on the losses' device (a GPU's, or the CPU's), with a ``torch.Generator`` derived
+            from ``seed``: a loss window tensor, draws and gathers by index tensors; the host
+            learns how many losses were finite and how many candidates were kept (and the kept
+            positions where the source has dataset indices, which stay on the CPU). Different
+            draws than ``"host"`` for the same seed, with the same probabilities; resume stays
+            exact. For policies whose :meth:`~sbloader.Policy.decides_on_device` is True
+            (SelectiveBackprop with ``staleness=1``), without ``keep_logits``, a frozen prefix or
+            losses shared across ranks (``cdf="global"``).
 
     Attributes:
         stats: a :class:`~sbloader.stats.LoaderStats` with per-epoch and total counts and times.
@@ -323,6 +337,7 @@ class SelectiveLoader:
         cdf: str = "local",
         prefetch: int | None = None,
         metadata_key: str | None = None,
+        decisions: str = "host",
     ) -> None:
         for name, module, optional in (("model", model, False), ("selector", selector, True)):
             if not isinstance(module, nn.Module) and not (optional and module is None):
@@ -462,6 +477,9 @@ class SelectiveLoader:
         self._fixed = None if per_epoch is None else FixedEpochs(int(per_epoch))
         #: Training batches per epoch (``len(loader)``), or None (one pass per epoch).
         self.batches_per_epoch: int | None = None if self._fixed is None else self._fixed.count
+        self.decisions = check_choice("decisions", decisions, _DECISIONS)
+        self._decider = self._device_decider(frozen_prefix is not None)
+        self._scorer.host_values = self._decider is None
         # Cross-epoch state.
         self.stats = LoaderStats()
         self.epoch = 0
@@ -479,6 +497,28 @@ class SelectiveLoader:
         # The source's state as of the last source batch consumed (see Source.snapshot); None:
         # ask the source.
         self._source_state: dict[str, Any] | None = None
+
+    def _device_decider(self, prefix: bool) -> DecisionGenerator | None:
+        """The generator of ``decisions="device"`` (None on the host), after checking that this
+        configuration can decide on the device."""
+        if self.decisions == "host":
+            return None
+        if not self.policy.decides_on_device():
+            raise ValueError(
+                f"decisions='device' needs a policy that decides on the device, but "
+                f"{self.policy!r} does not; use SelectiveBackprop with staleness=1, or "
+                "decisions='host'"
+            )
+        for on, what in (
+            (self.keep_logits, "keep_logits=True"),
+            (prefix, "a frozen_prefix"),
+            (self._sharing(), "losses shared across ranks (cdf='global')"),
+        ):
+            if on:
+                raise ValueError(
+                    f"decisions='device' does not support {what} yet; pass decisions='host'"
+                )
+        return DecisionGenerator(self.seed, self.rank)
 
     @staticmethod
     def _default_rank() -> int:
@@ -788,6 +828,7 @@ class SelectiveLoader:
             "policy": self.policy.kind(),
             "dataset_size": self._source.dataset_size,
             "batches_per_epoch": self.batches_per_epoch,
+            "decisions": self.decisions,
         }
 
     def state_dict(self, unconsumed: int = 0) -> dict[str, Any]:
@@ -851,6 +892,7 @@ class SelectiveLoader:
             K_STATS: stats,
             K_FEEDBACK: self._feedback.state_dict(),
             K_TRAINING: None if self._fixed is None else self._fixed.state_dict(unconsumed),
+            **({K_DEVICE_RNG: self._decider.state_dict()} if self._decider is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -906,6 +948,8 @@ class SelectiveLoader:
             self._feedback = FeedbackBuffer()
         if self._fixed is not None and training is not None:
             self._fixed.load_state_dict(training)
+        if self._decider is not None:
+            self._decider.load_state_dict(state[K_DEVICE_RNG])
 
     def _from_v1(self, state: dict[str, Any]) -> dict[str, Any]:
         return loader_state_v1_to_v2(state, self._scorer.has_prefix, self.keep_logits)

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
-from ._checks import check_float, check_int
+from ._checks import check_float, check_indices, check_int
 from ._random import hashed_uniforms
+from .device_decisions import DeviceChoice, DeviceWindow
 from .store import ExampleStore
 from .window import LossWindow
 
@@ -100,6 +102,19 @@ class Policy(abc.ABC):
     def can_prefilter(self) -> bool:
         """Whether :meth:`prefilter` decides in the current epoch (set by :meth:`begin_epoch`)."""
         return False
+
+    def decides_on_device(self) -> bool:
+        """Whether :meth:`choose_device` can decide batches with a selection pass on the
+        losses' device (``SelectiveLoader(decisions="device")``)."""
+        return False
+
+    def choose_device(
+        self, losses: torch.Tensor, generator: torch.Generator, nonfinite: str
+    ) -> DeviceChoice:
+        """Choose among the candidates of ``losses`` (a tensor, possibly with non-finite
+        entries, handled as ``nonfinite`` says) with draws from ``generator``, on the losses'
+        device. Called only where :meth:`decides_on_device` is True."""
+        raise NotImplementedError(f"{type(self).__name__} does not decide on the device")
 
     def kind(self) -> str:
         """What kind of policy this is, for checking that a saved state belongs to it."""
@@ -288,6 +303,8 @@ class SelectiveBackprop(Policy):
             beta = 1.0 / s - 1.0
         self.beta = check_float("beta", beta, low=0.0)
         self.window = LossWindow(check_int("history", history, minimum=1))
+        #: The window of ``decisions="device"`` (the host window is not used then).
+        self.device_window = DeviceWindow(self.window.size)
         self.staleness = check_int("staleness", staleness, minimum=1)
         self.fed_staleness = (
             self.staleness
@@ -404,15 +421,19 @@ class SelectiveBackprop(Policy):
         NOTE: an example never scored yet (no finite stored loss) gets P = 1: it is selected,
         never silently skipped.
         """
+        stored, measured = self._stale_store().lookup(indices)
+        p = self.window.rank(stored, self.beta)
+        p[measured < 0] = 1.0
+        return p
+
+    def _stale_store(self) -> ExampleStore:
+        """The per-example store, which stale-epoch selection needs."""
         if self.store is None:
             raise ValueError(
                 "stale-epoch selection needs the per-example store; give the policy "
                 "staleness > 1 and use it through a SelectiveLoader"
             )
-        stored, measured = self.store.lookup(indices)
-        p = self.window.rank(stored, self.beta)
-        p[measured < 0] = 1.0
-        return p
+        return self.store
 
     def prefilter(self, indices: np.ndarray) -> np.ndarray:
         if not self.can_prefilter():
@@ -424,24 +445,53 @@ class SelectiveBackprop(Policy):
         return u < self.stale_probabilities(indices)
 
     def choose(self, losses, indices, rng, n):
+        # NOTE: one kernel call per batch (window, P, draw, positions, weights, store): the
+        # uniforms are drawn here, as rng.random(n) always was, so choices are unchanged.
+        store = self.store
+        if store is not None:
+            indices = check_indices("indices", indices)
         if losses is not None:
-            p = self.probabilities(losses)
-            if self.store is not None:
-                self.store.record(indices, losses, self._epoch)
-            keep = rng.random(n) < p
+            p, positions, weights, outside = self.window.push_rank_and_draw(
+                losses,
+                rng.random(n),
+                self.beta,
+                self.reweight,
+                None if store is None else store.columns,
+                indices,
+                self._epoch,
+            )
         elif self.staleness > 1:
-            p = self.stale_probabilities(indices)
-            keep = hashed_uniforms(self._key, self._epoch, indices) < p
+            store = self._stale_store()
+            p, positions, weights, outside = self.window.rank_and_draw_stored(
+                store.columns,
+                indices,
+                hashed_uniforms(self._key, self._epoch, indices),
+                self.beta,
+                self.reweight,
+            )
         else:
             raise ValueError("SelectiveBackprop needs selection losses, but got losses=None")
-        positions = np.flatnonzero(keep).astype(np.int64)
-        if self.store is not None:
-            self.store.count_selected(indices[positions])
-        weights = 1.0 / p[positions] if self.reweight else np.ones(len(positions))
+        if outside:
+            assert store is not None
+            store.check_outside(outside, indices)
         return Choice(positions, p, weights)
+
+    def decides_on_device(self) -> bool:
+        # NOTE: Stale-SB's per-example store lives on the host; its decisions stay there.
+        return self.staleness == 1
+
+    def choose_device(self, losses, generator, nonfinite):
+        uniforms = torch.rand(
+            losses.shape[0], generator=generator, dtype=torch.float64, device=losses.device
+        )
+        return self.device_window.push_rank_and_draw(
+            losses, uniforms, self.beta, reweight=self.reweight, nonfinite=nonfinite
+        )
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"beta": self.beta, "window": self.window.state_dict()}
+        if len(self.device_window):
+            state["device_window"] = self.device_window.state_dict()
         if self.store is not None:
             state["store"] = self.store.state_dict()
         state["schedule"] = {
@@ -459,6 +509,10 @@ class SelectiveBackprop(Policy):
                 f"beta={self.beta}; construct the policy with the saved selectivity"
             )
         self.window.load_state_dict(state["window"])
+        if "device_window" in state:
+            self.device_window.load_state_dict(state["device_window"])
+        else:
+            self.device_window.load_state_dict(DeviceWindow(self.history).state_dict())
         if "store" in state:
             if self.store is None:
                 raise ValueError(
@@ -767,6 +821,13 @@ class Phased(Policy):
         if current is None:
             return Choice.everything(n)
         return current.choose(losses, indices, rng, n)
+
+    def decides_on_device(self) -> bool:
+        return self.policy.decides_on_device()
+
+    def choose_device(self, losses, generator, nonfinite):
+        # Only the wrapped policy needs selection losses (the warm-up policy needs none).
+        return self.policy.choose_device(losses, generator, nonfinite)
 
     def state_dict(self) -> dict[str, Any]:
         return {"policy": self.policy.state_dict(), "warmup": self.warmup_policy.state_dict()}

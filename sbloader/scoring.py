@@ -34,13 +34,14 @@ class Scored:
 
     Attributes:
         losses: per-example losses where the model computed them.
-        values: the same losses as float64 on the host, for the policy.
+        values: the same losses as float64 on the host, for the policy (None where the
+            decisions run on the device: ``Scorer.host_values`` False).
         features: the frozen prefix's outputs for every candidate, or None without one.
         logits: the model's outputs for every candidate (``keep_logits``), else None.
     """
 
     losses: torch.Tensor
-    values: np.ndarray
+    values: np.ndarray | None
     features: torch.Tensor | None
     logits: torch.Tensor | None
 
@@ -88,6 +89,8 @@ class Scorer:
         self.keep_logits = keep_logits
         self.index_key = index_key
         self._fields_checked = False
+        #: Whether a selection pass copies its losses to the host (False: decisions="device").
+        self.host_values = True
         #: The shape of one example's selection output (keep_logits), once a pass has shown it.
         self.logits_shape: tuple[int, ...] | None = None
         #: Whether a selection forward is a collective (an FSDP-sharded selection model): every
@@ -153,8 +156,9 @@ class Scorer:
             self.logits_shape = tuple(logits.shape[1:])
         # NOTE: the policy needs the losses on the host anyway; copying them inside the timed
         # region makes the time exact on a GPU too (it waits for the forward to finish, and for
-        # any training work still queued before it).
-        values = losses.detach().cpu().numpy().astype(np.float64)
+        # any training work still queued before it). With decisions="device" nothing is copied,
+        # so on a GPU the time is that of queueing the forward, not of running it.
+        values = losses.detach().cpu().numpy().astype(np.float64) if self.host_values else None
         stats.selection_forward_s += perf_counter() - t0
         stats.selection_forwards += n
         stats.selection_calls += math.ceil(n / (self.batch_size or n)) if n else 0

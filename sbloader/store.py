@@ -86,7 +86,13 @@ class ExampleStore:
     def _indices(indices: np.ndarray) -> np.ndarray:
         return check_indices("indices", indices)
 
-    def _check_outside(self, outside: int, indices: np.ndarray) -> None:
+    @property
+    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The ``(loss, seen, selected)`` columns, for the kernels that update them."""
+        return self.loss, self.seen, self.selected
+
+    def check_outside(self, outside: int, indices: np.ndarray) -> None:
+        """Raise ``IndexError`` naming some of ``indices`` if ``outside`` of them are outside."""
         if outside:
             bad = indices[(indices < 0) | (indices >= self.size)][:5].tolist()
             raise IndexError(
@@ -101,7 +107,7 @@ class ExampleStore:
         if values.shape != idx.shape:
             raise ValueError(f"got {idx.shape[0]} indices but {values.shape[0]} losses")
         out = _kernels.store_record(self.loss, self.seen, idx, values, int(epoch))
-        self._check_outside(out, idx)
+        self.check_outside(out, idx)
 
     def lookup(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The stored loss (float64, NaN if never scored) and epoch (-1 if never) of each index."""
@@ -109,13 +115,13 @@ class ExampleStore:
         losses = np.empty(idx.shape[0], dtype=np.float64)
         epochs = np.empty(idx.shape[0], dtype=np.int64)
         out = _kernels.store_lookup(self.loss, self.seen, idx, losses, epochs)
-        self._check_outside(out, idx)
+        self.check_outside(out, idx)
         return losses, epochs
 
     def count_selected(self, indices: np.ndarray) -> None:
         """Count one selection for each index (an index repeated is counted again)."""
         idx = self._indices(indices)
-        self._check_outside(_kernels.store_count(self.selected, idx), idx)
+        self.check_outside(_kernels.store_count(self.selected, idx), idx)
 
     def flush(self) -> None:
         """Write memory-mapped columns to disk (no-op in memory)."""

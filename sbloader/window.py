@@ -13,6 +13,14 @@ from ._state import check_identity, check_version
 
 __all__ = ["LossWindow"]
 
+_FROZEN = (
+    "the loss window is frozen: a stale epoch's prefilter may be reading it on the prefetch "
+    "thread; add losses only in epochs with a selection pass"
+)
+#: Stand-ins for "no per-example store" in the kernels' arguments.
+_EMPTY = (np.zeros(0, np.float32), np.zeros(0, np.int32), np.zeros(0, np.int32))
+_NO_INDICES = np.zeros(0, np.int64)
+
 
 class LossWindow:
     """The ``size`` most recent finite losses, kept both in arrival order and sorted.
@@ -49,10 +57,7 @@ class LossWindow:
     def push_and_rank(self, losses: np.ndarray, beta: float) -> np.ndarray:
         """Add each finite loss in turn and return its ``CDF(loss) ** beta`` (NaN if not finite)."""
         if self.frozen:
-            raise RuntimeError(
-                "the loss window is frozen: a stale epoch's prefilter may be reading it on the "
-                "prefetch thread; add losses only in epochs with a selection pass"
-            )
+            raise RuntimeError(_FROZEN)
         return self._push_and_rank(losses, beta)
 
     def _push_and_rank(self, losses: np.ndarray, beta: float) -> np.ndarray:
@@ -60,6 +65,112 @@ class LossWindow:
         out = np.empty(losses.shape[0], dtype=np.float64)
         _kernels.push_and_cdf_power(self._ring, self._sorted, self._meta, losses, float(beta), out)
         return out
+
+    def push_rank_and_draw(
+        self,
+        losses: np.ndarray,
+        uniforms: np.ndarray,
+        beta: float,
+        reweight: bool,
+        columns: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+        indices: np.ndarray | None = None,
+        epoch: int = 0,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """Selective-Backprop's whole decision for one batch, in one kernel call.
+
+        Each finite loss enters the window and gets ``P = CDF(loss) ** beta`` (as
+        :meth:`push_and_rank`); candidate ``i`` is kept when ``uniforms[i] < P``.
+
+        Args:
+            losses: float64 losses, one per candidate (non-finite: P = NaN, never kept).
+            uniforms: float64 uniforms in [0, 1), one per candidate.
+            beta: the exponent.
+            reweight: weights ``1 / P`` instead of 1.
+            columns: a per-example store's ``(loss, seen, selected)`` columns, or None: each
+                finite loss is then recorded for its index in ``epoch`` and each kept index
+                counts one selection.
+            indices: int64 dataset indices (with ``columns``).
+            epoch: the epoch the losses were measured in (with ``columns``).
+
+        Returns:
+            ``(probabilities, positions, weights, outside)``; ``outside`` > 0 is the number of
+            indices outside the store, and then nothing was changed.
+
+        Example:
+            >>> w = LossWindow(4)
+            >>> p, pos, wt, _ = w.push_rank_and_draw(np.array([1.0, 3.0]), np.array([0.9, 0.9]),
+            ...                                      beta=1.0, reweight=False)
+            >>> p.tolist(), pos.tolist(), wt.tolist()
+            ([1.0, 1.0], [0, 1], [1.0, 1.0])
+        """
+        if self.frozen:
+            raise RuntimeError(_FROZEN)
+        n = losses.shape[0]
+        _same_length("uniforms", uniforms, n)
+        idx = _NO_INDICES
+        if columns is not None:
+            _same_length("indices", indices, n)
+            assert indices is not None
+            idx = indices
+        out_p = np.empty(n, dtype=np.float64)
+        out_pos = np.empty(n, dtype=np.int64)
+        out_w = np.empty(n, dtype=np.float64)
+        loss_col, seen_col, selected_col = _EMPTY if columns is None else columns
+        k = _kernels.sb_choose_fresh(
+            self._ring,
+            self._sorted,
+            self._meta,
+            np.ascontiguousarray(losses, dtype=np.float64),
+            np.ascontiguousarray(uniforms, dtype=np.float64),
+            float(beta),
+            bool(reweight),
+            loss_col,
+            seen_col,
+            selected_col,
+            idx,
+            int(epoch),
+            out_p,
+            out_pos,
+            out_w,
+        )
+        if k < 0:
+            return out_p, out_pos[:0], out_w[:0], -k
+        return out_p, out_pos[:k], out_w[:k], 0
+
+    def rank_and_draw_stored(
+        self,
+        columns: tuple[np.ndarray, np.ndarray, np.ndarray],
+        indices: np.ndarray,
+        uniforms: np.ndarray,
+        beta: float,
+        reweight: bool,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """Stale-SB's decision for one batch from stored losses, in one kernel call.
+
+        Each candidate's P is its stored loss ranked as :meth:`rank` (1 if never scored); it is
+        kept when ``uniforms[i] < P`` and counts one selection in ``columns``. The window is
+        not changed. Arguments and results as :meth:`push_rank_and_draw`.
+        """
+        n = indices.shape[0]
+        _same_length("uniforms", uniforms, n)
+        out_p = np.empty(n, dtype=np.float64)
+        out_pos = np.empty(n, dtype=np.int64)
+        out_w = np.empty(n, dtype=np.float64)
+        k = _kernels.sb_choose_stale(
+            self._sorted,
+            len(self),
+            float(beta),
+            bool(reweight),
+            *columns,
+            indices,
+            np.ascontiguousarray(uniforms, dtype=np.float64),
+            out_p,
+            out_pos,
+            out_w,
+        )
+        if k < 0:
+            return out_p, out_pos[:0], out_w[:0], -k
+        return out_p, out_pos[:k], out_w[:k], 0
 
     def rank(self, losses: np.ndarray, beta: float) -> np.ndarray:
         """``CDF(loss) ** beta`` without changing the window (each loss ranked as if added)."""
@@ -105,3 +216,10 @@ class LossWindow:
         self._sorted[:] = 0.0
         self._meta[:] = 0
         self._push_and_rank(np.asarray(state["values"], dtype=np.float64), 1.0)
+
+
+def _same_length(name: str, values: np.ndarray | None, n: int) -> None:
+    """Refuse ``values`` that do not hold one entry per candidate."""
+    length = None if values is None else values.shape[0]
+    if length != n:
+        raise ValueError(f"{name} should hold one entry per candidate ({n}), but holds {length}")

@@ -110,3 +110,33 @@ def test_features_cached_on_the_cpu_for_a_model_on_the_gpu(monkeypatch):
             torch.testing.assert_close(batch.features, backbone(x))
     assert stored_on == {"cpu"}
     assert loader.stats.epochs[1].prefix_forwards <= sbloader.FeatureCache.CHECKED
+
+
+def test_device_decisions_on_the_gpu_are_deterministic_and_resume_exactly():
+    """decisions="device": the window and the generator live on the GPU; same seed, same
+    batches; a mid-epoch resume continues exactly."""
+
+    def run(loader, stop=None):
+        out = []
+        for i, batch in enumerate(loader):
+            x, y = batch
+            assert x.is_cuda and y.is_cuda and batch.probabilities.is_cuda
+            assert torch.equal(x[:, 0].long() % N_CLASSES, y)
+            out.append(batch.indices.clone())
+            if stop is not None and i + 1 == stop:
+                break
+        return out
+
+    policy = sbloader.SelectiveBackprop(1 / 3, history=64)
+    whole = run(cuda_loader(policy, seed=3, decisions="device"))
+    again = run(
+        cuda_loader(sbloader.SelectiveBackprop(1 / 3, history=64), seed=3, decisions="device")
+    )
+    assert [t.tolist() for t in whole] == [t.tolist() for t in again]
+    first = cuda_loader(sbloader.SelectiveBackprop(1 / 3, history=64), seed=3, decisions="device")
+    head = run(first, stop=3)
+    state = first.state_dict()
+    resumed = cuda_loader(sbloader.SelectiveBackprop(1 / 3, history=64), seed=3, decisions="device")
+    resumed.load_state_dict(state)
+    assert [t.tolist() for t in head + run(resumed)] == [t.tolist() for t in whole]
+    assert first.policy.device_window.device.type == "cuda"

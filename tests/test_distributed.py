@@ -172,7 +172,9 @@ def sampler_indices(ds: Dataset, rank: int, world_size: int, epoch: int) -> list
 
 
 # ------------------------------------------------------------------ scenarios (run per rank)
-def scenario_ddp(rank: int, world_size: int, policy: str, epochs: int = 2) -> dict:
+def scenario_ddp(
+    rank: int, world_size: int, policy: str, epochs: int = 2, decisions: str = "host"
+) -> dict:
     """DDP training of a BatchNorm model from a DistributedSampler, with uneven selections:
     labels flipped on rank 1 only, different source batch sizes and selection chunking (so a
     different number of selection forwards) on every rank, and for RandomBackprop very different
@@ -197,6 +199,7 @@ def scenario_ddp(rank: int, world_size: int, policy: str, epochs: int = 2) -> di
         batch_size=8,
         selection_batch_size=[None, 5, 7][rank],
         seed=0,
+        decisions=decisions,
     )
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     yielded: list[list[int]] = []
@@ -473,6 +476,8 @@ def scenario_two(rank: int, world_size: int) -> dict:
         "sb": scenario_ddp(rank, world_size, "sb"),
         "random": scenario_ddp(rank, world_size, "random"),
         "feedback": scenario_feedback(rank, world_size),
+        # decisions="device": each rank's window and torch.Generator, the same lockstep.
+        "sb_device": scenario_ddp(rank, world_size, "sb", decisions="device"),
     }
 
 
@@ -555,14 +560,14 @@ def nonfinite(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("policy", ["sb", "random"])
+@pytest.mark.parametrize("policy", ["sb", "random", "sb_device"])
 def test_ddp_ranks_take_equal_steps_and_stay_identical(two, rounds, world_size, policy):
     results = [r[policy] for r in (two if world_size == 2 else rounds)]
     batches = [r["batches"] for r in results]
     assert all(b == batches[0] for b in batches) and batches[0][0] > 0
     # The selections really were uneven, and so were the selection forwards (each a DDP
     # collective if it went through the wrapper).
-    if policy == "sb":
+    if policy.startswith("sb"):
         assert len({r["calls"] for r in results}) == world_size
     else:
         selected = [r["selected"][0] for r in results]
