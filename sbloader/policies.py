@@ -318,7 +318,6 @@ class SelectiveBackprop(Policy):
         self._fed = False
         self._begun: int | None = None
         self._fresh = True
-        self._legacy = False  # restored from a state without a schedule (see load_state_dict)
         self.store_path = store_path
         self.store: ExampleStore | None = None
         self._epoch = 0
@@ -360,8 +359,8 @@ class SelectiveBackprop(Policy):
 
     def _due(self, epoch: int) -> bool:
         """Whether ``epoch`` would run a selection pass if it began now."""
-        if self._last_fresh is None:
-            return epoch % self.staleness == 0 if self._legacy else True
+        if self._last_fresh is None:  # epochs 0, n, 2n, ... until the first pass
+            return epoch % self.staleness == 0
         return epoch - self._last_fresh >= (self.fed_staleness if self._fed else self.staleness)
 
     def needs_losses(self, epoch: int) -> bool:
@@ -525,7 +524,6 @@ class SelectiveBackprop(Policy):
             # NOTE: saved before the schedule was state, when passes ran in epochs 0, n, 2n...:
             # until the next pass, the schedule continues that way (see _due).
             schedule = {"last_fresh": None, "fed": False, "begun": None, "fresh": True}
-            self._legacy = True
         self._last_fresh = schedule["last_fresh"]
         self._fed = bool(schedule["fed"])
         self._begun = schedule["begun"]

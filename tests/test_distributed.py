@@ -447,7 +447,7 @@ def scenario_feedback(rank: int, world_size: int) -> dict:
     ds = EncodedDataset(120)
     sampler = DistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
     loader = SelectiveLoader(
-        DataLoader(ds, batch_size=[24, 10][rank], sampler=sampler),
+        DataLoader(ds, batch_size=[24, 10, 16][rank], sampler=sampler),
         IndexLoss(),
         policy=SelectiveBackprop(1 / 3, staleness=2, fed_staleness=3),
         batch_size=8,
