@@ -148,14 +148,28 @@ def stale_sb(
     )
 
 
-def recipe(feedback: bool = False, as_user: bool = False) -> Strategy:
+def _annealed_default(planned: int) -> sbloader.Policy:
+    """The default policy with all the data in the last eighth of the planned epochs."""
+    base = sbloader.default_policy()
+    assert isinstance(base, sbloader.Phased)
+    return sbloader.Phased(
+        base.policy,
+        warmup_epochs=base.warmup_epochs,
+        warmup_policy=base.warmup_policy,
+        anneal_from_epoch=max(base.warmup_epochs, planned - max(1, round(planned / 8))),
+    )
+
+
+def recipe(feedback: bool = False, as_user: bool = False, anneal: bool = False) -> Strategy:
     """sbloader's default policy (:func:`sbloader.default_policy`): ``recipe`` with the
     benchmark's selection settings, ``default`` as ``SelectiveLoader(source, model)`` builds it;
-    ``_fb`` when the training step reports its losses."""
+    ``_anneal`` with all the data in the last eighth of the planned epochs (InfoBatch's
+    annealing); ``_fb`` when the training step reports its losses."""
+    name = "default" if as_user else "recipe"
     return _named(
-        f"{'default' if as_user else 'recipe'}{'_fb' if feedback else ''}",
+        f"{name}{'_anneal' if anneal else ''}{'_fb' if feedback else ''}",
         True,
-        lambda planned: sbloader.default_policy(),
+        _annealed_default if anneal else (lambda planned: sbloader.default_policy()),
         selectivity=1 / 3,
         feedback=feedback,
         as_user=as_user,
@@ -187,6 +201,7 @@ def diet_sb(variant: str = "") -> Strategy:
 def _build_registry() -> dict[str, Strategy]:
     entries = [traditional(), kath18(), el2n()]
     entries += [recipe(fb, user) for fb in (False, True) for user in (False, True)]
+    entries += [recipe(feedback=True, anneal=True)]
     for s in SELECTIVITIES:
         entries += [random_backprop(s, v) for v in ("", "warmup", "anneal")]
         entries += [
