@@ -359,6 +359,9 @@ class EpochIterator:
         )
         stats.nonfinite += choice.nonfinite
         stats.selection_s += perf_counter() - t0
+        # NOTE: the kept positions stay on the device: class counts would need them on the host
+        # every source batch, so they are unknown (None), never partial.
+        stats.class_seen = stats.class_selected = None
         k = len(choice)
         stats.examples_selected += k
         if k:

@@ -587,6 +587,9 @@ def test_ddp_ranks_take_equal_steps_and_stay_identical(two, rounds, world_size, 
         assert red["wall_s"] == pytest.approx(sum(slowest))
         # Class counts summed over ranks too: every rank's classes (of different lengths
         # where a rank saw fewer classes), each selection of a class counted once.
+        if policy == "sb_device":  # decided on the device: class counts unknown, not partial
+            assert red["class_seen"] is None and red["class_selected"] is None
+            continue
         for field in ("class_seen", "class_selected"):
             width = max(len(x["total"][field]) for x in results)
             summed = [
@@ -601,7 +604,7 @@ def test_reported_losses_reach_every_ranks_store_and_schedule(two):
     results = [r["feedback"] for r in two]
     # Epoch 0's reports (both ranks') are in every rank's store once epoch 1 has started...
     reported = sorted({i for r in results for i in r["reported"][0]})
-    assert len(reported) > 40
+    assert len(reported) > 20
     for r in results:
         np.testing.assert_array_equal(r["stores"][1][reported], 1000.0 + np.array(reported))
     np.testing.assert_array_equal(results[0]["stores"][1], results[1]["stores"][1])
