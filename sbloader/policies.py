@@ -846,7 +846,7 @@ class Phased(Policy):
         )
 
 
-def default_policy(has_store: bool = True) -> Policy:
+def default_policy(has_store: bool = True, epochs: int | None = None) -> Policy:
     """The policy of ``SelectiveLoader(source, model)`` with no ``policy=``: the recipe that
     measured fastest to every target here (README, Measured), not the paper's plain SB.
 
@@ -860,6 +860,12 @@ def default_policy(has_store: bool = True) -> Policy:
     (``has_store=False``: the source gives no dataset indices, or not the dataset's size), every
     active epoch runs a selection pass.
 
+    With ``epochs`` (the planned epochs of the run), the last eighth of them (at least one) train
+    on all the data (InfoBatch's annealing): measured here, that one full epoch at the end of 10
+    made the recipe lossless (Traditional-10's final error, 2.4x sooner; one seed).
+    ``SelectiveLoader(source, model)`` cannot know the run's length, so its default does not
+    anneal: pass ``policy=sbloader.default_policy(epochs=E)``.
+
     The paper's plain SB is ``SelectiveBackprop(1 / 3)``.
 
     Example:
@@ -868,11 +874,19 @@ def default_policy(has_store: bool = True) -> Policy:
         (3, 10, 1)
         >>> default_policy(has_store=False).policy.staleness
         1
+        >>> default_policy(epochs=10).anneal_from_epoch, default_policy(epochs=16).anneal_from_epoch
+        (9, 14)
     """
+    warmup = 1
+    anneal = None
+    if epochs is not None:
+        epochs = check_int("epochs", epochs, minimum=warmup + 1)
+        anneal = max(warmup, epochs - max(1, round(epochs / 8)))
     return Phased(
         SelectiveBackprop(1 / 3, staleness=3, fed_staleness=10)
         if has_store
         else SelectiveBackprop(1 / 3),
-        warmup_epochs=1,
+        warmup_epochs=warmup,
         warmup_policy=RandomBackprop(1 / 3),
+        anneal_from_epoch=anneal,
     )

@@ -202,3 +202,21 @@ def test_an_old_state_without_reports_loads():
     again = loader_for(SelectiveBackprop(1 / 3, staleness=2))
     again.load_state_dict(state)
     assert len(again._feedback) == 0
+
+
+def test_the_default_recipe_anneals_the_last_eighth_of_the_planned_epochs():
+    """default_policy(epochs=E): Random-Backprop, Stale-SB fed by the training losses (one
+    selection pass), then all the data in the last eighth of E (at least one epoch)."""
+    from sbloader import default_policy
+
+    loader = loader_for(default_policy(epochs=8))
+    for _ in range(8):
+        for batch in loader:
+            loader.feedback(batch.indices, reported(batch.indices))
+    e = loader.stats.epochs
+    assert [x.selection_forwards for x in e] == [0, N, 0, 0, 0, 0, 0, 0]
+    assert e[-1].examples_selected == e[-1].examples_seen == N  # the annealed epoch
+    assert all(x.examples_selected < N for x in e[:-1])
+    with pytest.raises(ValueError, match="epochs should be >= 2"):
+        default_policy(epochs=1)
+    assert default_policy().anneal_from_epoch is None  # SelectiveLoader's own default

@@ -148,18 +148,6 @@ def stale_sb(
     )
 
 
-def _annealed_default(planned: int) -> sbloader.Policy:
-    """The default policy with all the data in the last eighth of the planned epochs."""
-    base = sbloader.default_policy()
-    assert isinstance(base, sbloader.Phased)
-    return sbloader.Phased(
-        base.policy,
-        warmup_epochs=base.warmup_epochs,
-        warmup_policy=base.warmup_policy,
-        anneal_from_epoch=max(base.warmup_epochs, planned - max(1, round(planned / 8))),
-    )
-
-
 def recipe(feedback: bool = False, as_user: bool = False, anneal: bool = False) -> Strategy:
     """sbloader's default policy (:func:`sbloader.default_policy`): ``recipe`` with the
     benchmark's selection settings, ``default`` as ``SelectiveLoader(source, model)`` builds it;
@@ -169,7 +157,9 @@ def recipe(feedback: bool = False, as_user: bool = False, anneal: bool = False) 
     return _named(
         f"{name}{'_anneal' if anneal else ''}{'_fb' if feedback else ''}",
         True,
-        _annealed_default if anneal else (lambda planned: sbloader.default_policy()),
+        (lambda planned: sbloader.default_policy(epochs=planned))
+        if anneal
+        else (lambda planned: sbloader.default_policy()),
         selectivity=1 / 3,
         feedback=feedback,
         as_user=as_user,
