@@ -16,7 +16,7 @@ import torch
 from ._checks import check_indices
 from ._state import check_version
 
-__all__ = ["FeedbackBuffer", "check_range"]
+__all__ = ["FeedbackBuffer", "check_range", "checked"]
 
 
 def check_range(indices: np.ndarray, size: int | None) -> np.ndarray:
@@ -44,6 +44,29 @@ def _as_tensor(name: str, values: Any) -> torch.Tensor:
             f"{name} should be a tensor or array with one entry per example, but got "
             f"{type(values).__name__}"
         ) from e
+
+
+def checked(indices: Any, losses: Any, size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's report as two 1-d tensors on their device, or an error naming the fix.
+
+    Host-side indices are checked against ``size`` at once; device-side ones are left for
+    :func:`check_range` when they reach the host (checking them here would synchronise).
+    """
+    idx, val = _as_tensor("indices", indices), _as_tensor("losses", losses)
+    if idx.shape[0] != val.shape[0]:
+        raise ValueError(
+            f"feedback needs one loss per example, but got {idx.shape[0]} indices and "
+            f"{val.shape[0]} losses; pass the per-example losses (reduction='none') of the "
+            "batch whose indices you pass"
+        )
+    if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+        raise TypeError(
+            f"indices should hold whole dataset indices (an integer tensor such as "
+            f"batch.indices), but got dtype {idx.dtype}"
+        )
+    if idx.device.type == "cpu":
+        check_range(check_indices("indices", idx.numpy()), size)
+    return idx, val
 
 
 class FeedbackBuffer:
@@ -89,38 +112,29 @@ class FeedbackBuffer:
             ValueError: the counts differ. TypeError: indices that are not integers.
             IndexError: a host-side index outside ``0 .. size - 1``.
         """
-        idx, val = _as_tensor("indices", indices), _as_tensor("losses", losses)
-        if idx.shape[0] != val.shape[0]:
-            raise ValueError(
-                f"feedback needs one loss per example, but got {idx.shape[0]} indices and "
-                f"{val.shape[0]} losses; pass the per-example losses (reduction='none') of the "
-                "batch whose indices you pass"
-            )
-        if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
-            raise TypeError(
-                f"indices should hold whole dataset indices (an integer tensor such as "
-                f"batch.indices), but got dtype {idx.dtype}"
-            )
-        if idx.device.type == "cpu":
-            check_range(check_indices("indices", idx.numpy()), size)
+        idx, val = checked(indices, losses, size)
         self._indices.append(idx)
         self._losses.append(val)
         self._count += int(idx.shape[0])
         return int(idx.shape[0])
 
-    def take(self) -> tuple[np.ndarray, np.ndarray]:
-        """Everything held, as int64 indices and float64 losses on the host; then empty."""
+    def _joined(self) -> tuple[np.ndarray, np.ndarray]:
+        """Everything held, as int64 indices and float64 losses on the host."""
         if not self._indices:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64)
         idx = torch.cat([t.to("cpu", torch.int64) for t in self._indices]).numpy()
         val = torch.cat([t.to("cpu", torch.float64) for t in self._losses]).numpy()
+        return idx, val
+
+    def take(self) -> tuple[np.ndarray, np.ndarray]:
+        """Everything held, as int64 indices and float64 losses on the host; then empty."""
+        joined = self._joined()
         self._indices, self._losses, self._count = [], [], 0
-        return check_indices("indices", idx), val
+        return joined
 
     def state_dict(self) -> dict[str, Any]:
         """What is held, as CPU tensors (loads with ``torch.load(weights_only=True)``)."""
-        idx, val = self.take()
-        self.add(torch.from_numpy(idx), torch.from_numpy(val))
+        idx, val = self._joined()
         return {
             "version": self.VERSION,
             "indices": torch.from_numpy(idx.copy()),

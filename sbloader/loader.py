@@ -27,7 +27,7 @@ from .device_decisions import DecisionGenerator
 from .distributed import RankSync, is_distributed, make_sync
 from .epoch import EpochIterator
 from .features import make_feature_cache
-from .feedback import FeedbackBuffer, check_range
+from .feedback import FeedbackBuffer, check_range, checked
 from .length import FixedEpochIterator, FixedEpochs, check_batches_per_epoch
 from .policies import Policy, default_policy
 from .rows import PendingRows, Rows
@@ -760,12 +760,14 @@ class SelectiveLoader:
             >>> loader.stats.total.feedback == loader.stats.total.examples_yielded
             True
         """
-        n = self._feedback.add(indices, losses, self._source.dataset_size)
+        size = self._source.dataset_size
+        if self.policy.takes_feedback():
+            n = self._feedback.add(indices, losses, size)
+        else:  # checked and counted, but neither held nor copied to the host: nothing uses it
+            n = int(checked(indices, losses, size)[0].shape[0])
         current = self.stats.current
         if current is not None:
             current.feedback += n
-        if not self.policy.takes_feedback():
-            self._feedback.take()  # nothing uses it: hold nothing
 
     def _apply_feedback(self) -> None:
         """Hand the reports since the last epoch start to the policy (every rank's, when the

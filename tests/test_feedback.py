@@ -163,6 +163,8 @@ def test_policies_without_a_store_count_and_ignore_reports(policy):
     assert loader.stats.epochs[0].feedback == sum(map(len, first))
     assert len(loader._feedback) == 0  # nothing held for a policy that cannot use it
     assert loader.state_dict()["feedback"]["indices"].numel() == 0
+    with pytest.raises(ValueError, match="one loss per example"):  # but still checked
+        loader.feedback(torch.tensor([1, 2]), torch.zeros(3))
 
 
 def test_bad_reports_are_refused_at_once_naming_the_fix():
