@@ -11,8 +11,6 @@ import copy
 import datetime
 import os
 import pickle
-import socket
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -20,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from conftest import N_CLASSES, EncodedDataset, IndexLoss, bn_model
+from launch import free_port, spawn_ranks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
@@ -43,12 +41,6 @@ pytestmark = pytest.mark.timeout(2 * DEADLINE_S + 120)
 
 
 # ------------------------------------------------------------------ spawning ranks
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world_size: int, port: int, scenario: str, out: str, kwargs: dict) -> None:
     # NOTE: this is a spawned child process of the test, so setting its thread count and debug
     # level here changes nothing in the test process. DETAIL makes gloo check every collective's
@@ -73,28 +65,14 @@ def _worker(rank: int, world_size: int, port: int, scenario: str, out: str, kwar
 
 def run_ranks(scenario: str, world_size: int, tmp_path: Path, **kwargs) -> list:
     """Run ``SCENARIOS[scenario]`` on ``world_size`` gloo ranks; their results, by rank."""
-    ctx = mp.start_processes(
+    return spawn_ranks(
         _worker,
-        args=(world_size, _free_port(), scenario, str(tmp_path), kwargs),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
+        (world_size, free_port(), scenario, str(tmp_path), kwargs),
+        world_size,
+        tmp_path,
+        DEADLINE_S,
+        f"{scenario!r} on {world_size} ranks",
     )
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"{scenario!r} on {world_size} ranks ran past {DEADLINE_S} s: a hang")
-    finally:
-        for p in ctx.processes:  # only the processes this test started
-            if p.is_alive():
-                p.kill()
-                p.join()
-    results = []
-    for r in range(world_size):
-        with open(tmp_path / f"{r}.pkl", "rb") as f:
-            results.append(pickle.load(f))
-    return results
 
 
 # ------------------------------------------------------------------ data and policies

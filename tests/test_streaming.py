@@ -8,18 +8,16 @@ import gc
 import io
 import os
 import pickle
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import N_CLASSES, EncodedDataset, IndexLoss, import_streaming, streaming_env
+from launch import free_port, spawn_ranks
 from torch import nn
 
 from sbloader import SelectiveBackprop, SelectiveLoader, Traditional
@@ -166,12 +164,6 @@ def test_stale_sb_stores_each_loss_under_its_sample_id(mds):
 DEADLINE_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_ranks(rank: int, world_size: int, port: int, local: str, out: str) -> None:
     # NOTE: a spawned child of the test. streaming reads the ranks and the node layout from these
     # variables (torchrun sets them), not from torch.distributed.
@@ -225,24 +217,14 @@ def _two_ranks(rank: int, world_size: int, port: int, local: str, out: str) -> N
 
 @pytest.mark.slow  # two spawned ranks, each importing streaming (and transformers): ~25 s
 def test_two_ranks_read_disjoint_shares_and_resume_exactly(mds, tmp_path):
-    ctx = mp.start_processes(
+    results = spawn_ranks(
         _two_ranks,
-        args=(2, _free_port(), str(mds), str(tmp_path)),
-        nprocs=2,
-        join=False,
-        start_method="spawn",
+        (2, free_port(), str(mds), str(tmp_path)),
+        2,
+        tmp_path,
+        DEADLINE_S,
+        "two streaming ranks",
     )
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"two streaming ranks ran past {DEADLINE_S} s: a hang")
-    finally:
-        for p in ctx.processes:  # only the processes this test started
-            if p.is_alive():
-                p.kill()
-                p.join()
-    results = [pickle.loads((tmp_path / f"{r}.pkl").read_bytes()) for r in range(2)]
     for epoch in range(2):
         a, b = (set(r["seen"][epoch]) for r in results)
         assert len(results[0]["seen"][epoch]) == len(a) == N // 2 == len(b)
