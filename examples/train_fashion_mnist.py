@@ -10,7 +10,8 @@ excluded) and backprop counts per epoch, then a summary.
     python examples/train_fashion_mnist.py --strategies sb --warmup-epochs 0  # SB from step one
 
 ``recipe`` is sbloader's default policy (``SelectiveLoader(source, model)`` with no ``policy=``):
-one Random-Backprop epoch, then Stale-SB at 1/3. ``sb`` is the paper's plain SB at
+one Random-Backprop epoch, then Stale-SB at 1/3, and all the data in the last eighth of
+``--epochs`` (``planned_epochs``). ``sb`` is the paper's plain SB at
 ``--selectivity``, after ``--warmup-epochs`` of Random-Backprop at the same selectivity (as cheap
 as the SB epochs that follow): from a random initialisation, loss-based selection can collapse at
 this learning rate (the model predicts one class, the selection keeps only the others).
@@ -85,6 +86,8 @@ def train(strategy: str, args: argparse.Namespace, data) -> list[dict]:
         # Training itself stays in float32 for every strategy.
         autocast=torch.bfloat16 if args.selection_bf16 else None,
         seed=args.seed,
+        # The default recipe trains on all the data in the last eighth of a known run length.
+        planned_epochs=args.epochs if policy is None and args.epochs >= 2 else None,
     )
     total_positions = args.epochs  # the schedule is keyed on position in the data (epochs)
     rows, train_time = [], 0.0

@@ -98,8 +98,10 @@ class SelectiveLoader:
             Default ``nn.CrossEntropyLoss(reduction="none")``.
         policy: the selection policy. Default :func:`~sbloader.policies.default_policy`: one
             Random-Backprop epoch at 1/3, then Stale-SB at 1/3 with a selection pass every
-            third epoch (every epoch where the source gives no dataset indices); logged. The
-            paper's plain SB is ``SelectiveBackprop(1 / 3)``.
+            third epoch (every tenth while the training loop reports its losses with
+            :meth:`feedback`; every epoch where the source gives no dataset indices), and with
+            ``planned_epochs`` all the data in the last eighth; logged. The paper's plain SB is
+            ``SelectiveBackprop(1 / 3)``.
         seed: seeds the loader's own generator (the only randomness it uses).
         batch_size: examples per yielded training batch. Default: the source's batch size.
         selection_batch_size: examples per selection forward (chunks of a source batch). Default:
@@ -243,6 +245,12 @@ class SelectiveLoader:
             exact. For policies whose :meth:`~sbloader.Policy.decides_on_device` is True
             (SelectiveBackprop with ``staleness=1``), without ``keep_logits``, a frozen prefix or
             losses shared across ranks (``cdf="global"``).
+        planned_epochs: the run's planned epochs (passes over the data), for the default
+            policy: with it, the last eighth of them (at least one) train on all the data, which
+            measured lossless here (:func:`~sbloader.policies.default_policy`). Refused together
+            with ``policy=``, which it would not change. Lightning's :func:`selective_loader
+            <sbloader.integrations.lightning.selective_loader>` passes the Trainer's
+            ``max_epochs``. Default None: the default policy does not anneal.
 
     Attributes:
         stats: a :class:`~sbloader.stats.LoaderStats` with per-epoch and total counts and times.
@@ -338,6 +346,7 @@ class SelectiveLoader:
         prefetch: int | None = None,
         metadata_key: str | None = None,
         decisions: str = "host",
+        planned_epochs: int | None = None,
     ) -> None:
         for name, module, optional in (("model", model, False), ("selector", selector, True)):
             if not isinstance(module, nn.Module) and not (optional and module is None):
@@ -351,14 +360,30 @@ class SelectiveLoader:
         # NOTE: the default depends on the source: Stale-SB's store needs dataset indices and
         # the dataset's size.
         store = self._source.has_indices() and self._source.dataset_size is not None
-        self.policy: Policy = default_policy(store) if policy is None else policy
+        if planned_epochs is not None:
+            planned_epochs = check_int("planned_epochs", planned_epochs, minimum=2)
+            if policy is not None:
+                raise ValueError(
+                    f"planned_epochs={planned_epochs} only sets the length of the default "
+                    f"policy's run, but policy={policy!r} was given: pass the run's length to "
+                    "that policy instead (e.g. policy=sbloader.default_policy(epochs="
+                    f"{planned_epochs})), or leave policy out"
+                )
+        self.planned_epochs = planned_epochs
+        self.policy: Policy = (
+            default_policy(store, epochs=planned_epochs) if policy is None else policy
+        )
         if not isinstance(self.policy, Policy):
             raise TypeError(
                 "policy should be an sbloader policy such as sbloader.SelectiveBackprop(...), but "
                 f"got {type(self.policy).__name__}"
             )
         if policy is None:
-            logger.info("policy: %r (the default recipe, chosen for this source)", self.policy)
+            logger.info(
+                "policy: %r (the default recipe, chosen for this source%s)",
+                self.policy,
+                "" if planned_epochs is None else f" and {planned_epochs} planned epochs",
+            )
         loss_fn = nn.CrossEntropyLoss(reduction="none") if loss_fn is None else loss_fn
         check_loss_fn(loss_fn)
         if not isinstance(keep_logits, bool):

@@ -222,3 +222,26 @@ def test_the_default_recipe_anneals_the_last_eighth_of_the_planned_epochs():
     with pytest.raises(ValueError, match="epochs should be >= 2"):
         default_policy(epochs=1)
     assert default_policy().anneal_from_epoch is None  # SelectiveLoader's own default
+
+
+def test_planned_epochs_make_the_loaders_default_anneal():
+    """SelectiveLoader(source, model, planned_epochs=E) is default_policy(epochs=E): the same
+    selections, epoch by epoch, as passing that policy; refused with an explicit policy."""
+    from sbloader import default_policy
+
+    a = loader_for(None, planned_epochs=8)
+    b = loader_for(default_policy(epochs=8))
+    assert a.planned_epochs == 8 and a.policy.anneal_from_epoch == 7
+    for _ in range(8):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x.indices, y.indices)
+            a.feedback(x.indices, reported(x.indices))
+            b.feedback(y.indices, reported(y.indices))
+    e = a.stats.epochs
+    assert e[-1].examples_selected == e[-1].examples_seen == N
+    assert all(x.examples_selected < N for x in e[:-1])
+    assert loader_for(None).policy.anneal_from_epoch is None
+    with pytest.raises(ValueError, match="planned_epochs should be >= 2"):
+        loader_for(None, planned_epochs=1)
+    with pytest.raises(ValueError, match=r"policy=sbloader.default_policy\(epochs=8\)"):
+        loader_for(SelectiveBackprop(0.5), planned_epochs=8)

@@ -113,6 +113,26 @@ def test_fit_hands_training_step_full_batches_with_their_selection_results():
     assert loader.stats.epochs[1].selection_forwards > 0
 
 
+def test_the_default_policy_anneals_in_the_last_eighth_of_max_epochs():
+    """Without policy=, selective_loader passes the Trainer's max_epochs: the default recipe
+    (Random-Backprop, then Stale-SB) trains on all the data in its last epoch of 8."""
+
+    class DefaultPolicy(Classifier):
+        def train_dataloader(self):
+            source = DataLoader(data(), batch_size=64, shuffle=True)
+            return selective_loader(self, source, batch_size=24, seed=0)
+
+    t = trainer(epochs=8)
+    t.fit(DefaultPolicy())
+    loader = t.train_dataloader.loader
+    assert loader.planned_epochs == 8 and loader.policy.anneal_from_epoch == 7
+    assert loader.policy.policy.staleness == 3  # the store's Stale-SB: the source has indices
+    e = loader.stats.epochs
+    assert len(e) == 8 and e[-1].examples_selected == e[-1].examples_seen == N
+    assert all(x.examples_selected < 0.75 * N for x in e[:-1])
+    assert e[1].selection_forwards > 0 and e[0].selection_forwards == 0
+
+
 def test_without_the_callback_the_fix_is_named():
     with pytest.raises(ValueError, match=r"Trainer\(callbacks=\[SelectiveLoaderCallback\(\)\]\)"):
         trainer(epochs=1, naive=True).fit(Classifier())

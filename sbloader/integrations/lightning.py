@@ -262,7 +262,8 @@ def selective_loader(
             finds the selection results in the batch (``x, y, sb = batch`` for tuples,
             ``batch["sb"]`` for dicts), and ``batches_per_epoch="expected"`` where the loader
             has that option, so that ``len()`` and ``trainer.estimated_stepping_batches``
-            work.
+            work, and ``planned_epochs=trainer.max_epochs`` without ``policy`` (so that the
+            default policy trains on all the data in the run's last eighth).
 
     Raises:
         ValueError: no :class:`SelectiveLoaderCallback` (or more than one) in the Trainer's
@@ -296,6 +297,11 @@ def selective_loader(
                 "rank=self.global_rank, seed=0)"
             )
     options.setdefault("metadata_key", "sb")
+    epochs = trainer.max_epochs
+    if "policy" not in options and epochs is not None and epochs >= 2:
+        # NOTE: the default policy anneals (all the data) in the last eighth of the run, which
+        # only the Trainer knows; max_epochs=-1 (unbounded) leaves it without annealing.
+        options.setdefault("planned_epochs", epochs)
     loader = SelectiveLoader(source, module if model is None else model, **options)
     wrapper = LightningLoader(loader)
     found[0]._attach(wrapper, trainer.global_rank, world)
