@@ -30,6 +30,7 @@ from .features import make_feature_cache
 from .feedback import FeedbackBuffer, check_range, checked
 from .length import FixedEpochIterator, FixedEpochs, check_batches_per_epoch
 from .policies import Policy, default_policy
+from .precision import AUTO, check_autocast, selection_dtype
 from .rows import PendingRows, Rows
 from .scoring import Scorer
 from .selection import Forward, Output, SelectionForward, check_loss_fn, input_fields, model_device
@@ -68,6 +69,7 @@ K_FEEDBACK = "feedback"  # optional: states saved before feedback existed have n
 # training-epoch clock, or None without batches_per_epoch.
 K_TRAINING = "training"
 K_DEVICE_RNG = "device_rng"  # only with decisions="device"
+K_AUTOCAST = "autocast"  # the selection precision (optional: older states have none)
 
 
 class SelectiveLoader:
@@ -133,7 +135,15 @@ class SelectiveLoader:
             ``"select"`` (always backpropagated) or ``"raise"`` (``FloatingPointError``). Either
             way it never enters the policy's loss window and is counted in ``stats``.
         device: where yielded batches go. Default: the model's device.
-        autocast: a dtype such as ``torch.bfloat16`` to run selection passes under autocast.
+        autocast: the precision of selection passes (training is never changed): a dtype such
+            as ``torch.bfloat16`` to run them under autocast, None for float32, or ``"auto"``
+            (default): bf16 where the selecting model's device computes it natively (a CUDA
+            device that supports it, an x86 CPU with AVX512-BF16 or AMX), float32 elsewhere and
+            with a ``frozen_prefix`` (its features feed training); see :mod:`sbloader.precision`.
+            bf16 ranks losses as float32 does at a fraction of the cost there. The choice is
+            logged and is ``loader.autocast``; a saved state records it, and a loader built with
+            ``"auto"`` adopts it, so a run resumed on another machine selects as it began. Pass
+            None for float32 selections identical on every machine.
         memory_format: e.g. ``torch.channels_last``, applied to 4-d inputs before selection and
             training.
         input_key, target_key: the model input and loss target fields: positions in tuple/list
@@ -236,7 +246,8 @@ class SelectiveLoader:
             results are only attributes of the batch.
         decisions: where the per-batch decisions of a selection pass run. ``"host"``
             (default): the losses come to the host and the policy decides with the loader's
-            numpy generator (selections identical for a seed on every machine). ``"device"``:
+            numpy generator (for a seed, the same selections wherever the losses are the same: with
+            ``autocast=None``, on every machine). ``"device"``:
             on the losses' device (a GPU's, or the CPU's), with a ``torch.Generator`` derived
             from ``seed``: a loss window tensor, draws and gathers by index tensors; the host
             learns how many losses were finite and how many candidates were kept (and the kept
@@ -322,7 +333,7 @@ class SelectiveLoader:
         min_batch_size: int | None = None,
         nonfinite: str = "skip",
         device: torch.device | str | None = None,
-        autocast: torch.dtype | None = None,
+        autocast: torch.dtype | str | None = AUTO,
         memory_format: torch.memory_format | None = None,
         input_key: Hashable | None = None,
         target_key: Hashable | None = None,
@@ -390,10 +401,15 @@ class SelectiveLoader:
             raise TypeError(
                 f"keep_logits should be True or False, but got keep_logits={keep_logits!r}"
             )
-        if autocast is not None and not isinstance(autocast, torch.dtype):
-            raise TypeError(
-                f"autocast should be a torch.dtype such as torch.bfloat16, but got {autocast!r}"
-            )
+        # NOTE: "auto" resolves here, once, on the selecting model's device, so that a loader's
+        # selections never change precision mid-run; a resumed state brings its own choice.
+        self._autocast_requested = check_autocast(autocast)
+        autocast, why = selection_dtype(
+            autocast,
+            model_device(model if selector is None else selector),
+            feeds_training=frozen_prefix is not None,
+        )
+        logger.info("selection precision: %s", why)
         self.keep_logits, self.autocast, self.memory_format = keep_logits, autocast, memory_format
         self.eval_selection = bool(eval_selection)
         self.selection_batch_size = (
@@ -919,6 +935,9 @@ class SelectiveLoader:
             K_STATS: stats,
             K_FEEDBACK: self._feedback.state_dict(),
             K_TRAINING: None if self._fixed is None else self._fixed.state_dict(unconsumed),
+            K_AUTOCAST: None
+            if self.autocast is None
+            else str(self.autocast).removeprefix("torch."),
             **({K_DEVICE_RNG: self._decider.state_dict()} if self._decider is not None else {}),
         }
 
@@ -945,6 +964,7 @@ class SelectiveLoader:
             "build the loader with the saved run's arguments (seed=, policy=, the same data "
             "and world size) to resume it",
         )
+        self._adopt_autocast(state.get(K_AUTOCAST, self.autocast))
         active, position = bool(state[K_ACTIVE]), int(state[K_POSITION])
         training = state.get(K_TRAINING)
         if self._fixed is not None and training is None:
@@ -977,6 +997,22 @@ class SelectiveLoader:
             self._fixed.load_state_dict(training)
         if self._decider is not None:
             self._decider.load_state_dict(state[K_DEVICE_RNG])
+
+    def _adopt_autocast(self, saved: Any) -> None:
+        """Continue a resumed run in the selection precision it was saved with, when this
+        loader's was chosen by ``autocast="auto"`` (explicit choices are kept as given)."""
+        if isinstance(saved, str):
+            saved = getattr(torch, saved)
+        if saved == self.autocast or self._autocast_requested != AUTO:
+            return
+        if self._scorer.feature_cache is not None:
+            raise ValueError(
+                f"the saved run selected in {saved} and this loader's autocast='auto' chose "
+                f"{self.autocast}, but its frozen prefix's cached features are kept in the "
+                f"chosen precision; build the loader with autocast={saved!r} to resume"
+            )
+        logger.info("selection precision: %s (the resumed run's own, from its state)", saved)
+        self.autocast = self._scorer.autocast = saved
 
     def _from_v1(self, state: dict[str, Any]) -> dict[str, Any]:
         return loader_state_v1_to_v2(state, self._scorer.has_prefix, self.keep_logits)

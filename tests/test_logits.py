@@ -27,6 +27,8 @@ def _loader(model: nn.Module, policy: sbloader.Policy, **kw) -> SelectiveLoader:
     dl = DataLoader(
         _data(), batch_size=40, shuffle=True, generator=torch.Generator().manual_seed(1)
     )
+    # float32 selections: the kept logits are compared with the model's own float32 outputs
+    kw.setdefault("autocast", None)
     return SelectiveLoader(dl, model, policy=policy, batch_size=16, seed=3, keep_logits=True, **kw)
 
 
@@ -118,6 +120,7 @@ def test_with_a_frozen_prefix_the_logits_are_the_heads_on_the_features():
         batch_size=16,
         frozen_prefix=backbone,
         keep_logits=True,
+        autocast=None,  # compared with float32 outputs
     )
     batches = list(loader)
     assert batches

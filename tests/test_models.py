@@ -81,6 +81,7 @@ def source(nested: bool = False, batch_size: int = 40) -> DataLoader:
 def make_loader(model: nn.Module, nested: bool = False, **kw: Any) -> SelectiveLoader:
     kw.setdefault("input_key", "inputs" if nested else "input_ids")
     kw.setdefault("policy", SelectiveBackprop(0.5))
+    kw.setdefault("autocast", None)  # losses and logits are compared with float32's
     return SelectiveLoader(
         source(nested),
         model,

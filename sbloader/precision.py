@@ -1,0 +1,81 @@
+"""The precision of selection passes: what ``SelectiveLoader(autocast="auto")`` chooses.
+
+A selection pass only ranks losses, and bf16 ranks them as fp32 does (Spearman 1.0000 on the
+benchmark CNN, ``benchmarks/results/quantized``) at a fraction of the cost where the hardware
+computes bf16 natively: c = 0.26 against fp32's 0.67 of a training step on this project's CPU
+(AVX512-BF16). Where bf16 is only emulated it can be slower than fp32, so the choice follows the
+device's native support, not a timing (a timing would make selections depend on the machine's
+load). Training itself is never changed: where a selection pass computes what training consumes
+(a frozen prefix's features), ``"auto"`` keeps float32.
+
+Example:
+    >>> import torch
+    >>> from sbloader.precision import selection_dtype
+    >>> selection_dtype(None, torch.device("cpu"))
+    (None, 'autocast=None: float32')
+    >>> selection_dtype(torch.bfloat16, torch.device("cpu"))[0]
+    torch.bfloat16
+    >>> selection_dtype("auto", torch.device("meta"))
+    (None, "autocast='auto': float32 (no native bf16 on meta)")
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["AUTO", "check_autocast", "native_bf16", "selection_dtype"]
+
+AUTO = "auto"
+"""The ``autocast`` value that lets the loader choose the selection precision."""
+
+
+def check_autocast(autocast: Any) -> torch.dtype | str | None:
+    """Return ``autocast`` if it is a dtype, ``"auto"`` or None; else raise naming it."""
+    if autocast is None or autocast == AUTO or isinstance(autocast, torch.dtype):
+        return autocast
+    raise TypeError(
+        "autocast should be a torch.dtype such as torch.bfloat16, 'auto' (bf16 where the device "
+        f"computes it natively) or None (float32), but got autocast={autocast!r}"
+    )
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes bf16 natively: a CUDA device that supports it, or a CPU with
+    AVX512-BF16 or AMX (x86). Other devices and CPUs (ARM included) answer False."""
+    if device.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    # NOTE: torch exposes these CPU capability queries only as private functions of torch.cpu;
+    # a torch without them answers False (float32), never an error.
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        query = getattr(torch.cpu, name, None)
+        if query is not None and query():
+            return True
+    return False
+
+
+def selection_dtype(
+    autocast: Any, device: torch.device, feeds_training: bool = False
+) -> tuple[torch.dtype | None, str]:
+    """The autocast dtype of selection passes on ``device`` (None: float32), and why.
+
+    Args:
+        autocast: a dtype (used as given), None (float32) or ``"auto"``: bf16 where
+            :func:`native_bf16` and the pass's outputs do not feed training, else float32.
+        device: where selection passes run (the selecting model's device).
+        feeds_training: whether the pass computes what training consumes (a frozen prefix's
+            features): ``"auto"`` then keeps float32, so that training is never changed.
+    """
+    autocast = check_autocast(autocast)
+    if autocast is None:
+        return None, "autocast=None: float32"
+    if isinstance(autocast, torch.dtype):
+        return autocast, f"autocast={autocast}"
+    if feeds_training:
+        return None, "autocast='auto': float32 (the frozen prefix's features feed training)"
+    if native_bf16(device):
+        return torch.bfloat16, f"autocast='auto': bfloat16 (native on {device.type})"
+    return None, f"autocast='auto': float32 (no native bf16 on {device.type})"

@@ -1,0 +1,106 @@
+"""autocast="auto", the loader's default: bf16 selection passes where the device computes bf16
+natively, float32 elsewhere and where the pass feeds training; the choice is logged, saved and
+adopted by a resumed run."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from sbloader import SelectiveBackprop, SelectiveLoader
+from sbloader.datasets import ArrayDataset
+from sbloader.precision import native_bf16, selection_dtype
+
+CPU = torch.device("cpu")
+N = 240
+
+
+def no_native_bf16(monkeypatch: pytest.MonkeyPatch, native: bool = False) -> None:
+    """Make this process's CPU answer ``native`` to both of torch's bf16 capability queries."""
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda: native, raising=False)
+
+
+def build(seed: int = 0, **kw) -> SelectiveLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 16, generator=g)
+    y = (x[:, :3] + 0.7 * torch.randn(N, 3, generator=g)).argmax(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 3))
+    dl = DataLoader(
+        ArrayDataset(x, y), batch_size=40, shuffle=True, generator=torch.Generator().manual_seed(1)
+    )
+    return SelectiveLoader(dl, model, policy=SelectiveBackprop(0.5), batch_size=10, seed=seed, **kw)
+
+
+def test_auto_follows_the_devices_native_bf16(monkeypatch):
+    no_native_bf16(monkeypatch, native=True)
+    assert native_bf16(CPU)
+    assert selection_dtype("auto", CPU) == (
+        torch.bfloat16,
+        "autocast='auto': bfloat16 (native on cpu)",
+    )
+    assert selection_dtype("auto", CPU, feeds_training=True)[0] is None
+    assert selection_dtype(None, CPU)[0] is None
+    assert selection_dtype(torch.float16, CPU)[0] is torch.float16
+    no_native_bf16(monkeypatch, native=False)
+    assert not native_bf16(CPU)
+    assert selection_dtype("auto", CPU) == (
+        None,
+        "autocast='auto': float32 (no native bf16 on cpu)",
+    )
+    assert not native_bf16(torch.device("meta"))
+    with pytest.raises(TypeError, match=r"autocast should be a torch.dtype .* got autocast='bf16'"):
+        build(autocast="bf16")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_default_selects_as_the_chosen_dtype_given_explicitly(monkeypatch, caplog, native):
+    no_native_bf16(monkeypatch, native)
+    with caplog.at_level(logging.INFO, logger="sbloader"):
+        auto = build()
+    chosen = torch.bfloat16 if native else None
+    assert auto.autocast is chosen
+    assert f"selection precision: autocast='auto': {'bfloat16' if native else 'float32'}" in (
+        caplog.text
+    )
+    given = build(autocast=chosen)
+    for a, b in zip(auto, given, strict=True):
+        assert torch.equal(a.indices, b.indices) and torch.equal(a.losses, b.losses)
+    # The passes really ran in the chosen dtype: bf16's losses are not float32's.
+    fp32 = torch.cat([b.losses for b in build(autocast=None)])
+    assert torch.equal(torch.cat([b.losses for b in build()]), fp32) is not native
+
+
+def test_a_frozen_prefix_keeps_float32_since_its_features_feed_training(monkeypatch):
+    no_native_bf16(monkeypatch, native=True)
+    backbone = nn.Sequential(nn.Linear(16, 8), nn.ReLU()).requires_grad_(False)
+    loader = build(frozen_prefix=backbone)
+    assert loader.autocast is None
+    assert build().autocast is torch.bfloat16
+
+
+def test_a_resumed_auto_loader_selects_in_the_saved_runs_precision(monkeypatch):
+    """Saved on a machine with native bf16, resumed on one without: the resumed run continues
+    in bf16, exactly as the uninterrupted run; an explicit choice is kept as given."""
+    no_native_bf16(monkeypatch, native=True)
+    first = build()
+    it = iter(first)
+    for _ in range(5):
+        next(it)
+    state = first.state_dict()
+    rest = [b.indices.tolist() for b in it] + [b.indices.tolist() for b in first]
+    no_native_bf16(monkeypatch, native=False)
+    resumed = build()
+    assert resumed.autocast is None  # this machine's own choice ...
+    resumed.load_state_dict(state)
+    assert resumed.autocast is torch.bfloat16  # ... gives way to the saved run's
+    assert [b.indices.tolist() for b in resumed] + [b.indices.tolist() for b in resumed] == rest
+    explicit = build(autocast=None)
+    explicit.load_state_dict(state)
+    assert explicit.autocast is None
+    assert state["autocast"] == "bfloat16" and build(autocast=None).state_dict()["autocast"] is None
