@@ -269,7 +269,8 @@ class SelectiveLoader:
             ``frozen_prefix``, ``eval_selection=False`` or an FSDP-sharded model; a model with
             layers that have no int8 kernels fails on the first source batch
             (``RuntimeError``). Refreshes are counted in ``loader.scorer.quantized.refreshes``;
-            their time is part of the epochs' ``selection_forward_s``. Default False.
+            their time is part of the epochs' ``selection_forward_s``. Under DDP each rank
+            builds its own copy on its own candidates, with no collective. Default False.
 
     Attributes:
         stats: a :class:`~sbloader.stats.LoaderStats` with per-epoch and total counts and times.

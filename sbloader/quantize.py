@@ -146,6 +146,7 @@ def qconfig_mapping(engine: str) -> Any:
 
     mapping = get_default_qconfig_mapping(engine)
     default = mapping.global_qconfig
+    assert default is not None  # every engine's default mapping has a global qconfig
     reduce_range = engine in ("x86", "fbgemm")  # as the default's activation observer
     fast = QConfig(
         activation=MinMaxObserver.with_args(reduce_range=reduce_range), weight=default.weight

@@ -113,7 +113,9 @@ class Trainer:
             subset = sbloader.prune(r.scores, cfg.el2n_keep, keep="hardest")
             self.run.pre_cost = r.cost()
             self.clock += r.seconds  # the user pays for scoring
-        user = dict(autocast=None) if strat.as_user else {}
+        user: dict[str, Any] = dict(autocast=None) if strat.as_user else {}
+        if strat.quantized:
+            user.update(autocast=None, quantize_selection=True)
         self.loader = make_loader(
             cfg,
             shuffled(dataset, cfg.pool_batch_size if strat.pooled else cfg.batch_size, seed),
