@@ -288,3 +288,48 @@ def test_engine_changed_fails_on_the_first_batch_even_in_a_warm_up() -> None:
     # the training flags stay as they were after a normal epoch too
     list(make(model, True))
     assert [m.training for m in model.modules()] == flags
+
+
+def circular() -> nn.Module:
+    """Traceable, but quantized convolutions have no circular padding."""
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1, padding_mode="circular"),
+        nn.Flatten(),
+        nn.Linear(4 * 12 * 12, CLASSES),
+    )
+
+
+@pytest.mark.parametrize("policy", [SelectiveBackprop(1 / 3), sbloader.default_policy()])
+def test_model_without_int8_kernels_fails_on_the_first_batch(policy: Any) -> None:
+    model = circular()
+    loader = make(model, True, policy)  # (default_policy: a warm-up epoch without a pass)
+    with pytest.raises(RuntimeError, match="could not make an int8 copy") as info:
+        next(iter(loader))
+    assert "circular is not supported" in str(info.value)
+    assert "quantize_selection=False" in str(info.value)
+    assert model.training  # the model itself was never put in eval mode
+
+
+def scaled_cnn() -> nn.Module:
+    """Takes 6 x 6 inputs only: the 12 x 12 images at selection_scale=0.5 (so the copy must be
+    calibrated on downsampled inputs too)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Conv2d(1, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(8 * 6 * 6, CLASSES),
+        )
+
+
+def test_with_selection_scale_the_copy_scores_the_downsampled_inputs() -> None:
+    model = scaled_cnn()
+    runs = {}
+    for q in (False, True):
+        loader = make(model, q, data=dataset(768, seed=2), source_batch=128, selection_scale=0.5)
+        runs[q] = set()
+        for batch in loader:  # yielded batches keep full resolution
+            assert batch[0].shape[-2:] == (12, 12)
+            runs[q] |= set(batch.indices.tolist())
+    assert len(runs[True] & runs[False]) / len(runs[False]) >= 0.9
