@@ -17,7 +17,17 @@ Ways: fp32; bf16 autocast; bf16 + ``torch.compile``; int8 dynamic quantization o
 layers (``torch.ao.quantization.quantize_dynamic``); int8 static quantization of convolutions
 and Linear layers (FX graph mode, x86 backend, Conv-BN-ReLU fused, calibrated on 512 examples).
 
+``--section loader`` measures the loader's own option, ``SelectiveLoader(quantize_selection=)``,
+against bf16 autocast in whole training epochs (the breakdown's CNN, step and DataLoader source),
+side by side and interleaved round by round with Traditional: each epoch's c from the loader's
+stats (selection seconds per selection forward, refreshes included, over training seconds per
+backpropagated example), k (backpropagated over seen examples), and the epoch time against the
+bound 1.1 x (c x forwards per seen example + k) x Traditional's epoch time of the same round.
+Stale-SB's figures are the mean over one staleness cycle (one fresh epoch, then stale ones).
+
     taskset -c 0 python3 benchmarks/quantized_selection.py results/quantized --threads 1
+    taskset -c 0 python3 benchmarks/quantized_selection.py results/quantized --threads 1 \
+        --section loader
 """
 
 from __future__ import annotations
@@ -45,12 +55,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from benchmarks.breakdown import TrainingStep
-from benchmarks.core.config import measurement
+import sbloader
+from benchmarks.breakdown import TrainingStep, train_epoch
+from benchmarks.core.config import Config, Measurement, measurement
 from benchmarks.core.data import train_set
 from benchmarks.core.machine import describe_commit, machine_info
-from benchmarks.core.models import seeded_model
+from benchmarks.core.models import make_loader, seeded_model
+from benchmarks.core.sources import Sources
 from benchmarks.core.timing import median
+from benchmarks.core.train import train_step
 from sbloader.selection import SelectionForward
 
 
@@ -90,6 +103,18 @@ def static_int8(model: nn.Module, calib: torch.Tensor) -> nn.Module:
             for i in range(0, len(calib), 128):
                 prepared(calib[i : i + 128])
         return convert_fx(prepared)
+
+
+def library_int8(examples: int) -> Callable[[nn.Module, torch.Tensor], nn.Module]:
+    """The copy ``SelectiveLoader(quantize_selection=QuantizedSelection(calibration_examples=
+    examples))`` builds (min-max activation observers), on the first ``examples`` of ``calib``."""
+    from sbloader.quantize import QuantizedSelection, QuantizedSelector
+
+    def build(model: nn.Module, calib: torch.Tensor) -> nn.Module:
+        config = QuantizedSelection(calibration_examples=examples)
+        return QuantizedSelector(config, torch.backends.quantized.engine).model_for(model, calib, 0)
+
+    return build
 
 
 def dynamic_int8(model: nn.Module, calib: torch.Tensor) -> nn.Module:
@@ -144,15 +169,212 @@ class Way:
         return (time.perf_counter() - t0) / sum(len(y) for _, y in self.chunks)
 
 
+#: The loader section's ways: (strategy, SelectiveLoader options).
+LOADER_WAYS: dict[str, tuple[str, dict[str, Any]]] = {
+    "traditional": ("traditional", {}),
+    "sb bf16": ("sb", {"autocast": torch.bfloat16}),
+    "sb int8": ("sb", {"autocast": None, "quantize_selection": True}),
+    "stale_sb bf16": ("stale_sb", {"autocast": torch.bfloat16}),
+    "stale_sb int8": ("stale_sb", {"autocast": None, "quantize_selection": True}),
+}
+
+
+def warm_up(source: Any, model: nn.Module, cfg: Config, m: Measurement, kw: dict[str, Any]) -> None:
+    """Untimed steps through a throwaway loader with the same options (first calls, and for
+    int8 the first FX trace and build); the model is restored afterwards."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    loader = make_loader(cfg, source, model, sbloader.SelectiveBackprop(0.5), m.seed, **kw)
+    for i, batch in enumerate(loader):
+        train_step(cfg, model, opt, batch[0], batch[1])
+        if i + 1 >= m.warmup_batches:
+            break
+    model.load_state_dict(state)
+    model.zero_grad(set_to_none=True)
+
+
+def loader_epochs(
+    cfg: Config, m: Measurement, x: torch.Tensor, y: torch.Tensor, rounds: int
+) -> list[dict[str, Any]]:
+    """Every way of :data:`LOADER_WAYS` for one epoch (a staleness cycle for Stale-SB) per round,
+    the ways interleaved within each round; one row per way and round."""
+    sources = Sources(x, y, cfg.device, False)
+    rows: list[dict[str, Any]] = []
+    try:
+        for r in range(rounds):
+            trad_wall = None
+            for name, (strategy, kw) in LOADER_WAYS.items():
+                epochs = m.staleness if strategy == "stale_sb" else 1
+                source_bs = cfg.batch_size if strategy == "traditional" else cfg.pool_batch_size
+                model = seeded_model(cfg, m.seed)
+                opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+                source = sources.make("dataloader", source_bs, m.seed + r)
+                warm_up(source, model, cfg, m, kw)
+                loader = make_loader(cfg, source, model, m.policy(strategy), m.seed, **kw)
+                per_epoch = [train_epoch(loader, model, opt, cfg) for _ in range(epochs)]
+                total = {k: sum(e[k] for e in per_epoch) for k in per_epoch[0]}
+                wall = total["wall"] / epochs
+                quantized = loader.scorer.quantized
+                row: dict[str, Any] = {
+                    "way": name,
+                    "round": r,
+                    "epochs": epochs,
+                    "wall_s": wall,
+                    "k": total["backprop"] / total["examples_seen"],
+                    "forwards_per_seen": total["selection_forwards"] / total["examples_seen"],
+                    "train_s_per_example": (total["train_fwd"] + total["backward"])
+                    / total["backprop"],
+                    "selection_s": total["selection_fwd"] / epochs,
+                    "refreshes": None if quantized is None else quantized.refreshes / epochs,
+                    "refresh_s": None if quantized is None else quantized.refresh_s / epochs,
+                }
+                if total["selection_forwards"]:
+                    per_forward = total["selection_fwd"] / total["selection_forwards"]
+                    row["c"] = per_forward / row["train_s_per_example"]
+                    if quantized is not None:
+                        build = quantized.refresh_s / total["selection_forwards"]
+                        row["c_without_refresh"] = (per_forward - build) / row[
+                            "train_s_per_example"
+                        ]
+                if strategy == "traditional":
+                    trad_wall = wall
+                else:
+                    assert trad_wall is not None
+                    row["ratio"] = wall / trad_wall
+                    row["bound"] = 1.1 * (row["c"] * row["forwards_per_seen"] + row["k"])
+                rows.append(row)
+                extra = (
+                    ""
+                    if "ratio" not in row
+                    else f"  c {row['c']:.3f}  k {row['k']:.3f}  epoch/trad {row['ratio']:.3f}"
+                    f"  bound {row['bound']:.3f}"
+                    + ("" if quantized is None else f"  refreshes {row['refreshes']:.1f}")
+                )
+                print(f"[{r + 1}/{rounds}] {name:14s} epoch {wall:6.2f}s{extra}", flush=True)
+    finally:
+        sources.close()
+    return rows
+
+
+def loader_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per way, the medians over rounds of each figure; ``within_rounds``: in how many rounds the
+    epoch was within its bound; ``within_bound``: the median of epoch / bound is at most 1."""
+    out = []
+    for name in dict.fromkeys(r["way"] for r in rows):
+        rs = [r for r in rows if r["way"] == name]
+        row: dict[str, Any] = {"way": name, "rounds": len(rs)}
+        for key in rs[0]:
+            values = [r[key] for r in rs]
+            if key not in ("way", "round") and all(isinstance(v, (int, float)) for v in values):
+                row[key] = median(values)
+        if "ratio" in row:
+            over = [r["ratio"] / r["bound"] for r in rs]
+            row["epoch_over_bound"] = median(over)
+            row["within_rounds"] = sum(v <= 1 for v in over)
+            row["within_bound"] = row["epoch_over_bound"] <= 1
+        out.append(row)
+    return out
+
+
+def loader_markdown(report: dict[str, Any]) -> str:
+    """``loader.md`` from ``loader.json``'s contents."""
+    machine, rows = report["machine"], report["rounds"]
+    setting, m = report["config"]["setting"], report["config"]["measurement"]
+    summary = loader_summary(rows)
+    rounds = summary[0]["rounds"]
+    lines = [
+        "# quantize_selection in the loader (benchmarks/quantized_selection.py --section loader)",
+        "",
+        f"Machine: {machine['cpu']}, torch {machine['torch']}, {report['threads']} intra-op "
+        f"thread(s), sbloader {describe_commit(machine)}, {machine['date']}. Breakdown CNN "
+        f"(channels_last), {m['examples']} Fashion-MNIST examples per epoch from a DataLoader, "
+        f"training batch {setting['batch_size']}, source batch {setting['pool_batch_size']} for "
+        f"SB and Stale-SB (keep {m['selectivity']:.3g}, staleness {m['staleness']}); "
+        f"quantize_selection=True (refresh_every={report['refresh_every']}); medians of "
+        f"{rounds} rounds, the ways interleaved within each round. c: selection seconds per "
+        "selection forward (refreshes included) over training seconds per backpropagated "
+        "example, from the loader's stats in the measured epochs; bound: 1.1 x (c x selection "
+        "forwards per seen example + k), as a fraction of Traditional's epoch in the same round; "
+        "within: rounds whose epoch was within its own bound.",
+        "",
+        "| way | epoch [s] | c | c without refreshes | k | refreshes / epoch | "
+        "epoch / Traditional | bound | epoch / bound | within |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(row: dict[str, Any], key: str, fmt: str = ".3f") -> str:
+        v = row.get(key)
+        return "" if v is None else format(v, fmt)
+
+    for r in summary:
+        within = "" if "within_rounds" not in r else f"{r['within_rounds']} of {r['rounds']}"
+        lines.append(
+            f"| {r['way']} | {r['wall_s']:.2f} | {f(r, 'c')} | {f(r, 'c_without_refresh')} | "
+            f"{f(r, 'k')} | {f(r, 'refreshes', '.1f')} | {f(r, 'ratio')} | {f(r, 'bound')} | "
+            f"{f(r, 'epoch_over_bound')} | {within} |"
+        )
+    lines += [
+        "",
+        "Per round:",
+        "",
+        "| round | way | epoch [s] | c | k | epoch / Traditional | bound |",
+    ]
+    lines.append("|---|---|---|---|---|---|---|")
+    for r in rows:
+        lines.append(
+            f"| {r['round'] + 1} | {r['way']} | {r['wall_s']:.2f} | {f(r, 'c')} | {f(r, 'k')} | "
+            f"{f(r, 'ratio')} | {f(r, 'bound')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def loader_section(args: argparse.Namespace) -> None:
+    path = args.out / "loader.json"
+    if args.report_only:
+        report = json.loads(path.read_text())
+    else:
+        cfg, m = measurement(True, examples=args.examples)
+        x, y = train_set(cfg)
+        x, y = x[: m.examples].contiguous(), y[: m.examples].contiguous()
+        rows = loader_epochs(cfg, m, x, y, args.rounds)
+        report = {
+            "threads": torch.get_num_threads(),
+            "machine": machine_info(exclude=args.out),
+            "config": {"setting": dataclasses.asdict(cfg), "measurement": dataclasses.asdict(m)},
+            "refresh_every": sbloader.QuantizedSelection().refresh_every,
+            "rounds": rows,
+        }
+    report["summary"] = loader_summary(report["rounds"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, default=str))
+    text = loader_markdown(report)
+    (args.out / "loader.md").write_text(text)
+    print(text)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("out", type=Path)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--train-examples", type=int, default=6_400, help="partial training")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument(
+        "--section",
+        choices=("forwards", "loader"),
+        default="forwards",
+        help="forwards: the ways of running the selection forward (quantized.md); loader: "
+        "quantize_selection= in training epochs (loader.md)",
+    )
+    p.add_argument("--examples", type=int, default=None, help="loader: examples per epoch")
+    p.add_argument(
+        "--report-only", action="store_true", help="loader: rebuild loader.md from loader.json"
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.section == "loader":
+        loader_section(args)
+        return 0
     cfg, m = measurement(True)
     cfg = dataclasses.replace(cfg, channels_last=True)
     x, y = train_set(cfg)
@@ -182,6 +404,16 @@ def main() -> int:
         Way("bf16 + compile", model, chunks, bf16=True, compile=True),
         Way("int8 dynamic (Linear)", model, chunks, build=dynamic_int8, calib=calib),
         Way("int8 static FX (conv + Linear)", model, chunks, build=static_int8, calib=calib),
+        *(
+            Way(
+                f"quantize_selection, calibration_examples={n}",
+                model,
+                chunks,
+                build=library_int8(n),
+                calib=calib,
+            )
+            for n in (64, 128, 256)
+        ),
     ]
     try:
         ways.append(

@@ -34,6 +34,7 @@ from .policies import (
     Traditional,
     default_policy,
 )
+from .quantize import QuantizedSelection
 from .sources import DataLoaderSource, IterableSource, Source
 from .stateful import StatefulSource
 from .stats import EpochStats, LoaderStats
@@ -57,6 +58,7 @@ __all__ = [
     "LossWindow",
     "Phased",
     "Policy",
+    "QuantizedSelection",
     "RandomBackprop",
     "SelectedBatch",
     "SelectedDict",

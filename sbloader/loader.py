@@ -31,9 +31,19 @@ from .feedback import FeedbackBuffer, check_range, checked
 from .length import FixedEpochIterator, FixedEpochs, check_batches_per_epoch
 from .policies import Policy, default_policy
 from .precision import AUTO, check_autocast, selection_dtype
+from .quantize import QuantizedSelection, QuantizedSelector, check_quantizable, quantized_selection
 from .rows import PendingRows, Rows
 from .scoring import Scorer
-from .selection import Forward, Output, SelectionForward, check_loss_fn, input_fields, model_device
+from .selection import (
+    Forward,
+    Output,
+    SelectionForward,
+    check_loss_fn,
+    input_fields,
+    is_fsdp,
+    model_device,
+    unwrap,
+)
 from .sources import Source
 from .stats import EpochStats, LoaderStats
 
@@ -262,6 +272,24 @@ class SelectiveLoader:
             with ``policy=``, which it would not change. Lightning's :func:`selective_loader
             <sbloader.integrations.lightning.selective_loader>` passes the Trainer's
             ``max_epochs``. Default None: the default policy does not anneal.
+        quantize_selection: run the selection forward through an int8 copy of the (unwrapped)
+            selection model on the CPU (``True``, or a :class:`~sbloader.QuantizedSelection` with
+            its settings): PyTorch's FX graph-mode post-training quantization for the current
+            ``torch.backends.quantized.engine`` (Conv-BN-ReLU fused, int8 weights, activation
+            ranges calibrated on the first ``calibration_examples`` candidates of the source
+            batch being scored). The copy is rebuilt from the model's current weights at the
+            first selection pass of every epoch that has selection passes (a Stale-SB fresh
+            epoch, every epoch of plain SB) and then every ``refresh_every`` source batches, so
+            selection losses come from weights up to ``refresh_every`` source batches old.
+            Training forwards are not affected. Its refresh clock and the copy's int8 values are
+            part of :meth:`state_dict` (a resume scores with the same copy). Refused
+            (``ValueError``) with a model torch.fx cannot trace, on a GPU, and with an
+            ``autocast`` dtype (``"auto"`` gives way to it), ``compile_selection``, ``forward=`` (or a tuple ``input_key``),
+            ``frozen_prefix``, ``eval_selection=False`` or an FSDP-sharded model; a model with
+            layers that have no int8 kernels fails on the first source batch
+            (``RuntimeError``). Refreshes are counted in ``loader.scorer.quantized.refreshes``;
+            their time is part of the epochs' ``selection_forward_s``. Under DDP each rank
+            builds its own copy on its own candidates, with no collective. Default False.
 
     Attributes:
         stats: a :class:`~sbloader.stats.LoaderStats` with per-epoch and total counts and times.
@@ -358,6 +386,7 @@ class SelectiveLoader:
         metadata_key: str | None = None,
         decisions: str = "host",
         planned_epochs: int | None = None,
+        quantize_selection: bool | QuantizedSelection = False,
     ) -> None:
         for name, module, optional in (("model", model, False), ("selector", selector, True)):
             if not isinstance(module, nn.Module) and not (optional and module is None):
@@ -404,6 +433,8 @@ class SelectiveLoader:
         # NOTE: "auto" resolves here, once, on the selecting model's device, so that a loader's
         # selections never change precision mid-run; a resumed state brings its own choice.
         self._autocast_requested = check_autocast(autocast)
+        if autocast == AUTO and quantized_selection(quantize_selection) is not None:
+            autocast = None  # the int8 copy replaces reduced precision
         autocast, why = selection_dtype(
             autocast,
             model_device(model if selector is None else selector),
@@ -450,6 +481,12 @@ class SelectiveLoader:
             self.eval_selection,
             keep_logits,
             index_key=self._source.index_field_name() if index_key is None else index_key,
+            quantized=self._quantizer(
+                quantize_selection,
+                selector if selector is not None else model,
+                device,
+                selection_forward,
+            ),
         )
         self._scorer.check()
         if batch_size is None:
@@ -538,6 +575,38 @@ class SelectiveLoader:
         # The source's state as of the last source batch consumed (see Source.snapshot); None:
         # ask the source.
         self._source_state: dict[str, Any] | None = None
+
+    def _quantizer(
+        self, option: Any, selection_model: nn.Module, device: Any, forward: SelectionForward
+    ) -> QuantizedSelector | None:
+        """The int8 selection copy of ``quantize_selection`` (None when off), after checking that
+        this configuration can use one. Called before the scorer is made: reads the options set
+        so far."""
+        config = quantized_selection(option)
+        if config is None:
+            return None
+        model = unwrap(selection_model)
+        where = torch.device(device) if device is not None else model_device(model)
+        # NOTE: each option below changes the selection forward in a way an int8 copy of
+        # model(inputs) cannot follow, or duplicates what it does; refused rather than ignored.
+        conflicts = {
+            "autocast= (the int8 copy replaces reduced precision)": self.autocast is not None,
+            "compile_selection= (no gain measured on the int8 copy)": forward.compile_kwargs
+            is not None,
+            "forward= or a tuple input_key (the int8 copy is traced as model(inputs))": (
+                forward.call is not None
+            ),
+            "frozen_prefix= (its outputs are training inputs, which int8 would change)": (
+                forward.frozen_prefix is not None
+            ),
+            "eval_selection=False (the int8 copy folds BatchNorm: it runs in eval mode)": (
+                not self.eval_selection
+            ),
+            "an FSDP-sharded model (each rank holds a shard; pass selector= a whole model)": (
+                is_fsdp(selection_model)
+            ),
+        }
+        return QuantizedSelector(config, check_quantizable(model, conflicts, where))
 
     def _device_decider(self, prefix: bool) -> DecisionGenerator | None:
         """The generator of ``decisions="device"`` (None on the host), after checking that this

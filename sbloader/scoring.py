@@ -22,7 +22,8 @@ from torch import nn
 from . import batch as B
 from ._state import check_version
 from .features import FeatureCache
-from .selection import SelectionForward, is_fsdp, restrict, unused_fields, unwrap
+from .quantize import QuantizedSelector
+from .selection import SelectionForward, downsample, is_fsdp, restrict, unused_fields, unwrap
 from .stats import EpochStats
 
 __all__ = ["Scored", "Scorer"]
@@ -60,6 +61,8 @@ class Scorer:
         eval_selection: run selection passes in eval mode.
         keep_logits: keep the model's outputs for yielded batches.
         index_key: the field holding dataset indices (no model input), or None.
+        quantized: the int8 copy that scores in the selection model's place
+            (``quantize_selection``), or None.
     """
 
     VERSION = 1
@@ -77,6 +80,7 @@ class Scorer:
         keep_logits: bool,
         *,
         index_key: Hashable | None = None,
+        quantized: QuantizedSelector | None = None,
     ) -> None:
         self.model = model
         self.loss_fn = loss_fn
@@ -88,6 +92,7 @@ class Scorer:
         self.eval_selection = eval_selection
         self.keep_logits = keep_logits
         self.index_key = index_key
+        self.quantized = quantized
         self._fields_checked = False
         #: Whether a selection pass copies its losses to the host (False: decisions="device").
         self.host_values = True
@@ -137,8 +142,11 @@ class Scorer:
             cached = self._prefix_outputs(inputs, indices, None, epoch, stats)
         elif self.has_prefix:
             stats.prefix_forwards += inputs.shape[0]
+        model = unwrap(self.selector if self.selector is not None else self.model)
+        if self.quantized is not None:
+            model = self.quantized.model_for(model, inputs, epoch, self._prepare)
         losses, features, logits = self.forward(
-            unwrap(self.selector if self.selector is not None else self.model),
+            model,
             inputs,
             targets,
             self.loss_fn,
@@ -178,8 +186,11 @@ class Scorer:
             self._fields_checked = True
             self.check_fields(batch, inputs, targets)
         k = min(B.column_length(inputs, "input"), 2)
+        model = unwrap(self.selector if self.selector is not None else self.model)
+        if self.quantized is not None:  # the fp32 model is probed; the int8 copy is tried
+            self.quantized.trial(model, B.rows(inputs, 0, k), self._prepare)
         self.forward(
-            unwrap(self.selector if self.selector is not None else self.model),
+            model,
             B.rows(inputs, 0, k),
             B.rows(targets, 0, k),
             self.loss_fn,
@@ -191,6 +202,12 @@ class Scorer:
             inference=not self.collective,
         )
         self._keep_template(inputs, targets, batch)
+
+    def _prepare(self, inputs: torch.Tensor) -> torch.Tensor:
+        """What the selection forward does to the inputs before the model sees them (for the
+        int8 copy's calibration)."""
+        scale = self.forward.scale
+        return inputs if scale is None else downsample(inputs, scale)
 
     def chunks(self, n: int) -> int:
         """The selection forwards a pass over ``n`` candidates runs (chunks of ``batch_size``)."""
@@ -342,12 +359,28 @@ class Scorer:
 
     def state_dict(self) -> dict[str, Any]:
         shape = self.logits_shape
-        return {"version": self.VERSION, "logits_shape": None if shape is None else list(shape)}
+        return {
+            "version": self.VERSION,
+            "logits_shape": None if shape is None else list(shape),
+            # NOTE: an optional key of version 1 (absent from states saved before
+            # quantize_selection): the int8 copy's refresh clock and values, or None.
+            "quantized": None if self.quantized is None else self.quantized.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = check_version(state, "Scorer", self.VERSION)
+        quantized = state.get("quantized")
+        if (quantized is None) != (self.quantized is None):
+            saved = "without" if quantized is None else "with"
+            raise ValueError(
+                f"the saved SelectiveLoader state was made {saved} quantize_selection, but this "
+                f"loader has quantize_selection={self.quantized is not None}; build the loader "
+                "with the saved run's arguments to resume it"
+            )
         shape = state["logits_shape"]
         self.logits_shape = None if shape is None else tuple(int(v) for v in shape)
+        if self.quantized is not None and quantized is not None:
+            self.quantized.load_state_dict(quantized)
 
 
 def _owned(value: Any) -> Any:

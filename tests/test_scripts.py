@@ -52,7 +52,9 @@ def test_the_example_trains_both_strategies_and_reports_counts(tmp_path):
     assert all(0 <= r["test_error"] <= 1 for r in trad + sb + recipe)
 
 
-@pytest.mark.parametrize("name", ["traditional", "stale_sb_3_rwarmup", "kath18", "diet_sb"])
+@pytest.mark.parametrize(
+    "name", ["traditional", "stale_sb_3_rwarmup", "kath18", "diet_sb", "sb_0.33_int8"]
+)
 def test_a_benchmark_run_records_its_curve_costs_and_breakdown(name):
     cfg = Config(epochs=2, eval_every=1.0, el2n_epochs=1, el2n_models=1)
     x, y, xt, yt = load_data(cfg)

@@ -10,7 +10,8 @@ strategies that differ only in their budget form a *family*, named by the strate
 
 Variants (a suffix of the name): ``_warmup`` (one Traditional epoch first), ``_rwarmup`` (one
 Random-Backprop epoch at the same selectivity first), ``_anneal`` (the last eighth of the
-planned epochs on all the data), ``_reweight`` (SB's unbiased weights).
+planned epochs on all the data), ``_reweight`` (SB's unbiased weights), ``_int8`` (selection
+passes through ``quantize_selection=True``, see :func:`int8`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class Strategy:
     as_user: bool = False
     """The loader as a user gets it with no options: source batches of the training batch and
     fp32 selection passes (else the configuration's pools and selection precision)."""
+    quantized: bool = False
+    """Selection passes through the loader's int8 copy of the model (``quantize_selection=True``,
+    CPU only) instead of the configuration's selection precision."""
     family: str = ""
     """The strategy without its budget: the name of its family (set by :func:`_named`)."""
 
@@ -167,6 +171,13 @@ def recipe(feedback: bool = False, as_user: bool = False, anneal: bool = False) 
     )
 
 
+def int8(strategy: Strategy) -> Strategy:
+    """``strategy`` with its selection passes through the loader's int8 copy of the model
+    (``quantize_selection=True``), named ``<name>_int8``."""
+    name = f"{strategy.name}_int8"
+    return dataclasses.replace(strategy, name=name, family=name, quantized=True)
+
+
 def kath18() -> Strategy:
     """Katharopoulos & Fleuret (2018) importance sampling at 1/3."""
     return _named("kath18", True, lambda planned: sbloader.Kath18(1 / 3), selectivity=1 / 3)
@@ -202,6 +213,7 @@ def _build_registry() -> dict[str, Strategy]:
         entries += [stale_sb(n, v, feedback=True) for v in ("", "rwarmup")]
         entries += [stale_sb(n, "rwarmup", s, feedback=True) for s in (0.2, 0.25)]
     entries += [diet_sb(v) for v in ("", "warmup", "rwarmup")]
+    entries += [int8(selective_backprop(0.33)), int8(stale_sb(3, "rwarmup", feedback=True))]
     registry = {}
     for e in entries:
         assert e.name not in registry, e.name

@@ -113,7 +113,10 @@ class Trainer:
             subset = sbloader.prune(r.scores, cfg.el2n_keep, keep="hardest")
             self.run.pre_cost = r.cost()
             self.clock += r.seconds  # the user pays for scoring
-        user = dict(autocast="auto") if strat.as_user else {}  # the loader's own default
+        # the loader's own default precision for a user's loader
+        user: dict[str, Any] = dict(autocast="auto") if strat.as_user else {}
+        if strat.quantized:
+            user.update(autocast=None, quantize_selection=True)
         self.loader = make_loader(
             cfg,
             shuffled(dataset, cfg.pool_batch_size if strat.pooled else cfg.batch_size, seed),
