@@ -226,10 +226,21 @@ class PendingRows:
         """Remove and return the first ``k`` rows (``k <= len(self)``)."""
         if not 0 < k <= self._count:
             raise ValueError(f"k should be in [1, {self._count}], but got k={k}")
-        head, rest = Rows.concat(self._parts).split(k)
+        # NOTE: only the parts that hold the first k rows are joined; the rest stay as they are
+        # (views), so that a row is copied once on its way to a batch, not at every pop.
+        parts, held, used = self._parts, 0, 0
+        while held < k:
+            held += len(parts[used])
+            used += 1
+        rest = parts[used:]
+        if held > k:
+            last, tail = parts[used - 1].split(len(parts[used - 1]) - (held - k))
+            parts, rest = [*parts[: used - 1], last], [tail, *rest]
+        else:
+            parts = parts[:used]
+        self._parts = rest
         self._count -= k
-        self._parts = [rest] if self._count else []
-        return head
+        return Rows.concat(parts)
 
     def clear(self) -> int:
         """Drop every pending row; returns how many there were."""
