@@ -75,17 +75,26 @@ def main() -> int:
         f"{m.examples} examples, {m.throughput_epochs} epochs per measurement, median of "
         f"{m.repeats} per run; {args.runs} runs.",
         "",
-        "| source | strategy | prefetch | ratio per run | median ratio |",
-        "|---|---|---|---|---|",
+        "| source | strategy | prefetch | ratio per run | median ratio | median ratio without "
+        "the selection forwards | selection forwards' share of the loader's time |",
+        "|---|---|---|---|---|---|---|",
     ]
     for j, row in enumerate(runs[0]):
         ratios = [run[j]["ratio"] for run in runs]
+        net = statistics.median(run[j]["ratio_without_forward"] for run in runs)
+        share = statistics.median(run[j]["forward_share"] for run in runs)
         lines.append(
             f"| {row['source']} | {row['strategy']} | {row['prefetch']} | "
             + ", ".join(f"{r:.3f}" for r in ratios)
-            + f" | {statistics.median(ratios):.3f} |"
+            + f" | {statistics.median(ratios):.3f} | {net:.3f} | {share:.3f} |"
         )
-    lines += ["", "Target: ratio >= 0.9 (the loader's examples per second / the raw source's)."]
+    lines += [
+        "",
+        "Target: ratio >= 0.9 (the loader's examples per second / the raw source's). SB runs a "
+        "selection forward of the trivial model (one linear layer) on every candidate, which the "
+        "raw source does not; the ratio without the selection forwards' time is the loader's own "
+        "overhead.",
+    ]
     (args.out / "throughput.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -127,6 +127,125 @@ def cdf_power(
             out[i] = ((count_le(sorted_values, n, x) + 1) / (n + 1)) ** beta
 
 
+#: From this many finite losses on, :func:`push_all` ranks a batch with a Fenwick tree.
+_BATCH_PUSH = 32
+
+
+@_jit
+def push_all(
+    ring: np.ndarray,
+    sorted_values: np.ndarray,
+    meta: np.ndarray,
+    losses: np.ndarray,
+    counts: np.ndarray,
+    sizes: np.ndarray,
+) -> None:
+    """Push each finite loss in turn into the window (as :func:`window_push`) and record, right
+    after it entered, ``counts[i] = #{w in window : w <= losses[i]}`` and ``sizes[i]`` = the
+    window's length (both left unset for non-finite losses, which never enter).
+
+    NOTE: the counts are those of :func:`push_and_cdf_power`, exactly. Pushing one value shifts
+    up to the whole sorted window (a third of it on average); for a batch of many losses the
+    values that can be in the window during the batch (the window's and the batch's) are known
+    in advance, so a Fenwick tree over their distinct sorted values counts in O(log) per loss,
+    and the sorted window is written once at the end from the per-value counts.
+    """
+    m = losses.shape[0]
+    finite = 0
+    for i in range(m):
+        if np.isfinite(losses[i]):
+            finite += 1
+    if finite < _BATCH_PUSH:
+        for i in range(m):
+            x = losses[i]
+            if np.isfinite(x):
+                window_push(ring, sorted_values, meta, x)
+                sizes[i] = meta[0]
+                counts[i] = count_le(sorted_values, sizes[i], x)
+        return
+    cap = ring.shape[0]
+    n = meta[0]
+    head = meta[1]
+    batch = np.empty(finite, dtype=np.float64)
+    j = 0
+    for i in range(m):
+        if np.isfinite(losses[i]):
+            batch[j] = losses[i]
+            j += 1
+    batch.sort()
+    # The distinct values of the window (sorted already) and the batch, merged in order.
+    distinct = np.empty(n + finite, dtype=np.float64)
+    u = 0
+    a = 0
+    b = 0
+    while a < n or b < finite:
+        if b >= finite or (a < n and sorted_values[a] <= batch[b]):
+            v = sorted_values[a]
+            a += 1
+        else:
+            v = batch[b]
+            b += 1
+        if u == 0 or distinct[u - 1] < v:
+            distinct[u] = v
+            u += 1
+    held = np.zeros(u, dtype=np.int64)  # window entries equal to each distinct value
+    r = 0
+    for a in range(n):
+        while distinct[r] < sorted_values[a]:
+            r += 1
+        held[r] += 1
+    tree = np.zeros(u + 1, dtype=np.int64)
+    for t in range(1, u + 1):
+        tree[t] += held[t - 1]
+        up = t + (t & -t)
+        if up <= u:
+            tree[up] += tree[t]
+    for i in range(m):
+        x = losses[i]
+        if not np.isfinite(x):
+            continue
+        if n < cap:
+            n += 1
+        else:
+            old = np.searchsorted(distinct[:u], ring[head])
+            held[old] -= 1
+            _tree_add(tree, u, old, -1)
+        rank = np.searchsorted(distinct[:u], x)
+        held[rank] += 1
+        _tree_add(tree, u, rank, 1)
+        ring[head] = x
+        head = (head + 1) % cap
+        sizes[i] = n
+        counts[i] = _tree_prefix(tree, rank)
+    pos = 0
+    for r in range(u):
+        for _ in range(held[r]):
+            sorted_values[pos] = distinct[r]
+            pos += 1
+    meta[0] = n
+    meta[1] = head
+
+
+@_jit
+def _tree_add(tree: np.ndarray, u: int, rank: int, delta: int) -> None:
+    """Add ``delta`` at ``rank`` (0-based) of a Fenwick tree over ``u`` values."""
+    t = rank + 1
+    while t <= u:
+        tree[t] += delta
+        t += t & -t
+
+
+@_jit
+def _tree_prefix(tree: np.ndarray, rank: int) -> int:
+    """The sum over ranks ``0 .. rank`` of a Fenwick tree."""
+    total = 0
+    t = rank + 1
+    while t > 0:
+        total += tree[t]
+        t -= t & -t
+    return total
+
+
 # ---------------------------------------------------------------------- Selective-Backprop
 # One call per source batch: the policy's whole decision (window, probability, draw, positions,
 # weights, store updates) in one kernel, so that the per-batch path makes no chain of small numpy
@@ -178,15 +297,17 @@ def sb_choose_fresh(
         outside = _outside(indices, store_loss.shape[0])
         if outside:
             return -outside
+    m = losses.shape[0]
+    counts = np.empty(m, dtype=np.int64)
+    sizes = np.empty(m, dtype=np.int64)
+    push_all(ring, sorted_values, meta, losses, counts, sizes)
     k = 0
-    for i in range(losses.shape[0]):
+    for i in range(m):
         x = losses[i]
         if not np.isfinite(x):
             out_p[i] = np.nan
             continue
-        window_push(ring, sorted_values, meta, x)
-        n = meta[0]
-        p = (count_le(sorted_values, n, x) / n) ** beta
+        p = (counts[i] / sizes[i]) ** beta
         out_p[i] = p
         if has_store:
             j = indices[i]

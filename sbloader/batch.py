@@ -154,6 +154,13 @@ def column_length(column: Column, field: Hashable) -> int:
         >>> column_length({"ids": torch.zeros(3, 5), "meta": {"len": [1, 2, 3]}}, "inputs")
         3
     """
+    if isinstance(column, torch.Tensor):  # NOTE: first: the common case, and no ABC check
+        if column.dim() == 0:
+            raise ValueError(
+                f"field {field!r} of the batch is a 0-d tensor; SelectiveLoader selects examples "
+                "along dimension 0, so every field needs one entry per example"
+            )
+        return column.shape[0]
     if isinstance(column, Mapping):
         if not column:
             raise ValueError(
@@ -167,13 +174,6 @@ def column_length(column: Column, field: Hashable) -> int:
                 f"({lengths}); every entry needs one per example"
             )
         return next(iter(lengths.values()))
-    if isinstance(column, torch.Tensor):
-        if column.dim() == 0:
-            raise ValueError(
-                f"field {field!r} of the batch is a 0-d tensor; SelectiveLoader selects examples "
-                "along dimension 0, so every field needs one entry per example"
-            )
-        return column.shape[0]
     if isinstance(column, (list, tuple)):
         return len(column)
     raise TypeError(
@@ -190,30 +190,30 @@ def to_column(
     A nested field (a dict) is moved entry by entry (``memory_format`` applies at the top level
     only).
     """
-    if isinstance(value, Mapping):
-        return {k: to_column(v, device, None) for k, v in value.items()}
-    if isinstance(value, np.ndarray):
+    if not isinstance(value, torch.Tensor):  # NOTE: tensors first: no ABC check for them
+        if isinstance(value, Mapping):
+            return {k: to_column(v, device, None) for k, v in value.items()}
+        if isinstance(value, tuple):
+            return list(value)
+        if not isinstance(value, np.ndarray):
+            return value
         value = torch.from_numpy(value)
-    if isinstance(value, torch.Tensor):
-        if value.device != device:
-            value = value.to(device, non_blocking=value.is_pinned())
-        if memory_format is not None and value.dim() == 4:
-            value = value.contiguous(memory_format=memory_format)
-        return value
-    if isinstance(value, tuple):
-        return list(value)
+    if value.device != device:
+        value = value.to(device, non_blocking=value.is_pinned())
+    if memory_format is not None and value.dim() == 4:
+        value = value.contiguous(memory_format=memory_format)
     return value
 
 
 def take(column: Column, positions: torch.Tensor, positions_list: list[int] | None) -> Column:
     """Rows ``positions`` of a column, gathered where the column lives (no host round trip);
     a nested field's entries are gathered recursively."""
-    if isinstance(column, Mapping):
-        return {k: take(v, positions, positions_list) for k, v in column.items()}
     if isinstance(column, torch.Tensor):
         if positions.device != column.device:
             positions = positions.to(column.device, non_blocking=True)
         return column.index_select(0, positions)
+    if isinstance(column, Mapping):
+        return {k: take(v, positions, positions_list) for k, v in column.items()}
     assert positions_list is not None
     return [column[i] for i in positions_list]
 
@@ -222,10 +222,10 @@ def concat(parts: Sequence[Column]) -> Column:
     """Concatenate column chunks along the example dimension (nested fields entry by entry)."""
     if len(parts) == 1:
         return parts[0]
-    if isinstance(parts[0], Mapping):
-        return {k: concat([p[k] for p in parts]) for k in parts[0]}
     if isinstance(parts[0], torch.Tensor):
         return torch.cat(list(parts), dim=0)
+    if isinstance(parts[0], Mapping):
+        return {k: concat([p[k] for p in parts]) for k in parts[0]}
     out: list[Any] = []
     for p in parts:
         out.extend(p)
@@ -244,7 +244,7 @@ def rows(column: Column, start: int, stop: int | None) -> Column:
         >>> rows({"ids": torch.arange(4), "names": list("abcd")}, 1, 3)
         {'ids': tensor([1, 2]), 'names': ['b', 'c']}
     """
-    if isinstance(column, Mapping):
+    if not isinstance(column, torch.Tensor) and isinstance(column, Mapping):
         return {k: rows(v, start, stop) for k, v in column.items()}
     return column[start:stop]
 

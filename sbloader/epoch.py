@@ -13,7 +13,6 @@ epoch, process one source batch, one distributed drain round, the end-of-epoch r
 
 from __future__ import annotations
 
-from dataclasses import replace
 from enum import Enum
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
@@ -298,9 +297,13 @@ class EpochIterator:
         if self._passthrough:
             stats.count_classes(targets, None)
             inputs = data[loader._codec.input_position]
-            rows = metadata_rows(data, None, None, indices, n, device)
-            rows = replace(
-                rows,
+            rows = metadata_rows(
+                data,
+                None,
+                None,
+                indices,
+                n,
+                device,
                 features=scorer.features(inputs, None, None, indices, self.epoch, stats),
                 logits=scorer.logits(None, None, n, device),
             )
@@ -327,19 +330,15 @@ class EpochIterator:
         stats.examples_selected += k
         stats.count_classes(targets, positions)
         if k:
-            kept = _gather(data, positions, device)
+            inputs = data[loader._codec.input_position]
             rows = metadata_rows(
-                kept,
+                _gather(data, positions, device),
                 positions,
                 choice,
                 indices,
                 k,
                 device,
                 None if scored is None else scored.losses,
-            )
-            inputs = data[loader._codec.input_position]
-            rows = replace(
-                rows,
                 features=scorer.features(inputs, scored, positions, indices, self.epoch, stats),
                 logits=scorer.logits(scored, positions, k, device),
             )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -19,9 +19,6 @@ import torch
 from . import batch as B
 
 __all__ = ["PendingRows", "Rows", "metadata_rows"]
-
-#: The fields of :class:`Rows` besides the data columns (``features`` and ``logits`` may be None).
-_META = ("indices", "losses", "probabilities", "weights", "features", "logits")
 
 
 @dataclass(frozen=True)
@@ -61,13 +58,26 @@ class Rows:
 
     def split(self, k: int) -> tuple[Rows, Rows]:
         """The first ``k`` rows and the rest."""
-        cut = [B.split(c, k) for c in self.data]
-        meta: dict[str, Any] = {
-            f: (None, None) if getattr(self, f) is None else B.split(getattr(self, f), k)
-            for f in _META
-        }
-        head = Rows([c[0] for c in cut], **{f: v[0] for f, v in meta.items()})
-        rest = Rows([c[1] for c in cut], **{f: v[1] for f, v in meta.items()})
+        # NOTE: field by field, without building dicts: this runs for most yielded batches.
+        f, g = self.features, self.logits
+        head = Rows(
+            [B.rows(c, 0, k) for c in self.data],
+            self.indices[:k],
+            self.losses[:k],
+            self.probabilities[:k],
+            self.weights[:k],
+            None if f is None else f[:k],
+            None if g is None else g[:k],
+        )
+        rest = Rows(
+            [B.rows(c, k, None) for c in self.data],
+            self.indices[k:],
+            self.losses[k:],
+            self.probabilities[k:],
+            self.weights[k:],
+            None if f is None else f[k:],
+            None if g is None else g[k:],
+        )
         return head, rest
 
     @staticmethod
@@ -75,15 +85,18 @@ class Rows:
         """The rows of ``parts`` in order, as one block."""
         if len(parts) == 1:
             return parts[0]
-
-        def join(field: str) -> Any:
-            chunks = [getattr(p, field) for p in parts]
-            if chunks[0] is None:
-                return None
-            return B.concat(_widen(chunks) if field == "logits" else chunks)
-
-        data = [B.concat([p.data[j] for p in parts]) for j in range(len(parts[0].data))]
-        return Rows(data, **{f: join(f) for f in _META})
+        first = parts[0]
+        features = [p.features for p in parts]
+        logits = [p.logits for p in parts]
+        return Rows(
+            [B.concat([p.data[j] for p in parts]) for j in range(len(first.data))],
+            torch.cat([p.indices for p in parts]),
+            torch.cat([p.losses for p in parts]),
+            torch.cat([p.probabilities for p in parts]),
+            torch.cat([p.weights for p in parts]),
+            _cat_optional(features),
+            _cat_optional(logits, widen=True),
+        )
 
     def to(self, device: torch.device) -> Rows:
         """The rows with every tensor except ``indices`` on ``device`` (lists stay lists; nested
@@ -131,6 +144,14 @@ class Rows:
         return rows.to(device)
 
 
+def _cat_optional(chunks: list[torch.Tensor | None], widen: bool = False) -> torch.Tensor | None:
+    """The chunks joined (``widen``: after :func:`_widen`), or None when the first is None."""
+    if chunks[0] is None:
+        return None
+    tensors = cast(list[torch.Tensor], chunks)
+    return torch.cat(_widen(tensors) if widen else tensors)
+
+
 def _widen(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
     """NaN rows of shape (k, 0) (``keep_logits`` rows made before the outputs' shape was known)
     widened to the shape of the real rows they are batched with."""
@@ -155,6 +176,8 @@ def metadata_rows(
     n: int,
     device: torch.device,
     losses: torch.Tensor | None = None,
+    features: torch.Tensor | None = None,
+    logits: torch.Tensor | None = None,
 ) -> Rows:
     """Rows for the chosen examples of a source batch, whose ``data`` is already gathered.
 
@@ -169,6 +192,7 @@ def metadata_rows(
         n: the number of chosen examples.
         device: where the metadata tensors go (``indices`` stay on the CPU).
         losses: the source batch's selection losses (where the model computed them), or None.
+        features, logits: the chosen rows' :attr:`Rows.features` and :attr:`Rows.logits`.
 
     NOTE: with ``positions=None`` the columns are made directly instead of through
     :class:`~sbloader.Choice` arrays: the same values, with no per-example numpy work, since
@@ -181,7 +205,8 @@ def metadata_rows(
             else torch.full((n,), -1, dtype=torch.int64)
         )
         ones = torch.ones(n, device=device)
-        return Rows(data, idx, torch.full((n,), float("nan"), device=device), ones, ones.clone())
+        nan = torch.full((n,), float("nan"), device=device)
+        return Rows(data, idx, nan, ones, ones.clone(), features, logits)
     idx = torch.from_numpy(
         indices[positions].astype(np.int64) if indices is not None else np.full(n, -1, np.int64)
     )
@@ -192,7 +217,7 @@ def metadata_rows(
         kept_losses = losses.index_select(0, pos_t)
     probs = torch.from_numpy(choice.probabilities[positions].astype(np.float32)).to(device)
     weights = torch.from_numpy(choice.weights.astype(np.float32)).to(device)
-    return Rows(data, idx, kept_losses, probs, weights)
+    return Rows(data, idx, kept_losses, probs, weights, features, logits)
 
 
 class PendingRows:
@@ -226,10 +251,21 @@ class PendingRows:
         """Remove and return the first ``k`` rows (``k <= len(self)``)."""
         if not 0 < k <= self._count:
             raise ValueError(f"k should be in [1, {self._count}], but got k={k}")
-        head, rest = Rows.concat(self._parts).split(k)
+        # NOTE: only the parts that hold the first k rows are joined; the rest stay as they are
+        # (views), so that a row is copied once on its way to a batch, not at every pop.
+        parts, held, used = self._parts, 0, 0
+        while held < k:
+            held += len(parts[used])
+            used += 1
+        rest = parts[used:]
+        if held > k:
+            last, tail = parts[used - 1].split(len(parts[used - 1]) - (held - k))
+            parts, rest = [*parts[: used - 1], last], [tail, *rest]
+        else:
+            parts = parts[:used]
+        self._parts = rest
         self._count -= k
-        self._parts = [rest] if self._count else []
-        return head
+        return Rows.concat(parts)
 
     def clear(self) -> int:
         """Drop every pending row; returns how many there were."""

@@ -45,20 +45,16 @@ def _class_counts(targets: Any) -> np.ndarray | None:
     """Targets as int64 class indices on the host, or None where they are not class indices on
     the CPU (see :meth:`EpochStats.count_classes`)."""
     if isinstance(targets, torch.Tensor):
-        if targets.dim() != 1 or targets.device.type != "cpu" or targets.dtype == torch.bool:
+        if targets.dim() != 1 or not targets.is_cpu or targets.dtype == torch.bool:
             return None
         if targets.is_floating_point() or targets.is_complex():
             return None
-        values = targets.numpy()
-    elif isinstance(targets, np.ndarray):
+        return targets.numpy()
+    if isinstance(targets, np.ndarray):
         if targets.ndim != 1 or targets.dtype.kind not in "iu":
             return None
-        values = targets
-    else:
-        return None
-    if values.size and values.min() < 0:
-        return None
-    return values
+        return targets
+    return None
 
 
 def _add(total: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -68,6 +64,15 @@ def _add(total: np.ndarray, counts: np.ndarray) -> np.ndarray:
     out = total.copy()
     out[: counts.size] += counts
     return out
+
+
+def _accumulate(total: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``total + counts`` in ``total`` itself where it is long enough (an epoch's own running
+    counts, added to once per source batch), else as :func:`_add`."""
+    if counts.size > total.size:
+        return _add(total, counts)
+    total[: counts.size] += counts
+    return total
 
 
 @dataclass
@@ -133,7 +138,8 @@ class EpochStats:
         for name in CLASS_FIELDS:
             value = getattr(self, name)
             if value is not None:
-                setattr(self, name, np.asarray(value, dtype=np.int64).reshape(-1))
+                # A copy: count_classes adds to these arrays in place.
+                setattr(self, name, np.array(value, dtype=np.int64).reshape(-1))
 
     def count_classes(self, targets: Any, positions: np.ndarray | None) -> None:
         """Count one source batch's candidates by class, and those selected (``positions``;
@@ -159,10 +165,14 @@ class EpochStats:
         if values is None:
             self.class_seen = self.class_selected = None
             return
-        seen = np.bincount(values)
-        self.class_seen = _add(self.class_seen, seen)
+        try:
+            seen = np.bincount(values)
+        except ValueError:  # a negative target (e.g. an ignore index): no class indices
+            self.class_seen = self.class_selected = None
+            return
+        self.class_seen = _accumulate(self.class_seen, seen)
         chosen = seen if positions is None else np.bincount(values[positions], minlength=seen.size)
-        self.class_selected = _add(self.class_selected, chosen)
+        self.class_selected = _accumulate(self.class_selected, chosen)
 
     @property
     def class_selection_rates(self) -> np.ndarray | None:

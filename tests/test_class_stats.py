@@ -131,6 +131,20 @@ def test_counts_of_growing_class_ranges_add_up_and_round_trip():
     assert all(isinstance(v, int) for v in s.state_dict()["epochs"][0]["class_seen"])
 
 
+def test_counts_added_in_place_leave_the_arrays_they_came_from_and_the_totals_alone():
+    given = np.array([1, 2], dtype=np.int64)
+    e = EpochStats(class_seen=given, class_selected=given)
+    e.count_classes(np.array([0, 1, 1]), np.array([0]))
+    assert given.tolist() == [1, 2] and e.class_seen.tolist() == [2, 4]
+    assert e.class_selected.tolist() == [2, 2]
+    s = LoaderStats()
+    first = s.begin_epoch(0, 1.0)
+    first.count_classes(np.array([0, 1]), None)
+    total = s.total.class_seen
+    first.count_classes(np.array([1]), None)
+    assert total.tolist() == [1, 1] and s.total.class_seen.tolist() == [1, 2]
+
+
 def test_stale_epochs_that_prefilter_report_no_rates():
     policy = sbloader.SelectiveBackprop(1 / 3, staleness=2)
     loader = run_epochs(policy, epochs=2)

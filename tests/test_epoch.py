@@ -334,6 +334,24 @@ def test_pending_rows_pop_in_order_and_refuse_too_many():
     assert p.clear() == 2 and len(p) == 0
 
 
+def test_pending_rows_pop_joins_only_the_parts_it_needs_and_keeps_every_row_once():
+    p = PendingRows()
+    for start, size in ((0, 3), (3, 2), (5, 4), (9, 1)):
+        idx = np.arange(start, start + size)
+        p.add(metadata_rows([torch.arange(start, start + size) * 10], None, None, idx, size, CPU))
+    got = [p.pop(k) for k in (2, 1, 4, 3)]  # inside a part, a part's end, three parts, the rest
+    assert [r.data[0].tolist() for r in got] == [[0, 10], [20], [30, 40, 50, 60], [70, 80, 90]]
+    assert [r.indices.tolist() for r in got] == [[0, 1], [2], [3, 4, 5, 6], [7, 8, 9]]
+    assert len(p) == 0 and p.full_batches(1) == 0
+    # A batch inside one part is that part's rows, not a copy of every pending row.
+    column = torch.arange(6)
+    for part in (column, torch.arange(6, 9)):
+        p.add(metadata_rows([part], None, None, None, len(part), CPU))
+    head = p.pop(2)
+    assert head.data[0].data_ptr() == column.data_ptr() and head.data[0].tolist() == [0, 1]
+    assert p.pop(7).data[0].tolist() == [2, 3, 4, 5, 6, 7, 8]
+
+
 def test_a_bad_field_is_one_kind_of_error_for_dicts_and_positions():
     dict_batches = [{"x": torch.zeros(2, 3), "y": torch.zeros(2, dtype=torch.long)}]
     tuple_batches = [(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long))]

@@ -70,6 +70,24 @@ def test_matches_reference_on_streams_with_ties_nan_inf(size, beta):
         np.testing.assert_allclose(w.rank(probe, beta), ref.rank(probe, beta))
 
 
+@pytest.mark.parametrize("size", [1, 5, 40, 1024])
+def test_batched_ranking_matches_one_loss_at_a_time(size):
+    """push_rank_and_draw ranks a batch of 32 or more finite losses with a Fenwick tree: the
+    same probabilities, ring and sorted window as the one-at-a-time reference, across batch
+    sizes either side of that threshold, signed zeros, ties and evictions."""
+    rng = np.random.default_rng(size)
+    w, ref = LossWindow(size), ReferenceWindow(size)
+    for n in (31, 32, 33, 300, 1, 64, 2500):
+        losses = stream(rng, n)
+        losses[rng.random(n) < 0.1] = -0.0
+        losses[rng.random(n) < 0.1] = 0.0
+        p, positions, _, _ = w.push_rank_and_draw(losses, np.full(n, 0.5), 2.0, False)
+        np.testing.assert_array_equal(p, ref.push_and_rank(losses, 2.0))
+        np.testing.assert_array_equal(positions, np.flatnonzero(p > 0.5))
+        np.testing.assert_array_equal(w.values(), np.array(ref.ring))
+        np.testing.assert_array_equal(w.sorted_values(), np.sort(np.array(ref.ring)))
+
+
 def test_nonfinite_never_enter_the_window():
     w = LossWindow(8)
     p = w.push_and_rank(np.array([np.nan, np.inf, -np.inf, 1.0]), 1.0)
