@@ -284,7 +284,8 @@ class SelectiveLoader:
             Training forwards are not affected. Its refresh clock and the copy's int8 values are
             part of :meth:`state_dict` (a resume scores with the same copy). Refused
             (``ValueError``) with a model torch.fx cannot trace, on a GPU, and with an
-            ``autocast`` dtype (``"auto"`` gives way to it), ``compile_selection``, ``forward=`` (or a tuple ``input_key``),
+            ``autocast`` dtype (``"auto"`` gives way to it), ``compile_selection``,
+            ``forward=`` (or a tuple ``input_key``),
             ``frozen_prefix``, ``eval_selection=False`` or an FSDP-sharded model; a model with
             layers that have no int8 kernels fails on the first source batch
             (``RuntimeError``). Refreshes are counted in ``loader.scorer.quantized.refreshes``;
