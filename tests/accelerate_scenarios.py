@@ -9,6 +9,7 @@ data is tiny and synthetic; every collective runs on gloo.
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from launch import end_process_group, leave
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -139,10 +141,9 @@ def bare_loader_registered(path: Path) -> str:
     return ""
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
+def run(out: Path) -> dict[str, Any]:
+    """Everything above on this rank; ends with Accelerate's own teardown (``end_training``)."""
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE)
-    rank = accelerator.process_index
     result = native_and_selective(accelerator)
     model, opt, loader = build(accelerator)
     result["epoch_size_sb"] = loader.loader.source.epoch_size
@@ -157,8 +158,21 @@ def main() -> None:
     accelerator.wait_for_everyone()
     result["bare"] = bare_loader_registered(out / "bare")
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroys the process group, as Accelerate asks scripts to
+    return result
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    rank = int(os.environ["RANK"])
+    result = run(out)
+    # NOTE: torch keeps the group of a model once wrapped in DDP (Accelerate's prepare) alive
+    # past destroy_process_group, so gloo's workers are still running here and this rank leaves
+    # without finalizing (see tests/launch.py end_process_group).
+    threads = end_process_group()
     with open(out / f"{rank}.pkl", "wb") as f:
         pickle.dump(result, f)
+    leave(threads)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from launch import end_process_group, leave
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset
@@ -88,9 +89,13 @@ def main() -> None:
     rank = dist.get_rank()
     result = {kind: run(kind, rank) for kind in ("FullyShardedDataParallel", "fully_shard")}
     dist.barrier()
+    # NOTE: fully_shard's DTensor caches keep the group alive past destroy_process_group, so
+    # gloo's workers are still running here and this rank leaves without finalizing (see
+    # tests/launch.py end_process_group).
+    threads = end_process_group()
     with open(Path(sys.argv[1]) / f"{rank}.pkl", "wb") as f:
         pickle.dump(result, f)
-    dist.destroy_process_group()
+    leave(threads)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import N_CLASSES, EncodedDataset, IndexLoss, bn_model
-from launch import free_port, spawn_ranks
+from launch import end_process_group, free_port, gloo_threads, leave, spawn_ranks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
@@ -58,9 +58,10 @@ def _worker(rank: int, world_size: int, port: int, scenario: str, out: str, kwar
         result = SCENARIOS[scenario](rank, world_size, **kwargs)
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        threads = end_process_group()
     with open(Path(out) / f"{rank}.pkl", "wb") as f:
         pickle.dump(result, f)
+    leave(threads)  # (a DDP scenario's group outlives it: see tests/launch.py)
 
 
 def run_ranks(scenario: str, world_size: int, tmp_path: Path, **kwargs) -> list:
@@ -817,6 +818,20 @@ def test_distributed_false_under_an_initialised_group_makes_no_collectives(tmp_p
         assert run(distributed=True) == alone and calls["all_reduce"] > 0  # the spy sees them
     finally:
         dist.destroy_process_group()
+
+
+def test_a_destroyed_group_still_held_keeps_gloos_workers_and_is_reported(tmp_path):
+    """The ranks above leave with launch.leave(end_process_group()): a destroyed group that
+    something still holds (as torch does after DDP or fully_shard) keeps gloo's worker threads
+    running, and end_process_group reports them; once nothing holds it, they are joined."""
+    before = gloo_threads()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    dist.all_reduce(torch.ones(2))
+    held = dist.group.WORLD
+    assert len(end_process_group()) > len(before)  # destroyed, but held: still running
+    del held
+    assert end_process_group() == before  # freed: joined
 
 
 @pytest.mark.parametrize(

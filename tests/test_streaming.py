@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import N_CLASSES, EncodedDataset, IndexLoss, import_streaming, streaming_env
-from launch import free_port, spawn_ranks
+from launch import end_process_group, free_port, leave, spawn_ranks
 from torch import nn
 
 from sbloader import SelectiveBackprop, SelectiveLoader, Traditional
@@ -210,9 +210,10 @@ def _two_ranks(rank: int, world_size: int, port: int, local: str, out: str) -> N
         released(loader)
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        threads = end_process_group()
     with open(Path(out) / f"{rank}.pkl", "wb") as f:
         pickle.dump(result, f)
+    leave(threads)
 
 
 @pytest.mark.slow  # two spawned ranks, each importing streaming (and transformers): ~25 s
