@@ -53,7 +53,8 @@ class Strategy:
     """The training step reports its per-example losses (``loader.feedback``)."""
     as_user: bool = False
     """The loader as a user gets it with no options: source batches of the training batch and
-    fp32 selection passes (else the configuration's pools and selection precision)."""
+    the loader's own selection precision, ``autocast="auto"`` (else the configuration's pools and
+    selection precision)."""
     quantized: bool = False
     """Selection passes through the loader's int8 copy of the model (``quantize_selection=True``,
     CPU only) instead of the configuration's selection precision."""
