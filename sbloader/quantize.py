@@ -24,6 +24,7 @@ from torch import nn
 
 from ._checks import check_int
 from ._state import check_version
+from .selection import model_device
 
 __all__ = ["QuantizedSelection", "QuantizedSelector", "qconfig_mapping", "quantized_selection"]
 
@@ -97,7 +98,7 @@ def check_quantizable(model: nn.Module, conflicts: Mapping[str, bool], device: t
                 f"quantize_selection cannot be combined with {what}; pass quantize_selection="
                 "False, or drop the other option"
             )
-    where = _device(model)
+    where = model_device(model)
     for name, dev in (("the selection model", where), ("device", device)):
         if dev.type != "cpu":
             raise ValueError(
@@ -179,14 +180,6 @@ def _int8_copy(model: nn.Module, calib: torch.Tensor, engine: str) -> nn.Module:
     with torch.inference_mode():
         quantized(calib[:2])  # an op without int8 kernels fails here, not mid-epoch
     return quantized
-
-
-def _device(model: nn.Module) -> torch.device:
-    for t in model.parameters():
-        return t.device
-    for b in model.buffers():
-        return b.device
-    return torch.device("cpu")
 
 
 class QuantizedSelector:
