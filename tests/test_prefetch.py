@@ -48,8 +48,10 @@ def build(policy_fn, prefetch, ds=None, workers=0, **kw):
     )
 
 
-def prefetch_threads():
-    return [t for t in threading.enumerate() if t.name == "sbloader-prefetch"]
+def prefetch_threads(before=()):
+    """The loader's prefetch threads alive now, except those in ``before`` (left by an earlier
+    test of the session, whose abandoned iterator the garbage collector has not reached yet)."""
+    return [t for t in threading.enumerate() if t.name == "sbloader-prefetch" and t not in before]
 
 
 POLICIES = {
@@ -101,6 +103,7 @@ def test_mid_epoch_resume_with_prefetching_matches_an_uninterrupted_run(stop_aft
 
 def test_the_next_source_batch_is_fetched_while_the_caller_holds_a_batch():
     ds = CountingDataset(600)
+    before = prefetch_threads()
     loader = build(Traditional, 1, ds=ds)
     it = iter(loader)
     next(it)
@@ -116,25 +119,27 @@ def test_the_next_source_batch_is_fetched_while_the_caller_holds_a_batch():
     threading.Event().wait(max(0.2, 2 * took))
     assert 60 <= ds.loaded <= 90
     it.close()
-    assert not prefetch_threads()
+    assert not prefetch_threads(before)
 
 
 def test_abandoning_an_epoch_stops_the_thread_and_the_next_epoch_starts_clean():
+    before = prefetch_threads()
     loader = build(POLICIES["sb"], 1)
     for i, _ in enumerate(loader):
         if i == 2:
             break
-    assert not prefetch_threads()
+    assert not prefetch_threads(before)
     assert sum(len(b[1]) for b in loader) > 0  # epoch 1 runs, from the start of its order
     assert loader.epoch == 2
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_failing_dataset_surfaces_in_the_callers_thread(workers):
+    before = prefetch_threads()
     loader = build(POLICIES["sb"], 1, ds=CountingDataset(600, fail_at=17), workers=workers)
     with pytest.raises(RuntimeError, match="cannot read example 17"):
         list(loader)
-    assert not prefetch_threads()
+    assert not prefetch_threads(before)
 
 
 def test_prefetch_defaults_and_bad_values():
