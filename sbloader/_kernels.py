@@ -279,13 +279,17 @@ def sb_choose_fresh(
     out_p: np.ndarray,
     out_positions: np.ndarray,
     out_weights: np.ndarray,
+    uniform_share: float = 0.0,
 ) -> int:
     """Selective-Backprop's decision for one batch with a selection pass, in one call.
 
     Each loss enters the window and gets ``P = CDF(loss) ** beta`` as in
-    :func:`push_and_cdf_power` (NaN when not finite); candidate ``i`` is kept when
-    ``uniforms[i] < P``. Kept positions go to ``out_positions`` in order, their weights
-    (``1 / P`` with ``reweight``, else 1) to ``out_weights``. With a store (``indices`` not
+    :func:`push_and_cdf_power` (NaN when not finite), blended with the uniform keeping
+    probability ``1 / (beta + 1)`` when ``uniform_share`` u > 0:
+    ``P = u / (beta + 1) + (1 - u) * CDF(loss) ** beta`` (the same expected kept fraction;
+    u = 0 leaves P exactly as it was); candidate ``i`` is kept when ``uniforms[i] < P``. Kept
+    positions go to ``out_positions`` in order, their weights (``1 / P`` with ``reweight``,
+    else 1) to ``out_weights``. With a store (``indices`` not
     empty), each finite loss is recorded for its dataset index in ``epoch`` and each kept index
     counts one selection.
 
@@ -308,6 +312,8 @@ def sb_choose_fresh(
             out_p[i] = np.nan
             continue
         p = (counts[i] / sizes[i]) ** beta
+        if uniform_share > 0.0:
+            p = uniform_share / (beta + 1.0) + (1.0 - uniform_share) * p
         out_p[i] = p
         if has_store:
             j = indices[i]

@@ -155,6 +155,7 @@ class DeviceWindow:
         *,
         reweight: bool = False,
         nonfinite: str = "skip",
+        uniform_share: float = 0.0,
     ) -> DeviceChoice:
         """Selective-Backprop's decision for one batch on the losses' device.
 
@@ -170,6 +171,8 @@ class DeviceWindow:
             beta: the exponent.
             reweight: weights ``1 / P`` instead of 1 (non-finite ``"select"``: 1).
             nonfinite: ``"skip"``, ``"select"`` or ``"raise"``.
+            uniform_share: u in [0, 1]: a finite loss's P becomes
+                ``u / (beta + 1) + (1 - u) * P`` (as :meth:`LossWindow.push_rank_and_draw`).
         """
         self.to(losses.device)
         n = losses.shape[0]
@@ -180,6 +183,8 @@ class DeviceWindow:
             )
         count, size, finite = self.ranks(losses)
         p = (count.to(torch.float64) / size.clamp(min=1).to(torch.float64)) ** beta
+        if uniform_share > 0.0:
+            p = uniform_share / (beta + 1.0) + (1.0 - uniform_share) * p
         p = torch.where(finite, p, 1.0 if nonfinite == "select" else 0.0)
         keep = uniforms < p
         # NOTE: the only transfer to the host: two integers, in one copy.

@@ -320,6 +320,7 @@ class EpochIterator:
             batch = loader._codec.view(data)
             scored = scorer.score(inputs, targets, indices, self.epoch, stats, batch)
             scorer.pad(pad)
+            loader.policy.advance(self.epoch + self.fraction())
             if loader._decider is not None:
                 self._decide_on_device(scored, data, indices, n, t0)
                 return
@@ -434,6 +435,25 @@ class EpochIterator:
         stats.batches_yielded += 1
         self._last = rows
         return batch
+
+    def fraction(self) -> float:
+        """The share of this epoch's source data drawn so far, in [0, 1]: candidates drawn (also
+        those rejected before loading and those outside ``subset``) against the examples of an
+        epoch, or source batches against the source's length where its size is unknown; 0 for a
+        source of neither (see :attr:`SelectiveLoader.progress
+        <sbloader.SelectiveLoader.progress>`)."""
+        stats = self.stats
+        if stats is None:
+            return 0.0
+        source = self._loader._source
+        size = source.epoch_size
+        if size:
+            return min((stats.examples_seen + stats.excluded) / size, 1.0)
+        try:
+            n = len(source)
+        except TypeError:
+            return 0.0
+        return min(self.position / n, 1.0) if n else 0.0
 
     def _not_trained(self, unconsumed: int) -> list[Rows]:
         """The batches a state saved now must hand out first when resumed: the last one handed

@@ -709,17 +709,9 @@ class SelectiveLoader:
         on them would lag within the epoch and jump at its end.
         """
         it = self._live_iterator()
-        if it is None or not it.running or it.stats is None:
+        if it is None or not it.running:
             return float(self.epoch)
-        size = self._source.epoch_size
-        if size:
-            drawn = it.stats.examples_seen + it.stats.excluded
-            return float(self.epoch + min(drawn / size, 1.0))
-        try:
-            n = len(self._source)
-        except TypeError:
-            return float(self.epoch)
-        return float(self.epoch + (min(it.position / n, 1.0) if n else 0.0))
+        return float(self.epoch + it.fraction())
 
     def expected_batches(self) -> float:
         """The expected number of training batches per pass over the data (an estimate when

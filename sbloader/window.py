@@ -75,6 +75,7 @@ class LossWindow:
         columns: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
         indices: np.ndarray | None = None,
         epoch: int = 0,
+        uniform_share: float = 0.0,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """Selective-Backprop's whole decision for one batch, in one kernel call.
 
@@ -91,6 +92,8 @@ class LossWindow:
                 counts one selection.
             indices: int64 dataset indices (with ``columns``).
             epoch: the epoch the losses were measured in (with ``columns``).
+            uniform_share: u in [0, 1]: P becomes ``u / (beta + 1) + (1 - u) * P``, a blend
+                with uniform keeping at the same expected rate (0: SB's P unchanged).
 
         Returns:
             ``(probabilities, positions, weights, outside)``; ``outside`` > 0 is the number of
@@ -132,6 +135,7 @@ class LossWindow:
             out_p,
             out_pos,
             out_w,
+            float(uniform_share),
         )
         if k < 0:
             return out_p, out_pos[:0], out_w[:0], -k
