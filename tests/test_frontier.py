@@ -246,3 +246,29 @@ def test_the_frontier_preset_runs_interleaved_and_reports_the_frontier_first(tmp
     assert "| x1.0 |" in summary and "| x1.05 |" in summary and "| x1.4 |" in summary
     assert "traditional (1, 2 ep)" in summary and "stale_sb_3_rwarmup (2 ep)" in summary
     assert json.loads((tmp_path / "config.json").read_text())["interleave"] is True
+
+
+def test_a_report_of_only_noisy_runs_breaks_down_their_time_and_lists_no_clean_row():
+    """The label-noise frontier trains every run with flipped labels: its time breakdown reads
+    those runs (it was an empty table), and its noise table has no empty 0% row."""
+    from benchmarks.core.records import Run
+    from benchmarks.core.report import summary_markdown
+
+    runs = []
+    for name, secs in [("traditional", 30.0), ("recipe_anneal_fb", 12.0)]:
+        run = Run(name, 0, 0.1, planned_epochs=2, interleaved=True)
+        run.points = [dict(position=0.0, time_s=0.0, error=1.0, backprops=0, selections=0)]
+        run.points += [dict(position=2.0, time_s=secs, error=0.2, backprops=0, selections=0)]
+        run.final_error, run.train_s = 0.2, secs
+        run.breakdown = dict(forward=secs / 3, backward=secs / 2)
+        if name != "traditional":
+            run.breakdown["selection"] = 1.5
+        runs.append(run)
+    cfg = Config(preset="frontier_noise", epochs=2, seeds=(0,))
+    text = summary_markdown(cfg, runs, machine_info())
+    breakdown = text[text.index("## Time breakdown") :].split("\n\n")[1]
+    assert "10% of labels flipped" in text[text.index("## Time breakdown") :].split("\n")[0]
+    assert "| traditional | 0.0 | 10.0 | 15.0 |" in breakdown
+    assert "| recipe_anneal_fb | 1.5 | 4.0 | 6.0 |" in breakdown
+    noise = text[text.index("## Label noise") :]
+    assert "| 0% |" not in noise and "| 10% | 20.00% | 20.00% |" in noise
