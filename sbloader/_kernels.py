@@ -81,6 +81,15 @@ def window_push(ring: np.ndarray, sorted_values: np.ndarray, meta: np.ndarray, x
 
 
 @_jit
+def cut_power(cdf: float, beta: float, cut: float) -> float:
+    """``(cdf / cut) ** beta`` up to ``cut``, 0 above it: Selective-Backprop's P with the losses
+    above the window's ``cut`` quantile never kept (``cut = 1``: exactly ``cdf ** beta``)."""
+    if cdf > cut:
+        return 0.0
+    return (cdf / cut) ** beta
+
+
+@_jit
 def push_and_cdf_power(
     ring: np.ndarray,
     sorted_values: np.ndarray,
@@ -88,6 +97,7 @@ def push_and_cdf_power(
     losses: np.ndarray,
     beta: float,
     out: np.ndarray,
+    cut: float = 1.0,
 ) -> None:
     """Selective-Backprop's probability, one loss at a time, as the paper's Algorithm 1.
 
@@ -99,6 +109,7 @@ def push_and_cdf_power(
     at least 1/len(window) because the loss itself is in the window, gives the largest loss P = 1,
     and gives all-equal losses P = 1: when losses carry no ranking information (e.g. fp16
     underflow to 0) Selective-Backprop degrades to Traditional rather than to selecting nothing.
+    With ``cut`` < 1, P is :func:`cut_power` of the CDF (the losses above the cut never kept).
     """
     for i in range(losses.shape[0]):
         x = losses[i]
@@ -107,24 +118,30 @@ def push_and_cdf_power(
             continue
         window_push(ring, sorted_values, meta, x)
         n = meta[0]
-        out[i] = (count_le(sorted_values, n, x) / n) ** beta
+        out[i] = cut_power(count_le(sorted_values, n, x) / n, beta, cut)
 
 
 @_jit
 def cdf_power(
-    sorted_values: np.ndarray, n: int, losses: np.ndarray, beta: float, out: np.ndarray
+    sorted_values: np.ndarray,
+    n: int,
+    losses: np.ndarray,
+    beta: float,
+    out: np.ndarray,
+    cut: float = 1.0,
 ) -> None:
     """``CDF(loss) ** beta`` against the window without changing it; NaN for non-finite losses.
 
     Each loss is ranked as if it had been added to the window, ``(#{w <= loss} + 1) / (n + 1)``,
-    so that, as in ``push_and_cdf_power``, no loss gets P = 0 and an empty window gives P = 1.
+    so that, as in ``push_and_cdf_power``, no loss gets P = 0 and an empty window gives P = 1
+    (with ``cut`` < 1: :func:`cut_power` of that CDF).
     """
     for i in range(losses.shape[0]):
         x = losses[i]
         if not np.isfinite(x):
             out[i] = np.nan
         else:
-            out[i] = ((count_le(sorted_values, n, x) + 1) / (n + 1)) ** beta
+            out[i] = cut_power((count_le(sorted_values, n, x) + 1) / (n + 1), beta, cut)
 
 
 #: From this many finite losses on, :func:`push_all` ranks a batch with a Fenwick tree.
@@ -280,6 +297,7 @@ def sb_choose_fresh(
     out_positions: np.ndarray,
     out_weights: np.ndarray,
     uniform_share: float = 0.0,
+    cut: float = 1.0,
 ) -> int:
     """Selective-Backprop's decision for one batch with a selection pass, in one call.
 
@@ -287,7 +305,9 @@ def sb_choose_fresh(
     :func:`push_and_cdf_power` (NaN when not finite), blended with the uniform keeping
     probability ``1 / (beta + 1)`` when ``uniform_share`` u > 0:
     ``P = u / (beta + 1) + (1 - u) * CDF(loss) ** beta`` (the same expected kept fraction;
-    u = 0 leaves P exactly as it was); candidate ``i`` is kept when ``uniforms[i] < P``. Kept
+    u = 0 leaves P exactly as it was), and with ``cut`` < 1 the CDF's power is
+    :func:`cut_power`'s (and the uniform share's rate ``cut / (beta + 1)``, the same kept
+    fraction as cut_power's P); candidate ``i`` is kept when ``uniforms[i] < P``. Kept
     positions go to ``out_positions`` in order, their weights (``1 / P`` with ``reweight``,
     else 1) to ``out_weights``. With a store (``indices`` not
     empty), each finite loss is recorded for its dataset index in ``epoch`` and each kept index
@@ -311,9 +331,10 @@ def sb_choose_fresh(
         if not np.isfinite(x):
             out_p[i] = np.nan
             continue
-        p = (counts[i] / sizes[i]) ** beta
+        p = cut_power(counts[i] / sizes[i], beta, cut)
         if uniform_share > 0.0:
-            p = uniform_share / (beta + 1.0) + (1.0 - uniform_share) * p
+            # cut / (beta + 1): the kept fraction of cut_power's P (1 / (beta + 1) at cut = 1)
+            p = uniform_share * cut / (beta + 1.0) + (1.0 - uniform_share) * p
         out_p[i] = p
         if has_store:
             j = indices[i]
@@ -342,11 +363,12 @@ def sb_choose_stale(
     out_p: np.ndarray,
     out_positions: np.ndarray,
     out_weights: np.ndarray,
+    cut: float = 1.0,
 ) -> int:
     """Stale-SB's decision for one batch without a selection pass, in one call.
 
     Each candidate's P comes from its stored loss ranked against the window without changing it,
-    as :func:`cdf_power` (P = 1 for an example never scored); it is kept when
+    as :func:`cdf_power` (with its ``cut``; P = 1 for an example never scored); it is kept when
     ``uniforms[i] < P`` and counts one selection. Outputs and the return value as in
     :func:`sb_choose_fresh`.
     """
@@ -360,7 +382,7 @@ def sb_choose_stale(
             p = 1.0
         else:
             x = np.float64(store_loss[j])
-            p = ((count_le(sorted_values, n, x) + 1) / (n + 1)) ** beta
+            p = cut_power((count_le(sorted_values, n, x) + 1) / (n + 1), beta, cut)
         out_p[i] = p
         if uniforms[i] < p:
             out_positions[k] = i

@@ -156,6 +156,7 @@ class DeviceWindow:
         reweight: bool = False,
         nonfinite: str = "skip",
         uniform_share: float = 0.0,
+        cut: float = 1.0,
     ) -> DeviceChoice:
         """Selective-Backprop's decision for one batch on the losses' device.
 
@@ -173,6 +174,9 @@ class DeviceWindow:
             nonfinite: ``"skip"``, ``"select"`` or ``"raise"``.
             uniform_share: u in [0, 1]: a finite loss's P becomes
                 ``u / (beta + 1) + (1 - u) * P`` (as :meth:`LossWindow.push_rank_and_draw`).
+            cut: the CDF above which a finite loss's P is 0, below it ``(CDF / cut) ** beta``
+                (1: SB's P), the uniform share's rate then ``cut / (beta + 1)`` (as
+                :meth:`LossWindow.push_rank_and_draw`).
         """
         self.to(losses.device)
         n = losses.shape[0]
@@ -182,9 +186,13 @@ class DeviceWindow:
                 f"{tuple(uniforms.shape)}"
             )
         count, size, finite = self.ranks(losses)
-        p = (count.to(torch.float64) / size.clamp(min=1).to(torch.float64)) ** beta
+        cdf = count.to(torch.float64) / size.clamp(min=1).to(torch.float64)
+        if cut < 1.0:
+            p = torch.where(cdf > cut, 0.0, (cdf / cut) ** beta)
+        else:
+            p = cdf**beta
         if uniform_share > 0.0:
-            p = uniform_share / (beta + 1.0) + (1.0 - uniform_share) * p
+            p = uniform_share * cut / (beta + 1.0) + (1.0 - uniform_share) * p
         p = torch.where(finite, p, 1.0 if nonfinite == "select" else 0.0)
         keep = uniforms < p
         # NOTE: the only transfer to the host: two integers, in one copy.

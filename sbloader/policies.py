@@ -280,6 +280,13 @@ class SelectiveBackprop(Policy):
             in the data (0: the paper's SB from the first batch). At most 1 with
             ``staleness > 1``: only Stale-SB's first epoch makes a selection pass, and its
             stale epochs decide from stored losses without a blend.
+        trim_top: q in [0, 1 - selectivity]: never keep the losses above the window's 1 - q
+            quantile (the q highest), and keep the others with ``P = (CDF / (1 - q)) **
+            beta_q``, ``beta_q = (1 - q)(beta + 1) - 1``, so that the expected kept fraction
+            stays ``selectivity`` (0: the paper's P). For labels known to be noisy: the
+            highest losses are then mostly the mislabelled examples, which loss-ranked
+            selection otherwise trains on the most. Applies to every decision with losses,
+            stored or fresh; an example never scored keeps P = 1.
 
     NOTE (the ramp): switching from uniform to loss-ranked batches at a high learning rate can
     raise the test error for a while (measured here, the CNN: 14.7% after a Random-Backprop
@@ -311,6 +318,7 @@ class SelectiveBackprop(Policy):
         reweight: bool = False,
         store_path: str | None = None,
         ramp_epochs: float = 0.0,
+        trim_top: float = 0.0,
     ) -> None:
         if selectivity is not None and beta is not None:
             raise ValueError(
@@ -340,6 +348,16 @@ class SelectiveBackprop(Policy):
                 "use staleness=1 for a longer ramp"
             )
         self._uniform_share = 1.0 if self.ramp_epochs > 0 else 0.0
+        self.trim_top = check_float("trim_top", trim_top, low=0.0, high=1.0)
+        if self.trim_top > 1.0 - self.selectivity or self.trim_top == 1.0:
+            raise ValueError(
+                f"trim_top should be at most 1 - selectivity = {1.0 - self.selectivity:g} (the "
+                "share of losses this policy can leave out and still keep its selectivity), but "
+                f"got trim_top={trim_top}; lower trim_top or the selectivity"
+            )
+        # The CDF above which P is 0 and the exponent below it (see trim_top).
+        self._cut = 1.0 - self.trim_top
+        self._cut_beta = self.beta if self.trim_top == 0 else self._cut * (self.beta + 1.0) - 1.0
         # The pass schedule (state): the last epoch with a pass, whether the losses of the
         # epoch before the current one were reported, the epoch begun and its decision.
         self._last_fresh: int | None = None
@@ -431,6 +449,8 @@ class SelectiveBackprop(Policy):
             fed = f", fed_staleness={self.fed_staleness}"
         if self.ramp_epochs:
             fed += f", ramp_epochs={self.ramp_epochs:g}"
+        if self.trim_top:
+            fed += f", trim_top={self.trim_top:g}"
         return f"SelectiveBackprop(staleness={self.staleness}{fed})"
 
     def takes_feedback(self) -> bool:
@@ -452,7 +472,7 @@ class SelectiveBackprop(Policy):
 
     def probabilities(self, losses: np.ndarray) -> np.ndarray:
         """Add the losses to the window in order and return each one's P (NaN if not finite)."""
-        return self.window.push_and_rank(losses, self.beta)
+        return self.window.push_and_rank(losses, self._cut_beta, self._cut)
 
     def stale_probabilities(self, indices: np.ndarray) -> np.ndarray:
         """P of each example from its stored loss, without changing the window.
@@ -461,7 +481,7 @@ class SelectiveBackprop(Policy):
         never silently skipped.
         """
         stored, measured = self._stale_store().lookup(indices)
-        p = self.window.rank(stored, self.beta)
+        p = self.window.rank(stored, self._cut_beta, self._cut)
         p[measured < 0] = 1.0
         return p
 
@@ -493,12 +513,13 @@ class SelectiveBackprop(Policy):
             p, positions, weights, outside = self.window.push_rank_and_draw(
                 losses,
                 rng.random(n),
-                self.beta,
+                self._cut_beta,
                 self.reweight,
                 None if store is None else store.columns,
                 indices,
                 self._epoch,
                 self._uniform_share,
+                self._cut,
             )
         elif self.staleness > 1:
             store = self._stale_store()
@@ -506,8 +527,9 @@ class SelectiveBackprop(Policy):
                 store.columns,
                 indices,
                 hashed_uniforms(self._key, self._epoch, indices),
-                self.beta,
+                self._cut_beta,
                 self.reweight,
+                self._cut,
             )
         else:
             raise ValueError("SelectiveBackprop needs selection losses, but got losses=None")
@@ -527,10 +549,11 @@ class SelectiveBackprop(Policy):
         return self.device_window.push_rank_and_draw(
             losses,
             uniforms,
-            self.beta,
+            self._cut_beta,
             reweight=self.reweight,
             nonfinite=nonfinite,
             uniform_share=self._uniform_share,
+            cut=self._cut,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -581,6 +604,7 @@ class SelectiveBackprop(Policy):
             extra += f", fed_staleness={self.fed_staleness}"
         extra += ", reweight=True" if self.reweight else ""
         extra += f", ramp_epochs={self.ramp_epochs:g}" if self.ramp_epochs else ""
+        extra += f", trim_top={self.trim_top:g}" if self.trim_top else ""
         return f"SelectiveBackprop(beta={self.beta:g}, history={self.history}{extra})"
 
 
@@ -899,7 +923,10 @@ class Phased(Policy):
 
 
 def default_policy(
-    has_store: bool = True, epochs: int | None = None, ramp_epochs: float = 0.0
+    has_store: bool = True,
+    epochs: int | None = None,
+    ramp_epochs: float = 0.0,
+    trim_top: float = 0.0,
 ) -> Policy:
     """The policy of ``SelectiveLoader(source, model)`` with no ``policy=``: the recipe that
     measured fastest to every target here (README, Measured), not the paper's plain SB.
@@ -917,8 +944,12 @@ def default_policy(
     With ``epochs`` (the planned epochs of the run), the last eighth of them (at least one) train
     on all the data (InfoBatch's annealing): measured here, that one full epoch at the end of 10
     made the recipe lossless (Traditional-10's final error, 2.4x sooner; one seed).
-    ``SelectiveLoader(source, model)`` cannot know the run's length, so its default does not
-    anneal: pass ``policy=sbloader.default_policy(epochs=E)``.
+    ``SelectiveLoader(source, model)`` cannot know the run's length, so its default anneals only
+    when given ``planned_epochs=E`` (the same as ``policy=sbloader.default_policy(epochs=E)``).
+
+    ``ramp_epochs`` is the Stale-SB's :class:`SelectiveBackprop` ``ramp_epochs``: its selection
+    ramped in from uniform over that many epochs after the warm-up (at most 1 with the store).
+    ``trim_top`` is its ``trim_top``: the highest losses never kept (for noisy labels).
 
     The paper's plain SB is ``SelectiveBackprop(1 / 3)``.
 
@@ -937,9 +968,11 @@ def default_policy(
         epochs = check_int("epochs", epochs, minimum=warmup + 1)
         anneal = max(warmup, epochs - max(1, round(epochs / 8)))
     return Phased(
-        SelectiveBackprop(1 / 3, staleness=3, fed_staleness=10, ramp_epochs=ramp_epochs)
+        SelectiveBackprop(
+            1 / 3, staleness=3, fed_staleness=10, ramp_epochs=ramp_epochs, trim_top=trim_top
+        )
         if has_store
-        else SelectiveBackprop(1 / 3, ramp_epochs=ramp_epochs),
+        else SelectiveBackprop(1 / 3, ramp_epochs=ramp_epochs, trim_top=trim_top),
         warmup_epochs=warmup,
         warmup_policy=RandomBackprop(1 / 3),
         anneal_from_epoch=anneal,

@@ -54,16 +54,19 @@ class LossWindow:
     def __len__(self) -> int:
         return int(self._meta[0])
 
-    def push_and_rank(self, losses: np.ndarray, beta: float) -> np.ndarray:
-        """Add each finite loss in turn and return its ``CDF(loss) ** beta`` (NaN if not finite)."""
+    def push_and_rank(self, losses: np.ndarray, beta: float, cut: float = 1.0) -> np.ndarray:
+        """Add each finite loss in turn and return its ``CDF(loss) ** beta`` (NaN if not finite;
+        with ``cut`` < 1, ``(CDF / cut) ** beta`` up to the cut and 0 above it)."""
         if self.frozen:
             raise RuntimeError(_FROZEN)
-        return self._push_and_rank(losses, beta)
+        return self._push_and_rank(losses, beta, cut)
 
-    def _push_and_rank(self, losses: np.ndarray, beta: float) -> np.ndarray:
+    def _push_and_rank(self, losses: np.ndarray, beta: float, cut: float = 1.0) -> np.ndarray:
         losses = np.ascontiguousarray(losses, dtype=np.float64).reshape(-1)
         out = np.empty(losses.shape[0], dtype=np.float64)
-        _kernels.push_and_cdf_power(self._ring, self._sorted, self._meta, losses, float(beta), out)
+        _kernels.push_and_cdf_power(
+            self._ring, self._sorted, self._meta, losses, float(beta), out, float(cut)
+        )
         return out
 
     def push_rank_and_draw(
@@ -76,6 +79,7 @@ class LossWindow:
         indices: np.ndarray | None = None,
         epoch: int = 0,
         uniform_share: float = 0.0,
+        cut: float = 1.0,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """Selective-Backprop's whole decision for one batch, in one kernel call.
 
@@ -94,6 +98,8 @@ class LossWindow:
             epoch: the epoch the losses were measured in (with ``columns``).
             uniform_share: u in [0, 1]: P becomes ``u / (beta + 1) + (1 - u) * P``, a blend
                 with uniform keeping at the same expected rate (0: SB's P unchanged).
+            cut: the CDF above which P is 0, below it ``(CDF / cut) ** beta`` (1: SB's P);
+                the uniform share's rate is then ``cut / (beta + 1)``, that P's kept fraction.
 
         Returns:
             ``(probabilities, positions, weights, outside)``; ``outside`` > 0 is the number of
@@ -136,6 +142,7 @@ class LossWindow:
             out_pos,
             out_w,
             float(uniform_share),
+            float(cut),
         )
         if k < 0:
             return out_p, out_pos[:0], out_w[:0], -k
@@ -148,6 +155,7 @@ class LossWindow:
         uniforms: np.ndarray,
         beta: float,
         reweight: bool,
+        cut: float = 1.0,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """Stale-SB's decision for one batch from stored losses, in one kernel call.
 
@@ -171,16 +179,18 @@ class LossWindow:
             out_p,
             out_pos,
             out_w,
+            float(cut),
         )
         if k < 0:
             return out_p, out_pos[:0], out_w[:0], -k
         return out_p, out_pos[:k], out_w[:k], 0
 
-    def rank(self, losses: np.ndarray, beta: float) -> np.ndarray:
-        """``CDF(loss) ** beta`` without changing the window (each loss ranked as if added)."""
+    def rank(self, losses: np.ndarray, beta: float, cut: float = 1.0) -> np.ndarray:
+        """``CDF(loss) ** beta`` without changing the window (each loss ranked as if added; with
+        ``cut`` < 1 as :meth:`push_and_rank`)."""
         losses = np.ascontiguousarray(losses, dtype=np.float64).reshape(-1)
         out = np.empty(losses.shape[0], dtype=np.float64)
-        _kernels.cdf_power(self._sorted, len(self), losses, float(beta), out)
+        _kernels.cdf_power(self._sorted, len(self), losses, float(beta), out, float(cut))
         return out
 
     def push(self, losses: np.ndarray) -> None:

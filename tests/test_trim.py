@@ -1,0 +1,211 @@
+"""``SelectiveBackprop(trim_top=q)``: the losses above the window's 1 - q quantile are never
+kept, the others with ``P = (CDF / (1 - q)) ** beta_q`` at the same expected kept fraction; on
+every path that decides from losses (fresh, stored, the device window, blended with the ramp),
+bit for bit the paper's P at q = 0, and refused where it cannot keep its selectivity."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import EncodedDataset, IndexLoss
+from torch.utils.data import DataLoader
+
+from sbloader import LossWindow, Phased, RandomBackprop, SelectiveBackprop, SelectiveLoader
+from sbloader import _kernels as K
+from sbloader.device_decisions import DeviceWindow
+
+N = 600
+
+
+def test_cut_power_is_zero_above_the_cut_and_a_rescaled_power_below():
+    assert K.cut_power(0.5, 2.0, 1.0) == 0.25
+    assert K.cut_power(0.45, 2.0, 0.9) == pytest.approx(0.25, abs=1e-15)
+    assert K.cut_power(0.9, 1.7, 0.9) == 1.0  # the cut itself is kept for sure
+    assert K.cut_power(0.9001, 1.7, 0.9) == 0.0
+    assert K.cut_power(1.0, 0.0, 1.0) == 1.0
+
+
+@pytest.mark.parametrize("s", [0.25, 1 / 3, 0.5])
+@pytest.mark.parametrize("q", [0.0, 0.05, 0.1, 0.3])
+def test_the_top_q_is_never_kept_and_the_kept_fraction_is_unchanged(s, q):
+    """Over a grid of selectivities and trims: with the window full, P is 0 exactly where the
+    CDF is above 1 - q, is (CDF / (1 - q)) ** beta_q below, and the mean P is s."""
+    losses = np.random.default_rng(4).lognormal(size=40000)
+    p = SelectiveBackprop(s, history=1024, trim_top=q)
+    c = p.choose(losses, None, np.random.default_rng(0), len(losses))
+    # The CDF each loss had, from the same window without trimming (beta = 1: P is the CDF).
+    cdf = LossWindow(1024).push_and_rank(losses, 1.0)
+    beta_q = (1 - q) * (1 / s) - 1
+    expected = np.where(cdf > 1 - q, 0.0, (cdf / (1 - q)) ** beta_q)
+    np.testing.assert_allclose(c.probabilities, expected, rtol=1e-12, atol=0)
+    assert abs(c.probabilities[2000:].mean() - s) < 0.01
+    assert abs(len(c.positions) / len(losses) - s) < 0.015
+    kept_cdf = cdf[c.positions]
+    assert kept_cdf.max() <= 1 - q
+    if q:
+        assert (cdf > 1 - q).sum() > 0.9 * q * len(losses)  # there was a top to leave out
+
+
+def test_no_trim_is_bit_for_bit_the_papers_p_on_every_host_path():
+    rng = np.random.default_rng(9)
+    losses = rng.exponential(size=3000)
+    u = rng.random(3000)
+    a, b = LossWindow(256), LossWindow(256)
+    np.testing.assert_array_equal(
+        a.push_and_rank(losses[:1000], 2.0), b.push_and_rank(losses[:1000], 2.0, cut=1.0)
+    )
+    pa = a.push_rank_and_draw(losses[1000:], u[1000:], 2.0, False)
+    pb = b.push_rank_and_draw(losses[1000:], u[1000:], 2.0, False, cut=1.0)
+    for x, y in zip(pa, pb):
+        np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(a.rank(losses[:50], 2.0), b.rank(losses[:50], 2.0, cut=1.0))
+    plain = SelectiveBackprop(1 / 3, history=256)
+    zero = SelectiveBackprop(1 / 3, history=256, trim_top=0.0)
+    c0 = plain.choose(losses, None, np.random.default_rng(1), 3000)
+    c1 = zero.choose(losses, None, np.random.default_rng(1), 3000)
+    np.testing.assert_array_equal(c0.probabilities, c1.probabilities)
+    np.testing.assert_array_equal(c0.positions, c1.positions)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_the_ramp_blends_with_the_trimmed_p_at_the_same_rate(share):
+    losses = np.random.default_rng(3).exponential(size=30000)
+    ramped = SelectiveBackprop(1 / 3, history=512, ramp_epochs=1, trim_top=0.1)
+    ramped.advance(1.0 - share)
+    trimmed = SelectiveBackprop(1 / 3, history=512, trim_top=0.1)
+    c = ramped.choose(losses, None, np.random.default_rng(5), len(losses))
+    ref = trimmed.choose(losses, None, np.random.default_rng(5), len(losses))
+    expected = share / 3 + (1 - share) * ref.probabilities
+    np.testing.assert_allclose(c.probabilities, expected, rtol=0, atol=1e-15)
+    assert abs(c.probabilities[1000:].mean() - 1 / 3) < 0.01
+
+
+def test_device_window_trims_as_the_host_window():
+    rng = np.random.default_rng(7)
+    host, dev = LossWindow(128), DeviceWindow(128)
+    cut_off = 0
+    for n, share in ((400, 0.0), (300, 0.4), (7, 0.0)):
+        losses, u = rng.exponential(size=n), rng.random(n)
+        p, pos, w, _ = host.push_rank_and_draw(losses, u, 1.7, True, uniform_share=share, cut=0.9)
+        c = dev.push_rank_and_draw(
+            torch.from_numpy(losses),
+            torch.from_numpy(u),
+            1.7,
+            reweight=True,
+            uniform_share=share,
+            cut=0.9,
+        )
+        np.testing.assert_allclose(c.probabilities.numpy(), p, rtol=1e-15)
+        np.testing.assert_array_equal(c.positions.numpy(), pos)
+        np.testing.assert_allclose(c.weights.numpy(), w, rtol=1e-15)
+        cut_off += int((p == 0).sum())
+    assert cut_off > 20  # losses above the cut were met, and left out on both
+
+
+def test_the_policys_device_decisions_are_its_host_decisions():
+    losses = torch.from_numpy(np.random.default_rng(2).exponential(size=2000))
+    host = SelectiveBackprop(1 / 3, history=256, trim_top=0.2)
+    dev = SelectiveBackprop(1 / 3, history=256, trim_top=0.2)
+    g = torch.Generator().manual_seed(0)
+    d = dev.choose_device(losses, g, "skip")
+    u = torch.rand(2000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    h = host.window.push_rank_and_draw(losses.numpy(), u.numpy(), host._cut_beta, False, cut=0.8)
+    np.testing.assert_allclose(d.probabilities.numpy(), h[0], rtol=1e-15)
+    np.testing.assert_array_equal(d.positions.numpy(), h[1])
+
+
+def test_bad_trims_are_refused_naming_the_parameter_and_the_fix():
+    with pytest.raises(ValueError, match="trim_top"):
+        SelectiveBackprop(1 / 3, trim_top=-0.1)
+    with pytest.raises(ValueError, match=r"trim_top should be at most 1 - selectivity = 0\.5"):
+        SelectiveBackprop(0.5, trim_top=0.6)
+    with pytest.raises(ValueError, match="trim_top should be at most"):
+        SelectiveBackprop(1.0, trim_top=0.1)  # keeping everything leaves nothing to trim
+    with pytest.raises(TypeError, match="trim_top"):
+        SelectiveBackprop(1 / 3, trim_top="top")  # type: ignore[arg-type]
+    assert SelectiveBackprop(0.25, trim_top=0.75)._cut_beta == 0.0  # keep all below the cut
+
+
+# ---------------------------------------------------------------------- through the loader
+def loader_for(policy, shuffle=True, **kw):
+    dl = DataLoader(
+        EncodedDataset(N),
+        batch_size=60,
+        shuffle=shuffle,
+        generator=torch.Generator().manual_seed(0),
+    )
+    kw.setdefault("autocast", None)  # float32 losses: no ties from bf16 rounding
+    return SelectiveLoader(dl, IndexLoss(), policy=policy, batch_size=20, seed=1, **kw)
+
+
+def kept_indices(loader):
+    return torch.cat([torch.zeros(0, dtype=torch.long)] + [b.indices for b in loader]).numpy()
+
+
+def test_the_loader_never_keeps_the_highest_losses_once_the_window_holds_them():
+    """IndexLoss: loss grows with the index, the same every epoch. In the same order every epoch
+    with a window of N, the second epoch ranks each example against all N losses, so index i
+    has CDF (i + 1) / N: trimming 10% leaves out exactly the indices 540 and above (the
+    'mislabelled'), which plain SB keeps the most. (In the first epoch each loss is a new
+    maximum: trimmed SB keeps none, plain SB all.)"""
+    trimmed = loader_for(SelectiveBackprop(1 / 3, history=N, trim_top=0.1), shuffle=False)
+    plain = loader_for(SelectiveBackprop(1 / 3, history=N), shuffle=False)
+    assert len(kept_indices(trimmed)) == 0 and len(kept_indices(plain)) == N
+    t, p = kept_indices(trimmed), kept_indices(plain)
+    assert not (t >= 540).any()
+    assert (t >= 530).any()  # just below the cut, P is near 1
+    assert (p >= 540).mean() > 0.12  # plain SB: the top tenth is over-represented
+    assert abs(len(t) / N - 1 / 3) < 0.08 and abs(len(p) / N - 1 / 3) < 0.08
+    # Below the cut the trimmed policy still prefers the higher losses.
+    assert np.median(t) > N / 2
+
+
+def test_stale_epochs_trim_by_stored_loss_and_keep_the_never_scored():
+    """Stale-SB: epoch 0 scores every example; epoch 1 decides from stored losses ranked
+    against the window of epoch 0's N losses, (i + 2) / (N + 1) for index i: indices 539 and
+    above are above the cut and never kept."""
+    policy = SelectiveBackprop(1 / 3, history=N, staleness=3, trim_top=0.1)
+    loader = loader_for(policy)
+    kept_indices(loader)
+    assert not policy.needs_losses(1)
+    stale = kept_indices(loader)
+    assert not (stale >= 539).any() and len(stale) > N / 5
+    cdf = (np.arange(N) + 2) / (N + 1)
+    beta_q = 0.9 * 3 - 1
+    expected = np.where(cdf > 0.9, 0.0, (cdf / 0.9) ** beta_q)
+    np.testing.assert_allclose(policy.stale_probabilities(np.arange(N)), expected, rtol=1e-12)
+    assert expected[538] > 0.99 and expected[539] == 0.0
+    # The same decisions where the loader cannot prefilter (the kernel of a stale choose).
+    c = policy.choose(None, np.arange(N), np.random.default_rng(0), N)
+    np.testing.assert_allclose(c.probabilities, expected, rtol=1e-12)
+    assert not (c.positions >= 539).any() and abs(len(c.positions) / N - 1 / 3) < 0.08
+    # An example never scored is kept for sure, trimmed or not.
+    fresh = SelectiveBackprop(1 / 3, history=N, staleness=3, trim_top=0.1)
+    fresh.attach(N, 0)
+    fresh.begin_epoch(0)
+    fresh.choose(np.linspace(0, 1, 10), np.arange(10), np.random.default_rng(0), 10)
+    fresh.begin_epoch(1)
+    assert fresh.stale_probabilities(np.array([3, 500]))[1] == 1.0
+
+
+def test_the_default_policy_takes_the_trim_and_a_state_from_another_trim_is_refused():
+    from sbloader import default_policy
+
+    p = default_policy(trim_top=0.1)
+    assert isinstance(p, Phased) and p.policy.trim_top == 0.1
+    assert "trim_top=0.1" in repr(p) and "trim_top=0.1" in p.kind()
+    assert default_policy(has_store=False, trim_top=0.1).policy.trim_top == 0.1
+    a = loader_for(
+        Phased(
+            SelectiveBackprop(1 / 3, trim_top=0.1),
+            warmup_epochs=1,
+            warmup_policy=RandomBackprop(1 / 3),
+        )
+    )
+    kept_indices(a)
+    b = loader_for(
+        Phased(SelectiveBackprop(1 / 3), warmup_epochs=1, warmup_policy=RandomBackprop(1 / 3))
+    )
+    with pytest.raises(ValueError, match="trim_top"):
+        b.load_state_dict(a.state_dict())
