@@ -33,6 +33,9 @@ __all__ = [
     "default_policy",
 ]
 
+#: What a stale epoch of :class:`SelectiveBackprop` ranks stored losses against (``stale_cdf``).
+STALE_CDFS = ("window", "store")
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -287,6 +290,15 @@ class SelectiveBackprop(Policy):
             highest losses are then mostly the mislabelled examples, which loss-ranked
             selection otherwise trains on the most. Applies to every decision with losses,
             stored or fresh; an example never scored keeps P = 1.
+        stale_cdf: what a stale epoch ranks each stored loss against. ``"window"`` (default):
+            the window as the last selection pass left it. ``"store"``: at the start of each
+            stale epoch the window is refilled with the stored losses of ``history`` examples
+            spread evenly over the dataset (every example's, if fewer), so that P is the CDF over
+            the stored losses as they are now and a stale epoch keeps ``selectivity`` of the data
+            in expectation. With :meth:`SelectiveLoader.feedback
+            <sbloader.SelectiveLoader.feedback>` the stored losses fall as training goes on,
+            and ranked against the early window ever fewer are kept (measured: 1/3 down to about
+            0.21 by the tenth epoch); ``"store"`` keeps the rate.
 
     NOTE (the ramp): switching from uniform to loss-ranked batches at a high learning rate can
     raise the test error for a while (measured here, the CNN: 14.7% after a Random-Backprop
@@ -319,6 +331,7 @@ class SelectiveBackprop(Policy):
         store_path: str | None = None,
         ramp_epochs: float = 0.0,
         trim_top: float = 0.0,
+        stale_cdf: str = "window",
     ) -> None:
         if selectivity is not None and beta is not None:
             raise ValueError(
@@ -355,6 +368,11 @@ class SelectiveBackprop(Policy):
                 "share of losses this policy can leave out and still keep its selectivity), but "
                 f"got trim_top={trim_top}; lower trim_top or the selectivity"
             )
+        if stale_cdf not in STALE_CDFS:
+            raise ValueError(
+                f"stale_cdf should be one of {list(STALE_CDFS)}, but got stale_cdf={stale_cdf!r}"
+            )
+        self.stale_cdf = stale_cdf
         # The CDF above which P is 0 and the exponent below it (see trim_top).
         self._cut = 1.0 - self.trim_top
         self._cut_beta = self.beta if self.trim_top == 0 else self._cut * (self.beta + 1.0) - 1.0
@@ -433,6 +451,10 @@ class SelectiveBackprop(Policy):
                 self._last_fresh = epoch
             self._fed = False  # the reports of this epoch arrive when the next one starts
             self._begun = epoch
+            if not self._fresh and self.stale_cdf == "store" and self.store is not None:
+                # NOTE: once, as the epoch begins (before the prefetch thread reads the window);
+                # a resumed epoch keeps the window its state saved.
+                self.window.refill(self.store.spread_sample(self.window.size))
         # NOTE: the threading contract (see Policy): in a stale epoch prefilter reads the window
         # on the prefetch thread, so nothing may change it until the next fresh epoch.
         self.window.frozen = self.can_prefilter()
@@ -451,6 +473,8 @@ class SelectiveBackprop(Policy):
             fed += f", ramp_epochs={self.ramp_epochs:g}"
         if self.trim_top:
             fed += f", trim_top={self.trim_top:g}"
+        if self.stale_cdf != "window":
+            fed += f", stale_cdf={self.stale_cdf!r}"
         return f"SelectiveBackprop(staleness={self.staleness}{fed})"
 
     def takes_feedback(self) -> bool:
@@ -605,6 +629,7 @@ class SelectiveBackprop(Policy):
         extra += ", reweight=True" if self.reweight else ""
         extra += f", ramp_epochs={self.ramp_epochs:g}" if self.ramp_epochs else ""
         extra += f", trim_top={self.trim_top:g}" if self.trim_top else ""
+        extra += f", stale_cdf={self.stale_cdf!r}" if self.stale_cdf != "window" else ""
         return f"SelectiveBackprop(beta={self.beta:g}, history={self.history}{extra})"
 
 
@@ -927,6 +952,7 @@ def default_policy(
     epochs: int | None = None,
     ramp_epochs: float = 0.0,
     trim_top: float = 0.0,
+    stale_cdf: str = "window",
 ) -> Policy:
     """The policy of ``SelectiveLoader(source, model)`` with no ``policy=``: the recipe that
     measured fastest to every target here (README, Measured), not the paper's plain SB.
@@ -951,6 +977,7 @@ def default_policy(
     ``ramp_epochs`` is the Stale-SB's :class:`SelectiveBackprop` ``ramp_epochs``: its selection
     ramped in from uniform over that many epochs after the warm-up (at most 1 with the store).
     ``trim_top`` is its ``trim_top``: the highest losses never kept (for noisy labels).
+    ``stale_cdf`` is its ``stale_cdf``: what stale epochs rank stored losses against.
 
     The paper's plain SB is ``SelectiveBackprop(1 / 3)``.
 
@@ -970,7 +997,12 @@ def default_policy(
         anneal = max(warmup, epochs - max(1, round(epochs / 8)))
     return Phased(
         SelectiveBackprop(
-            1 / 3, staleness=3, fed_staleness=10, ramp_epochs=ramp_epochs, trim_top=trim_top
+            1 / 3,
+            staleness=3,
+            fed_staleness=10,
+            ramp_epochs=ramp_epochs,
+            trim_top=trim_top,
+            stale_cdf=stale_cdf,
         )
         if has_store
         else SelectiveBackprop(1 / 3, ramp_epochs=ramp_epochs, trim_top=trim_top),

@@ -118,6 +118,27 @@ class ExampleStore:
         self.check_outside(out, idx)
         return losses, epochs
 
+    def spread_sample(self, count: int) -> np.ndarray:
+        """The stored losses of ``count`` examples spread evenly over the indices (index
+        ``floor((j + 1/2) * size / count)`` for j < count; every example if ``size <= count``),
+        in index order, leaving out those never scored. Deterministic: every rank holding the
+        same store gets the same sample.
+
+        Example:
+            >>> import numpy as np
+            >>> s = ExampleStore(10)
+            >>> s.record(np.arange(10), np.arange(10.0), epoch=0)
+            >>> s.spread_sample(4).tolist()
+            [1.0, 3.0, 6.0, 8.0]
+        """
+        count = check_int("count", count, minimum=1)
+        if self.size <= count:
+            idx = np.arange(self.size, dtype=np.int64)
+        else:
+            idx = ((np.arange(count, dtype=np.int64) * 2 + 1) * self.size) // (2 * count)
+        losses, epochs = self.lookup(idx)
+        return losses[epochs >= 0]
+
     def count_selected(self, indices: np.ndarray) -> None:
         """Count one selection for each index (an index repeated is counted again)."""
         idx = self._indices(indices)

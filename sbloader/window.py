@@ -197,6 +197,15 @@ class LossWindow:
         """Add the finite losses, in order, without ranking them."""
         self.push_and_rank(losses, 1.0)
 
+    def refill(self, losses: np.ndarray) -> None:
+        """Empty the window, then add the finite ``losses`` in order (the last ``size`` of them
+        stay). Unlike :meth:`push`, allowed while frozen: call it only where no other thread
+        reads the window (a policy's ``begin_epoch``)."""
+        self._ring[:] = 0.0
+        self._sorted[:] = 0.0
+        self._meta[:] = 0
+        self._push_and_rank(np.asarray(losses, dtype=np.float64), 1.0)
+
     def values(self) -> np.ndarray:
         """The held losses, oldest first."""
         n, head = len(self), int(self._meta[1])
@@ -226,10 +235,7 @@ class LossWindow:
             {"size": self.size},
             "construct the policy with the same history",
         )
-        self._ring[:] = 0.0
-        self._sorted[:] = 0.0
-        self._meta[:] = 0
-        self._push_and_rank(np.asarray(state["values"], dtype=np.float64), 1.0)
+        self.refill(state["values"])
 
 
 def _same_length(name: str, values: np.ndarray | None, n: int) -> None:
