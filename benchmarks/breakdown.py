@@ -459,7 +459,7 @@ def markdown(cfg: Config, m: Measurement, machine: dict[str, Any], results: dict
         f"{' (bf16 training)' if cfg.train_bf16 else ''}, training batch "
         f"{cfg.batch_size}, SB/Stale-SB source batch {cfg.pool_batch_size}, selectivity "
         f"{m.selectivity:.3g}, Stale-SB staleness {m.staleness}; selection "
-        f"{'bf16' if cfg.selection_bf16 else 'fp32'}, "
+        f"{cfg.selection_precision}, "
         f"{'channels_last' if cfg.channels_last else 'default layout'}; median of "
         f"{m.repeats} run(s), warm-up excluded.",
         "",

@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 import sbloader
 from sbloader.datasets import ArrayDataset, fashion_mnist_tensors
 from sbloader.distributed import reduce_stats
+from sbloader.precision import PRECISIONS
 from sbloader.recipes import cosine_lr, error_rate, small_cnn
 
 
@@ -91,10 +92,11 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--cdf", default="local", choices=["local", "global"])
     p.add_argument(
-        "--selection-bf16",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run selection passes under bf16 autocast (default: on)",
+        "--selection-precision",
+        default="auto",
+        choices=sorted(PRECISIONS),
+        help="selection passes' precision: auto (the loader's default: bf16 where the CPU or "
+        "GPU computes it natively, else float32), bf16 or fp32",
     )
     p.add_argument(
         "--warmup-epochs",
@@ -155,7 +157,7 @@ def main() -> None:
         policy=policy,
         batch_size=bs,
         memory_format=torch.channels_last,
-        autocast=torch.bfloat16 if args.selection_bf16 else None,
+        autocast=PRECISIONS[args.selection_precision],
         seed=args.seed,  # each rank's generator derives from (seed, rank)
         cdf=args.cdf,
     )

@@ -25,10 +25,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["AUTO", "check_autocast", "native_bf16", "selection_dtype"]
+__all__ = ["AUTO", "PRECISIONS", "check_autocast", "native_bf16", "selection_dtype"]
 
 AUTO = "auto"
 """The ``autocast`` value that lets the loader choose the selection precision."""
+
+PRECISIONS: dict[str, torch.dtype | str | None] = {
+    "auto": AUTO,
+    "bf16": torch.bfloat16,
+    "fp32": None,
+}
+"""The loader's ``autocast`` argument for each precision name a command line may offer
+(``"auto"``, ``"bf16"``, ``"fp32"``)."""
 
 
 def check_autocast(autocast: Any) -> torch.dtype | str | None:

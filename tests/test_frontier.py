@@ -15,7 +15,7 @@ from benchmarks.core import strategies
 from benchmarks.core.config import PRESETS, Config, preset
 from benchmarks.core.frontier import Reached, Record, family_time, first_time, frontier_table
 from benchmarks.core.machine import machine_info, tree_changes
-from benchmarks.core.report import pairwise_lines
+from benchmarks.core.report import pairwise_lines, summary_markdown
 from benchmarks.core.train import Trainer, train_interleaved
 from sbloader.datasets import load_fashion_mnist
 
@@ -272,3 +272,26 @@ def test_a_report_of_only_noisy_runs_breaks_down_their_time_and_lists_no_clean_r
     assert "| recipe_anneal_fb | 1.5 | 4.0 | 6.0 |" in breakdown
     noise = text[text.index("## Label noise") :]
     assert "| 0% |" not in noise and "| 10% | 20.00% | 20.00% |" in noise
+
+
+@pytest.mark.parametrize(
+    ("precision", "expected"),
+    [
+        ("fp32", None),
+        ("bf16", torch.bfloat16),
+        # "auto": the loader's own choice on this machine (float32 where bf16 is emulated)
+        ("auto", sbloader.precision.selection_dtype("auto", torch.device("cpu"))[0]),
+    ],
+)
+def test_selection_precision_is_the_configurations_and_is_recorded(precision, expected):
+    """The benchmark never forces bf16: by default its selective runs select in whatever the
+    loader's autocast="auto" chooses, and each run and the summary record what that was."""
+    assert Config().selection_precision == "auto"
+    cfg = Config(batch_size=16, pool_batch_size=32, epochs=1, selection_precision=precision)
+    t = Trainer(cfg, strategies.get("sb_0.33"), 0, 0.0, _tiny_data())
+    assert t.loader.autocast == expected
+    run = t.train()
+    named = "float32" if expected is None else "bfloat16"
+    assert run.selection_dtype == named
+    summary = summary_markdown(cfg, [run], machine_info())
+    assert f"selection passes {precision} ({named})" in summary

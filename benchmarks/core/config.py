@@ -43,8 +43,14 @@ class Config:
     """SGD weight decay [1]."""
     eval_every: float = 0.5
     """Evaluation interval [epochs of data]."""
-    selection_bf16: bool = True
-    """Selection passes under bf16 autocast; training stays fp32 unless ``train_bf16`` [bool]."""
+    selection_precision: str = "auto"
+    """Selection passes' precision: ``"auto"`` the loader's own choice (``autocast="auto"``:
+    bf16 where the device computes it natively, else fp32), ``"bf16"`` or ``"fp32"``; training
+    stays fp32 unless ``train_bf16`` [name].
+
+    NOTE: never bf16 by fiat: on a CPU without AVX512-BF16 or AMX (AVX2 only), a bf16 selection
+    forward of the benchmark CNN measured 8x slower than fp32 (1.71 s against 0.21 s per 512),
+    which would charge sbloader for a setting no user of that machine would choose."""
     reference_error: float | None = None
     """The frontier's targets in seeds without a Traditional run at ``epochs`` are this error
     times each multiplier (None: such seeds are left out) [1]."""

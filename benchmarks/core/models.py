@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import sbloader
+from sbloader.precision import PRECISIONS
 from sbloader.recipes import mlp, resnet18, small_cnn
 
 from .config import Config
@@ -62,8 +63,8 @@ def make_loader(
     **kw: Any,
 ) -> sbloader.SelectiveLoader:
     """A SelectiveLoader with the configuration's training batch, memory format and selection
-    precision (bf16 autocast when ``selection_bf16``); ``kw`` overrides or adds options."""
-    kw.setdefault("autocast", torch.bfloat16 if cfg.selection_bf16 else None)
+    precision (``selection_precision``); ``kw`` overrides or adds options."""
+    kw.setdefault("autocast", PRECISIONS[cfg.selection_precision])
     return sbloader.SelectiveLoader(
         source,
         model,

@@ -44,6 +44,9 @@ class Run:
     classes: int = 10
     interleaved: bool = False
     """Trained an epoch at a time in turn with the other runs of its seed."""
+    selection_dtype: str = ""
+    """The precision the loader's selection passes ran in (``loader.autocast``: ``"float32"``
+    or a dtype's name; empty in runs saved before it was recorded)."""
     arrays: dict[str, Any] | None = field(default=None, repr=False, compare=False)
     """The per-example arrays kept for the analysis (``keep_outputs``), saved next to the JSON
     as ``.npz`` (see ``arrays.py``); not in the JSON, and None when loaded."""

@@ -209,6 +209,14 @@ def pairwise_lines(table: FrontierTable) -> list[str]:
     return lines
 
 
+def _precisions(cfg: Config, runs: Sequence[Run]) -> str:
+    """The selection precision asked for, and what the loaders of runs with selection passes
+    chose."""
+    chosen = {r.selection_dtype for r in runs if r.points and r.points[-1].get("selections")}
+    got = "/".join(sorted(chosen - {""}))
+    return f"{cfg.selection_precision}" + (f" ({got})" if got else "")
+
+
 def summary_markdown(cfg: Config, runs: Sequence[Run], machine: dict[str, Any]) -> str:
     lines = [f"# sbloader benchmark: preset `{cfg.preset}`", ""]
     lines.append(
@@ -222,7 +230,7 @@ def summary_markdown(cfg: Config, runs: Sequence[Run], machine: dict[str, Any]) 
         f"{', augmented' if cfg.augment else ''}), "
         f"{cfg.model} on {cfg.device}{' (bf16 training)' if cfg.train_bf16 else ''}, "
         f"batch {cfg.batch_size}, source batch {cfg.pool_batch_size}, peak lr {cfg.lr:g}, "
-        f"{cfg.epochs} planned epochs unless "
+        f"selection passes {_precisions(cfg, runs)}, {cfg.epochs} planned epochs unless "
         f"named (`_eN`), seeds {list(cfg.seeds)}, evaluation every {cfg.eval_every} epochs "
         "(excluded from wall-clock)."
         + (

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import sbloader
 
@@ -159,23 +160,26 @@ def recipe(
     anneal: bool = False,
     ramp: bool = False,
     trim: float = 0.0,
+    scdf: bool = False,
 ) -> Strategy:
     """sbloader's default policy (:func:`sbloader.default_policy`): ``recipe`` with the
     benchmark's selection settings, ``default`` as ``SelectiveLoader(source, model)`` builds it;
     ``_ramp`` with the selection ramped in over its first epoch (``ramp_epochs=1``);
     ``_trimN`` with the N% highest losses never kept (``trim_top=N/100``, for noisy labels);
+    ``_scdf`` with stale epochs ranked against the stored losses (``stale_cdf="store"``);
     ``_anneal`` with all the data in the last eighth of the planned epochs (InfoBatch's
     annealing); ``_fb`` when the training step reports its losses."""
     name = "default" if as_user else "recipe"
     r = 1.0 if ramp else 0.0
     t = f"_trim{round(100 * trim)}" if trim else ""
+    kw: dict[str, Any] = dict(ramp_epochs=r, trim_top=trim, stale_cdf="store" if scdf else "window")
     return _named(
-        f"{name}{'_ramp' if ramp else ''}{t}{'_anneal' if anneal else ''}"
-        f"{'_fb' if feedback else ''}",
+        f"{name}{'_ramp' if ramp else ''}{t}{'_scdf' if scdf else ''}"
+        f"{'_anneal' if anneal else ''}{'_fb' if feedback else ''}",
         True,
-        (lambda planned: sbloader.default_policy(epochs=planned, ramp_epochs=r, trim_top=trim))
+        (lambda planned: sbloader.default_policy(epochs=planned, **kw))
         if anneal
-        else (lambda planned: sbloader.default_policy(ramp_epochs=r, trim_top=trim)),
+        else (lambda planned: sbloader.default_policy(**kw)),
         selectivity=1 / 3,
         feedback=feedback,
         as_user=as_user,
@@ -216,6 +220,8 @@ def _build_registry() -> dict[str, Strategy]:
     entries += [recipe(fb, user) for fb in (False, True) for user in (False, True)]
     entries += [recipe(feedback=True, anneal=True), recipe(feedback=True, anneal=True, ramp=True)]
     entries += [recipe(feedback=True, anneal=True, trim=0.1)]
+    entries += [recipe(feedback=True, anneal=True, scdf=True)]
+    entries += [recipe(feedback=True, anneal=True, ramp=True, scdf=True)]
     for s in SELECTIVITIES:
         entries += [random_backprop(s, v) for v in ("", "warmup", "anneal")]
         entries += [

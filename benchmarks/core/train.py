@@ -126,6 +126,8 @@ class Trainer:
             subset=subset,
             **user,
         )
+        chosen = self.loader.autocast
+        self.run.selection_dtype = "float32" if chosen is None else str(chosen).split(".")[-1]
         self.keep = (
             Keeper(
                 y_noisy,
