@@ -220,6 +220,9 @@ def test_the_machine_record_says_whether_the_tree_was_dirty(tmp_path):
     assert isinstance(info["git_dirty"], bool) and info["git_commit"]
     assert info["git_dirty"] == bool(tree_changes())
     assert info["sbloader_path"].endswith("sbloader")
+    # the vector ISA and native bf16 tell apart machines that share a CPU name
+    assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert info["native_bf16"] == sbloader.precision.native_bf16(torch.device("cpu"))
 
 
 try:

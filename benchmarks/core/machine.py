@@ -66,12 +66,17 @@ def machine_info(exclude: Path | str | None = None) -> dict[str, Any]:
     import torch
 
     import sbloader
+    from sbloader.precision import native_bf16
 
     commit = (_git("rev-parse", "--short", "HEAD") or "").strip()
     changes = tree_changes(exclude)
     return {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu_name(),
+        # NOTE: "AMD EPYC" has named both an AVX512-BF16 and an AVX2-only machine of this
+        # project's kind, 3.4x apart per training step: the vector ISA torch uses tells them apart.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "native_bf16": native_bf16(torch.device("cpu")),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,

@@ -209,6 +209,14 @@ def pairwise_lines(table: FrontierTable) -> list[str]:
     return lines
 
 
+def _isa(machine: dict[str, Any]) -> str:
+    """`` (AVX2, no native bf16)``, from a machine record that has them (newer ones)."""
+    if "cpu_capability" not in machine:
+        return ""
+    bf16 = "native bf16" if machine.get("native_bf16") else "no native bf16"
+    return f" ({machine['cpu_capability']}, {bf16})"
+
+
 def _precisions(cfg: Config, runs: Sequence[Run]) -> str:
     """The selection precision asked for, and what the loaders of runs with selection passes
     chose."""
@@ -220,10 +228,10 @@ def _precisions(cfg: Config, runs: Sequence[Run]) -> str:
 def summary_markdown(cfg: Config, runs: Sequence[Run], machine: dict[str, Any]) -> str:
     lines = [f"# sbloader benchmark: preset `{cfg.preset}`", ""]
     lines.append(
-        f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} "
-        f"({machine['torch_threads']} threads), GPU: {machine['gpu'] or 'none'}, numba "
-        f"{machine['numba']}, sbloader {machine['sbloader']} ({describe_commit(machine)}), "
-        f"{machine['date']}."
+        f"Machine: {machine['cpu']}{_isa(machine)}, {machine['cores']} cores, torch "
+        f"{machine['torch']} ({machine['torch_threads']} threads), GPU: "
+        f"{machine['gpu'] or 'none'}, numba {machine['numba']}, sbloader "
+        f"{machine['sbloader']} ({describe_commit(machine)}), {machine['date']}."
     )
     lines.append(
         f"{cfg.dataset} ({cfg.image_size} x {cfg.image_size}"
