@@ -303,8 +303,9 @@ class SelectiveBackprop(Policy):
     NOTE (the ramp): switching from uniform to loss-ranked batches at a high learning rate can
     raise the test error for a while (measured here, the CNN: 14.7% after a Random-Backprop
     epoch, 16.3% half an epoch into SB, while Random-Backprop went on to 13.5%). Ramping the
-    selection in over an epoch removed that rise (13.4%) at the same cost: the kept fraction
-    and the selection passes are unchanged.
+    selection in over an epoch removed that rise in one measurement (13.4%) at the same cost,
+    but not reliably: in a later two-seed check it moved the rise to the ramp's end in one seed
+    and caused one in the other (README, Strategies), so it is off by default.
 
     Example:
         >>> import numpy as np
