@@ -166,3 +166,23 @@ def test_a_state_saved_with_the_other_stale_cdf_is_refused():
     b = loader_for("window")
     with pytest.raises(ValueError, match="stale_cdf"):
         b.load_state_dict(a.state_dict())
+
+
+def test_without_feedback_a_fresh_epoch_whose_losses_fall_keeps_the_rate_against_the_store():
+    """No reports: a fresh epoch's losses fall as the model trains through it, so its last R
+    losses (the window) sit below most stored ones and a stale epoch keeps more than the
+    selectivity against the window; against the store it keeps the selectivity."""
+    rates = {}
+    for cdf in ("window", "store"):
+        p = SelectiveBackprop(1 / 3, history=256, staleness=3, stale_cdf=cdf)
+        p.attach(N, key=3)
+        idx = np.random.default_rng(0).permutation(N)
+        falling = np.linspace(2.0, 0.5, N) * np.random.default_rng(1).lognormal(0, 0.3, N)
+        p.begin_epoch(0)
+        for part in np.array_split(np.arange(N), 12):  # source batches in order
+            p.choose(falling[part], idx[part], np.random.default_rng(2), len(part))
+        p.begin_epoch(1)
+        c = p.choose(None, idx, np.random.default_rng(3), N)
+        rates[cdf] = len(c.positions) / N
+    assert rates["window"] > 0.6
+    assert abs(rates["store"] - 1 / 3) < 0.03
