@@ -298,3 +298,10 @@ def test_selection_precision_is_the_configurations_and_is_recorded(precision, ex
     assert run.selection_dtype == named
     summary = summary_markdown(cfg, [run], machine_info())
     assert f"selection passes {precision} ({named})" in summary
+
+
+def test_a_configuration_saved_with_selection_bf16_reports_the_precision_it_ran():
+    old = {k: v for k, v in dataclasses.asdict(Config()).items() if k != "selection_precision"}
+    assert Config.from_dict({**old, "selection_bf16": True}).selection_precision == "bf16"
+    assert Config.from_dict({**old, "selection_bf16": False}).selection_precision == "fp32"
+    assert Config.from_dict(old).selection_precision == "auto"
