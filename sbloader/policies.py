@@ -298,7 +298,11 @@ class SelectiveBackprop(Policy):
             in expectation. With :meth:`SelectiveLoader.feedback
             <sbloader.SelectiveLoader.feedback>` the stored losses fall as training goes on,
             and ranked against the early window ever fewer are kept (measured: 1/3 down to about
-            0.21 by the tenth epoch); ``"store"`` keeps the rate.
+            0.21 by the tenth epoch); without it a fresh epoch's losses fall through the epoch,
+            so its last ``history`` losses sit low and the stale epochs keep more than the
+            selectivity. ``"store"`` keeps the rate either way; with feedback it measured no
+            lower final error than ``"window"`` at more backprops (README, Measured), so it is
+            not the default.
 
     NOTE (the ramp): switching from uniform to loss-ranked batches at a high learning rate can
     raise the test error for a while (measured here, the CNN: 14.7% after a Random-Backprop
