@@ -377,6 +377,11 @@ class SelectiveBackprop(Policy):
             raise ValueError(
                 f"stale_cdf should be one of {list(STALE_CDFS)}, but got stale_cdf={stale_cdf!r}"
             )
+        if stale_cdf == "store" and self.staleness == 1:
+            raise ValueError(
+                "stale_cdf='store' ranks the stale epochs' stored losses, and staleness=1 has no "
+                "stale epochs; give staleness > 1 (Stale-SB) or leave stale_cdf='window'"
+            )
         self.stale_cdf = stale_cdf
         # The CDF above which P is 0 and the exponent below it (see trim_top).
         self._cut = 1.0 - self.trim_top
@@ -982,7 +987,8 @@ def default_policy(
     ``ramp_epochs`` is the Stale-SB's :class:`SelectiveBackprop` ``ramp_epochs``: its selection
     ramped in from uniform over that many epochs after the warm-up (at most 1 with the store).
     ``trim_top`` is its ``trim_top``: the highest losses never kept (for noisy labels).
-    ``stale_cdf`` is its ``stale_cdf``: what stale epochs rank stored losses against.
+    ``stale_cdf`` is its ``stale_cdf``: what stale epochs rank stored losses against (unused
+    without a store, where every active epoch makes a selection pass).
 
     The paper's plain SB is ``SelectiveBackprop(1 / 3)``.
 

@@ -298,6 +298,7 @@ def test_selection_precision_is_the_configurations_and_is_recorded(precision, ex
     assert run.selection_dtype == named
     summary = summary_markdown(cfg, [run], machine_info())
     assert f"selection passes {precision} ({named})" in summary
+    assert f"({torch.backends.cpu.get_cpu_capability()}, " in summary.splitlines()[2]
 
 
 def test_a_configuration_saved_with_selection_bf16_reports_the_precision_it_ran():

@@ -98,7 +98,10 @@ def test_fresh_epochs_are_unchanged_by_the_option():
 def test_bad_stale_cdf_is_refused_naming_the_parameter():
     with pytest.raises(ValueError, match=r"stale_cdf should be one of \['window', 'store'\]"):
         SelectiveBackprop(1 / 3, staleness=3, stale_cdf="global")
+    with pytest.raises(ValueError, match="staleness=1 has no stale epochs; give staleness > 1"):
+        SelectiveBackprop(1 / 3, stale_cdf="store")  # would silently do nothing
     assert "stale_cdf='store'" in repr(default_policy(stale_cdf="store"))
+    assert default_policy(has_store=False, stale_cdf="store").policy.staleness == 1
 
 
 # ---------------------------------------------------------------------- through the loader
