@@ -276,6 +276,12 @@ def loader_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def cell(row: dict[str, Any], key: str, fmt: str = ".3f") -> str:
+    """A table cell: ``row[key]`` formatted, or empty where the row lacks it."""
+    v = row.get(key)
+    return "" if v is None else format(v, fmt)
+
+
 def loader_markdown(report: dict[str, Any]) -> str:
     """``loader.md`` from ``loader.json``'s contents."""
     machine, rows = report["machine"], report["rounds"]
@@ -302,9 +308,7 @@ def loader_markdown(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
-    def f(row: dict[str, Any], key: str, fmt: str = ".3f") -> str:
-        v = row.get(key)
-        return "" if v is None else format(v, fmt)
+    f = cell
 
     for r in summary:
         within = "" if "within_rounds" not in r else f"{r['within_rounds']} of {r['rounds']}"

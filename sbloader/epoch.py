@@ -13,6 +13,8 @@ epoch, process one source batch, one distributed drain round, the end-of-epoch r
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+from dataclasses import dataclass
 from enum import Enum
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
@@ -23,6 +25,7 @@ import torch
 from . import batch as B
 from .decisions import choose_finite, in_subset, keep_function
 from .device_decisions import device_rows
+from .overlap import AheadScores, SelectionThread
 from .prefetch import Prefetcher, Synchronous
 from .rows import Rows, metadata_rows
 from .scoring import Scored
@@ -42,6 +45,30 @@ class _Phase(Enum):
     FINISH = 4  # drop what remainder= drops, then end the epoch
     DONE = 5  # the epoch ended
     CLOSED = 6  # ended before the epoch did (a newer iterator, close(), or an error)
+
+
+@dataclass
+class _Loaded:
+    """A source batch fetched and moved to the loader's device, not consumed yet.
+
+    Attributes:
+        data: its columns.
+        indices: its dataset indices, or None.
+        n: its candidates (within ``subset``).
+        tally: the fetcher's tally read right after it (rejected, excluded, source state).
+        excluded: candidates left out after loading because they are outside ``subset``.
+        waited: seconds spent waiting for the source.
+        future: its selection pass running on the selection thread (``overlap_selection``),
+            or None.
+    """
+
+    data: list[Any]
+    indices: np.ndarray | None
+    n: int
+    tally: tuple[int, int, Any]
+    excluded: int
+    waited: float
+    future: Future[tuple[Scored, float]] | None = None
 
 
 class EpochIterator:
@@ -80,6 +107,13 @@ class EpochIterator:
         self._start = 0.0
         self._fresh = self._passthrough = self._filtering = False
         self._paused = False  # paused between training epochs (see pause())
+        # overlap_selection: the next source batch, fetched and being scored on the selection
+        # thread; the fetcher's last tally once fetching ahead found the source exhausted; the
+        # thread; and the scores a restored state made ahead for this epoch's next source batch.
+        self._next: _Loaded | None = None
+        self._exhausted: tuple[int, int, Any] | None = None
+        self._thread: SelectionThread | None = None
+        self._resume_scores: AheadScores | None = None
 
     # ------------------------------------------------------------------ protocol
     def __iter__(self) -> EpochIterator:
@@ -176,6 +210,8 @@ class EpochIterator:
         if self._phase in (_Phase.DONE, _Phase.CLOSED):
             return
         running = self.running
+        if running and resumable:
+            self._loader._ahead = self._held_scores()
         self._phase = _Phase.CLOSED
         # Batches agreed on but not handed out stay in the loader's pending rows: the next epoch
         # yields them (nothing selected is lost).
@@ -214,6 +250,9 @@ class EpochIterator:
         loader = self._loader
         epoch, skip, resumed, stats, replay = loader._begin(self)
         self.epoch, self.position, self.stats, self._replay = epoch, skip, stats, replay
+        ahead, loader._ahead = loader._ahead, None
+        if resumed and ahead is not None and ahead.epoch == epoch:
+            self._resume_scores = ahead
         policy = loader.policy
         self._fresh = policy.needs_losses(epoch)
         self._passthrough = policy.passthrough()
@@ -257,30 +296,22 @@ class EpochIterator:
     def _source_step(self) -> None:
         loader, stats = self._loader, self.stats
         assert self._fetch is not None and stats is not None and self.epoch is not None
-        t0 = perf_counter()
-        try:
-            (raw, indices), now = self._fetch.next()
-        except StopIteration:
-            self._count_unloaded(self._fetch.last_tally)
-            loader._source_state = self._fetch.last_tally[2]
+        loaded, self._next = self._next, None
+        if loaded is None and self._exhausted is None:
+            loaded = self._load()
+        if loaded is None:
+            tally = self._exhausted if self._exhausted is not None else self._fetch.last_tally
+            self._count_unloaded(tally)
+            loader._source_state = tally[2]
             self._phase = _Phase.DRAIN if loader._sync is not None else _Phase.REMAINDER
             return
-        stats.source_s += perf_counter() - t0
-        self._count_unloaded(now)  # examples left out before loading, up to this batch
-        loader._source_state = now[2]
+        stats.source_s += loaded.waited
+        self._count_unloaded(loaded.tally)  # examples left out before loading, up to this batch
+        loader._source_state = loaded.tally[2]
         self.position += 1
         device = loader.device  # NOTE: looked up once per source batch (it walks the model)
-        data, n = loader._codec.columns(raw, indices, device)
-        if loader._subset is not None and not self._filtering:
-            assert indices is not None
-            positions = np.flatnonzero(in_subset(loader._subset, indices))
-            if len(positions) < n:
-                stats.excluded += n - len(positions)
-                data, indices, n = (
-                    _gather(data, positions, device),
-                    indices[positions],
-                    len(positions),
-                )
+        data, indices, n = loaded.data, loaded.indices, loaded.n
+        stats.excluded += loaded.excluded
         stats.examples_seen += n
         scorer = loader._scorer
         probing = not loader._probed and bool(n) and loader.policy.uses_losses()
@@ -318,11 +349,12 @@ class EpochIterator:
         if self._fresh:
             inputs = data[loader._codec.input_position]
             batch = loader._codec.view(data)
-            scored = scorer.score(inputs, targets, indices, self.epoch, stats, batch)
+            scored = self._scored(loaded, inputs, targets, indices, batch)
             scorer.pad(pad)
             loader.policy.advance(self.epoch + self.fraction())
             if loader._decider is not None:
                 self._decide_on_device(scored, data, indices, n, t0)
+                self._score_ahead()
                 return
         choice = self._decide(scored, indices, n)
         stats.selection_s += perf_counter() - t0
@@ -344,7 +376,126 @@ class EpochIterator:
                 logits=scorer.logits(scored, positions, k, device),
             )
             loader._pending.add(rows)
+        self._score_ahead()
         self._owed = self._agree(loader._pending.full_batches(loader.batch_size))
+
+    def _load(self) -> _Loaded | None:
+        """The next source batch, on the loader's device and within ``subset``, or None at the
+        end of the source; nothing is counted until it is consumed."""
+        loader = self._loader
+        assert self._fetch is not None
+        t0 = perf_counter()
+        try:
+            (raw, indices), tally = self._fetch.next()
+        except StopIteration:
+            return None
+        waited = perf_counter() - t0
+        device = loader.device
+        data, n = loader._codec.columns(raw, indices, device)
+        excluded = 0
+        if loader._subset is not None and not self._filtering:
+            assert indices is not None
+            positions = np.flatnonzero(in_subset(loader._subset, indices))
+            if len(positions) < n:
+                excluded = n - len(positions)
+                data, indices, n = (
+                    _gather(data, positions, device),
+                    indices[positions],
+                    len(positions),
+                )
+        return _Loaded(data, indices, n, tally, excluded, waited)
+
+    def _score_ahead(self) -> None:
+        """With ``overlap_selection``, in an epoch with selection passes: fetch the next source
+        batch and start its selection pass on the selection thread, with the selection copy
+        refreshed from the model as it is now (before the caller's steps on the batches this
+        source batch made ready).
+
+        NOTE: called after the current source batch's rows were gathered: an FFCV loader may
+        reuse a batch's buffers once the next one is fetched.
+        """
+        loader = self._loader
+        copy = loader._overlap
+        if copy is None or not self._fresh or self._next is not None or self._exhausted:
+            return
+        loaded = self._load()
+        if loaded is None:
+            assert self._fetch is not None
+            self._exhausted = self._fetch.last_tally
+            return
+        self._next = loaded
+        if not loaded.n:
+            return
+        scorer, codec, data = loader._scorer, loader._codec, loaded.data
+        copy.sync(scorer.selection_model)
+        model = copy.model
+        inputs, targets = data[codec.input_position], data[codec.target_position]
+        batch = codec.view(data)
+        if self._thread is None:
+            self._thread = SelectionThread()
+        loaded.future = self._thread.submit(lambda: scorer.run(model, inputs, targets, batch))
+
+    def _scored(
+        self, loaded: _Loaded, inputs: Any, targets: Any, indices: np.ndarray | None, batch: Any
+    ) -> Scored:
+        """The selection pass over a consumed source batch: scored now, collected from the
+        selection thread, or restored from a saved state (``overlap_selection``)."""
+        loader, stats = self._loader, self.stats
+        assert stats is not None and self.epoch is not None
+        scorer = loader._scorer
+        saved, self._resume_scores = self._resume_scores, None
+        if saved is not None:
+            saved.check(self.epoch, self.position, indices, loaded.n)
+            losses = saved.losses.to(loader.device)
+            values = (
+                saved.losses.detach().cpu().numpy().astype(np.float64)
+                if scorer.host_values
+                else None
+            )
+            logits = None if saved.logits is None else saved.logits.to(loader.device)
+            if logits is not None:
+                scorer.logits_shape = tuple(logits.shape[1:])
+            scored = Scored(losses, values, None, logits)
+            stats.selection_hidden_s += saved.seconds
+            scorer.count(scored, stats)
+            return scored
+        if loaded.future is None:
+            return scorer.score(inputs, targets, indices, self.epoch, stats, batch)
+        t0 = perf_counter()
+        scored, ran = loaded.future.result()
+        waited = perf_counter() - t0
+        stats.selection_forward_s += waited
+        stats.selection_hidden_s += max(ran - waited, 0.0)
+        scorer.count(scored, stats)
+        return scored
+
+    def _held_scores(self) -> AheadScores | None:
+        """The scores of the source batch held ahead and not consumed (for a saved state), or
+        None: waits for its pass to end; a pass that raised counts as none."""
+        if self._resume_scores is not None:
+            return self._resume_scores
+        loaded = self._next
+        if loaded is None or loaded.future is None or self.epoch is None:
+            return None
+        try:
+            scored, ran = loaded.future.result()
+        except Exception:  # re-raised when the batch is consumed, if ever
+            return None
+        return AheadScores(
+            self.epoch,
+            self.position + 1,
+            None if loaded.indices is None else np.array(loaded.indices, dtype=np.int64),
+            scored.losses,
+            scored.logits,
+            self._loader._scorer.chunks(loaded.n),
+            ran,
+        )
+
+    def ahead_scores(self) -> AheadScores | None:
+        """The scores of the next source batch, computed ahead by ``overlap_selection`` and not
+        consumed yet (what :meth:`SelectiveLoader.state_dict
+        <sbloader.SelectiveLoader.state_dict>` keeps), or None."""
+        return self._held_scores()
 
     def _decide_on_device(
         self, scored: Scored, data: list[Any], indices: np.ndarray | None, n: int, t0: float
@@ -546,6 +697,10 @@ class EpochIterator:
         self._counted = (now[0], now[1])
 
     def _stop_fetch(self) -> None:
+        thread, self._thread = self._thread, None
+        self._next = None
+        if thread is not None:
+            thread.close()
         fetch, self._fetch = self._fetch, None
         if fetch is not None:
             try:

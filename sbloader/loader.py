@@ -29,6 +29,7 @@ from .epoch import EpochIterator
 from .features import make_feature_cache
 from .feedback import FeedbackBuffer, check_range, checked
 from .length import FixedEpochIterator, FixedEpochs, check_batches_per_epoch
+from .overlap import AheadScores, SelectionCopy
 from .policies import Policy, default_policy
 from .precision import AUTO, check_autocast, selection_dtype
 from .quantize import QuantizedSelection, QuantizedSelector, check_quantizable, quantized_selection
@@ -80,6 +81,7 @@ K_FEEDBACK = "feedback"  # optional: states saved before feedback existed have n
 K_TRAINING = "training"
 K_DEVICE_RNG = "device_rng"  # only with decisions="device"
 K_AUTOCAST = "autocast"  # the selection precision (optional: older states have none)
+K_AHEAD = "ahead"  # optional: a source batch scored ahead (overlap_selection) and not consumed
 
 
 class SelectiveLoader:
@@ -292,6 +294,21 @@ class SelectiveLoader:
             (``RuntimeError``). Refreshes are counted in ``loader.scorer.quantized.refreshes``;
             their time is part of the epochs' ``selection_forward_s``. Under DDP each rank
             builds its own copy on its own candidates, with no collective. Default False.
+        overlap_selection: run the selection pass of the next source batch on a background
+            thread while the caller trains on the batches of the current one (the paper's
+            pipelining, :mod:`sbloader.overlap`), with a copy of the selection model refreshed
+            from its weights before each pass: a pass scores with the weights as they were
+            before the caller's steps on the previous source batch's batches (one source batch
+            staler; other selections than without it, and as deterministic). The first source
+            batch of each epoch with selection passes is scored at once. What the caller waits
+            for is counted in ``selection_forward_s``, the rest of the passes' time in
+            ``selection_hidden_s``. Pays only with a core to spare for the thread (the pass and
+            the step each use ``torch.get_num_threads()`` intra-op threads). Costs a second
+            copy of the selection model's memory. CPU only (a GPU needs a second CUDA stream,
+            not built yet); refused (``ValueError``) on a GPU, with ``compile_selection``,
+            ``quantize_selection``, ``frozen_prefix``, ``eval_selection=False`` (a pass in train
+            mode would update the copy's BatchNorm statistics, not the model's) and an
+            FSDP-sharded model. Default False.
 
     Attributes:
         stats: a :class:`~sbloader.stats.LoaderStats` with per-epoch and total counts and times.
@@ -389,6 +406,7 @@ class SelectiveLoader:
         decisions: str = "host",
         planned_epochs: int | None = None,
         quantize_selection: bool | QuantizedSelection = False,
+        overlap_selection: bool = False,
     ) -> None:
         for name, module, optional in (("model", model, False), ("selector", selector, True)):
             if not isinstance(module, nn.Module) and not (optional and module is None):
@@ -491,6 +509,7 @@ class SelectiveLoader:
             ),
         )
         self._scorer.check()
+        self._overlap = self._selection_copy(overlap_selection, device, frozen_prefix)
         if batch_size is None:
             batch_size = self._source.batch_size
             if batch_size is None:
@@ -577,6 +596,51 @@ class SelectiveLoader:
         # The source's state as of the last source batch consumed (see Source.snapshot); None:
         # ask the source.
         self._source_state: dict[str, Any] | None = None
+        # A source batch scored ahead and not consumed (overlap_selection), held for a state and
+        # for the iterator that resumes its epoch.
+        self._ahead: AheadScores | None = None
+
+    def _selection_copy(
+        self, option: Any, device: Any, frozen_prefix: nn.Module | None
+    ) -> SelectionCopy | None:
+        """The selection model's copy of ``overlap_selection`` (None when off), after checking
+        that this configuration can overlap its selection passes. Called after the scorer is
+        made."""
+        if not isinstance(option, bool):
+            raise TypeError(
+                f"overlap_selection should be True or False, but got overlap_selection={option!r}"
+            )
+        if not option:
+            return None
+        scorer = self._scorer
+        model = scorer.selection_model
+        where = torch.device(device) if device is not None else model_device(model)
+        conflicts = {
+            "a model on a GPU (the overlap is CPU-only: a GPU needs a second CUDA stream, not "
+            "built yet)": where.type != "cpu" or model_device(model).type != "cpu",
+            "compile_selection= (a compiled model cannot be copied for the selection thread)": (
+                scorer.forward.compile_kwargs is not None
+            ),
+            "quantize_selection= (its int8 copy is rebuilt from the live model)": (
+                scorer.quantized is not None
+            ),
+            "frozen_prefix= (its features feed the training step)": frozen_prefix is not None,
+            "eval_selection=False (a pass in train mode would update the copy's BatchNorm "
+            "statistics, not the model's)": not self.eval_selection,
+            "an FSDP-sharded model (its forwards are collectives)": scorer.collective,
+        }
+        for what, on in conflicts.items():
+            if on:
+                raise ValueError(
+                    f"overlap_selection=True cannot be combined with {what}; pass "
+                    "overlap_selection=False or drop the other option"
+                )
+        return SelectionCopy(model)
+
+    @property
+    def overlapping(self) -> bool:
+        """Whether selection passes run on a background thread (``overlap_selection``)."""
+        return self._overlap is not None
 
     def _quantizer(
         self, option: Any, selection_model: nn.Module, device: Any, forward: SelectionForward
@@ -963,9 +1027,11 @@ class SelectiveLoader:
             )
         it = self._live_iterator()
         returned = self._returned
+        ahead = self._ahead if self._unfinished is not None else None
         if it is not None and it.running:
             active, position = True, it.position
             returned = it._not_trained(unconsumed)
+            ahead = it.ahead_scores()
         elif unconsumed:
             raise ValueError(
                 "unconsumed=1, but no epoch is running: the batches handed out were all part of "
@@ -1002,6 +1068,7 @@ class SelectiveLoader:
             if self.autocast is None
             else str(self.autocast).removeprefix("torch."),
             **({K_DEVICE_RNG: self._decider.state_dict()} if self._decider is not None else {}),
+            **({K_AHEAD: ahead.state_dict()} if ahead is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1060,6 +1127,8 @@ class SelectiveLoader:
             self._fixed.load_state_dict(training)
         if self._decider is not None:
             self._decider.load_state_dict(state[K_DEVICE_RNG])
+        ahead = state.get(K_AHEAD)
+        self._ahead = None if ahead is None or not active else AheadScores.from_state(ahead)
 
     def _adopt_autocast(self, saved: Any) -> None:
         """Continue a resumed run in the selection precision it was saved with, when this

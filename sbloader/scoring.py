@@ -142,9 +142,36 @@ class Scorer:
             cached = self._prefix_outputs(inputs, indices, None, epoch, stats)
         elif self.has_prefix:
             stats.prefix_forwards += inputs.shape[0]
-        model = unwrap(self.selector if self.selector is not None else self.model)
+        model = self.selection_model
         if self.quantized is not None:
             model = self.quantized.model_for(model, inputs, epoch, self._prepare)
+        scored = self.run(model, inputs, targets, batch, cached)
+        stats.selection_forward_s += perf_counter() - t0
+        self.count(scored, stats)
+        return scored
+
+    @property
+    def selection_model(self) -> nn.Module:
+        """The (unwrapped) model selection passes score with: ``selector`` or ``model``."""
+        return unwrap(self.selector if self.selector is not None else self.model)
+
+    def count(self, scored: Scored, stats: EpochStats) -> None:
+        """Count a selection pass's forwards and model calls in ``stats``."""
+        n = scored.losses.shape[0]
+        stats.selection_forwards += n
+        stats.selection_calls += self.chunks(n)
+
+    def run(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        targets: Any,
+        batch: Any = None,
+        features: torch.Tensor | None = None,
+    ) -> Scored:
+        """One selection pass of ``model`` over a source batch, with this scorer's options, and
+        nothing counted (what :meth:`score` and an overlapped pass on the selection thread run;
+        see :mod:`sbloader.overlap`)."""
         losses, features, logits = self.forward(
             model,
             inputs,
@@ -153,13 +180,12 @@ class Scorer:
             batch_size=self.batch_size,
             autocast_dtype=self.autocast,
             eval=self.eval_selection,
-            features=cached,
+            features=features,
             keep_outputs=self.keep_logits,
             batch=batch,
             inference=not self.collective,
         )
         self._keep_template(inputs, targets, batch)
-        n = losses.shape[0]
         if logits is not None:
             self.logits_shape = tuple(logits.shape[1:])
         # NOTE: the policy needs the losses on the host anyway; copying them inside the timed
@@ -167,9 +193,6 @@ class Scorer:
         # any training work still queued before it). With decisions="device" nothing is copied,
         # so on a GPU the time is that of queueing the forward, not of running it.
         values = losses.detach().cpu().numpy().astype(np.float64) if self.host_values else None
-        stats.selection_forward_s += perf_counter() - t0
-        stats.selection_forwards += n
-        stats.selection_calls += math.ceil(n / (self.batch_size or n)) if n else 0
         return Scored(losses, values, features, logits)
 
     def probe(self, inputs: Any, targets: Any, batch: Any = None) -> None:

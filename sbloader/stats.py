@@ -30,7 +30,14 @@ COUNT_FIELDS = (
     "feedback",
 )
 #: The time fields of :class:`EpochStats`, in seconds (summed across epochs, max across ranks).
-TIME_FIELDS = ("selection_s", "selection_forward_s", "source_s", "consumer_s", "wall_s")
+TIME_FIELDS = (
+    "selection_s",
+    "selection_forward_s",
+    "selection_hidden_s",
+    "source_s",
+    "consumer_s",
+    "wall_s",
+)
 #: The per-class count fields of :class:`EpochStats` (int64 arrays indexed by class, or None).
 CLASS_FIELDS = ("class_seen", "class_selected")
 #: Up to this many classes, the epoch log line shows every class's selection rate.
@@ -100,7 +107,11 @@ class EpochStats:
         target_rate: the policy's expected selection rate.
         selection_s: seconds spent in selection passes (model forward and policy).
         selection_forward_s: the part of ``selection_s`` spent in the selection model's forward
-            (and a frozen prefix's); the rest is the policy's decision.
+            (and a frozen prefix's); the rest is the policy's decision. With
+            ``overlap_selection``, only the time spent waiting for a pass on the selection thread.
+        selection_hidden_s: with ``overlap_selection``, the seconds of selection passes that ran
+            on the selection thread while the caller trained (not in ``selection_s``): the part
+            of the selection cost the overlap hid. 0 without it.
         source_s: seconds spent waiting for the source's next batch.
         consumer_s: seconds the caller spent between batches (the training step).
         wall_s: seconds from the epoch's start to its end.
@@ -126,6 +137,7 @@ class EpochStats:
     target_rate: float = 1.0
     selection_s: float = 0.0
     selection_forward_s: float = 0.0
+    selection_hidden_s: float = 0.0
     source_s: float = 0.0
     consumer_s: float = 0.0
     wall_s: float = 0.0

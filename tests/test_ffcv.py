@@ -244,6 +244,36 @@ def test_kept_batches_survive_ffcvs_buffer_reuse(beton):
         torch.testing.assert_close(batch.losses, expected)
 
 
+def test_overlapped_passes_read_ffcv_batches_before_their_buffers_are_reused(beton):
+    """overlap_selection holds the next FFCV batch while the caller trains (3 buffer slots with
+    batches_ahead=1, a slow caller so that FFCV fills them): every loss still belongs to its
+    own example, and the selections are those of an unshuffled DataLoader with overlap."""
+    runs = []
+    for source in (
+        sbffcv.open_beton(beton, 30, order="sequential", num_workers=1, batches_ahead=1),
+        dataloader_twin(30),
+    ):
+        sl = SelectiveLoader(
+            source,
+            model(),
+            policy=SelectiveBackprop(1 / 3, history=64),
+            batch_size=16,
+            seed=7,
+            overlap_selection=True,
+        )
+        run = []
+        for _ in range(2):
+            for batch in sl:
+                time.sleep(0.005)
+                images, labels = batch[0], batch[1]
+                check_pairing(images, labels, batch.indices)
+                expected = nn.functional.cross_entropy(model()(images), labels, reduction="none")
+                torch.testing.assert_close(batch.losses, expected)
+                run.append(batch.indices.tolist())
+        runs.append(run)
+    assert runs[0] == runs[1] and len(runs[0]) > 6
+
+
 def dataloader_twin(batch_size: int) -> DataLoader:
     images, labels = encoded_arrays()
     data = TensorDataset(torch.from_numpy(images), torch.from_numpy(labels))

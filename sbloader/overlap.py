@@ -1,0 +1,200 @@
+"""Selection passes overlapped with training: the paper's pipelining (Jiang et al. 2019, §3.3).
+
+With ``SelectiveLoader(..., overlap_selection=True)`` the selection pass of the next source
+batch runs on a background thread while the caller trains on the batches of the current one.
+It scores with a *copy* of the selection model (:class:`SelectionCopy`), refreshed from the
+live model's parameters and buffers right before each pass is handed to the thread: the live
+model keeps changing under the caller's optimizer steps, and a forward that read it meanwhile
+would see half-updated weights. Each pass therefore uses the weights as they were when the
+previous source batch had been decided, before the caller's steps on its batches: one source
+batch staler than without overlap, which the paper expects.
+
+NOTE (determinism): the copy is refreshed at a fixed point of the iteration (in the caller's
+thread, when no pass is running), so what each pass computes does not depend on how the two
+threads are scheduled: a seed gives the same selections with or without a busy machine. It
+gives *different* selections than ``overlap_selection=False`` (staler weights).
+
+NOTE (resume): a pass scored ahead is not consumed yet, so a state saved while one is held
+keeps its losses (:class:`AheadScores`), and the resumed run decides that source batch from
+them instead of scoring it again with weights the uninterrupted run never used.
+
+NOTE (threads): the background pass and the caller's step each use torch's intra-op thread
+count (``torch.get_num_threads()``), which the loader never changes; on a machine with ``c``
+cores, ``torch.set_num_threads(c // 2)`` keeps the two from competing for the same cores.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .selection import unwrap
+
+__all__ = ["AheadScores", "SelectionCopy", "SelectionThread"]
+
+
+class SelectionCopy:
+    """A copy of the selection model that selection passes on the background thread use.
+
+    Args:
+        model: the selection model (wrappers such as DDP or ``torch.compile`` are looked
+            through: the copy is of the module inside).
+
+    Raises:
+        ValueError: the model cannot be copied with ``copy.deepcopy``.
+
+    Example:
+        >>> import torch
+        >>> live = torch.nn.Linear(2, 1)
+        >>> c = SelectionCopy(live)
+        >>> with torch.no_grad():
+        ...     _ = live.weight.add_(1.0)
+        >>> bool(torch.equal(c.model.weight, live.weight))
+        False
+        >>> c.sync(live)
+        >>> bool(torch.equal(c.model.weight, live.weight)), c.syncs
+        (True, 1)
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        try:
+            self.model: nn.Module = copy.deepcopy(unwrap(model))
+        except Exception as e:
+            raise ValueError(
+                "overlap_selection=True scores on a copy of the selection model, but "
+                f"copy.deepcopy(model) raised {type(e).__name__} ({e}); make the model "
+                "deep-copyable or pass overlap_selection=False"
+            ) from e
+        self.model.requires_grad_(False)
+        #: How many times the copy was refreshed from the live model.
+        self.syncs = 0
+
+    def sync(self, live: nn.Module) -> None:
+        """Copy ``live``'s parameters and buffers into the copy (in place).
+
+        Call it only while no selection pass runs on the copy.
+
+        Raises:
+            RuntimeError: ``live`` no longer has the copy's parameters and buffers (their
+                number or shapes changed since the loader was built).
+        """
+        live = unwrap(live)
+        src = [*live.parameters(), *live.buffers()]
+        dst = [*self.model.parameters(), *self.model.buffers()]
+        if len(src) != len(dst) or any(s.shape != d.shape for s, d in zip(src, dst)):
+            raise RuntimeError(
+                "overlap_selection: the model's parameters or buffers changed in number or shape "
+                "since the SelectiveLoader was built, so its selection copy cannot follow it; "
+                "build the loader after the model is complete"
+            )
+        if src and src[0].device != dst[0].device:
+            self.model.to(src[0].device)
+            dst = [*self.model.parameters(), *self.model.buffers()]
+        with torch.no_grad():
+            for s, d in zip(src, dst):
+                d.copy_(s)
+        self.syncs += 1
+
+
+@dataclass
+class AheadScores:
+    """The losses of a source batch scored ahead and not consumed yet (kept in a saved state).
+
+    Attributes:
+        epoch: the epoch of the source batch.
+        position: its number in the epoch, from 1 (the iterator's ``position`` once it is
+            consumed).
+        indices: its dataset indices, or None where the source has none.
+        losses: its per-example losses (float32 or the selection dtype's, on the CPU).
+        logits: the selection outputs with ``keep_logits``, else None.
+        calls: selection-model calls the pass made.
+        seconds: how long the pass ran.
+    """
+
+    epoch: int
+    position: int
+    indices: np.ndarray | None
+    losses: torch.Tensor
+    logits: torch.Tensor | None
+    calls: int
+    seconds: float
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "indices": None if self.indices is None else torch.from_numpy(self.indices.copy()),
+            "losses": self.losses.detach().cpu(),
+            "logits": None if self.logits is None else self.logits.detach().cpu(),
+            "calls": self.calls,
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> AheadScores:
+        indices = state["indices"]
+        return cls(
+            epoch=int(state["epoch"]),
+            position=int(state["position"]),
+            indices=None if indices is None else np.asarray(indices, dtype=np.int64),
+            losses=state["losses"],
+            logits=state["logits"],
+            calls=int(state["calls"]),
+            seconds=float(state["seconds"]),
+        )
+
+    def check(self, epoch: int, position: int, indices: np.ndarray | None, n: int) -> None:
+        """Refuse to use these scores for another source batch than the one they were made for.
+
+        Raises:
+            RuntimeError: the resumed source yielded another batch at this position (a source
+                that does not replay its epoch exactly, e.g. a different sampler seed).
+        """
+        same = self.epoch == epoch and self.position == position and len(self.losses) == n
+        if same and self.indices is not None:
+            same = indices is not None and np.array_equal(self.indices, indices)
+        if not same:
+            raise RuntimeError(
+                "the resumed run's source yielded another source batch than the saved run had "
+                f"scored ahead (epoch {self.epoch}, source batch {self.position}, "
+                f"{len(self.losses)} examples; now epoch {epoch}, source batch {position}, {n} "
+                "examples, or other dataset indices): resume with the saved run's source "
+                "(the same data, sampler and seed)"
+            )
+
+
+class SelectionThread:
+    """One background thread that runs an epoch's overlapped selection passes, one at a time.
+
+    Example:
+        >>> t = SelectionThread()
+        >>> f = t.submit(lambda: 6 * 7)
+        >>> f.result()[0]
+        42
+        >>> t.close()
+    """
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sbloader-select")
+
+    def submit(self, fn: Callable[[], Any]) -> Future[tuple[Any, float]]:
+        """Run ``fn()`` on the thread; the future gives its result and how long it ran."""
+
+        def timed() -> tuple[Any, float]:
+            t0 = perf_counter()
+            out = fn()
+            return out, perf_counter() - t0
+
+        return self._executor.submit(timed)
+
+    def close(self) -> None:
+        """Wait for a running pass to end and stop the thread."""
+        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,328 @@
+"""``overlap_selection=True``: the next source batch's selection pass runs on a background
+thread, on a copy of the model refreshed before each pass, while the caller trains.
+
+Which weights score which source batch (one source batch staler than without overlap, and never
+weights being updated), determinism whatever the threads' timing, exact resume with a pass held
+ahead (saved inside the loop, after leaving it, with a batch not trained yet), errors raised in
+the caller's thread, the thread's end, the counts, and the refusals."""
+
+from __future__ import annotations
+
+import copy
+import io
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import EncodedDataset, bn_model
+from torch import nn
+from torch.utils.data import DataLoader
+
+import sbloader
+from sbloader import SelectiveBackprop, SelectiveLoader
+
+SOURCE, BATCH = 32, 8  # 4 training batches per source batch when everything is kept
+
+
+class StepCounter(nn.Module):
+    """Outputs its parameter ``w`` for every example, so that a selection loss shows the value
+    ``w`` had in the model the pass scored with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.w + 0.0 * x[:, :1]).reshape(-1, 1)
+
+
+def sb_loader(model: nn.Module, n: int = 160, overlap: bool = True, keep: float = 0.5):
+    """SB over an unshuffled DataLoader of ``n`` encoded examples, source batches of 32."""
+    return SelectiveLoader(
+        DataLoader(EncodedDataset(n), batch_size=SOURCE),
+        model,
+        policy=SelectiveBackprop(keep),
+        batch_size=BATCH,
+        overlap_selection=overlap,
+    )
+
+
+def own_value(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return outputs[:, 0] + 0.0 * targets
+
+
+def counted_losses(
+    overlap: bool, epochs: int = 2, decisions: str = "host"
+) -> list[tuple[int, int]]:
+    """(source batch, the step count its selection pass saw) for every yielded example: the
+    caller's "step" sets w to the number of steps taken so far."""
+    model = StepCounter()
+    loader = SelectiveLoader(
+        DataLoader(EncodedDataset(160), batch_size=SOURCE),
+        model,
+        own_value,
+        SelectiveBackprop(1.0),  # keeps everything, after a selection pass
+        batch_size=BATCH,
+        overlap_selection=overlap,
+        decisions=decisions,
+    )
+    steps, seen = 0, []
+    for _ in range(epochs):
+        for batch in loader:
+            for i, loss in zip(batch.indices.tolist(), batch.losses.tolist(), strict=True):
+                seen.append((i // SOURCE, int(loss)))
+            steps += 1
+            with torch.no_grad():
+                model.w.fill_(float(steps))
+    return seen
+
+
+@pytest.mark.parametrize("decisions", ["host", "device"])
+def test_each_pass_scores_with_the_weights_from_before_the_previous_source_batchs_steps(decisions):
+    """Without overlap source batch j is scored after the 4 steps on batch j - 1 (4j steps in
+    the epoch); with it, when batch j - 1 was decided, before them: 4(j - 1). The first source
+    batch of each epoch is scored at once, with the weights of that moment."""
+    for overlap, lag in ((False, 0), (True, 1)):
+        seen = counted_losses(overlap, decisions=decisions)
+        per_epoch = 160 // SOURCE * 4
+        for k, (j, loss) in enumerate(seen):
+            epoch = k // 160
+            assert loss == epoch * per_epoch + 4 * max(j - lag, 0), (overlap, k, j, loss)
+
+
+def train(
+    overlap: bool = True,
+    *,
+    epochs: int = 2,
+    policy=None,
+    jitter: float = 0.0,
+    stop: int | None = None,
+    state: bytes | None = None,
+    save_after_loop: bool = False,
+    unconsumed: int = 0,
+):
+    """SGD on a BatchNorm MLP with SB at 1/2 (shuffled source): the indices of every batch, the
+    final weights, and (with ``stop``) the checkpoint saved after ``stop`` batches. ``jitter``:
+    the step sleeps a random while (a busy machine), which must change nothing."""
+    torch.manual_seed(0)
+    model = bn_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    source = DataLoader(
+        EncodedDataset(240), batch_size=48, shuffle=True, generator=torch.Generator().manual_seed(1)
+    )
+    loader = SelectiveLoader(
+        source,
+        model,
+        policy=SelectiveBackprop(0.5) if policy is None else policy(),
+        batch_size=16,
+        seed=3,
+        overlap_selection=overlap,
+    )
+    if state is not None:
+        saved = torch.load(io.BytesIO(state), weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        loader.load_state_dict(saved["loader"])
+        torch.set_rng_state(saved["torch_rng"])  # the model's dropout
+    loss_fn = nn.CrossEntropyLoss(reduction="none")
+    pause = np.random.default_rng(5)
+    order, done, checkpoint = [], 0, None
+    while loader.epoch < epochs:
+        for batch in loader:
+            inputs, targets = batch
+            if unconsumed and stop is not None and done == stop:
+                checkpoint = save(model, opt, loader, unconsumed=1)
+                return order, model, checkpoint
+            order.append(batch.indices.tolist())
+            opt.zero_grad()
+            losses = loss_fn(model(inputs / 240.0), targets)
+            losses.mean().backward()
+            opt.step()
+            loader.feedback(batch.indices, losses.detach())
+            if jitter:
+                time.sleep(jitter * pause.random())
+            done += 1
+            if stop is not None and done == stop and not save_after_loop:
+                return order, model, save(model, opt, loader)
+            if stop is not None and done == stop:
+                break
+        if stop is not None and done == stop:
+            return order, model, save(model, opt, loader)
+    return order, model, checkpoint
+
+
+def save(model, opt, loader, unconsumed: int = 0) -> bytes:
+    buf = io.BytesIO()
+    torch.save(
+        {
+            "model": copy.deepcopy(model.state_dict()),
+            "opt": copy.deepcopy(opt.state_dict()),
+            "loader": loader.state_dict(unconsumed=unconsumed),
+            "torch_rng": torch.get_rng_state(),
+        },
+        buf,
+    )
+    return buf.getvalue()
+
+
+def same_weights(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_a_seed_gives_the_same_run_however_the_threads_are_scheduled():
+    order, model, _ = train()
+    jittered, jmodel, _ = train(jitter=0.004)
+    assert order == jittered
+    assert same_weights(model, jmodel)
+    plain, _, _ = train(overlap=False)
+    assert plain != order  # staler weights choose otherwise: overlap is not a no-op
+
+
+def stale_recipe():
+    return sbloader.default_policy(True, epochs=4)
+
+
+@pytest.mark.parametrize(
+    "policy, epochs, stops",
+    [(None, 2, (5, 9)), (stale_recipe, 4, (7, 13))],
+    ids=["sb", "default-recipe"],
+)
+@pytest.mark.parametrize("how", ["in-loop", "after-break", "unconsumed"])
+def test_a_resumed_run_yields_and_trains_what_the_uninterrupted_one_does(
+    policy, epochs, stops, how
+):
+    """Saved with a pass held ahead (the first stop: SB's epoch 0, the recipe's first selective
+    epoch) and where none is (the recipe's stale epoch; SB's second epoch)."""
+    full, model, _ = train(policy=policy, epochs=epochs)
+    kw = {"save_after_loop": how == "after-break", "unconsumed": int(how == "unconsumed")}
+    for stop in stops:
+        head, _, state = train(policy=policy, epochs=epochs, stop=stop, **kw)
+        assert state is not None
+        saved = torch.load(io.BytesIO(state), weights_only=False)["loader"]
+        assert ("ahead" in saved) == (stop == stops[0] or policy is None)
+        tail, resumed, _ = train(policy=policy, epochs=epochs, state=state)
+        assert head + tail == full, (how, stop)
+        assert same_weights(model, resumed)
+
+
+def test_the_saved_state_holds_the_scores_of_the_pass_held_ahead_and_they_are_used():
+    _, _, state = train(stop=2)
+    saved = torch.load(io.BytesIO(state), weights_only=False)["loader"]
+    ahead = saved["ahead"]
+    assert ahead["epoch"] == 0 and ahead["position"] == saved["position"] + 1
+    assert len(ahead["losses"]) == len(ahead["indices"]) == 48
+    # Scores of another source batch are refused, not used for the wrong examples.
+    saved["ahead"]["indices"] = saved["ahead"]["indices"].flip(0)
+    buf = io.BytesIO()
+    doctored = torch.load(io.BytesIO(state), weights_only=False)
+    doctored["loader"] = saved
+    torch.save(doctored, buf)
+    with pytest.raises(RuntimeError, match="scored ahead"):
+        train(state=buf.getvalue())
+
+
+def test_stats_count_every_pass_once_and_what_the_thread_hid():
+    class Slow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 4)
+
+        def forward(self, x):
+            time.sleep(0.01)
+            return self.lin(x)
+
+    counts = {}
+    for overlap in (False, True):
+        loader = sb_loader(Slow(), 192, overlap=overlap)
+        for _ in loader:
+            time.sleep(0.03)  # the caller's step: the next pass runs meanwhile
+        e = loader.stats.current
+        assert e is not None
+        assert e.selection_forwards == e.examples_seen == 192
+        assert e.selection_calls == 6
+        counts[overlap] = e
+    assert counts[False].selection_hidden_s == 0.0
+    # 5 of the 6 passes (not the first) ran while the caller slept.
+    assert counts[True].selection_hidden_s > 0.02
+    assert counts[True].selection_forward_s < counts[False].selection_forward_s
+
+
+def selection_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("sbloader-select")]
+
+
+def test_the_thread_ends_with_the_epoch_and_when_the_loop_is_left():
+    assert not selection_threads()
+    loader = sb_loader(bn_model())
+    for _ in loader:
+        pass
+    assert not selection_threads()
+    for _ in loader:
+        assert selection_threads()  # past the first source batch, a pass is held ahead
+        break
+    assert not selection_threads()
+    assert loader.state_dict()["ahead"]["position"] == 2  # kept by the epoch left part-way
+    for _ in loader:  # the next epoch: the held scores belonged to the abandoned one
+        pass
+    assert "ahead" not in loader.state_dict()
+
+
+def test_an_error_in_a_background_pass_is_raised_in_the_callers_thread():
+    class FailsLater(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 4)
+
+        def forward(self, x):
+            if float(x[0, 0]) >= 2 * SOURCE:  # the third source batch (no shuffling)
+                raise ArithmeticError("the third source batch")
+            return self.lin(x)
+
+    loader = sb_loader(FailsLater(), keep=1.0)
+    got = []
+    with pytest.raises(ArithmeticError, match="third source batch"):
+        for batch in loader:
+            got.extend(batch.indices.tolist())
+    assert got == list(range(2 * SOURCE))  # the first two source batches, then the error
+    assert not selection_threads()
+
+
+def test_the_copy_follows_the_model_and_the_model_is_never_read_by_the_thread():
+    """The live model's mode and parameters are the caller's alone: the pass runs in eval mode
+    on the copy, and the live model stays in train mode throughout."""
+    model = bn_model()
+    model.train()
+    loader = sb_loader(model)
+    for _ in loader:
+        assert model.training
+    assert loader._overlap is not None  # the copy
+    assert loader._overlap.syncs == 4  # one per source batch after the first
+    assert same_weights(loader._overlap.model, model)
+
+
+def test_bad_options_are_refused_at_construction():
+    data = DataLoader(EncodedDataset(64), batch_size=SOURCE)
+
+    def make(**kw):
+        return SelectiveLoader(data, bn_model(), batch_size=BATCH, **kw)
+
+    with pytest.raises(TypeError, match="overlap_selection should be True or False"):
+        make(overlap_selection="yes")
+    for kw, what in (
+        ({"compile_selection": True}, "compile_selection"),
+        ({"eval_selection": False}, "eval_selection=False"),
+        ({"frozen_prefix": nn.Identity()}, "frozen_prefix"),
+    ):
+        with pytest.raises(ValueError, match=f"overlap_selection=True cannot be combined.*{what}"):
+            make(overlap_selection=True, **kw)
+
+    class Uncopyable(nn.Linear):
+        def __deepcopy__(self, memo):
+            raise TypeError("no copies")
+
+    with pytest.raises(ValueError, match=r"copy\.deepcopy.*no copies"):
+        SelectiveLoader(data, Uncopyable(6, 4), batch_size=BATCH, overlap_selection=True)
+    assert make(overlap_selection=True).overlapping
+    assert not make().overlapping
