@@ -11,7 +11,8 @@ strategies that differ only in their budget form a *family*, named by the strate
 Variants (a suffix of the name): ``_warmup`` (one Traditional epoch first), ``_rwarmup`` (one
 Random-Backprop epoch at the same selectivity first), ``_anneal`` (the last eighth of the
 planned epochs on all the data), ``_reweight`` (SB's unbiased weights), ``_int8`` (selection
-passes through ``quantize_selection=True``, see :func:`int8`).
+passes through ``quantize_selection=True``, see :func:`int8`), ``_overlap`` (selection passes
+overlapped with training, ``overlap_selection=True``, see :func:`overlapped`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class Strategy:
     quantized: bool = False
     """Selection passes through the loader's int8 copy of the model (``quantize_selection=True``,
     CPU only) instead of the configuration's selection precision."""
+    overlap: bool = False
+    """Selection passes on a background thread, on a copy of the model refreshed before each
+    pass (``overlap_selection=True``, CPU only): one source batch staler."""
     family: str = ""
     """The strategy without its budget: the name of its family (set by :func:`_named`)."""
 
@@ -194,6 +198,13 @@ def int8(strategy: Strategy) -> Strategy:
     return dataclasses.replace(strategy, name=name, family=name, quantized=True)
 
 
+def overlapped(strategy: Strategy) -> Strategy:
+    """``strategy`` with its selection passes overlapped with training
+    (``overlap_selection=True``), named ``<name>_overlap``."""
+    name = f"{strategy.name}_overlap"
+    return dataclasses.replace(strategy, name=name, family=name, overlap=True)
+
+
 def kath18() -> Strategy:
     """Katharopoulos & Fleuret (2018) importance sampling at 1/3."""
     return _named("kath18", True, lambda planned: sbloader.Kath18(1 / 3), selectivity=1 / 3)
@@ -233,6 +244,7 @@ def _build_registry() -> dict[str, Strategy]:
         entries += [stale_sb(n, "rwarmup", s, feedback=True) for s in (0.2, 0.25)]
     entries += [diet_sb(v) for v in ("", "warmup", "rwarmup")]
     entries += [int8(selective_backprop(0.33)), int8(stale_sb(3, "rwarmup", feedback=True))]
+    entries += [overlapped(selective_backprop(0.33)), overlapped(recipe(True, anneal=True))]
     registry = {}
     for e in entries:
         assert e.name not in registry, e.name

@@ -117,6 +117,8 @@ class Trainer:
         user: dict[str, Any] = dict(autocast="auto") if strat.as_user else {}
         if strat.quantized:
             user.update(autocast=None, quantize_selection=True)
+        if strat.overlap:
+            user.update(overlap_selection=True)
         self.loader = make_loader(
             cfg,
             shuffled(dataset, cfg.pool_batch_size if strat.pooled else cfg.batch_size, seed),
