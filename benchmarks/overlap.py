@@ -5,7 +5,8 @@ On a machine with several cores, the selection pass can run on a thread of its o
 training step runs (``SelectiveLoader(overlap_selection=True)``, :mod:`sbloader.overlap`), or
 both can share the cores through torch's intra-op threads. This measures, side by side and
 interleaved round by round (one epoch of each way in turn, then the next round), the breakdown's
-CNN (channels_last) on a prefix of Fashion-MNIST from a DataLoader, fp32 selection passes:
+CNN (channels_last; `--model mlp`: the MLP) on a prefix of Fashion-MNIST from a DataLoader, fp32
+selection passes:
 
 - each way's epoch seconds, and its ratio to the fastest Traditional epoch of the same round
   (Traditional at its best thread count: the fair control on this hardware);
@@ -21,6 +22,7 @@ use (``taskset -c 0,1``) and nothing else to run: unlike the other benchmarks, w
 core, this one is about using a second.
 
     taskset -c 0,1 python3 benchmarks/overlap.py results/overlap --threads 1 2 --rounds 3
+    taskset -c 0,1 python3 benchmarks/overlap.py results/overlap_mlp --model mlp
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Machine: {machine['cpu']} ({machine.get('cpu_capability', '?')}), "
         f"{report['cores']} core(s) allowed, torch {machine['torch']}, sbloader "
-        f"{describe_commit(machine)}, {machine['date']}. Breakdown CNN (channels_last), "
+        f"{describe_commit(machine)}, {machine['date']}. Model {setting['model']} (channels_last), "
         f"{m['examples']} Fashion-MNIST examples per epoch from a DataLoader, training batch "
         f"{setting['batch_size']}, source batch {setting['pool_batch_size']} for SB (keep "
         f"{m['selectivity']:.3g}), fp32 selection passes; medians of {table[0]['rounds']} rounds, "
@@ -202,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="intra-op threads")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--examples", type=int, default=15_360, help="examples per epoch")
+    p.add_argument("--model", default="small_cnn", help="small_cnn (the breakdown's) or mlp")
     p.add_argument("--report-only", action="store_true", help="rebuild overlap.md from the json")
     args = p.parse_args(argv)
     path = args.out / "overlap.json"
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         report = json.loads(path.read_text())
     else:
         cfg, m = measurement(True, examples=args.examples)
-        cfg = dataclasses.replace(cfg, channels_last=True)
+        cfg = dataclasses.replace(cfg, channels_last=True, model=args.model)
         x, y = train_set(cfg)
         x, y = x[: m.examples].contiguous(), y[: m.examples].contiguous()
         rows = epochs(cfg, m, x, y, args.rounds, args.threads)

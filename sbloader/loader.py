@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, Literal
@@ -635,6 +636,21 @@ class SelectiveLoader:
                     f"overlap_selection=True cannot be combined with {what}; pass "
                     "overlap_selection=False or drop the other option"
                 )
+        if self.policy.needs_losses(0):
+            # NOTE: measured (README, A cheaper selection pass): the one-source-batch-staler
+            # selections of an untrained model feed back into its first steps at full learning
+            # rate; plain SB collapsed to chance in 2 of 2 seeds with overlap, not with a warm-up.
+            warnings.warn(
+                f"overlap_selection=True with {self.policy!r}, which selects by loss from the "
+                "first epoch: measured on the benchmark CNN, plain SB with overlapped (one source "
+                "batch staler) selection collapsed to chance accuracy in 2 of 2 seeds, while the "
+                "default recipe, which starts with a Random-Backprop warm-up epoch, trained as "
+                "without overlap. Use sbloader.default_policy(), or "
+                "sbloader.Phased(policy, warmup_epochs=1, warmup_policy="
+                "sbloader.RandomBackprop(...)) for a warm-up first",
+                UserWarning,
+                stacklevel=3,
+            )
         return SelectionCopy(model)
 
     @property

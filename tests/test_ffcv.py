@@ -244,6 +244,7 @@ def test_kept_batches_survive_ffcvs_buffer_reuse(beton):
         torch.testing.assert_close(batch.losses, expected)
 
 
+@pytest.mark.filterwarnings("ignore:overlap_selection=True with")
 def test_overlapped_passes_read_ffcv_batches_before_their_buffers_are_reused(beton):
     """overlap_selection holds the next FFCV batch while the caller trains (3 buffer slots with
     batches_ahead=1, a slow caller so that FFCV fills them): every loss still belongs to its

@@ -12,6 +12,7 @@ import copy
 import io
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -22,6 +23,9 @@ from torch.utils.data import DataLoader
 
 import sbloader
 from sbloader import SelectiveBackprop, SelectiveLoader
+
+# Plain SB with overlap is warned about (see the test of the warning); these tests use it anyway.
+pytestmark = pytest.mark.filterwarnings("ignore:overlap_selection=True with")
 
 SOURCE, BATCH = 32, 8  # 4 training batches per source batch when everything is kept
 
@@ -326,3 +330,14 @@ def test_bad_options_are_refused_at_construction():
         SelectiveLoader(data, Uncopyable(6, 4), batch_size=BATCH, overlap_selection=True)
     assert make(overlap_selection=True).overlapping
     assert not make().overlapping
+
+
+def test_overlap_with_selection_from_the_first_epoch_is_warned_about_and_a_warm_up_is_not():
+    data = DataLoader(EncodedDataset(64), batch_size=SOURCE)
+    for policy in (SelectiveBackprop(1 / 3), SelectiveBackprop(1 / 3, staleness=3)):
+        with pytest.warns(UserWarning, match="collapsed to chance.*default_policy"):
+            SelectiveLoader(data, bn_model(), policy=policy, overlap_selection=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SelectiveLoader(data, bn_model(), overlap_selection=True)  # the default recipe
+        SelectiveLoader(data, bn_model(), policy=SelectiveBackprop(1 / 3))  # no overlap
