@@ -58,6 +58,7 @@ class _Loaded:
         tally: the fetcher's tally read right after it (rejected, excluded, source state).
         excluded: candidates left out after loading because they are outside ``subset``.
         waited: seconds spent waiting for the source.
+        device: the loader's device it was moved to.
         future: its selection pass running on the selection thread (``overlap_selection``),
             or None.
     """
@@ -68,6 +69,7 @@ class _Loaded:
     tally: tuple[int, int, Any]
     excluded: int
     waited: float
+    device: torch.device
     future: Future[tuple[Scored, float]] | None = None
 
 
@@ -211,7 +213,7 @@ class EpochIterator:
             return
         running = self.running
         if running and resumable:
-            self._loader._ahead = self._held_scores()
+            self._loader._ahead = self.ahead_scores()
         self._phase = _Phase.CLOSED
         # Batches agreed on but not handed out stay in the loader's pending rows: the next epoch
         # yields them (nothing selected is lost).
@@ -309,7 +311,7 @@ class EpochIterator:
         self._count_unloaded(loaded.tally)  # examples left out before loading, up to this batch
         loader._source_state = loaded.tally[2]
         self.position += 1
-        device = loader.device  # NOTE: looked up once per source batch (it walks the model)
+        device = loaded.device
         data, indices, n = loaded.data, loaded.indices, loaded.n
         stats.excluded += loaded.excluded
         stats.examples_seen += n
@@ -390,7 +392,7 @@ class EpochIterator:
         except StopIteration:
             return None
         waited = perf_counter() - t0
-        device = loader.device
+        device = loader.device  # NOTE: looked up once per source batch (it walks the model)
         data, n = loader._codec.columns(raw, indices, device)
         excluded = 0
         if loader._subset is not None and not self._filtering:
@@ -403,7 +405,7 @@ class EpochIterator:
                     indices[positions],
                     len(positions),
                 )
-        return _Loaded(data, indices, n, tally, excluded, waited)
+        return _Loaded(data, indices, n, tally, excluded, waited, device)
 
     def _score_ahead(self) -> None:
         """With ``overlap_selection``, in an epoch with selection passes: fetch the next source
@@ -416,7 +418,9 @@ class EpochIterator:
         """
         loader = self._loader
         copy = loader._overlap
-        if copy is None or not self._fresh or self._next is not None or self._exhausted:
+        if copy is None or not self._fresh or self._next is not None:
+            return
+        if self._exhausted is not None:
             return
         loaded = self._load()
         if loaded is None:
@@ -446,16 +450,7 @@ class EpochIterator:
         saved, self._resume_scores = self._resume_scores, None
         if saved is not None:
             saved.check(self.epoch, self.position, indices, loaded.n)
-            losses = saved.losses.to(loader.device)
-            values = (
-                saved.losses.detach().cpu().numpy().astype(np.float64)
-                if scorer.host_values
-                else None
-            )
-            logits = None if saved.logits is None else saved.logits.to(loader.device)
-            if logits is not None:
-                scorer.logits_shape = tuple(logits.shape[1:])
-            scored = Scored(losses, values, None, logits)
+            scored = scorer.restore(saved.losses, saved.logits, loaded.device)
             stats.selection_hidden_s += saved.seconds
             scorer.count(scored, stats)
             return scored
@@ -469,9 +464,11 @@ class EpochIterator:
         scorer.count(scored, stats)
         return scored
 
-    def _held_scores(self) -> AheadScores | None:
-        """The scores of the source batch held ahead and not consumed (for a saved state), or
-        None: waits for its pass to end; a pass that raised counts as none."""
+    def ahead_scores(self) -> AheadScores | None:
+        """The scores of the next source batch, computed ahead by ``overlap_selection`` and not
+        consumed yet (what :meth:`SelectiveLoader.state_dict
+        <sbloader.SelectiveLoader.state_dict>` keeps), or None: waits for its pass to end; a
+        pass that raised counts as none (its error is raised when the batch is consumed)."""
         if self._resume_scores is not None:
             return self._resume_scores
         loaded = self._next
@@ -490,12 +487,6 @@ class EpochIterator:
             self._loader._scorer.chunks(loaded.n),
             ran,
         )
-
-    def ahead_scores(self) -> AheadScores | None:
-        """The scores of the next source batch, computed ahead by ``overlap_selection`` and not
-        consumed yet (what :meth:`SelectiveLoader.state_dict
-        <sbloader.SelectiveLoader.state_dict>` keeps), or None."""
-        return self._held_scores()
 
     def _decide_on_device(
         self, scored: Scored, data: list[Any], indices: np.ndarray | None, n: int, t0: float

@@ -84,20 +84,25 @@ class SelectionCopy:
 
         Raises:
             RuntimeError: ``live`` no longer has the copy's parameters and buffers (their
-                number or shapes changed since the loader was built).
+                number or shapes changed since the loader was built), or it was moved off the
+                CPU (the overlap is CPU-only).
         """
         live = unwrap(live)
         src = [*live.parameters(), *live.buffers()]
         dst = [*self.model.parameters(), *self.model.buffers()]
+        off_cpu = next((s.device for s in src if s.device.type != "cpu"), None)
+        if off_cpu is not None:
+            raise RuntimeError(
+                f"overlap_selection runs on the CPU only, but the model is now on {off_cpu} "
+                "(moved after the SelectiveLoader was built); build the loader with "
+                "overlap_selection=False for a model on an accelerator"
+            )
         if len(src) != len(dst) or any(s.shape != d.shape for s, d in zip(src, dst)):
             raise RuntimeError(
                 "overlap_selection: the model's parameters or buffers changed in number or shape "
                 "since the SelectiveLoader was built, so its selection copy cannot follow it; "
                 "build the loader after the model is complete"
             )
-        if src and src[0].device != dst[0].device:
-            self.model.to(src[0].device)
-            dst = [*self.model.parameters(), *self.model.buffers()]
         with torch.no_grad():
             for s, d in zip(src, dst):
                 d.copy_(s)

@@ -192,8 +192,21 @@ class Scorer:
         # region makes the time exact on a GPU too (it waits for the forward to finish, and for
         # any training work still queued before it). With decisions="device" nothing is copied,
         # so on a GPU the time is that of queueing the forward, not of running it.
-        values = losses.detach().cpu().numpy().astype(np.float64) if self.host_values else None
-        return Scored(losses, values, features, logits)
+        return Scored(losses, self._host_values(losses), features, logits)
+
+    def restore(
+        self, losses: torch.Tensor, logits: torch.Tensor | None, device: torch.device
+    ) -> Scored:
+        """A pass's result from its saved losses (and outputs), as :meth:`run` returned it:
+        what a resumed run decides the source batch scored ahead from (``overlap_selection``)."""
+        if logits is not None:
+            self.logits_shape = tuple(logits.shape[1:])
+            logits = logits.to(device)
+        return Scored(losses.to(device), self._host_values(losses), None, logits)
+
+    def _host_values(self, losses: torch.Tensor) -> np.ndarray | None:
+        """The losses as float64 on the host for the policy (None: decisions="device")."""
+        return losses.detach().cpu().numpy().astype(np.float64) if self.host_values else None
 
     def probe(self, inputs: Any, targets: Any, batch: Any = None) -> None:
         """Run the selection forward on the first two candidates and discard the result, so that

@@ -341,3 +341,15 @@ def test_overlap_with_selection_from_the_first_epoch_is_warned_about_and_a_warm_
         warnings.simplefilter("error")
         SelectiveLoader(data, bn_model(), overlap_selection=True)  # the default recipe
         SelectiveLoader(data, bn_model(), policy=SelectiveBackprop(1 / 3))  # no overlap
+
+
+def test_a_model_moved_off_the_cpu_after_the_loader_was_built_is_refused_at_the_next_pass():
+    from sbloader.overlap import SelectionCopy
+
+    live = nn.Linear(6, 4)
+    copy_ = SelectionCopy(live)
+    copy_.sync(live)
+    with pytest.raises(RuntimeError, match=r"CPU only.*meta.*overlap_selection=False"):
+        copy_.sync(live.to("meta"))
+    with pytest.raises(RuntimeError, match="changed in number or shape"):
+        copy_.sync(nn.Linear(6, 5))
