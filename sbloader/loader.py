@@ -309,7 +309,8 @@ class SelectiveLoader:
             not built yet); refused (``ValueError``) on a GPU, with ``compile_selection``,
             ``quantize_selection``, ``frozen_prefix``, ``eval_selection=False`` (a pass in train
             mode would update the copy's BatchNorm statistics, not the model's) and an
-            FSDP-sharded model. Default False.
+            FSDP-sharded model; a model moved to a GPU after the loader was built is refused
+            (``RuntimeError``) at the next pass. Default False.
 
     Attributes:
         stats: a :class:`~sbloader.stats.LoaderStats` with per-epoch and total counts and times.
