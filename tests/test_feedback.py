@@ -245,3 +245,23 @@ def test_planned_epochs_make_the_loaders_default_anneal():
         loader_for(None, planned_epochs=1)
     with pytest.raises(ValueError, match=r"policy=sbloader.default_policy\(epochs=8\)"):
         loader_for(SelectiveBackprop(0.5), planned_epochs=8)
+
+
+@pytest.mark.parametrize("selectivity", [0.2, 0.5])
+def test_the_default_recipe_keeps_the_selectivity_it_is_given(selectivity):
+    """default_policy(selectivity=s): the Random-Backprop warm-up and the Stale-SB epochs both
+    keep about s of the candidates (the first selective epoch decides from a selection pass);
+    a selectivity outside (0, 1] is refused by name."""
+    from sbloader import default_policy
+
+    loader = loader_for(default_policy(epochs=8, selectivity=selectivity))
+    for _ in range(4):
+        for batch in loader:
+            loader.feedback(batch.indices, reported(batch.indices))
+    kept = [x.examples_selected / x.examples_seen for x in loader.stats.epochs]
+    assert all(abs(k - selectivity) < 0.1 for k in kept[:2]), kept
+    assert loader.stats.epochs[1].selection_forwards == N
+    with pytest.raises(ValueError, match="selectivity should be"):
+        default_policy(selectivity=0.0)
+    with pytest.raises(ValueError, match="selectivity should be"):
+        default_policy(selectivity=1.5)

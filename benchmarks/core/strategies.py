@@ -165,26 +165,34 @@ def recipe(
     ramp: bool = False,
     trim: float = 0.0,
     scdf: bool = False,
+    selectivity: float = 1 / 3,
 ) -> Strategy:
     """sbloader's default policy (:func:`sbloader.default_policy`): ``recipe`` with the
     benchmark's selection settings, ``default`` as ``SelectiveLoader(source, model)`` builds it;
     ``_ramp`` with the selection ramped in over its first epoch (``ramp_epochs=1``);
     ``_trimN`` with the N% highest losses never kept (``trim_top=N/100``, for noisy labels);
     ``_scdf`` with stale epochs ranked against the stored losses (``stale_cdf="store"``);
+    ``_s<selectivity>`` keeping another share than 1/3 (``selectivity=``);
     ``_anneal`` with all the data in the last eighth of the planned epochs (InfoBatch's
     annealing); ``_fb`` when the training step reports its losses."""
     name = "default" if as_user else "recipe"
     r = 1.0 if ramp else 0.0
     t = f"_trim{round(100 * trim)}" if trim else ""
-    kw: dict[str, Any] = dict(ramp_epochs=r, trim_top=trim, stale_cdf="store" if scdf else "window")
+    kw: dict[str, Any] = dict(
+        ramp_epochs=r,
+        trim_top=trim,
+        stale_cdf="store" if scdf else "window",
+        selectivity=selectivity,
+    )
+    sel = "" if selectivity == 1 / 3 else f"_s{_label(selectivity)}"
     return _named(
-        f"{name}{'_ramp' if ramp else ''}{t}{'_scdf' if scdf else ''}"
+        f"{name}{sel}{'_ramp' if ramp else ''}{t}{'_scdf' if scdf else ''}"
         f"{'_anneal' if anneal else ''}{'_fb' if feedback else ''}",
         True,
         (lambda planned: sbloader.default_policy(epochs=planned, **kw))
         if anneal
         else (lambda planned: sbloader.default_policy(**kw)),
-        selectivity=1 / 3,
+        selectivity=selectivity,
         feedback=feedback,
         as_user=as_user,
         pooled=not as_user,
@@ -233,6 +241,7 @@ def _build_registry() -> dict[str, Strategy]:
     entries += [recipe(feedback=True, anneal=True, trim=0.1)]
     entries += [recipe(feedback=True, anneal=True, scdf=True)]
     entries += [recipe(feedback=True, anneal=True, ramp=True, scdf=True)]
+    entries += [recipe(feedback=True, anneal=True, selectivity=s) for s in (0.4, 0.5)]
     for s in SELECTIVITIES:
         entries += [random_backprop(s, v) for v in ("", "warmup", "anneal")]
         entries += [
@@ -244,6 +253,8 @@ def _build_registry() -> dict[str, Strategy]:
         entries += [stale_sb(n, "rwarmup", s, feedback=True) for s in (0.2, 0.25)]
     entries += [diet_sb(v) for v in ("", "warmup", "rwarmup")]
     entries += [int8(selective_backprop(0.33)), int8(stale_sb(3, "rwarmup", feedback=True))]
+    entries += [int8(recipe(True)), int8(recipe(True, anneal=True))]
+    entries += [int8(recipe(True, anneal=True, selectivity=s)) for s in (0.4, 0.5)]
     entries += [overlapped(selective_backprop(0.33)), overlapped(recipe(True, anneal=True))]
     registry = {}
     for e in entries:
