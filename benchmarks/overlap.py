@@ -51,8 +51,7 @@ from benchmarks.core.data import train_set
 from benchmarks.core.machine import describe_commit, machine_info
 from benchmarks.core.models import make_loader, seeded_model
 from benchmarks.core.sources import Sources
-from benchmarks.core.timing import median
-from benchmarks.quantized_selection import cell, warm_up
+from benchmarks.quantized_selection import cell, rounds_summary, warm_up
 
 #: name -> (strategy, SelectiveLoader options)
 WAYS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -131,31 +130,10 @@ def epochs(
     return rows
 
 
-def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per way and thread count, the median over rounds of each figure."""
-    out = []
-    keys = dict.fromkeys((r["way"], r["threads"]) for r in rows)
-    for way, threads in keys:
-        rs = [r for r in rows if r["way"] == way and r["threads"] == threads]
-        row: dict[str, Any] = {"way": way, "threads": threads, "rounds": len(rs)}
-        for key in rs[0]:
-            values = [r.get(key) for r in rs]
-            if key not in ("way", "threads", "round") and all(
-                isinstance(v, (int, float)) for v in values
-            ):
-                row[key] = median([float(v) for v in values if v is not None])
-        if "bound" in row:
-            over = [r["ratio_same_threads"] / r["bound"] for r in rs]
-            row["epoch_over_bound"] = median(over)
-            row["within_rounds"] = sum(v <= 1 for v in over)
-        out.append(row)
-    return out
-
-
 def markdown(report: dict[str, Any]) -> str:
     machine, rows = report["machine"], report["rounds"]
     setting, m = report["config"]["setting"], report["config"]["measurement"]
-    table = summary(rows)
+    table = rounds_summary(rows, ("way", "threads"), "ratio_same_threads")
     lines = [
         "# overlap_selection on the CPU (benchmarks/overlap.py)",
         "",
@@ -222,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             "config": {"setting": dataclasses.asdict(cfg), "measurement": dataclasses.asdict(m)},
             "rounds": rows,
         }
-    report["summary"] = summary(report["rounds"])
+    report["summary"] = rounds_summary(report["rounds"], ("way", "threads"), "ratio_same_threads")
     args.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1, default=str))
     text = markdown(report)

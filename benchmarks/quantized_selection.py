@@ -256,19 +256,23 @@ def loader_epochs(
     return rows
 
 
-def loader_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per way, the medians over rounds of each figure; ``within_rounds``: in how many rounds the
-    epoch was within its bound; ``within_bound``: the median of epoch / bound is at most 1."""
+def rounds_summary(
+    rows: list[dict[str, Any]], by: tuple[str, ...] = ("way",), ratio: str = "ratio"
+) -> list[dict[str, Any]]:
+    """Per group of rows with the same values of ``by``, the medians over rounds of each number;
+    where the rows have ``ratio`` and ``bound``: ``epoch_over_bound`` (the median of ratio /
+    bound), ``within_rounds`` (in how many rounds the epoch was within its bound) and
+    ``within_bound`` (that median is at most 1)."""
     out = []
-    for name in dict.fromkeys(r["way"] for r in rows):
-        rs = [r for r in rows if r["way"] == name]
-        row: dict[str, Any] = {"way": name, "rounds": len(rs)}
+    for group in dict.fromkeys(tuple(r[k] for k in by) for r in rows):
+        rs = [r for r in rows if tuple(r[k] for k in by) == group]
+        row: dict[str, Any] = {**dict(zip(by, group, strict=True)), "rounds": len(rs)}
         for key in rs[0]:
-            values = [r[key] for r in rs]
-            if key not in ("way", "round") and all(isinstance(v, (int, float)) for v in values):
+            values = [r.get(key) for r in rs]
+            if key not in (*by, "round") and all(isinstance(v, (int, float)) for v in values):
                 row[key] = median(values)
-        if "ratio" in row:
-            over = [r["ratio"] / r["bound"] for r in rs]
+        if ratio in row and "bound" in row:
+            over = [r[ratio] / r["bound"] for r in rs]
             row["epoch_over_bound"] = median(over)
             row["within_rounds"] = sum(v <= 1 for v in over)
             row["within_bound"] = row["epoch_over_bound"] <= 1
@@ -286,7 +290,7 @@ def loader_markdown(report: dict[str, Any]) -> str:
     """``loader.md`` from ``loader.json``'s contents."""
     machine, rows = report["machine"], report["rounds"]
     setting, m = report["config"]["setting"], report["config"]["measurement"]
-    summary = loader_summary(rows)
+    summary = rounds_summary(rows)
     rounds = summary[0]["rounds"]
     lines = [
         "# quantize_selection in the loader (benchmarks/quantized_selection.py --section loader)",
@@ -348,7 +352,7 @@ def loader_section(args: argparse.Namespace) -> None:
             "refresh_every": sbloader.QuantizedSelection().refresh_every,
             "rounds": rows,
         }
-    report["summary"] = loader_summary(report["rounds"])
+    report["summary"] = rounds_summary(report["rounds"])
     args.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1, default=str))
     text = loader_markdown(report)
