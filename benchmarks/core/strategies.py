@@ -238,7 +238,7 @@ def _build_registry() -> dict[str, Strategy]:
     entries = [traditional(), kath18(), el2n()]
     entries += [recipe(fb, user) for fb in (False, True) for user in (False, True)]
     entries += [recipe(feedback=True, anneal=True), recipe(feedback=True, anneal=True, ramp=True)]
-    entries += [recipe(feedback=True, anneal=True, trim=0.1)]
+    entries += [recipe(feedback=True, anneal=True, trim=0.1), recipe(feedback=True, trim=0.1)]
     entries += [recipe(feedback=True, anneal=True, scdf=True)]
     entries += [recipe(feedback=True, anneal=True, ramp=True, scdf=True)]
     entries += [recipe(feedback=True, anneal=True, selectivity=s) for s in (0.4, 0.5)]
