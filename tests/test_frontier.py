@@ -149,7 +149,10 @@ def test_families_and_the_frontier_preset_name_registered_runs():
     names = cfg.run_names()
     assert cfg.interleave and names[0] == "traditional" and "traditional_e10" not in names
     assert "traditional_e4" in names and "random_0.33_e20" in names
-    assert "recipe_fb_e15" in names and len(names) == len(set(names))
+    assert {"recipe_fb_int8_e3", "recipe_s0.5_anneal_fb_int8"} <= set(names)
+    assert len(names) == len(set(names))
+    noisy = preset("frontier_noise").run_names()
+    assert {"recipe_trim10_fb_e5", "recipe_trim10_anneal_fb"} <= set(noisy)
     quick = preset("quick")
     assert quick.interleave and quick.run_names()[0] == "traditional"
     assert {"traditional_e4", "random_0.33_e5", "recipe_fb_e5", "recipe_fb"} <= set(
@@ -299,6 +302,19 @@ def test_selection_precision_is_the_configurations_and_is_recorded(precision, ex
     summary = summary_markdown(cfg, [run], machine_info())
     assert f"selection passes {precision} ({named})" in summary
     assert f"({torch.backends.cpu.get_cpu_capability()}, " in summary.splitlines()[2]
+
+
+def test_an_int8_strategy_selects_through_the_quantized_copy_and_records_int8():
+    """``_int8`` runs score with the loader's int8 copy (not the configuration's precision) and
+    say so in the run and the summary, beside the float32 runs."""
+    cfg = Config(batch_size=16, pool_batch_size=32, epochs=1, selection_precision="fp32")
+    t = Trainer(cfg, strategies.get("sb_0.33_int8"), 0, 0.0, _tiny_data())
+    assert t.loader.scorer.quantized is not None and t.loader.autocast is None
+    run = t.train()
+    assert run.selection_dtype == "int8"
+    plain = Trainer(cfg, strategies.get("sb_0.33"), 0, 0.0, _tiny_data()).train()
+    summary = summary_markdown(cfg, [run, plain], machine_info())
+    assert "selection passes fp32 (float32/int8)" in summary
 
 
 def test_a_configuration_saved_with_selection_bf16_reports_the_precision_it_ran():

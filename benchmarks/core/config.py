@@ -241,7 +241,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         seeds=(0, 1, 2),
         noise=0.1,
         strategies=("traditional",),
-        families=tuple(strategies.FAMILIES.items()),
+        families=tuple(strategies.NOISE_FAMILIES.items()),
         interleave=True,
     ),
     # The default's safety: SelectiveLoader(source, model) as a user builds it, against

@@ -282,12 +282,27 @@ def get(name: str) -> Strategy:
 
 FAMILIES: dict[str, tuple[int, ...]] = {
     "traditional": (2, 3, 4, 6, 10),
-    "random_0.33": (5, 10, 15, 20),
-    "recipe_fb": (5, 10, 15),
+    "random_0.33": (3, 5, 10, 20),
+    "recipe_anneal_fb": (10,),
+    "recipe_fb_int8": (3, 5),
+    "recipe_anneal_fb_int8": (10,),
+    "recipe_s0.4_anneal_fb_int8": (10,),
+    "recipe_s0.5_anneal_fb_int8": (10,),
 }
 """The frontier preset's families and their budgets [planned epochs]: the controls over budgets
-wide enough that their frontiers are reached (issue 12: 2-10 epochs for Traditional, 5-20 for
-Random-Backprop), and sbloader's recipes."""
+wide enough that their frontiers are reached (issue 12: 2-10 epochs for Traditional, 3-20 for
+Random-Backprop), and sbloader's recipes: the default policy with feedback, its selection passes
+in the configuration's precision or int8 (``_int8``), at short budgets for the loose targets and
+annealed over 10 epochs keeping 1/3, 0.4 or 0.5 for the tight ones."""
+
+NOISE_FAMILIES: dict[str, tuple[int, ...]] = {
+    "traditional": (2, 3, 6, 10),
+    "random_0.33": (3, 5, 10),
+    "recipe_trim10_anneal_fb": (5, 10),
+    "recipe_trim10_fb": (5, 10),
+}
+"""The label-noise frontier's families: the recipe never keeping the 10% highest losses
+(``trim_top=0.1``), with and without annealing to all the data (which the flipped labels are in)."""
 
 
 def family_members(family: str, budgets: tuple[int, ...], default_epochs: int) -> list[str]:
