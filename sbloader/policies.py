@@ -987,7 +987,10 @@ def default_policy(
 
     ``ramp_epochs`` is the Stale-SB's :class:`SelectiveBackprop` ``ramp_epochs``: its selection
     ramped in from uniform over that many epochs after the warm-up (at most 1 with the store).
-    ``trim_top`` is its ``trim_top``: the highest losses never kept (for noisy labels).
+    ``trim_top`` is its ``trim_top``: the highest losses never kept (for noisy labels). With
+    noisy labels leave ``epochs`` out: the annealed epochs train on every example, the flipped
+    ones included, at the lowest learning rate (measured here with 10% of the labels flipped,
+    three seeds: 8.79-9.58% final error annealed, 8.07-8.47% not; README, Measured).
     ``stale_cdf`` is its ``stale_cdf``: what stale epochs rank stored losses against (unused
     without a store, where every active epoch makes a selection pass).
     ``selectivity`` is the share kept, by the Stale-SB and by the Random-Backprop warm-up alike
