@@ -155,9 +155,12 @@ def test_families_and_the_frontier_preset_name_registered_runs():
     assert {"recipe_trim10_fb_e5", "recipe_trim10_anneal_fb"} <= set(noisy)
     quick = preset("quick")
     assert quick.interleave and quick.run_names()[0] == "traditional"
-    assert {"traditional_e4", "random_0.33_e5", "recipe_fb_e5", "recipe_fb"} <= set(
-        quick.run_names()
-    )
+    assert {
+        "traditional_e3",
+        "random_0.33_e3",
+        "recipe_fb_int8_e5",
+        "recipe_anneal_fb_int8",
+    } <= set(quick.run_names())
     recipe, default = strategies.get("recipe_fb"), strategies.get("default")
     assert recipe.feedback and recipe.pooled and not recipe.as_user
     assert default.as_user and not default.pooled and not default.feedback

@@ -162,9 +162,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "quick": dict(
         strategies=("traditional",),  # the reference: Traditional at ``epochs``
         families=(
-            ("traditional", (4, 10)),
-            ("random_0.33", (5, 10)),
-            ("recipe_fb", (5, 10)),
+            ("traditional", (3, 4, 10)),
+            ("random_0.33", (3, 5, 10)),
+            ("recipe_fb_int8", (3, 5)),
+            ("recipe_anneal_fb_int8", (10,)),
         ),
         interleave=True,
     ),
