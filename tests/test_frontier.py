@@ -149,7 +149,8 @@ def test_families_and_the_frontier_preset_name_registered_runs():
     names = cfg.run_names()
     assert cfg.interleave and names[0] == "traditional" and "traditional_e10" not in names
     assert "traditional_e4" in names and "random_0.33_e20" in names
-    assert {"recipe_fb_int8_e3", "recipe_s0.5_anneal_fb_int8"} <= set(names)
+    assert {"recipe_fb_int8_e3", "recipe_s0.5_anneal_fb_int8_e15"} <= set(names)
+    assert "recipe_s0.5_anneal_fb_int8" in preset("frontier_mlp").run_names()
     assert len(names) == len(set(names))
     noisy = preset("frontier_noise").run_names()
     assert {"recipe_trim10_fb_e5", "recipe_trim10_anneal_fb"} <= set(noisy)

@@ -235,7 +235,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         seeds=(0, 1, 2),
         model="mlp",
         strategies=("traditional",),
-        families=tuple(strategies.FAMILIES.items()),
+        families=tuple(strategies.MLP_FAMILIES.items()),
         interleave=True,
     ),
     "frontier_noise": dict(
