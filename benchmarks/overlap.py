@@ -51,7 +51,8 @@ from benchmarks.core.data import train_set
 from benchmarks.core.machine import describe_commit, machine_info
 from benchmarks.core.models import make_loader, seeded_model
 from benchmarks.core.sources import Sources
-from benchmarks.quantized_selection import cell, rounds_summary, warm_up
+from benchmarks.core.timing import cell, rounds_summary
+from benchmarks.quantized_selection import warm_up
 
 #: name -> (strategy, SelectiveLoader options)
 WAYS: dict[str, tuple[str, dict[str, Any]]] = {

@@ -261,6 +261,8 @@ def test_the_default_recipe_keeps_the_selectivity_it_is_given(selectivity):
     kept = [x.examples_selected / x.examples_seen for x in loader.stats.epochs]
     assert all(abs(k - selectivity) < 0.1 for k in kept[:2]), kept
     assert loader.stats.epochs[1].selection_forwards == N
+    no_store = default_policy(has_store=False, selectivity=selectivity)
+    assert no_store.policy.selectivity == no_store.warmup_policy.selectivity == selectivity
     with pytest.raises(ValueError, match="selectivity should be"):
         default_policy(selectivity=0.0)
     with pytest.raises(ValueError, match="selectivity should be"):

@@ -1,4 +1,4 @@
-"""Device synchronisation, autocast and the training step's timer."""
+"""Device synchronisation, autocast, the training step's timer, and medians over timed rounds."""
 
 from __future__ import annotations
 
@@ -80,3 +80,33 @@ class StepTimer:
             torch.cuda.synchronize()
             self._settle()
         return self.forward, self.backward
+
+
+def rounds_summary(
+    rows: list[dict[str, Any]], by: tuple[str, ...] = ("way",), ratio: str = "ratio"
+) -> list[dict[str, Any]]:
+    """Per group of rows with the same values of ``by``, the medians over rounds of each number;
+    where the rows have ``ratio`` and ``bound``: ``epoch_over_bound`` (the median of ratio /
+    bound), ``within_rounds`` (in how many rounds the epoch was within its bound) and
+    ``within_bound`` (that median is at most 1)."""
+    out = []
+    for group in dict.fromkeys(tuple(r[k] for k in by) for r in rows):
+        rs = [r for r in rows if tuple(r[k] for k in by) == group]
+        row: dict[str, Any] = {**dict(zip(by, group, strict=True)), "rounds": len(rs)}
+        for key in rs[0]:
+            values = [r.get(key) for r in rs]
+            if key not in (*by, "round") and all(isinstance(v, (int, float)) for v in values):
+                row[key] = median(values)
+        if ratio in row and "bound" in row:
+            over = [r[ratio] / r["bound"] for r in rs]
+            row["epoch_over_bound"] = median(over)
+            row["within_rounds"] = sum(v <= 1 for v in over)
+            row["within_bound"] = row["epoch_over_bound"] <= 1
+        out.append(row)
+    return out
+
+
+def cell(row: dict[str, Any], key: str, fmt: str = ".3f") -> str:
+    """A table cell: ``row[key]`` formatted, or empty where the row lacks it."""
+    v = row.get(key)
+    return "" if v is None else format(v, fmt)

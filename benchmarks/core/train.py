@@ -129,13 +129,10 @@ class Trainer:
             **user,
         )
         chosen = self.loader.autocast
-        self.run.selection_dtype = (
-            "int8"
-            if strat.quantized
-            else "float32"
-            if chosen is None
-            else str(chosen).split(".")[-1]
-        )
+        if strat.quantized:
+            self.run.selection_dtype = "int8"  # the loader's int8 copy; autocast stays None
+        else:
+            self.run.selection_dtype = "float32" if chosen is None else str(chosen).split(".")[-1]
         self.keep = (
             Keeper(
                 y_noisy,
