@@ -33,7 +33,8 @@ from .length import FixedEpochIterator, FixedEpochs, check_batches_per_epoch
 from .overlap import AheadScores, SelectionCopy
 from .policies import Policy, default_policy
 from .precision import AUTO, check_autocast, selection_dtype
-from .quantize import QuantizedSelection, QuantizedSelector, check_quantizable, quantized_selection
+from .quantize import QuantizedSelection, QuantizedSelector, quantized_selection
+from .quantize import resolve as resolve_quantized
 from .rows import PendingRows, Rows
 from .scoring import Scorer
 from .selection import (
@@ -407,7 +408,7 @@ class SelectiveLoader:
         metadata_key: str | None = None,
         decisions: str = "host",
         planned_epochs: int | None = None,
-        quantize_selection: bool | QuantizedSelection = False,
+        quantize_selection: bool | str | QuantizedSelection = "auto",
         overlap_selection: bool = False,
     ) -> None:
         for name, module, optional in (("model", model, False), ("selector", selector, True)):
@@ -455,15 +456,14 @@ class SelectiveLoader:
         # NOTE: "auto" resolves here, once, on the selecting model's device, so that a loader's
         # selections never change precision mid-run; a resumed state brings its own choice.
         self._autocast_requested = check_autocast(autocast)
-        if autocast == AUTO and quantized_selection(quantize_selection) is not None:
-            autocast = None  # the int8 copy replaces reduced precision
+        # The float precision: what selection passes run in without the int8 copy (and what an
+        # "auto" copy falls back to).
         autocast, why = selection_dtype(
             autocast,
             model_device(model if selector is None else selector),
             feeds_training=frozen_prefix is not None,
         )
-        logger.info("selection precision: %s", why)
-        self.keep_logits, self.autocast, self.memory_format = keep_logits, autocast, memory_format
+        self.keep_logits, self.memory_format = keep_logits, memory_format
         self.eval_selection = bool(eval_selection)
         self.selection_batch_size = (
             None
@@ -492,24 +492,30 @@ class SelectiveLoader:
             forward=call,
             output=output,
         )
+        self._overlap_requested = overlap_selection is True
+        quantized, int8_why = self._quantizer(
+            quantize_selection,
+            selector if selector is not None else model,
+            device,
+            selection_forward,
+            autocast,
+        )
         self._scorer = Scorer(
             model,
             loss_fn,
             selector,
             selection_forward,
             make_feature_cache(cache_features, frozen_prefix, autocast, self._source),
-            autocast,
+            None if quantized is not None else autocast,  # the int8 copy replaces it
             self.selection_batch_size,
             self.eval_selection,
             keep_logits,
             index_key=self._source.index_field_name() if index_key is None else index_key,
-            quantized=self._quantizer(
-                quantize_selection,
-                selector if selector is not None else model,
-                device,
-                selection_forward,
-            ),
+            quantized=quantized,
+            fallback_autocast=autocast,
+            precision=f"{int8_why}; {why}" if quantized is None else int8_why,
         )
+        logger.info("selection precision: %s", self._scorer.precision)
         self._scorer.check()
         self._overlap = self._selection_copy(overlap_selection, device, frozen_prefix)
         if batch_size is None:
@@ -660,20 +666,27 @@ class SelectiveLoader:
         return self._overlap is not None
 
     def _quantizer(
-        self, option: Any, selection_model: nn.Module, device: Any, forward: SelectionForward
-    ) -> QuantizedSelector | None:
-        """The int8 selection copy of ``quantize_selection`` (None when off), after checking that
-        this configuration can use one. Called before the scorer is made: reads the options set
-        so far."""
-        config = quantized_selection(option)
-        if config is None:
-            return None
+        self,
+        option: Any,
+        selection_model: nn.Module,
+        device: Any,
+        forward: SelectionForward,
+        autocast: torch.dtype | None,
+    ) -> tuple[QuantizedSelector | None, str]:
+        """The int8 selection copy of ``quantize_selection`` (None when off) and why, after
+        checking that this configuration can use one (:func:`sbloader.quantize.resolve`).
+        Called before the scorer is made: reads the options set so far; ``autocast`` is the
+        float precision chosen."""
+        if quantized_selection(option) is None:
+            return None, f"quantize_selection={option!r}"
         model = unwrap(selection_model)
         where = torch.device(device) if device is not None else model_device(model)
+        explicit = self._autocast_requested != AUTO and autocast is not None
         # NOTE: each option below changes the selection forward in a way an int8 copy of
-        # model(inputs) cannot follow, or duplicates what it does; refused rather than ignored.
+        # model(inputs) cannot follow, or duplicates what it does; refused rather than ignored
+        # (and, for quantize_selection="auto", the reason the copy stays off).
         conflicts = {
-            "autocast= (the int8 copy replaces reduced precision)": self.autocast is not None,
+            "autocast= (the int8 copy replaces reduced precision)": explicit,
             "compile_selection= (no gain measured on the int8 copy)": forward.compile_kwargs
             is not None,
             "forward= or a tuple input_key (the int8 copy is traced as model(inputs))": (
@@ -688,8 +701,11 @@ class SelectiveLoader:
             "an FSDP-sharded model (each rank holds a shard; pass selector= a whole model)": (
                 is_fsdp(selection_model)
             ),
+            "overlap_selection=True (its selection thread scores with a float copy)": (
+                self._overlap_requested
+            ),
         }
-        return QuantizedSelector(config, check_quantizable(model, conflicts, where))
+        return resolve_quantized(option, model, conflicts, where, self._autocast_requested)
 
     def _device_decider(self, prefix: bool) -> DecisionGenerator | None:
         """The generator of ``decisions="device"`` (None on the host), after checking that this
@@ -727,6 +743,19 @@ class SelectiveLoader:
     @property
     def source(self) -> Source:
         return self._source
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        """The autocast dtype of selection passes (None: float32, or the int8 copy's)."""
+        return self._scorer.autocast
+
+    @property
+    def selection_precision(self) -> str:
+        """What selection passes run in and why, as chosen (``autocast``,
+        ``quantize_selection``) or resumed: e.g. ``"quantize_selection='auto': int8 (native
+        int8 on this CPU)"``. Also logged when the loader is built and when it changes (an
+        ``"auto"`` int8 copy that could not be built, a resumed run's own precision)."""
+        return self._scorer.precision
 
     @property
     def model(self) -> nn.Module:
@@ -1111,6 +1140,7 @@ class SelectiveLoader:
             "build the loader with the saved run's arguments (seed=, policy=, the same data "
             "and world size) to resume it",
         )
+        self._scorer.adopt_quantized(state[K_SCORER])
         self._adopt_autocast(state.get(K_AUTOCAST, self.autocast))
         active, position = bool(state[K_ACTIVE]), int(state[K_POSITION])
         training = state.get(K_TRAINING)
@@ -1161,7 +1191,8 @@ class SelectiveLoader:
                 f"chosen precision; build the loader with autocast={saved!r} to resume"
             )
         logger.info("selection precision: %s (the resumed run's own, from its state)", saved)
-        self.autocast = self._scorer.autocast = saved
+        self._scorer.autocast = saved
+        self._scorer.precision = f"autocast={saved} (the resumed run's own, from its state)"
 
     def _from_v1(self, state: dict[str, Any]) -> dict[str, Any]:
         return loader_state_v1_to_v2(state, self._scorer.has_prefix, self.keep_logits)

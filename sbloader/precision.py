@@ -25,7 +25,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["AUTO", "PRECISIONS", "check_autocast", "native_bf16", "selection_dtype"]
+__all__ = [
+    "AUTO",
+    "PRECISIONS",
+    "check_autocast",
+    "native_bf16",
+    "native_int8",
+    "selection_dtype",
+]
 
 AUTO = "auto"
 """The ``autocast`` value that lets the loader choose the selection precision."""
@@ -56,9 +63,24 @@ def native_bf16(device: torch.device) -> bool:
         return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    # NOTE: torch exposes these CPU capability queries only as private functions of torch.cpu;
-    # a torch without them answers False (float32), never an error.
-    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+    return _cpu_has("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+
+
+def native_int8() -> bool:
+    """Whether this CPU computes int8 dot products natively (x86 VNNI or AMX), where the int8
+    selection copy (``quantize_selection``) measured cheaper than bf16 and fp32 (README, A
+    cheaper selection pass). Without them (an AVX2-only CPU, ARM) it saved far less, so
+    ``quantize_selection="auto"`` leaves it off."""
+    return _cpu_has("_is_vnni_supported", "_is_amx_tile_supported")
+
+
+def _cpu_has(*queries: str) -> bool:
+    """Whether any of these capability queries of ``torch.cpu`` answers True.
+
+    NOTE: torch exposes its CPU capability queries only as private functions of torch.cpu; a
+    torch without them answers False (the plainer precision), never an error.
+    """
+    for name in queries:
         query = getattr(torch.cpu, name, None)
         if query is not None and query():
             return True

@@ -4,17 +4,26 @@ The copy is made with PyTorch's FX graph-mode post-training quantization (Conv-B
 per-channel int8 weights, activations observed on real candidates) for the quantized engine that
 is current when the loader is built (``torch.backends.quantized.engine``, ``"x86"`` on x86 Linux).
 It is rebuilt from the model's current weights as training goes on (a *refresh*): at the first
-selection pass of every epoch that has selection passes, then every ``refresh_every`` selection
-passes (source batches) within the epoch. Between refreshes the selection losses come from
-weights up to ``refresh_every`` source batches old.
+selection pass of every epoch that has selection passes, then every ``refresh_examples``
+candidates scored (or every ``refresh_every`` selection passes) within the epoch. Between
+refreshes the selection losses come from slightly older weights.
+
+``quantize_selection="auto"`` (the loader's default) turns the copy on where it measured cheaper
+than every other selection precision and nothing stands in its way: a CPU with native int8 dot
+products (VNNI or AMX), the selection precision left to the loader (``autocast="auto"``), no
+option the copy cannot follow, and a model that ``torch.fx`` can trace. A model that then fails
+to quantize on the first source batch falls back to the precision ``autocast="auto"`` chooses,
+with a warning; the choice and its reason are in ``loader.stats.selection_precision`` and the
+log (:func:`resolve`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, cast
@@ -24,9 +33,24 @@ from torch import nn
 
 from ._checks import check_int
 from ._state import check_version
+from .precision import native_int8
 from .selection import model_device
 
-__all__ = ["QuantizedSelection", "QuantizedSelector", "qconfig_mapping", "quantized_selection"]
+__all__ = [
+    "AUTO",
+    "Int8Unavailable",
+    "QuantizedSelection",
+    "QuantizedSelector",
+    "qconfig_mapping",
+    "quantized_selection",
+    "resolve",
+]
+
+AUTO = "auto"
+"""The ``quantize_selection`` value that lets the loader choose (see :func:`resolve`)."""
+
+DEFAULT_REFRESH_EXAMPLES = 16384
+"""Candidates scored between two refreshes unless told otherwise: 32 source batches of 512."""
 
 _ENGINES = ("x86", "fbgemm", "onednn", "qnnpack")
 _FIX = "or pass quantize_selection=False"
@@ -37,29 +61,59 @@ class QuantizedSelection:
     """The settings of ``SelectiveLoader(quantize_selection=...)``; ``True`` means the defaults.
 
     Args:
-        refresh_every: selection passes (source batches) between two rebuilds of the int8 copy
-            within an epoch; the copy is also rebuilt at the first selection pass of every epoch
-            that has any. Selection losses then come from weights up to this many source batches
-            old. Default 32: on the benchmark CNN (one thread) a refresh costs about 0.24 s,
-            about one source batch of 512 of SB's training, so refreshing every 32 adds about
-            0.01 to c; 32 source batches of 512 are about 43 training steps of 128 at k = 1/3
-            (see ``benchmarks/results/quantized/``).
+        refresh_examples: candidates scored between two rebuilds of the int8 copy within an
+            epoch (the copy is also rebuilt at the first selection pass of every epoch that has
+            any). Default 16384 (when ``refresh_every`` is not given): on the benchmark CNN
+            (one thread) a refresh costs about 0.24 s, about one source batch of 512 of SB's
+            training, so refreshing every 16384 candidates (32 source batches of 512, about 43
+            training steps of 128 at k = 1/3) adds about 0.01 to c, whatever the source's batch
+            size (see ``benchmarks/results/quantized/``).
+        refresh_every: selection passes (source batches) between two rebuilds instead: give
+            one of the two.
         calibration_examples: the first this many candidates of the source batch being scored
             when the copy is rebuilt calibrate its activation ranges (all of them if the batch
             is smaller). Default 128: the same ranking as 256 or 512 (Spearman 0.9996 against
             fp32 on the benchmark CNN) at a cheaper refresh.
 
+    NOTE: counted in candidates by default, not in source batches: a refresh costs the same
+    whatever the source batch's size, so a count of source batches made sources of 128
+    refresh four times as often as sources of 512 for the same selection work (at 128, more
+    time refreshing than int8 saved on the pass).
+
     Example:
-        >>> QuantizedSelection(refresh_every=8)
-        QuantizedSelection(refresh_every=8, calibration_examples=128)
+        >>> QuantizedSelection()
+        QuantizedSelection(refresh_examples=16384, refresh_every=None, calibration_examples=128)
+        >>> QuantizedSelection(refresh_every=8).refresh_examples is None
+        True
     """
 
-    refresh_every: int = 32
+    refresh_examples: int | None = None
+    refresh_every: int | None = None
     calibration_examples: int = 128
 
     def __post_init__(self) -> None:
-        check_int("refresh_every", self.refresh_every, minimum=1)
+        if self.refresh_examples is not None and self.refresh_every is not None:
+            raise ValueError(
+                f"QuantizedSelection takes refresh_examples or refresh_every, not both, but got "
+                f"refresh_examples={self.refresh_examples!r} and refresh_every="
+                f"{self.refresh_every!r}; pass one of them"
+            )
+        if self.refresh_every is not None:
+            check_int("refresh_every", self.refresh_every, minimum=1)
+        else:
+            refresh = DEFAULT_REFRESH_EXAMPLES
+            if self.refresh_examples is not None:
+                refresh = check_int("refresh_examples", self.refresh_examples, minimum=1)
+            object.__setattr__(self, "refresh_examples", refresh)
         check_int("calibration_examples", self.calibration_examples, minimum=1)
+
+    def due(self, passes: int, examples: int) -> bool:
+        """Whether a copy that has scored ``passes`` source batches of ``examples`` candidates
+        in all is due for a rebuild."""
+        if self.refresh_every is not None:
+            return passes >= self.refresh_every
+        assert self.refresh_examples is not None
+        return examples >= self.refresh_examples
 
 
 def quantized_selection(value: Any) -> QuantizedSelection | None:
@@ -67,23 +121,79 @@ def quantized_selection(value: Any) -> QuantizedSelection | None:
 
     Example:
         >>> quantized_selection(True)
-        QuantizedSelection(refresh_every=32, calibration_examples=128)
+        QuantizedSelection(refresh_examples=16384, refresh_every=None, calibration_examples=128)
         >>> quantized_selection(False) is None
         True
     """
     if value is None or value is False:
         return None
-    if value is True:
+    if value is True or value == AUTO:
         return QuantizedSelection()
     if isinstance(value, QuantizedSelection):
         return value
     raise TypeError(
-        "quantize_selection should be True, False or a sbloader.QuantizedSelection(...), but got "
-        f"quantize_selection={value!r}"
+        "quantize_selection should be 'auto', True, False or a sbloader.QuantizedSelection(...), "
+        f"but got quantize_selection={value!r}"
     )
 
 
-def check_quantizable(model: nn.Module, conflicts: Mapping[str, bool], device: torch.device) -> str:
+def resolve(
+    value: Any,
+    model: nn.Module,
+    conflicts: Mapping[str, bool],
+    device: torch.device,
+    autocast_requested: Any,
+) -> tuple[QuantizedSelector | None, str]:
+    """The int8 selection copy a ``quantize_selection=`` argument asks for (None: off), and why.
+
+    ``True`` or a :class:`QuantizedSelection` is checked (:func:`check_quantizable`) and refused
+    with the fix when it cannot work. ``"auto"`` never refuses: it turns the copy on only where
+    :func:`native_int8`, the selection precision is left to the loader (``autocast_requested``
+    is ``"auto"``), and :func:`check_quantizable` finds nothing in the way (its model is traced
+    at the first build, not here); otherwise it is off and the reason says what stood in the
+    way.
+
+    Args:
+        value: the loader's ``quantize_selection`` argument.
+        model: the (unwrapped) selection model.
+        conflicts: option descriptions and whether each is set (see :func:`check_quantizable`).
+        device: where the loader's batches live.
+        autocast_requested: the loader's ``autocast`` argument.
+
+    Example:
+        >>> m = nn.Sequential(nn.Flatten(), nn.Linear(4, 2))
+        >>> resolve(False, m, {}, torch.device("cpu"), "auto")
+        (None, 'quantize_selection=False')
+        >>> copy, why = resolve("auto", m, {}, torch.device("cpu"), torch.bfloat16)
+        >>> copy is None, why
+        (True, "quantize_selection='auto': off (autocast=torch.bfloat16 was given)")
+    """
+    config = quantized_selection(value)
+    if config is None:
+        return None, f"quantize_selection={value!r}"
+    if value != AUTO:
+        return QuantizedSelector(config, check_quantizable(model, conflicts, device)), (
+            f"quantize_selection={value!r}: int8"
+        )
+    if autocast_requested != AUTO:
+        return None, f"quantize_selection='auto': off (autocast={autocast_requested!r} was given)"
+    if not native_int8():
+        return None, "quantize_selection='auto': off (no native int8 on this CPU)"
+    # NOTE: not traced here: tracing runs the model's forward (on proxies), and a user who
+    # never asked for int8 should not see it called; the first build traces a copy instead,
+    # and a model it cannot trace falls back (Scorer.fall_back).
+    try:
+        engine = check_quantizable(model, conflicts, device, trace=False)
+    except ValueError as e:
+        return None, f"quantize_selection='auto': off ({e})"
+    return QuantizedSelector(config, engine, auto=True), (
+        "quantize_selection='auto': int8 (native int8 on this CPU)"
+    )
+
+
+def check_quantizable(
+    model: nn.Module, conflicts: Mapping[str, bool], device: torch.device, trace: bool = True
+) -> str:
     """Refuse what an int8 selection copy cannot work with, when the loader is built; return the
     quantized engine to build with.
 
@@ -91,6 +201,7 @@ def check_quantizable(model: nn.Module, conflicts: Mapping[str, bool], device: t
         model: the (unwrapped) selection model.
         conflicts: option descriptions (``"autocast="``) and whether each is set.
         device: where the loader's batches live.
+        trace: also trace ``model`` with ``torch.fx`` (which runs its ``forward`` on proxies).
     """
     for what, on in conflicts.items():
         if on:
@@ -113,6 +224,8 @@ def check_quantizable(model: nn.Module, conflicts: Mapping[str, bool], device: t
             f"torch.backends.quantized.engine is {engine!r}; set it before building the loader, "
             + _FIX
         )
+    if not trace:
+        return engine
     try:
         torch.fx.symbolic_trace(model)
     except Exception as e:
@@ -123,6 +236,71 @@ def check_quantizable(model: nn.Module, conflicts: Mapping[str, bool], device: t
             "traceable model, " + _FIX
         ) from e
     return engine
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence what torch's int8 flow warns on every use, for the calls inside only.
+
+    NOTE: torch.ao.quantization warns on every build (a DeprecationWarning naming torchao's pt2e
+    flow, and a UserWarning per observer made), and every int8 forward warns that quantized
+    tensor creation is deprecated. Its FX flow is what this module uses while torch ships it
+    (without it, a build fails with :class:`Int8Unavailable`); a user who never asked for int8
+    (``"auto"``) should not see torch's notices about it.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.ao\.")
+        warnings.filterwarnings(
+            "ignore", message=r"torch\.quantize_per_tensor", category=UserWarning
+        )
+        yield
+
+
+_LINEAR_PACKED = "LinearPackedParamsBase"
+
+
+def _plain_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy's state dict as tensors and JSON values, which ``torch.load(weights_only=True)``
+    takes: the packed weights of a functional linear layer (a ``torch.ScriptObject``) as their
+    int8 weight and float bias, a dtype by its name.
+
+    NOTE: ``torch.load``'s default (``weights_only=True``) refuses ScriptObjects, and a loader's
+    state must load with it; an int8 copy holding any other kind fails to build instead
+    (:func:`_check_plain`)."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, torch.ScriptObject):
+            weight, bias = torch.ops.quantized.linear_unpack(value)
+            value = {"packed": "linear", "weight": weight, "bias": bias}
+        elif isinstance(value, torch.dtype):  # a quantized Linear's weight dtype
+            value = {"dtype": str(value).removeprefix("torch.")}
+        out[key] = value
+    return out
+
+
+def _packed_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`_plain_values`."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and value.get("packed") == "linear":
+            value = torch.ops.quantized.linear_prepack(value["weight"], value["bias"])
+        elif isinstance(value, dict) and set(value) == {"dtype"}:
+            value = getattr(torch, value["dtype"])
+        out[key] = value
+    return out
+
+
+def _check_plain(copy: nn.Module) -> None:
+    """Refuse an int8 copy whose values :func:`_plain_values` cannot make checkpointable."""
+    for key, value in copy.state_dict().items():
+        if isinstance(value, torch.ScriptObject):
+            kind = value._type().qualified_name()
+            if not kind.endswith(_LINEAR_PACKED):
+                raise TypeError(
+                    f"its int8 copy holds {key!r} as a {kind}, which a checkpoint loaded with "
+                    "torch.load(weights_only=True) cannot hold"
+                )
 
 
 def _with_versions(values: dict[str, Any], like: nn.Module) -> dict[str, Any]:
@@ -177,13 +355,42 @@ def _int8_copy(model: nn.Module, calib: torch.Tensor, engine: str) -> nn.Module:
     # stream of random numbers is the same with or without quantize_selection.
     with torch.random.fork_rng(devices=[]):
         quantized = convert_fx(prepared)
+    _forget_modules()
     with torch.inference_mode():
         quantized(calib[:2])  # an op without int8 kernels fails here, not mid-epoch
+    _check_plain(quantized)
     return quantized
+
+
+def _forget_modules() -> None:
+    """Drop the modules torch's FX conversion memoised.
+
+    NOTE: ``convert_fx`` calls ``torch.ao.quantization.fx.utils.assert_and_get_unique_device``,
+    an unbounded ``functools.cache`` keyed on the module itself, so every build would keep its
+    float and intermediate modules (a full copy of the weights) alive for the life of the
+    process: measured, a leak on every refresh. The cache only saves recomputing a module's
+    device, so clearing it changes no result."""
+    try:
+        from torch.ao.quantization.fx import utils
+    except ImportError:  # pragma: no cover - a torch without the FX flow fails to build anyway
+        return
+    clear = getattr(getattr(utils, "assert_and_get_unique_device", None), "cache_clear", None)
+    if clear is not None:
+        clear()
+
+
+class Int8Unavailable(RuntimeError):
+    """The int8 copy of the selection model could not be built (its message names the fix)."""
 
 
 class QuantizedSelector:
     """The int8 copy of the selection model, rebuilt when due; counted and timed.
+
+    Args:
+        config: when to rebuild and how to calibrate.
+        engine: the quantized engine the copies are built for.
+        auto: chosen by ``quantize_selection="auto"``: a model that fails to quantize is then
+            left to the loader to fall back from, not a mistake of the caller's.
 
     Attributes:
         refreshes: how many times the copy was built from the model's weights (not counting
@@ -204,14 +411,16 @@ class QuantizedSelector:
 
     VERSION = 1
 
-    def __init__(self, config: QuantizedSelection, engine: str) -> None:
+    def __init__(self, config: QuantizedSelection, engine: str, auto: bool = False) -> None:
         self.config = config
         self.engine = engine
+        self.auto = auto
         self.refreshes = 0
         self.refresh_s = 0.0
         self.model: nn.Module | None = None
         self._epoch: int | None = None  # the epoch of the copy's last refresh
         self._since = 0  # selection passes with the current copy
+        self._since_examples = 0  # candidates scored with the current copy
         self._restored: dict[str, Any] | None = None  # a saved copy's state, not yet loaded
 
     def model_for(
@@ -228,21 +437,23 @@ class QuantizedSelector:
         self._check_engine()
         current = self.model
         due = current is None and self._restored is None
-        if due or epoch != self._epoch or self._since >= self.config.refresh_every:
+        stale = self.config.due(self._since, self._since_examples)
+        if due or epoch != self._epoch or stale:
             t0 = perf_counter()
             current = self._build(model, inputs, prepare)
             self.refresh_s += perf_counter() - t0
             self.refreshes += 1
-            self._epoch, self._since, self._restored = epoch, 0, None
+            self._epoch, self._since, self._since_examples, self._restored = epoch, 0, 0, None
         elif self._restored is not None:
             # NOTE: a resumed run: the saved copy's structure comes from tracing the current
             # model; every value in it (weights, scales, zero points) is then the saved one's.
             current = self._build(model, inputs, prepare)
-            current.load_state_dict(_with_versions(self._restored, current))
+            current.load_state_dict(_with_versions(_packed_values(self._restored), current))
             self._restored = None
         assert current is not None
         self.model = current
         self._since += 1
+        self._since_examples += int(inputs.shape[0])
         return current
 
     def trial(
@@ -272,18 +483,12 @@ class QuantizedSelector:
         if prepare is not None:
             with torch.inference_mode():
                 calib = prepare(calib)
-        # NOTE: torch.ao.quantization warns on every use (a DeprecationWarning naming torchao's
-        # pt2e flow, and a UserWarning per observer made); silenced here, for these calls only.
-        # Its FX flow is what this module uses while torch ships it; without it, the build fails
-        # with the RuntimeError below.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=DeprecationWarning)
-            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.ao\.")
+        with quiet():
             try:
                 return _int8_copy(model, calib, self.engine)
             except Exception as e:
                 first = str(e).splitlines()[0][:300] if str(e) else ""
-                raise RuntimeError(
+                raise Int8Unavailable(
                     "quantize_selection could not make an int8 copy of the selection model with "
                     f"torch.ao.quantization (FX graph mode, engine {self.engine!r}): "
                     f"{type(e).__name__}: {first}; pass selector= a model whose layers have int8 "
@@ -303,13 +508,14 @@ class QuantizedSelector:
         """The refresh clock and the current copy's values (int8 weights, scales, zero points),
         so that a resumed run scores with the same copy as an uninterrupted one."""
         model = self.model
-        values = None if model is None else dict(model.state_dict())
+        values = None if model is None else _plain_values(model.state_dict())
         if values is None and self._restored is not None:
             values = self._restored
         return {
             "version": self.VERSION,
             "epoch": self._epoch,
             "since": self._since,
+            "since_examples": self._since_examples,
             "refreshes": self.refreshes,
             "model": values,
         }
@@ -318,6 +524,9 @@ class QuantizedSelector:
         state = check_version(state, "QuantizedSelector", self.VERSION)
         self._epoch = None if state["epoch"] is None else int(state["epoch"])
         self._since = int(state["since"])
+        # NOTE: an optional key of version 1 (absent from states saved before refreshes were
+        # counted in candidates): such a copy is treated as fresh.
+        self._since_examples = int(state.get("since_examples", 0))
         self.refreshes = int(state["refreshes"])
         self.model = None
         self._restored = None if state["model"] is None else dict(state["model"])

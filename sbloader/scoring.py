@@ -8,6 +8,8 @@ shape of the model's outputs for ``keep_logits``.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import warnings
 from collections.abc import Callable, Hashable, Mapping
@@ -22,9 +24,11 @@ from torch import nn
 from . import batch as B
 from ._state import check_version
 from .features import FeatureCache
-from .quantize import QuantizedSelector
+from .quantize import Int8Unavailable, QuantizedSelector, quiet
 from .selection import SelectionForward, downsample, is_fsdp, restrict, unused_fields, unwrap
 from .stats import EpochStats
+
+logger = logging.getLogger("sbloader")
 
 __all__ = ["Scored", "Scorer"]
 
@@ -63,6 +67,9 @@ class Scorer:
         index_key: the field holding dataset indices (no model input), or None.
         quantized: the int8 copy that scores in the selection model's place
             (``quantize_selection``), or None.
+        fallback_autocast: the precision to score in if a copy chosen by
+            ``quantize_selection="auto"`` cannot be built (see :meth:`fall_back`).
+        precision: what selection passes run in, and why (``loader.selection_precision``).
     """
 
     VERSION = 1
@@ -81,6 +88,8 @@ class Scorer:
         *,
         index_key: Hashable | None = None,
         quantized: QuantizedSelector | None = None,
+        fallback_autocast: torch.dtype | None = None,
+        precision: str = "",
     ) -> None:
         self.model = model
         self.loss_fn = loss_fn
@@ -93,6 +102,8 @@ class Scorer:
         self.keep_logits = keep_logits
         self.index_key = index_key
         self.quantized = quantized
+        self.fallback_autocast = fallback_autocast
+        self.precision = precision
         self._fields_checked = False
         #: Whether a selection pass copies its losses to the host (False: decisions="device").
         self.host_values = True
@@ -144,8 +155,12 @@ class Scorer:
             stats.prefix_forwards += inputs.shape[0]
         model = self.selection_model
         if self.quantized is not None:
-            model = self.quantized.model_for(model, inputs, epoch, self._prepare)
-        scored = self.run(model, inputs, targets, batch, cached)
+            try:
+                model = self.quantized.model_for(model, inputs, epoch, self._prepare)
+            except (Int8Unavailable, TypeError) as e:
+                self.fall_back(e)
+        with quiet() if self.quantized is not None else contextlib.nullcontext():
+            scored = self.run(model, inputs, targets, batch, cached)
         stats.selection_forward_s += perf_counter() - t0
         self.count(scored, stats)
         return scored
@@ -224,7 +239,10 @@ class Scorer:
         k = min(B.column_length(inputs, "input"), 2)
         model = unwrap(self.selector if self.selector is not None else self.model)
         if self.quantized is not None:  # the fp32 model is probed; the int8 copy is tried
-            self.quantized.trial(model, B.rows(inputs, 0, k), self._prepare)
+            try:
+                self.quantized.trial(model, B.rows(inputs, 0, k), self._prepare)
+            except (Int8Unavailable, TypeError) as e:
+                self.fall_back(e)
         self.forward(
             model,
             B.rows(inputs, 0, k),
@@ -238,6 +256,55 @@ class Scorer:
             inference=not self.collective,
         )
         self._keep_template(inputs, targets, batch)
+
+    def fall_back(self, error: Exception) -> None:
+        """Score in ``fallback_autocast`` from now on, where the int8 copy was chosen by
+        ``quantize_selection="auto"`` and cannot be built for this model or input (warned and
+        recorded in :attr:`precision`); re-raise ``error`` where it was asked for explicitly.
+
+        NOTE: only on the first source batch's trial or pass, before any loss was scored in
+        int8 (a copy that was built once builds again), so one run never mixes precisions.
+        """
+        quantized = self.quantized
+        if quantized is None or not quantized.auto or quantized.model is not None:
+            raise error
+        self.quantized = None
+        self.autocast = self.fallback_autocast
+        cause = error.__cause__ if error.__cause__ is not None else error
+        first = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+        self.precision = (
+            f"quantize_selection='auto': off (the int8 copy could not be built: {first[:200]}); "
+            f"{_float_name(self.autocast)}"
+        )
+        logger.info("selection precision: %s", self.precision)
+        warnings.warn(
+            f"sbloader: {self.precision}. Selection passes run in {_float_name(self.autocast)} "
+            "instead; pass quantize_selection=False to choose that without trying int8.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+    def adopt_quantized(self, state: dict[str, Any]) -> None:
+        """Before a resume: check that a saved scorer state matches this scorer's int8 copy, and
+        follow the saved run where this one's copy was chosen by ``"auto"`` and the saved run
+        fell back from it (or ran without it)."""
+        state = check_version(state, "Scorer", self.VERSION)
+        quantized = state.get("quantized")
+        if quantized is None and self.quantized is not None and self.quantized.auto:
+            self.quantized = None
+            self.autocast = self.fallback_autocast
+            self.precision = (
+                "quantize_selection='auto': off (the resumed run's own, from its state)"
+            )
+            logger.info("selection precision: %s", self.precision)
+        if (quantized is None) != (self.quantized is None):
+            saved = "without" if quantized is None else "with"
+            raise ValueError(
+                f"the saved SelectiveLoader state was made {saved} an int8 selection copy "
+                f"(quantize_selection), but this loader {'has' if self.quantized else 'has none'} "
+                f"({self.precision}); build the loader with quantize_selection="
+                f"{quantized is not None} to resume it"
+            )
 
     def _prepare(self, inputs: torch.Tensor) -> torch.Tensor:
         """What the selection forward does to the inputs before the model sees them (for the
@@ -404,19 +471,18 @@ class Scorer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.adopt_quantized(state)
         state = check_version(state, "Scorer", self.VERSION)
         quantized = state.get("quantized")
-        if (quantized is None) != (self.quantized is None):
-            saved = "without" if quantized is None else "with"
-            raise ValueError(
-                f"the saved SelectiveLoader state was made {saved} quantize_selection, but this "
-                f"loader has quantize_selection={self.quantized is not None}; build the loader "
-                "with the saved run's arguments to resume it"
-            )
         shape = state["logits_shape"]
         self.logits_shape = None if shape is None else tuple(int(v) for v in shape)
         if self.quantized is not None and quantized is not None:
             self.quantized.load_state_dict(quantized)
+
+
+def _float_name(dtype: torch.dtype | None) -> str:
+    """``"float32"`` for None, else the dtype's name (``"bfloat16"``)."""
+    return "float32" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _owned(value: Any) -> Any:

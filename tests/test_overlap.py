@@ -71,6 +71,7 @@ def counted_losses(
         batch_size=BATCH,
         overlap_selection=overlap,
         decisions=decisions,
+        quantize_selection=False,  # the model itself, not a periodically refreshed int8 copy
     )
     steps, seen = 0, []
     for _ in range(epochs):
@@ -123,6 +124,7 @@ def train(
         batch_size=16,
         seed=3,
         overlap_selection=overlap,
+        quantize_selection=False,  # with and without overlap: the same float passes
     )
     if state is not None:
         saved = torch.load(io.BytesIO(state), weights_only=False)

@@ -34,6 +34,7 @@ def build(seed: int = 0, **kw) -> SelectiveLoader:
     dl = DataLoader(
         ArrayDataset(x, y), batch_size=40, shuffle=True, generator=torch.Generator().manual_seed(1)
     )
+    kw.setdefault("quantize_selection", False)  # the float precisions (int8: its own tests)
     return SelectiveLoader(dl, model, policy=SelectiveBackprop(0.5), batch_size=10, seed=seed, **kw)
 
 
@@ -65,8 +66,10 @@ def test_the_default_selects_as_the_chosen_dtype_given_explicitly(monkeypatch, c
         auto = build()
     chosen = torch.bfloat16 if native else None
     assert auto.autocast is chosen
-    assert f"selection precision: autocast='auto': {'bfloat16' if native else 'float32'}" in (
-        caplog.text
+    assert f"autocast='auto': {'bfloat16' if native else 'float32'}" in caplog.text
+    assert auto.selection_precision == (
+        f"quantize_selection=False; autocast='auto': {'bfloat16' if native else 'float32'} "
+        f"({'native' if native else 'no native bf16'} on cpu)"
     )
     given = build(autocast=chosen)
     for a, b in zip(auto, given, strict=True):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import warnings
 from typing import Any
 
 import numpy as np
@@ -218,10 +219,12 @@ def test_state_must_match_the_option() -> None:
     with_q = make(cnn(), True)
     list(with_q)
     without = make(cnn(), False)
-    with pytest.raises(ValueError, match="made with quantize_selection"):
+    with pytest.raises(ValueError, match="made with an int8 selection copy") as info:
         without.load_state_dict(with_q.state_dict())
-    with pytest.raises(ValueError, match="made without quantize_selection"):
+    assert "quantize_selection=True to resume" in str(info.value)
+    with pytest.raises(ValueError, match="made without an int8 selection copy") as info:
         make(cnn(), True).load_state_dict(without.state_dict())
+    assert "quantize_selection=False to resume" in str(info.value)
 
 
 class Branchy(nn.Module):
@@ -267,7 +270,11 @@ def test_bad_settings() -> None:
         QuantizedSelection(refresh_every=0)
     with pytest.raises(TypeError, match="calibration_examples should be an int"):
         QuantizedSelection(calibration_examples=1.5)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="quantize_selection should be True, False or"):
+    with pytest.raises(ValueError, match="refresh_examples should be >= 1"):
+        QuantizedSelection(refresh_examples=0)
+    with pytest.raises(ValueError, match="refresh_examples or refresh_every, not both"):
+        QuantizedSelection(refresh_examples=64, refresh_every=2)
+    with pytest.raises(TypeError, match="quantize_selection should be 'auto', True, False or"):
         make(cnn(), "int8")
 
 
@@ -333,3 +340,173 @@ def test_with_selection_scale_the_copy_scores_the_downsampled_inputs() -> None:
             assert batch[0].shape[-2:] == (12, 12)
             runs[q] |= set(batch.indices.tolist())
     assert len(runs[True] & runs[False]) / len(runs[False]) >= 0.9
+
+
+# ---------------------------------------------------------------- refreshes, memory, checkpoints
+def test_refreshes_counted_in_candidates_whatever_the_source_batch() -> None:
+    """The default clock counts candidates scored: the same work between two refreshes with
+    source batches of 32 or of 16 (every 2 or every 4 passes for refresh_examples=64)."""
+    for source_batch, per_copy in ((32, 2), (16, 4)):
+        loss = Recording()
+        loader = make(
+            cnn(), QuantizedSelection(refresh_examples=64), loss_fn=loss, source_batch=source_batch
+        )
+        loss.loader = loader
+        list(loader)
+        passes = 384 // source_batch
+        assert [c[0] for c in loss.calls] == [1 + i // per_copy for i in range(passes)]
+    assert QuantizedSelection().refresh_examples == 16384  # 32 source batches of 512
+
+
+def test_refreshes_leave_no_copy_alive() -> None:
+    """Each refresh replaces the copy; torch's FX conversion memoises every module it converts
+    (an unbounded cache), which would keep each old copy's weights alive without the loader's
+    clearing it."""
+    import gc
+
+    def live() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+
+    loader = make(cnn(), QuantizedSelection(refresh_every=1))
+    list(loader)
+    before = live()
+    for _ in range(3):
+        list(loader)  # 12 refreshes each
+    quantized = loader.scorer.quantized
+    assert quantized is not None and quantized.refreshes == 48
+    assert live() - before <= 4
+
+
+class BareLinear(nn.Module):
+    """A model whose int8 copy packs a functional linear layer's weights (a ScriptObject)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(CLASSES, 144, generator=torch.Generator()) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x.flatten(1), self.weight)
+
+
+def test_a_copy_with_packed_weights_checkpoints_with_weights_only_and_resumes_exactly() -> None:
+    def loader() -> SelectiveLoader:
+        return make(BareLinear(), QuantizedSelection(refresh_every=5))
+
+    whole = loader()
+    expected = epoch_batches(whole)
+    first = loader()
+    it = iter(first)
+    head = [(b.indices.tolist(), b.losses.tolist()) for b in (next(it), next(it), next(it))]
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)  # torch.load's default
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert head + epoch_batches(resumed) == expected
+
+
+# ------------------------------------------------------------------------ quantize_selection="auto"
+def native(monkeypatch: pytest.MonkeyPatch, answer: bool) -> None:
+    """Make this process's CPU answer ``answer`` to torch's int8 capability queries."""
+    for name in ("_is_vnni_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda: answer, raising=False)
+
+
+def test_auto_is_the_default_and_is_int8_where_the_cpu_has_native_int8(monkeypatch) -> None:
+    native(monkeypatch, True)
+    model = trained()
+    default = SelectiveLoader(
+        DataLoader(dataset(), batch_size=32), model, policy=SelectiveBackprop(1 / 3), batch_size=8
+    )
+    assert default.scorer.quantized is not None and default.autocast is None
+    assert default.selection_precision == (
+        "quantize_selection='auto': int8 (native int8 on this CPU)"
+    )
+    auto = epoch_batches(default)
+    explicit = epoch_batches(make(model, True))  # the same copy, the same selections
+    assert auto == explicit
+    floats = epoch_batches(make(model, False, autocast=None))
+    assert auto != floats  # int8 really scored
+    native(monkeypatch, False)
+    off = make(model, "auto")
+    assert off.scorer.quantized is None
+    assert off.selection_precision.startswith(
+        "quantize_selection='auto': off (no native int8 on this CPU); autocast='auto': "
+    )
+
+
+@pytest.mark.parametrize(
+    ("kw", "reason"),
+    [
+        ({"autocast": torch.bfloat16}, "autocast=torch.bfloat16 was given"),
+        ({"autocast": None}, "autocast=None was given"),
+        ({"compile_selection": {"backend": "eager"}}, "compile_selection="),
+        ({"forward": lambda m, b: m(b[0])}, "forward="),
+        ({"eval_selection": False}, "eval_selection=False"),
+        ({"frozen_prefix": nn.Identity()}, "frozen_prefix="),
+        ({"overlap_selection": True}, "overlap_selection=True"),
+        ({"device": "meta"}, "device is on meta"),
+    ],
+)
+def test_auto_stays_off_and_says_why_where_something_stands_in_the_way(
+    monkeypatch, kw: dict[str, Any], reason: str
+) -> None:
+    native(monkeypatch, True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # overlap_selection's warning about plain SB
+        loader = make(cnn(), "auto", **kw)
+    assert loader.scorer.quantized is None
+    assert loader.selection_precision.startswith("quantize_selection='auto': off (")
+    assert reason in loader.selection_precision
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+def test_auto_falls_back_on_the_first_batch_where_int8_cannot_be_built(
+    monkeypatch, warmup: bool
+) -> None:
+    """An untraceable model: the first source batch (a pass, or the warm-up's trial) finds it,
+    warns once, and every pass runs in the float precision ``"auto"`` picks; the selections are
+    those of a loader told ``quantize_selection=False``. Explicitly asked for, it is refused."""
+    native(monkeypatch, True)
+    policy = (lambda: sbloader.default_policy()) if warmup else (lambda: SelectiveBackprop(0.5))
+    torch.manual_seed(3)
+    model = Branchy()
+    auto = make(model, "auto", policy())
+    assert auto.scorer.quantized is not None  # not traced when built: its forward is not run
+    with pytest.warns(UserWarning, match=r"the int8 copy could not be built: TraceError"):
+        got = [b for _ in range(2) for b in epoch_batches(auto)]
+    assert auto.scorer.quantized is None
+    assert "quantize_selection='auto': off (the int8 copy could not be built" in (
+        auto.selection_precision
+    )
+    plain = make(model, False, policy())
+    # (compared as text: a warm-up's batches carry NaN losses, which == never matches)
+    assert str(got) == str([b for _ in range(2) for b in epoch_batches(plain)])
+    assert auto.autocast is plain.autocast
+    with pytest.raises(ValueError, match=r"tracing it with torch\.fx"):
+        make(model, True)
+
+
+def test_auto_resume_follows_the_saved_run(monkeypatch) -> None:
+    """A run saved without the copy (fallen back, or on a CPU without native int8) resumes
+    without it under "auto"; a run saved with it cannot be resumed without it."""
+    native(monkeypatch, False)
+    first = make(trained(), "auto", data=dataset(768))
+    it = iter(first)
+    head = [(b.indices.tolist(), b.losses.tolist()) for b in (next(it), next(it))]
+    state = first.state_dict()
+    rest = [(b.indices.tolist(), b.losses.tolist()) for b in it]
+    native(monkeypatch, True)
+    resumed = make(trained(), "auto", data=dataset(768))
+    assert resumed.scorer.quantized is not None  # this machine's own choice ...
+    resumed.load_state_dict(state)
+    assert resumed.scorer.quantized is None  # ... gives way to the saved run's
+    assert "the resumed run's own" in resumed.selection_precision
+    assert head + epoch_batches(resumed) == head + rest
+    saved_int8 = make(trained(), "auto", data=dataset(768))
+    list(saved_int8)
+    native(monkeypatch, False)
+    with pytest.raises(ValueError, match="quantize_selection=True to resume"):
+        make(trained(), "auto", data=dataset(768)).load_state_dict(saved_int8.state_dict())

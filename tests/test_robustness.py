@@ -555,8 +555,13 @@ def test_a_model_that_raises_mid_selection_leaves_nothing_half_done():
     enter the window, and the same loader carries on afterwards."""
     model = Flaky(fail=4).train()  # source batch 2, chunk 2
     dl = DataLoader(EncodedDataset(90), batch_size=30)
-    loader = SelectiveLoader(
-        dl, model, policy=SelectiveBackprop(0.5), batch_size=10, selection_batch_size=16
+    loader = SelectiveLoader(  # the float model's own forward (no int8 copy) fails
+        dl,
+        model,
+        policy=SelectiveBackprop(0.5),
+        batch_size=10,
+        selection_batch_size=16,
+        quantize_selection=False,
     )
     it = iter(loader)
     next(it)
@@ -711,7 +716,9 @@ def test_ctrl_c_during_a_selection_pass_restores_training_mode_and_state():
     model = Interrupted(at=3).train()
     model.drop.eval()  # a deliberately frozen submodule stays frozen
     dl = DataLoader(EncodedDataset(120), batch_size=30, generator=torch.Generator())
-    loader = SelectiveLoader(dl, model, policy=SelectiveBackprop(0.5), batch_size=10)
+    loader = SelectiveLoader(  # the float model's own forward is interrupted
+        dl, model, policy=SelectiveBackprop(0.5), batch_size=10, quantize_selection=False
+    )
     it = iter(loader)
     before = []
     with pytest.raises(KeyboardInterrupt):
@@ -823,15 +830,20 @@ def test_resident_memory_stays_flat_across_epochs(staleness):
             last = weakref.ref(x)
         return last
 
+    def pending_parts() -> int:  # the selected rows carried into the next epoch, in parts
+        return len(loader._pending._parts)
+
     for _ in range(5):
         epoch()
     gc.collect()
-    tensors, rss = live_tensors(), rss_bytes()
+    tensors, rss, parts = live_tensors(), rss_bytes(), pending_parts()
     for _ in range(30):
         last = epoch()
     gc.collect()
     assert last() is None  # the loader keeps no reference to what it yielded
-    assert live_tensors() - tensors <= 8  # the carried pending batch may differ
+    # The carried pending rows may differ (each part holds 6 tensors: inputs, targets, indices,
+    # losses, probabilities, weights); nothing else may grow.
+    assert live_tensors() - tensors <= 8 + 6 * max(pending_parts() - parts, 0)
     assert rss_bytes() - rss < 12 * 2**20
     assert len(loader.stats.epochs) == 35
 

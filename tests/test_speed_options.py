@@ -61,7 +61,7 @@ def run(model=None, epochs=2, source_bs=60, bs=20, policy=None, **kw):
         policy=policy or SelectiveBackprop(1 / 3, history=64),
         batch_size=bs,
         seed=0,
-        **kw,
+        **{"quantize_selection": False, **kw},  # the float forward's options, compared
     )
     batches = [b for _ in range(epochs) for b in loader]
     return loader, batches

@@ -11,7 +11,8 @@ strategies that differ only in their budget form a *family*, named by the strate
 Variants (a suffix of the name): ``_warmup`` (one Traditional epoch first), ``_rwarmup`` (one
 Random-Backprop epoch at the same selectivity first), ``_anneal`` (the last eighth of the
 planned epochs on all the data), ``_reweight`` (SB's unbiased weights), ``_int8`` (selection
-passes through ``quantize_selection=True``, see :func:`int8`), ``_overlap`` (selection passes
+passes through ``quantize_selection=True``, see :func:`int8`), ``_float`` (a user's loader
+without its automatic int8 copy, see :func:`floating`), ``_overlap`` (selection passes
 overlapped with training, ``overlap_selection=True``, see :func:`overlapped`).
 """
 
@@ -60,6 +61,9 @@ class Strategy:
     quantized: bool = False
     """Selection passes through the loader's int8 copy of the model (``quantize_selection=True``,
     CPU only) instead of the configuration's selection precision."""
+    floating: bool = False
+    """A user's loader (``as_user``) told ``quantize_selection=False``: its float precision, as
+    the loader chose before its automatic int8 copy (``"auto"``), for comparison."""
     overlap: bool = False
     """Selection passes on a background thread, on a copy of the model refreshed before each
     pass (``overlap_selection=True``, CPU only): one source batch staler."""
@@ -206,6 +210,15 @@ def int8(strategy: Strategy) -> Strategy:
     return dataclasses.replace(strategy, name=name, family=name, quantized=True)
 
 
+def floating(strategy: Strategy) -> Strategy:
+    """``strategy`` (a user's loader) with ``quantize_selection=False``: selection passes in the
+    float precision ``autocast="auto"`` chooses, named ``<name>_float``."""
+    if not strategy.as_user:
+        raise ValueError(f"{strategy.name} selects in the configuration's precision already")
+    name = f"{strategy.name}_float"
+    return dataclasses.replace(strategy, name=name, family=name, floating=True)
+
+
 def overlapped(strategy: Strategy) -> Strategy:
     """``strategy`` with its selection passes overlapped with training
     (``overlap_selection=True``), named ``<name>_overlap``."""
@@ -237,6 +250,7 @@ def diet_sb(variant: str = "") -> Strategy:
 def _build_registry() -> dict[str, Strategy]:
     entries = [traditional(), kath18(), el2n()]
     entries += [recipe(fb, user) for fb in (False, True) for user in (False, True)]
+    entries += [floating(recipe(fb, True)) for fb in (False, True)]
     entries += [recipe(feedback=True, anneal=True), recipe(feedback=True, anneal=True, ramp=True)]
     entries += [recipe(feedback=True, anneal=True, trim=0.1), recipe(feedback=True, trim=0.1)]
     entries += [recipe(feedback=True, anneal=True, scdf=True)]

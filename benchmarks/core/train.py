@@ -114,7 +114,11 @@ class Trainer:
             self.run.pre_cost = r.cost()
             self.clock += r.seconds  # the user pays for scoring
         # the loader's own default precision for a user's loader
+        # NOTE: the other strategies select in the configuration's precision, never through
+        # the library's automatic int8 copy, so that a family means the same on every CPU.
         user: dict[str, Any] = dict(autocast="auto") if strat.as_user else {}
+        if not strat.as_user or strat.floating:
+            user.update(quantize_selection=False)
         if strat.quantized:
             user.update(autocast=None, quantize_selection=True)
         if strat.overlap:
@@ -128,11 +132,7 @@ class Trainer:
             subset=subset,
             **user,
         )
-        chosen = self.loader.autocast
-        if strat.quantized:
-            self.run.selection_dtype = "int8"  # the loader's int8 copy; autocast stays None
-        else:
-            self.run.selection_dtype = "float32" if chosen is None else str(chosen).split(".")[-1]
+        self._record_precision()
         self.keep = (
             Keeper(
                 y_noisy,
@@ -231,11 +231,21 @@ class Trainer:
         sync(self.device)
         self.clock += time.perf_counter() - self._epoch_start - self._epoch_eval
 
+    def _record_precision(self) -> None:
+        """The run's selection precision as the loader has it now (an automatic int8 copy can
+        fall back to a float precision on the first source batch)."""
+        chosen = self.loader.autocast
+        if self.loader.scorer.quantized is not None:
+            self.run.selection_dtype = "int8"  # the loader's int8 copy; autocast stays None
+        else:
+            self.run.selection_dtype = "float32" if chosen is None else str(chosen).split(".")[-1]
+
     def finish(self) -> Run:
         """The run's record, once its planned epochs are trained."""
         if not self.done:
             raise RuntimeError(f"{self.run.key()} has {self.planned - self.epoch} epochs to go")
         run = self.run
+        self._record_precision()
         run.final_error = run.points[-1]["error"]
         run.train_s = self.clock
         t = self.loader.stats.total
