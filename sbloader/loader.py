@@ -284,18 +284,32 @@ class SelectiveLoader:
             ranges calibrated on the first ``calibration_examples`` candidates of the source
             batch being scored). The copy is rebuilt from the model's current weights at the
             first selection pass of every epoch that has selection passes (a Stale-SB fresh
-            epoch, every epoch of plain SB) and then every ``refresh_every`` source batches, so
-            selection losses come from weights up to ``refresh_every`` source batches old.
-            Training forwards are not affected. Its refresh clock and the copy's int8 values are
-            part of :meth:`state_dict` (a resume scores with the same copy). Refused
-            (``ValueError``) with a model torch.fx cannot trace, on a GPU, and with an
-            ``autocast`` dtype (``"auto"`` gives way to it), ``compile_selection``,
-            ``forward=`` (or a tuple ``input_key``),
-            ``frozen_prefix``, ``eval_selection=False`` or an FSDP-sharded model; a model with
-            layers that have no int8 kernels fails on the first source batch
-            (``RuntimeError``). Refreshes are counted in ``loader.scorer.quantized.refreshes``;
-            their time is part of the epochs' ``selection_forward_s``. Under DDP each rank
-            builds its own copy on its own candidates, with no collective. Default False.
+            epoch, every epoch of plain SB) and then every ``refresh_examples`` candidates
+            scored (16384 unless set), so selection losses come from weights up to that many
+            candidates old. Training forwards are not affected. Its refresh clock and the
+            copy's int8 values are part of :meth:`state_dict` (a resume scores with the same
+            copy). Refused (``ValueError``) with a model torch.fx cannot trace, on a GPU, and
+            with an ``autocast`` dtype, ``compile_selection``, ``forward=`` (or a tuple
+            ``input_key``), ``frozen_prefix``, ``eval_selection=False``, ``overlap_selection``
+            or an FSDP-sharded model; a model with layers that have no int8 kernels fails on
+            the first source batch (``RuntimeError``). Refreshes are counted in
+            ``loader.scorer.quantized.refreshes``; their time is part of the epochs'
+            ``selection_forward_s``. Under DDP each rank builds its own copy on its own
+            candidates, with no collective. ``"auto"``: the copy where the CPU computes int8
+            natively (VNNI or AMX) and none of the above stands in the way (``autocast`` left at
+            ``"auto"``, which then gives way to it), else off; a model that cannot be quantized
+            then falls back, on the first source batch and with a warning, to the float
+            precision ``autocast="auto"`` picks (:func:`sbloader.quantize.resolve`). The choice
+            and its reason: :attr:`selection_precision`. Default False.
+
+            NOTE (why not ``"auto"`` by default): measured as the default over 10 seeds on the
+            AVX512-VNNI CPU (``benchmarks/results/default_safety_int8/``), ``"auto"`` sped the
+            default's one selection pass up but, with a training loop that reports its losses
+            (``feedback``), its stale epochs kept fewer examples (156k backprops in 10 epochs
+            against 171k) and ended 0.14 points worse on average (worse in 8 of 10 seeds):
+            the int8 pass's losses, from a copy up to ``refresh_examples`` candidates old, sit
+            above the live model's, and the training losses fed back rank lower against them.
+            It did not close the default's gap to Random-Backprop at the loosest target either.
         overlap_selection: run the selection pass of the next source batch on a background
             thread while the caller trains on the batches of the current one (the paper's
             pipelining, :mod:`sbloader.overlap`), with a copy of the selection model refreshed
@@ -408,7 +422,7 @@ class SelectiveLoader:
         metadata_key: str | None = None,
         decisions: str = "host",
         planned_epochs: int | None = None,
-        quantize_selection: bool | str | QuantizedSelection = "auto",
+        quantize_selection: bool | str | QuantizedSelection = False,
         overlap_selection: bool = False,
     ) -> None:
         for name, module, optional in (("model", model, False), ("selector", selector, True)):

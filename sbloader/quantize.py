@@ -8,13 +8,13 @@ selection pass of every epoch that has selection passes, then every ``refresh_ex
 candidates scored (or every ``refresh_every`` selection passes) within the epoch. Between
 refreshes the selection losses come from slightly older weights.
 
-``quantize_selection="auto"`` (the loader's default) turns the copy on where it measured cheaper
-than every other selection precision and nothing stands in its way: a CPU with native int8 dot
-products (VNNI or AMX), the selection precision left to the loader (``autocast="auto"``), no
-option the copy cannot follow, and a model that ``torch.fx`` can trace. A model that then fails
-to quantize on the first source batch falls back to the precision ``autocast="auto"`` chooses,
-with a warning; the choice and its reason are in ``loader.stats.selection_precision`` and the
-log (:func:`resolve`).
+``quantize_selection="auto"`` (opt-in: the loader's default is False, see its NOTE) turns the
+copy on where it measured cheaper than every other selection precision and nothing stands in its
+way: a CPU with native int8 dot products (VNNI or AMX), the selection precision left to the
+loader (``autocast="auto"``), no option the copy cannot follow, and a model that ``torch.fx``
+can trace. A model that then fails to quantize on the first source batch falls back to the
+precision ``autocast="auto"`` chooses, with a warning; the choice and its reason are in
+``loader.selection_precision`` and the log (:func:`resolve`).
 """
 
 from __future__ import annotations
@@ -455,6 +455,11 @@ class QuantizedSelector:
         self._since += 1
         self._since_examples += int(inputs.shape[0])
         return current
+
+    @property
+    def used(self) -> bool:
+        """Whether a copy was built to score with, or restored from a saved state."""
+        return self.model is not None or self.refreshes > 0 or self._restored is not None
 
     def trial(
         self,

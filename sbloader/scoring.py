@@ -262,11 +262,12 @@ class Scorer:
         ``quantize_selection="auto"`` and cannot be built for this model or input (warned and
         recorded in :attr:`precision`); re-raise ``error`` where it was asked for explicitly.
 
-        NOTE: only on the first source batch's trial or pass, before any loss was scored in
-        int8 (a copy that was built once builds again), so one run never mixes precisions.
+        NOTE: only before any copy was built to score with (the first source batch's trial or
+        pass) or restored: a copy that was built once builds again, and a run never mixes
+        precisions.
         """
         quantized = self.quantized
-        if quantized is None or not quantized.auto or quantized.model is not None:
+        if quantized is None or not quantized.auto or quantized.used:
             raise error
         self.quantized = None
         self.autocast = self.fallback_autocast

@@ -11,8 +11,9 @@ strategies that differ only in their budget form a *family*, named by the strate
 Variants (a suffix of the name): ``_warmup`` (one Traditional epoch first), ``_rwarmup`` (one
 Random-Backprop epoch at the same selectivity first), ``_anneal`` (the last eighth of the
 planned epochs on all the data), ``_reweight`` (SB's unbiased weights), ``_int8`` (selection
-passes through ``quantize_selection=True``, see :func:`int8`), ``_float`` (a user's loader
-without its automatic int8 copy, see :func:`floating`), ``_overlap`` (selection passes
+passes through ``quantize_selection=True``, see :func:`int8`), ``_float`` and
+``_int8auto`` (a user's loader with ``quantize_selection=False`` or ``"auto"``, see
+:func:`floating` and :func:`int8_auto`), ``_overlap`` (selection passes
 overlapped with training, ``overlap_selection=True``, see :func:`overlapped`).
 """
 
@@ -62,8 +63,11 @@ class Strategy:
     """Selection passes through the loader's int8 copy of the model (``quantize_selection=True``,
     CPU only) instead of the configuration's selection precision."""
     floating: bool = False
-    """A user's loader (``as_user``) told ``quantize_selection=False``: its float precision, as
-    the loader chose before its automatic int8 copy (``"auto"``), for comparison."""
+    """A user's loader (``as_user``) told ``quantize_selection=False`` (the loader's default
+    since 2026-11-25; at commit 8cdbc3f the default was ``"auto"``)."""
+    auto_int8: bool = False
+    """A user's loader (``as_user``) told ``quantize_selection="auto"``: an int8 copy where the CPU
+    computes int8 natively."""
     overlap: bool = False
     """Selection passes on a background thread, on a copy of the model refreshed before each
     pass (``overlap_selection=True``, CPU only): one source batch staler."""
@@ -219,6 +223,15 @@ def floating(strategy: Strategy) -> Strategy:
     return dataclasses.replace(strategy, name=name, family=name, floating=True)
 
 
+def int8_auto(strategy: Strategy) -> Strategy:
+    """``strategy`` (a user's loader) with ``quantize_selection="auto"``, named
+    ``<name>_int8auto``."""
+    if not strategy.as_user:
+        raise ValueError(f"{strategy.name} selects in the configuration's precision")
+    name = f"{strategy.name}_int8auto"
+    return dataclasses.replace(strategy, name=name, family=name, auto_int8=True)
+
+
 def overlapped(strategy: Strategy) -> Strategy:
     """``strategy`` with its selection passes overlapped with training
     (``overlap_selection=True``), named ``<name>_overlap``."""
@@ -250,7 +263,7 @@ def diet_sb(variant: str = "") -> Strategy:
 def _build_registry() -> dict[str, Strategy]:
     entries = [traditional(), kath18(), el2n()]
     entries += [recipe(fb, user) for fb in (False, True) for user in (False, True)]
-    entries += [floating(recipe(fb, True)) for fb in (False, True)]
+    entries += [v(recipe(fb, True)) for fb in (False, True) for v in (floating, int8_auto)]
     entries += [recipe(feedback=True, anneal=True), recipe(feedback=True, anneal=True, ramp=True)]
     entries += [recipe(feedback=True, anneal=True, trim=0.1), recipe(feedback=True, trim=0.1)]
     entries += [recipe(feedback=True, anneal=True, scdf=True)]

@@ -119,6 +119,8 @@ class Trainer:
         user: dict[str, Any] = dict(autocast="auto") if strat.as_user else {}
         if not strat.as_user or strat.floating:
             user.update(quantize_selection=False)
+        if strat.auto_int8:
+            user.update(quantize_selection="auto")
         if strat.quantized:
             user.update(autocast=None, quantize_selection=True)
         if strat.overlap:
