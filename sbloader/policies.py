@@ -964,6 +964,7 @@ def default_policy(
     trim_top: float = 0.0,
     stale_cdf: str = "window",
     selectivity: float = 1 / 3,
+    anneal_share: float = 1 / 8,
 ) -> Policy:
     """The policy of ``SelectiveLoader(source, model)`` with no ``policy=``: the recipe that
     measured fastest to every target here (README, Measured), not the paper's plain SB.
@@ -994,7 +995,9 @@ def default_policy(
     ``stale_cdf`` is its ``stale_cdf``: what stale epochs rank stored losses against (unused
     without a store, where every active epoch makes a selection pass).
     ``selectivity`` is the share kept, by the Stale-SB and by the Random-Backprop warm-up alike
-    (1/3 by default; a larger share trades speed for final accuracy).
+    (1/3 by default; a larger share trades speed for final accuracy). ``anneal_share`` is the
+    share of the planned ``epochs`` (rounded, at least one) annealed on all the data (1/8 by
+    default, InfoBatch's; unused without ``epochs``).
 
     The paper's plain SB is ``SelectiveBackprop(1 / 3)``.
 
@@ -1010,9 +1013,12 @@ def default_policy(
     warmup = 1
     anneal = None
     selectivity = check_float("selectivity", selectivity, low=0.0, high=1.0, low_open=True)
+    anneal_share = check_float(
+        "anneal_share", anneal_share, low=0.0, high=1.0, low_open=True, high_open=True
+    )
     if epochs is not None:
         epochs = check_int("epochs", epochs, minimum=warmup + 1)
-        anneal = max(warmup, epochs - max(1, round(epochs / 8)))
+        anneal = max(warmup, epochs - max(1, round(epochs * anneal_share)))
     return Phased(
         SelectiveBackprop(
             selectivity,

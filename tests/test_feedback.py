@@ -267,3 +267,25 @@ def test_the_default_recipe_keeps_the_selectivity_it_is_given(selectivity):
         default_policy(selectivity=0.0)
     with pytest.raises(ValueError, match="selectivity should be"):
         default_policy(selectivity=1.5)
+
+
+@pytest.mark.parametrize(
+    ("epochs", "share", "first"), [(8, 1 / 8, 7), (8, 0.25, 6), (16, 0.25, 12)]
+)
+def test_the_default_recipe_anneals_the_share_of_its_epochs_it_is_given(epochs, share, first):
+    """default_policy(epochs=E, anneal_share=a): the last round(a E) epochs (at least one) keep
+    every candidate, the epochs before them select; a share outside (0, 1) is refused."""
+    from sbloader import default_policy
+
+    policy = default_policy(epochs=epochs, anneal_share=share)
+    assert policy.anneal_from_epoch == first
+    loader = loader_for(policy)
+    for _ in range(epochs):
+        for batch in loader:
+            loader.feedback(batch.indices, reported(batch.indices))
+    kept = [x.examples_selected / x.examples_seen for x in loader.stats.epochs]
+    assert all(k == 1.0 for k in kept[first:]), kept
+    assert max(kept[:first]) < 0.9, kept  # selective before (this loss reverses the ranks)
+    for bad in (0.0, 1.0, -0.5):
+        with pytest.raises(ValueError, match="anneal_share should be"):
+            default_policy(epochs=8, anneal_share=bad)

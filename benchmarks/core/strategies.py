@@ -174,6 +174,7 @@ def recipe(
     trim: float = 0.0,
     scdf: bool = False,
     selectivity: float = 1 / 3,
+    anneal_share: float = 1 / 8,
 ) -> Strategy:
     """sbloader's default policy (:func:`sbloader.default_policy`): ``recipe`` with the
     benchmark's selection settings, ``default`` as ``SelectiveLoader(source, model)`` builds it;
@@ -182,7 +183,8 @@ def recipe(
     ``_scdf`` with stale epochs ranked against the stored losses (``stale_cdf="store"``);
     ``_s<selectivity>`` keeping another share than 1/3 (``selectivity=``);
     ``_anneal`` with all the data in the last eighth of the planned epochs (InfoBatch's
-    annealing); ``_fb`` when the training step reports its losses."""
+    annealing), ``_annealN`` in the last N% of them (``anneal_share=N/100``); ``_fb`` when the
+    training step reports its losses."""
     name = "default" if as_user else "recipe"
     r = 1.0 if ramp else 0.0
     t = f"_trim{round(100 * trim)}" if trim else ""
@@ -191,11 +193,13 @@ def recipe(
         trim_top=trim,
         stale_cdf="store" if scdf else "window",
         selectivity=selectivity,
+        anneal_share=anneal_share,
     )
     sel = "" if selectivity == 1 / 3 else f"_s{_label(selectivity)}"
+    share = "" if anneal_share == 1 / 8 else f"{round(100 * anneal_share)}"
     return _named(
         f"{name}{sel}{'_ramp' if ramp else ''}{t}{'_scdf' if scdf else ''}"
-        f"{'_anneal' if anneal else ''}{'_fb' if feedback else ''}",
+        f"{f'_anneal{share}' if anneal else ''}{'_fb' if feedback else ''}",
         True,
         (lambda planned: sbloader.default_policy(epochs=planned, **kw))
         if anneal
@@ -282,6 +286,9 @@ def _build_registry() -> dict[str, Strategy]:
     entries += [int8(selective_backprop(0.33)), int8(stale_sb(3, "rwarmup", feedback=True))]
     entries += [int8(recipe(True)), int8(recipe(True, anneal=True))]
     entries += [int8(recipe(True, anneal=True, selectivity=s)) for s in (0.4, 0.5)]
+    entries += [
+        int8(recipe(True, anneal=True, selectivity=s, anneal_share=0.25)) for s in (1 / 3, 0.5)
+    ]
     entries += [overlapped(selective_backprop(0.33)), overlapped(recipe(True, anneal=True))]
     registry = {}
     for e in entries:
