@@ -153,7 +153,8 @@ def test_families_and_the_frontier_preset_name_registered_runs():
     assert "recipe_s0.5_anneal_fb_int8" in preset("frontier_mlp").run_names()
     assert len(names) == len(set(names))
     noisy = preset("frontier_noise").run_names()
-    assert {"recipe_trim10_fb_e5", "recipe_trim10_anneal_fb"} <= set(noisy)
+    assert {"recipe_trim10_fb_e5", "recipe_s0.5_trim10_fb_int8_e15"} <= set(noisy)
+    assert not any("anneal" in name for name in noisy)  # annealing trains on the flipped labels
     quick = preset("quick")
     assert quick.interleave and quick.run_names()[0] == "traditional"
     assert {
