@@ -13,7 +13,7 @@ Random-Backprop epoch at the same selectivity first), ``_anneal`` (the last eigh
 planned epochs on all the data), ``_reweight`` (SB's unbiased weights), ``_int8`` (selection
 passes through ``quantize_selection=True``, see :func:`int8`), ``_float`` and
 ``_int8auto`` (a user's loader with ``quantize_selection=False`` or ``"auto"``, see
-:func:`floating` and :func:`int8_auto`), ``_overlap`` (selection passes
+:func:`user_quantized`), ``_overlap`` (selection passes
 overlapped with training, ``overlap_selection=True``, see :func:`overlapped`).
 """
 
@@ -62,12 +62,9 @@ class Strategy:
     quantized: bool = False
     """Selection passes through the loader's int8 copy of the model (``quantize_selection=True``,
     CPU only) instead of the configuration's selection precision."""
-    floating: bool = False
-    """A user's loader (``as_user``) told ``quantize_selection=False`` (the loader's default
-    since 2026-11-25; at commit 8cdbc3f the default was ``"auto"``)."""
-    auto_int8: bool = False
-    """A user's loader (``as_user``) told ``quantize_selection="auto"``: an int8 copy where the CPU
-    computes int8 natively."""
+    user_quantize: bool | str | None = None
+    """The ``quantize_selection`` a user's loader (``as_user``) is told (None: the loader's own
+    default, which was ``"auto"`` at commit 8cdbc3f and is False since)."""
     overlap: bool = False
     """Selection passes on a background thread, on a copy of the model refreshed before each
     pass (``overlap_selection=True``, CPU only): one source batch staler."""
@@ -218,22 +215,13 @@ def int8(strategy: Strategy) -> Strategy:
     return dataclasses.replace(strategy, name=name, family=name, quantized=True)
 
 
-def floating(strategy: Strategy) -> Strategy:
-    """``strategy`` (a user's loader) with ``quantize_selection=False``: selection passes in the
-    float precision ``autocast="auto"`` chooses, named ``<name>_float``."""
-    if not strategy.as_user:
-        raise ValueError(f"{strategy.name} selects in the configuration's precision already")
-    name = f"{strategy.name}_float"
-    return dataclasses.replace(strategy, name=name, family=name, floating=True)
-
-
-def int8_auto(strategy: Strategy) -> Strategy:
-    """``strategy`` (a user's loader) with ``quantize_selection="auto"``, named
-    ``<name>_int8auto``."""
+def user_quantized(strategy: Strategy, value: bool | str) -> Strategy:
+    """``strategy`` (a user's loader) told ``quantize_selection=value``: named ``<name>_float``
+    for False, ``<name>_int8auto`` for ``"auto"``."""
     if not strategy.as_user:
         raise ValueError(f"{strategy.name} selects in the configuration's precision")
-    name = f"{strategy.name}_int8auto"
-    return dataclasses.replace(strategy, name=name, family=name, auto_int8=True)
+    name = f"{strategy.name}_{'float' if value is False else 'int8auto'}"
+    return dataclasses.replace(strategy, name=name, family=name, user_quantize=value)
 
 
 def overlapped(strategy: Strategy) -> Strategy:
@@ -267,7 +255,9 @@ def diet_sb(variant: str = "") -> Strategy:
 def _build_registry() -> dict[str, Strategy]:
     entries = [traditional(), kath18(), el2n()]
     entries += [recipe(fb, user) for fb in (False, True) for user in (False, True)]
-    entries += [v(recipe(fb, True)) for fb in (False, True) for v in (floating, int8_auto)]
+    entries += [
+        user_quantized(recipe(fb, True), v) for fb in (False, True) for v in (False, "auto")
+    ]
     entries += [recipe(feedback=True, anneal=True), recipe(feedback=True, anneal=True, ramp=True)]
     entries += [recipe(feedback=True, anneal=True, trim=0.1), recipe(feedback=True, trim=0.1)]
     entries += [recipe(feedback=True, anneal=True, scdf=True)]

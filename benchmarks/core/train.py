@@ -117,10 +117,10 @@ class Trainer:
         # NOTE: the other strategies select in the configuration's precision, never through
         # the library's automatic int8 copy, so that a family means the same on every CPU.
         user: dict[str, Any] = dict(autocast="auto") if strat.as_user else {}
-        if not strat.as_user or strat.floating:
+        if not strat.as_user:
             user.update(quantize_selection=False)
-        if strat.auto_int8:
-            user.update(quantize_selection="auto")
+        elif strat.user_quantize is not None:
+            user.update(quantize_selection=strat.user_quantize)
         if strat.quantized:
             user.update(autocast=None, quantize_selection=True)
         if strat.overlap:
