@@ -280,6 +280,7 @@ def _build_registry() -> dict[str, Strategy]:
         int8(recipe(True, anneal=True, selectivity=s, anneal_share=0.25)) for s in (1 / 3, 0.5)
     ]
     entries += [int8(recipe(True, trim=0.1, selectivity=0.5))]
+    entries += [int8(recipe(True, anneal=True, scdf=True, selectivity=0.5))]
     entries += [overlapped(selective_backprop(0.33)), overlapped(recipe(True, anneal=True))]
     registry = {}
     for e in entries:
