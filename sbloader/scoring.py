@@ -24,7 +24,7 @@ from torch import nn
 from . import batch as B
 from ._state import check_version
 from .features import FeatureCache
-from .quantize import Int8Unavailable, QuantizedSelector, quiet
+from .quantize import Int8Unavailable, QuantizedSelector, quiet_forward
 from .selection import SelectionForward, downsample, is_fsdp, restrict, unused_fields, unwrap
 from .stats import EpochStats
 
@@ -159,7 +159,7 @@ class Scorer:
                 model = self.quantized.model_for(model, inputs, epoch, self._prepare)
             except (Int8Unavailable, TypeError) as e:
                 self.fall_back(e)
-        with quiet() if self.quantized is not None else contextlib.nullcontext():
+        with quiet_forward() if self.quantized is not None else contextlib.nullcontext():
             scored = self.run(model, inputs, targets, batch, cached)
         stats.selection_forward_s += perf_counter() - t0
         self.count(scored, stats)

@@ -511,3 +511,67 @@ def test_auto_resume_follows_the_saved_run(monkeypatch) -> None:
     native(monkeypatch, False)
     with pytest.raises(ValueError, match="quantize_selection=True to resume"):
         make(trained(), "auto", data=dataset(768)).load_state_dict(saved_int8.state_dict())
+
+
+_NOTICE_SCRIPT = r"""
+import warnings
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import sbloader
+
+warnings.simplefilter("always")
+torch.manual_seed(0)
+model = nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3))
+data = TensorDataset(torch.randn(96, 1, 4, 4), torch.randint(0, 3, (96,)))
+loader = sbloader.SelectiveLoader(
+    DataLoader(data, batch_size=32), model, policy=sbloader.SelectiveBackprop(1 / 3),
+    batch_size=8, seed=0, quantize_selection=sbloader.QuantizedSelection(refresh_every=1),
+)
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    for _ in range(2):
+        for batch in loader:
+            pass
+    filters = list(warnings.filters)
+assert loader.stats.total.selection_forwards == 192, loader.stats.total
+print("NOTICES", len(seen), [str(w.message)[:80] for w in seen[:3]])
+# torch's own notice is spent: a forward outside sbloader no longer warns.
+with warnings.catch_warnings(record=True) as later:
+    warnings.simplefilter("always")
+    torch.quantize_per_tensor(torch.randn(2), 0.1, 0, torch.quint8)
+print("LATER", len(later))
+"""
+
+
+def test_a_fresh_process_sees_no_int8_notice_and_torch_spends_its_own() -> None:
+    """torch warns about quantized tensors once per process; the first int8 forward through the
+    loader takes that warning and every later pass runs without touching the warning filters."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _NOTICE_SCRIPT], capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "NOTICES 0 []" in out, out
+    assert "LATER 0" in out, out
+
+
+def test_only_the_first_int8_forward_enters_the_warning_filters(monkeypatch) -> None:
+    from sbloader import quantize
+
+    entered = []
+    real = quantize.quiet
+
+    def counting():
+        entered.append(1)
+        return real()
+
+    monkeypatch.setattr(quantize, "quiet", counting)
+    monkeypatch.setattr(quantize._ForwardNotice, "seen", False)
+    for _ in range(3):
+        with quantize.quiet_forward():
+            pass
+    assert len(entered) == 1
