@@ -33,7 +33,7 @@ from .length import FixedEpochIterator, FixedEpochs, check_batches_per_epoch
 from .overlap import AheadScores, SelectionCopy
 from .policies import Policy, default_policy
 from .precision import AUTO, check_autocast, selection_dtype
-from .quantize import QuantizedSelection, QuantizedSelector, quantized_selection
+from .quantize import QuantizedSelection, QuantizedSelector
 from .quantize import resolve as resolve_quantized
 from .rows import PendingRows, Rows
 from .scoring import Scorer
@@ -691,8 +691,6 @@ class SelectiveLoader:
         checking that this configuration can use one (:func:`sbloader.quantize.resolve`).
         Called before the scorer is made: reads the options set so far; ``autocast`` is the
         float precision chosen."""
-        if quantized_selection(option) is None:
-            return None, f"quantize_selection={option!r}"
         model = unwrap(selection_model)
         where = torch.device(device) if device is not None else model_device(model)
         explicit = self._autocast_requested != AUTO and autocast is not None
