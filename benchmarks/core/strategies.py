@@ -273,7 +273,8 @@ def _build_registry() -> dict[str, Strategy]:
         entries += [stale_sb(n, v, feedback=True) for v in ("", "rwarmup")]
         entries += [stale_sb(n, "rwarmup", s, feedback=True) for s in (0.2, 0.25)]
     entries += [diet_sb(v) for v in ("", "warmup", "rwarmup")]
-    entries += [int8(selective_backprop(0.33)), int8(stale_sb(3, "rwarmup", feedback=True))]
+    entries += [int8(selective_backprop(s)) for s in (0.33, 0.5)]
+    entries += [int8(stale_sb(3, "rwarmup", feedback=True))]
     entries += [int8(recipe(True)), int8(recipe(True, anneal=True))]
     entries += [int8(recipe(True, anneal=True, selectivity=s)) for s in (0.4, 0.5)]
     entries += [
