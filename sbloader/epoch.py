@@ -113,6 +113,7 @@ class EpochIterator:
         # thread; the fetcher's last tally once fetching ahead found the source exhausted; the
         # thread; and the scores a restored state made ahead for this epoch's next source batch.
         self._next: _Loaded | None = None
+        self._device = torch.device("cpu")  # set when the epoch begins
         self._exhausted: tuple[int, int, Any] | None = None
         self._thread: SelectionThread | None = None
         self._resume_scores: AheadScores | None = None
@@ -255,6 +256,10 @@ class EpochIterator:
         ahead, loader._ahead = loader._ahead, None
         if resumed and ahead is not None and ahead.epoch == epoch:
             self._resume_scores = ahead
+        # NOTE: where this epoch's batches go, resolved once as it begins (the model is not
+        # walked for every source batch): a model moved between epochs is followed from the
+        # next one; one moved mid-epoch fails loudly in the caller's forward (device mismatch).
+        self._device = loader.device
         policy = loader.policy
         self._fresh = policy.needs_losses(epoch)
         self._passthrough = policy.passthrough()
@@ -285,7 +290,7 @@ class EpochIterator:
             else Synchronous(make_iter, read_tally)
         )
         if loader._sync is not None:
-            loader._sync.bind(loader.device)
+            loader._sync.bind(self._device)
         self._start = perf_counter()
         self._phase = _Phase.SOURCE
         # NOTE: on several ranks the condition must not depend on the rank's own position: a
@@ -392,7 +397,7 @@ class EpochIterator:
         except StopIteration:
             return None
         waited = perf_counter() - t0
-        device = loader.device  # NOTE: looked up once per source batch (it walks the model)
+        device = self._device
         data, n = loader._codec.columns(raw, indices, device)
         excluded = 0
         if loader._subset is not None and not self._filtering:
@@ -507,7 +512,7 @@ class EpochIterator:
         k = len(choice)
         stats.examples_selected += k
         if k:
-            loader._pending.add(device_rows(data, choice, indices, loader.device, scored.losses))
+            loader._pending.add(device_rows(data, choice, indices, self._device, scored.losses))
         self._owed = self._agree(loader._pending.full_batches(loader.batch_size))
 
     def _drain_step(self) -> None:

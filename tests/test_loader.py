@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 import sbloader
 from sbloader import RandomBackprop, SelectiveBackprop, SelectiveLoader, Traditional
+from sbloader.datasets import ArrayDataset
 
 
 def make_loader(
@@ -766,3 +767,23 @@ def test_passthrough_metadata_equals_the_general_path_for_every_example(indices)
     if indices is not None:
         indices[0] = 7  # the yielded indices are a copy, not a view of the source's buffer
         assert fast.indices[0] == 5
+
+
+def test_batches_follow_the_model_moved_between_epochs_not_within_one() -> None:
+    """Without ``device=``, an epoch's batches go where the model was when the epoch began."""
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    model = nn.Linear(4, 2)
+    loader = SelectiveLoader(
+        DataLoader(ArrayDataset(x, y), batch_size=16),
+        model,
+        policy=Traditional(),
+        batch_size=16,
+    )
+    it = iter(loader)
+    first = next(it)
+    model.to("meta")  # mid-epoch: the epoch keeps the device it began with
+    rest = list(it)
+    assert [b[0].device.type for b in [first, *rest]] == ["cpu"] * 4
+    # The next epoch looks again, and finds the model on the meta device (refused, with the fix).
+    with pytest.raises(ValueError, match="meta device"):
+        next(iter(loader))
