@@ -787,3 +787,23 @@ def test_batches_follow_the_model_moved_between_epochs_not_within_one() -> None:
     # The next epoch looks again, and finds the model on the meta device (refused, with the fix).
     with pytest.raises(ValueError, match="meta device"):
         next(iter(loader))
+
+
+def test_traditional_batch_columns_are_independent() -> None:
+    """A caller scaling one batch's weights in place changes neither its probabilities nor its
+    losses, nor any later batch's (the columns share one allocation per batch)."""
+    x, y = torch.randn(48, 4), torch.randint(0, 2, (48,))
+    loader = SelectiveLoader(
+        DataLoader(ArrayDataset(x, y), batch_size=16),
+        nn.Linear(4, 2),
+        policy=Traditional(),
+        batch_size=16,
+    )
+    batches = []
+    for b in loader:
+        b.weights.mul_(3.0)
+        batches.append(b)
+    for b in batches:
+        assert torch.equal(b.weights, torch.full((16,), 3.0))
+        assert torch.equal(b.probabilities, torch.ones(16))
+        assert b.losses is None or torch.isnan(b.losses).all()
