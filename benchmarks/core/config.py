@@ -247,7 +247,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     # The default's safety: SelectiveLoader(source, model) as a user builds it, against
     # Random-Backprop at the same budget, over ten seeds. Evaluated every half epoch, as the
-    # frontier is: ×1.4 is reached within 3-4 epochs of 6-9 s, where evaluating once an epoch
+    # frontier is: x1.4 is reached within 3-4 epochs of 6-9 s, where evaluating once an epoch
     # would place each run's arrival up to a whole epoch late.
     "default_safety": dict(
         seeds=tuple(range(10)),
