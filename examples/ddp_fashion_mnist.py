@@ -95,9 +95,8 @@ def main() -> None:
         "--selection-precision",
         default="auto",
         choices=sorted(PRECISIONS),
-        help="selection passes' precision: auto (the loader's default: an int8 copy of the "
-        "model where the CPU computes int8 natively, else bf16 where the CPU or GPU computes it "
-        "natively, else float32), bf16 or fp32 (no int8 copy)",
+        help="selection passes' precision: auto (the loader's default: bf16 where the CPU or "
+        "GPU computes it natively, else float32), bf16 or fp32",
     )
     p.add_argument(
         "--warmup-epochs",

@@ -83,10 +83,10 @@ def train(strategy: str, args: argparse.Namespace, data) -> list[dict]:
         policy=policy,
         batch_size=args.batch_size,
         memory_format=torch.channels_last,
-        # Selection passes only rank losses: an int8 copy of the model (CPUs with native int8)
-        # or bf16 (where the hardware computes it natively) ranks as float32 does, cheaper; the
-        # loader picks one with "auto" (loader.selection_precision says which). Training stays
-        # float32.
+        # Selection passes only rank losses: bf16 ranks as float32 does and is cheaper where the
+        # hardware computes it natively; "auto" picks it there and float32 elsewhere
+        # (loader.selection_precision says which). An int8 copy of the model is opt-in
+        # (quantize_selection="auto" or True). Training stays float32.
         autocast=PRECISIONS[args.selection_precision],
         seed=args.seed,
         # The default recipe trains on all the data in the last eighth of a known run length.
@@ -155,9 +155,8 @@ def main() -> None:
         "--selection-precision",
         default="auto",
         choices=sorted(PRECISIONS),
-        help="selection passes' precision: auto (the loader's default: an int8 copy of the "
-        "model where the CPU computes int8 natively, else bf16 where the CPU or GPU computes it "
-        "natively, else float32), bf16 or fp32 (no int8 copy)",
+        help="selection passes' precision: auto (the loader's default: bf16 where the CPU or "
+        "GPU computes it natively, else float32), bf16 or fp32",
     )
     p.add_argument(
         "--warmup-epochs",

@@ -257,31 +257,6 @@ def quiet() -> Iterator[None]:
         yield
 
 
-class _ForwardNotice:
-    """Whether an int8 forward has run in this process under :func:`quiet`."""
-
-    seen = False
-
-
-@contextlib.contextmanager
-def quiet_forward() -> Iterator[None]:
-    """:func:`quiet` around an int8 forward, until one has run in this process.
-
-    NOTE: torch warns about quantized tensor creation once per process (``TORCH_WARN_ONCE``), so
-    after the first int8 forward there is nothing left to silence, and ``warnings.catch_warnings``
-    (which swaps the interpreter's global filter list, and is not thread-safe) is not entered on
-    every selection pass. A process whose own code consumed that one warning first has nothing to
-    silence either; only this process's first forward through sbloader is wrapped (a build,
-    itself under :func:`quiet`, usually spends that warning before any forward).
-    """
-    if _ForwardNotice.seen:
-        yield
-        return
-    with quiet():
-        yield
-    _ForwardNotice.seen = True
-
-
 _LINEAR_PACKED = "LinearPackedParamsBase"
 
 
@@ -381,6 +356,10 @@ def _int8_copy(model: nn.Module, calib: torch.Tensor, engine: str) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         quantized = convert_fx(prepared)
     _forget_modules()
+    # NOTE: this check forward (under the caller's quiet()) also spends torch's once-per-process
+    # warning about quantized tensors; every int8 forward in a process follows a build, so the
+    # selection passes need no warning filters of their own (catch_warnings swaps the
+    # interpreter's global filter list and is not thread-safe).
     with torch.inference_mode():
         quantized(calib[:2])  # an op without int8 kernels fails here, not mid-epoch
     _check_plain(quantized)

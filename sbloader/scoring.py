@@ -8,7 +8,6 @@ shape of the model's outputs for ``keep_logits``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import warnings
@@ -24,7 +23,7 @@ from torch import nn
 from . import batch as B
 from ._state import check_version
 from .features import FeatureCache
-from .quantize import Int8Unavailable, QuantizedSelector, quiet_forward
+from .quantize import Int8Unavailable, QuantizedSelector
 from .selection import SelectionForward, downsample, is_fsdp, restrict, unused_fields, unwrap
 from .stats import EpochStats
 
@@ -159,8 +158,7 @@ class Scorer:
                 model = self.quantized.model_for(model, inputs, epoch, self._prepare)
             except (Int8Unavailable, TypeError) as e:
                 self.fall_back(e)
-        with quiet_forward() if self.quantized is not None else contextlib.nullcontext():
-            scored = self.run(model, inputs, targets, batch, cached)
+        scored = self.run(model, inputs, targets, batch, cached)
         stats.selection_forward_s += perf_counter() - t0
         self.count(scored, stats)
         return scored
