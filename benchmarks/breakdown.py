@@ -70,6 +70,9 @@ from benchmarks.core.train import train_step
 from sbloader.datasets import ArrayDataset
 from sbloader.selection import SelectionForward, unwrap
 
+#: Breakdown rows measured with another policy kind and where its decisions run.
+DECISIONS = {"sb_device": ("sb", "device")}
+SECTIONS = ("breakdown", "selection", "throughput", "frozen")
 CATEGORIES = ("data", "selection_fwd", "train_fwd", "backward", "other")
 LABELS = {
     "data": "data loading",
@@ -142,6 +145,8 @@ def breakdown(
     cfg: Config, m: Measurement, sources: Sources, log: Callable[[str], None]
 ) -> list[dict[str, Any]]:
     strategies = ["traditional", "sb"] + (["stale_sb"] if stale_sb_available() else [])
+    if str(cfg.device).startswith("cuda"):
+        strategies.append("sb_device")  # decisions="device": no host round trip per batch
     if not stale_sb_available():
         log("# Stale-SB skipped: this sbloader's SelectiveBackprop has no staleness=")
     configs = [(kind, strategy) for kind in sources.kinds() for strategy in strategies]
@@ -156,7 +161,10 @@ def breakdown(
             opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
             source = sources.make(kind, source_bs, m.seed + rep)
             warm_up(source, model, cfg, m)
-            loader = make_loader(cfg, source, model, m.policy(strategy), m.seed)
+            kind_of_policy, decisions = DECISIONS.get(strategy, (strategy, "host"))
+            loader = make_loader(
+                cfg, source, model, m.policy(kind_of_policy), m.seed, decisions=decisions
+            )
             per_epoch = [train_epoch(loader, model, opt, cfg) for _ in range(epochs)]
             run = {k: float(np.mean([e[k] for e in per_epoch])) for k in per_epoch[0]}
             runs[kind, strategy].append(run | {"epochs": per_epoch})
@@ -235,6 +243,27 @@ OPTIONS: list[dict[str, Any]] = [
         channels_last=True,
         bf16=True,
         proxy=True,
+    ),
+]
+
+
+#: Further selection options measured on a GPU only: the source batch of ``--gpu`` in one
+#: forward, and CUDA graphs (``torch.compile(mode="reduce-overhead")``) for its fixed shape.
+GPU_OPTIONS: list[dict[str, Any]] = [
+    dict(name="batch 1024, channels_last, bf16", batch=1024, channels_last=True, bf16=True),
+    dict(
+        name="batch 1024, channels_last, bf16, compile",
+        batch=1024,
+        channels_last=True,
+        bf16=True,
+        compile=True,
+    ),
+    dict(
+        name="batch 1024, channels_last, bf16, compile reduce-overhead (CUDA graphs)",
+        batch=1024,
+        channels_last=True,
+        bf16=True,
+        compile={"mode": "reduce-overhead"},
     ),
 ]
 
@@ -343,7 +372,8 @@ def selection_costs(
         for cl, step in train.items():
             layout[cl].append(step.run())
     rows = []
-    for option in OPTIONS:
+    options = OPTIONS + (GPU_OPTIONS if str(cfg.device).startswith("cuda") else [])
+    for option in options:
         sel = SelectionPass(option, x, y, cfg, m.seed, n)
         pairs = [(train[True].run(), sel.run()) for _ in range(rounds)]
         row = {
@@ -463,6 +493,24 @@ def markdown(cfg: Config, m: Measurement, machine: dict[str, Any], results: dict
         f"{'channels_last' if cfg.channels_last else 'default layout'}; median of "
         f"{m.repeats} run(s), warm-up excluded.",
         "",
+    ]
+    if "breakdown" in results:
+        lines += _breakdown_lines(results["breakdown"])
+    if "selection" in results:
+        lines += _selection_lines(cfg, results["selection"])
+    if "throughput" in results:
+        lines += _throughput_lines(results["throughput"])
+    if "frozen_backbone" in results:
+        lines += _frozen_lines(results["frozen_backbone"])
+    if results.get("ffcv_write_s") is not None:
+        lines.append(
+            f"Writing the .beton took {results['ffcv_write_s']:.1f} s (not in any figure)."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _breakdown_lines(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
         "## 1. One epoch's wall-clock (seconds)",
         "",
         "| source | strategy | epoch | "
@@ -470,7 +518,7 @@ def markdown(cfg: Config, m: Measurement, machine: dict[str, Any], results: dict
         + " | loader's own share | backprop / seen |",
         "|---|---|---|" + "---|" * len(CATEGORIES) + "---|---|",
     ]
-    for r in results["breakdown"]:
+    for r in rows:
         name = r["strategy"] + (
             f" (mean of {r['measured_epochs']} epochs)" if r["measured_epochs"] > 1 else ""
         )
@@ -483,14 +531,21 @@ def markdown(cfg: Config, m: Measurement, machine: dict[str, Any], results: dict
     lines += [
         "",
         '"Loader\'s own share": time in the loader that is neither a model forward nor the '
-        "source (policy, gathering, batching), as a share of the epoch (target: at most 3%).",
+        "source (policy, gathering, batching), as a share of the epoch (target: at most 3%). "
+        '`sb_device`: SB with `decisions="device"` (the window, the draws and the gathers on '
+        "the GPU).",
         "",
+    ]
+    return lines
+
+
+def _selection_lines(cfg: Config, selection: dict[str, Any]) -> list[str]:
+    lines = [
         "## 2. Selection cost c per example (fraction of a training step per example)",
         "",
         "Training step per example: "
         + ", ".join(
-            f"{k} {1e6 * v:.1f} us"
-            for k, v in results["selection"]["train_step_s_per_example"].items()
+            f"{k} {1e6 * v:.1f} us" for k, v in selection["train_step_s_per_example"].items()
         )
         + " (c is measured against channels_last training steps, alternating round by round; "
         f"target c <= {0.15 if cfg.device.startswith('cuda') else 0.3} on this machine).",
@@ -498,28 +553,37 @@ def markdown(cfg: Config, m: Measurement, machine: dict[str, Any], results: dict
         "| selection pass | us / example | c | one-time warm-up (s) |",
         "|---|---|---|---|",
     ]
-    for r in results["selection"]["options"]:
+    for r in selection["options"]:
         lines.append(
             f"| {r['option']} | {1e6 * r['selection_s_per_example']:.1f} | {r['c']:.3f} | "
             f"{r['warmup_s']:.1f} |"
         )
-    lines += [
-        "",
+    lines.append("")
+    return lines
+
+
+def _throughput_lines(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
         "## 3. Throughput with a trivial model (examples per second)",
         "",
         "| source | strategy | source batch | prefetch | raw source | SelectiveLoader | ratio |",
         "|---|---|---|---|---|---|---|",
     ]
-    for r in results["throughput"]:
+    for r in rows:
         lines.append(
             f"| {r['source']} | {r['strategy']} | {r['source_batch']} | {r.get('prefetch', 0)} | "
             f"{r['raw_examples_per_s']:.0f} | {r['loader_examples_per_s']:.0f} | {r['ratio']:.3f} |"
         )
-    fb = results["frozen_backbone"]
     lines += [
         "",
         "Traditional counts yielded examples; SB counts candidates consumed (target ratio >= 0.9).",
         "",
+    ]
+    return lines
+
+
+def _frozen_lines(fb: dict[str, Any]) -> list[str]:
+    return [
         "## 4. Frozen-backbone fine-tuning (seconds per epoch)",
         "",
         f"{fb['examples']} examples per epoch; the classifier trains on a frozen convolutional "
@@ -541,11 +605,6 @@ def markdown(cfg: Config, m: Measurement, machine: dict[str, Any], results: dict
         "hardly runs at all (its first epoch, in parentheses, fills the cache).",
         "",
     ]
-    if results.get("ffcv_write_s") is not None:
-        lines.append(
-            f"Writing the .beton took {results['ffcv_write_s']:.1f} s (not in any figure)."
-        )
-    return "\n".join(lines) + "\n"
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -602,6 +661,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--device", help="override the device (e.g. cpu, to try --gpu's settings)")
     p.add_argument("--frozen-examples", type=int, help="examples per frozen-backbone epoch")
+    p.add_argument(
+        "--sections",
+        nargs="+",
+        choices=SECTIONS,
+        default=list(SECTIONS),
+        help="measure these sections only (default: all four)",
+    )
     args = p.parse_args(argv)
     cfg, m = measurement(
         args.quick,
@@ -643,24 +709,29 @@ def main(argv: list[str] | None = None) -> int:
             "model": cfg.model,
             "device": cfg.device,
         }
-        log("## 1. breakdown")
-        results["breakdown"] = breakdown(cfg, m, sources, log)
-        log("## 2. selection cost")
-        results["selection"] = selection_costs(cfg, m, x, y, log)
-        log("## 3. throughput")
-        results["throughput"] = throughput(cfg, m, sources, log)
+        if "breakdown" in args.sections:
+            log("## 1. breakdown")
+            results["breakdown"] = breakdown(cfg, m, sources, log)
+        if "selection" in args.sections:
+            log("## 2. selection cost")
+            results["selection"] = selection_costs(cfg, m, x, y, log)
+        if "throughput" in args.sections:
+            log("## 3. throughput")
+            results["throughput"] = throughput(cfg, m, sources, log)
     finally:
         sources.close()
-    log("## 4. frozen backbone")
-    fx, fy = x, y
-    if m.frozen_examples > len(x):
-        fx, fy = train_set(cfg)
-    results["frozen_backbone"] = frozen_backbone(cfg, m, fx, fy, log)
+    if "frozen" in args.sections:
+        log("## 4. frozen backbone")
+        fx, fy = x, y
+        if m.frozen_examples > len(x):
+            fx, fy = train_set(cfg)
+        results["frozen_backbone"] = frozen_backbone(cfg, m, fx, fy, log)
     results["total_s"] = time.perf_counter() - started
     report = {"config": config, "machine": machine, "results": results}
     (args.out / "breakdown.json").write_text(json.dumps(report, indent=1))
     (args.out / "breakdown.md").write_text(markdown(cfg, m, machine, results))
-    plot(results, args.out / "breakdown.png")
+    if "breakdown" in results and "selection" in results:
+        plot(results, args.out / "breakdown.png")
     (args.out / "breakdown.log").write_text("\n".join(log_lines) + "\n")
     log(f"# wrote {args.out}/breakdown.{{md,json,png,log}} in {results['total_s']:.0f}s")
     return 0

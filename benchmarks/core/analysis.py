@@ -3,6 +3,7 @@ frontier. No I/O."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,6 +44,8 @@ def speedup_table(runs: Sequence[Run], noise: float = 0.0) -> dict[str, dict[flo
                 t_trad, t = time_to(trad[r.seed].points, goal), time_to(r.points, goal)
                 if t is None or t_trad is None:
                     never += 1
+                elif t == 0:  # a target at or above the untrained error (as the frontier's)
+                    ups.append(math.inf if t_trad > 0 else 1.0)
                 else:
                     ups.append(t_trad / t)
             table[name][m] = dict(

@@ -201,6 +201,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     # For a lent GPU: ResNet-18 on Fashion-MNIST padded to 32 x 32, larger batches, bf16.
     "gpu": dict(seeds=(0, 1, 2), strategies=_GPU_STRATEGIES, **_RESNET_RUN),
+    # The frontier measure (issue 12) on a lent GPU: ResNet-18 as in ``gpu``, each family at
+    # several budgets, trained interleaved (all runs' models held on the GPU).
+    "gpu_frontier": dict(
+        seeds=(0, 1, 2),
+        strategies=("traditional",),
+        families=tuple(strategies.GPU_FAMILIES.items()),
+        interleave=True,
+        **_RESNET_RUN,
+    ),
     # For data a user has locally in torchvision's format (never downloaded): --data FOLDER.
     "cifar10": dict(
         dataset="cifar10", augment=True, epochs=30, strategies=_GPU_STRATEGIES, **_RESNET_RUN

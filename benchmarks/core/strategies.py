@@ -321,6 +321,17 @@ Random-Backprop), and sbloader's recipes with int8 selection passes: with feedba
 budgets for the loose targets, annealed over 10 and 15 epochs keeping 1/3 or 0.4 and over 15
 keeping 0.5 for the tight ones (README, Measured: three seeds, 2026-11-25)."""
 
+GPU_FAMILIES: dict[str, tuple[int, ...]] = {
+    "traditional": (2, 3, 4, 6, 10),
+    "random_0.33": (5, 10, 20),
+    "recipe_fb": (3, 5),
+    "recipe_anneal_fb": (10, 15),
+    "recipe_s0.5_anneal_fb": (10, 15),
+}
+"""The GPU frontier's families (``gpu_frontier`` preset, ResNet-18): the controls as on the CPU,
+and the recipe in the configuration's precision (bf16 on a GPU; int8 copies are CPU-only), with
+feedback at short budgets and annealed over 10 and 15 epochs keeping 1/3 or 0.5."""
+
 MLP_FAMILIES: dict[str, tuple[int, ...]] = {
     "traditional": (2, 3, 4, 6, 10),
     "random_0.33": (3, 5, 10, 20),
