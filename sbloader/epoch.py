@@ -504,6 +504,7 @@ class EpochIterator:
         choice = loader.policy.choose_device(
             losses, loader._decider.get(losses.device), loader.nonfinite
         )
+        loader._scorer.settle_forward_time(stats)
         stats.nonfinite += choice.nonfinite
         stats.selection_s += perf_counter() - t0
         # NOTE: the kept positions stay on the device: class counts would need them on the host

@@ -106,6 +106,9 @@ class Scorer:
         self._fields_checked = False
         #: Whether a selection pass copies its losses to the host (False: decisions="device").
         self.host_values = True
+        # A pass's CUDA events and host seconds, while its GPU time is not yet known (only with
+        # decisions="device"; see :meth:`settle_forward_time`).
+        self._gpu_timing: tuple[torch.cuda.Event, torch.cuda.Event, float] | None = None
         #: The shape of one example's selection output (keep_logits), once a pass has shown it.
         self.logits_shape: tuple[int, ...] | None = None
         #: Whether a selection forward is a collective (an FSDP-sharded selection model): every
@@ -158,10 +161,40 @@ class Scorer:
                 model = self.quantized.model_for(model, inputs, epoch, self._prepare)
             except (Int8Unavailable, TypeError) as e:
                 self.fall_back(e)
+        events = self._events(inputs)
         scored = self.run(model, inputs, targets, batch, cached)
-        stats.selection_forward_s += perf_counter() - t0
+        host_s = perf_counter() - t0
+        stats.selection_forward_s += host_s
+        if events is not None:
+            events[1].record(torch.cuda.current_stream(inputs.device))
+            self._gpu_timing = (events[0], events[1], host_s)
         self.count(scored, stats)
         return scored
+
+    def _events(self, inputs: Any) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """A started pair of CUDA timing events where the losses stay on a GPU (inputs on a GPU
+        and decisions="device"), else None."""
+        if self.host_values or not isinstance(inputs, torch.Tensor) or not inputs.is_cuda:
+            return None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(torch.cuda.current_stream(inputs.device))
+        return start, end
+
+    def settle_forward_time(self, stats: EpochStats) -> None:
+        """Count the GPU time of the last pass's forward in ``selection_forward_s``, once the
+        decision that followed it has synchronised (``decisions="device"`` on a GPU).
+
+        NOTE: without a host copy of the losses, :meth:`score`'s clock stops when the forward is
+        queued, and the GPU runs it while the decision waits for its two integers: that wait
+        would count as the loader's own time. The forward's GPU time (between two events around
+        it) replaces the queueing time where it is longer; no synchronisation is added.
+        """
+        timing, self._gpu_timing = self._gpu_timing, None
+        if timing is None:
+            return
+        start, end, host_s = timing
+        end.synchronize()  # done already: the decision copied two integers after the forward
+        stats.selection_forward_s += max(0.0, start.elapsed_time(end) / 1e3 - host_s)
 
     @property
     def selection_model(self) -> nn.Module:
@@ -203,8 +236,9 @@ class Scorer:
             self.logits_shape = tuple(logits.shape[1:])
         # NOTE: the policy needs the losses on the host anyway; copying them inside the timed
         # region makes the time exact on a GPU too (it waits for the forward to finish, and for
-        # any training work still queued before it). With decisions="device" nothing is copied,
-        # so on a GPU the time is that of queueing the forward, not of running it.
+        # any training work still queued before it). With decisions="device" nothing is copied:
+        # the forward's GPU time is counted once its decision has synchronised
+        # (settle_forward_time).
         return Scored(losses, self._host_values(losses), features, logits)
 
     def restore(

@@ -109,6 +109,8 @@ class EpochStats:
         selection_forward_s: the part of ``selection_s`` spent in the selection model's forward
             (and a frozen prefix's); the rest is the policy's decision. With
             ``overlap_selection``, only the time spent waiting for a pass on the selection thread.
+            With ``decisions="device"`` on a GPU, the forward's GPU time where it is longer than
+            the time to queue it (measured with CUDA events, no added synchronisation).
         selection_hidden_s: with ``overlap_selection``, the seconds of selection passes that ran
             on the selection thread while the caller trained (not in ``selection_s``): the part
             of the selection cost the overlap hid. 0 without it.

@@ -140,3 +140,43 @@ def test_device_decisions_on_the_gpu_are_deterministic_and_resume_exactly():
     resumed.load_state_dict(state)
     assert [t.tolist() for t in head + run(resumed)] == [t.tolist() for t in whole]
     assert first.policy.device_window.device.type == "cuda"
+
+
+def test_device_decisions_count_the_forward_gpu_time_as_selection_forward():
+    """decisions="device" copies no losses to the host, so the forward's GPU time would land in
+    the decision's wait for its two integers (the loader's own time); the scorer counts it as
+    selection forward time, as a host copy would. A forward of many large products takes far
+    longer on the GPU than to queue: without the events, the device path's forward time would
+    be a small fraction of the host path's."""
+
+    class Heavy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(24)])
+            self.head = nn.Linear(2048, N_CLASSES)
+            self.lift = nn.Linear(6, 2048)
+
+        def forward(self, x):
+            return self.head(self.inner(self.lift(x.float())))
+
+    def epoch_stats(decisions):
+        model = Heavy().cuda()
+        dl = DataLoader(EncodedDataset(4096), batch_size=2048)
+        loader = sbloader.SelectiveLoader(
+            dl,
+            model,
+            policy=sbloader.SelectiveBackprop(1 / 3),
+            batch_size=256,
+            decisions=decisions,
+            seed=0,
+        )
+        for _ in loader:
+            pass
+        for _ in loader:  # the second epoch: warm
+            pass
+        return loader.stats.epochs[-1]
+
+    host, device = epoch_stats("host"), epoch_stats("device")
+    assert device.selection_forward_s >= 0.5 * host.selection_forward_s
+    own = device.selection_s - device.selection_forward_s
+    assert own <= 0.5 * device.selection_forward_s
