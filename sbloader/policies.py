@@ -10,17 +10,21 @@ state protocol saves and restores.
 from __future__ import annotations
 
 import abc
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from . import _kernels
 from ._checks import check_float, check_indices, check_int
 from ._random import hashed_uniforms
 from .device_decisions import DeviceChoice, DeviceWindow
 from .store import ExampleStore
 from .window import LossWindow
+
+logger = logging.getLogger("sbloader")
 
 __all__ = [
     "Choice",
@@ -305,6 +309,14 @@ class SelectiveBackprop(Policy):
             ``"window"``; keeping 0.5 over 20 epochs, 0.14 points lower on the mean (four seeds)
             at 8% more backprops and 7-15% more time. A small gain at a cost in time, so it is
             not the default.
+        drift_bound: d in (0, 1], or None: with ``stale_cdf="window"``, a stale epoch whose
+            expected kept share (:meth:`expected_stale_share`: the stored losses ranked against
+            those the last selection pass stored) is below ``d * s`` or
+            above ``s / d`` (s: the selectivity) runs a selection pass instead, and the schedule
+            restarts from it (``drift_passes`` counts them; each is logged at INFO). Default 0.5.
+            Without it, a long stale phase with reported losses can starve: on a GPU the kept
+            share fell to 2% and the run ended at 19% error (see :meth:`_drifted`). None: the
+            schedule alone decides.
 
     NOTE (the ramp): switching from uniform to loss-ranked batches at a high learning rate can
     raise the test error for a while (measured here, the CNN: 14.7% after a Random-Backprop
@@ -339,6 +351,7 @@ class SelectiveBackprop(Policy):
         ramp_epochs: float = 0.0,
         trim_top: float = 0.0,
         stale_cdf: str = "window",
+        drift_bound: float | None = 0.5,
     ) -> None:
         if selectivity is not None and beta is not None:
             raise ValueError(
@@ -385,6 +398,16 @@ class SelectiveBackprop(Policy):
                 "stale epochs; give staleness > 1 (Stale-SB) or leave stale_cdf='window'"
             )
         self.stale_cdf = stale_cdf
+        self.drift_bound = (
+            None
+            if drift_bound is None
+            else check_float("drift_bound", drift_bound, low=0.0, high=1.0, low_open=True)
+        )
+        #: Selection passes run early because the stored losses drifted (see ``drift_bound``).
+        self.drift_passes = 0
+        # The stored losses (a sorted spread sample) as the last selection pass left them, which
+        # the stale epochs after it are judged against (see _drifted).
+        self._reference: np.ndarray | None = None
         # The CDF above which P is 0 and the exponent below it (see trim_top).
         self._cut = 1.0 - self.trim_top
         self._cut_beta = self.beta if self.trim_top == 0 else self._cut * (self.beta + 1.0) - 1.0
@@ -449,6 +472,67 @@ class SelectiveBackprop(Policy):
             return epoch % self.staleness == 0
         return epoch - self._last_fresh >= (self.fed_staleness if self._fed else self.staleness)
 
+    def expected_stale_share(self) -> float | None:
+        """The share of examples a stale epoch would keep if the stored losses were ranked
+        against those the last selection pass stored, before any report changed them (None
+        before a pass, or without a store).
+
+        NOTE (why not the window): under DDP with ``cdf="local"`` each rank's window holds its
+        own losses, while every rank holds the same store; a judgement from the store alone is
+        the same on every rank, so they agree on which epochs run a selection pass.
+        """
+        if self._reference is None or self.store is None or not len(self._reference):
+            return None
+        stored, measured = self.store.spread_lookup(self.window.size)
+        p = np.empty(stored.shape[0], dtype=np.float64)
+        ref = self._reference
+        _kernels.cdf_power(ref, len(ref), stored, self._cut_beta, p, self._cut)
+        p[measured < 0] = 1.0  # never scored: kept (as stale_probabilities)
+        return float(np.nan_to_num(p, nan=0.0).mean()) if len(p) else None
+
+    def _drifted(self, epoch: int) -> bool:
+        """Whether ``epoch``, a stale epoch by the schedule, must run a selection pass instead:
+        its expected kept share left ``[drift_bound * s, s / drift_bound]``.
+
+        NOTE: with reported losses (``fed_staleness``) a stale phase can last many epochs, and
+        its window stays as the last pass left it. Where the model improved much since (on a
+        GPU, ResNet-18 at 1/3: seed 2 of ``benchmarks/results/gpu_frontier``), every reported
+        loss ranks low against it: the examples trained on are never kept again, and the kept
+        share fell from 1/3 to 2% (1,280 of 60,000 an epoch) and the run ended at 19% error.
+        """
+        if (
+            self.drift_bound is None
+            or self.staleness == 1
+            or self.store is None
+            or self.stale_cdf != "window"
+            or self._last_fresh is None
+        ):
+            return False
+        if self._reference is None:  # no report since the pass: the store is the pass's
+            self._take_reference()
+        share = self.expected_stale_share()
+        s = self.selectivity
+        if share is None or self.drift_bound * s <= share <= s / self.drift_bound:
+            return False
+        self.drift_passes += 1
+        logger.info(
+            "sbloader: the stored losses drifted since the last selection pass (epoch %d): a "
+            "stale epoch would keep %.3f of the examples, not %.3f; epoch %d runs a selection "
+            "pass instead",
+            self._last_fresh,
+            share,
+            s,
+            epoch,
+        )
+        return True
+
+    def _take_reference(self) -> None:
+        """Keep the stored losses (a sorted spread sample) as the last selection pass left them,
+        before any report changes them: what the stale epochs' window was made from."""
+        assert self.store is not None
+        sample = self.store.spread_sample(self.window.size)
+        self._reference = np.sort(sample[np.isfinite(sample)])
+
     def needs_losses(self, epoch: int) -> bool:
         if self.staleness == 1:
             return True
@@ -458,9 +542,10 @@ class SelectiveBackprop(Policy):
         self._epoch = epoch
         # NOTE: idempotent for the epoch already begun: a resumed epoch keeps its decision.
         if epoch != self._begun:
-            self._fresh = self._due(epoch)
+            self._fresh = self._due(epoch) or self._drifted(epoch)
             if self._fresh:
                 self._last_fresh = epoch
+                self._reference = None
             self._fed = False  # the reports of this epoch arrive when the next one starts
             self._begun = epoch
             if not self._fresh and self.stale_cdf == "store" and self.store is not None:
@@ -487,6 +572,8 @@ class SelectiveBackprop(Policy):
             fed += f", trim_top={self.trim_top:g}"
         if self.stale_cdf != "window":
             fed += f", stale_cdf={self.stale_cdf!r}"
+        if self.drift_bound != 0.5 and self.staleness > 1:
+            fed += f", drift_bound={self.drift_bound}"
         return f"SelectiveBackprop(staleness={self.staleness}{fed})"
 
     def takes_feedback(self) -> bool:
@@ -496,6 +583,8 @@ class SelectiveBackprop(Policy):
         """Training losses enter the store (by index; the window is left alone: it ranks
         selection-pass losses, which training losses of the hardest examples would skew)."""
         if self.store is not None and len(indices):
+            if self._reference is None and self._last_fresh is not None:
+                self._take_reference()  # before the first reports since the pass
             self.store.record(indices, losses, epoch)
             self._fed = True
 
@@ -603,6 +692,8 @@ class SelectiveBackprop(Policy):
             "fed": self._fed,
             "begun": self._begun,
             "fresh": self._fresh,
+            "reference": None if self._reference is None else torch.from_numpy(self._reference),
+            "drift_passes": self.drift_passes,
         }
         return state
 
@@ -633,6 +724,14 @@ class SelectiveBackprop(Policy):
         self._fed = bool(schedule["fed"])
         self._begun = schedule["begun"]
         self._fresh = bool(schedule["fresh"])
+        # NOTE: saved before drift_bound existed: no reference until the next stale phase.
+        reference = schedule.get("reference")
+        self._reference = (
+            None
+            if reference is None
+            else np.asarray(torch.as_tensor(reference, dtype=torch.float64).numpy()).copy()
+        )
+        self.drift_passes = int(schedule.get("drift_passes", 0))
 
     def __repr__(self) -> str:
         extra = f", staleness={self.staleness}" if self.staleness > 1 else ""
@@ -642,6 +741,8 @@ class SelectiveBackprop(Policy):
         extra += f", ramp_epochs={self.ramp_epochs:g}" if self.ramp_epochs else ""
         extra += f", trim_top={self.trim_top:g}" if self.trim_top else ""
         extra += f", stale_cdf={self.stale_cdf!r}" if self.stale_cdf != "window" else ""
+        if self.drift_bound != 0.5 and self.staleness > 1:
+            extra += f", drift_bound={self.drift_bound}"
         return f"SelectiveBackprop(beta={self.beta:g}, history={self.history}{extra})"
 
 
@@ -977,7 +1078,11 @@ def default_policy(
     epochs between selection passes decide each example from its stored loss. A training loop
     that reports its losses (:meth:`SelectiveLoader.feedback
     <sbloader.SelectiveLoader.feedback>`) keeps those fresh, and then a pass runs only every tenth
-    epoch; one that does not gets a pass every third epoch. Without a per-example store
+    epoch; one that does not gets a pass every third epoch. Either way a stale epoch that would
+    keep less than half the selectivity (or more than twice), judged from the stored losses
+    against those of the last pass, runs a pass instead (``drift_bound=0.5`` of
+    :class:`SelectiveBackprop`; measured on a GPU, a ten-epoch stale phase without it let the kept
+    share fall to 2%). Without a per-example store
     (``has_store=False``: the source gives no dataset indices, or not the dataset's size), every
     active epoch runs a selection pass.
 

@@ -131,13 +131,18 @@ class ExampleStore:
             >>> s.spread_sample(4).tolist()
             [1.0, 3.0, 6.0, 8.0]
         """
+        losses, epochs = self.spread_lookup(count)
+        return losses[epochs >= 0]
+
+    def spread_lookup(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """The stored losses and epochs (as :meth:`lookup`) of ``count`` examples spread evenly
+        over the indices as in :meth:`spread_sample`, those never scored included (epoch -1)."""
         count = check_int("count", count, minimum=1)
         if self.size <= count:
             idx = np.arange(self.size, dtype=np.int64)
         else:
             idx = ((np.arange(count, dtype=np.int64) * 2 + 1) * self.size) // (2 * count)
-        losses, epochs = self.lookup(idx)
-        return losses[epochs >= 0]
+        return self.lookup(idx)
 
     def count_selected(self, indices: np.ndarray) -> None:
         """Count one selection for each index (an index repeated is counted again)."""

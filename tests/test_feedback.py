@@ -37,6 +37,12 @@ def reported(indices: torch.Tensor) -> torch.Tensor:
     return (N - indices).double()
 
 
+def measured(batch) -> torch.Tensor:
+    """The training loss a model unchanged since the selection pass reports: the pass's own."""
+    x, y = batch
+    return torch.nn.functional.cross_entropy(IndexLoss()(x), y, reduction="none")
+
+
 def test_reports_replace_stored_losses_when_the_next_epoch_starts():
     policy = SelectiveBackprop(1 / 3, staleness=3)
     loader = loader_for(policy)
@@ -214,7 +220,7 @@ def test_the_default_recipe_anneals_the_last_eighth_of_the_planned_epochs():
     loader = loader_for(default_policy(epochs=8))
     for _ in range(8):
         for batch in loader:
-            loader.feedback(batch.indices, reported(batch.indices))
+            loader.feedback(batch.indices, measured(batch))
     e = loader.stats.epochs
     assert [x.selection_forwards for x in e] == [0, N, 0, 0, 0, 0, 0, 0]
     assert e[-1].examples_selected == e[-1].examples_seen == N  # the annealed epoch
@@ -289,3 +295,88 @@ def test_the_default_recipe_anneals_the_share_of_its_epochs_it_is_given(epochs, 
     for bad in (0.0, 1.0, -0.5):
         with pytest.raises(ValueError, match="anneal_share should be"):
             default_policy(epochs=8, anneal_share=bad)
+
+
+def fed_run(bound, scale, epochs):
+    """Stale-SB fed with each trained example's selection loss times ``scale`` (the model
+    improved on what it trained on): returns the policy and the epochs' stats."""
+    policy = SelectiveBackprop(1 / 3, staleness=3, fed_staleness=10, drift_bound=bound)
+    loader = loader_for(policy)
+    for _ in range(epochs):
+        for batch in loader:
+            loader.feedback(batch.indices, measured(batch) * scale)
+    return policy, loader.stats.epochs
+
+
+def test_stale_epochs_that_would_starve_run_a_selection_pass_instead():
+    """Reports of loss 0 for every trained example: ranked against the pass's window, an example
+    once trained on is never kept again, and without the bound the kept share falls epoch after
+    epoch (the GPU run where it fell to 2%). With the default bound (0.5), a stale epoch expected
+    to keep less than half the selectivity runs a selection pass instead."""
+    policy, e = fed_run(None, 0.0, 6)
+    assert [x.selection_forwards for x in e] == [N, 0, 0, 0, 0, 0]
+    assert e[4].examples_selected <= 0.1 * N and policy.drift_passes == 0
+    policy, e = fed_run(0.5, 0.0, 6)
+    assert [x.selection_forwards for x in e] == [N] * 6
+    assert policy.drift_passes == 5
+    assert all(x.examples_selected >= N / 6 for x in e)
+
+
+def test_the_expected_stale_share_predicts_what_a_stale_epoch_keeps():
+    """expected_stale_share, read as a stale epoch ends (its own reports not applied yet), is
+    the share that epoch kept, within sampling noise; and it is None until a pass was made."""
+    policy = SelectiveBackprop(1 / 3, staleness=3, fed_staleness=10, drift_bound=None)
+    assert policy.expected_stale_share() is None
+    loader = loader_for(policy)
+    for epoch in range(5):
+        for batch in loader:
+            loader.feedback(batch.indices, torch.zeros(len(batch.indices)))
+        if epoch:
+            kept = loader.stats.epochs[-1].examples_selected / N
+            assert abs(policy.expected_stale_share() - kept) <= 0.04, epoch
+
+
+def test_reports_that_match_the_pass_leave_the_schedule_alone():
+    policy, e = fed_run(0.5, 1.0, 5)
+    assert [x.selection_forwards for x in e] == [N, 0, 0, 0, 0]
+    assert policy.drift_passes == 0
+    assert abs(policy.expected_stale_share() - 1 / 3) < 0.02
+
+
+def test_a_mild_drift_passes_when_it_crosses_the_bound_and_the_schedule_restarts():
+    """Reports at 0.3 of the pass's losses: epoch 1 is still stale (expected share 0.20 >
+    1/6); by epoch 2 it would keep less, so epoch 2 makes a pass, and epoch 3, judged against
+    that pass, is stale again."""
+    policy, e = fed_run(0.5, 0.3, 4)
+    assert [x.selection_forwards > 0 for x in e] == [True, False, True, False]
+    assert policy.drift_passes == 1
+
+
+@pytest.mark.parametrize("stop", [0, 3])
+def test_resume_across_a_drift_pass_is_exact(stop):
+    """A state saved in a stale epoch holds the pass's reference: the resumed run makes the
+    same drift pass in the same epoch and yields the same batches."""
+
+    def build():
+        return loader_for(SelectiveBackprop(1 / 3, staleness=3, fed_staleness=10))
+
+    def train(loader, batches):
+        got = []
+        for batch in batches:
+            got.append(batch.indices.tolist())
+            loader.feedback(batch.indices, measured(batch) * 0.3)
+        return got
+
+    full_loader = build()
+    full = [b for _ in range(4) for b in train(full_loader, full_loader)]
+    loader = build()
+    got = train(loader, loader)  # fresh epoch 0
+    it = iter(loader)  # stale epoch 1 (the reference is taken as its reports arrive)
+    got += train(loader, [next(it) for _ in range(stop)])
+    state = loader.state_dict()
+    again = build()
+    again.load_state_dict(state)
+    got += [b for _ in range(3) for b in train(again, again)]
+    assert got == full
+    assert again.policy.drift_passes == full_loader.policy.drift_passes == 1
+    assert [x.selection_forwards > 0 for x in again.stats.epochs] == [True, False, True, False]
