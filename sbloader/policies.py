@@ -17,12 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _kernels
 from ._checks import check_float, check_indices, check_int
 from ._random import hashed_uniforms
 from .device_decisions import DeviceChoice, DeviceWindow
 from .store import ExampleStore
-from .window import LossWindow
+from .window import LossWindow, rank_against
 
 logger = logging.getLogger("sbloader")
 
@@ -473,9 +472,9 @@ class SelectiveBackprop(Policy):
         return epoch - self._last_fresh >= (self.fed_staleness if self._fed else self.staleness)
 
     def expected_stale_share(self) -> float | None:
-        """The share of examples a stale epoch would keep if the stored losses were ranked
-        against those the last selection pass stored, before any report changed them (None
-        before a pass, or without a store).
+        """The share of the scored examples a stale epoch would keep if the stored losses were
+        ranked against those the last selection pass stored, before any report changed them
+        (None before a pass, or without a store).
 
         NOTE (why not the window): under DDP with ``cdf="local"`` each rank's window holds its
         own losses, while every rank holds the same store; a judgement from the store alone is
@@ -484,11 +483,13 @@ class SelectiveBackprop(Policy):
         if self._reference is None or self.store is None or not len(self._reference):
             return None
         stored, measured = self.store.spread_lookup(self.window.size)
-        p = np.empty(stored.shape[0], dtype=np.float64)
-        ref = self._reference
-        _kernels.cdf_power(ref, len(ref), stored, self._cut_beta, p, self._cut)
-        p[measured < 0] = 1.0  # never scored: kept (as stale_probabilities)
-        return float(np.nan_to_num(p, nan=0.0).mean()) if len(p) else None
+        # NOTE: examples never scored are left out: those outside a loader's ``subset`` never
+        # are, and any others are kept with P = 1 whatever the drift.
+        stored = stored[measured >= 0]
+        if not len(stored):
+            return None
+        p = rank_against(self._reference, stored, self._cut_beta, self._cut)
+        return float(np.nan_to_num(p, nan=0.0).mean())
 
     def _drifted(self, epoch: int) -> bool:
         """Whether ``epoch``, a stale epoch by the schedule, must run a selection pass instead:

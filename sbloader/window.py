@@ -11,7 +11,7 @@ from . import _kernels
 from ._checks import check_int
 from ._state import check_identity, check_version
 
-__all__ = ["LossWindow"]
+__all__ = ["LossWindow", "rank_against"]
 
 _FROZEN = (
     "the loss window is frozen: a stale epoch's prefilter may be reading it on the prefetch "
@@ -243,3 +243,21 @@ def _same_length(name: str, values: np.ndarray | None, n: int) -> None:
     length = None if values is None else values.shape[0]
     if length != n:
         raise ValueError(f"{name} should hold one entry per candidate ({n}), but holds {length}")
+
+
+def rank_against(
+    sorted_values: np.ndarray, losses: np.ndarray, beta: float, cut: float = 1.0
+) -> np.ndarray:
+    """``CDF(loss) ** beta`` of each loss against ascending ``sorted_values`` (as
+    :meth:`LossWindow.rank` against a window holding them; NaN for a non-finite loss).
+
+    Example:
+        >>> import numpy as np
+        >>> rank_against(np.array([1.0, 2.0, 3.0]), np.array([0.5, 2.5]), 1.0).tolist()
+        [0.25, 0.75]
+    """
+    ref = np.ascontiguousarray(sorted_values, dtype=np.float64).reshape(-1)
+    x = np.ascontiguousarray(losses, dtype=np.float64).reshape(-1)
+    out = np.empty(x.shape[0], dtype=np.float64)
+    _kernels.cdf_power(ref, len(ref), x, float(beta), out, float(cut))
+    return out

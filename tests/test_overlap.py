@@ -187,7 +187,12 @@ def test_a_seed_gives_the_same_run_however_the_threads_are_scheduled():
 
 
 def stale_recipe():
-    return sbloader.default_policy(True, epochs=4)
+    policy = sbloader.default_policy(True, epochs=4)
+    # NOTE: the reported losses here (train mode, BatchNorm on 16 examples) sit far from the
+    # pass's (eval mode), so the drift bound would turn epoch 2 into a pass; this test needs a
+    # stale epoch (resume across drift passes: test_feedback).
+    policy.policy.drift_bound = None
+    return policy
 
 
 @pytest.mark.parametrize(
@@ -345,13 +350,13 @@ def test_overlap_with_selection_from_the_first_epoch_is_warned_about_and_a_warm_
         SelectiveLoader(data, bn_model(), policy=SelectiveBackprop(1 / 3))  # no overlap
 
 
-def test_a_model_moved_off_the_cpu_after_the_loader_was_built_is_refused_at_the_next_pass():
+def test_a_model_moved_after_the_loader_was_built_is_refused_at_the_next_pass():
     from sbloader.overlap import SelectionCopy
 
     live = nn.Linear(6, 4)
     copy_ = SelectionCopy(live)
     copy_.sync(live)
-    with pytest.raises(RuntimeError, match=r"CPU only.*meta.*overlap_selection=False"):
+    with pytest.raises(RuntimeError, match=r"now on meta.*made on cpu.*after moving the model"):
         copy_.sync(live.to("meta"))
     with pytest.raises(RuntimeError, match="changed in number or shape"):
         copy_.sync(nn.Linear(6, 5))
