@@ -442,7 +442,9 @@ class EpochIterator:
         batch = codec.view(data)
         if self._thread is None:
             self._thread = SelectionThread()
-        loaded.future = self._thread.submit(lambda: scorer.run(model, inputs, targets, batch))
+        loaded.future = self._thread.submit(
+            lambda: scorer.run(model, inputs, targets, batch), loaded.device, data
+        )
 
     def _scored(
         self, loaded: _Loaded, inputs: Any, targets: Any, indices: np.ndarray | None, batch: Any
@@ -462,7 +464,8 @@ class EpochIterator:
         if loaded.future is None:
             return scorer.score(inputs, targets, indices, self.epoch, stats, batch)
         t0 = perf_counter()
-        scored, ran = loaded.future.result()
+        out, ran = loaded.future.result()
+        scored = SelectionThread.collect(out, loaded.device)
         waited = perf_counter() - t0
         stats.selection_forward_s += waited
         stats.selection_hidden_s += max(ran - waited, 0.0)
@@ -480,9 +483,10 @@ class EpochIterator:
         if loaded is None or loaded.future is None or self.epoch is None:
             return None
         try:
-            scored, ran = loaded.future.result()
+            out, ran = loaded.future.result()
         except Exception:  # re-raised when the batch is consumed, if ever
             return None
+        scored = SelectionThread.collect(out, loaded.device)
         return AheadScores(
             self.epoch,
             self.position + 1,

@@ -54,6 +54,19 @@ __all__ = ["SelectiveLoader"]
 
 logger = logging.getLogger("sbloader")
 
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two devices are one (``cuda`` and ``cuda:0`` are, where 0 is the current one)."""
+    if a.type != b.type:
+        return False
+    if a.type == "cuda" and (a.index is None or b.index is None):
+        current = torch.cuda.current_device()
+        return (current if a.index is None else a.index) == (
+            current if b.index is None else b.index
+        )
+    return a.index == b.index
+
+
 _REMAINDERS = ("carry", "short", "drop")
 _CDFS = ("local", "global")
 _DECISIONS = ("host", "device")
@@ -320,12 +333,14 @@ class SelectiveLoader:
             for is counted in ``selection_forward_s``, the rest of the passes' time in
             ``selection_hidden_s``. Pays only with a core to spare for the thread (the pass and
             the step each use ``torch.get_num_threads()`` intra-op threads). Costs a second
-            copy of the selection model's memory. CPU only (a GPU needs a second CUDA stream,
-            not built yet); refused (``ValueError``) on a GPU, with ``compile_selection``,
+            copy of the selection model's memory. On a GPU the pass runs on a CUDA stream of
+            the selection thread's own, beside the training step's kernels (ordered by events,
+            no host synchronisation). Refused (``ValueError``) with batches sent to another
+            device than the model's (``device=``), with ``compile_selection``,
             ``quantize_selection``, ``frozen_prefix``, ``eval_selection=False`` (a pass in train
             mode would update the copy's BatchNorm statistics, not the model's) and an
-            FSDP-sharded model; a model moved to a GPU after the loader was built is refused
-            (``RuntimeError``) at the next pass. Default False.
+            FSDP-sharded model; a model moved to another device after the loader was built is
+            refused (``RuntimeError``) at the next pass. Default False.
 
     Attributes:
         stats: a :class:`~sbloader.stats.LoaderStats` with per-epoch and total counts and times.
@@ -638,8 +653,8 @@ class SelectiveLoader:
         model = scorer.selection_model
         where = torch.device(device) if device is not None else model_device(model)
         conflicts = {
-            "a model on a GPU (the overlap is CPU-only: a GPU needs a second CUDA stream, not "
-            "built yet)": where.type != "cpu" or model_device(model).type != "cpu",
+            "batches on another device than the model's (the selection copy lives where the "
+            "model does)": not _same_device(where, model_device(model)),
             "compile_selection= (a compiled model cannot be copied for the selection thread)": (
                 scorer.forward.compile_kwargs is not None
             ),

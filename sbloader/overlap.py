@@ -21,12 +21,16 @@ them instead of scoring it again with weights the uninterrupted run never used.
 NOTE (threads): the background pass and the caller's step each use torch's intra-op thread
 count (``torch.get_num_threads()``), which the loader never changes; on a machine with ``c``
 cores, ``torch.set_num_threads(c // 2)`` keeps the two from competing for the same cores.
+
+NOTE (GPU): with the model on a GPU the copy lives there too, and each pass runs on a CUDA
+stream of the selection thread's own (:class:`SelectionThread`), ordered after the caller's work
+by events, without host synchronisation; the host still launches its kernels, from the thread.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from time import perf_counter
@@ -84,18 +88,19 @@ class SelectionCopy:
 
         Raises:
             RuntimeError: ``live`` no longer has the copy's parameters and buffers (their
-                number or shapes changed since the loader was built), or it was moved off the
-                CPU (the overlap is CPU-only).
+                number or shapes changed since the loader was built), or it was moved to
+                another device than the copy's (made where the model was when the loader was
+                built).
         """
         live = unwrap(live)
         src = [*live.parameters(), *live.buffers()]
         dst = [*self.model.parameters(), *self.model.buffers()]
-        off_cpu = next((s.device for s in src if s.device.type != "cpu"), None)
-        if off_cpu is not None:
+        moved = next(((s.device, d.device) for s, d in zip(src, dst) if s.device != d.device), None)
+        if moved is not None:
             raise RuntimeError(
-                f"overlap_selection runs on the CPU only, but the model is now on {off_cpu} "
-                "(moved after the SelectiveLoader was built); build the loader with "
-                "overlap_selection=False for a model on an accelerator"
+                f"overlap_selection: the model is now on {moved[0]}, but its selection copy was "
+                f"made on {moved[1]} when the SelectiveLoader was built; build the loader after "
+                "moving the model"
             )
         if len(src) != len(dst) or any(s.shape != d.shape for s, d in zip(src, dst)):
             raise RuntimeError(
@@ -179,6 +184,17 @@ class AheadScores:
 class SelectionThread:
     """One background thread that runs an epoch's overlapped selection passes, one at a time.
 
+    On a GPU each pass runs on a CUDA stream of the thread's own, so that its kernels can run
+    beside the caller's training step instead of queueing behind it.
+
+    NOTE (streams): a pass must see the caller's work up to its submission (the copy's refreshed
+    weights, the source batch moved to the device), and the caller must see the pass's outputs
+    before using them. :meth:`submit` records an event on the caller's stream that the pass's
+    stream waits for; :meth:`collect` makes the caller's stream wait for an event recorded after
+    the pass. Neither blocks the host. The caching allocator is told which stream uses a tensor
+    made on the other (``Tensor.record_stream``), so that no memory is reused while a stream
+    may still read it.
+
     Example:
         >>> t = SelectionThread()
         >>> f = t.submit(lambda: 6 * 7)
@@ -189,17 +205,83 @@ class SelectionThread:
 
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sbloader-select")
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def submit(self, fn: Callable[[], Any]) -> Future[tuple[Any, float]]:
-        """Run ``fn()`` on the thread; the future gives its result and how long it ran."""
+    def submit(
+        self,
+        fn: Callable[[], Any],
+        device: torch.device | None = None,
+        inputs: Sequence[Any] = (),
+    ) -> Future[tuple[Any, float]]:
+        """Run ``fn()`` on the thread; the future gives its result and how long it ran.
 
-        def timed() -> tuple[Any, float]:
+        With a CUDA ``device``, ``fn`` runs on the thread's stream for that device, after the
+        caller's stream has reached this point; ``inputs`` (tensors made on the caller's stream
+        that ``fn`` reads) are recorded as used by that stream. The result is then
+        ``((out, done), seconds)``, ``done`` an event recorded after ``fn``'s work: pass it to
+        :meth:`collect`.
+        """
+        if device is None or device.type != "cuda":
+
+            def timed() -> tuple[Any, float]:
+                t0 = perf_counter()
+                out = fn()
+                return out, perf_counter() - t0
+
+            return self._executor.submit(timed)
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+        for t in _tensors(inputs):
+            if t.is_cuda:
+                t.record_stream(stream)
+
+        def on_stream() -> tuple[Any, float]:
             t0 = perf_counter()
-            out = fn()
-            return out, perf_counter() - t0
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                out = fn()
+                done = torch.cuda.Event()
+                done.record(stream)
+            return (out, done), perf_counter() - t0
 
-        return self._executor.submit(timed)
+        return self._executor.submit(on_stream)
+
+    @staticmethod
+    def collect(out: Any, device: torch.device | None) -> Any:
+        """The result of a pass from :meth:`submit`: on a CUDA ``device``, ``(out, done)``
+        unpacked, with the caller's stream made to wait for ``done`` and the tensors of the
+        result (its attributes', for an object) recorded as used by it; else ``out`` as it is."""
+        if device is None or device.type != "cuda":
+            return out
+        result, done = out
+        caller = torch.cuda.current_stream(device)
+        caller.wait_event(done)
+        held = list(vars(result).values()) if hasattr(result, "__dict__") else [result]
+        for t in _tensors(held):
+            if t.is_cuda:
+                t.record_stream(caller)
+        return result
 
     def close(self) -> None:
         """Wait for a running pass to end and stop the thread."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _tensors(values: Sequence[Any]) -> list[torch.Tensor]:
+    """The tensors among ``values`` and inside the lists, tuples and dicts among them."""
+    out: list[torch.Tensor] = []
+    stack = list(values)
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return out

@@ -179,3 +179,55 @@ def test_device_decisions_count_the_forward_gpu_time_as_selection_forward():
     host, device = epoch_stats("host"), epoch_stats("device")
     assert device.selection_forward_s >= 0.5 * host.selection_forward_s
     assert device.selection_forward_s <= device.selection_s
+
+
+@pytest.mark.parametrize("decisions", ["host", "device"])
+def test_overlapped_selection_on_the_gpu_runs_on_its_own_stream_exactly_and_deterministically(
+    decisions,
+):
+    """overlap_selection=True with the model on the GPU: passes run on the selection thread's
+    CUDA stream; batches pair exactly, a seed repeats its selections, the passes' time is
+    partly hidden, and the copy lives on the GPU."""
+    from sbloader.overlap import SelectionThread
+
+    streams = []
+    submit = SelectionThread.submit
+
+    def spy(self, fn, device=None, inputs=()):
+        def wrapped():
+            streams.append(torch.cuda.current_stream(device))
+            return fn()
+
+        return submit(self, wrapped, device, inputs)
+
+    def run():
+        torch.manual_seed(0)  # the same initial weights in both runs
+        model = nn.Sequential(nn.Linear(6, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 4))
+        policy = sbloader.Phased(
+            sbloader.SelectiveBackprop(1 / 3, history=64),
+            warmup_epochs=1,
+            warmup_policy=sbloader.RandomBackprop(1 / 3),
+        )
+        loader = cuda_loader(
+            policy, model=model.cuda(), overlap_selection=True, decisions=decisions
+        )
+        out = []
+        for _ in range(3):
+            for batch in loader:
+                x, y = batch
+                assert x.is_cuda and torch.equal(x[:, 0].long() % N_CLASSES, y)
+                out.append(batch.indices.tolist())
+        assert loader._overlap.model[0].weight.is_cuda
+        return out, loader
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(SelectionThread, "submit", spy)
+    try:
+        first, loader = run()
+        again, _ = run()
+    finally:
+        mp.undo()
+    assert first == again
+    default = torch.cuda.current_stream()
+    assert streams and all(s != default for s in streams)
+    assert loader.stats.total.selection_hidden_s > 0
