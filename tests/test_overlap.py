@@ -325,6 +325,7 @@ def test_bad_options_are_refused_at_construction():
         ({"compile_selection": True}, "compile_selection"),
         ({"eval_selection": False}, "eval_selection=False"),
         ({"frozen_prefix": nn.Identity()}, "frozen_prefix"),
+        ({"device": "meta"}, "batches on another device than the model's"),
     ):
         with pytest.raises(ValueError, match=f"overlap_selection=True cannot be combined.*{what}"):
             make(overlap_selection=True, **kw)
