@@ -1069,6 +1069,7 @@ def default_policy(
     stale_cdf: str = "window",
     selectivity: float = 1 / 3,
     anneal_share: float = 1 / 8,
+    drift_bound: float | None = 0.5,
 ) -> Policy:
     """The policy of ``SelectiveLoader(source, model)`` with no ``policy=``: the recipe that
     measured fastest to every target here (README, Measured), not the paper's plain SB.
@@ -1105,7 +1106,8 @@ def default_policy(
     ``selectivity`` is the share kept, by the Stale-SB and by the Random-Backprop warm-up alike
     (1/3 by default; a larger share trades speed for final accuracy). ``anneal_share`` is the
     share of the planned ``epochs`` (rounded, at least one) annealed on all the data (1/8 by
-    default, InfoBatch's; unused without ``epochs``).
+    default, InfoBatch's; unused without ``epochs``). ``drift_bound`` is the Stale-SB's
+    ``drift_bound`` (unused without a store).
 
     The paper's plain SB is ``SelectiveBackprop(1 / 3)``.
 
@@ -1135,6 +1137,7 @@ def default_policy(
             ramp_epochs=ramp_epochs,
             trim_top=trim_top,
             stale_cdf=stale_cdf,
+            drift_bound=drift_bound,
         )
         if has_store
         else SelectiveBackprop(selectivity, ramp_epochs=ramp_epochs, trim_top=trim_top),

@@ -172,6 +172,7 @@ def recipe(
     scdf: bool = False,
     selectivity: float = 1 / 3,
     anneal_share: float = 1 / 8,
+    drift_bound: float | None = 0.5,
 ) -> Strategy:
     """sbloader's default policy (:func:`sbloader.default_policy`): ``recipe`` with the
     benchmark's selection settings, ``default`` as ``SelectiveLoader(source, model)`` builds it;
@@ -180,8 +181,8 @@ def recipe(
     ``_scdf`` with stale epochs ranked against the stored losses (``stale_cdf="store"``);
     ``_s<selectivity>`` keeping another share than 1/3 (``selectivity=``);
     ``_anneal`` with all the data in the last eighth of the planned epochs (InfoBatch's
-    annealing), ``_annealN`` in the last N% of them (``anneal_share=N/100``); ``_fb`` when the
-    training step reports its losses."""
+    annealing), ``_annealN`` in the last N% of them (``anneal_share=N/100``); ``_driftN`` with
+    ``drift_bound=N/100`` instead of 0.5; ``_fb`` when the training step reports its losses."""
     name = "default" if as_user else "recipe"
     r = 1.0 if ramp else 0.0
     t = f"_trim{round(100 * trim)}" if trim else ""
@@ -191,12 +192,15 @@ def recipe(
         stale_cdf="store" if scdf else "window",
         selectivity=selectivity,
         anneal_share=anneal_share,
+        drift_bound=drift_bound,
     )
     sel = "" if selectivity == 1 / 3 else f"_s{_label(selectivity)}"
     share = "" if anneal_share == 1 / 8 else f"{round(100 * anneal_share)}"
     return _named(
         f"{name}{sel}{'_ramp' if ramp else ''}{t}{'_scdf' if scdf else ''}"
-        f"{f'_anneal{share}' if anneal else ''}{'_fb' if feedback else ''}",
+        f"{f'_anneal{share}' if anneal else ''}"
+        f"{_drift_label(drift_bound)}"
+        f"{'_fb' if feedback else ''}",
         True,
         (lambda planned: sbloader.default_policy(epochs=planned, **kw))
         if anneal
@@ -206,6 +210,13 @@ def recipe(
         as_user=as_user,
         pooled=not as_user,
     )
+
+
+def _drift_label(drift_bound: float | None) -> str:
+    """The name's part for a drift bound: none for the default 0.5."""
+    if drift_bound is None:
+        return "_nodrift"
+    return "" if drift_bound == 0.5 else f"_drift{round(100 * drift_bound)}"
 
 
 def int8(strategy: Strategy) -> Strategy:
@@ -283,6 +294,7 @@ def _build_registry() -> dict[str, Strategy]:
     entries += [int8(recipe(True, trim=0.1, selectivity=0.5))]
     entries += [int8(recipe(True, anneal=True, scdf=True, selectivity=0.5))]
     entries += [overlapped(selective_backprop(0.33)), overlapped(recipe(True, anneal=True))]
+    entries += [int8(recipe(True, anneal=True, drift_bound=0.75))]
     registry = {}
     for e in entries:
         assert e.name not in registry, e.name
