@@ -380,3 +380,15 @@ def test_resume_across_a_drift_pass_is_exact(stop):
     assert got == full
     assert again.policy.drift_passes == full_loader.policy.drift_passes == 1
     assert [x.selection_forwards > 0 for x in again.stats.epochs] == [True, False, True, False]
+
+
+def test_the_drift_bound_is_checked_and_reaches_the_default_recipe():
+    from sbloader import default_policy
+
+    assert default_policy().policy.drift_bound == 0.5
+    assert default_policy(drift_bound=None).policy.drift_bound is None
+    assert default_policy(drift_bound=0.75).policy.drift_bound == 0.75
+    for bad in (0.0, 1.5, -1.0):
+        with pytest.raises(ValueError, match="drift_bound"):
+            SelectiveBackprop(1 / 3, staleness=3, drift_bound=bad)
+    assert "drift_bound=0.75" in repr(SelectiveBackprop(1 / 3, staleness=3, drift_bound=0.75))
