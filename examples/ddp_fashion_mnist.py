@@ -139,10 +139,14 @@ def main() -> None:
     dataset = ArrayDataset(x_train, y_train)
     sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)
     if args.strategy == "traditional":
-        source = DataLoader(dataset, batch_size=bs, sampler=sampler)
+        source = DataLoader(
+            dataset, batch_size=bs, sampler=sampler, collate_fn=ArrayDataset.collate
+        )
         policy: sbloader.Policy = sbloader.Traditional()
     else:
-        source = DataLoader(dataset, batch_size=sel_bs, sampler=sampler)
+        source = DataLoader(
+            dataset, batch_size=sel_bs, sampler=sampler, collate_fn=ArrayDataset.collate
+        )
         policy = sbloader.SelectiveBackprop(selectivity=args.selectivity, history=1024)
         if args.warmup_epochs:  # as in examples/train_fashion_mnist.py: see its docstring
             policy = sbloader.Phased(

