@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import os
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +105,9 @@ class ArrayRows(Sequence):
 
     def __getitem__(self, i: Any) -> Any:
         return self._materialised()[i]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        return iter(self._materialised())
 
 
 class ArrayDataset(Dataset):
