@@ -448,7 +448,7 @@ def frozen_backbone(
             backbone.eval()
             opt = torch.optim.SGD(head.parameters(), lr=cfg.lr, momentum=0.9)
             bs = cfg.batch_size if variant == "traditional" else cfg.pool_batch_size
-            source = shuffled(dataset, bs, m.seed + rep)
+            source = shuffled(dataset, bs, m.seed + rep, cfg.array_collate)
             policy = m.policy("traditional" if variant == "traditional" else "sb")
             inputs_of: Callable[[Any], torch.Tensor] | None = None
             trained: nn.Module = full
@@ -735,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         if not sbffcv.ffcv_available():
             log("# FFCV skipped: ffcv is not installed (pip install ffcv==1.0.2)")
             use_ffcv = False
-    sources = Sources(x, y, cfg.device, use_ffcv, m.ffcv_workers)
+    sources = Sources(x, y, cfg.device, use_ffcv, m.ffcv_workers, cfg.array_collate)
     try:
         results: dict[str, Any] = {
             "ffcv_write_s": sources.write_s,

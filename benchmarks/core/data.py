@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from sbloader.datasets import fashion_mnist_tensors
+from sbloader.datasets import ArrayDataset, fashion_mnist_tensors
 
 from .config import Config
 
@@ -93,12 +95,17 @@ def augment(x: torch.Tensor, gen: torch.Generator, flip: bool, pad: int = 4) -> 
     return padded[batch, chans, rows, cols].contiguous(memory_format=torch.channels_last)
 
 
-def shuffled(dataset: Dataset, batch_size: int, seed: int) -> DataLoader:
+def shuffled(
+    dataset: Dataset, batch_size: int, seed: int, array_collate: bool = False
+) -> DataLoader:
     """A shuffling DataLoader with its own generator seeded with ``seed``: its order never draws
-    from (or disturbs) the global RNG, so runs trained in turn keep their own data order."""
+    from (or disturbs) the global RNG, so runs trained in turn keep their own data order.
+    ``array_collate``: collate with ``ArrayDataset.collate`` (``dataset`` an ArrayDataset)."""
+    kw: dict[str, Any] = {"collate_fn": ArrayDataset.collate} if array_collate else {}
     return DataLoader(
         dataset,
         batch_size=batch_size,
         shuffle=True,
         generator=torch.Generator().manual_seed(seed),
+        **kw,
     )

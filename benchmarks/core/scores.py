@@ -34,7 +34,7 @@ def compute_el2n(cfg: Config, data: Data, seed: int, model: str) -> sbloader.EL2
     dataset = ArrayDataset(x_train.to(device), y_train.to(device))
     return sbloader.el2n_scores(
         functools.partial(make_model, arch, classes, channels),
-        shuffled(dataset, cfg.batch_size, seed),
+        shuffled(dataset, cfg.batch_size, seed, cfg.array_collate),
         make_optimizer=functools.partial(make_optimizer, arch),
         models=cfg.el2n_models,
         epochs=cfg.el2n_epochs,

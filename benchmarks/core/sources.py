@@ -24,8 +24,10 @@ class Sources:
         device: torch.device | str,
         ffcv: bool,
         ffcv_workers: int = 1,
+        array_collate: bool = False,
     ) -> None:
         self.x, self.y, self.ffcv_workers = x, y, ffcv_workers
+        self.array_collate = array_collate
         # NOTE: on a GPU the examples live on the device (num_workers=0), as a GPU user would
         # keep a dataset of this size.
         self.dataset = ArrayDataset(x.to(device), y.to(device))
@@ -48,7 +50,7 @@ class Sources:
 
     def make(self, kind: str, batch_size: int, seed: int) -> Any:
         if kind == "dataloader":
-            return shuffled(self.dataset, batch_size, seed)
+            return shuffled(self.dataset, batch_size, seed, self.array_collate)
         import sbloader.ffcv as sbffcv
 
         assert self.beton is not None

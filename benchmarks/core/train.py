@@ -103,7 +103,7 @@ class Trainer:
         if strat.prune:
             r = sbloader.el2n_scores(
                 functools.partial(make_model, cfg, classes, channels),
-                shuffled(dataset, cfg.batch_size, seed),
+                shuffled(dataset, cfg.batch_size, seed, cfg.array_collate),
                 make_optimizer=functools.partial(make_optimizer, cfg),
                 models=cfg.el2n_models,
                 epochs=cfg.el2n_epochs,
@@ -127,7 +127,12 @@ class Trainer:
             user.update(overlap_selection=True)
         self.loader = make_loader(
             cfg,
-            shuffled(dataset, cfg.pool_batch_size if strat.pooled else cfg.batch_size, seed),
+            shuffled(
+                dataset,
+                cfg.pool_batch_size if strat.pooled else cfg.batch_size,
+                seed,
+                cfg.array_collate,
+            ),
             self.model,
             strat.policy(self.planned),  # its own schedule
             seed,
