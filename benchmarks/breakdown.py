@@ -237,55 +237,43 @@ def resolution_agnostic(cfg: Config, model: nn.Module) -> nn.Module:
     return nn.Sequential(*model[:8], nn.AdaptiveAvgPool2d(7), *model[8:])
 
 
-OPTIONS: list[dict[str, Any]] = [
-    # Each row: the selection pass's settings. "batch" is examples per selection forward.
-    dict(name="baseline: batch 128, fp32", batch=128),
-    dict(name="batch 512", batch=512),
-    dict(name="batch 512, channels_last", batch=512, channels_last=True),
-    dict(name="batch 512, channels_last, bf16", batch=512, channels_last=True, bf16=True),
-    dict(name="batch 512, channels_last, compile", batch=512, channels_last=True, compile=True),
-    dict(
-        name="batch 512, channels_last, bf16, compile",
-        batch=512,
-        channels_last=True,
-        bf16=True,
-        compile=True,
-    ),
-    dict(
-        name="batch 512, channels_last, bf16, scale 0.5",
-        batch=512,
-        channels_last=True,
-        bf16=True,
-        scale=0.5,
-    ),
-    dict(
-        name="batch 512, channels_last, bf16, proxy selector",
-        batch=512,
-        channels_last=True,
-        bf16=True,
-        proxy=True,
-    ),
-]
+def selection_option(label: str | None = None, **settings: Any) -> dict[str, Any]:
+    """A selection option: its settings (``batch``: examples per selection forward;
+    ``channels_last``, ``bf16``, ``compile`` (True or ``torch.compile`` arguments), ``scale``,
+    ``proxy``) and a name made from them in that order, or ``label``."""
+    parts = [f"batch {settings['batch']}"]
+    parts += [k for k in ("channels_last", "bf16") if settings.get(k)]
+    compiled = settings.get("compile")
+    if compiled is True:
+        parts.append("compile")
+    elif compiled:
+        mode = compiled["mode"]
+        parts.append(f"compile {mode}" + (" (CUDA graphs)" if mode == "reduce-overhead" else ""))
+    if settings.get("scale"):
+        parts.append(f"scale {settings['scale']:g}")
+    if settings.get("proxy"):
+        parts.append("proxy selector")
+    return dict(name=label or ", ".join(parts), **settings)
 
+
+_CL_BF16: dict[str, Any] = dict(channels_last=True, bf16=True)
+OPTIONS: list[dict[str, Any]] = [
+    selection_option("baseline: batch 128, fp32", batch=128),
+    selection_option(batch=512),
+    selection_option(batch=512, channels_last=True),
+    selection_option(batch=512, **_CL_BF16),
+    selection_option(batch=512, channels_last=True, compile=True),
+    selection_option(batch=512, **_CL_BF16, compile=True),
+    selection_option(batch=512, **_CL_BF16, scale=0.5),
+    selection_option(batch=512, **_CL_BF16, proxy=True),
+]
 
 #: Further selection options measured on a GPU only: the source batch of ``--gpu`` in one
 #: forward, and CUDA graphs (``torch.compile(mode="reduce-overhead")``) for its fixed shape.
 GPU_OPTIONS: list[dict[str, Any]] = [
-    dict(name="batch 1024, channels_last, bf16", batch=1024, channels_last=True, bf16=True),
-    dict(
-        name="batch 1024, channels_last, bf16, compile",
-        batch=1024,
-        channels_last=True,
-        bf16=True,
-        compile=True,
-    ),
-    dict(
-        name="batch 1024, channels_last, bf16, compile reduce-overhead (CUDA graphs)",
-        batch=1024,
-        channels_last=True,
-        bf16=True,
-        compile={"mode": "reduce-overhead"},
-    ),
+    selection_option(batch=1024, **_CL_BF16),
+    selection_option(batch=1024, **_CL_BF16, compile=True),
+    selection_option(batch=1024, **_CL_BF16, compile={"mode": "reduce-overhead"}),
 ]
 
 

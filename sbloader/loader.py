@@ -42,6 +42,7 @@ from .selection import (
     Output,
     SelectionForward,
     check_loss_fn,
+    concrete_device,
     input_fields,
     is_fsdp,
     model_device,
@@ -53,18 +54,6 @@ from .stats import EpochStats, LoaderStats
 __all__ = ["SelectiveLoader"]
 
 logger = logging.getLogger("sbloader")
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """Whether two devices are one (``cuda`` and ``cuda:0`` are, where 0 is the current one)."""
-    if a.type != b.type:
-        return False
-    if a.type == "cuda" and (a.index is None or b.index is None):
-        current = torch.cuda.current_device()
-        return (current if a.index is None else a.index) == (
-            current if b.index is None else b.index
-        )
-    return a.index == b.index
 
 
 _REMAINDERS = ("carry", "short", "drop")
@@ -655,7 +644,7 @@ class SelectiveLoader:
         where = torch.device(device) if device is not None else model_device(model)
         conflicts = {
             "batches on another device than the model's (the selection copy lives where the "
-            "model does)": not _same_device(where, model_device(model)),
+            "model does)": concrete_device(where) != concrete_device(model_device(model)),
             "compile_selection= (a compiled model cannot be copied for the selection thread)": (
                 scorer.forward.compile_kwargs is not None
             ),

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .selection import unwrap
+from .selection import concrete_device, unwrap
 
 __all__ = ["AheadScores", "SelectionCopy", "SelectionThread"]
 
@@ -229,8 +229,7 @@ class SelectionThread:
                 return out, perf_counter() - t0
 
             return self._executor.submit(timed)
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = concrete_device(device)
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device)

@@ -10,7 +10,6 @@ state protocol saves and restores.
 from __future__ import annotations
 
 import abc
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +21,6 @@ from ._random import hashed_uniforms
 from .device_decisions import DeviceChoice, DeviceWindow
 from .store import ExampleStore
 from .window import LossWindow, rank_against
-
-logger = logging.getLogger("sbloader")
 
 __all__ = [
     "Choice",
@@ -312,7 +309,8 @@ class SelectiveBackprop(Policy):
             expected kept share (:meth:`expected_stale_share`: the stored losses ranked against
             those the last selection pass stored) is below ``d * s`` or
             above ``s / d`` (s: the selectivity) runs a selection pass instead, and the schedule
-            restarts from it (``drift_passes`` counts them; each is logged at INFO). Default 0.5.
+            restarts from it (``drift_passes`` counts them; the epoch's ``loader.stats`` show
+            its selection forwards). Default 0.5.
             Without it, a long stale phase with reported losses can starve: on a GPU the kept
             share fell to 2% and the run ended at 19% error (see :meth:`_drifted`). None: the
             schedule alone decides.
@@ -491,8 +489,8 @@ class SelectiveBackprop(Policy):
         p = rank_against(self._reference, stored, self._cut_beta, self._cut)
         return float(np.nan_to_num(p, nan=0.0).mean())
 
-    def _drifted(self, epoch: int) -> bool:
-        """Whether ``epoch``, a stale epoch by the schedule, must run a selection pass instead:
+    def _drifted(self) -> bool:
+        """Whether the epoch beginning, stale by the schedule, must run a selection pass instead:
         its expected kept share left ``[drift_bound * s, s / drift_bound]``.
 
         NOTE: with reported losses (``fed_staleness``) a stale phase can last many epochs, and
@@ -515,16 +513,8 @@ class SelectiveBackprop(Policy):
         s = self.selectivity
         if share is None or self.drift_bound * s <= share <= s / self.drift_bound:
             return False
+        # NOTE: counted, not logged (no I/O in a policy): the epoch's stats show its pass.
         self.drift_passes += 1
-        logger.info(
-            "sbloader: the stored losses drifted since the last selection pass (epoch %d): a "
-            "stale epoch would keep %.3f of the examples, not %.3f; epoch %d runs a selection "
-            "pass instead",
-            self._last_fresh,
-            share,
-            s,
-            epoch,
-        )
         return True
 
     def _take_reference(self) -> None:
@@ -543,7 +533,7 @@ class SelectiveBackprop(Policy):
         self._epoch = epoch
         # NOTE: idempotent for the epoch already begun: a resumed epoch keeps its decision.
         if epoch != self._begun:
-            self._fresh = self._due(epoch) or self._drifted(epoch)
+            self._fresh = self._due(epoch) or self._drifted()
             if self._fresh:
                 self._last_fresh = epoch
                 self._reference = None

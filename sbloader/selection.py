@@ -700,6 +700,19 @@ class SelectionForward:
         return losses, features, outputs
 
 
+def concrete_device(device: torch.device) -> torch.device:
+    """``device`` with its index filled in: ``cuda`` is the current CUDA device (so that
+    ``cuda`` and ``cuda:0`` compare equal where 0 is current); other devices as they are.
+
+    Example:
+        >>> concrete_device(torch.device("cpu"))
+        device(type='cpu')
+    """
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def model_device(model: nn.Module) -> torch.device:
     """The device of the model's first parameter (or buffer); the CPU for a model without."""
     for t in model.parameters():
