@@ -165,7 +165,10 @@ def push_all(
     up to the whole sorted window (a third of it on average); for a batch of many losses the
     values that can be in the window during the batch (the window's and the batch's) are known
     in advance, so a Fenwick tree over their distinct sorted values counts in O(log) per loss,
-    and the sorted window is written once at the end from the per-value counts.
+    and the sorted window is written once at the end from the per-value counts. Each batch
+    value's place among the distinct values comes from the merge that builds them (one sort of
+    the batch), and each evicted value's from that place or, for the window's own values, from
+    one sort of those it evicts: no search per loss.
     """
     m = losses.shape[0]
     finite = 0
@@ -183,55 +186,79 @@ def push_all(
     cap = ring.shape[0]
     n = meta[0]
     head = meta[1]
-    batch = np.empty(finite, dtype=np.float64)
+    n_old = n
+    where = np.empty(finite, dtype=np.int64)  # each finite loss's position in ``losses``
+    batch = np.empty(finite, dtype=np.float64)  # the finite losses, in order
     j = 0
     for i in range(m):
         if np.isfinite(losses[i]):
+            where[j] = i
             batch[j] = losses[i]
             j += 1
-    batch.sort()
-    # The distinct values of the window (sorted already) and the batch, merged in order.
+    by_value = np.argsort(batch)
+    # The distinct values of the window (sorted already) and the batch, merged in order; each
+    # batch value's place among them (``place``) and the window's count of each (``held``) are
+    # known from the merge, so that pushing a batch value needs no search.
     distinct = np.empty(n + finite, dtype=np.float64)
+    held = np.zeros(n + finite, dtype=np.int64)
+    place = np.empty(finite, dtype=np.int64)
     u = 0
     a = 0
     b = 0
     while a < n or b < finite:
-        if b >= finite or (a < n and sorted_values[a] <= batch[b]):
+        if b >= finite or (a < n and sorted_values[a] <= batch[by_value[b]]):
             v = sorted_values[a]
             a += 1
+            if u == 0 or distinct[u - 1] < v:
+                distinct[u] = v
+                u += 1
+            held[u - 1] += 1
         else:
-            v = batch[b]
+            v = batch[by_value[b]]
+            if u == 0 or distinct[u - 1] < v:
+                distinct[u] = v
+                u += 1
+            place[by_value[b]] = u - 1
             b += 1
-        if u == 0 or distinct[u - 1] < v:
-            distinct[u] = v
-            u += 1
-    held = np.zeros(u, dtype=np.int64)  # window entries equal to each distinct value
-    r = 0
-    for a in range(n):
-        while distinct[r] < sorted_values[a]:
-            r += 1
-        held[r] += 1
     tree = np.zeros(u + 1, dtype=np.int64)
     for t in range(1, u + 1):
         tree[t] += held[t - 1]
         up = t + (t & -t)
         if up <= u:
             tree[up] += tree[t]
-    for i in range(m):
-        x = losses[i]
-        if not np.isfinite(x):
-            continue
+    # The window's own values that this batch evicts, oldest first, and their places (sorted
+    # once and walked along the distinct values, instead of one search each).
+    evict = max(0, min(n_old, n_old + finite - cap))
+    oldest = head - n_old if head >= n_old else head - n_old + cap
+    gone = np.empty(evict, dtype=np.float64)
+    for t in range(evict):
+        slot = oldest + t
+        gone[t] = ring[slot if slot < cap else slot - cap]
+    gone_place = np.empty(evict, dtype=np.int64)
+    r = 0
+    for t in np.argsort(gone):
+        while distinct[r] < gone[t]:
+            r += 1
+        gone_place[t] = r
+    for j in range(finite):
+        x = batch[j]
         if n < cap:
             n += 1
         else:
-            old = np.searchsorted(distinct[:u], ring[head])
+            # The value evicted now entered the window ``cap`` pushes ago: one the window held
+            # before this batch or one of this batch's, whose places are both known.
+            q = n_old + j - cap
+            old = place[q - n_old] if q >= n_old else gone_place[q]
             held[old] -= 1
             _tree_add(tree, u, old, -1)
-        rank = np.searchsorted(distinct[:u], x)
+        rank = place[j]
         held[rank] += 1
         _tree_add(tree, u, rank, 1)
         ring[head] = x
-        head = (head + 1) % cap
+        head += 1
+        if head == cap:
+            head = 0
+        i = where[j]
         sizes[i] = n
         counts[i] = _tree_prefix(tree, rank)
     pos = 0
