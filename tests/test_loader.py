@@ -228,6 +228,53 @@ def test_global_rng_state_does_not_matter():
     assert yielded(make_loader(seed=3)) == a
 
 
+@pytest.mark.parametrize(
+    ("policy", "options"),
+    [
+        (None, {}),  # the default recipe, with its store, feedback and warm-up
+        (SelectiveBackprop(1 / 3), {}),
+        (SelectiveBackprop(1 / 3, staleness=2), {"prefetch": 1}),
+        (SelectiveBackprop(1 / 3), {"decisions": "device"}),
+        (None, {"overlap_selection": True}),
+        (RandomBackprop(0.5), {}),
+        (sbloader.Kath18(0.5), {}),
+        (Traditional(), {}),
+    ],
+    ids=["default", "sb", "stale_prefetch", "device", "overlap", "random", "kath18", "traditional"],
+)
+def test_iterating_never_touches_global_rngs_threads_or_torch(policy, options):
+    """Explicit randomness and no global side effects: a training loop over the loader (with
+    feedback, two epochs, selection passes) leaves Python's, numpy's and torch's global random
+    states, torch's thread counts and the DataLoader's own methods exactly as they were."""
+    import random
+
+    from torch.utils.data import dataloader as tdl
+
+    data = torch.utils.data.TensorDataset(torch.randn(96, 6), torch.randint(0, N_CLASSES, (96,)))
+    source = DataLoader(data, batch_size=24, shuffle=True, generator=torch.Generator())
+    model = nn.Linear(6, N_CLASSES)
+    kw = {} if policy is None else {"policy": policy}
+    loader = SelectiveLoader(source, model, batch_size=8, seed=5, **kw, **options)
+    methods = (DataLoader.__iter__, tdl._BaseDataLoaderIter.__next__, torch.Tensor.backward)
+    threads = (torch.get_num_threads(), torch.get_num_interop_threads())
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state())  # noqa: NPY002
+    trained = 0
+    for _ in range(2):
+        for batch in loader:
+            x, y = batch
+            losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+            losses.mean().backward()
+            loader.feedback(batch.indices, losses)
+            trained += len(y)
+    assert trained > 0 and loader.stats.total.examples_yielded == trained
+    after = (random.getstate(), np.random.get_state(), torch.get_rng_state())  # noqa: NPY002
+    assert after[0] == states[0]
+    assert all(np.array_equal(a, b) for a, b in zip(after[1], states[1]))
+    assert torch.equal(after[2], states[2])
+    assert (torch.get_num_threads(), torch.get_num_interop_threads()) == threads
+    assert (DataLoader.__iter__, tdl._BaseDataLoaderIter.__next__, torch.Tensor.backward) == methods
+
+
 # ------------------------------------------------------------------ the selection pass
 def test_selection_pass_leaves_batchnorm_and_modes_untouched():
     torch.manual_seed(0)
