@@ -17,7 +17,11 @@ rank selects different examples, so each would fill a different number of batche
   (:meth:`RankSync.most`), and each runs that many (padding with forwards on one kept example);
 - with ``cdf="global"``, or a policy that keeps per-example records (Stale-SB's store), the ranks
   also all-gather their selection losses and dataset indices (:meth:`RankSync.exchange`), and
-  each rank feeds the others' into its policy through :meth:`~sbloader.Policy.observe`.
+  each rank feeds the others' into its policy through :meth:`~sbloader.Policy.observe`;
+- the first of those ``all_reduce(MIN)`` calls also carries a digest of the rank's first source
+  batch (and its negation), so that a source that is not sharded (every rank reading the same
+  examples, e.g. a DataLoader without a ``DistributedSampler``) is reported on every rank, at no
+  extra collective (:meth:`RankSync.note_batch`).
 
 :func:`reduce_stats` sums a loader's counters across ranks.
 """
@@ -25,6 +29,8 @@ rank selects different examples, so each would fill a different number of batche
 from __future__ import annotations
 
 import copy
+import hashlib
+import warnings
 from typing import Any
 
 import numpy as np
@@ -33,7 +39,37 @@ import torch.distributed as dist
 
 from .stats import CLASS_FIELDS, COUNT_FIELDS, TIME_FIELDS, EpochStats, LoaderStats
 
-__all__ = ["RankSync", "collective_device", "is_distributed", "make_sync", "reduce_stats"]
+__all__ = [
+    "RankSync",
+    "batch_digest",
+    "collective_device",
+    "is_distributed",
+    "make_sync",
+    "reduce_stats",
+]
+
+
+def batch_digest(inputs: Any) -> int | None:
+    """A 63-bit digest of a batch's inputs (their bytes, dtype and shape), or None for inputs
+    that are neither a tensor nor a numeric numpy array.
+
+    Example:
+        >>> a = batch_digest(torch.arange(6).reshape(2, 3))
+        >>> a == batch_digest(torch.arange(6).reshape(2, 3)), a == batch_digest(torch.arange(6))
+        (True, False)
+    """
+    if isinstance(inputs, torch.Tensor):
+        t = inputs.detach().to("cpu").contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        meta = f"{t.dtype}{tuple(t.shape)}"
+    elif isinstance(inputs, np.ndarray) and inputs.dtype.kind in "biufc":
+        raw = np.ascontiguousarray(inputs).tobytes()
+        meta = f"{inputs.dtype}{inputs.shape}"
+    else:
+        return None
+    h = hashlib.blake2b(raw, digest_size=8)
+    h.update(meta.encode())
+    return int.from_bytes(h.digest(), "little") >> 1
 
 
 def is_distributed(group: Any = None) -> bool:
@@ -96,6 +132,15 @@ class RankSync:
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
         self.device = torch.device("cpu")
+        self._digest: int | None = None  # of this rank's first source batch (note_batch)
+        self._checked = False  # whether the first agree compared the ranks' digests
+
+    def note_batch(self, inputs: Any) -> None:
+        """Remember a digest of this rank's first source batch's inputs (later calls, and
+        calls after the first :meth:`agree`, do nothing): the first :meth:`agree` compares it
+        across ranks."""
+        if self._digest is None and not self._checked:
+            self._digest = batch_digest(inputs)
 
     def bind(self, device: torch.device) -> None:
         """Place collective tensors for a model on ``device`` (the loader calls this per epoch)."""
@@ -104,12 +149,42 @@ class RankSync:
     def agree(self, ready: int, active: bool) -> tuple[int, bool]:
         """The fewest batches any rank has ready, and whether any rank still has source batches.
 
-        One ``all_reduce(MIN)`` of ``[ready, -active]``.
+        One ``all_reduce(MIN)`` of ``[ready, -active]``. The first call of a run also carries
+        ``[d, -d]``, ``d`` the digest of this rank's first source batch (:meth:`note_batch`; a
+        distinct negative number per rank where there is none), and warns on every rank when
+        every rank's first batch had the same digest.
+
+        NOTE: every rank makes its first call in the same round (the calls are matched one to
+        one across ranks, or the job would hang already), so the four-element tensor of the
+        first call meets four-element tensors only. The minimum of ``d`` equals the maximum
+        (minus the minimum of ``-d``) exactly when all ranks' digests agree.
+
+        NOTE (a warning, not an error): the same data on every rank is almost always a
+        forgotten ``DistributedSampler`` (each rank then trains on every example, world-size
+        times the work for the same updates), but it runs correctly in lockstep, and tests or
+        deliberate replicas may want it.
         """
-        t = torch.tensor([ready, -int(active)], dtype=torch.int64, device=self.device)
+        first = not self._checked and self.world_size > 1
+        values = [ready, -int(active)]
+        if first:
+            self._checked = True
+            d = self._digest if self._digest is not None else -(self.rank + 1)
+            values += [d, -d]
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        fewest, neg_active = t.tolist()
-        return int(fewest), neg_active < 0
+        got = t.tolist()
+        if first and got[2] >= 0 and got[2] == -got[3]:
+            warnings.warn(
+                f"every one of the {self.world_size} ranks read the same first source batch: the "
+                "source looks unsharded, so each rank trains on every example (a DataLoader "
+                "without a DistributedSampler, or a SelectiveLoader passed to "
+                "accelerator.prepare(), which returns it unchanged); give the DataLoader "
+                "sampler=DistributedSampler(dataset), or build the SelectiveLoader from "
+                "accelerator.prepare(dataloader)",
+                UserWarning,
+                stacklevel=2,
+            )
+        return int(got[0]), got[1] < 0
 
     def most(self, count: int, flag: bool) -> tuple[int, bool]:
         """The largest ``count`` of any rank, and whether any rank raised ``flag``.

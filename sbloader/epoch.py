@@ -399,6 +399,8 @@ class EpochIterator:
         waited = perf_counter() - t0
         device = self._device
         data, n = loader._codec.columns(raw, indices, device)
+        if loader._sync is not None:
+            loader._sync.note_batch(data[loader._codec.input_position])
         excluded = 0
         if loader._subset is not None and not self._filtering:
             assert indices is not None

@@ -141,6 +141,29 @@ def bare_loader_registered(path: Path) -> str:
     return ""
 
 
+def prepared_selective_loader(accelerator: Accelerator) -> dict[str, Any]:
+    """The misuse: ``accelerator.prepare(SelectiveLoader(raw_dataloader, ...))``. Accelerate
+    returns an object it does not know unchanged, so every rank reads every example; the
+    loader reports it on every rank at its first round (the messages of what it warned)."""
+    import warnings
+
+    g = torch.Generator().manual_seed(7)  # the same order on every rank, as a user's seed
+    loader = sbloader.SelectiveLoader(
+        DataLoader(Points(), batch_size=SOURCE_BATCH, shuffle=True, generator=g),
+        nn.Linear(6, 3),
+        batch_size=TRAIN_BATCH,
+    )
+    same = accelerator.prepare(loader)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches = sum(1 for _ in same)
+    return {
+        "unchanged": same is loader,
+        "batches": batches,
+        "warned": [str(w.message) for w in caught if "first source batch" in str(w.message)],
+    }
+
+
 def run(out: Path) -> dict[str, Any]:
     """Everything above on this rank; ends with Accelerate's own teardown (``end_training``)."""
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE)
@@ -157,6 +180,8 @@ def run(out: Path) -> dict[str, Any]:
     result["resumed"] = train(resumed, model, opt, loader)
     accelerator.wait_for_everyone()
     result["bare"] = bare_loader_registered(out / "bare")
+    accelerator.wait_for_everyone()
+    result["prepared_selective"] = prepared_selective_loader(accelerator)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # destroys the process group, as Accelerate asks scripts to
     return result

@@ -157,6 +157,15 @@ def reset_accelerate() -> None:
     GradientState._reset_state()
 
 
+def test_a_selective_loader_passed_to_prepare_is_reported_on_every_rank(ranks):
+    """accelerator.prepare(SelectiveLoader(raw DataLoader)) returns it unchanged, unsharded:
+    both processes read every example. Each rank's loader says so once, naming the fix."""
+    for r in ranks:
+        got = r["prepared_selective"]
+        assert got["unchanged"] and got["batches"] == ranks[0]["prepared_selective"]["batches"]
+        assert len(got["warned"]) == 1 and "accelerator.prepare(dataloader)" in got["warned"][0]
+
+
 def test_one_process_source_and_accumulation(fresh_accelerate):
     log, sb = one_process_run(accumulate=3)
     assert isinstance(sb.source, AcceleratedShardSource)

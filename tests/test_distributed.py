@@ -450,8 +450,50 @@ def scenario_feedback(rank: int, world_size: int) -> dict:
     }
 
 
+def scenario_unsharded(rank: int, world_size: int) -> dict:
+    """A DataLoader that is not sharded (every rank reads every example) is refused on every
+    rank at the first round; ranks that read their own data with the same indices are not."""
+    res: dict = {}
+    shared = SelectiveLoader(
+        DataLoader(
+            EncodedDataset(80),
+            batch_size=20,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(3),
+        ),
+        IndexLoss(),
+        policy=SelectiveBackprop(0.5),
+        batch_size=10,
+    )
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res["unsharded_batches"] = [b.indices.tolist() for b in shared]
+    res["unsharded"] = [str(w.message) for w in caught if "first source batch" in str(w.message)]
+    # Each rank its own examples (a pre-sharded dataset), the same indices and the same order.
+    own = torch.utils.data.TensorDataset(
+        torch.randn(80, 6, generator=torch.Generator().manual_seed(rank)),
+        torch.randint(0, N_CLASSES, (80,), generator=torch.Generator().manual_seed(rank)),
+    )
+    per_rank = SelectiveLoader(
+        DataLoader(own, batch_size=20, shuffle=True, generator=torch.Generator().manual_seed(3)),
+        torch.nn.Linear(6, N_CLASSES),
+        policy=SelectiveBackprop(0.5),
+        batch_size=10,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res["per_rank"] = [b.indices.tolist() for _ in range(2) for b in per_rank]
+    res["per_rank_warnings"] = [str(w.message) for w in caught]
+    sampler = torch.utils.data.RandomSampler(own, generator=torch.Generator().manual_seed(3))
+    res["per_rank_first"] = list(sampler)[:20]  # the first source batch's indices
+    return res
+
+
 def scenario_two(rank: int, world_size: int) -> dict:
     return {
+        **scenario_unsharded(rank, world_size),
         "sb": scenario_ddp(rank, world_size, "sb"),
         "random": scenario_ddp(rank, world_size, "random"),
         "feedback": scenario_feedback(rank, world_size),
@@ -577,6 +619,20 @@ def test_ddp_ranks_take_equal_steps_and_stay_identical(two, rounds, world_size, 
             ]
             assert red[field] == summed
         assert sum(red["class_selected"]) == red["examples_selected"]
+
+
+def test_a_source_that_is_not_sharded_is_reported_on_every_rank(two):
+    """Every rank reading the same examples (no DistributedSampler) is reported once, at the
+    first round, on both ranks, naming the fix (and still runs in lockstep); ranks with their
+    own data under the same indices and order are not."""
+    for r in two:
+        assert len(r["unsharded"]) == 1, "an unsharded source was not reported exactly once"
+        assert "DistributedSampler" in r["unsharded"][0]
+        assert len(r["unsharded_batches"]) == len(two[0]["unsharded_batches"]) > 0  # lockstep
+        assert r["per_rank"] and all(len(b) == 10 for b in r["per_rank"])
+        assert not [m for m in r["per_rank_warnings"] if "first source batch" in m]
+    # The same indices in the first source batch on both ranks, but different examples.
+    assert two[0]["per_rank_first"] == two[1]["per_rank_first"]
 
 
 def test_reported_losses_reach_every_ranks_store_and_schedule(two):
