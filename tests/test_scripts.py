@@ -79,6 +79,36 @@ def test_a_benchmark_run_records_its_curve_costs_and_breakdown(name):
         assert fresh == seen
 
 
+@pytest.mark.parametrize("name", ["traditional_e2", "random_0.33_e3"])
+def test_a_shorter_control_decays_its_learning_rate_over_its_own_budget(name, monkeypatch):
+    """The fair controls: a shorter Traditional or Random-Backprop schedule decays to zero at
+    the end of its own planned epochs (not part-way down a 10-epoch cosine), every step keyed
+    on its position in the data."""
+    import benchmarks.core.train as train
+
+    used: list[tuple[float, float, float]] = []
+
+    def recording(base_lr: float, position: float, total: float) -> float:
+        lr = train_cosine(base_lr, position, total)
+        used.append((position, total, lr))
+        return lr
+
+    train_cosine = train.cosine_lr
+    monkeypatch.setattr(train, "cosine_lr", recording)
+    cfg = Config(epochs=10, eval_every=1.0)
+    x, y, xt, yt = load_data(cfg)
+    data = (x[:1024], y[:1024], xt[:200], yt[:200])
+    with tqdm(total=200, disable=True) as bar:
+        run = run_one(cfg, strategies.get(name), 0, 0.0, data, bar)
+    planned = run.planned_epochs
+    assert planned == (2 if name == "traditional_e2" else 3)
+    assert used and all(total == planned for _, total, _ in used)
+    positions = [p for p, _, _ in used]
+    assert positions == sorted(positions) and positions[-1] <= planned
+    assert used[0][2] > 0.9 * cfg.lr  # starts near the peak (after its first candidates)
+    assert used[-1][2] < 0.01 * cfg.lr  # the last step is at (nearly) zero
+
+
 def test_the_ddp_example_keeps_two_ranks_in_step(tmp_path):
     out = tmp_path / "ddp.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
