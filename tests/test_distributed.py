@@ -876,6 +876,61 @@ def test_distributed_false_under_an_initialised_group_makes_no_collectives(tmp_p
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize(
+    ("policy", "gathers_per_round", "fresh_epochs"),
+    [(SelectiveBackprop(1 / 3), 0, 2), (SelectiveBackprop(1 / 3, staleness=2), 3, 1)],
+    ids=["sb", "stale_sb"],
+)
+def test_collectives_are_a_fixed_few_per_source_batch_never_per_yielded_batch(
+    tmp_path, monkeypatch, policy, gathers_per_round, fresh_epochs
+):
+    """distributed=True with the default cdf="local": one all_reduce per source batch loaded
+    (plus one per round after the source ends; a stale epoch loads only the examples it keeps),
+    and with a per-example store three all_gathers per source batch (sizes, losses, indices);
+    none per yielded batch: halving the training batch doubles the batches and leaves the
+    collectives as they were."""
+    calls: Counter = Counter()
+    for name in COLLECTIVES:
+        real = getattr(dist, name)
+
+        def spy(*args, _name=name, _real=real, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(dist, name, spy)
+
+    def run(batch_size: int) -> tuple[Counter, int, int]:
+        calls.clear()
+        loader = SelectiveLoader(
+            DataLoader(
+                EncodedDataset(240), batch_size=40, shuffle=True, generator=torch.Generator()
+            ),
+            IndexLoss(),
+            policy=copy.deepcopy(policy),
+            batch_size=batch_size,
+            distributed=True,
+            seed=0,
+        )
+        batches = sum(1 for _ in range(2) for _ in loader)
+        return Counter(calls), batches, sum(e.selection_forwards for e in loader.stats.epochs)
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        big, big_batches, _ = run(10)
+        small, small_batches, _ = run(5)
+    finally:
+        dist.destroy_process_group()
+    rounds = 2 * 6  # at most two epochs of six source batches
+    assert small_batches > big_batches > 0
+    assert small == big  # nothing per yielded batch
+    assert 6 * fresh_epochs <= big["all_reduce"] <= rounds + 2 * 2  # + the end-of-epoch rounds
+    # Stale-SB's store: every source batch's losses (or, in a stale epoch, none) are exchanged.
+    assert big["all_gather"] <= gathers_per_round * rounds
+    assert (big["all_gather"] > 0) == (gathers_per_round > 0)
+    assert set(big) <= {"all_reduce", "all_gather"}
+
+
 def test_a_destroyed_group_still_held_keeps_gloos_workers_and_is_reported(tmp_path):
     """The ranks above leave with launch.leave(end_process_group()): a destroyed group that
     something still holds (as torch does after DDP or fully_shard) keeps gloo's worker threads
