@@ -840,6 +840,20 @@ COLLECTIVES = (
 )
 
 
+def spy_on_collectives(monkeypatch) -> Counter:
+    """Count every call of torch.distributed's collectives (by name) until the test ends."""
+    calls: Counter = Counter()
+    for name in COLLECTIVES:
+        real = getattr(dist, name)
+
+        def spy(*args, _name=name, _real=real, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(dist, name, spy)
+    return calls
+
+
 def test_distributed_false_under_an_initialised_group_makes_no_collectives(tmp_path, monkeypatch):
     def run(**kw) -> list[list[int]]:
         loader = SelectiveLoader(
@@ -857,15 +871,7 @@ def test_distributed_false_under_an_initialised_group_makes_no_collectives(tmp_p
         return [b.indices.tolist() for _ in range(2) for b in loader]
 
     alone = run()
-    calls: Counter = Counter()
-    for name in COLLECTIVES:
-        real = getattr(dist, name)
-
-        def spy(*args, _name=name, _real=real, **kwargs):
-            calls[_name] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(dist, name, spy)
+    calls = spy_on_collectives(monkeypatch)
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
@@ -889,15 +895,7 @@ def test_collectives_are_a_fixed_few_per_source_batch_never_per_yielded_batch(
     and with a per-example store three all_gathers per source batch (sizes, losses, indices);
     none per yielded batch: halving the training batch doubles the batches and leaves the
     collectives as they were."""
-    calls: Counter = Counter()
-    for name in COLLECTIVES:
-        real = getattr(dist, name)
-
-        def spy(*args, _name=name, _real=real, **kwargs):
-            calls[_name] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(dist, name, spy)
+    calls = spy_on_collectives(monkeypatch)
 
     def run(batch_size: int) -> tuple[Counter, int, int]:
         calls.clear()
