@@ -543,13 +543,15 @@ class EpochIterator:
 
     def _remainder_step(self) -> None:
         # NOTE: on several ranks a rank may hold more than a batch here (the others select
-        # less); "short" then yields one batch of at most batch_size on every rank or on none,
-        # and drops the rest, so that batch counts stay equal.
+        # less); "short" then yields one batch on every rank or on none, and drops the rest, so
+        # that batch counts stay equal. The batch has the same size on every rank (the fewest
+        # any rank holds, up to batch_size): DDP averages each rank's mean loss, which is the
+        # mean over the step's examples only when every rank's batch is as large.
         loader = self._loader
         pending = len(loader._pending)
         if loader.remainder == "short":
-            if self._agree(int(pending >= loader.min_batch_size), active=False):
-                self._short = min(pending, loader.batch_size)
+            mine = min(pending, loader.batch_size) if pending >= loader.min_batch_size else 0
+            self._short = self._agree(mine, active=False)
         self._phase = _Phase.FINISH
 
     def _finish(self) -> None:

@@ -240,7 +240,8 @@ class SelectiveLoader:
         distributed: keep the ranks of a DDP job in step (see :mod:`sbloader.distributed`):
             every rank yields the same number of batches per epoch whatever its selections,
             and the end-of-epoch remainder is handled alike on every rank (``"short"``: one
-            batch of at most ``batch_size`` on every rank or on none). Default None: on when
+            batch on every rank or on none, of the same size on every rank, the fewest any rank
+            holds, up to ``batch_size``). Default None: on when
             ``torch.distributed`` is initialised with more than one rank (build the loader
             after ``init_process_group``).
         process_group: the process group for the loader's collectives. Default: the world.
