@@ -138,15 +138,15 @@ def main() -> None:
     )
     dataset = ArrayDataset(x_train, y_train)
     sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)
+    source = DataLoader(
+        dataset,
+        batch_size=bs if args.strategy == "traditional" else sel_bs,
+        sampler=sampler,
+        collate_fn=ArrayDataset.collate,
+    )
     if args.strategy == "traditional":
-        source = DataLoader(
-            dataset, batch_size=bs, sampler=sampler, collate_fn=ArrayDataset.collate
-        )
         policy: sbloader.Policy = sbloader.Traditional()
     else:
-        source = DataLoader(
-            dataset, batch_size=sel_bs, sampler=sampler, collate_fn=ArrayDataset.collate
-        )
         policy = sbloader.SelectiveBackprop(selectivity=args.selectivity, history=1024)
         if args.warmup_epochs:  # as in examples/train_fashion_mnist.py: see its docstring
             policy = sbloader.Phased(

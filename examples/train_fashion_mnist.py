@@ -58,30 +58,20 @@ def train(strategy: str, args: argparse.Namespace, data) -> list[dict]:
     gen = torch.Generator().manual_seed(args.seed)
     # ArrayDataset.collate: the gathered tensors are the batch (not split into rows and stacked
     # again by the default collate function: 4x faster here, the same batches).
-    collate = ArrayDataset.collate
+    # Selective strategies get candidates in source batches of selection_batch_size: one
+    # selection forward each.
+    source = DataLoader(
+        dataset,
+        batch_size=args.batch_size if strategy == "traditional" else args.selection_batch_size,
+        shuffle=True,
+        generator=gen,
+        collate_fn=ArrayDataset.collate,
+    )
     if strategy == "traditional":
-        source = DataLoader(
-            dataset, batch_size=args.batch_size, shuffle=True, generator=gen, collate_fn=collate
-        )
         policy: sbloader.Policy | None = sbloader.Traditional()
     elif strategy == "recipe":
-        source = DataLoader(
-            dataset,
-            batch_size=args.selection_batch_size,
-            shuffle=True,
-            generator=gen,
-            collate_fn=collate,
-        )
         policy = None  # sbloader's default
     else:
-        # Candidates come in source batches of selection_batch_size: one selection forward each.
-        source = DataLoader(
-            dataset,
-            batch_size=args.selection_batch_size,
-            shuffle=True,
-            generator=gen,
-            collate_fn=collate,
-        )
         policy = sbloader.SelectiveBackprop(selectivity=args.selectivity, history=1024)
         if args.warmup_epochs:
             policy = sbloader.Phased(

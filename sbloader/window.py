@@ -188,10 +188,7 @@ class LossWindow:
     def rank(self, losses: np.ndarray, beta: float, cut: float = 1.0) -> np.ndarray:
         """``CDF(loss) ** beta`` without changing the window (each loss ranked as if added; with
         ``cut`` < 1 as :meth:`push_and_rank`)."""
-        losses = np.ascontiguousarray(losses, dtype=np.float64).reshape(-1)
-        out = np.empty(losses.shape[0], dtype=np.float64)
-        _kernels.cdf_power(self._sorted, len(self), losses, float(beta), out, float(cut))
-        return out
+        return rank_against(self._sorted[: len(self)], losses, beta, cut)
 
     def push(self, losses: np.ndarray) -> None:
         """Add the finite losses, in order, without ranking them."""
