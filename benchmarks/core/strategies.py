@@ -288,6 +288,7 @@ def _build_registry() -> dict[str, Strategy]:
     entries += [int8(stale_sb(3, "rwarmup", feedback=True))]
     entries += [int8(recipe(True)), int8(recipe(True, anneal=True))]
     entries += [int8(recipe(True, anneal=True, selectivity=s)) for s in (0.4, 0.5)]
+    entries += [int8(recipe(True, selectivity=s)) for s in (0.4, 0.5)]
     entries += [
         int8(recipe(True, anneal=True, selectivity=s, anneal_share=0.25)) for s in (1 / 3, 0.5)
     ]
