@@ -7,6 +7,7 @@ The loader holds configuration and cross-epoch state; an :class:`~sbloader.epoch
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import warnings
@@ -504,6 +505,7 @@ class SelectiveLoader:
         if subset is not None and not self._source.has_indices():
             raise indices_needed("subset=")
         self._subset = None if subset is None else subset_mask(subset, self._source.dataset_size)
+        self._subset_digest = None if self._subset is None else _digest(self._subset)
         codec_input_key, call = input_fields(input_key, forward)
         selection_forward = SelectionForward(
             compile=compile_selection,
@@ -1054,13 +1056,24 @@ class SelectiveLoader:
 
     # ------------------------------------------------------------------ state
     def _identity(self) -> dict[str, Any]:
-        """What a saved state must agree with to belong to this loader."""
+        """What a saved state must agree with to belong to this loader.
+
+        NOTE: a mid-epoch state records its position as source batches consumed, so the
+        source's batch size and epoch length and the ``subset`` are part of it: resumed with
+        another, the epoch would silently skip or repeat examples. (Keys added later are absent
+        from older states, which are then not checked for them.)
+        """
         return {
             "seed": self.seed,
             "rank": self.rank,
             "world_size": self.world_size,
             "policy": self.policy.kind(),
+            "policy_settings": self.policy.settings(),
             "dataset_size": self._source.dataset_size,
+            "source_batch_size": self._source.batch_size,
+            "epoch_size": self._source.epoch_size,
+            "subset": self._subset_digest,
+            "batch_size": self.batch_size,
             "batches_per_epoch": self.batches_per_epoch,
             "decisions": self.decisions,
         }
@@ -1070,8 +1083,7 @@ class SelectiveLoader:
 
         Tensors are CPU tensors and everything else plain Python, so the state loads with
         ``torch.load(..., weights_only=True)``. Restore with :meth:`load_state_dict` on a loader
-        built with the same arguments (checked: seed, rank, world size, policy kind, dataset
-        size).
+        built with the same arguments (checked: see :meth:`load_state_dict`).
 
         Args:
             unconsumed: 1 when the caller has fetched the last batch handed out but not trained
@@ -1139,8 +1151,12 @@ class SelectiveLoader:
         """Restore a state saved by :meth:`state_dict` (at an epoch boundary or mid-epoch).
 
         Refuses (``ValueError`` naming the field and both values) a state saved by a loader
-        with another seed, rank, world size, policy kind or dataset size; migrates a version-1
-        state. The next ``iter(loader)`` continues a restored unfinished epoch.
+        with another seed, rank, world size, policy (kind or settings, such as a selectivity),
+        dataset size, source batch size or epoch length, ``subset``, ``batch_size`` or
+        ``batches_per_epoch``; migrates a version-1 state. A refused state changes nothing:
+        the loader is as it was (a running epoch is closed, and the next ``iter(loader)``
+        resumes it where it stopped). The next ``iter(loader)`` continues a restored unfinished
+        epoch.
         """
         state = check_version(state, "SelectiveLoader", self.STATE_VERSION, {1: self._from_v1})
         saved_rank = state[K_IDENTITY].get("rank", self.rank)
@@ -1155,12 +1171,9 @@ class SelectiveLoader:
             "SelectiveLoader",
             state[K_IDENTITY],
             self._identity(),
-            "build the loader with the saved run's arguments (seed=, policy=, the same data "
-            "and world size) to resume it",
+            "build the loader with the saved run's arguments (seed=, policy=, batch_size=, "
+            "subset=, the same data, source batch size and world size) to resume it",
         )
-        self._scorer.adopt_quantized(state[K_SCORER])
-        self._adopt_autocast(state.get(K_AUTOCAST, self.autocast))
-        active, position = bool(state[K_ACTIVE]), int(state[K_POSITION])
         training = state.get(K_TRAINING)
         if self._fixed is not None and training is None:
             raise ValueError(
@@ -1168,12 +1181,33 @@ class SelectiveLoader:
                 f"{self._fixed.count} (it was saved without batches_per_epoch); build the loader "
                 "with the saved run's arguments to resume it"
             )
-        self._source.load_state_dict(state[K_SOURCE], mid_epoch=active and position > 0)
-        self._source_state = state[K_SOURCE]
+        # NOTE: all or nothing. The policy's, codec's and scorer's own checks (a window size,
+        # a beta) run part-way through restoring; a state refused there must not leave the
+        # loader half restored (its epoch, generators and position taken from the refused
+        # state), or a caller that starts afresh after a refusal would silently continue the
+        # refused run. So the loader's own state is taken first and put back on any failure.
+        backup = self.state_dict()
+        try:
+            self._restore(state)
+        except BaseException:
+            self._restore(backup)
+            raise
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """Set the loader to ``state`` (checked by :meth:`load_state_dict`'s caller part)."""
+        active, position = bool(state[K_ACTIVE]), int(state[K_POSITION])
+        training = state.get(K_TRAINING)
+        # NOTE: the running epoch is stopped before the source's generators are restored: its
+        # prefetch thread may still fetch (and, past the end of the data, draw a new order from
+        # the generators) until it is stopped.
         live = self._live_iterator()
         if live is not None:
             live.close()
         self._live = None
+        self._scorer.adopt_quantized(state[K_SCORER])
+        self._adopt_autocast(state.get(K_AUTOCAST, self.autocast))
+        self._source.load_state_dict(state[K_SOURCE], mid_epoch=active and position > 0)
+        self._source_state = state[K_SOURCE]
         self.epoch = int(state[K_EPOCH])
         self._unfinished = (position, True) if active else None
         self._rng.bit_generator.state = state[K_RNG]
@@ -1220,3 +1254,10 @@ class SelectiveLoader:
             f"SelectiveLoader(policy={self.policy!r}, batch_size={self.batch_size}, "
             f"remainder={self.remainder!r}, seed={self.seed})"
         )
+
+
+def _digest(mask: np.ndarray) -> str:
+    """A short fingerprint of a ``subset`` mask (how many it keeps, and a hash of which)."""
+    bits = np.packbits(np.asarray(mask, dtype=bool))
+    digest = hashlib.blake2b(bits.tobytes(), digest_size=8).hexdigest()
+    return f"{int(np.count_nonzero(mask))}:{digest}"

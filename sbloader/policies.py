@@ -123,6 +123,12 @@ class Policy(abc.ABC):
         """What kind of policy this is, for checking that a saved state belongs to it."""
         return type(self).__name__
 
+    def settings(self) -> str:
+        """The settings a saved state must agree with besides :meth:`kind` (a state saved with
+        another selectivity is refused on loading), or "" where :meth:`kind` or the policy's own
+        state already checks them (the default)."""
+        return ""
+
     def attach(self, num_examples: int | None, key: int) -> None:  # noqa: B027 - optional hook
         """Called once by the loader: the dataset size (None if unknown) and a per-loader integer
         key for counter-based randomness (see :meth:`prefilter`)."""
@@ -765,6 +771,9 @@ class RandomBackprop(Policy):
     def choose(self, losses, indices, rng, n):
         return Choice.bernoulli(np.full(check_int("n", n, minimum=0), self.selectivity), rng)
 
+    def settings(self) -> str:
+        return f"selectivity={self.selectivity!r}"
+
     def __repr__(self) -> str:
         return f"RandomBackprop(selectivity={self.selectivity:g})"
 
@@ -822,6 +831,12 @@ class Kath18(Policy):
     @property
     def target_rate(self) -> float:
         return self.selectivity
+
+    def settings(self) -> str:
+        return (
+            f"selectivity={self.selectivity!r}, tau_threshold={self.tau_threshold!r}, "
+            f"momentum={self.momentum!r}, unbiased={self.unbiased}"
+        )
 
     def threshold(self, pool: int, b: int) -> float:
         """tau_th for a pool of ``pool`` candidates from which ``b`` are drawn."""
@@ -964,6 +979,14 @@ class Phased(Policy):
 
     def kind(self) -> str:
         return f"Phased({self.policy.kind()}, warmup_policy={self.warmup_policy.kind()})"
+
+    def settings(self) -> str:
+        # NOTE: anneal_from_epoch is left out: a resumed run may be planned longer or shorter
+        # than it was (default_policy(epochs=) of another length), which moves the anneal.
+        return (
+            f"warmup_epochs={self.warmup_epochs}; policy: {self.policy.settings()}; "
+            f"warmup_policy: {self.warmup_policy.settings()}"
+        )
 
     @property
     def target_rate(self) -> float:

@@ -64,7 +64,10 @@ class Prefetcher(Generic[T]):
         try:
             it = make_iter()
             for item in it:
-                if not self._put((_ITEM, item, self._tally())):
+                # NOTE: a put that close() made room for (by draining the queue) must not lead to
+                # another fetch: past the end of the data a DataLoader would draw the next
+                # epoch's order from generators the caller may be restoring.
+                if not self._put((_ITEM, item, self._tally())) or self._stop.is_set():
                     return
             self._put((_END, None, self._tally()))
         except BaseException as e:  # handed to the caller, re-raised there
@@ -92,7 +95,8 @@ class Prefetcher(Generic[T]):
     last_tally: Any = 0
 
     def close(self) -> None:
-        """Stop the producer (it finishes the item it is fetching) and wait for it."""
+        """Stop the producer (it finishes the item it is fetching, and fetches no other) and
+        wait for it."""
         self._stop.set()
         while self._thread.is_alive():
             try:

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from sbloader import (
     EpochIterator,
+    Kath18,
     Phased,
     RandomBackprop,
     SelectiveBackprop,
@@ -30,13 +31,15 @@ from sbloader.rows import PendingRows, Rows, metadata_rows
 CPU = torch.device("cpu")
 
 
-def make(n=120, policy=None, seed=0, model=None, **kw):
-    dl = DataLoader(EncodedDataset(n), batch_size=30, generator=torch.Generator().manual_seed(1))
+def make(n=120, policy=None, seed=0, model=None, source_batch=30, batch_size=10, **kw):
+    dl = DataLoader(
+        EncodedDataset(n), batch_size=source_batch, generator=torch.Generator().manual_seed(1)
+    )
     return SelectiveLoader(
         dl,
         model or IndexLoss(),
         policy=policy or SelectiveBackprop(0.5),
-        batch_size=10,
+        batch_size=batch_size,
         seed=seed,
         **kw,
     )
@@ -138,6 +141,19 @@ def test_close_is_idempotent_and_an_error_closes_the_iterator():
             "policy",
         ),
         ({"n": 120}, {"n": 150}, "dataset_size"),
+        # A mid-epoch position counts source batches: resumed with another source batch size,
+        # epoch length or subset, the epoch would skip or repeat examples.
+        ({"source_batch": 30}, {"source_batch": 40}, "source_batch_size"),
+        ({"batch_size": 10}, {"batch_size": 5}, "batch_size"),
+        ({"subset": list(range(0, 120, 2))}, {}, "subset"),
+        ({"subset": list(range(0, 120, 2))}, {"subset": list(range(1, 120, 2))}, "subset"),
+        ({"policy": RandomBackprop(0.5)}, {"policy": RandomBackprop(0.25)}, "policy_settings"),
+        ({"policy": Kath18(0.5)}, {"policy": Kath18(0.25)}, "policy_settings"),
+        (
+            {"policy": Phased(RandomBackprop(0.5), warmup_epochs=1)},
+            {"policy": Phased(RandomBackprop(0.5), warmup_epochs=2)},
+            "policy_settings",
+        ),
     ],
 )
 def test_a_state_of_another_run_is_refused_naming_the_field_and_both_values(
@@ -152,6 +168,77 @@ def test_a_state_of_another_run_is_refused_naming_the_field_and_both_values(
     with pytest.raises(ValueError, match=f"has {field}=.*but this SelectiveLoader has {field}="):
         other.load_state_dict(state)
     assert other.state_dict()["epoch"] == before["epoch"] and other.epoch == 0  # nothing loaded
+
+
+def test_a_longer_planned_run_still_resumes():
+    """The anneal's start is not part of the identity: a run may be resumed planned longer."""
+    saved = make(policy=Phased(RandomBackprop(0.5), warmup_epochs=1, anneal_from_epoch=3))
+    list(saved)
+    state = saved.state_dict()
+    longer = make(policy=Phased(RandomBackprop(0.5), warmup_epochs=1, anneal_from_epoch=9))
+    longer.load_state_dict(state)
+    assert longer.epoch == 1
+
+
+def test_a_state_refused_part_way_through_restoring_changes_nothing():
+    """The policy's own check (its beta) runs after the loader's epoch, generators and position
+    are restored: the loader must come back as it was, so that starting afresh after the
+    refusal starts afresh, and a running epoch goes on where it was."""
+    saved = make(policy=SelectiveBackprop(beta=3.0))
+    list(saved)
+    list(saved)
+    it = iter(saved)
+    next(it)
+    next(it)
+    state = saved.state_dict()  # epoch 2, mid-epoch
+
+    fresh = make(policy=SelectiveBackprop(beta=2.0))
+    before = fresh.state_dict()
+    with pytest.raises(ValueError, match=r"beta=3\.0, but this policy has beta=2\.0"):
+        fresh.load_state_dict(state)
+    assert fresh.epoch == 0 and fresh.state_dict()["position"] == before["position"] == 0
+    assert epoch_indices(fresh) == epoch_indices(make(policy=SelectiveBackprop(beta=2.0)))
+
+    # Refused while an epoch is running: it resumes where it stopped, as if nothing happened.
+    whole = make(policy=SelectiveBackprop(beta=2.0))
+    expected = epoch_indices(whole)
+    running = make(policy=SelectiveBackprop(beta=2.0))
+    it = iter(running)
+    head = [next(it).indices.tolist() for _ in range(3)]
+    with pytest.raises(ValueError, match="beta="):
+        running.load_state_dict(state)
+    assert head + epoch_indices(running) == expected
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_rolling_back_a_running_loader_replays_the_saved_epoch(prefetch):
+    """Loading an epoch-boundary state into a loader whose next epoch is running (a rollback
+    after a NaN loss): the replayed epoch is the one that followed the save. The running epoch's
+    prefetch thread must stop before the source's generators are restored, or its fetch past
+    the end of the data draws a new order from them."""
+
+    def build():
+        dl = DataLoader(
+            EncodedDataset(120),
+            batch_size=30,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(1),
+        )
+        return SelectiveLoader(
+            dl, IndexLoss(), policy=SelectiveBackprop(1 / 3), batch_size=4, prefetch=prefetch
+        )
+
+    for k in range(1, 9):
+        loader = build()
+        list(loader)
+        state = loader.state_dict()
+        want = epoch_indices(loader)
+        it = iter(loader)
+        for _ in range(min(k, 7)):
+            if next(it, None) is None:
+                break
+        loader.load_state_dict(state)
+        assert epoch_indices(loader) == want, f"rolled back after {k} batches"
 
 
 def test_the_identity_includes_the_world_size():

@@ -170,3 +170,25 @@ def test_prefetcher_hands_over_errors_in_order_and_closes_its_iterator():
         p.next()
     p.close()
     assert closed == ["sbloader-prefetch"]  # closed by the thread that ran it
+
+
+def test_closing_the_prefetcher_fetches_nothing_more():
+    """close() makes room in the queue for the item the producer is waiting to put; it must
+    not then fetch another (past the end of the data a DataLoader would draw its next order from
+    generators the caller may be restoring)."""
+    produced = []
+
+    def items():
+        for i in range(100):
+            produced.append(i)
+            yield i
+
+    p = Prefetcher(items, depth=1, tally=lambda: 0)
+    assert p.next()[0] == 0
+    deadline = time.monotonic() + 10
+    while len(produced) < 3 and time.monotonic() < deadline:  # 1 queued, 2 waiting to be put
+        time.sleep(0.01)
+    time.sleep(0.1)  # the producer is blocked putting item 2
+    assert produced == [0, 1, 2]
+    p.close()
+    assert produced == [0, 1, 2]
