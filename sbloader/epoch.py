@@ -335,21 +335,30 @@ class EpochIterator:
         if self._passthrough:
             stats.count_classes(targets, None)
             inputs = data[loader._codec.input_position]
-            rows = metadata_rows(
-                data,
-                None,
-                None,
-                indices,
-                n,
-                device,
-                features=scorer.features(inputs, None, None, indices, self.epoch, stats),
-                logits=scorer.logits(None, None, n, device),
-            )
+            features = scorer.features(inputs, None, None, indices, self.epoch, stats)
+            logits = scorer.logits(None, None, n, device)
             stats.examples_selected += n
-            if self._agree(int(n >= loader.min_batch_size)):
-                self._direct = rows
-            else:
-                stats.dropped += n
+            # The source's batch is a training batch: handed out as it is (the fast path).
+            # NOTE: a source batch of another size (a source batched otherwise, rows left out by
+            # ``subset``, or its short last batch) is re-batched, and what is left when the pass
+            # ends is handed out as one short batch (see _remainder_step), as the source's own
+            # last batch would be: every example once per pass, in order, in batches of
+            # batch_size. Rows kept for a later batch are copies (FFCV reuses its buffers).
+            # One agreement either way: the ranks make the same collectives.
+            direct = n == loader.batch_size and not len(loader._pending)
+            if direct and self._agree(1):
+                self._direct = metadata_rows(
+                    data, None, None, indices, n, device, features=features, logits=logits
+                )
+                return
+            copied = _gather(data, np.arange(n, dtype=np.int64), device)
+            loader._pending.add(
+                metadata_rows(
+                    copied, None, None, indices, n, device, features=features, logits=logits
+                )
+            )
+            if not direct:  # (a direct batch another rank had no batch for waits for the next)
+                self._owed = self._agree(loader._pending.full_batches(loader.batch_size))
             return
         t0 = perf_counter()
         scored = None
@@ -549,7 +558,7 @@ class EpochIterator:
         # mean over the step's examples only when every rank's batch is as large.
         loader = self._loader
         pending = len(loader._pending)
-        if loader.remainder == "short":
+        if loader.remainder == "short" or self._passthrough:
             mine = min(pending, loader.batch_size) if pending >= loader.min_batch_size else 0
             self._short = self._agree(mine, active=False)
         self._phase = _Phase.FINISH
@@ -557,7 +566,7 @@ class EpochIterator:
     def _finish(self) -> None:
         loader, stats = self._loader, self.stats
         assert stats is not None
-        if loader.remainder != "carry":
+        if loader.remainder != "carry" or self._passthrough:
             stats.dropped += loader._pending.clear()
         self._phase = _Phase.DONE
         self._stop_fetch()

@@ -123,6 +123,9 @@ class SelectiveLoader:
             ``SelectiveBackprop(1 / 3)``.
         seed: seeds the loader's own generator (the only randomness it uses).
         batch_size: examples per yielded training batch. Default: the source's batch size.
+            Under every policy, Traditional's included: a passthrough policy hands out the
+            source's batches as they are when they have this size, and re-batches them (every
+            example once per pass, in order, the rest as one short last batch) when not.
         selection_batch_size: examples per selection forward (chunks of a source batch). Default:
             the whole source batch in one forward. A source batch larger than the training batch
             makes selection cheaper per example.
@@ -131,6 +134,8 @@ class SelectiveLoader:
             batch; ``"short"`` yields them as a short batch; ``"drop"`` drops them (counted in
             ``stats``). With ``batches_per_epoch`` this applies at the end of each pass over the
             data; ``"short"`` is then refused (a short batch would fall inside a training epoch).
+            A passthrough policy (Traditional) always yields a pass's rest as a short batch, as
+            the source's own last batch would be.
         batches_per_epoch: fix the number of training batches per epoch, so that ``len(loader)``
             is exact (``OneCycleLR(steps_per_epoch=len(loader))``, ``tqdm(loader)``,
             Lightning's ``estimated_stepping_batches``): an int, or ``"expected"``, the expected
@@ -346,9 +351,11 @@ class SelectiveLoader:
     training epoch of ``len(loader)`` batches.
 
     ``len(loader)`` is ``batches_per_epoch`` when given. Without it, it is exact for passthrough
-    policies (Traditional) and raises ``TypeError`` for selective ones, whose batch count per
-    epoch is random: pass ``batches_per_epoch=``, use :meth:`expected_batches`, or schedule by
-    :attr:`progress` instead.
+    policies (Traditional: the pass's examples, within ``subset``, in batches of ``batch_size``
+    and a short last one; a ``subset`` of a rank's share of the data raises ``TypeError``) and
+    raises ``TypeError`` for selective ones, whose batch count per epoch is random: pass
+    ``batches_per_epoch=``, use :meth:`expected_batches`, or schedule by :attr:`progress`
+    instead.
 
     Example:
         >>> import torch
@@ -909,13 +916,41 @@ class SelectiveLoader:
         return self._pass_length()
 
     def _pass_length(self) -> int:
-        """The exact number of batches of a pass of a passthrough policy (the source's)."""
-        n = len(self._source)
-        size, bs = self._source.epoch_size, self._source.batch_size
-        if size is not None and bs and not self._source.drop_last():
-            if 0 < size % bs < self.min_batch_size:
-                n -= 1  # the source's last batch is too small and will be dropped
-        return n
+        """The exact number of batches of a pass of a passthrough policy: the pass's examples in
+        batches of ``batch_size``, and a last short batch of the rest when it has at least
+        ``min_batch_size`` examples (as the iterator hands them out).
+
+        Raises:
+            TypeError: the pass's number of examples is not known exactly (the message names the
+                fix).
+        """
+        examples = self._pass_examples()
+        full, rest = divmod(examples, self.batch_size)
+        return full + int(rest >= self.min_batch_size)
+
+    def _pass_examples(self) -> int:
+        """The examples of one pass over the source on this process, exactly."""
+        source = self._source
+        size, bs = source.epoch_size, source.batch_size
+        if self._subset is not None:
+            # NOTE: exact only where this process's pass covers the whole dataset: under a
+            # DistributedSampler the subset's share of a rank changes from epoch to epoch.
+            if source.drop_last() or size is None or size != source.dataset_size:
+                raise TypeError(
+                    "the number of batches of a pass is not fixed with subset= and a source that "
+                    "does not pass over the whole dataset on this process (a DistributedSampler, "
+                    'or drop_last); pass batches_per_epoch="expected" (or an int) for epochs of '
+                    "a fixed number of batches, or schedule by loader.progress"
+                )
+            return int(np.count_nonzero(self._subset))
+        if bs and (source.drop_last() or size is None):
+            return len(source) * bs  # the source's batches are all full
+        if size is None:
+            raise TypeError(
+                "the number of examples per pass of this source is unknown; pass dataset_size= "
+                "(the number of examples), or batches_per_epoch= an int"
+            )
+        return size
 
     def __iter__(self) -> EpochIterator | FixedEpochIterator:
         if self._fixed is not None:

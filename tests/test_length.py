@@ -74,8 +74,8 @@ def stream(loader: SelectiveLoader, n_batches: int) -> list[list[int]]:
 def test_len_is_the_number_of_batches_of_every_epoch(policy, seed, per_epoch):
     loader = make(policy, seed, per_epoch=per_epoch)
     k = len(loader)
-    if per_epoch == "expected":  # Traditional: the source's 6 batches; else rounded
-        per_pass = 6 if policy == "traditional" else 120 * loader.policy.steady_rate / 8
+    if per_epoch == "expected":  # Traditional: 120 examples in batches of 8; else rounded
+        per_pass = 15 if policy == "traditional" else 120 * loader.policy.steady_rate / 8
         assert k == round(per_pass)
     else:
         assert k == per_epoch
@@ -463,3 +463,72 @@ def test_finishing_is_true_exactly_at_each_training_epochs_last_batch(per_epoch)
         for _batch in it:
             flags.append(it.finishing())
         assert flags == [False] * (len(loader) - 1) + [True]
+
+
+# ---------------------------------------------------------------------- Traditional's batches
+def traditional(n=1000, bs=64, batch_size=16, **kw) -> SelectiveLoader:
+    return SelectiveLoader(
+        source(n, bs=bs), IndexLoss(), policy=Traditional(), batch_size=batch_size, **kw
+    )
+
+
+@pytest.mark.parametrize(
+    ("bs", "batch_size", "sizes"),
+    [
+        (64, 16, [16] * 62 + [8]),  # each source batch split in four; the last one's 40 rest
+        (30, 64, [64] * 15 + [40]),  # source batches joined
+        (20, 20, [20] * 50),  # the source's own batches
+        (64, 64, [64] * 15 + [40]),  # ... with its short last batch
+    ],
+)
+def test_traditional_yields_batches_of_batch_size_and_len_counts_them(bs, batch_size, sizes):
+    """``batch_size`` is the training batch for every policy, Traditional's included: source
+    batches of another size are re-batched (every example once per pass, in the source's order,
+    the rest as one short last batch), and ``len`` is exact."""
+    loader = traditional(bs=bs, batch_size=batch_size)
+    twin = source(1000, bs=bs)  # the same shuffled order
+    for _ in range(2):
+        order = [int(i) for x, _ in twin for i in x[:, 0].tolist()]
+        batches = list(loader)
+        assert [len(b.indices) for b in batches] == sizes and len(loader) == len(sizes)
+        assert [i for b in batches for i in b.indices.tolist()] == order
+        for b in batches:  # data paired with its indices
+            assert torch.equal(b[0][:, 0].long(), b.indices)
+
+
+def test_traditional_with_a_subset_counts_the_subset_exactly():
+    keep = list(range(0, 1000, 3))  # 334 examples
+    loader = traditional(subset=keep)
+    batches = list(loader)
+    assert [len(b.indices) for b in batches] == [16] * 20 + [14]
+    assert len(loader) == 21 and sorted(i for b in batches for i in b.indices.tolist()) == keep
+
+
+def test_traditional_len_with_a_subset_of_a_ranks_share_names_the_fix():
+    from torch.utils.data import DistributedSampler
+
+    dl = DataLoader(
+        EncodedDataset(100),
+        batch_size=10,
+        sampler=DistributedSampler(EncodedDataset(100), num_replicas=2, rank=0, seed=0),
+    )
+    loader = SelectiveLoader(dl, IndexLoss(), policy=Traditional(), subset=list(range(50)))
+    with pytest.raises(TypeError, match='batches_per_epoch="expected"'):
+        len(loader)
+
+
+@pytest.mark.parametrize("stop", [1, 5, 31, 62])
+def test_traditional_rebatched_resumes_exactly(stop):
+    first = traditional()
+    list(first)
+    it = iter(first)
+    head = [next(it).indices.tolist() for _ in range(stop)]
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = traditional()
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    rest = [b.indices.tolist() for b in resumed]
+    reference = traditional()
+    list(reference)
+    assert head + rest == [b.indices.tolist() for b in reference]
