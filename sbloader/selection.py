@@ -411,6 +411,18 @@ def selection_outputs(
                 ) from e
             if not isinstance(out, torch.Tensor) or out.shape != (m,):
                 shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                if isinstance(out, torch.Tensor) and out.dim() > 1 and out.shape[0] == m:
+                    # Already unreduced, but per token or per output: reducing over the
+                    # batch is not the fix, reducing over the other dimensions is.
+                    raise ValueError(
+                        f"loss_fn should return one loss per example (shape ({m},)), but "
+                        f"returned {shape}, with dimensions besides the examples'; reduce it "
+                        "over every dimension but the first, e.g. for token losses with "
+                        "ignore_index=-100: loss_fn=lambda out, y: "
+                        "F.cross_entropy(out.transpose(1, 2), y, reduction='none').sum(1) / "
+                        "(y != -100).sum(1).clamp(min=1); for (batch, 1) regression outputs: "
+                        "lambda out, y: F.mse_loss(out, y, reduction='none').flatten(1).mean(1)"
+                    )
                 raise ValueError(
                     f"loss_fn should return one loss per example (shape ({m},)), but "
                     f"returned {shape}; pass reduction='none', e.g. "

@@ -407,18 +407,30 @@ def test_nan_and_infinite_losses_never_reach_window_or_store(mode):
 
 
 @pytest.mark.parametrize(
-    "loss_fn, shape",
+    "loss_fn, shape, fix",
     [
-        (lambda out, y: nn.functional.cross_entropy(out, y), r"\(\)"),
-        (lambda out, y: nn.functional.cross_entropy(out, y, reduction="none")[:, None], "1"),
-        (lambda out, y: float(nn.functional.cross_entropy(out, y)), "float"),
+        (lambda out, y: nn.functional.cross_entropy(out, y), r"\(\)", "reduction='none'"),
+        (lambda out, y: float(nn.functional.cross_entropy(out, y)), "float", "reduction='none'"),
+        # Unreduced already, but per output (or per token): the fix is to reduce the rest.
+        (
+            lambda out, y: nn.functional.cross_entropy(out, y, reduction="none")[:, None],
+            r"\(\d+, 1\)",
+            "reduce it over every dimension but the first",
+        ),
+        (
+            lambda out, y: nn.functional.cross_entropy(out, y, reduction="none")[:, None].expand(
+                -1, 7
+            ),
+            r"\(\d+, 7\)",
+            "reduce it over every dimension but the first.*ignore_index",
+        ),
     ],
 )
-def test_loss_fn_without_one_loss_per_example_names_the_fix(loss_fn, shape):
+def test_loss_fn_without_one_loss_per_example_names_the_fix(loss_fn, shape, fix):
     model = nn.Sequential(nn.Linear(6, N_CLASSES), nn.Dropout(0.1)).train()
     dl = DataLoader(EncodedDataset(40), batch_size=10)
     loader = SelectiveLoader(dl, model, loss_fn=loss_fn, batch_size=5)
-    with pytest.raises(ValueError, match=f"one loss per example.*{shape}.*reduction='none'"):
+    with pytest.raises(ValueError, match=f"one loss per example.*{shape}.*{fix}"):
         next(iter(loader))
     assert model.training and model[1].training
 
