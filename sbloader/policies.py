@@ -10,6 +10,7 @@ state protocol saves and restores.
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,10 @@ __all__ = [
     "Traditional",
     "default_policy",
 ]
+
+#: The share of the planned epochs that :func:`default_policy` anneals on all the data by default
+#: (InfoBatch's).
+ANNEAL_SHARE = 1 / 8
 
 #: What a stale epoch of :class:`SelectiveBackprop` ranks stored losses against (``stale_cdf``).
 STALE_CDFS = ("window", "store")
@@ -1081,7 +1086,7 @@ def default_policy(
     trim_top: float = 0.0,
     stale_cdf: str = "window",
     selectivity: float = 1 / 3,
-    anneal_share: float = 1 / 8,
+    anneal_share: float = ANNEAL_SHARE,
     drift_bound: float | None = 0.5,
 ) -> Policy:
     """The policy of ``SelectiveLoader(source, model)`` with no ``policy=``: the recipe that
@@ -1141,7 +1146,7 @@ def default_policy(
     )
     if epochs is not None:
         epochs = check_int("epochs", epochs, minimum=warmup + 1)
-        anneal = max(warmup, epochs - max(1, round(epochs * anneal_share)))
+        anneal = _anneal_from(epochs, anneal_share, warmup)
     return Phased(
         SelectiveBackprop(
             selectivity,
@@ -1158,3 +1163,61 @@ def default_policy(
         warmup_policy=RandomBackprop(selectivity),
         anneal_from_epoch=anneal,
     )
+
+
+def _anneal_from(epochs: int, anneal_share: float, warmup: int = 1) -> int:
+    """:func:`default_policy`'s first annealed epoch of ``epochs``: the last ``anneal_share`` of
+    them (rounded, at least one) anneal, none of the ``warmup`` epochs."""
+    return max(warmup, epochs - max(1, round(epochs * anneal_share)))
+
+
+def passes_within(
+    training_batches: float,
+    steady_batches: float,
+    full_batches: float,
+    anneal_share: float = ANNEAL_SHARE,
+) -> int | None:
+    """The most passes over the data ``P >= 2`` whose expected batches under
+    ``default_policy(epochs=P, anneal_share=anneal_share)`` fit within ``training_batches``;
+    None where not even two passes fit.
+
+    A plan of ``P`` passes anneals ``A`` of them (:func:`default_policy`'s last ``anneal_share``,
+    at least one), each expected to yield ``full_batches`` (all the data), and keeps the steady
+    rate in the other ``P - A`` (the warm-up's rate is the same), each expected to yield
+    ``steady_batches``: ``(P - A) * steady_batches + A * full_batches`` batches in all. This is
+    how ``SelectiveLoader(planned_epochs=E, batches_per_epoch=n)`` turns ``E`` training epochs of
+    ``n`` batches (``training_batches = E * n``) into the passes its default policy plans for.
+
+    Example:
+        >>> # 8 training epochs of "expected" batches (2048 examples at 1/3, batches of 64): 5
+        >>> # passes at 1/3 and one annealed pass, about 3 training epochs on its own.
+        >>> passes_within(8 * 11, 2048 / 3 / 64, 2048 / 64)
+        6
+        >>> passes_within(80 * 11, 2048 / 3 / 64, 2048 / 64)  # 8 of them annealed
+        66
+        >>> passes_within(3 * 11, 2048 / 3 / 64, 2048 / 64) is None  # one pass + an anneal: 43
+        True
+    """
+    steady = check_float("steady_batches", steady_batches, low=0.0, low_open=True)
+    full = check_float("full_batches", full_batches, low=0.0, low_open=True)
+    budget = float(training_batches)
+
+    def expected(passes: int) -> float:
+        annealed = passes - _anneal_from(passes, anneal_share)
+        return (passes - annealed) * steady + annealed * full
+
+    def fits(passes: int) -> bool:
+        return expected(passes) <= budget * (1 + 1e-9)
+
+    if not fits(2):
+        return None
+    # expected() grows with P (by steady or full batches a pass), and exceeds the budget by
+    # P = budget / min(steady, full) + 1: search in between.
+    low, high = 2, math.floor(budget / min(steady, full)) + 1
+    while high - low > 1:
+        mid = (low + high) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    return low
