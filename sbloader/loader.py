@@ -32,7 +32,7 @@ from .features import make_feature_cache
 from .feedback import FeedbackBuffer, check_range, checked
 from .length import FixedEpochIterator, FixedEpochs, check_batches_per_epoch
 from .overlap import AheadScores, SelectionCopy
-from .policies import Policy, default_policy
+from .policies import Policy, default_policy, passes_within
 from .precision import AUTO, check_autocast, selection_dtype
 from .quantize import QuantizedSelection, QuantizedSelector
 from .quantize import resolve as resolve_quantized
@@ -461,15 +461,23 @@ class SelectiveLoader:
                     f"{planned_epochs})), or leave policy out"
                 )
         self.planned_epochs = planned_epochs
+        # NOTE: with batches_per_epoch, planned_epochs counts training epochs of that many
+        # batches, whose passes over the data are known only once it is resolved (below): the
+        # default policy is built without them until then (its rates, by which "expected" is
+        # resolved, do not depend on them) and rebuilt for them by _plan_passes.
+        #: The passes over the data the default policy plans for (anneals the last eighth of):
+        #: ``planned_epochs``, or with ``batches_per_epoch`` the passes that many training epochs
+        #: are expected to make; None without ``planned_epochs``.
+        self.planned_passes: int | None = planned_epochs if batches_per_epoch is None else None
         self.policy: Policy = (
-            default_policy(store, epochs=planned_epochs) if policy is None else policy
+            default_policy(store, epochs=self.planned_passes) if policy is None else policy
         )
         if not isinstance(self.policy, Policy):
             raise TypeError(
                 "policy should be an sbloader policy such as sbloader.SelectiveBackprop(...), but "
                 f"got {type(self.policy).__name__}"
             )
-        if policy is None:
+        if policy is None and self.planned_passes == planned_epochs:  # else in _plan_passes
             logger.info(
                 "policy: %r (the default recipe, chosen for this source%s)",
                 self.policy,
@@ -610,6 +618,8 @@ class SelectiveLoader:
         # NOTE: resolved last: "expected" needs the source, batch size, subset and policy.
         if per_epoch == "expected":
             per_epoch = self._expected_count()
+        if policy is None and planned_epochs is not None and per_epoch is not None:
+            self._plan_passes(store, int(key), planned_epochs, int(per_epoch))
         self._fixed = None if per_epoch is None else FixedEpochs(int(per_epoch))
         #: Training batches per epoch (``len(loader)``), or None (one pass per epoch).
         self.batches_per_epoch: int | None = None if self._fixed is None else self._fixed.count
@@ -902,6 +912,52 @@ class SelectiveLoader:
                 "batch_size"
             )
         return count
+
+    def _plan_passes(self, store: bool, key: int, planned_epochs: int, per_epoch: int) -> None:
+        """``planned_epochs`` with ``batches_per_epoch`` and the default policy: rebuild that
+        policy for the passes over the data that ``planned_epochs`` training epochs of
+        ``per_epoch`` batches are expected to make (:func:`~sbloader.policies.passes_within`),
+        attached as the constructor attaches it."""
+        try:
+            steady = self._batches_at(self.policy.steady_rate)
+            full = self._batches_at(1.0)
+        except TypeError as e:
+            warnings.warn(
+                f"planned_epochs={planned_epochs} with batches_per_epoch={per_epoch} counts "
+                "training epochs, but the passes over the data they make cannot be estimated, "
+                f"so it is taken as {planned_epochs} passes (the last eighth of them annealed on "
+                f"all the data, which may fall after the run ends): {e}",
+                UserWarning,
+                stacklevel=3,
+            )
+            passes = planned_epochs
+        else:
+            fitted = passes_within(planned_epochs * per_epoch, steady, full)
+            passes = 2 if fitted is None else fitted
+            if fitted is None:
+                needed = math.ceil(((steady + full) / per_epoch) * (1 - 1e-9))
+                warnings.warn(
+                    f"planned_epochs={planned_epochs} training epochs of batches_per_epoch="
+                    f"{per_epoch} batches ({planned_epochs * per_epoch} in all) cannot complete "
+                    "the default policy's anneal (a pass over all the data, "
+                    f"{full:.3g} batches, after at least one selective pass of {steady:.3g}): it "
+                    "plans 2 passes, and the run ends before the annealed one does. Train for at "
+                    f"least planned_epochs={needed} epochs of that length, or pass a policy "
+                    "without annealing (e.g. policy=sbloader.default_policy())",
+                    UserWarning,
+                    stacklevel=3,
+                )
+        self.planned_passes = passes
+        self.policy = default_policy(store, epochs=passes)
+        self.policy.attach(self._source.dataset_size, key)
+        logger.info(
+            "policy: %r (the default recipe, chosen for this source and %d planned epochs of "
+            "%d batches: %d passes over the data)",
+            self.policy,
+            planned_epochs,
+            per_epoch,
+            passes,
+        )
 
     def __len__(self) -> int:
         if self._fixed is not None:
