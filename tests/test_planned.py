@@ -118,3 +118,63 @@ def test_the_pure_count_matches_the_plan_it_fits():
                 if (p - annealed) * steady + annealed * full <= budget:
                     fits.append(p)
             assert passes_within(budget, steady, full) == (max(fits) if fits else None)
+
+
+def test_lightning_max_epochs_anneal_with_the_expected_length():
+    """selective_loader passes the Trainer's max_epochs: with batches_per_epoch="expected", 8
+    Lightning epochs of 7 batches (512 examples, batches of 24) plan 5 passes, and the last
+    training epochs train on the annealed pass, which ends within the run."""
+    pl = pytest.importorskip("lightning.pytorch")
+    lightning_sb = pytest.importorskip("sbloader.integrations.lightning")
+    from torch import nn
+
+    n = 512
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+            self.trained: list[list[int]] = []
+
+        def forward(self, x):
+            return self.net(x)
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(1)
+            source = DataLoader(EncodedDataset(n), batch_size=64, shuffle=True, generator=g)
+            return lightning_sb.selective_loader(
+                self, source, batch_size=24, seed=0, batches_per_epoch="expected"
+            )
+
+        def training_step(self, batch, batch_idx):
+            x, y, sb = batch
+            self.trained.append(sb["indices"].tolist())
+            return (torch.nn.functional.cross_entropy(self(x / n), y, reduction="none")).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = Module()
+    trainer = pl.Trainer(
+        max_epochs=8,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[lightning_sb.SelectiveLoaderCallback()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module)
+    loader = trainer.train_dataloader.loader
+    assert loader.planned_epochs == 8 and len(loader) == 7 and loader.planned_passes == 5
+    assert loader.policy.anneal_from_epoch == 4
+    assert trainer.global_step == len(module.trained) == 8 * 7
+    e = loader.stats.epochs
+    assert loader.progress >= 5 and e[4].examples_selected == e[4].examples_seen == n
+    assert all(x.examples_selected < 0.5 * n for x in e[:4])
+    start = sum(x.batches_yielded for x in e[:4])  # the annealed pass's first batch
+    assert start <= 6 * 7  # (at least) the last two Lightning epochs train on annealed passes
+    assert {i for b in module.trained[start:] for i in b} == set(range(n))
