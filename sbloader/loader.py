@@ -119,7 +119,8 @@ class SelectiveLoader:
             Random-Backprop epoch at 1/3, then Stale-SB at 1/3 with a selection pass every
             third epoch (every tenth while the training loop reports its losses with
             :meth:`feedback`; every epoch where the source gives no dataset indices), and with
-            ``planned_epochs`` all the data in the last eighth; logged. The paper's plain SB is
+            ``planned_epochs`` all the data in the last eighth of the run's passes; logged. The
+            paper's plain SB is
             ``SelectiveBackprop(1 / 3)``.
         seed: seeds the loader's own generator (the only randomness it uses).
         batch_size: examples per yielded training batch. Default: the source's batch size.
@@ -280,10 +281,20 @@ class SelectiveLoader:
             (SelectiveBackprop with ``staleness=1``), without ``keep_logits``, a frozen prefix or
             losses shared across ranks (``cdf="global"``). Measured slower than ``"host"`` on an
             H100 (ResNet-18, pools of 1024: 2.01 s against 1.91 s an SB epoch) and on the CPU.
-        planned_epochs: the run's planned epochs (passes over the data), for the default
-            policy: with it, the last eighth of them (at least one) train on all the data, which
+        planned_epochs: the run's planned epochs, for the default policy: with it, the last
+            eighth of the run's passes over the data (at least one) train on all the data, which
             brought it to within half a point of Traditional's final error here, or to it
-            (:func:`~sbloader.policies.default_policy`). Refused together
+            (:func:`~sbloader.policies.default_policy`). Without ``batches_per_epoch`` these
+            epochs are passes over the data (``loader.epoch``). With it they are training epochs
+            of ``batches_per_epoch`` batches (what ``iter(loader)`` yields, and what Lightning
+            counts): the policy plans for the most passes ``P >= 2`` expected to fit in
+            ``planned_epochs * batches_per_epoch`` batches, an annealed pass yielding all the
+            data (:func:`~sbloader.policies.passes_within`), so that its anneal ends within the
+            run. For example, 8 training epochs of ``"expected"`` batches (a pass at 1/3) make
+            6 passes: 5 at 1/3 and one annealed pass of about 3 training epochs. A run too short
+            for a selective pass and an annealed one plans 2 passes and warns; where the
+            source's size is unknown (no estimate), ``planned_epochs`` is taken as passes, with
+            a warning. The passes planned are :attr:`planned_passes`; logged. Refused together
             with ``policy=``, which it would not change. Lightning's :func:`selective_loader
             <sbloader.integrations.lightning.selective_loader>` passes the Trainer's
             ``max_epochs``. Default None: the default policy does not anneal.
@@ -344,6 +355,8 @@ class SelectiveLoader:
         epoch: the number of the current (or next) epoch, from 0.
         pending_examples: selected examples waiting for a batch (carried into the next epoch
             with ``remainder="carry"``).
+        planned_passes: the passes over the data the default policy plans for with
+            ``planned_epochs`` (see there), else None.
 
     ``iter(loader)`` returns an :class:`~sbloader.epoch.EpochIterator` for the next epoch (or the
     rest of a restored one); a newer iterator closes an older one (see its documentation). With

@@ -1112,6 +1112,11 @@ def default_policy(
     sooner) and to within 0.2-0.5 points of it in the other two (README, Measured).
     ``SelectiveLoader(source, model)`` cannot know the run's length, so its default anneals only
     when given ``planned_epochs=E`` (the same as ``policy=sbloader.default_policy(epochs=E)``).
+    ``epochs`` here are passes over the data (``loader.epoch``); with ``batches_per_epoch=``
+    the loader's ``planned_epochs`` counts training epochs of that many batches instead, and
+    the loader passes this function the passes they are expected to make
+    (:func:`passes_within`, ``loader.planned_passes``), an annealed pass yielding about
+    ``1 / selectivity`` times a selective one's batches.
 
     ``ramp_epochs`` is the Stale-SB's :class:`SelectiveBackprop` ``ramp_epochs``: its selection
     ramped in from uniform over that many epochs after the warm-up (at most 1 with the store).

@@ -260,10 +260,16 @@ def selective_loader(
         **options: :class:`~sbloader.SelectiveLoader`'s options (``policy``, ``batch_size``,
             ``seed``, ...). Defaults here: ``metadata_key="sb"``, so that ``training_step``
             finds the selection results in the batch (``x, y, sb = batch`` for tuples,
-            ``batch["sb"]`` for dicts), and ``batches_per_epoch="expected"`` where the loader
-            has that option, so that ``len()`` and ``trainer.estimated_stepping_batches``
-            work, and ``planned_epochs=trainer.max_epochs`` without ``policy`` (so that the
-            default policy trains on all the data in the run's last eighth).
+            ``batch["sb"]`` for dicts), and ``planned_epochs=trainer.max_epochs`` without
+            ``policy`` (where ``max_epochs >= 2``), so that the default policy trains on all
+            the data in the last eighth of the run's passes over the data.
+            ``batches_per_epoch`` is not set here: pass ``batches_per_epoch="expected"`` (or an
+            int) for ``len()`` and ``trainer.estimated_stepping_batches`` (without it a
+            selective loader has no length and each Lightning epoch is one pass over the data).
+            With it, a Lightning epoch is ``batches_per_epoch`` batches and ``max_epochs``
+            counts those: the default policy plans for the passes over the data they are
+            expected to make, its annealed pass (all the data, several such epochs) included
+            (``loader.planned_passes``; see ``planned_epochs``).
 
     Raises:
         ValueError: no :class:`SelectiveLoaderCallback` (or more than one) in the Trainer's
