@@ -218,17 +218,56 @@ def take(column: Column, positions: torch.Tensor, positions_list: list[int] | No
     return [column[i] for i in positions_list]
 
 
-def concat(parts: Sequence[Column]) -> Column:
-    """Concatenate column chunks along the example dimension (nested fields entry by entry)."""
+def concat(parts: Sequence[Column], pad: Any = None) -> Column:
+    """Concatenate column chunks along the example dimension (nested fields entry by entry).
+
+    Tensor chunks whose trailing (non-batch) sizes differ are padded at the end of every trailing
+    dimension to the largest size among them, with the value ``pad`` (see
+    ``SelectiveLoader(pad_values=)``); without ``pad`` they must agree (``torch.cat`` raises).
+
+    Example:
+        >>> concat([torch.tensor([[1, 2]]), torch.tensor([[3]])], pad=-100).tolist()
+        [[1, 2], [3, -100]]
+    """
     if len(parts) == 1:
         return parts[0]
     if isinstance(parts[0], torch.Tensor):
+        if pad is not None:
+            shape = parts[0].shape[1:]
+            if any(p.shape[1:] != shape for p in parts):
+                return _padded_cat(parts, pad)
         return torch.cat(list(parts), dim=0)
     if isinstance(parts[0], Mapping):
         return {k: concat([p[k] for p in parts]) for k in parts[0]}
     out: list[Any] = []
     for p in parts:
         out.extend(p)
+    return out
+
+
+def _padded_cat(parts: Sequence[torch.Tensor], pad: Any) -> torch.Tensor:
+    """The chunks in one tensor of their largest trailing sizes, filled with ``pad`` where a
+    chunk is shorter: each chunk is copied once, into its corner of the output."""
+    # NOTE (pad when rows are joined, not when a source batch is loaded): padding at load would
+    # need one length for the whole run, known ahead (a stream cannot tell it) and paid for on
+    # every row in the selection forward too. Padded here, a training batch is as long as its
+    # own longest row, as the collator would have made it, and the source batches, the
+    # selection pass and the pending rows (also in a saved state) keep their own lengths.
+    first = parts[0]
+    if any(p.dim() != first.dim() for p in parts):
+        raise ValueError(
+            "cannot pad tensors with different numbers of dimensions together: "
+            f"{[tuple(p.shape) for p in parts]}"
+        )
+    trailing = [max(p.shape[d] for p in parts) for d in range(1, first.dim())]
+    rows = sum(p.shape[0] for p in parts)
+    out = torch.full((rows, *trailing), pad, dtype=first.dtype, device=first.device)
+    start = 0
+    for p in parts:
+        stop = start + p.shape[0]
+        corner = (slice(start, stop), *[slice(0, s) for s in p.shape[1:]])
+        out[corner] = p
+        start = stop
     return out
 
 

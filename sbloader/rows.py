@@ -9,7 +9,7 @@ can be cut from them; it is the only place rows are merged and split.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -81,15 +81,22 @@ class Rows:
         return head, rest
 
     @staticmethod
-    def concat(parts: Sequence[Rows]) -> Rows:
-        """The rows of ``parts`` in order, as one block."""
+    def concat(parts: Sequence[Rows], pads: Mapping[int, Any] | None = None) -> Rows:
+        """The rows of ``parts`` in order, as one block.
+
+        Args:
+            parts: the blocks.
+            pads: the pad value of data fields (by position) whose tensors may differ in their
+                trailing sizes from part to part (:func:`sbloader.batch.concat`), or None.
+        """
         if len(parts) == 1:
             return parts[0]
         first = parts[0]
         features = [p.features for p in parts]
         logits = [p.logits for p in parts]
+        pads = pads or {}
         return Rows(
-            [B.concat([p.data[j] for p in parts]) for j in range(len(first.data))],
+            [B.concat([p.data[j] for p in parts], pads.get(j)) for j in range(len(first.data))],
             torch.cat([p.indices for p in parts]),
             torch.cat([p.losses for p in parts]),
             torch.cat([p.probabilities for p in parts]),
@@ -145,11 +152,14 @@ class Rows:
 
 
 def _cat_optional(chunks: list[torch.Tensor | None], widen: bool = False) -> torch.Tensor | None:
-    """The chunks joined (``widen``: after :func:`_widen`), or None when the first is None."""
+    """The chunks joined, or None when the first is None. ``widen`` (logits): rows of shape
+    ``(k, 0)`` widened first (:func:`_widen`), and chunks that differ in their trailing sizes
+    (outputs per token of sequences padded to different lengths, see ``pad_values``) padded
+    with NaN, the value of logits a selection pass did not give."""
     if chunks[0] is None:
         return None
     tensors = cast(list[torch.Tensor], chunks)
-    return torch.cat(_widen(tensors) if widen else tensors)
+    return B.concat(_widen(tensors), float("nan")) if widen else torch.cat(tensors)
 
 
 def _widen(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -247,8 +257,9 @@ class PendingRows:
         """How many full batches of ``batch_size`` the pending rows make."""
         return self._count // batch_size
 
-    def pop(self, k: int) -> Rows:
-        """Remove and return the first ``k`` rows (``k <= len(self)``)."""
+    def pop(self, k: int, pads: Mapping[int, Any] | None = None) -> Rows:
+        """Remove and return the first ``k`` rows (``k <= len(self)``), joined with ``pads``
+        (see :meth:`Rows.concat`)."""
         if not 0 < k <= self._count:
             raise ValueError(f"k should be in [1, {self._count}], but got k={k}")
         # NOTE: only the parts that hold the first k rows are joined; the rest stay as they are
@@ -265,7 +276,7 @@ class PendingRows:
             parts = parts[:used]
         self._parts = rest
         self._count -= k
-        return Rows.concat(parts)
+        return Rows.concat(parts, pads)
 
     def clear(self) -> int:
         """Drop every pending row; returns how many there were."""
