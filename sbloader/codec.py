@@ -3,7 +3,8 @@ build a yielded batch of the source's structure from :class:`~sbloader.rows.Rows
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import numbers
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,10 @@ class BatchCodec:
         drop_key: a field of the source's batches (the index field) that yielded batches leave
             out (see ``SelectiveLoader(drop_index=)``), or None. Input and target keys still
             name fields of the source's batches.
+        pad_values: the value to pad each field with whose tensors differ in their trailing
+            sizes from source batch to source batch (see ``SelectiveLoader(pad_values=)``), by
+            key or position, or None. Checked here (:func:`check_pad_values`); the keys are
+            checked against the source's fields on its first batch.
 
     Example:
         >>> import torch
@@ -48,11 +53,19 @@ class BatchCodec:
         memory_format: torch.memory_format | None,
         metadata_key: str | None = None,
         drop_key: Hashable | None = None,
+        pad_values: Any = None,
     ) -> None:
         self.input_key, self.target_key = input_key, target_key
         self.memory_format = memory_format
         self.metadata_key = metadata_key
         self.drop_key = drop_key
+        self.pad_values = check_pad_values(pad_values)
+        #: ``pad_values`` by position in the source's batches (known from its first batch).
+        self.pads: dict[int, Any] = {}
+        # The shapes of the first source batch's tensor fields that have no pad value, by
+        # position, that every source batch of a re-batching epoch must share past dimension 0
+        # (see check_shapes); None until that batch.
+        self._shapes: dict[int, tuple[int, ...]] | None = None
         self.format: B.BatchFormat | None = None
         # The source format it was made for, the yielded batches' format, the dropped position.
         self._yielded: tuple[B.BatchFormat, B.BatchFormat, int] | None = None
@@ -80,6 +93,7 @@ class BatchCodec:
                     "pass another metadata_key"
                 )
             self._check_drop_key()
+            self._resolve_pads()
         fmt = self.format
         in_pos = self.input_position
         columns = [
@@ -113,6 +127,86 @@ class BatchCodec:
                 "field; pass index_key= the field that holds the dataset indices"
             )
         self.drop_key = key
+
+    def _resolve_pads(self) -> None:
+        """``pads`` from ``pad_values`` and the source's format, or raise naming a key that is
+        no field of its batches."""
+        fmt = self.format
+        assert fmt is not None
+        n, pads = len(fmt.keys), {}
+        for key, value in self.pad_values.items():
+            field = key
+            if fmt.kind is not dict and isinstance(key, int) and -n <= key < 0:
+                field = key % n  # a position from the end
+            if isinstance(key, bool) or field not in fmt.keys:
+                raise ValueError(
+                    f"pad_values names the field {key!r}, but the source's batches have no such "
+                    f"field (their fields: {list(fmt.keys)!r}); pass pad_values= keyed by "
+                    "the batches' dict keys, or positions in tuple/list batches"
+                )
+            pads[fmt.position(field)] = value
+        self.pads = pads
+
+    def check_shapes(self, data: list[Any], where: str) -> None:
+        """Raise (``ValueError`` naming the field, both shapes and the fix) when a tensor field
+        without a pad value has other trailing (non-batch) sizes in ``data`` than in the first
+        source batch checked: its rows could not be concatenated with that batch's rows.
+
+        Called on every source batch loaded in an epoch whose kept rows are re-batched (not a
+        passthrough policy's), at load time: the error comes with the first source batch that
+        differs, not at a later concatenation, which depends on which rows were kept. ``where``
+        names the batch for the message. One shape comparison per such field.
+        """
+        shapes = self._shapes
+        if shapes is None:
+            self._first_shapes(data)
+            return
+        for j, shape in shapes.items():
+            got = data[j].shape
+            if got[1:] != shape[1:]:
+                raise self._ragged(j, shape, tuple(got), where)
+
+    def _first_shapes(self, data: list[Any]) -> None:
+        """Record the shapes of the first source batch checked; check the pad values against
+        the dtypes of the fields they pad."""
+        assert self.format is not None
+        for j, value in self.pads.items():
+            column = data[j]
+            if not isinstance(column, torch.Tensor):
+                continue
+            if column.dtype == torch.bool and value not in (0, 1):
+                wrong = "a bool field pads with True, False, 0 or 1"
+            elif not column.is_floating_point() and not float(value).is_integer():
+                wrong = f"a {column.dtype} field pads with whole numbers"
+            else:
+                continue
+            key = self.format.keys[j]
+            raise ValueError(
+                f"pad_values={{{key!r}: {value!r}}} cannot pad the field {key!r}: {wrong}; "
+                "pass a pad value of the field's dtype"
+            )
+        self._shapes = {
+            j: tuple(c.shape)
+            for j, c in enumerate(data)
+            if isinstance(c, torch.Tensor) and j not in self.pads
+        }
+
+    def _ragged(
+        self, j: int, first: tuple[int, ...], got: tuple[int, ...], where: str
+    ) -> ValueError:
+        assert self.format is not None
+        key = self.format.keys[j]
+        return ValueError(
+            f"field {key!r} of {where} has shape {got}, but an earlier source batch's has "
+            f"shape {first}: their kept rows differ in a size past dimension 0 and cannot be "
+            "joined into one training batch. For batches padded to each batch's longest "
+            "sequence (e.g. transformers' DataCollatorWithPadding), pass "
+            f"pad_values={{{key!r}: <pad value>}} (with every such field) to pad the rows of a "
+            "training batch to its longest: the tokenizer's pad_token_id for input ids, 0 for "
+            "an attention mask, and for labels the loss's ignore index (-100 for "
+            "nn.CrossEntropyLoss), not 0, which is a real class; or pad every source batch to "
+            "one length (e.g. padding='max_length')"
+        )
 
     def _yielded_format(self) -> tuple[B.BatchFormat, int] | None:
         """The yielded batches' format without ``drop_key``'s field, and that field's position,
@@ -190,7 +284,12 @@ class BatchCodec:
                 "input_key": f.input_key,
                 "target_key": f.target_key,
             }
-        return {"version": self.VERSION, "format": fmt}
+        shapes = None
+        if self._shapes is not None:
+            shapes = {j: list(shape) for j, shape in self._shapes.items()}
+        # NOTE: "shapes" is optional within version 1 (older states have none): a resumed run
+        # checks later source batches against the same first shapes as the run it continues.
+        return {"version": self.VERSION, "format": fmt, "shapes": shapes}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the format, so that restored rows can be yielded before (or without) another
@@ -202,3 +301,53 @@ class BatchCodec:
             kind = _KINDS[fmt["kind"]]
             self.format = B.BatchFormat(kind, keys, fmt["input_key"], fmt["target_key"])
             self._check_drop_key()
+            self._resolve_pads()
+        shapes = state.get("shapes")
+        self._shapes = None
+        if shapes is not None:
+            self._shapes = {
+                int(j): tuple(int(s) for s in shape)
+                for j, shape in shapes.items()
+                if int(j) not in self.pads
+            }
+
+
+def check_pad_values(value: Any) -> dict[Hashable, bool | int | float]:
+    """``SelectiveLoader(pad_values=)`` as a dict of plain numbers ({} for None), or raise
+    naming the parameter and the fix.
+
+    Example:
+        >>> check_pad_values({"input_ids": 0, "labels": -100})
+        {'input_ids': 0, 'labels': -100}
+    """
+    example = (
+        "e.g. pad_values={'input_ids': tokenizer.pad_token_id, 'attention_mask': 0, 'labels': -100}"
+    )
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            "pad_values should be a dict from a field (a dict batch's key, or a position in "
+            f"tuple/list batches) to the value to pad it with ({example}), but got "
+            f"pad_values={value!r}"
+        )
+    out: dict[Hashable, bool | int | float] = {}
+    for key, v in value.items():
+        if isinstance(v, (bool, np.bool_)):
+            out[key] = bool(v)
+        elif isinstance(v, numbers.Integral):
+            out[key] = int(v)
+        elif isinstance(v, numbers.Real):
+            out[key] = float(v)
+        else:
+            hint = (
+                " (a tokenizer without a pad token has pad_token_id None: set one, e.g. "
+                "tokenizer.pad_token = tokenizer.eos_token)"
+                if v is None
+                else ""
+            )
+            raise TypeError(
+                "pad_values should map each field to a number or bool to pad it with "
+                f"({example}), but got pad_values={dict(value)!r}{hint}"
+            )
+    return out

@@ -408,6 +408,17 @@ class EpochIterator:
         waited = perf_counter() - t0
         device = self._device
         data, n = loader._codec.columns(raw, indices, device)
+        if not self._passthrough:
+            # NOTE (ragged fields fail at load time): rows of different source batches are
+            # joined into one training batch only later, when enough are kept, so a field whose
+            # trailing sizes change from batch to batch (dynamic padding) would fail in torch.cat
+            # at a point that depends on which rows the policy kept, possibly hours into a run.
+            # Checked here on every source batch of a re-batching epoch (one shape comparison
+            # per tensor field), it fails on the first batch that differs. Passthrough epochs
+            # hand each source batch out whole and never join them.
+            loader._codec.check_shapes(
+                data, f"source batch {self.position + 1} (counted from 1) of epoch {self.epoch}"
+            )
         if loader._sync is not None:
             loader._sync.note_batch(data[loader._codec.input_position])
         excluded = 0
@@ -583,10 +594,10 @@ class EpochIterator:
             return self._build(rows)
         if self._owed:
             self._owed -= 1
-            return self._build(loader._pending.pop(loader.batch_size))
+            return self._build(loader._pending.pop(loader.batch_size, loader._codec.pads))
         if self._short:
             n, self._short = self._short, 0
-            return self._build(loader._pending.pop(n))
+            return self._build(loader._pending.pop(n, loader._codec.pads))
         return None
 
     def _build(self, rows: Rows) -> B.SelectedBatch:

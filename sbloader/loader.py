@@ -349,6 +349,19 @@ class SelectiveLoader:
             mode would update the copy's BatchNorm statistics, not the model's) and an
             FSDP-sharded model; a model moved to another device after the loader was built is
             refused (``RuntimeError``) at the next pass. Default False.
+        pad_values: for sources whose batches are padded to each batch's own longest sequence
+            (Hugging Face's ``DataCollatorWithPadding``, ``pad_sequence`` in a ``collate_fn``):
+            a dict from a field (a dict batch's key, or a position in tuple/list batches) to the
+            value to pad it with, e.g. ``{"input_ids": tokenizer.pad_token_id,
+            "attention_mask": 0, "labels": -100}`` (labels take the loss's ignore index, not 0,
+            which is a real class). When kept rows of source batches of different lengths are
+            joined into a training batch, each field named here is padded at the end of every
+            dimension past the first to the longest among them, so that each training batch is
+            as long as its own longest row. A tensor field without a pad value must keep its
+            sizes past dimension 0 across source batches: in an epoch that re-batches kept rows
+            (any but a passthrough policy's, such as ``Traditional``), the first source batch
+            whose sizes differ from an earlier one's raises ``ValueError`` naming the field, when
+            it is loaded. Fields inside a nested dict field cannot be padded. Default None.
 
     Attributes:
         stats: a :class:`~sbloader.stats.LoaderStats` with per-epoch and total counts and times.
@@ -451,6 +464,7 @@ class SelectiveLoader:
         planned_epochs: int | None = None,
         quantize_selection: bool | str | QuantizedSelection = False,
         overlap_selection: bool = False,
+        pad_values: dict[Hashable, bool | int | float] | None = None,
     ) -> None:
         for name, module, optional in (("model", model, False), ("selector", selector, True)):
             if not isinstance(module, nn.Module) and not (optional and module is None):
@@ -627,7 +641,9 @@ class SelectiveLoader:
                 "dataset indices (a DataLoader over a map-style dataset has no index field: "
                 "leave drop_index out)"
             )
-        self._codec = BatchCodec(codec_input_key, target_key, memory_format, metadata_key, drop_key)
+        self._codec = BatchCodec(
+            codec_input_key, target_key, memory_format, metadata_key, drop_key, pad_values
+        )
         # NOTE: resolved last: "expected" needs the source, batch size, subset and policy.
         if per_epoch == "expected":
             per_epoch = self._expected_count()
