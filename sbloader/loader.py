@@ -356,8 +356,10 @@ class SelectiveLoader:
             "attention_mask": 0, "labels": -100}`` (labels take the loss's ignore index, not 0,
             which is a real class). When kept rows of source batches of different lengths are
             joined into a training batch, each field named here is padded at the end of every
-            dimension past the first to the longest among them, so that each training batch is
-            as long as its own longest row. A tensor field without a pad value must keep its
+            dimension past the first to the longest among them (the widest source batch the
+            training batch's rows come from). A key that is no field of the source's batches, or
+            a value the field's dtype cannot hold (-100 in a bool mask), is refused on the first
+            source batch (``ValueError``). A tensor field without a pad value must keep its
             sizes past dimension 0 across source batches: in an epoch that re-batches kept rows
             (any but a passthrough policy's, such as ``Traditional``), the first source batch
             whose sizes differ from an earlier one's raises ``ValueError`` naming the field, when
