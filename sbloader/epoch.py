@@ -263,6 +263,14 @@ class EpochIterator:
         policy = loader.policy
         self._fresh = policy.needs_losses(epoch)
         self._passthrough = policy.passthrough()
+        # Whether rows of different source batches are joined into training batches this epoch:
+        # always when selecting; for a passthrough policy, where the source's batches are not
+        # already training batches (another batch size, or rows left out by ``subset``).
+        self._joins = (
+            not self._passthrough
+            or loader.source.batch_size != loader.batch_size
+            or loader._subset is not None
+        )
         source = loader.source
         self._filtering = source.can_filter()
         keep, self._tally = (
@@ -408,14 +416,14 @@ class EpochIterator:
         waited = perf_counter() - t0
         device = self._device
         data, n = loader._codec.columns(raw, indices, device)
-        if not self._passthrough:
+        if self._joins:
             # NOTE (ragged fields fail at load time): rows of different source batches are
             # joined into one training batch only later, when enough are kept, so a field whose
             # trailing sizes change from batch to batch (dynamic padding) would fail in torch.cat
             # at a point that depends on which rows the policy kept, possibly hours into a run.
             # Checked here on every source batch of a re-batching epoch (one shape comparison
-            # per tensor field), it fails on the first batch that differs. Passthrough epochs
-            # hand each source batch out whole and never join them.
+            # per tensor field), it fails on the first batch that differs. A passthrough epoch
+            # whose source batches are training batches hands each out whole and joins none.
             loader._codec.check_shapes(
                 data, f"source batch {self.position + 1} (counted from 1) of epoch {self.epoch}"
             )

@@ -361,7 +361,8 @@ class SelectiveLoader:
             a value the field's dtype cannot hold (-100 in a bool mask), is refused on the first
             source batch (``ValueError``). A tensor field without a pad value must keep its
             sizes past dimension 0 across source batches: in an epoch that re-batches kept rows
-            (any but a passthrough policy's, such as ``Traditional``), the first source batch
+            (any but a passthrough policy's, such as ``Traditional``, given source batches of
+            ``batch_size`` and no ``subset``), the first source batch
             whose sizes differ from an earlier one's raises ``ValueError`` naming the field, when
             it is loaded. Fields inside a nested dict field cannot be padded. Default None.
 

@@ -270,6 +270,23 @@ def test_traditional_passes_ragged_batches_through_without_pad_values() -> None:
         assert check_batch(batch, data) >= 0
 
 
+def test_traditional_rebatching_ragged_batches_needs_pad_values() -> None:
+    """Traditional with another batch size than the source's joins rows of different source
+    batches, as selection does: the same early error without pad_values, padded rows with."""
+    data = Sequences()
+    loader, collate = make(data, policy=Traditional(), batch_size=6)
+    with pytest.raises(ValueError, match=r"source batch \d+ .*pad_values"):
+        list(loader)
+    assert len(set(collate.widths)) > 1
+    loader, _ = make(data, policy=Traditional(), batch_size=6, pad_values=PADS)
+    batches = list(loader)
+    assert [len(b.indices) for b in batches] == [6] * (len(data) // 6) + (
+        [len(data) % 6] if len(data) % 6 else []
+    )
+    assert sorted(i for b in batches for i in b.indices.tolist()) == list(range(len(data)))
+    assert sum(check_batch(batch, data) for batch in batches) > 0  # some rows were padded
+
+
 def test_resumed_run_fails_where_the_uninterrupted_one_does() -> None:
     # The first batch's shapes are part of the state: a run saved after it and resumed fails on
     # the next batch, as the uninterrupted run does, although its own first batch is 10 wide.
