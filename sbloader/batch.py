@@ -250,9 +250,10 @@ def _padded_cat(parts: Sequence[torch.Tensor], pad: Any) -> torch.Tensor:
     chunk is shorter: each chunk is copied once, into its corner of the output."""
     # NOTE (pad when rows are joined, not when a source batch is loaded): padding at load would
     # need one length for the whole run, known ahead (a stream cannot tell it) and paid for on
-    # every row in the selection forward too. Padded here, a training batch is as long as its
-    # own longest row, as the collator would have made it, and the source batches, the
-    # selection pass and the pending rows (also in a saved state) keep their own lengths.
+    # every row in the selection forward too. Padded here, a training batch is as wide as the
+    # widest source batch its rows come from (as the collator made that one; trimming to the
+    # longest row would mean guessing which trailing columns are padding), and the source
+    # batches, the selection pass and the pending rows (also in a saved state) keep their own.
     first = parts[0]
     if any(p.dim() != first.dim() for p in parts):
         raise ValueError(
