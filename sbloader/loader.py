@@ -524,10 +524,14 @@ class SelectiveLoader:
         self._autocast_requested = check_autocast(autocast)
         # The float precision: what selection passes run in without the int8 copy (and what an
         # "auto" copy falls back to).
+        selecting = model if selector is None else selector
         autocast, why = selection_dtype(
             autocast,
-            model_device(model if selector is None else selector),
+            model_device(selecting),
             feeds_training=frozen_prefix is not None,
+            model_dtype=next(
+                (p.dtype for p in selecting.parameters() if p.is_floating_point()), None
+            ),
         )
         self.keep_logits, self.memory_format = keep_logits, memory_format
         self.eval_selection = bool(eval_selection)

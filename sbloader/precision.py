@@ -88,7 +88,10 @@ def _cpu_has(*queries: str) -> bool:
 
 
 def selection_dtype(
-    autocast: Any, device: torch.device, feeds_training: bool = False
+    autocast: Any,
+    device: torch.device,
+    feeds_training: bool = False,
+    model_dtype: torch.dtype | None = None,
 ) -> tuple[torch.dtype | None, str]:
     """The autocast dtype of selection passes on ``device`` (None: float32), and why.
 
@@ -98,12 +101,21 @@ def selection_dtype(
         device: where selection passes run (the selecting model's device).
         feeds_training: whether the pass computes what training consumes (a frozen prefix's
             features): ``"auto"`` then keeps float32, so that training is never changed.
+        model_dtype: the selecting model's floating-point dtype, if known: a float64 model
+            gets no autocast from ``"auto"`` (autocast never casts float64 tensors, so it would
+            change nothing but the reported precision).
+
+    Example:
+        >>> selection_dtype("auto", torch.device("cpu"), model_dtype=torch.float64)
+        (None, "autocast='auto': none (the model is float64, which autocast leaves as it is)")
     """
     autocast = check_autocast(autocast)
     if autocast is None:
         return None, "autocast=None: float32"
     if isinstance(autocast, torch.dtype):
         return autocast, f"autocast={autocast}"
+    if model_dtype == torch.float64:
+        return None, "autocast='auto': none (the model is float64, which autocast leaves as it is)"
     if feeds_training:
         return None, "autocast='auto': float32 (the frozen prefix's features feed training)"
     if native_bf16(device):

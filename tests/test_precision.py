@@ -79,6 +79,31 @@ def test_the_default_selects_as_the_chosen_dtype_given_explicitly(monkeypatch, c
     assert torch.equal(torch.cat([b.losses for b in build()]), fp32) is not native
 
 
+def test_a_float64_model_gets_no_autocast_and_says_so(monkeypatch):
+    """autocast never casts float64 tensors: "auto" must not report bf16 selection passes that
+    run in float64."""
+    no_native_bf16(monkeypatch, native=True)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(N, 16, generator=g, dtype=torch.float64), torch.randint(0, 3, (N,))
+    model = nn.Sequential(nn.Linear(16, 3)).double()
+    dl = DataLoader(ArrayDataset(x, y), batch_size=40)
+    loader = SelectiveLoader(
+        dl, model, policy=SelectiveBackprop(0.5), batch_size=10, quantize_selection=False
+    )
+    assert loader.autocast is None
+    assert "the model is float64" in loader.selection_precision
+    exact = SelectiveLoader(
+        DataLoader(ArrayDataset(x, y), batch_size=40),
+        model,
+        policy=SelectiveBackprop(0.5),
+        batch_size=10,
+        autocast=None,
+        quantize_selection=False,
+    )
+    for a, b in zip(loader, exact, strict=True):
+        assert torch.equal(a.losses, b.losses)
+
+
 def test_a_frozen_prefix_keeps_float32_since_its_features_feed_training(monkeypatch):
     no_native_bf16(monkeypatch, native=True)
     backbone = nn.Sequential(nn.Linear(16, 8), nn.ReLU()).requires_grad_(False)
