@@ -219,8 +219,11 @@ class EpochIterator:
         # Batches agreed on but not handed out stay in the loader's pending rows: the next epoch
         # yields them (nothing selected is lost).
         self._owed = self._short = 0
+        # A direct batch made ready but not handed out (finishing() ran ahead to it) is handed
+        # out next too, after those taken back: its source batch was consumed.
+        ready = [] if self._direct is None else [self._direct]
         self._direct = self._last = None
-        self._loader._returned[:0], self._replay = self._replay, []  # handed out next epoch
+        self._loader._returned[:0], self._replay = [*self._replay, *ready], []
         self._stop_fetch()
         if running:
             self._loader._abandon(self, resumable)
@@ -642,15 +645,18 @@ class EpochIterator:
     def _not_trained(self, unconsumed: int) -> list[Rows]:
         """The batches a state saved now must hand out first when resumed: the last one handed
         out when ``unconsumed`` is 1 (fetched ahead by a framework, not trained yet), then those
-        taken back by the state this epoch resumed and not handed out yet."""
+        taken back by the state this epoch resumed and not handed out yet, then a source batch
+        made ready whole and not handed out yet (:meth:`finishing` runs ahead to it; its source
+        batch counts as consumed)."""
+        ready = [] if self._direct is None else [self._direct]
         if not unconsumed:
-            return list(self._replay)
+            return [*self._replay, *ready]
         if self._last is None:
             raise ValueError(
                 f"unconsumed={unconsumed}, but this epoch has handed out no batch yet; pass the "
                 "number of batches the caller has fetched from the loader and not trained on"
             )
-        return [self._last, *self._replay]
+        return [self._last, *self._replay, *ready]
 
     # ------------------------------------------------------------------ decisions
     def _selection_round(self, real: int) -> int:

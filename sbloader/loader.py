@@ -1312,16 +1312,26 @@ class SelectiveLoader:
         # a beta) run part-way through restoring; a state refused there must not leave the
         # loader half restored (its epoch, generators and position taken from the refused
         # state), or a caller that starts afresh after a refusal would silently continue the
-        # refused run. So the loader's own state is taken first and put back on any failure.
+        # refused run. So the loader's own state is taken first and put back on any failure,
+        # with what a saved state does not tell: whether an epoch left part-way is resumed by
+        # the next iter() (a saved state always resumes it; after a break the loader does not).
+        live = self._live_iterator()
+        running = live is not None and live.running
+        unfinished, source_state = self._unfinished, self._source_state
         backup = self.state_dict()
         try:
             self._restore(state)
         except BaseException:
-            self._restore(backup)
+            self._restore(backup, rollback=True)
+            if not running:  # a running epoch was closed: the next iter() resumes it
+                self._unfinished = unfinished
+            self._source_state = source_state
             raise
 
-    def _restore(self, state: dict[str, Any]) -> None:
-        """Set the loader to ``state`` (checked by :meth:`load_state_dict`'s caller part)."""
+    def _restore(self, state: dict[str, Any], rollback: bool = False) -> None:
+        """Set the loader to ``state`` (checked by :meth:`load_state_dict`'s caller part);
+        ``rollback``: ``state`` is this loader's own, taken before a refused load (its source's
+        generators are put back as they were, even where a mid-epoch resume would be refused)."""
         active, position = bool(state[K_ACTIVE]), int(state[K_POSITION])
         training = state.get(K_TRAINING)
         # NOTE: the running epoch is stopped before the source's generators are restored: its
@@ -1333,7 +1343,8 @@ class SelectiveLoader:
         self._live = None
         self._scorer.adopt_quantized(state[K_SCORER])
         self._adopt_autocast(state.get(K_AUTOCAST, self.autocast))
-        self._source.load_state_dict(state[K_SOURCE], mid_epoch=active and position > 0)
+        mid_epoch = active and position > 0 and not rollback
+        self._source.load_state_dict(state[K_SOURCE], mid_epoch=mid_epoch)
         self._source_state = state[K_SOURCE]
         self.epoch = int(state[K_EPOCH])
         self._unfinished = (position, True) if active else None

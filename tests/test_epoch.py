@@ -210,6 +210,70 @@ def test_a_state_refused_part_way_through_restoring_changes_nothing():
     assert head + epoch_indices(running) == expected
 
 
+def test_a_state_refused_after_a_break_leaves_the_next_epoch_as_it_was():
+    """After ``break`` the next iter() starts the next epoch (a saved state would resume the
+    left one): a refused load must not turn that into resuming it."""
+    saved = make(policy=SelectiveBackprop(beta=3.0))
+    list(saved)
+    state = saved.state_dict()
+
+    def broken():
+        loader = make(policy=SelectiveBackprop(beta=2.0))
+        for i, _ in enumerate(loader):
+            if i == 2:
+                break
+        return loader
+
+    reference = epoch_indices(broken())
+    loader = broken()
+    with pytest.raises(ValueError, match="beta="):
+        loader.load_state_dict(state)
+    assert epoch_indices(loader) == reference and loader.epoch == 2
+
+
+def test_a_refused_state_on_a_source_that_cannot_resume_mid_epoch_changes_nothing():
+    """A DataLoader shuffling with the global RNG refuses mid-epoch resumes: putting the loader's
+    own mid-epoch state back after a refusal must not be refused too (leaving the loader half
+    restored, and hiding the reason for the refusal)."""
+
+    def build(beta):
+        dl = DataLoader(EncodedDataset(120), batch_size=30, shuffle=True)  # no generator=
+        return SelectiveLoader(dl, IndexLoss(), policy=SelectiveBackprop(beta=beta), batch_size=10)
+
+    saved = build(3.0)
+    list(saved)
+    state = saved.state_dict()
+    loader = build(2.0)
+    it = iter(loader)
+    next(it)
+    before = {k: loader.state_dict()[k] for k in ("epoch", "position", "active")}
+    with pytest.raises(ValueError, match=r"beta=3\.0, but this policy"):
+        loader.load_state_dict(state)
+    assert {k: loader.state_dict()[k] for k in ("epoch", "position", "active")} == before
+
+
+@pytest.mark.parametrize("batch_size", [10, 30])
+def test_a_state_saved_after_finishing_keeps_the_batch_it_ran_ahead_to(batch_size):
+    """finishing() (AcceleratedLoader calls it after every batch) runs ahead until the next
+    batch is ready; with Traditional's source batches of batch_size that batch waits whole, and
+    a state saved then must still hand it out."""
+
+    def build():
+        return make(policy=Traditional(), batch_size=batch_size)
+
+    expected = epoch_indices(build())
+    first = build()
+    it = iter(first)
+    head = [next(it).indices.tolist() for _ in range(2)]
+    assert not it.finishing()
+    resumed = build()
+    resumed.load_state_dict(first.state_dict())
+    assert head + epoch_indices(resumed) == expected
+    # And the iterator itself, closed there, hands it out in the next epoch's place.
+    it.close()
+    assert [b.indices.tolist() for b in first][:1] == expected[2:3]
+
+
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_rolling_back_a_running_loader_replays_the_saved_epoch(prefetch):
     """Loading an epoch-boundary state into a loader whose next epoch is running (a rollback
