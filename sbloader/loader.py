@@ -1035,12 +1035,17 @@ class SelectiveLoader:
                     "a fixed number of batches, or schedule by loader.progress"
                 )
             return int(np.count_nonzero(self._subset))
-        if bs and (source.drop_last() or size is None):
+        if bs and source.drop_last():
             return len(source) * bs  # the source's batches are all full
         if size is None:
+            if bs == self.batch_size:
+                # Handed out as they are: as many batches as the source's (its last one's size
+                # unknown, so not checked against min_batch_size).
+                return len(source) * bs
             raise TypeError(
-                "the number of examples per pass of this source is unknown; pass dataset_size= "
-                "(the number of examples), or batches_per_epoch= an int"
+                "the number of examples per pass of this source is unknown (its last batch may "
+                "be short), so the number of batches of another size cannot be counted; pass "
+                "dataset_size= (the number of examples), or batches_per_epoch= an int"
             )
         return size
 

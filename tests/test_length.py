@@ -532,3 +532,29 @@ def test_traditional_rebatched_resumes_exactly(stop):
     reference = traditional()
     list(reference)
     assert head + rest == [b.indices.tolist() for b in reference]
+
+
+def test_traditional_len_over_a_sized_iterable_source():
+    """An iterable source whose size is unknown (its last batch may be short): len() counts its
+    own batches when they are handed out as they are, names the fix when they are re-batched,
+    and counts exactly with dataset_size=."""
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __len__(self):
+            return 100
+
+        def __iter__(self):
+            for i in range(100):
+                yield torch.full((6,), float(i)), torch.tensor(i % 3)
+
+    def loader(bs, batch_size, **kw):
+        dl = DataLoader(Stream(), batch_size=bs)
+        return SelectiveLoader(dl, IndexLoss(), policy=Traditional(), batch_size=batch_size, **kw)
+
+    same = loader(16, 16)
+    assert len(same) == 7 == len(list(same))
+    with pytest.raises(TypeError, match="dataset_size="):
+        len(loader(16, 10))
+    sized = loader(16, 10, dataset_size=100)
+    assert len(sized) == 10 == len(list(sized))
