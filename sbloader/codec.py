@@ -178,6 +178,13 @@ class BatchCodec:
                 wrong = "a bool field pads with True, False, 0 or 1"
             elif not column.is_floating_point() and not float(value).is_integer():
                 wrong = f"a {column.dtype} field pads with whole numbers"
+            elif (
+                column.dtype != torch.bool
+                and not column.is_floating_point()
+                and not (torch.iinfo(column.dtype).min <= value <= torch.iinfo(column.dtype).max)
+            ):
+                info = torch.iinfo(column.dtype)
+                wrong = f"a {column.dtype} field holds {info.min} to {info.max}"
             else:
                 continue
             key = self.format.keys[j]

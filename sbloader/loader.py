@@ -364,7 +364,8 @@ class SelectiveLoader:
             (any but a passthrough policy's, such as ``Traditional``, given source batches of
             ``batch_size`` and no ``subset``), the first source batch
             whose sizes differ from an earlier one's raises ``ValueError`` naming the field, when
-            it is loaded. Fields inside a nested dict field cannot be padded. Default None.
+            it is loaded. Fields inside a nested dict field cannot be padded, and a
+            ``frozen_prefix``'s cached features are not (refused together). Default None.
 
     Attributes:
         stats: a :class:`~sbloader.stats.LoaderStats` with per-epoch and total counts and times.
@@ -647,6 +648,13 @@ class SelectiveLoader:
                 "source's batches have none; pass index_key= naming the field that holds the "
                 "dataset indices (a DataLoader over a map-style dataset has no index field: "
                 "leave drop_index out)"
+            )
+        if pad_values and frozen_prefix is not None:
+            raise ValueError(
+                "pad_values cannot be combined with frozen_prefix: the prefix's cached features "
+                "of source batches padded to different lengths are not padded when their rows "
+                "are joined; pad the source's batches to one length (e.g. a collator with "
+                "padding='max_length'), or leave frozen_prefix out"
             )
         self._codec = BatchCodec(
             codec_input_key, target_key, memory_format, metadata_key, drop_key, pad_values

@@ -365,6 +365,39 @@ def test_pad_values_checked_against_the_first_batch(pad_values: Any, match: str)
         list(loader)
 
 
+def test_a_pad_value_out_of_an_integer_fields_range_is_refused() -> None:
+    """-1 in a uint8 mask would wrap to 255 silently; refused on the first source batch."""
+
+    def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        padded = Collator()(items)
+        return {**padded, "attention_mask": padded["attention_mask"].to(torch.uint8)}
+
+    data = Sequences()
+    kw: dict[str, Any] = {"policy": SelectiveBackprop(1 / 3)}
+    bad, _ = make(data, collate=collate, pad_values={**PADS, "attention_mask": -1}, **kw)
+    with pytest.raises(ValueError, match=r"a torch.uint8 field holds 0 to 255"):
+        next(iter(bad))
+    good, _ = make(data, collate=collate, pad_values={**PADS, "attention_mask": 0}, **kw)
+    assert all(int(b["attention_mask"].max()) <= 1 for b in good)
+
+
+def test_pad_values_with_a_frozen_prefix_is_refused() -> None:
+    """The prefix's cached per-token features would be joined unpadded (torch.cat fails
+    mid-run): refused when the loader is built."""
+    prefix = nn.Embedding(50, 4).requires_grad_(False)
+    source = DataLoader(Sequences(), batch_size=8, collate_fn=Collator())
+    with pytest.raises(ValueError, match="pad_values cannot be combined with frozen_prefix"):
+        SelectiveLoader(
+            source,
+            nn.Linear(4, 5),
+            token_loss,
+            input_key="input_ids",
+            target_key="labels",
+            frozen_prefix=prefix,
+            pad_values=PADS,
+        )
+
+
 def test_bool_mask_pads_with_a_bool() -> None:
     def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         padded = Collator()(items)
