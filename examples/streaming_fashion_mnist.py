@@ -12,7 +12,9 @@ examples the uninterrupted run did.
 
 Data: Debian's dataset-fashion-mnist; the MDS shards go to ``--dir`` (default: a temporary
 directory). Needs mosaicml-streaming (``scripts/setup.sh`` installs it); ``import streaming``
-imports torchvision.
+imports torchvision, which ``scripts/setup.sh`` does not install (no PyPI build matches its
+CPU-only torch): there, run it with the repository's placeholder on the path,
+``PYTHONPATH=tests/placeholders python3 examples/streaming_fashion_mnist.py ...``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,19 @@ from typing import Any
 
 import numpy as np
 import torch
-from streaming import MDSWriter, StreamingDataLoader, StreamingDataset
+
+try:
+    from streaming import MDSWriter, StreamingDataLoader, StreamingDataset
+except ModuleNotFoundError as e:  # streaming imports torchvision at its top level
+    if (e.name or "").partition(".")[0] != "torchvision":
+        raise
+    raise ModuleNotFoundError(
+        "sbloader.streaming imports mosaicml-streaming, whose `import streaming` imports "
+        "torchvision, which is not installed; install the torchvision build that matches your "
+        "torch, or, where none exists for it (this project's CPU-only setup), put sbloader's "
+        "placeholder first on the path: PYTHONPATH=tests/placeholders (from the repository)",
+        name="torchvision",
+    ) from e
 
 from ._checks import check_int
 from .stateful import StatefulSource

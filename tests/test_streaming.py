@@ -257,3 +257,21 @@ def test_the_streaming_example_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed run matches the uninterrupted one: True" in proc.stdout
+
+
+def test_without_torchvision_the_import_names_the_fix():
+    """``import streaming`` imports torchvision, which this project's CPU setup lacks: importing
+    sbloader.streaming without it says what to do instead of a bare ModuleNotFoundError."""
+    code = (
+        "import sys\n"
+        "sys.modules['torchvision'] = None  # not installed\n"
+        "try:\n"
+        "    import sbloader.streaming\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print(e.name, '|', e)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120
+    ).stdout
+    assert out.startswith("torchvision |") and "PYTHONPATH=tests/placeholders" in out
