@@ -21,7 +21,11 @@ rank selects different examples, so each would fill a different number of batche
 - the first of those ``all_reduce(MIN)`` calls also carries a digest of the rank's first source
   batch (and its negation), so that a source that is not sharded (every rank reading the same
   examples, e.g. a DataLoader without a ``DistributedSampler``) is reported on every rank, at no
-  extra collective (:meth:`RankSync.note_batch`).
+  extra collective (:meth:`RankSync.note_batch`);
+- where a policy keeps per-example records (Stale-SB's store, which every rank's losses reach by
+  dataset index), the ranks check once, after the first whole pass, that no index was read by
+  two ranks (beyond a ``DistributedSampler``'s padding): ranks reading their own data under
+  indices from 0 would mix their losses in the store (:meth:`RankSync.check_overlap`).
 
 :func:`reduce_stats` sums a loader's counters across ranks.
 """
@@ -134,6 +138,10 @@ class RankSync:
         self.device = torch.device("cpu")
         self._digest: int | None = None  # of this rank's first source batch (note_batch)
         self._checked = False  # whether the first agree compared the ranks' digests
+        self._identical = False  # whether it found every rank's first batch the same
+        # The dataset indices this rank read in the current pass, while the overlap of the
+        # ranks' indices is still to be checked (arm_overlap_check); None otherwise.
+        self._read: np.ndarray | None = None
 
     def note_batch(self, inputs: Any) -> None:
         """Remember a digest of this rank's first source batch's inputs (later calls, and
@@ -141,6 +149,55 @@ class RankSync:
         across ranks."""
         if self._digest is None and not self._checked:
             self._digest = batch_digest(inputs)
+
+    def arm_overlap_check(self, dataset_size: int) -> None:
+        """Check, at the end of the first whole pass over the data, that no two ranks read the
+        same dataset index (:meth:`check_overlap`): the loader arms it where a policy keeps
+        per-example records, which every rank's losses reach by index."""
+        if self.world_size > 1 and dataset_size > 0:
+            self._read = np.zeros(dataset_size, dtype=np.uint8)
+
+    def note_indices(self, indices: np.ndarray | None, new_pass: bool = False) -> None:
+        """Mark the dataset indices of a source batch this rank read (``new_pass``: forget the
+        earlier ones first, an earlier pass having ended part-way); nothing once checked."""
+        read = self._read
+        if read is None:
+            return
+        if new_pass:
+            read[:] = 0
+        if indices is not None and len(indices):
+            read[np.clip(indices, 0, len(read) - 1)] = 1
+
+    def check_overlap(self) -> None:
+        """At the end of a whole pass: one ``all_reduce(SUM)`` of the indices each rank read
+        (once per run); raises on every rank where the ranks read the same indices.
+
+        NOTE: a ``DistributedSampler`` pads the ranks' shares to equal lengths with up to
+        ``world_size - 1`` examples read twice; more than that means the ranks' indices do not
+        name disjoint shares of one dataset: either each rank reads its own data under indices
+        from 0 (a pre-sharded dataset), whose losses a per-example store keyed by index would
+        mix across ranks (a stale epoch deciding one rank's examples from another's losses), or
+        every rank reads the whole dataset in its own order. Where every rank's first batch was
+        the same (:meth:`agree` warned: deliberate replicas, same data under the same indices),
+        the store is consistent, and nothing is raised.
+        """
+        read, self._read = self._read, None
+        if read is None:
+            return
+        dtype = torch.uint8 if self.world_size < 256 else torch.int32
+        t = torch.from_numpy(read).to(dtype).to(self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        shared = int((t > 1).sum().item())
+        if shared > self.world_size - 1 and not self._identical:
+            raise ValueError(
+                f"{shared} dataset indices were read by more than one of the {self.world_size} "
+                "ranks in one pass over the data: either each rank reads its own data under "
+                "indices from 0 (a pre-sharded dataset), whose losses this policy's per-example "
+                "store (Stale-SB's; the default policy's) would mix across ranks, or every rank "
+                "reads the whole dataset in its own order. Give each example its global index "
+                "(a field of the batch, named by index_key=), or give the DataLoader "
+                "sampler=DistributedSampler(dataset)"
+            )
 
     def bind(self, device: torch.device) -> None:
         """Place collective tensors for a model on ``device`` (the loader calls this per epoch)."""
@@ -174,6 +231,7 @@ class RankSync:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         got = t.tolist()
         if first and got[2] >= 0 and got[2] == -got[3]:
+            self._identical = True
             warnings.warn(
                 f"every one of the {self.world_size} ranks read the same first source batch: the "
                 "source looks unsharded, so each rank trains on every example (a DataLoader "

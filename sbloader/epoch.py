@@ -117,6 +117,7 @@ class EpochIterator:
         self._exhausted: tuple[int, int, Any] | None = None
         self._thread: SelectionThread | None = None
         self._resume_scores: AheadScores | None = None
+        self._noted = False  # whether this epoch told the rank sync of a source batch's indices
 
     # ------------------------------------------------------------------ protocol
     def __iter__(self) -> EpochIterator:
@@ -432,6 +433,8 @@ class EpochIterator:
             )
         if loader._sync is not None:
             loader._sync.note_batch(data[loader._codec.input_position])
+            loader._sync.note_indices(indices, new_pass=not self._noted)
+            self._noted = True
         excluded = 0
         if loader._subset is not None and not self._filtering:
             assert indices is not None
@@ -588,6 +591,8 @@ class EpochIterator:
     def _finish(self) -> None:
         loader, stats = self._loader, self.stats
         assert stats is not None
+        if loader._sync is not None:
+            loader._sync.check_overlap()  # the ranks' indices, after a whole pass (once)
         if loader.remainder != "carry" or self._passthrough:
             stats.dropped += loader._pending.clear()
         self._phase = _Phase.DONE

@@ -665,6 +665,11 @@ class SelectiveLoader:
         if policy is None and planned_epochs is not None and per_epoch is not None:
             self._plan_passes(store, int(key), planned_epochs, int(per_epoch))
         self._fixed = None if per_epoch is None else FixedEpochs(int(per_epoch))
+        size = self._source.dataset_size
+        if self._sync is not None and self.policy.records_examples() and size:
+            # Every rank's losses reach the per-example store by dataset index: the indices
+            # must name one dataset's examples on every rank (checked after the first pass).
+            self._sync.arm_overlap_check(size)
         #: Training batches per epoch (``len(loader)``), or None (one pass per epoch).
         self.batches_per_epoch: int | None = None if self._fixed is None else self._fixed.count
         self.decisions = check_choice("decisions", decisions, _DECISIONS)

@@ -488,6 +488,35 @@ def scenario_unsharded(rank: int, world_size: int) -> dict:
     res["per_rank_warnings"] = [str(w.message) for w in caught]
     sampler = torch.utils.data.RandomSampler(own, generator=torch.Generator().manual_seed(3))
     res["per_rank_first"] = list(sampler)[:20]  # the first source batch's indices
+
+    # With Stale-SB's per-example store, which every rank's losses reach by index: the ranks'
+    # own data under the same indices would mix in it; refused on every rank after the first
+    # pass, as is every rank reading the whole dataset in its own order. The same data under
+    # the same indices on every rank (reported above) keeps the store consistent: not refused.
+    def stale_run(dataset, order_seed: int, model) -> str | None:
+        loader = SelectiveLoader(
+            DataLoader(
+                dataset,
+                batch_size=20,
+                shuffle=True,
+                generator=torch.Generator().manual_seed(order_seed),
+            ),
+            model,
+            policy=SelectiveBackprop(0.5, staleness=2),
+            batch_size=10,
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                for _ in range(2):
+                    list(loader)
+            except ValueError as e:
+                return f"epoch {loader.epoch}: {e}"
+        return None
+
+    res["stale_pre_sharded"] = stale_run(own, 3, torch.nn.Linear(6, N_CLASSES))
+    res["stale_own_orders"] = stale_run(EncodedDataset(80), 3 + rank, IndexLoss())
+    res["stale_replicas"] = stale_run(EncodedDataset(80), 3, IndexLoss())
     return res
 
 
@@ -633,6 +662,19 @@ def test_a_source_that_is_not_sharded_is_reported_on_every_rank(two):
         assert not [m for m in r["per_rank_warnings"] if "first source batch" in m]
     # The same indices in the first source batch on both ranks, but different examples.
     assert two[0]["per_rank_first"] == two[1]["per_rank_first"]
+
+
+def test_ranks_reading_the_same_indices_are_refused_with_a_store(two):
+    """A policy with a per-example store (Stale-SB) on ranks whose indices overlap: their own
+    data under indices from 0 (losses mixed in the store), or the whole dataset each in its own
+    order, is refused on every rank at the end of the first pass; the same data under the same
+    indices on every rank (replicas, warned about) is not."""
+    for r in two:
+        for case in ("stale_pre_sharded", "stale_own_orders"):
+            assert r[case] is not None and r[case].startswith("epoch 0: "), (case, r[case])
+            assert "read by more than one of the 2 ranks" in r[case]
+            assert "index_key=" in r[case] and "DistributedSampler" in r[case]
+        assert r["stale_replicas"] is None
 
 
 def test_reported_losses_reach_every_ranks_store_and_schedule(two):
