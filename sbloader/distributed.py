@@ -142,6 +142,7 @@ class RankSync:
         # The dataset indices this rank read in the current pass, while the overlap of the
         # ranks' indices is still to be checked (arm_overlap_check); None otherwise.
         self._read: np.ndarray | None = None
+        self._size = 0  # this rank's dataset size, compared at the first agree once armed
 
     def note_batch(self, inputs: Any) -> None:
         """Remember a digest of this rank's first source batch's inputs (later calls, and
@@ -151,11 +152,14 @@ class RankSync:
             self._digest = batch_digest(inputs)
 
     def arm_overlap_check(self, dataset_size: int) -> None:
-        """Check, at the end of the first whole pass over the data, that no two ranks read the
-        same dataset index (:meth:`check_overlap`): the loader arms it where a policy keeps
-        per-example records, which every rank's losses reach by index."""
+        """Check that the ranks' dataset indices name one dataset's examples: at the first
+        :meth:`agree`, that every rank's dataset has this size, and at the end of the first
+        whole pass over the data, that no two ranks read the same index
+        (:meth:`check_overlap`). The loader arms it where a policy keeps per-example records,
+        which every rank's losses reach by index."""
         if self.world_size > 1 and dataset_size > 0:
             self._read = np.zeros(dataset_size, dtype=np.uint8)
+            self._size = dataset_size
 
     def note_indices(self, indices: np.ndarray | None, new_pass: bool = False) -> None:
         """Mark the dataset indices of a source batch this rank read (``new_pass``: forget the
@@ -169,8 +173,9 @@ class RankSync:
             read[np.clip(indices, 0, len(read) - 1)] = 1
 
     def check_overlap(self) -> None:
-        """At the end of a whole pass: one ``all_reduce(SUM)`` of the indices each rank read
-        (once per run); raises on every rank where the ranks read the same indices.
+        """At the end of a whole pass: an ``all_reduce(MAX)`` of the ranks' dataset sizes and one
+        ``all_reduce(SUM)`` of the indices each rank read (once per run); raises on every rank
+        where the ranks read the same indices.
 
         NOTE: a ``DistributedSampler`` pads the ranks' shares to equal lengths with up to
         ``world_size - 1`` examples read twice; more than that means the ranks' indices do not
@@ -184,8 +189,12 @@ class RankSync:
         read, self._read = self._read, None
         if read is None:
             return
+        # The ranks' datasets may differ in size (each its own shard): agree on the longest.
+        size = torch.tensor([len(read)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(size, op=dist.ReduceOp.MAX, group=self.group)
         dtype = torch.uint8 if self.world_size < 256 else torch.int32
-        t = torch.from_numpy(read).to(dtype).to(self.device)
+        t = torch.zeros(int(size.item()), dtype=dtype, device=self.device)
+        t[: len(read)] = torch.from_numpy(read).to(dtype).to(self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         shared = int((t > 1).sum().item())
         if shared > self.world_size - 1 and not self._identical:
@@ -200,8 +209,27 @@ class RankSync:
             )
 
     def bind(self, device: torch.device) -> None:
-        """Place collective tensors for a model on ``device`` (the loader calls this per epoch)."""
+        """Place collective tensors for a model on ``device`` (the loader calls this as each
+        epoch begins); the first time, once :meth:`arm_overlap_check` is armed, check that
+        every rank's dataset has the same size (one ``all_reduce(MIN)``, the run's first
+        collective: before any rank's losses reach another's store)."""
         self.device = collective_device(self.backend, device)
+        if not self._size:
+            return
+        size, self._size = self._size, 0
+        t = torch.tensor([size, -size], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        low, high = t.tolist()[0], -t.tolist()[1]
+        if low != high:
+            self._read = None
+            raise ValueError(
+                f"the ranks' datasets differ in size ({low} to {high} examples): each rank "
+                "reads its own data under indices from 0 (a pre-sharded dataset), whose losses "
+                "this policy's per-example store (Stale-SB's; the default policy's) would mix "
+                "across ranks by index. Give each example its global index (a field of the "
+                "batch, named by index_key=, with dataset_size= the whole dataset's), or give "
+                "one dataset to every rank with sampler=DistributedSampler(dataset)"
+            )
 
     def agree(self, ready: int, active: bool) -> tuple[int, bool]:
         """The fewest batches any rank has ready, and whether any rank still has source batches.

@@ -666,7 +666,8 @@ class SelectiveLoader:
             self._plan_passes(store, int(key), planned_epochs, int(per_epoch))
         self._fixed = None if per_epoch is None else FixedEpochs(int(per_epoch))
         size = self._source.dataset_size
-        if self._sync is not None and self.policy.records_examples() and size:
+        checkable = self._source.disjoint_across_ranks()
+        if self._sync is not None and self.policy.records_examples() and size and checkable:
             # Every rank's losses reach the per-example store by dataset index: the indices
             # must name one dataset's examples on every rank (checked after the first pass).
             self._sync.arm_overlap_check(size)

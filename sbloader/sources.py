@@ -104,6 +104,14 @@ class Source(abc.ABC):
         """Source batches worth fetching ahead on a thread by default (see ``prefetch=``)."""
         return 0
 
+    def disjoint_across_ranks(self) -> bool:
+        """Whether, under DDP, the ranks' indices in a pass name disjoint shares of one dataset
+        (up to ``world_size - 1`` read twice, a ``DistributedSampler``'s padding), so that more
+        overlap means a misconfigured source (see :meth:`sbloader.distributed.RankSync.
+        check_overlap`). False (not checked) where a source's own partitioning may repeat more
+        (streaming pads its shares with up to a batch per rank) or is unknown."""
+        return False
+
     def index_field_name(self) -> Hashable | None:
         """The batch field this source reads dataset indices from (no model input), or None."""
         return None
@@ -293,6 +301,10 @@ class DataLoaderSource(Source):
     def default_prefetch(self) -> int:
         """1 with worker processes (the next batch is then fetched while the caller trains)."""
         return 1 if self.loader.num_workers > 0 else 0
+
+    def disjoint_across_ranks(self) -> bool:
+        """True: a map-style dataset's indices, shared out by a sampler."""
+        return True
 
     @property
     def replayable(self) -> bool:

@@ -515,6 +515,8 @@ def scenario_unsharded(rank: int, world_size: int) -> dict:
         return None
 
     res["stale_pre_sharded"] = stale_run(own, 3, torch.nn.Linear(6, N_CLASSES))
+    uneven = torch.utils.data.Subset(own, range(80 - 20 * rank))  # shards of 80 and 60
+    res["stale_uneven_shards"] = stale_run(uneven, 3, torch.nn.Linear(6, N_CLASSES))
     res["stale_own_orders"] = stale_run(EncodedDataset(80), 3 + rank, IndexLoss())
     res["stale_replicas"] = stale_run(EncodedDataset(80), 3, IndexLoss())
     return res
@@ -670,10 +672,13 @@ def test_ranks_reading_the_same_indices_are_refused_with_a_store(two):
     order, is refused on every rank at the end of the first pass; the same data under the same
     indices on every rank (replicas, warned about) is not."""
     for r in two:
-        for case in ("stale_pre_sharded", "stale_own_orders"):
+        for case in ("stale_pre_sharded", "stale_uneven_shards", "stale_own_orders"):
             assert r[case] is not None and r[case].startswith("epoch 0: "), (case, r[case])
-            assert "read by more than one of the 2 ranks" in r[case]
             assert "index_key=" in r[case] and "DistributedSampler" in r[case]
+        for case in ("stale_pre_sharded", "stale_own_orders"):  # after the first pass
+            assert "read by more than one of the 2 ranks" in r[case]
+        # Shards of different sizes: before any loss is shared (the run's first collective).
+        assert "the ranks' datasets differ in size (60 to 80 examples)" in r["stale_uneven_shards"]
         assert r["stale_replicas"] is None
 
 
