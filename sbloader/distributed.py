@@ -23,8 +23,9 @@ rank selects different examples, so each would fill a different number of batche
   examples, e.g. a DataLoader without a ``DistributedSampler``) is reported on every rank, at no
   extra collective (:meth:`RankSync.note_batch`);
 - where a policy keeps per-example records (Stale-SB's store, which every rank's losses reach by
-  dataset index), the ranks check once, after the first whole pass, that no index was read by
-  two ranks (beyond a ``DistributedSampler``'s padding): ranks reading their own data under
+  dataset index), the ranks check that their datasets have the same size (the first
+  collective) and, once, after the first whole pass, that no more indices were read by two ranks
+  than a sharding sampler pads with (a batch per rank): ranks reading their own data under
   indices from 0 would mix their losses in the store (:meth:`RankSync.check_overlap`).
 
 :func:`reduce_stats` sums a loader's counters across ranks.
@@ -142,7 +143,8 @@ class RankSync:
         # The dataset indices this rank read in the current pass, while the overlap of the
         # ranks' indices is still to be checked (arm_overlap_check); None otherwise.
         self._read: np.ndarray | None = None
-        self._size = 0  # this rank's dataset size, compared at the first agree once armed
+        self._size = 0  # this rank's dataset size, compared at the first bind once armed
+        self._repeats = 0  # indices the ranks may read twice in a pass (samplers' padding)
 
     def note_batch(self, inputs: Any) -> None:
         """Remember a digest of this rank's first source batch's inputs (later calls, and
@@ -151,15 +153,17 @@ class RankSync:
         if self._digest is None and not self._checked:
             self._digest = batch_digest(inputs)
 
-    def arm_overlap_check(self, dataset_size: int) -> None:
+    def arm_overlap_check(self, dataset_size: int, batch_size: int | None = None) -> None:
         """Check that the ranks' dataset indices name one dataset's examples: at the first
         :meth:`agree`, that every rank's dataset has this size, and at the end of the first
         whole pass over the data, that no two ranks read the same index
         (:meth:`check_overlap`). The loader arms it where a policy keeps per-example records,
-        which every rank's losses reach by index."""
+        which every rank's losses reach by index. ``batch_size``: the source's, which bounds
+        how many examples a sharding sampler may repeat to even out the ranks' shares."""
         if self.world_size > 1 and dataset_size > 0:
             self._read = np.zeros(dataset_size, dtype=np.uint8)
             self._size = dataset_size
+            self._repeats = self.world_size * max(batch_size or 1, 1)
 
     def note_indices(self, indices: np.ndarray | None, new_pass: bool = False) -> None:
         """Mark the dataset indices of a source batch this rank read (``new_pass``: forget the
@@ -177,14 +181,15 @@ class RankSync:
         ``all_reduce(SUM)`` of the indices each rank read (once per run); raises on every rank
         where the ranks read the same indices.
 
-        NOTE: a ``DistributedSampler`` pads the ranks' shares to equal lengths with up to
-        ``world_size - 1`` examples read twice; more than that means the ranks' indices do not
-        name disjoint shares of one dataset: either each rank reads its own data under indices
-        from 0 (a pre-sharded dataset), whose losses a per-example store keyed by index would
-        mix across ranks (a stale epoch deciding one rank's examples from another's losses), or
-        every rank reads the whole dataset in its own order. Where every rank's first batch was
-        the same (:meth:`agree` warned: deliberate replicas, same data under the same indices),
-        the store is consistent, and nothing is raised.
+        NOTE: a sharding sampler may pad the ranks' shares to equal lengths with examples read
+        twice: up to ``world_size - 1`` (``DistributedSampler``), or up to a batch per rank
+        (Accelerate's ``even_batches``); more than ``world_size`` source batches' worth means
+        the ranks' indices do not name disjoint shares of one dataset: either each rank reads
+        its own data under indices from 0 (a pre-sharded dataset), whose losses a per-example
+        store keyed by index would mix across ranks (a stale epoch deciding one rank's examples
+        from another's losses), or every rank reads the whole dataset in its own order. Where
+        every rank's first batch was the same (:meth:`agree` warned: deliberate replicas, the
+        same data under the same indices), the store is consistent, and nothing is raised.
         """
         read, self._read = self._read, None
         if read is None:
@@ -197,7 +202,7 @@ class RankSync:
         t[: len(read)] = torch.from_numpy(read).to(dtype).to(self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         shared = int((t > 1).sum().item())
-        if shared > self.world_size - 1 and not self._identical:
+        if shared > self._repeats and not self._identical:
             raise ValueError(
                 f"{shared} dataset indices were read by more than one of the {self.world_size} "
                 "ranks in one pass over the data: either each rank reads its own data under "

@@ -670,7 +670,7 @@ class SelectiveLoader:
         if self._sync is not None and self.policy.records_examples() and size and checkable:
             # Every rank's losses reach the per-example store by dataset index: the indices
             # must name one dataset's examples on every rank (checked after the first pass).
-            self._sync.arm_overlap_check(size)
+            self._sync.arm_overlap_check(size, self._source.batch_size)
         #: Training batches per epoch (``len(loader)``), or None (one pass per epoch).
         self.batches_per_epoch: int | None = None if self._fixed is None else self._fixed.count
         self.decisions = check_choice("decisions", decisions, _DECISIONS)

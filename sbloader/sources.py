@@ -106,7 +106,7 @@ class Source(abc.ABC):
 
     def disjoint_across_ranks(self) -> bool:
         """Whether, under DDP, the ranks' indices in a pass name disjoint shares of one dataset
-        (up to ``world_size - 1`` read twice, a ``DistributedSampler``'s padding), so that more
+        (up to a batch per rank read twice: a sharding sampler's padding), so that more
         overlap means a misconfigured source (see :meth:`sbloader.distributed.RankSync.
         check_overlap`). False (not checked) where a source's own partitioning may repeat more
         (streaming pads its shares with up to a batch per rank) or is unknown."""

@@ -519,6 +519,15 @@ def scenario_unsharded(rank: int, world_size: int) -> dict:
     res["stale_uneven_shards"] = stale_run(uneven, 3, torch.nn.Linear(6, N_CLASSES))
     res["stale_own_orders"] = stale_run(EncodedDataset(80), 3 + rank, IndexLoss())
     res["stale_replicas"] = stale_run(EncodedDataset(80), 3, IndexLoss())
+    # Disjoint shares padded with a few repeated examples, as Accelerate's even_batches pads
+    # (up to a batch per rank): not refused.
+    padded = SelectiveLoader(
+        DataLoader(EncodedDataset(70), batch_size=20, sampler=[*range(rank, 70, 2), *range(5)]),
+        IndexLoss(),
+        policy=SelectiveBackprop(0.5, staleness=2),
+        batch_size=10,
+    )
+    res["stale_padded_batches"] = [len(list(padded)) for _ in range(2)]
     return res
 
 
@@ -680,6 +689,7 @@ def test_ranks_reading_the_same_indices_are_refused_with_a_store(two):
         # Shards of different sizes: before any loss is shared (the run's first collective).
         assert "the ranks' datasets differ in size (60 to 80 examples)" in r["stale_uneven_shards"]
         assert r["stale_replicas"] is None
+        assert all(r["stale_padded_batches"])  # ran two epochs, not refused
 
 
 def test_reported_losses_reach_every_ranks_store_and_schedule(two):
