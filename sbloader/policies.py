@@ -89,8 +89,9 @@ class Policy(abc.ABC):
     """
 
     def passthrough(self) -> bool:
-        """Whether the policy keeps every example and the loader should keep the source's
-        batches exactly as they are (no re-batching, no selection pass)."""
+        """Whether the policy keeps every example without a selection pass: the loader hands
+        the source's batches out as they are where they have ``batch_size`` examples, and
+        re-batches them in order where not."""
         return False
 
     def needs_indices(self) -> bool:
