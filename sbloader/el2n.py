@@ -139,15 +139,18 @@ def el2n_scores(
                     inputs, targets = _to(batch[0], dev), _to(batch[1], dev)
                     step(model, optimizer, inputs, targets)
                     train_examples += len(targets)
-        with eval_mode(model), torch.inference_mode():
-            for batch, idx in src.epoch():
-                inputs, targets = _to(batch[0], dev), _to(batch[1], dev)
-                probs = torch.softmax(model(inputs).float(), dim=1)
-                onehot = nn.functional.one_hot(targets, probs.shape[1]).to(probs.dtype)
-                err = torch.linalg.vector_norm(probs - onehot, dim=1)
-                values = err.cpu().numpy().astype(np.float64)
-                _kernels.accumulate(sums, counts, np.ascontiguousarray(idx, np.int64), values)
-                score_forwards += len(targets)
+            # NOTE: the scoring pass inside the fork too: every iter() of a DataLoader draws
+            # its base seed (and a shuffling one its order) from torch's global RNG.
+            with eval_mode(model), torch.inference_mode():
+                for batch, idx in src.epoch():
+                    inputs, targets = _to(batch[0], dev), _to(batch[1], dev)
+                    probs = torch.softmax(model(inputs).float(), dim=1)
+                    onehot = nn.functional.one_hot(targets, probs.shape[1]).to(probs.dtype)
+                    err = torch.linalg.vector_norm(probs - onehot, dim=1)
+                    values = err.cpu().numpy().astype(np.float64)
+                    index = np.ascontiguousarray(idx, np.int64)
+                    _kernels.accumulate(sums, counts, index, values)
+                    score_forwards += len(targets)
         per_model.append(time.perf_counter() - t0)
     with np.errstate(invalid="ignore", divide="ignore"):
         scores = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)

@@ -308,6 +308,24 @@ def test_el2n_ranks_flipped_labels_among_the_hardest():
     assert r.train_examples == 3 * 3 * 400 and r.score_forwards == 3 * 400 and r.seconds > 0
 
 
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_el2n_leaves_the_global_rng_alone_with_a_source_that_draws_from_it(shuffle):
+    """A DataLoader without generator= draws its base seed (and a shuffling one its order)
+    from torch's global RNG at every iter(): the scoring passes too run in the fork."""
+    dl = DataLoader(Blobs(100), batch_size=32, shuffle=shuffle)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    el2n_scores(
+        lambda: nn.Linear(2, 2),
+        dl,
+        make_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        models=2,
+        epochs=1,
+    )
+    assert torch.equal(torch.rand(3), expected)
+
+
 @pytest.mark.parametrize("fraction", [0.01, 0.3, 0.5, 0.77, 1.0])
 def test_prune_keeps_exactly_the_requested_fraction(fraction):
     scores = np.round(np.random.default_rng(0).random(1000), 2)  # many ties
