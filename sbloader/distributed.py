@@ -24,9 +24,9 @@ rank selects different examples, so each would fill a different number of batche
   extra collective (:meth:`RankSync.note_batch`);
 - where a policy keeps per-example records (Stale-SB's store, which every rank's losses reach by
   dataset index), the ranks check that their datasets have the same size (the first
-  collective) and, once, after the first whole pass, that no more indices were read by two ranks
-  than a sharding sampler pads with (a batch per rank): ranks reading their own data under
-  indices from 0 would mix their losses in the store (:meth:`RankSync.check_overlap`).
+  collective; an error), and, once, after the first whole pass, warn where more indices were read
+  by two ranks than a sharding sampler pads with (a batch per rank): ranks reading their own data
+  under indices from 0 mix their losses in the store (:meth:`RankSync.check_overlap`).
 
 :func:`reduce_stats` sums a loader's counters across ranks.
 """
@@ -143,8 +143,8 @@ class RankSync:
         # The dataset indices this rank read in the current pass, while the overlap of the
         # ranks' indices is still to be checked (arm_overlap_check); None otherwise.
         self._read: np.ndarray | None = None
-        self._size = 0  # this rank's dataset size, compared at the first bind once armed
-        self._repeats = 0  # indices the ranks may read twice in a pass (samplers' padding)
+        self._size: int | None = None  # this rank's dataset size, compared at the first bind
+        self._widest = 0  # the most indices in one source batch this rank read (the check's slack)
 
     def note_batch(self, inputs: Any) -> None:
         """Remember a digest of this rank's first source batch's inputs (later calls, and
@@ -153,17 +153,15 @@ class RankSync:
         if self._digest is None and not self._checked:
             self._digest = batch_digest(inputs)
 
-    def arm_overlap_check(self, dataset_size: int, batch_size: int | None = None) -> None:
+    def arm_overlap_check(self, dataset_size: int) -> None:
         """Check that the ranks' dataset indices name one dataset's examples: at the first
-        :meth:`agree`, that every rank's dataset has this size, and at the end of the first
-        whole pass over the data, that no two ranks read the same index
-        (:meth:`check_overlap`). The loader arms it where a policy keeps per-example records,
-        which every rank's losses reach by index. ``batch_size``: the source's, which bounds
-        how many examples a sharding sampler may repeat to even out the ranks' shares."""
-        if self.world_size > 1 and dataset_size > 0:
+        :meth:`bind`, that every rank's dataset has this size (an error), and at the end of the
+        first whole pass over the data, how many indices two ranks read (:meth:`check_overlap`,
+        a warning). The loader arms it where a policy keeps per-example records, which every
+        rank's losses reach by index. Every rank arms it alike, an empty dataset's included."""
+        if self.world_size > 1 and dataset_size >= 0:
             self._read = np.zeros(dataset_size, dtype=np.uint8)
             self._size = dataset_size
-            self._repeats = self.world_size * max(batch_size or 1, 1)
 
     def note_indices(self, indices: np.ndarray | None, new_pass: bool = False) -> None:
         """Mark the dataset indices of a source batch this rank read (``new_pass``: forget the
@@ -173,44 +171,52 @@ class RankSync:
             return
         if new_pass:
             read[:] = 0
-        if indices is not None and len(indices):
+        if indices is not None and len(indices) and len(read):
             read[np.clip(indices, 0, len(read) - 1)] = 1
+            self._widest = max(self._widest, len(indices))
 
     def check_overlap(self) -> None:
-        """At the end of a whole pass: an ``all_reduce(MAX)`` of the ranks' dataset sizes and one
-        ``all_reduce(SUM)`` of the indices each rank read (once per run); raises on every rank
-        where the ranks read the same indices.
+        """At the end of a whole pass (once per run): an ``all_reduce(MAX)`` of the ranks'
+        dataset sizes and widest source batches, and one ``all_reduce(SUM)`` of the indices
+        each rank read; warns on every rank where more indices were read by two ranks than a
+        sharding sampler pads with.
 
         NOTE: a sharding sampler may pad the ranks' shares to equal lengths with examples read
-        twice: up to ``world_size - 1`` (``DistributedSampler``), or up to a batch per rank
-        (Accelerate's ``even_batches``); more than ``world_size`` source batches' worth means
-        the ranks' indices do not name disjoint shares of one dataset: either each rank reads
-        its own data under indices from 0 (a pre-sharded dataset), whose losses a per-example
-        store keyed by index would mix across ranks (a stale epoch deciding one rank's examples
-        from another's losses), or every rank reads the whole dataset in its own order. Where
-        every rank's first batch was the same (:meth:`agree` warned: deliberate replicas, the
-        same data under the same indices), the store is consistent, and nothing is raised.
+        twice: fewer than ``world_size`` (``DistributedSampler``), or up to a batch per rank
+        (Accelerate's ``even_batches``, measured: never more than ``world_size`` batches). More
+        means either that each rank reads its own data under indices from 0 (a pre-sharded
+        dataset), whose losses a per-example store keyed by index mixes across ranks (a stale
+        epoch deciding one rank's examples from another's losses), or that every rank reads the
+        whole dataset in its own order, or a sampler that repeats examples on purpose
+        (repeated augmentation, sampling with replacement), whose global indices keep the store
+        consistent. The counts cannot tell these apart, so this warns, naming all three, where
+        an error would stop the last kind of run. Replicas (every rank's first batch the same,
+        which :meth:`agree` warned about) are consistent too, and not warned about again.
         """
         read, self._read = self._read, None
         if read is None:
             return
         # The ranks' datasets may differ in size (each its own shard): agree on the longest.
-        size = torch.tensor([len(read)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(size, op=dist.ReduceOp.MAX, group=self.group)
+        head = torch.tensor([len(read), self._widest], dtype=torch.int64, device=self.device)
+        dist.all_reduce(head, op=dist.ReduceOp.MAX, group=self.group)
+        size, widest = (int(v) for v in head.tolist())
         dtype = torch.uint8 if self.world_size < 256 else torch.int32
-        t = torch.zeros(int(size.item()), dtype=dtype, device=self.device)
+        t = torch.zeros(size, dtype=dtype, device=self.device)
         t[: len(read)] = torch.from_numpy(read).to(dtype).to(self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         shared = int((t > 1).sum().item())
-        if shared > self._repeats and not self._identical:
-            raise ValueError(
+        if shared > self.world_size * max(widest, 1) and not self._identical:
+            warnings.warn(
                 f"{shared} dataset indices were read by more than one of the {self.world_size} "
-                "ranks in one pass over the data: either each rank reads its own data under "
-                "indices from 0 (a pre-sharded dataset), whose losses this policy's per-example "
-                "store (Stale-SB's; the default policy's) would mix across ranks, or every rank "
-                "reads the whole dataset in its own order. Give each example its global index "
-                "(a field of the batch, named by index_key=), or give the DataLoader "
-                "sampler=DistributedSampler(dataset)"
+                "ranks in one pass over the data. If each rank reads its own data under indices "
+                "from 0 (a pre-sharded dataset), this policy's per-example store (Stale-SB's; "
+                "the default policy's) mixes the ranks' losses by index: give each example its "
+                "global index (a field of the batch, named by index_key=). If every rank reads "
+                "the whole dataset, give the DataLoader sampler=DistributedSampler(dataset). If "
+                "the sampler repeats examples on purpose (repeated augmentation, sampling with "
+                "replacement), the indices are global and nothing is wrong: filter this warning",
+                UserWarning,
+                stacklevel=2,
             )
 
     def bind(self, device: torch.device) -> None:
@@ -219,9 +225,9 @@ class RankSync:
         every rank's dataset has the same size (one ``all_reduce(MIN)``, the run's first
         collective: before any rank's losses reach another's store)."""
         self.device = collective_device(self.backend, device)
-        if not self._size:
+        if self._size is None:
             return
-        size, self._size = self._size, 0
+        size, self._size = self._size, None
         t = torch.tensor([size, -size], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         low, high = t.tolist()[0], -t.tolist()[1]

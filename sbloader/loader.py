@@ -667,10 +667,12 @@ class SelectiveLoader:
         self._fixed = None if per_epoch is None else FixedEpochs(int(per_epoch))
         size = self._source.dataset_size
         checkable = self._source.disjoint_across_ranks()
-        if self._sync is not None and self.policy.records_examples() and size and checkable:
+        if self._sync is not None and self.policy.records_examples() and checkable:
             # Every rank's losses reach the per-example store by dataset index: the indices
-            # must name one dataset's examples on every rank (checked after the first pass).
-            self._sync.arm_overlap_check(size, self._source.batch_size)
+            # must name one dataset's examples on every rank (sizes checked at the first
+            # collective, overlap after the first pass).
+            if size is not None:
+                self._sync.arm_overlap_check(size)
         #: Training batches per epoch (``len(loader)``), or None (one pass per epoch).
         self.batches_per_epoch: int | None = None if self._fixed is None else self._fixed.count
         self.decisions = check_choice("decisions", decisions, _DECISIONS)

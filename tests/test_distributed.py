@@ -493,30 +493,41 @@ def scenario_unsharded(rank: int, world_size: int) -> dict:
     # own data under the same indices would mix in it; refused on every rank after the first
     # pass, as is every rank reading the whole dataset in its own order. The same data under
     # the same indices on every rank (reported above) keeps the store consistent: not refused.
-    def stale_run(dataset, order_seed: int, model) -> str | None:
+    def stale_run(dataset, order_seed: int, model, sampler=None) -> str | None:
+        """The error (an error's epoch and message) or the overlap warnings of two epochs."""
         loader = SelectiveLoader(
             DataLoader(
                 dataset,
                 batch_size=20,
-                shuffle=True,
+                shuffle=sampler is None,
+                sampler=sampler,
                 generator=torch.Generator().manual_seed(order_seed),
             ),
             model,
             policy=SelectiveBackprop(0.5, staleness=2),
             batch_size=10,
         )
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             try:
                 for _ in range(2):
                     list(loader)
             except ValueError as e:
-                return f"epoch {loader.epoch}: {e}"
-        return None
+                return f"error in epoch {loader.epoch}: {e}"
+        overlap = [str(w.message) for w in caught if "read by more than one" in str(w.message)]
+        return f"warned after {loader.epoch} epochs: {overlap[0]}" if overlap else None
 
     res["stale_pre_sharded"] = stale_run(own, 3, torch.nn.Linear(6, N_CLASSES))
     uneven = torch.utils.data.Subset(own, range(80 - 20 * rank))  # shards of 80 and 60
     res["stale_uneven_shards"] = stale_run(uneven, 3, torch.nn.Linear(6, N_CLASSES))
+    empty = torch.utils.data.Subset(own, range(0 if rank else 40))  # more ranks than shards
+    res["stale_empty_shard"] = stale_run(
+        empty, 3, torch.nn.Linear(6, N_CLASSES), sampler=list(range(len(empty)))
+    )
+    # Every example on every rank on purpose, each rank its own order (repeated augmentation):
+    # global indices, a consistent store; warned about (the counts cannot tell), not refused.
+    repeated = list(torch.randperm(80, generator=torch.Generator().manual_seed(rank)))
+    res["stale_repeated"] = stale_run(EncodedDataset(80), 3, IndexLoss(), sampler=repeated)
     res["stale_own_orders"] = stale_run(EncodedDataset(80), 3 + rank, IndexLoss())
     res["stale_replicas"] = stale_run(EncodedDataset(80), 3, IndexLoss())
     # Disjoint shares padded with a few repeated examples, as Accelerate's even_batches pads
@@ -675,19 +686,25 @@ def test_a_source_that_is_not_sharded_is_reported_on_every_rank(two):
     assert two[0]["per_rank_first"] == two[1]["per_rank_first"]
 
 
-def test_ranks_reading_the_same_indices_are_refused_with_a_store(two):
+def test_ranks_reading_the_same_indices_are_reported_with_a_store(two):
     """A policy with a per-example store (Stale-SB) on ranks whose indices overlap: their own
-    data under indices from 0 (losses mixed in the store), or the whole dataset each in its own
-    order, is refused on every rank at the end of the first pass; the same data under the same
-    indices on every rank (replicas, warned about) is not."""
+    data under indices from 0 (losses mixed in the store), the whole dataset each in its own
+    order, or examples repeated on purpose, is warned about on every rank after the first pass;
+    datasets of different sizes are refused at the first collective; the same data under the
+    same indices on every rank (replicas, warned about once already) and disjoint shares padded
+    with a batch's worth are not reported."""
     for r in two:
-        for case in ("stale_pre_sharded", "stale_uneven_shards", "stale_own_orders"):
-            assert r[case] is not None and r[case].startswith("epoch 0: "), (case, r[case])
-            assert "index_key=" in r[case] and "DistributedSampler" in r[case]
-        for case in ("stale_pre_sharded", "stale_own_orders"):  # after the first pass
+        for case in ("stale_pre_sharded", "stale_own_orders", "stale_repeated"):
+            # After the first pass, a warning naming the three cases; the run goes on.
+            assert r[case] is not None and r[case].startswith("warned after 2 epochs: "), r[case]
             assert "read by more than one of the 2 ranks" in r[case]
-        # Shards of different sizes: before any loss is shared (the run's first collective).
-        assert "the ranks' datasets differ in size (60 to 80 examples)" in r["stale_uneven_shards"]
+            assert "index_key=" in r[case] and "DistributedSampler" in r[case]
+            assert "repeats examples on purpose" in r[case]
+        # Shards of different sizes: an error before any loss is shared (the first collective),
+        # an empty one included (it takes part in the check, or the ranks' collectives differ).
+        for case, sizes in (("stale_uneven_shards", "60 to 80"), ("stale_empty_shard", "0 to 40")):
+            assert r[case] is not None and r[case].startswith("error in epoch 0: "), r[case]
+            assert f"the ranks' datasets differ in size ({sizes} examples)" in r[case]
         assert r["stale_replicas"] is None
         assert all(r["stale_padded_batches"])  # ran two epochs, not refused
 
