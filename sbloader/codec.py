@@ -152,10 +152,11 @@ class BatchCodec:
         without a pad value has other trailing (non-batch) sizes in ``data`` than in the first
         source batch checked: its rows could not be concatenated with that batch's rows.
 
-        Called on every source batch loaded in an epoch whose kept rows are re-batched (not a
-        passthrough policy's), at load time: the error comes with the first source batch that
-        differs, not at a later concatenation, which depends on which rows were kept. ``where``
-        names the batch for the message. One shape comparison per such field.
+        Called on every source batch loaded in an epoch whose rows are re-batched (a selective
+        one, or a passthrough one whose source batches are not training batches), at load time:
+        the error comes with the first source batch that differs, not at a later concatenation,
+        which depends on which rows were kept. ``where`` names the batch for the message. One
+        shape comparison per such field.
         """
         shapes = self._shapes
         if shapes is None:
@@ -174,19 +175,19 @@ class BatchCodec:
             column = data[j]
             if not isinstance(column, torch.Tensor):
                 continue
-            if column.dtype == torch.bool and value not in (0, 1):
-                wrong = "a bool field pads with True, False, 0 or 1"
-            elif not column.is_floating_point() and not float(value).is_integer():
-                wrong = f"a {column.dtype} field pads with whole numbers"
-            elif (
-                column.dtype != torch.bool
-                and not column.is_floating_point()
-                and not (torch.iinfo(column.dtype).min <= value <= torch.iinfo(column.dtype).max)
-            ):
-                info = torch.iinfo(column.dtype)
-                wrong = f"a {column.dtype} field holds {info.min} to {info.max}"
-            else:
+            if column.is_floating_point() or column.is_complex():
                 continue
+            if column.dtype == torch.bool:
+                if value in (0, 1):
+                    continue
+                wrong = "a bool field pads with True, False, 0 or 1"
+            elif not float(value).is_integer():
+                wrong = f"a {column.dtype} field pads with whole numbers"
+            else:
+                info = torch.iinfo(column.dtype)
+                if info.min <= value <= info.max:
+                    continue
+                wrong = f"a {column.dtype} field holds {info.min} to {info.max}"
             key = self.format.keys[j]
             raise ValueError(
                 f"pad_values={{{key!r}: {value!r}}} cannot pad the field {key!r}: {wrong}; "

@@ -163,23 +163,21 @@ class RankSync:
             self._read = np.zeros(dataset_size, dtype=np.uint8)
             self._size = dataset_size
 
-    def note_indices(self, indices: np.ndarray | None, new_pass: bool = False) -> None:
-        """Mark the dataset indices of a source batch this rank read (``new_pass``: forget the
-        earlier ones first, an earlier pass having ended part-way); nothing once checked."""
+    def note_indices(self, indices: np.ndarray | None) -> None:
+        """Mark the dataset indices of a source batch this rank read in the current pass
+        (forgotten when the next pass begins, :meth:`bind`); nothing once checked."""
         read = self._read
         if read is None:
             return
-        if new_pass:
-            read[:] = 0
         if indices is not None and len(indices) and len(read):
             read[np.clip(indices, 0, len(read) - 1)] = 1
             self._widest = max(self._widest, len(indices))
 
     def check_overlap(self) -> None:
         """At the end of a whole pass (once per run): an ``all_reduce(MAX)`` of the ranks'
-        dataset sizes and widest source batches, and one ``all_reduce(SUM)`` of the indices
-        each rank read; warns on every rank where more indices were read by two ranks than a
-        sharding sampler pads with.
+        widest source batches and one ``all_reduce(SUM)`` of the indices each rank read (the
+        ranks' datasets have the same size: :meth:`bind` checked); warns on every rank where
+        more indices were read by two ranks than a sharding sampler pads with.
 
         NOTE: a sharding sampler may pad the ranks' shares to equal lengths with examples read
         twice: fewer than ``world_size`` (``DistributedSampler``), or up to a batch per rank
@@ -196,13 +194,11 @@ class RankSync:
         read, self._read = self._read, None
         if read is None:
             return
-        # The ranks' datasets may differ in size (each its own shard): agree on the longest.
-        head = torch.tensor([len(read), self._widest], dtype=torch.int64, device=self.device)
+        head = torch.tensor([self._widest], dtype=torch.int64, device=self.device)
         dist.all_reduce(head, op=dist.ReduceOp.MAX, group=self.group)
-        size, widest = (int(v) for v in head.tolist())
+        widest = int(head.item())
         dtype = torch.uint8 if self.world_size < 256 else torch.int32
-        t = torch.zeros(size, dtype=dtype, device=self.device)
-        t[: len(read)] = torch.from_numpy(read).to(dtype).to(self.device)
+        t = torch.from_numpy(read).to(dtype).to(self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         shared = int((t > 1).sum().item())
         if shared > self.world_size * max(widest, 1) and not self._identical:
@@ -221,10 +217,13 @@ class RankSync:
 
     def bind(self, device: torch.device) -> None:
         """Place collective tensors for a model on ``device`` (the loader calls this as each
-        epoch begins); the first time, once :meth:`arm_overlap_check` is armed, check that
-        every rank's dataset has the same size (one ``all_reduce(MIN)``, the run's first
+        pass over the data begins: the indices noted so far are forgotten, an earlier pass
+        having ended part-way); the first time, once :meth:`arm_overlap_check` is armed, check
+        that every rank's dataset has the same size (one ``all_reduce(MIN)``, the run's first
         collective: before any rank's losses reach another's store)."""
         self.device = collective_device(self.backend, device)
+        if self._read is not None:
+            self._read[:] = 0
         if self._size is None:
             return
         size, self._size = self._size, None
@@ -242,13 +241,15 @@ class RankSync:
                 "one dataset to every rank with sampler=DistributedSampler(dataset)"
             )
 
-    def agree(self, ready: int, active: bool) -> tuple[int, bool]:
+    def agree(self, ready: int, active: bool, digest: bool = True) -> tuple[int, bool]:
         """The fewest batches any rank has ready, and whether any rank still has source batches.
 
         One ``all_reduce(MIN)`` of ``[ready, -active]``. The first call of a run also carries
         ``[d, -d]``, ``d`` the digest of this rank's first source batch (:meth:`note_batch`; a
         distinct negative number per rank where there is none), and warns on every rank when
-        every rank's first batch had the same digest.
+        every rank's first batch had the same digest. ``digest=False``: a call made before
+        any source batch is loaded (every rank alike), which leaves that comparison to the
+        first call after one.
 
         NOTE: every rank makes its first call in the same round (the calls are matched one to
         one across ranks, or the job would hang already), so the four-element tensor of the
@@ -260,7 +261,7 @@ class RankSync:
         times the work for the same updates), but it runs correctly in lockstep, and tests or
         deliberate replicas may want it.
         """
-        first = not self._checked and self.world_size > 1
+        first = digest and not self._checked and self.world_size > 1
         values = [ready, -int(active)]
         if first:
             self._checked = True

@@ -107,7 +107,8 @@ class EpochIterator:
         self._counted = (0, 0)
         self._handed_out: float | None = None
         self._start = 0.0
-        self._fresh = self._passthrough = self._filtering = False
+        self._fresh = self._passthrough = self._filtering = self._joins = False
+        self._remainder = "carry"  # this epoch's remainder (set as it begins)
         self._paused = False  # paused between training epochs (see pause())
         # overlap_selection: the next source batch, fetched and being scored on the selection
         # thread; the fetcher's last tally once fetching ahead found the source exhausted; the
@@ -117,7 +118,6 @@ class EpochIterator:
         self._exhausted: tuple[int, int, Any] | None = None
         self._thread: SelectionThread | None = None
         self._resume_scores: AheadScores | None = None
-        self._noted = False  # whether this epoch told the rank sync of a source batch's indices
 
     # ------------------------------------------------------------------ protocol
     def __iter__(self) -> EpochIterator:
@@ -267,6 +267,9 @@ class EpochIterator:
         policy = loader.policy
         self._fresh = policy.needs_losses(epoch)
         self._passthrough = policy.passthrough()
+        # A passthrough policy hands out a pass's rest as one short batch, as the source's own
+        # last batch would be, whatever ``remainder`` says for selected rows.
+        self._remainder = "short" if self._passthrough else loader.remainder
         # Whether rows of different source batches are joined into training batches this epoch:
         # always when selecting; for a passthrough policy, where the source's batches are not
         # already training batches (another batch size, or rows left out by ``subset``).
@@ -433,8 +436,7 @@ class EpochIterator:
             )
         if loader._sync is not None:
             loader._sync.note_batch(data[loader._codec.input_position])
-            loader._sync.note_indices(indices, new_pass=not self._noted)
-            self._noted = True
+            loader._sync.note_indices(indices)
         excluded = 0
         if loader._subset is not None and not self._filtering:
             assert indices is not None
@@ -583,7 +585,7 @@ class EpochIterator:
         # mean over the step's examples only when every rank's batch is as large.
         loader = self._loader
         pending = len(loader._pending)
-        if loader.remainder == "short" or self._passthrough:
+        if self._remainder == "short":
             mine = min(pending, loader.batch_size) if pending >= loader.min_batch_size else 0
             self._short = self._agree(mine, active=False)
         self._phase = _Phase.FINISH
@@ -593,7 +595,7 @@ class EpochIterator:
         assert stats is not None
         if loader._sync is not None:
             loader._sync.check_overlap()  # the ranks' indices, after a whole pass (once)
-        if loader.remainder != "carry" or self._passthrough:
+        if self._remainder != "carry":
             stats.dropped += loader._pending.clear()
         self._phase = _Phase.DONE
         self._stop_fetch()

@@ -268,8 +268,9 @@ class FixedEpochIterator:
             # NOTE: ranks with different counts would hang in DDP's all-reduce at the end of the
             # shortest epoch; both extremes are reduced so every rank raises alike.
             sync.bind(loader.device)
-            fewest = sync.agree(clock.count, True)[0]
-            most = -sync.agree(-clock.count, True)[0]
+            # (before any source batch: the unsharded-source check waits for the first one)
+            fewest = sync.agree(clock.count, True, digest=False)[0]
+            most = -sync.agree(-clock.count, True, digest=False)[0]
             clock._agreed = True
             if fewest != most:
                 raise ValueError(

@@ -7,7 +7,6 @@ The loader holds configuration and cross-epoch state; an :class:`~sbloader.epoch
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import warnings
@@ -26,7 +25,7 @@ from .adapt import make_source
 from .codec import BatchCodec
 from .decisions import NONFINITE, subset_mask
 from .device_decisions import DecisionGenerator
-from .distributed import RankSync, is_distributed, make_sync
+from .distributed import RankSync, batch_digest, is_distributed, make_sync
 from .epoch import EpochIterator
 from .features import make_feature_cache
 from .feedback import FeedbackBuffer, check_range, checked
@@ -1416,7 +1415,5 @@ class SelectiveLoader:
 
 
 def _digest(mask: np.ndarray) -> str:
-    """A short fingerprint of a ``subset`` mask (how many it keeps, and a hash of which)."""
-    bits = np.packbits(np.asarray(mask, dtype=bool))
-    digest = hashlib.blake2b(bits.tobytes(), digest_size=8).hexdigest()
-    return f"{int(np.count_nonzero(mask))}:{digest}"
+    """A short fingerprint of a ``subset`` mask: how many it keeps, and a digest of which."""
+    return f"{int(np.count_nonzero(mask))}:{batch_digest(np.asarray(mask, dtype=bool))}"

@@ -10,7 +10,6 @@ state protocol saves and restores.
 from __future__ import annotations
 
 import abc
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -1217,13 +1216,7 @@ def passes_within(
 
     if not fits(2):
         return None
-    # expected() grows with P (by steady or full batches a pass), and exceeds the budget by
-    # P = budget / min(steady, full) + 1: search in between.
-    low, high = 2, math.floor(budget / min(steady, full)) + 1
-    while high - low > 1:
-        mid = (low + high) // 2
-        if fits(mid):
-            low = mid
-        else:
-            high = mid
-    return low
+    passes = 2  # expected() grows by steady or full batches with each pass
+    while fits(passes + 1):
+        passes += 1
+    return passes

@@ -471,6 +471,21 @@ def scenario_unsharded(rank: int, world_size: int) -> dict:
         warnings.simplefilter("always")
         res["unsharded_batches"] = [b.indices.tolist() for b in shared]
     res["unsharded"] = [str(w.message) for w in caught if "first source batch" in str(w.message)]
+    # The same with training epochs of a fixed length, whose count the ranks agree on before
+    # any source batch is loaded: the check still compares the first source batches.
+    fixed = SelectiveLoader(
+        DataLoader(EncodedDataset(80), batch_size=20),
+        IndexLoss(),
+        policy=SelectiveBackprop(0.5),
+        batch_size=10,
+        batches_per_epoch=2,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        list(fixed)
+    res["unsharded_fixed"] = [
+        str(w.message) for w in caught if "first source batch" in str(w.message)
+    ]
     # Each rank its own examples (a pre-sharded dataset), the same indices and the same order.
     own = torch.utils.data.TensorDataset(
         torch.randn(80, 6, generator=torch.Generator().manual_seed(rank)),
@@ -679,6 +694,7 @@ def test_a_source_that_is_not_sharded_is_reported_on_every_rank(two):
     for r in two:
         assert len(r["unsharded"]) == 1, "an unsharded source was not reported exactly once"
         assert "DistributedSampler" in r["unsharded"][0]
+        assert len(r["unsharded_fixed"]) == 1, "not reported with batches_per_epoch"
         assert len(r["unsharded_batches"]) == len(two[0]["unsharded_batches"]) > 0  # lockstep
         assert r["per_rank"] and all(len(b) == 10 for b in r["per_rank"])
         assert not [m for m in r["per_rank_warnings"] if "first source batch" in m]
