@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, cast
@@ -86,17 +87,57 @@ def eval_mode(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     Restores each submodule individually (not ``model.train(was_training)``), so a deliberately
     frozen BatchNorm inside a training model stays frozen; restores even when the body raises,
     including KeyboardInterrupt.
+
+    NOTE (cost): ``model.eval()`` and ``module.training = flag`` go through ``Module.train`` and
+    ``Module.__setattr__`` for every submodule, about 3 microseconds each: 190 microseconds per
+    selection pass for a ResNet-18 (65 modules), a few percent of its forward on a GPU. For
+    modules whose class keeps torch's ``train`` and ``__setattr__`` (see :func:`_plain_training`)
+    the flag is set directly, which is what those methods do; a module with its own ``train``
+    (e.g. one keeping a BatchNorm frozen) or ``__setattr__`` anywhere in the tree makes the pass
+    call ``model.eval()`` as before, and its own flag is restored through its ``__setattr__``.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.Dropout())
+        >>> with eval_mode(net):
+        ...     [m.training for m in net.modules()]
+        [False, False, False]
+        >>> [m.training for m in net.modules()]
+        [True, True, True]
     """
     if not enabled:
         yield
         return
-    flags = [(m, m.training) for m in model.modules()]
+    flags = [(m, m.training, _plain_training(cast(type, type(m)))) for m in model.modules()]
     try:
-        model.eval()
+        if type(model).eval is nn.Module.eval and all(plain for _, _, plain in flags):
+            for m, _, _ in flags:
+                object.__setattr__(m, "training", False)
+        else:
+            model.eval()
         yield
     finally:
-        for m, flag in flags:
-            m.training = flag
+        for m, flag, plain in flags:
+            if plain:
+                object.__setattr__(m, "training", flag)
+            else:
+                m.training = flag
+
+
+@functools.cache
+def _plain_training(cls: type) -> bool:
+    """Whether ``cls.train(mode)`` only sets ``training`` on itself and its children, and
+    setting ``training`` on it is a plain attribute write: it keeps ``nn.Module``'s ``train``
+    and ``__setattr__``, and ``training`` is no property of its own.
+
+    Example:
+        >>> _plain_training(nn.Linear), _plain_training(nn.Module)
+        (True, True)
+    """
+    return (
+        getattr(cls, "train", None) is nn.Module.train
+        and cls.__setattr__ is nn.Module.__setattr__
+        and not any("training" in vars(base) for base in cls.__mro__ if base is not nn.Module)
+    )
 
 
 def check_loss_fn(loss_fn: Callable[..., torch.Tensor]) -> None:

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 import sbloader
 from sbloader import RandomBackprop, SelectiveBackprop, SelectiveLoader, Traditional
 from sbloader.datasets import ArrayDataset
+from sbloader.selection import eval_mode
 
 
 def make_loader(
@@ -292,6 +293,79 @@ def test_selection_pass_leaves_batchnorm_and_modes_untouched():
     assert [m.training for m in model.modules()] == flags
     assert all(p.grad is None for p in model.parameters())
     assert not batches[0].losses.requires_grad and batches[0].losses.grad_fn is None
+
+
+class FrozenNormTrain(nn.Module):
+    """A model whose own ``train`` keeps its BatchNorm frozen, and which counts its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.head = nn.Sequential(nn.Dropout(0.5), nn.Linear(6, N_CLASSES))
+        self.train_calls: list[bool] = []
+
+    def train(self, mode: bool = True) -> FrozenNormTrain:
+        self.train_calls.append(mode)
+        super().train(mode)
+        self.bn.eval()
+        return self
+
+    def forward(self, x):
+        assert not any(m.training for m in self.modules()), "selection ran in train mode"
+        return self.head(self.bn(self.lin(x)))
+
+
+class LoggedFlags(nn.Linear):
+    """A module whose ``__setattr__`` records every ``training`` write."""
+
+    def __init__(self) -> None:
+        super().__init__(6, N_CLASSES)
+        object.__setattr__(self, "writes", [])
+
+    def __setattr__(self, name, value):
+        if name == "training":
+            self.writes.append(value)
+        super().__setattr__(name, value)
+
+
+def test_selection_pass_calls_an_overridden_train_and_restores_each_flag():
+    """eval_mode's fast path (flags set directly) is taken only for torch's own train and
+    __setattr__: a model overriding train() gets model.eval() called (its frozen BatchNorm
+    stays frozen after the pass), and a module overriding __setattr__ sees its writes."""
+    model = FrozenNormTrain().train()
+    model.train_calls.clear()
+    flags = [m.training for m in model.modules()]
+    assert flags == [True, True, False, True, True, True]
+    loader = make_loader(model=model, policy=SelectiveBackprop(0.5))
+    assert list(loader)
+    assert model.train_calls and set(model.train_calls) == {False}  # eval() went through train
+    assert [m.training for m in model.modules()] == flags
+
+    logged = LoggedFlags()
+    net = nn.Sequential(nn.Identity(), logged).train()
+    logged.writes.clear()
+    with eval_mode(net):
+        assert not any(m.training for m in net.modules())
+    assert logged.writes == [False, True]
+    assert all(m.training for m in net.modules())
+
+
+def test_selection_pass_fast_path_restores_mixed_flags_and_survives_errors():
+    """Plain modules (the fast path): the flags are all False inside, each one's own value
+    after, also when the body raises."""
+    net = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Dropout(), nn.Linear(6, 3))
+    net.train()
+    net[1].eval()
+    net[2].eval()
+    flags = [m.training for m in net.modules()]
+    with pytest.raises(RuntimeError, match="inside"):
+        with eval_mode(net):
+            assert not any(m.training for m in net.modules())
+            raise RuntimeError("inside")
+    assert [m.training for m in net.modules()] == flags
+    with eval_mode(net, enabled=False):
+        assert [m.training for m in net.modules()] == flags
 
 
 class Exploding(nn.Module):
