@@ -144,6 +144,47 @@ def cdf_power(
             out[i] = cut_power((count_le(sorted_values, n, x) + 1) / (n + 1), beta, cut)
 
 
+@_jit
+def argsort_finite(values: np.ndarray) -> np.ndarray:
+    """The stable ascending order of the finite float64 ``values`` (int64 positions), by an LSD
+    radix sort of their bits, a byte at a time.
+
+    NOTE: numba's ``np.argsort`` is a quicksort compiled from Python, about 22 microseconds for
+    512 values on the benchmark CPU (numpy's own takes 5); this takes 6 and made
+    :func:`push_all`, which sorts each batch and the values it evicts, about a third faster. A
+    float's bits, with the sign bit flipped for positive values and every bit flipped for
+    negative ones, order as unsigned integers as the floats do (-0.0 just below 0.0, which
+    compare equal; callers treat equal values alike). Passes in which every value has the same
+    byte are skipped. NaN has no place in this order: callers pass finite values only.
+    """
+    n = values.shape[0]
+    bits = np.ascontiguousarray(values).view(np.uint64)
+    keys = np.empty(n, dtype=np.uint64)
+    top = np.uint64(1) << np.uint64(63)
+    for i in range(n):
+        b = bits[i]
+        keys[i] = ~b if b & top else b | top
+    order = np.arange(n, dtype=np.int64)
+    spare = np.empty(n, dtype=np.int64)
+    count = np.empty(257, dtype=np.int64)
+    for p in range(8):
+        shift = np.uint64(8 * p)
+        count[:] = 0
+        for i in range(n):
+            count[np.int64((keys[i] >> shift) & np.uint64(255)) + 1] += 1
+        if n == 0 or np.max(count) == n:
+            continue
+        for d in range(256):
+            count[d + 1] += count[d]
+        for i in range(n):
+            j = order[i]
+            d = np.int64((keys[j] >> shift) & np.uint64(255))
+            spare[count[d]] = j
+            count[d] += 1
+        order, spare = spare, order
+    return order
+
+
 #: From this many finite losses on, :func:`push_all` ranks a batch with a Fenwick tree.
 _BATCH_PUSH = 32
 
@@ -195,7 +236,7 @@ def push_all(
             where[j] = i
             batch[j] = losses[i]
             j += 1
-    by_value = np.argsort(batch)
+    by_value = argsort_finite(batch)
     # The distinct values of the window (sorted already) and the batch, merged in order; each
     # batch value's place among them (``place``) and the window's count of each (``held``) are
     # known from the merge, so that pushing a batch value needs no search.
@@ -236,7 +277,7 @@ def push_all(
         gone[t] = ring[slot if slot < cap else slot - cap]
     gone_place = np.empty(evict, dtype=np.int64)
     r = 0
-    for t in np.argsort(gone):
+    for t in argsort_finite(gone):
         while distinct[r] < gone[t]:
             r += 1
         gone_place[t] = r

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sbloader import LossWindow
+from sbloader import LossWindow, _kernels
 
 
 class ReferenceWindow:
@@ -86,6 +86,29 @@ def test_batched_ranking_matches_one_loss_at_a_time(size):
         np.testing.assert_array_equal(positions, np.flatnonzero(p > 0.5))
         np.testing.assert_array_equal(w.values(), np.array(ref.ring))
         np.testing.assert_array_equal(w.sorted_values(), np.sort(np.array(ref.ring)))
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 31, 256, 257, 700])
+def test_radix_argsort_is_the_stable_order_of_finite_floats(n):
+    """push_all's sort (a byte-wise radix sort of the floats' bits) is the stable ascending
+    order of finite floats of every sign and scale: duplicates, signed zeros (-0.0 first),
+    subnormals, the extremes, values sharing all but their lowest byte."""
+    rng = np.random.default_rng(n)
+    pools = [
+        rng.normal(size=n) * 10.0 ** rng.integers(-300, 300, size=n),
+        np.round(rng.normal(size=n), 1),  # many ties
+        rng.choice([-0.0, 0.0, 5e-324, -5e-324, np.finfo(np.float64).max, -1.0], size=n),
+        1.0 + np.arange(n) * np.finfo(np.float64).eps,  # differ in the lowest bytes only
+        np.full(n, 2.5),  # every pass skipped
+    ]
+    for values in pools:
+        order = _kernels.argsort_finite(np.ascontiguousarray(values))
+        assert order.dtype == np.int64
+        # ascending, -0.0 before 0.0, equal values in their order
+        expected = np.lexsort((np.arange(n), ~np.signbit(values), values))
+        np.testing.assert_array_equal(order, expected)
+    signed = np.array([0.0, -0.0, 0.0, -0.0])
+    np.testing.assert_array_equal(_kernels.argsort_finite(signed), [1, 3, 0, 2])
 
 
 def test_nonfinite_never_enter_the_window():
