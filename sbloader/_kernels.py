@@ -5,6 +5,9 @@ Rules for this module:
   ``np.isnan`` lie, and NaN handling is a feature here.
 - Callers pass contiguous arrays of explicit dtypes (float64 values, int64 counters); the thin
   Python wrappers in ``window.py`` and ``store.py`` enforce that.
+- Callers pass every argument, defaults included: a call that leaves a default out is typed
+  with numba's ``omitted`` arguments and took about 80 microseconds more per call here (the
+  fused SB kernel: 170 instead of 90 for a pool of 512).
 - No randomness in here: numba's RNG is separate from numpy's, so uniforms are drawn by the
   caller from the loader's own ``numpy.random.Generator``.
 - Every kernel also runs as plain Python under ``NUMBA_DISABLE_JIT=1`` (the test suite checks).
