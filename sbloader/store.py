@@ -101,12 +101,17 @@ class ExampleStore:
             )
 
     def record(self, indices: np.ndarray, losses: np.ndarray, epoch: int) -> None:
-        """Store each finite loss for its index, measured in ``epoch`` (non-finite: kept as was)."""
+        """Store each finite loss for its index, measured in ``epoch`` (non-finite: kept as was).
+
+        ``epoch`` must be >= 0: the ``seen`` column holds it plus one, and 0 there means "never
+        scored".
+        """
+        epoch = check_int("epoch", epoch, minimum=0)
         idx = self._indices(indices)
         values = np.ascontiguousarray(losses, dtype=np.float64).reshape(-1)
         if values.shape != idx.shape:
             raise ValueError(f"got {idx.shape[0]} indices but {values.shape[0]} losses")
-        out = _kernels.store_record(self.loss, self.seen, idx, values, int(epoch))
+        out = _kernels.store_record(self.loss, self.seen, idx, values, epoch)
         self.check_outside(out, idx)
 
     def lookup(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -502,6 +502,21 @@ def test_store_handles_indices_above_2_31_exactly(tmp_path):
         s.lookup(np.array([1.0]))
 
 
+@pytest.mark.parametrize("epoch", [-1, -3])
+def test_store_refuses_a_negative_epoch_naming_it(epoch):
+    """``seen`` holds the epoch plus one, 0 meaning never scored: epoch -1 stored a loss that
+    lookup reported as never scored, and -3 one that a stale epoch's prefilter (P = 1, never
+    scored) and its choose (P from the loss) decided differently."""
+    s = ExampleStore(4)
+    with pytest.raises(ValueError, match=f"epoch should be >= 0, but got epoch={epoch}"):
+        s.record(np.array([0, 1]), np.array([0.5, 0.7]), epoch=epoch)
+    assert (s.seen == 0).all() and (s.loss == 0).all()  # nothing was written
+    sb = SelectiveBackprop(1 / 3, staleness=3)
+    sb.attach(4, 0)
+    with pytest.raises(ValueError, match="epoch should be >= 0"):
+        sb.feedback(np.array([0]), np.array([0.5]), epoch)
+
+
 def test_store_kernels_run_without_jit():
     """The store's tests (here and the property test) also pass with NUMBA_DISABLE_JIT=1, the
     kernels running as plain Python (the window's: test_window.py)."""
