@@ -12,6 +12,8 @@ import math
 import torch
 from torch import nn
 
+from ._checks import check_float, check_int
+
 __all__ = ["cosine_lr", "error_rate", "mlp", "resnet18", "small_cnn"]
 
 
@@ -116,7 +118,8 @@ def error_rate(
     autocast: torch.dtype | None = None,
 ) -> float:
     """Top-1 error of ``model`` in eval mode, on the model's device (optionally under autocast);
-    restores every module's training flag.
+    restores every module's training flag. ``inputs`` and ``targets`` hold the same examples (at
+    least one), evaluated ``batch_size`` (>= 1) at a time.
 
     Example:
         >>> m = small_cnn()
@@ -125,6 +128,14 @@ def error_rate(
     """
     from .selection import eval_mode
 
+    batch_size = check_int("batch_size", batch_size, minimum=1)
+    if len(inputs) != len(targets):
+        raise ValueError(
+            f"error_rate needs one target per input, but got {len(inputs)} inputs and "
+            f"{len(targets)} targets; pass the targets of the same examples"
+        )
+    if not len(inputs):
+        raise ValueError("error_rate needs at least one example, but got 0 inputs")
     device = next(model.parameters()).device
     amp = (
         torch.autocast(device.type, dtype=autocast)
@@ -144,11 +155,12 @@ def cosine_lr(base_lr: float, position: float, total: float) -> float:
     """Cosine decay from ``base_lr`` to 0 by position in the data (epochs consumed / planned).
 
     Keyed on position in the data (``loader.progress``), the schedule is the same for every
-    strategy, however many examples each backpropagates.
+    strategy, however many examples each backpropagates. ``total`` must be > 0.
 
     Example:
         >>> cosine_lr(0.1, 0.0, 10), cosine_lr(0.1, 5.0, 10), cosine_lr(0.1, 10.0, 10)
         (0.1, 0.05, 0.0)
     """
+    total = check_float("total", total, low=0.0, low_open=True)
     t = min(max(position / total, 0.0), 1.0)
     return base_lr * 0.5 * (1.0 + math.cos(math.pi * t))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from benchmarks.core.data import augment
-from sbloader.recipes import error_rate, resnet18, small_cnn
+from sbloader.recipes import cosine_lr, error_rate, resnet18, small_cnn
 
 
 def test_resnet18_shapes_backbone_split_and_any_resolution():
@@ -36,6 +37,27 @@ def test_error_rate_counts_mistakes_and_restores_training_flags():
     assert error_rate(model, x, y, batch_size=4) == 0.3
     assert model.training and not model[1].training
     assert 0.0 <= error_rate(model, x, y, autocast=torch.bfloat16) <= 1.0
+
+
+def test_error_rate_refuses_arguments_it_would_count_wrongly():
+    """batch_size=-1 counted no batch and returned 0.0 error; one target broadcast against
+    every prediction; no examples divided by zero."""
+    model, x = small_cnn(), torch.randn(6, 1, 28, 28)
+    y = torch.zeros(6, dtype=torch.long)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=f"should be >= 1, but got batch_size={bad}"):
+            error_rate(model, x, y, batch_size=bad)
+    with pytest.raises(ValueError, match="one target per input, but got 6 inputs and 1 targets"):
+        error_rate(model, x, y[:1])
+    with pytest.raises(ValueError, match="at least one example"):
+        error_rate(model, x[:0], y[:0])
+
+
+@pytest.mark.parametrize("total", [0, -10.0, float("nan")])
+def test_cosine_lr_refuses_a_total_that_is_not_positive(total):
+    """total=0 divided by zero, and a negative total gave base_lr at every position."""
+    with pytest.raises(ValueError, match="total should"):
+        cosine_lr(0.1, 5.0, total)
 
 
 def test_benchmark_augmentation_shifts_and_flips_each_image_whole():
