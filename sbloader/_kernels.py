@@ -334,6 +334,22 @@ def _tree_prefix(tree: np.ndarray, rank: int) -> int:
     return total
 
 
+#: The largest float32, the store's loss dtype (see :func:`as_stored`).
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+@_jit
+def as_stored(x: float) -> float:
+    """A finite loss as the store's float32 column holds it: clipped to float32's range, so that
+    a finite loss stays finite (stored as inf, a stale epoch's prefilter ranked it NaN and its
+    choose ranked it highest)."""
+    if x > _FLOAT32_MAX:
+        return _FLOAT32_MAX
+    if x < -_FLOAT32_MAX:
+        return -_FLOAT32_MAX
+    return x
+
+
 # ---------------------------------------------------------------------- Selective-Backprop
 # One call per source batch: the policy's whole decision (window, probability, draw, positions,
 # weights, store updates) in one kernel, so that the per-batch path makes no chain of small numpy
@@ -381,8 +397,8 @@ def sb_choose_fresh(
     fraction as cut_power's P); candidate ``i`` is kept when ``uniforms[i] < P``. Kept
     positions go to ``out_positions`` in order, their weights (``1 / P`` with ``reweight``,
     else 1) to ``out_weights``. With a store (``indices`` not
-    empty), each finite loss is recorded for its dataset index in ``epoch`` and each kept index
-    counts one selection.
+    empty), each finite loss is recorded for its dataset index in ``epoch`` (as :func:`as_stored`)
+    and each kept index counts one selection.
 
     Returns the number kept, or minus the number of indices outside the store, in which case
     nothing was changed.
@@ -409,7 +425,7 @@ def sb_choose_fresh(
         out_p[i] = p
         if has_store:
             j = indices[i]
-            store_loss[j] = x
+            store_loss[j] = as_stored(x)
             store_seen[j] = epoch + 1
         if uniforms[i] < p:
             out_positions[k] = i
@@ -480,8 +496,9 @@ def store_record(
 ) -> int:
     """Store finite ``values[i]`` as the loss of ``indices[i]`` measured in ``at_epoch``.
 
-    Non-finite values are not stored (the example keeps its previous loss). Returns the number of
-    indices outside the store (not written).
+    Non-finite values are not stored (the example keeps its previous loss); finite ones beyond
+    float32's range are stored clipped to it (:func:`as_stored`). Returns the number of indices
+    outside the store (not written).
     """
     n = loss.shape[0]
     outside = 0
@@ -492,7 +509,7 @@ def store_record(
             continue
         v = values[i]
         if np.isfinite(v):
-            loss[j] = v
+            loss[j] = as_stored(v)
             seen[j] = at_epoch + 1
     return outside
 

@@ -26,7 +26,7 @@ class ExampleStore:
     The dataset index *is* the position in each column, so indices are exact at any size (no float
     round trip, unlike an all_gather of indices cast to float). Columns:
 
-    - ``loss`` (float32): the last finite selection loss.
+    - ``loss`` (float32): the last finite selection loss (clipped to float32's range).
     - ``seen`` (int32): the epoch that loss was measured in, plus one; 0 if never scored.
     - ``selected`` (int32): how many times the example was chosen for backprop.
 

@@ -517,6 +517,27 @@ def test_store_refuses_a_negative_epoch_naming_it(epoch):
         sb.feedback(np.array([0]), np.array([0.5]), epoch)
 
 
+def test_store_keeps_a_finite_loss_beyond_float32_finite():
+    """The loss column is float32: a finite loss above its range was stored as inf, which a
+    stale epoch's prefilter ranked as NaN (rejected, never loaded) while its choose ranked it
+    highest (kept), and which lookup reported as not finite."""
+    s = ExampleStore(3)
+    s.record(np.array([0, 1]), np.array([1e39, -1e39]), epoch=0)
+    assert np.isfinite(s.lookup(np.array([0, 1]))[0]).all()
+    sb = SelectiveBackprop(1 / 3, staleness=3)
+    sb.attach(10, 1)
+    idx, rng = np.arange(10), np.random.default_rng(0)
+    sb.begin_epoch(0)
+    sb.choose(np.r_[np.arange(9.0), 1e39], idx, rng, 10)  # a fresh pass stores the losses
+    assert np.isfinite(sb.store.lookup(idx)[0]).all()
+    sb.begin_epoch(1)  # stale
+    mask = sb.prefilter(idx)
+    chosen = sb.choose(None, idx, rng, 10)
+    np.testing.assert_array_equal(np.flatnonzero(mask), chosen.positions)
+    p = sb.stale_probabilities(idx)
+    assert np.isfinite(p).all() and p[9] == p.max()  # ranked as the highest stored loss
+
+
 def test_store_kernels_run_without_jit():
     """The store's tests (here and the property test) also pass with NUMBA_DISABLE_JIT=1, the
     kernels running as plain Python (the window's: test_window.py)."""
