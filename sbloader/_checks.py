@@ -20,6 +20,20 @@ def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
     return int(value)
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """Return ``value`` if it is a bool (or a numpy bool), or raise naming ``name``: a flag
+    given as a string such as ``"False"`` or a number would otherwise be read by its truth
+    value.
+
+    Example:
+        >>> check_bool("reweight", False)
+        False
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} should be True or False, but got {name}={value!r}")
+    return bool(value)
+
+
 def check_float(
     name: str,
     value: Any,

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._checks import check_choice, check_device, check_int, indices_needed
+from ._checks import check_bool, check_choice, check_device, check_int, indices_needed
 from ._migrations import loader_state_v1_to_v2
 from ._state import check_identity, check_version
 from .adapt import make_source
@@ -534,7 +534,7 @@ class SelectiveLoader:
             ),
         )
         self.keep_logits, self.memory_format = keep_logits, memory_format
-        self.eval_selection = bool(eval_selection)
+        self.eval_selection = check_bool("eval_selection", eval_selection)
         self.selection_batch_size = (
             None
             if selection_batch_size is None

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._checks import check_float, check_indices, check_int
+from ._checks import check_bool, check_float, check_indices, check_int
 from ._random import hashed_uniforms
 from .device_decisions import DeviceChoice, DeviceWindow
 from .store import ExampleStore
@@ -380,7 +380,7 @@ class SelectiveBackprop(Policy):
             if fed_staleness is None
             else check_int("fed_staleness", fed_staleness, minimum=self.staleness)
         )
-        self.reweight = bool(reweight)
+        self.reweight = check_bool("reweight", reweight)
         self.ramp_epochs = check_float("ramp_epochs", ramp_epochs, low=0.0)
         if self.staleness > 1 and self.ramp_epochs > 1:
             raise ValueError(
@@ -684,7 +684,11 @@ class SelectiveBackprop(Policy):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"beta": self.beta, "window": self.window.state_dict()}
+        state: dict[str, Any] = {
+            "beta": self.beta,
+            "reweight": self.reweight,
+            "window": self.window.state_dict(),
+        }
         if len(self.device_window):
             state["device_window"] = self.device_window.state_dict()
         if self.store is not None:
@@ -704,6 +708,13 @@ class SelectiveBackprop(Policy):
             raise ValueError(
                 f"the saved SelectiveBackprop state has beta={state['beta']}, but this policy has "
                 f"beta={self.beta}; construct the policy with the saved selectivity"
+            )
+        # NOTE: saved before reweight was state: not checked.
+        if "reweight" in state and bool(state["reweight"]) != self.reweight:
+            raise ValueError(
+                f"the saved SelectiveBackprop state has reweight={bool(state['reweight'])}, but "
+                f"this policy has reweight={self.reweight}; construct the policy with "
+                f"reweight={bool(state['reweight'])}"
             )
         self.window.load_state_dict(state["window"])
         if "device_window" in state:
@@ -829,7 +840,7 @@ class Kath18(Policy):
             None if tau_threshold is None else check_float("tau_threshold", tau_threshold, low=0)
         )
         self.momentum = check_float("momentum", momentum, low=0.0, high=1.0, high_open=True)
-        self.unbiased = bool(unbiased)
+        self.unbiased = check_bool("unbiased", unbiased)
         self.tau = 0.0
         self.importance_sampling = False
 

@@ -3,6 +3,7 @@ the plain decision functions, tested directly."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import threading
 from pathlib import Path
@@ -208,6 +209,45 @@ def test_a_state_refused_part_way_through_restoring_changes_nothing():
     with pytest.raises(ValueError, match="beta="):
         running.load_state_dict(state)
     assert head + epoch_indices(running) == expected
+
+
+def test_a_state_saved_with_another_reweight_is_refused_and_an_older_one_loads():
+    """SelectiveBackprop's reweight changes every yielded weight (1 / P against 1): a state
+    saved with reweight=True is refused by a policy with reweight=False, naming the fix; a state
+    saved before reweight was part of the policy's state (no key) still loads."""
+    saved = make(policy=SelectiveBackprop(beta=2.0, reweight=True))
+    list(saved)
+    state = saved.state_dict()
+    assert state["policy"]["reweight"] is True
+    other = make(policy=SelectiveBackprop(beta=2.0))
+    with pytest.raises(ValueError, match=r"has reweight=True, but this policy has reweight=False"):
+        other.load_state_dict(state)
+    assert other.epoch == 0
+    same = make(policy=SelectiveBackprop(beta=2.0, reweight=True))
+    same.load_state_dict(state)
+    assert same.epoch == 1
+    older = copy.deepcopy(state)
+    del older["policy"]["reweight"]
+    other.load_state_dict(older)
+    assert other.epoch == 1
+
+
+@pytest.mark.parametrize(
+    ("build", "name"),
+    [
+        (lambda v: SelectiveBackprop(1 / 3, reweight=v), "reweight"),
+        (lambda v: Kath18(1 / 3, unbiased=v), "unbiased"),
+        (lambda v: make(eval_selection=v), "eval_selection"),
+    ],
+)
+@pytest.mark.parametrize("value", ["False", 0, None])
+def test_flags_that_are_not_bools_are_refused_naming_them(build, name, value):
+    """A flag given as the string "False" (truthy) or a number is refused, not read by its
+    truth value; numpy bools are bools."""
+    with pytest.raises(TypeError, match=rf"{name} should be True or False, but got {name}="):
+        build(value)
+    build(np.bool_(False))
+    build(True)
 
 
 def test_a_state_refused_after_a_break_leaves_the_next_epoch_as_it_was():
