@@ -125,9 +125,14 @@ def el2n_scores(
     for k in range(models):
         t0 = time.perf_counter()
         dev = None if device is None else torch.device(device)
-        devices = [dev.index or 0] if dev is not None and dev.type == "cuda" else []
+        devices = _cuda_devices(dev)
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed + k)
+            # NOTE: not torch.manual_seed, which also reseeds every CUDA device's generator,
+            # including those fork_rng does not restore: only the forked ones are seeded.
+            torch.default_generator.manual_seed(seed + k)
+            for d in devices:
+                with torch.cuda.device(d):
+                    torch.cuda.manual_seed(seed + k)
             model = make_model()
             if dev is None:
                 dev = next(model.parameters()).device
@@ -163,6 +168,24 @@ def el2n_scores(
         epochs,
         per_model,
     )
+
+
+def _cuda_devices(device: torch.device | None) -> list[int]:
+    """The CUDA devices whose random state EL2N's training runs fork and seed: ``device``'s when
+    it is a CUDA device; with no device given, every CUDA device where CUDA is initialized (the
+    model may be made on any of them); none otherwise.
+
+    Example:
+        >>> _cuda_devices(torch.device("cpu"))
+        []
+    """
+    if device is not None:
+        if device.type != "cuda":
+            return []
+        return [device.index if device.index is not None else torch.cuda.current_device()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return list(range(torch.cuda.device_count()))
+    return []
 
 
 def prune(scores: Any, fraction: float, keep: str = "hardest") -> np.ndarray:

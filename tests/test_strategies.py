@@ -326,6 +326,31 @@ def test_el2n_leaves_the_global_rng_alone_with_a_source_that_draws_from_it(shuff
     assert torch.equal(torch.rand(3), expected)
 
 
+def test_el2n_never_reseeds_cuda_generators_it_does_not_restore(monkeypatch):
+    """torch.manual_seed also reseeds every CUDA device's generator; on a CPU run fork_rng
+    restores none of them, so EL2N seeds the CPU generator alone (a caller's CUDA random state
+    would otherwise change): no CUDA seeding happens, and the scores repeat with the seed."""
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda s: calls.append("all"))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda s: calls.append("one"))
+
+    def scores(seed):
+        return el2n_scores(
+            lambda: nn.Linear(2, 2),
+            DataLoader(Blobs(100), batch_size=32),
+            make_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+            models=2,
+            epochs=1,
+            seed=seed,
+            device="cpu",
+        ).scores
+
+    first = scores(3)
+    assert calls == []
+    np.testing.assert_array_equal(first, scores(3))
+    assert not np.array_equal(first, scores(4))
+
+
 @pytest.mark.parametrize("fraction", [0.01, 0.3, 0.5, 0.77, 1.0])
 def test_prune_keeps_exactly_the_requested_fraction(fraction):
     scores = np.round(np.random.default_rng(0).random(1000), 2)  # many ties
