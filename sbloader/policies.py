@@ -287,6 +287,11 @@ class SelectiveBackprop(Policy):
         reweight: weight each kept example by 1/P, normalised to mean 1 per yielded batch, so that
             the expected gradient matches the unselected one's (off by default, as in the paper).
         store_path: a folder to memory-map the per-example store in (Stale-SB on huge datasets).
+            A run that begins without loading a state starts with an empty store (the files an
+            earlier run left there are cleared); a resumed run continues with the files, which
+            are the store's state. They hold what was recorded up to the interruption, also
+            after the checkpoint was saved, so such a resume is not exact (an in-memory
+            store's is).
         ramp_epochs: r >= 0: over the first r epochs of data this policy decides (counted from
             its start, after a :class:`Phased` warm-up), each P of a selection pass is blended
             with uniform keeping at the same expected rate, ``P = u / (beta + 1) + (1 - u) *
@@ -427,6 +432,9 @@ class SelectiveBackprop(Policy):
         self._fresh = True
         self.store_path = store_path
         self.store: ExampleStore | None = None
+        # Whether the store belongs to this run: begun in, or loaded from a state (a store
+        # reopened from an earlier run's files is cleared when the first epoch begins).
+        self._store_adopted = False
         self._epoch = 0
         self._key = 0
 
@@ -473,6 +481,20 @@ class SelectiveBackprop(Policy):
             )
         if self.store is None or len(self.store) != num_examples:
             self.store = ExampleStore(num_examples, self.store_path)
+            self._store_adopted = False
+
+    def _adopt_store(self) -> None:
+        """Make the store this run's, at its first use (an epoch begun, or losses reported
+        during a :class:`Phased` warm-up) unless a state was loaded into it.
+
+        NOTE (store_path): a run that begins without loading a state starts with an empty
+        store. Files an earlier run left in the folder would otherwise be its losses and
+        selection counts; a resumed run (load_state_dict) continues with them instead.
+        """
+        if self.store is not None and not self._store_adopted:
+            if self.store.reopened:
+                self.store.clear()
+            self._store_adopted = True
 
     def _due(self, epoch: int) -> bool:
         """Whether ``epoch`` would run a selection pass if it began now."""
@@ -542,6 +564,7 @@ class SelectiveBackprop(Policy):
 
     def begin_epoch(self, epoch: int) -> None:
         self._epoch = epoch
+        self._adopt_store()
         # NOTE: idempotent for the epoch already begun: a resumed epoch keeps its decision.
         if epoch != self._begun:
             self._fresh = self._due(epoch) or self._drifted()
@@ -584,6 +607,7 @@ class SelectiveBackprop(Policy):
     def feedback(self, indices: np.ndarray, losses: np.ndarray, epoch: int) -> None:
         """Training losses enter the store (by index; the window is left alone: it ranks
         selection-pass losses, which training losses of the hardest examples would skew)."""
+        self._adopt_store()
         if self.store is not None and len(indices):
             if self._reference is None and self._last_fresh is not None:
                 self._take_reference()  # before the first reports since the pass
@@ -728,6 +752,7 @@ class SelectiveBackprop(Policy):
                     "has none; construct it with the saved staleness and attach it to a loader"
                 )
             self.store.load_state_dict(state["store"])
+            self._store_adopted = True
         schedule = state.get("schedule")
         if schedule is None:
             # NOTE: saved before the schedule was state, when passes ran in epochs 0, n, 2n...:

@@ -54,6 +54,7 @@ class ExampleStore:
     def __init__(self, size: int, path: str | os.PathLike | None = None) -> None:
         self.size = check_int("size", size, minimum=0)
         self.path = None if path is None else Path(path)
+        self.reopened = False
         if self.path is None:
             # np.zeros maps zeroed pages lazily: untouched examples cost no resident memory.
             self.loss = np.zeros(self.size, dtype=np.float32)
@@ -61,18 +62,50 @@ class ExampleStore:
             self.selected = np.zeros(self.size, dtype=np.int32)
         else:
             self.path.mkdir(parents=True, exist_ok=True)
-            self.loss = self._memmap("loss", np.float32)
-            self.seen = self._memmap("seen", np.int32)
-            self.selected = self._memmap("selected", np.int32)
+            #: Whether a column file already existed, of the right size, and was opened with its
+            #: contents (an earlier store's): see :meth:`clear`.
+            self.reopened = False
+            self._open_columns(fresh=False)
 
-    def _memmap(self, name: str, dtype: type) -> np.ndarray:
-        """A column file of zeros (created sparse), or the existing one of the right size."""
+    def _open_columns(self, fresh: bool) -> None:
+        self.loss = self._memmap("loss", np.float32, fresh)
+        self.seen = self._memmap("seen", np.int32, fresh)
+        self.selected = self._memmap("selected", np.int32, fresh)
+
+    def _memmap(self, name: str, dtype: type, fresh: bool) -> np.ndarray:
+        """A column file of zeros (created sparse), or the existing one of the right size (unless
+        ``fresh``: then it is truncated and made again, sparse)."""
         assert self.path is not None
         if self.size == 0:
             return np.zeros(0, dtype=dtype)
         file = self.path / f"{name}.{np.dtype(dtype).name}"
-        fresh = not file.exists() or file.stat().st_size != self.size * np.dtype(dtype).itemsize
+        if not fresh:
+            fresh = not file.exists() or file.stat().st_size != self.size * np.dtype(dtype).itemsize
+            self.reopened |= not fresh
         return np.memmap(file, dtype=dtype, mode="w+" if fresh else "r+", shape=(self.size,))
+
+    def clear(self) -> None:
+        """Forget every example: all losses never scored, all counts 0.
+
+        NOTE: a memory-mapped store's files are truncated and made again (sparse, so clearing
+        costs no writes however large the store); in memory the columns are zeroed.
+
+        Example:
+            >>> import numpy as np
+            >>> s = ExampleStore(3)
+            >>> s.record(np.array([1]), np.array([0.5]), epoch=0)
+            >>> s.clear()
+            >>> s.lookup(np.array([1]))[1].tolist()
+            [-1]
+        """
+        if self.path is None:
+            for col in (self.loss, self.seen, self.selected):
+                col[:] = 0
+            return
+        self.flush()
+        del self.loss, self.seen, self.selected  # unmapped before their files are truncated
+        self._open_columns(fresh=True)
+        self.reopened = False
 
     def __len__(self) -> int:
         return self.size

@@ -328,6 +328,52 @@ def test_memory_mapped_store_state_is_a_path(tmp_path):
     assert (again.policy.store.seen == 1).all()
 
 
+def test_a_new_run_in_a_used_store_path_starts_empty_and_a_resumed_one_keeps_it(tmp_path):
+    """store_path files an earlier run left are that run's losses and selection counts: a new
+    run starts empty (its counts are those of a run in a fresh folder, not the sum of both
+    runs'), a run resumed from a state continues with them, and losses reported during a
+    warm-up (the store's first use) are not cleared when the wrapped policy's first epoch
+    begins."""
+
+    def build(path):
+        policy = SelectiveBackprop(1 / 3, staleness=2, store_path=str(path))
+        dl = DataLoader(EncodedDataset(120), batch_size=30, generator=torch.Generator())
+        return SelectiveLoader(dl, IndexLoss(), policy=policy, batch_size=10, seed=3)
+
+    used, fresh = tmp_path / "used", tmp_path / "fresh"
+    first = build(used)
+    for _ in range(3):
+        list(first)
+    state = first.state_dict()
+    counts = first.policy.store.selected.copy()
+    assert counts.sum() > 0
+    del first
+
+    reference = build(fresh)
+    again = build(used)
+    assert again.policy.store.reopened
+    for _ in range(3):
+        list(reference)
+        list(again)
+    np.testing.assert_array_equal(again.policy.store.selected, reference.policy.store.selected)
+    np.testing.assert_array_equal(again.policy.store.selected, counts)  # not 2 * counts
+    del again
+
+    resumed = build(used)
+    resumed.load_state_dict(state)
+    next(iter(resumed))  # epoch 3 begins with the store as the files hold it
+    assert resumed.policy.store.selected.sum() >= counts.sum()
+
+    warm = SelectiveBackprop(1 / 3, staleness=2, store_path=str(used))
+    warm.attach(120, 0)
+    assert warm.store.reopened
+    warm.feedback(np.arange(10), np.ones(10), 0)  # the first use: the earlier run's is cleared
+    warm.begin_epoch(0)  # and the reports stay
+    losses, epochs = warm.store.lookup(np.arange(12))
+    assert losses[:10].tolist() == [1.0] * 10 and epochs.tolist() == [0] * 10 + [-1, -1]
+    assert warm.store.selected.sum() == 0
+
+
 # ---------------------------------------------------------------------- bad input
 class PoisonedLoss:
     """Per-example cross-entropy, with NaN, +inf and -inf for the examples listed (the model's
