@@ -1207,8 +1207,11 @@ class SelectiveLoader:
 
         NOTE: a mid-epoch state records its position as source batches consumed, so the
         source's batch size and epoch length and the ``subset`` are part of it: resumed with
-        another, the epoch would silently skip or repeat examples. (Keys added later are absent
-        from older states, which are then not checked for them.)
+        another, the epoch would silently skip or repeat examples. The carried rows hold the
+        selection's logits (``keep_logits``) and a frozen prefix's features, or not, so those two
+        are part of it too: loaded into a loader that keeps the other, a later batch's join
+        raised or its ``logits``/``features`` came back None. (Keys added later are absent from
+        older states, which are then not checked for them.)
         """
         return {
             "seed": self.seed,
@@ -1223,6 +1226,8 @@ class SelectiveLoader:
             "batch_size": self.batch_size,
             "batches_per_epoch": self.batches_per_epoch,
             "decisions": self.decisions,
+            "keep_logits": self.keep_logits,
+            "frozen_prefix": self._scorer.has_prefix,
         }
 
     def state_dict(self, unconsumed: int = 0) -> dict[str, Any]:
@@ -1299,8 +1304,9 @@ class SelectiveLoader:
 
         Refuses (``ValueError`` naming the field and both values) a state saved by a loader
         with another seed, rank, world size, policy (kind or settings, such as a selectivity),
-        dataset size, source batch size or epoch length, ``subset``, ``batch_size`` or
-        ``batches_per_epoch``; migrates a version-1 state. A refused state changes nothing:
+        dataset size, source batch size or epoch length, ``subset``, ``batch_size``,
+        ``batches_per_epoch``, ``keep_logits`` or ``frozen_prefix`` (whether there is one);
+        migrates a version-1 state. A refused state changes nothing:
         the loader is as it was (a running epoch is closed, and the next ``iter(loader)``
         resumes it where it stopped). The next ``iter(loader)`` continues a restored unfinished
         epoch.
@@ -1319,7 +1325,8 @@ class SelectiveLoader:
             state[K_IDENTITY],
             self._identity(),
             "build the loader with the saved run's arguments (seed=, policy=, batch_size=, "
-            "subset=, the same data, source batch size and world size) to resume it",
+            "subset=, keep_logits=, frozen_prefix=, the same data, source batch size and world "
+            "size) to resume it",
         )
         training = state.get(K_TRAINING)
         if self._fixed is not None and training is None:

@@ -155,6 +155,20 @@ def test_close_is_idempotent_and_an_error_closes_the_iterator():
             {"policy": Phased(RandomBackprop(0.5), warmup_epochs=2)},
             "policy_settings",
         ),
+        # The carried rows hold the selection's logits and the prefix's features, or not: loaded
+        # into a loader that keeps the other, they broke a later batch's join or came back None.
+        ({"keep_logits": True}, {}, "keep_logits"),
+        ({}, {"keep_logits": True}, "keep_logits"),
+        (
+            {"model": nn.Linear(6, 4), "frozen_prefix": nn.Linear(6, 6).requires_grad_(False)},
+            {},
+            "frozen_prefix",
+        ),
+        (
+            {},
+            {"model": nn.Linear(6, 4), "frozen_prefix": nn.Linear(6, 6).requires_grad_(False)},
+            "frozen_prefix",
+        ),
     ],
 )
 def test_a_state_of_another_run_is_refused_naming_the_field_and_both_values(
