@@ -188,7 +188,15 @@ def to_column(
     """Move a field to ``device`` (numpy arrays become tensors); lists stay on the host.
 
     A nested field (a dict) is moved entry by entry (``memory_format`` applies at the top level
-    only).
+    only). A numpy array of a dtype torch cannot hold (strings such as file names, objects)
+    becomes a list, selected entry by entry as lists are.
+
+    Example:
+        >>> cpu = torch.device("cpu")
+        >>> to_column(np.array(["a.png", "b.png"]), cpu, None)
+        ['a.png', 'b.png']
+        >>> to_column(np.arange(3.0)[::-1], cpu, None)
+        tensor([2., 1., 0.], dtype=torch.float64)
     """
     if not isinstance(value, torch.Tensor):  # NOTE: tensors first: no ABC check for them
         if isinstance(value, Mapping):
@@ -197,7 +205,12 @@ def to_column(
             return list(value)
         if not isinstance(value, np.ndarray):
             return value
-        value = torch.from_numpy(value)
+        if any(stride < 0 for stride in value.strides):
+            value = value.copy()  # torch.from_numpy refuses negative strides (arr[::-1])
+        try:
+            value = torch.from_numpy(value)
+        except TypeError:  # a dtype torch has no tensors of: strings, bytes, objects
+            return value.tolist()
     if value.device != device:
         value = value.to(device, non_blocking=value.is_pinned())
     if memory_format is not None and value.dim() == 4:

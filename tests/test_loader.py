@@ -150,6 +150,63 @@ def test_list_and_dict_batches_keep_their_structure():
     assert isinstance(batch, list) and isinstance(batch, sbloader.SelectedBatch)
 
 
+@pytest.mark.parametrize("policy", [SelectiveBackprop(0.5), Traditional()], ids=["sb", "trad"])
+def test_numpy_fields_torch_cannot_hold_or_reversed_are_selected_with_their_examples(policy):
+    """A collate function may give numpy arrays of file names (strings), of objects, or a
+    reversed view: torch.from_numpy refuses all three, and the first source batch raised torch's
+    error naming no field. The first two are selected as lists, the third as a tensor, each
+    entry with its example, and a mid-epoch state of them resumes."""
+    ds = EncodedDataset(60)
+
+    def collate(samples):
+        x, y = torch.utils.data.default_collate(samples)
+        idx = x[:, 0].long().numpy()
+        objects = np.empty(len(idx), dtype=object)
+        objects[:] = [{"i": int(i)} for i in idx]
+        # idx in order, as a view with a negative stride (of a reversed copy)
+        reversed_view = np.ascontiguousarray(idx[::-1].astype(np.float64))[::-1]
+        assert reversed_view.strides[0] < 0
+        return {
+            "image": x,
+            "label": y,
+            "name": np.array([f"ex{i}.png" for i in idx]),
+            "meta": objects,
+            "double": reversed_view,
+        }
+
+    def make():
+        dl = DataLoader(
+            ds, batch_size=30, shuffle=True, collate_fn=collate,
+            generator=torch.Generator().manual_seed(0),
+        )  # fmt: skip
+        return SelectiveLoader(
+            dl,
+            IndexLoss(),
+            policy=policy,
+            batch_size=10,
+            input_key="image",
+            target_key="label",
+            forward=lambda model, batch: model(batch["image"]),  # "double" is no model input
+        )
+
+    loader = make()
+    batches = [b for _ in range(2) for b in loader]
+    assert batches
+    for batch in batches:
+        idx = batch.indices.tolist()
+        assert batch["name"] == [f"ex{i}.png" for i in idx]
+        assert batch["meta"] == [{"i": i} for i in idx]
+        assert torch.equal(batch["double"], batch.indices.double())
+        assert torch.equal(batch["image"][:, 0].long(), batch.indices)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    rest = [b["name"] for b in it]
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [b["name"] for b in resumed] == rest
+
+
 def test_dict_batch_without_the_key_names_the_fix():
     dl = [{"x": torch.zeros(4, 6), "y": torch.zeros(4, dtype=torch.long)}]
     loader = SelectiveLoader(dl, IndexLoss(), batch_size=2)
