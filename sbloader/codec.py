@@ -103,6 +103,7 @@ class BatchCodec:
         n = B.column_length(columns[in_pos], fmt.input_key)
         for key, col in zip(fmt.keys, columns):
             if B.column_length(col, key) != n:
+                _check_not_collated_fields(fmt.keys, columns)
                 raise ValueError(
                     f"field {key!r} of a source batch has {B.column_length(col, key)} entries but "
                     f"the input field {fmt.input_key!r} has {n}; every field needs one entry per "
@@ -318,6 +319,34 @@ class BatchCodec:
                 for j, shape in shapes.items()
                 if int(j) not in self.pads
             }
+
+
+def _check_not_collated_fields(keys: tuple[Hashable, ...], columns: list[Any]) -> None:
+    """Raise naming the fix when a field is a list of tensors that all have the row count of
+    another field: the default collate function's batch of a tuple or list of fields inside each
+    example (``((ids, mask), label)``), which is no column of one entry per example.
+
+    Called only when the fields' lengths disagree: a list of per-example tensors whose row
+    counts happen to agree (e.g. 5 boxes per image) is a column like any other.
+    """
+    lengths = [B.column_length(c, k) for k, c in zip(keys, columns)]
+    for key, column, length in zip(keys, columns, lengths):
+        if not (isinstance(column, list) and column):
+            continue
+        if not all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in column):
+            continue
+        rows = {v.shape[0] for v in column}
+        if len(rows) != 1 or (m := rows.pop()) == length or m not in lengths:
+            continue
+        raise ValueError(
+            f"field {key!r} of a source batch is a list of {length} tensors of {m} rows each: a "
+            "tuple or list of fields inside each example (the default collate function batches "
+            "((ids, mask), label) so), which SelectiveLoader cannot select, since it selects "
+            "one entry per example; make the example a dict of fields, e.g. "
+            "({'ids': ids, 'mask': mask}, label) with forward=lambda model, batch: "
+            "model(**batch[0]) (nested dicts are selected entry by entry), or flatten it: "
+            "(ids, mask, label) with input_key=(0, 1), target_key=2"
+        )
 
 
 def check_pad_values(value: Any) -> dict[Hashable, bool | int | float]:

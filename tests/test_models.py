@@ -308,6 +308,43 @@ def test_user_errors_are_refused_on_the_first_batch_naming_the_fix():
     )
 
 
+class _PairDataset(Dataset):
+    """Examples ``((ids, mask), label)`` or ``(ids, label, (ids, mask))``: a tuple of fields
+    inside the example, which the default collate function turns into a list of two tensors."""
+
+    def __init__(self, inputs_first: bool) -> None:
+        self.data, self.inputs_first = Tokens(), inputs_first
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> Any:
+        pair = (self.data.ids[i], self.data.mask[i])
+        if self.inputs_first:
+            return pair, self.data.labels[i]
+        return self.data.ids[i], self.data.labels[i], pair
+
+
+@pytest.mark.parametrize("inputs_first", [True, False], ids=["input", "extra_field"])
+def test_a_nested_tuple_of_fields_is_refused_naming_it_and_the_fix(inputs_first):
+    """A multi-input model's examples as ``((ids, mask), label)``: the input field is a list of
+    two tensors of 16 rows, once collated. The first batch said "field 1 has 16 entries but the
+    input field 0 has 2", as if the data were short, not that nested tuples are not selected."""
+    forward = (lambda m, b: m(*b[0])) if inputs_first else (lambda m, b: m(b[0]))
+    dl = DataLoader(_PairDataset(inputs_first), batch_size=16)
+    loader = SelectiveLoader(
+        dl, TinyEncoder(), policy=SelectiveBackprop(0.5), batch_size=8, forward=forward,
+        output="logits",
+    )  # fmt: skip
+    field = 0 if inputs_first else 2
+    with pytest.raises(
+        ValueError,
+        match=rf"field {field} of a source batch is a list of 2 tensors of 16 rows each: a "
+        r"tuple or list of fields .* make the example a dict",
+    ):
+        next(iter(loader))
+
+
 def test_the_hook_runs_like_the_default_forward():
     """Eval mode restored when the hook raises; autocast applied; compile_selection hands the
     hook the compiled module."""
