@@ -157,8 +157,9 @@ class SelectiveLoader:
             ``"select"`` (always backpropagated) or ``"raise"`` (``FloatingPointError``). Either
             way it never enters the policy's loss window and is counted in ``stats``.
         device: where yielded batches go. Default: the model's device.
-        autocast: the precision of selection passes (training is never changed): a dtype such
-            as ``torch.bfloat16`` to run them under autocast, None for float32, or ``"auto"``
+        autocast: the precision of selection passes (training is never changed):
+            ``torch.bfloat16`` or ``torch.float16`` to run them under autocast (the dtypes it
+            runs; another is refused), None for float32, or ``"auto"``
             (default): bf16 where the selecting model's device computes it natively (a CUDA
             device that supports it, an x86 CPU with AVX512-BF16 or AMX), float32 elsewhere and
             with a ``frozen_prefix`` (its features feed training); see :mod:`sbloader.precision`.

@@ -46,9 +46,31 @@ PRECISIONS: dict[str, torch.dtype | str | None] = {
 (``"auto"``, ``"bf16"``, ``"fp32"``)."""
 
 
+#: The dtypes ``torch.autocast`` runs; with another it warns, disables itself and runs float32.
+_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def check_autocast(autocast: Any) -> torch.dtype | str | None:
-    """Return ``autocast`` if it is a dtype, ``"auto"`` or None; else raise naming it."""
-    if autocast is None or autocast == AUTO or isinstance(autocast, torch.dtype):
+    """Return ``autocast`` if it is a dtype autocast runs, ``"auto"`` or None; else raise
+    naming it.
+
+    Example:
+        >>> check_autocast(torch.bfloat16), check_autocast(None)
+        (torch.bfloat16, None)
+        >>> check_autocast(torch.float32)
+        Traceback (most recent call last):
+        ...
+        ValueError: autocast should be torch.bfloat16 or torch.float16 (what torch.autocast ...
+    """
+    if isinstance(autocast, torch.dtype):
+        if autocast in _AUTOCAST_DTYPES:
+            return autocast
+        raise ValueError(
+            "autocast should be torch.bfloat16 or torch.float16 (what torch.autocast runs: with "
+            f"another dtype it runs float32), 'auto' or None, but got autocast={autocast}; pass "
+            "autocast=None for float32 selection passes"
+        )
+    if autocast is None or autocast == AUTO:
         return autocast
     raise TypeError(
         "autocast should be a torch.dtype such as torch.bfloat16, 'auto' (bf16 where the device "

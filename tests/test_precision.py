@@ -59,6 +59,17 @@ def test_auto_follows_the_devices_native_bf16(monkeypatch):
         build(autocast="bf16")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int8])
+def test_a_dtype_autocast_cannot_run_is_refused_naming_the_fix(dtype):
+    """torch.autocast runs bf16 or float16 only: with another dtype it warned on every selection
+    pass, ran float32, and loader.selection_precision claimed the dtype asked for."""
+    message = r"autocast should be torch\.bfloat16 or torch\.float16"
+    with pytest.raises(ValueError, match=rf"{message}.* got autocast={dtype}; pass autocast=None"):
+        build(autocast=dtype)
+    with pytest.raises(ValueError, match=message):
+        selection_dtype(dtype, CPU)
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_the_default_selects_as_the_chosen_dtype_given_explicitly(monkeypatch, caplog, native):
     no_native_bf16(monkeypatch, native)
