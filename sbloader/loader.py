@@ -516,9 +516,11 @@ class SelectiveLoader:
             )
         loss_fn = nn.CrossEntropyLoss(reduction="none") if loss_fn is None else loss_fn
         check_loss_fn(loss_fn)
-        if not isinstance(keep_logits, bool):
+        keep_logits = check_bool("keep_logits", keep_logits)
+        if memory_format is not None and not isinstance(memory_format, torch.memory_format):
             raise TypeError(
-                f"keep_logits should be True or False, but got keep_logits={keep_logits!r}"
+                "memory_format should be a torch.memory_format such as torch.channels_last, or "
+                f"None, but got memory_format={memory_format!r}"
             )
         # NOTE: "auto" resolves here, once, on the selecting model's device, so that a loader's
         # selections never change precision mid-run; a resumed state brings its own choice.

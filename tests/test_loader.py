@@ -719,6 +719,13 @@ def test_nonfinite_skip_select_raise():
         ({"autocast": "bf16"}, TypeError, "autocast should be a torch.dtype"),
         ({"policy": "sb"}, TypeError, "policy should be an sbloader policy"),
         ({"model": object()}, TypeError, "model should be a torch.nn.Module"),
+        # bool() took these: None (as if the default) scored in train mode, BatchNorm's running
+        # statistics updated by every selection pass; "False" scored in eval mode.
+        ({"eval_selection": None}, TypeError, "eval_selection should be True or False, but got "),
+        ({"eval_selection": "False"}, TypeError, "eval_selection should be True or False"),
+        # Unchecked: ignored for inputs that are not 4-d, torch's error on the first 4-d batch.
+        ({"memory_format": "channels_last"}, TypeError, r"memory_format should be a torch\.memo"),
+        ({"memory_format": torch.float16}, TypeError, "memory_format should be a torch.memory_f"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, exc, message):
