@@ -94,6 +94,16 @@ def subset_mask(subset: Any, size: int | None) -> np.ndarray:
         raise TypeError(
             f"subset should be a 1-d sequence of integer dataset indices, but got shape {raw.shape}"
         )
+    if raw.size == 0:  # NOTE: before the dtype check: an empty list is float64
+        raise ValueError(
+            "subset should hold at least one dataset index, but got an empty subset; pass the "
+            "indices of the examples to train on, or subset=None for all of them"
+        )
+    if raw.dtype == np.bool_:
+        raise TypeError(
+            "subset should hold dataset indices, but got a boolean mask; pass "
+            "np.flatnonzero(mask) (the indices it keeps)"
+        )
     idx = check_indices("subset", raw)
     if size is None:
         size = int(idx.max()) + 1 if idx.size else 0

@@ -484,6 +484,19 @@ def test_subset_mask_and_membership():
         subset_mask([0.5], 6)
 
 
+@pytest.mark.parametrize("empty", [[], np.array([], dtype=np.int64), torch.tensor([])])
+def test_an_empty_subset_or_a_boolean_mask_is_refused_naming_it(empty):
+    """An empty subset failed on the first batch blaming the source ("check that its dataset and
+    sampler are not empty"), or, as an empty list, said that a float round trip would corrupt
+    indices; a boolean mask (scores > t) was told the same about floats."""
+    with pytest.raises(ValueError, match="subset should hold at least one dataset index"):
+        make(subset=empty)
+    with pytest.raises(TypeError, match=r"got a boolean mask; pass np\.flatnonzero\(mask\)"):
+        make(subset=np.arange(120) % 3 == 0)
+    with pytest.raises(TypeError, match="got a boolean mask"):
+        make(subset=torch.arange(120) % 3 == 0)
+
+
 def test_keep_function_counts_what_it_leaves_out_except_while_replaying():
     class Odd(Traditional):
         def can_prefilter(self):
