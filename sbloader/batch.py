@@ -218,12 +218,22 @@ def to_column(
     return value
 
 
+#: Dtypes whose 1-d tensors torch's ``index_select`` does not implement (it raises
+#: NotImplementedError); indexing with a tensor of positions gathers them. (torch < 2.3 has
+#: none of them.)
+_NO_INDEX_SELECT = tuple(
+    getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name)
+)
+
+
 def take(column: Column, positions: torch.Tensor, positions_list: list[int] | None) -> Column:
     """Rows ``positions`` of a column, gathered where the column lives (no host round trip);
     a nested field's entries are gathered recursively."""
     if isinstance(column, torch.Tensor):
         if positions.device != column.device:
             positions = positions.to(column.device, non_blocking=True)
+        if column.dtype in _NO_INDEX_SELECT and column.dim() == 1:
+            return column[positions]  # the same rows, by the indexing kernel that has them
         return column.index_select(0, positions)
     if isinstance(column, Mapping):
         return {k: take(v, positions, positions_list) for k, v in column.items()}

@@ -207,6 +207,28 @@ def test_numpy_fields_torch_cannot_hold_or_reversed_are_selected_with_their_exam
     assert [b["name"] for b in resumed] == rest
 
 
+@pytest.mark.parametrize("name", ["uint16", "uint32", "uint64"])
+def test_unsigned_fields_wider_than_a_byte_are_selected(name):
+    """torch has no 1-d index_select for uint16/32/64 (token counts or ids kept as numpy
+    uint16): selecting the kept rows raised NotImplementedError on the first batch."""
+    dtype = getattr(torch, name, None)
+    if dtype is None:
+        pytest.skip(f"torch {torch.__version__} has no {name}")
+    ds = EncodedDataset(60)
+
+    def collate(samples):
+        x, y = torch.utils.data.default_collate(samples)
+        return x, y, x[:, 0].long().to(dtype), x[:, :2].long().to(dtype)
+
+    dl = DataLoader(ds, batch_size=20, collate_fn=collate)
+    loader = SelectiveLoader(dl, IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=8)
+    batches = [b for _ in range(2) for b in loader]
+    assert batches
+    for batch in batches:
+        assert batch[2].dtype == dtype and torch.equal(batch[2].long(), batch.indices)
+        assert torch.equal(batch[3].long(), batch.indices[:, None].expand(-1, 2))
+
+
 def test_dict_batch_without_the_key_names_the_fix():
     dl = [{"x": torch.zeros(4, 6), "y": torch.zeros(4, dtype=torch.long)}]
     loader = SelectiveLoader(dl, IndexLoss(), batch_size=2)
