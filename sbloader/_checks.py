@@ -116,7 +116,15 @@ class FieldError(KeyError, ValueError):
 
 
 def check_device(device: Any, given: bool) -> None:
-    """Refuse to move batches to the meta device, where tensors hold no data."""
+    """Refuse to move batches to the meta device, where tensors hold no data, or to a CUDA
+    device this machine does not have (else the first batch would fail in torch)."""
+    if given and device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count or (device.index is not None and device.index >= count):
+            raise ValueError(
+                f"device={str(device)!r} is not available here (CUDA devices: {count}); pass "
+                "device= one this machine has (e.g. 'cpu'), or leave it out to use the model's"
+            )
     if device.type != "meta":
         return
     if given:

@@ -632,6 +632,19 @@ def test_a_model_that_raises_mid_selection_leaves_nothing_half_done():
     assert sum(len(b[0]) for b in loader) > 0 and loader.stats.current.examples_seen == 90
 
 
+def test_a_cuda_device_this_machine_lacks_is_refused_naming_it():
+    """device= a CUDA device the machine does not have fails before the first batch is loaded,
+    naming the parameter, not inside torch when a batch is moved."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    dl = DataLoader(EncodedDataset(40), batch_size=10)
+    missing = [f"cuda:{count}"] + ([] if count else ["cuda", torch.device("cuda")])
+    for device in missing:
+        loader = SelectiveLoader(dl, IndexLoss(), policy=Traditional(), device=device)
+        with pytest.raises(ValueError, match=r"device='cuda.*' is not available here"):
+            next(iter(loader))
+        assert loader.stats.total.examples_seen == 0
+
+
 def test_a_model_on_the_meta_device_is_refused_with_the_fix():
     """On a CPU-only machine the only other device is 'meta': a model not materialised yet (as
     built under ``torch.device('meta')`` for deferred initialisation). Batches moved there would
