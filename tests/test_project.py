@@ -41,9 +41,18 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 def test_import_has_no_global_side_effects():
     code = (
-        "import sys, torch; torch.set_num_threads(2); import sbloader; "
+        "import sys, random, numpy as np, torch; torch.set_num_threads(2); "
+        "from torch.utils.data import dataloader as tdl; "
+        "methods = (tdl.DataLoader.__iter__, tdl._BaseDataLoaderIter.__next__); "
+        "states = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()); "
+        "import sbloader; "
         "assert 'ffcv' not in sys.modules and 'torchvision' not in sys.modules, 'heavy import'; "
-        "assert torch.get_num_threads() == 2, 'threads changed'; print('ok')"
+        "assert torch.get_num_threads() == 2, 'threads changed'; "
+        "assert random.getstate() == states[0], 'random reseeded'; "
+        "assert (np.random.get_state()[1] == states[1]).all(), 'numpy reseeded'; "
+        "assert torch.equal(torch.get_rng_state(), states[2]), 'torch reseeded'; "
+        "assert (tdl.DataLoader.__iter__, tdl._BaseDataLoaderIter.__next__) == methods, 'patched'; "
+        "print('ok')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
