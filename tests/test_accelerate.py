@@ -23,6 +23,7 @@ import sbloader
 accelerate = pytest.importorskip("accelerate")
 import accelerate_scenarios as S  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
+from accelerate.data_loader import prepare_data_loader  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from launch import ROOT, torchrun_ranks  # noqa: E402
 
@@ -210,6 +211,16 @@ class Stream(IterableDataset):
             lambda a: a.prepare(DataLoader(data(), batch_size=4)),
             {"index_key": 0},
             "drop index_key",
+        ),
+        (  # as accelerator.prepare builds it on 2 processes with split_batches=True
+            lambda a: prepare_data_loader(
+                DataLoader(data(), batch_size=8),
+                num_processes=2,
+                process_index=0,
+                split_batches=True,
+            ),
+            {},
+            r"split_batches=True .*prepare it with split_batches=False",
         ),
     ],
 )
