@@ -141,7 +141,18 @@ def _plain_training(cls: type) -> bool:
 
 
 def check_loss_fn(loss_fn: Callable[..., torch.Tensor]) -> None:
-    """Reject loss modules that reduce over the batch before any data flows."""
+    """Reject, before any data flows, a ``loss_fn`` that cannot be called and loss modules
+    that reduce over the batch.
+
+    Raises:
+        TypeError: ``loss_fn`` is not callable (e.g. the name of a loss).
+        ValueError: ``loss_fn`` is a loss module whose ``reduction`` is not ``"none"``.
+    """
+    if not callable(loss_fn):
+        raise TypeError(
+            "loss_fn should be a callable loss_fn(outputs, targets) returning one loss per "
+            f"example, e.g. nn.CrossEntropyLoss(reduction='none'), but got loss_fn={loss_fn!r}"
+        )
     reduction = getattr(loss_fn, "reduction", "none")
     if reduction != "none":
         raise ValueError(

@@ -747,6 +747,8 @@ def test_nonfinite_skip_select_raise():
         ({"autocast": "bf16"}, TypeError, "autocast should be a torch.dtype"),
         ({"policy": "sb"}, TypeError, "policy should be an sbloader policy"),
         ({"model": object()}, TypeError, "model should be a torch.nn.Module"),
+        # failed on the first batch with "'str' object is not callable", naming no parameter
+        ({"loss_fn": "cross_entropy"}, TypeError, "loss_fn should be a callable"),
         # bool() took these: None (as if the default) scored in train mode, BatchNorm's running
         # statistics updated by every selection pass; "False" scored in eval mode.
         ({"eval_selection": None}, TypeError, "eval_selection should be True or False, but got "),
