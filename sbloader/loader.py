@@ -241,7 +241,9 @@ class SelectiveLoader:
             whole (pass ``output=`` to hand it a part).
         subset: dataset indices to train on (e.g. from :func:`sbloader.prune`); the others are
             never yielded. A DataLoader source does not even load them. Needs dataset indices.
-        eval_selection: run selection passes in eval mode (default True).
+        eval_selection: run selection passes in eval mode (default True). With False, a
+            selection forward of a single example through a model with BatchNorm (a source
+            batch of one) is refused with ``ValueError`` naming the fixes.
         rank: the process's rank, to derive its generator from ``seed``. Default: the
             ``torch.distributed`` rank when initialised, else 0.
         distributed: keep the ranks of a DDP job in step (see :mod:`sbloader.distributed`):

@@ -434,6 +434,8 @@ def selection_outputs(
             stop = min(start + step, n)
             m = stop - start
             y = B.rows(targets, start, stop)
+            if m == 1 and not eval:
+                _check_one_in_train_mode(model)
             if forward is None:
                 raw = model(B.rows(inputs, start, stop))
             else:
@@ -762,6 +764,23 @@ class SelectionForward:
             inference=inference,
         )
         return losses, features, outputs
+
+
+def _check_one_in_train_mode(model: nn.Module) -> None:
+    """Refuse a train-mode selection forward of one example through a training BatchNorm.
+
+    Raises:
+        ValueError: ``model`` has a BatchNorm layer in training mode, which cannot normalise a
+            single example (torch's own error would not say where the example came from).
+    """
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules()):
+        raise ValueError(
+            "eval_selection=False scores in train mode, where BatchNorm cannot normalise a "
+            "single example, but a selection forward got 1 candidate (a source batch of one, "
+            "such as a DataLoader's last, or the last chunk of selection_batch_size); pass "
+            "drop_last=True to the DataLoader, a selection_batch_size that leaves no chunk of "
+            "one, or eval_selection=True"
+        )
 
 
 def concrete_device(device: torch.device) -> torch.device:

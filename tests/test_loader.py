@@ -655,6 +655,35 @@ def test_a_batch_of_one_never_reaches_a_batchnorm_model():
     assert [len(b[0]) for b in plain] == [20, 20, 1] and len(plain) == 3
 
 
+def test_a_train_mode_selection_forward_of_one_example_names_the_fix():
+    """eval_selection=False scores in train mode, where BatchNorm raises on a single example
+    (the prior implementations' failure): a source batch of one (41 = 2 * 20 + 1) is refused
+    naming the fixes, with the model's modes and buffers as they were; drop_last runs."""
+    ds = EncodedDataset(41)
+    model = bn_model().train()
+    before = copy.deepcopy(model.state_dict())
+    loader = SelectiveLoader(
+        DataLoader(ds, batch_size=20), model, policy=SelectiveBackprop(0.5), eval_selection=False
+    )
+    with pytest.raises(ValueError, match=r"eval_selection=False.*1 candidate.*drop_last=True"):
+        list(loader)
+    assert all(m.training for m in model.modules())
+    assert torch.equal(model[1].num_batches_tracked, before["1.num_batches_tracked"] + 2)
+    fine = SelectiveLoader(
+        DataLoader(ds, batch_size=20, drop_last=True),
+        copy.deepcopy(model),
+        policy=SelectiveBackprop(0.5),
+        eval_selection=False,
+        batch_size=4,
+    )
+    assert sum(len(b[0]) for b in fine) > 0
+    # In eval mode (the default) the lone example is scored like any other.
+    model.load_state_dict(before)
+    evaluated = SelectiveLoader(DataLoader(ds, batch_size=20), model, policy=SelectiveBackprop(0.5))
+    list(evaluated)
+    assert evaluated.stats.current.selection_forwards == 41
+
+
 @pytest.mark.parametrize("min_batch_size, dropped", [(3, 0), (4, 3)])
 def test_a_user_min_batch_size_drops_smaller_batches_and_counts_them(min_batch_size, dropped):
     ds = EncodedDataset(53)  # 53 = 5 * 10 + 3: 3 examples left at the end of an epoch
