@@ -15,7 +15,7 @@ from benchmarks.core import strategies
 from benchmarks.core.config import PRESETS, Config, preset
 from benchmarks.core.frontier import Reached, Record, family_time, first_time, frontier_table
 from benchmarks.core.machine import machine_info, tree_changes
-from benchmarks.core.report import pairwise_lines, summary_markdown
+from benchmarks.core.report import pairwise_lines, speedup_cell, summary_markdown
 from benchmarks.core.train import Trainer, train_interleaved
 from sbloader.datasets import load_fashion_mnist
 
@@ -327,3 +327,31 @@ def test_a_configuration_saved_with_selection_bf16_reports_the_precision_it_ran(
     assert Config.from_dict({**old, "selection_bf16": True}).selection_precision == "bf16"
     assert Config.from_dict({**old, "selection_bf16": False}).selection_precision == "fp32"
     assert Config.from_dict(old).selection_precision == "auto"
+
+
+def test_a_seed_where_only_a_control_reaches_the_target_leaves_the_mean_undefined():
+    """A seed where a control reaches the target and no sbloader family does is a loss of
+    unknown size: the mean over seeds is then not a number (it was the mean of the other seeds,
+    a win where sbloader lost in one seed of two), and the report says where it was reached."""
+    records = [
+        rec("traditional", 10, [(10, 0.2), (20, 0.1)], seed=0),
+        rec("sb", 10, [(10, 0.1)], seed=0),  # 2x in seed 0
+        rec("traditional", 10, [(10, 0.2), (20, 0.1)], seed=1),
+        rec("sb", 10, [(10, 0.15)], seed=1),  # never in seed 1, where Traditional gets there
+    ]
+    table = frontier_table(records, {"traditional"}, ("traditional", 10), (1.0, 1.5))
+    s = table.summary(1.0)
+    assert s.mean is None and (s.low, s.high, s.never, s.seeds) == (2.0, 2.0, 1, 2)
+    assert speedup_cell(s) == "2.00x in 1 of 2 seeds, never in 1/2"
+    s = table.summary(1.5)  # reached in both: 2x and 20/10
+    assert s.mean == 2.0 and speedup_cell(s) == "2.00x (2.00x to 2.00x)"
+    # A seed where neither gets there (a given reference error) is no loss: the mean stands.
+    neither = frontier_table(
+        [*records[:2], rec("sb", 10, [(10, 0.3)], seed=1)],
+        {"traditional"},
+        ("traditional", 10),
+        (1.0,),
+        reference_error=0.1,
+    )
+    s = neither.summary(1.0)
+    assert s.mean == 2.0 and speedup_cell(s) == "2.00x (2.00x to 2.00x), never in 1/2"

@@ -95,8 +95,13 @@ class Cell:
 
 @dataclass(frozen=True)
 class Summary:
-    """One target over the seeds: the ratio's mean and range over the seeds where some sbloader
-    family reached it, and in how many seeds none did."""
+    """One target over the seeds: the ratio's range over the seeds where some sbloader family
+    reached it, its mean over the seeds, and in how many seeds no sbloader family did.
+
+    The mean is None where in some seed a control reached the target and no sbloader family
+    did (``lost``): that seed's ratio is a loss of unknown size, and a mean over the other seeds
+    alone would look like the win it is not. A seed where neither got there (possible only with
+    a given ``reference_error``) is no loss and is left out of the mean."""
 
     multiplier: float
     mean_target: float
@@ -105,6 +110,8 @@ class Summary:
     high: float | None
     never: int
     seeds: int
+    lost: int = 0
+    """Seeds where a control reached the target and no sbloader family did."""
 
 
 @dataclass
@@ -124,14 +131,16 @@ class FrontierTable:
     def summary(self, multiplier: float) -> Summary:
         cells = [self.cells[s, multiplier] for s in self.seeds]
         ratios = [c.ratio for c in cells if c.ratio is not None]
+        lost = sum(c.sbloader is None and c.control is not None for c in cells)
         return Summary(
             multiplier=multiplier,
             mean_target=statistics.fmean(c.target for c in cells) if cells else math.nan,
-            mean=statistics.fmean(ratios) if ratios else None,
+            mean=statistics.fmean(ratios) if ratios and not lost else None,
             low=min(ratios) if ratios else None,
             high=max(ratios) if ratios else None,
             never=len(cells) - len(ratios),
             seeds=len(cells),
+            lost=lost,
         )
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from .analysis import MULTIPLIERS, pareto, speedup_table
 from .config import Config
-from .frontier import TARGETS, Cell, FrontierTable, Reached, Record, frontier_table
+from .frontier import TARGETS, Cell, FrontierTable, Reached, Record, Summary, frontier_table
 from .machine import describe_commit
 from .records import Run
 from .strategies import get
@@ -65,6 +65,22 @@ def _ratio(x: float | None) -> str:
     return "∞" if math.isinf(x) else f"{x:.2f}x"
 
 
+def speedup_cell(sm: Summary) -> str:
+    """The headline's speedup at one target: the mean over seeds and the range; where sbloader
+    lost some seed by never getting there (no mean), the range over the seeds it reached."""
+    if sm.mean is None and sm.low is not None:
+        reached = sm.seeds - sm.never
+        span = _ratio(sm.low) if sm.low == sm.high else f"{_ratio(sm.low)} to {_ratio(sm.high)}"
+        speed = f"{span} in {reached} of {sm.seeds} seeds"
+    else:
+        speed = _ratio(sm.mean)
+    if sm.seeds > 1 and sm.mean is not None:
+        speed += f" ({_ratio(sm.low)} to {_ratio(sm.high)})"
+    if sm.never:
+        speed += f", never in {sm.never}/{sm.seeds}"
+    return speed
+
+
 def _where(r: Reached | None) -> str:
     return "never" if r is None else f"{r.family}, {r.budget} ep ({r.time_s:.0f} s)"
 
@@ -102,7 +118,8 @@ def frontier_section(cfg: Config, runs: Sequence[Run]) -> list[str]:
         "wall-clock at which any of its runs is evaluated at or below the target. Speedup = "
         "the best control's frontier time ÷ the best sbloader family's (above 1: sbloader "
         "gets there sooner than every control at every budget tried); mean over seeds, range "
-        "in parentheses; never: no sbloader family reached it; ∞: only sbloader did. "
+        "in parentheses; never: no sbloader family reached it (no mean where a control did: "
+        "the range over the seeds sbloader reached instead); ∞: only sbloader did. "
         f"Controls: {', '.join(map(family, table.controls)) or 'none'}. sbloader: "
         f"{', '.join(map(family, table.selective)) or 'none'}.",
         "",
@@ -111,11 +128,7 @@ def frontier_section(cfg: Config, runs: Sequence[Run]) -> list[str]:
     ]
     for m in table.multipliers:
         sm = table.summary(m)
-        speed = _ratio(sm.mean)
-        if sm.seeds > 1 and sm.mean is not None:
-            speed += f" ({_ratio(sm.low)} to {_ratio(sm.high)})"
-        if sm.never:
-            speed += f", never in {sm.never}/{sm.seeds}"
+        speed = speedup_cell(sm)
         cells = [table.cells[s, m] for s in table.seeds]
         tag = (lambda s: f"seed {s}: ") if len(cells) > 1 else (lambda s: "")
         lines.append(
