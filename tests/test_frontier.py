@@ -355,3 +355,21 @@ def test_a_seed_where_only_a_control_reaches_the_target_leaves_the_mean_undefine
     )
     s = neither.summary(1.0)
     assert s.mean == 2.0 and speedup_cell(s) == "2.00x (2.00x to 2.00x), never in 1/2"
+
+
+def test_the_pairwise_table_says_in_how_many_seeds_only_the_family_got_there():
+    """A seed where only the sbloader family reached the target (∞) is left out of the pairwise
+    mean of the finite ratios; the cell says so instead of reading as the loss of the others
+    (it read '0.50x (0.50x)' for a family that only the control missed in seed 0)."""
+    records = [
+        rec("traditional", 10, [(10, 0.2), (20, 0.1)], seed=0),
+        rec("traditional", 10, [(10, 0.2), (20, 0.1)], seed=1),
+        rec("random", 10, [(10, 0.2), (20, 0.13)], seed=0),  # never at x1.2 (0.12) in seed 0
+        rec("random", 10, [(10, 0.2), (20, 0.11)], seed=1),  # at 20 s in seed 1
+        rec("sb", 10, [(30, 0.115)], seed=0),
+        rec("sb", 10, [(40, 0.115)], seed=1),
+    ]
+    table = frontier_table(records, {"traditional", "random"}, ("traditional", 10), (1.2,))
+    rows = {line.split("|")[2].strip(): line for line in pairwise_lines(table)[4:-1]}
+    assert rows["random"].split("|")[3].strip() == "0.50x (0.50x), ∞ in 1/2"
+    assert rows["traditional"].split("|")[3].strip() == "0.58x (0.50x)"  # 20/30 and 20/40

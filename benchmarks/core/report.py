@@ -190,7 +190,8 @@ def pairwise_lines(table: FrontierTable) -> list[str]:
     lines = [
         "Each sbloader family against each control family (control's time ÷ the family's; mean "
         "over seeds, worst seed in parentheses; never: the family missed the target in some "
-        "seed where the control reached it; ∞: only the family reached it):",
+        "seed where the control reached it; ∞: only the family reached it, ∞ in k/n: in k "
+        "seeds, left out of the mean):",
         "",
         "| sbloader family | control | " + " | ".join(_times(m) for m in table.multipliers) + " |",
         "|" + "---|" * (len(table.multipliers) + 2),
@@ -216,7 +217,10 @@ def pairwise_lines(table: FrontierTable) -> list[str]:
                 else:
                     finite = [r for r in ratios if math.isfinite(r)]
                     mean = statistics.fmean(finite) if finite else math.inf
-                    cells.append(f"{_ratio(mean)} ({_ratio(min(ratios))})")
+                    cell = f"{_ratio(mean)} ({_ratio(min(ratios))})"
+                    if finite and len(finite) < len(ratios):  # the mean leaves those out
+                        cell += f", ∞ in {len(ratios) - len(finite)}/{len(table.seeds)}"
+                    cells.append(cell)
             lines.append(f"| {f} | {c} | " + " | ".join(cells) + " |")
     lines.append("")
     return lines
