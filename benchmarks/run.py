@@ -291,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     if args.report_only and (out / "machine.json").exists():
         machine = json.loads((out / "machine.json").read_text())
+    elif args.resume and (out / "machine.json").exists():
+        # NOTE: the runs already in the folder were measured on the machine and commit of its
+        # machine.json: a resumed sitting records its own beside it, never over it.
+        (out / f"machine_resumed_{stamp}.json").write_text(json.dumps(machine, indent=1))
     else:
         (out / "machine.json").write_text(json.dumps(machine, indent=1))
     if not args.report_only:

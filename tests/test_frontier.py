@@ -373,3 +373,23 @@ def test_the_pairwise_table_says_in_how_many_seeds_only_the_family_got_there():
     rows = {line.split("|")[2].strip(): line for line in pairwise_lines(table)[4:-1]}
     assert rows["random"].split("|")[3].strip() == "0.50x (0.50x), ∞ in 1/2"
     assert rows["traditional"].split("|")[3].strip() == "0.58x (0.50x)"  # 20/30 and 20/40
+
+
+def test_a_resumed_sitting_keeps_the_machine_record_of_the_runs_there(tmp_path, monkeypatch):
+    """``--resume`` trains only the runs not yet in the folder; the runs already there were
+    measured on the machine and commit of ``machine.json``, which the resumed sitting
+    overwrote with its own (so a folder's record named only its last sitting). It is kept, and
+    the resumed sitting's record is saved beside it."""
+    monkeypatch.setattr(bench, "execute", lambda *a, **k: None)
+    monkeypatch.setattr(bench, "report", lambda *a, **k: "")
+    (tmp_path / "runs").mkdir()
+    earlier = {"git_commit": "0000000", "date": "2026-11-25T17:53:37+00:00", "cpu": "earlier"}
+    (tmp_path / "machine.json").write_text(json.dumps(earlier))
+    argv = ["--preset", "quick", "--out", str(tmp_path), "--resume"]
+    assert bench.main(argv) == 0
+    assert json.loads((tmp_path / "machine.json").read_text()) == earlier
+    resumed = sorted(tmp_path.glob("machine_resumed_*.json"))
+    assert len(resumed) == 1
+    assert json.loads(resumed[0].read_text())["git_commit"] == machine_info()["git_commit"]
+    assert bench.main(["--preset", "quick", "--out", str(tmp_path / "fresh")]) == 0
+    assert (tmp_path / "fresh" / "machine.json").exists()  # a new folder records its machine
