@@ -18,6 +18,7 @@ __all__ = [
     "LOCAL_DATASETS",
     "ArrayDataset",
     "ArrayRows",
+    "fashion_mnist_tensors",
     "load_fashion_mnist",
     "load_local_dataset",
     "local_dataset_tensors",

@@ -63,6 +63,28 @@ def test_public_api_is_complete():
         assert hasattr(sbloader, name), name
 
 
+def test_examples_import_only_public_names():
+    """The README's Layout: "Public names are in each module's ``__all__``"; what the examples
+    import from sbloader's modules, a user copies, so each such name is public."""
+    import ast
+
+    for path in sorted((ROOT / "examples").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (
+                isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sbloader.")
+            ):
+                continue
+            # read from the source: modules over optional libraries need not import here
+            module = ROOT / (node.module.replace(".", "/") + ".py")
+            (public,) = (
+                ast.literal_eval(n.value)
+                for n in ast.parse(module.read_text()).body
+                if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "__all__"
+            )
+            for alias in node.names:
+                assert alias.name in public, f"{path.name}: {node.module}.{alias.name}"
+
+
 @pytest.mark.parametrize(
     "module", sorted(m.name for m in pkgutil.iter_modules(sbloader.__path__, "sbloader."))
 )
