@@ -510,6 +510,15 @@ class SelectiveLoader:
                 "policy should be an sbloader policy such as sbloader.SelectiveBackprop(...), but "
                 f"got {type(self.policy).__name__}"
             )
+        if policy is None and batches_per_epoch is None and planned_epochs == 2:
+            warnings.warn(
+                "planned_epochs=2 leaves the default policy no selective epoch: epoch 0 is its "
+                "Random-Backprop warm-up and epoch 1, the last eighth of the run (at least one "
+                "epoch), trains on all the data; plan at least planned_epochs=3, or pass a "
+                "policy (e.g. policy=sbloader.default_policy() anneals nothing)",
+                UserWarning,
+                stacklevel=2,
+            )
         if policy is None and self.planned_passes == planned_epochs:  # else in _plan_passes
             logger.info(
                 "policy: %r (the default recipe, chosen for this source%s)",

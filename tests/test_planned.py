@@ -96,6 +96,18 @@ def test_without_batches_per_epoch_planned_epochs_are_passes():
     assert explicit.planned_passes is None and explicit.policy.anneal_from_epoch == 7
 
 
+def test_two_planned_passes_warn_that_nothing_is_selected():
+    """planned_epochs=2 makes the default policy a warm-up epoch and an annealed one, no
+    selective epoch: warned, naming the fix; 3 passes have one and do not warn."""
+    with pytest.warns(UserWarning, match="planned_epochs=2 leaves the default policy no selective"):
+        two = loader_for(planned_epochs=2)
+    assert two.policy.anneal_from_epoch == 1 and two.policy.warmup_epochs == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        three = loader_for(planned_epochs=3)
+    assert three.policy.anneal_from_epoch == 2
+
+
 def test_passes_are_kept_where_the_data_size_is_unknown():
     """An int batches_per_epoch over a source of unknown size: the passes it makes cannot be
     estimated, so planned_epochs stays passes, with a warning naming the fix."""
