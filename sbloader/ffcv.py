@@ -680,6 +680,25 @@ class FFCVSource(Source):
     def set_epoch(self, epoch: int) -> None:
         self._epoch = int(epoch)
 
+    def check_prefetch(self, prefetch: int) -> None:
+        """Refuse ``prefetch`` > 0: FFCV's buffers would be overwritten under the loader.
+
+        NOTE: FFCV's batch thread writes batch ``b + batches_ahead + 2`` into batch ``b``'s
+        buffers as soon as batch ``b + 1`` is taken. A prefetch thread takes batches ahead of
+        the batch the loader is selecting from, so that batch (and those queued behind it) were
+        overwritten while in use: images, labels and indices no longer belonged together.
+
+        Raises:
+            ValueError: naming ``prefetch=`` and FFCV's ``batches_ahead``, when ``prefetch`` > 0.
+        """
+        if prefetch:
+            raise ValueError(
+                f"prefetch={prefetch} cannot be used with an FFCV loader: FFCV reuses a ring of "
+                "batches_ahead + 2 buffers, and batches fetched ahead on sbloader's thread are "
+                "overwritten before they are used; pass prefetch=0 (the default for FFCV) and "
+                "let FFCV fetch ahead itself (open_beton(..., batches_ahead=...))"
+            )
+
     def _order_batches(self, epoch: int) -> list[np.ndarray]:
         """The epoch's dataset indices batch by batch, as FFCV's EpochIterator chunks them."""
         loader = self.loader

@@ -263,7 +263,9 @@ class SelectiveLoader:
             thread, so a dataset that draws from torch's global RNG (random transforms) would
             interleave its draws with the training step's and runs would not be reproducible:
             pass ``prefetch=1`` there only for datasets without global randomness (such as
-            :class:`~sbloader.datasets.ArrayDataset`). FFCV loaders fetch ahead themselves.
+            :class:`~sbloader.datasets.ArrayDataset`). FFCV loaders fetch ahead themselves
+            (their ``batches_ahead``); ``prefetch`` > 0 is refused for them (see
+            :mod:`sbloader.ffcv`).
         metadata_key: also carry the selection results inside each yielded batch, so that they
             survive frameworks that rebuild batches when moving them to a device (Lightning,
             Accelerate's ``send_to_device``): dict batches get this key, tuple and list batches
@@ -626,6 +628,7 @@ class SelectiveLoader:
             if prefetch is None
             else check_int("prefetch", prefetch, minimum=0)
         )
+        self._source.check_prefetch(self.prefetch)
         self._sync: RankSync | None = make_sync(distributed, process_group)
         if self._scorer.collective and self._sync is None and is_distributed(process_group):
             raise ValueError(

@@ -67,7 +67,8 @@ class Source(abc.ABC):
     """The protocol of an epoch-wise source of ``(batch, indices)`` pairs.
 
     A source declares what it can do through plain methods (:meth:`has_indices`,
-    :meth:`can_filter`, :meth:`drop_last`, :meth:`replaying`, :meth:`default_prefetch`), never
+    :meth:`can_filter`, :meth:`drop_last`, :meth:`replaying`, :meth:`default_prefetch`,
+    :meth:`check_prefetch`), never
     through attributes the loader has to probe, and implements :meth:`epoch` and the state
     protocol. :func:`sbloader.adapt.make_source` turns what a user passes into a source.
 
@@ -103,6 +104,10 @@ class Source(abc.ABC):
     def default_prefetch(self) -> int:
         """Source batches worth fetching ahead on a thread by default (see ``prefetch=``)."""
         return 0
+
+    def check_prefetch(self, prefetch: int) -> None:  # noqa: B027 - optional hook
+        """Raise ValueError, naming ``prefetch=`` and the fix, where this source's batches
+        cannot be fetched ``prefetch`` batches ahead on a thread (the default accepts any)."""
 
     def disjoint_across_ranks(self) -> bool:
         """Whether, under DDP, the ranks' indices in a pass name disjoint shares of one dataset

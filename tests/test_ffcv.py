@@ -244,6 +244,23 @@ def test_kept_batches_survive_ffcvs_buffer_reuse(beton):
         torch.testing.assert_close(batch.losses, expected)
 
 
+def test_prefetch_is_refused_naming_ffcvs_batches_ahead(beton):
+    """prefetch= fetched FFCV batches ahead on sbloader's thread, which let FFCV's batch thread
+    write over the batch being selected from (and those queued behind it) in its ring of
+    batches_ahead + 2 buffers: images, labels and indices of the yielded batches no longer
+    belonged together. FFCV fetches ahead itself, so prefetch > 0 is refused when the loader is
+    built, naming prefetch= and batches_ahead."""
+    loader = sbffcv.open_beton(beton, 30, order="random", seed=1, batches_ahead=1)
+    for policy in (SelectiveBackprop(1 / 3), Traditional()):
+        with pytest.raises(ValueError, match=r"prefetch=1.*prefetch=0.*batches_ahead"):
+            SelectiveLoader(loader, model(), policy=policy, batch_size=16, prefetch=1)
+    for prefetch in (None, 0):
+        sl = SelectiveLoader(loader, model(), batch_size=16, seed=0, prefetch=prefetch)
+        assert sl.prefetch == 0
+        for batch in sl:
+            check_pairing(batch[0], batch[1], batch.indices)
+
+
 @pytest.mark.filterwarnings("ignore:overlap_selection=True with")
 def test_overlapped_passes_read_ffcv_batches_before_their_buffers_are_reused(beton):
     """overlap_selection holds the next FFCV batch while the caller trains (3 buffer slots with
