@@ -622,6 +622,11 @@ class FFCVSource(Source):
             ``"index"``, as written by :func:`write_beton`), or ``None`` to recover the indices
             from the loader's traversal order (``SEQUENTIAL`` and ``RANDOM`` orders only).
 
+    Raises:
+        TypeError: when ``loader`` is no FFCV ``Loader``.
+        ValueError: for an ``index_field`` that names no output, ``index_field=None`` with an
+            order indices cannot be recovered from, or ``batches_ahead`` < 1.
+
     Thread counts: FFCV's ``iter(loader)`` and its batch thread set torch's and numba's thread
     counts to ``num_workers``; the source restores them as soon as the first batch of each epoch
     has arrived, before anything else runs.
@@ -631,6 +636,15 @@ class FFCVSource(Source):
         if not is_ffcv_loader(loader):
             raise TypeError(
                 f"loader should be an ffcv.loader.Loader, but got {type(loader).__name__}"
+            )
+        batches_ahead = getattr(loader, "batches_ahead", 1)
+        if batches_ahead < 1:
+            # NOTE: ffcv's output queue is then unbounded (queue.Queue(0)): its batch thread
+            # writes the whole epoch into its 2 buffers without waiting for the caller.
+            raise ValueError(
+                f"the FFCV loader has batches_ahead={batches_ahead}, with which FFCV overwrites "
+                "each batch while it is being used (its queue of batches is then unbounded); "
+                "build the Loader with batches_ahead=1 or more (open_beton's default is 3)"
             )
         self.loader = loader
         self.outputs: list[str] = list(loader.pipeline_specs)

@@ -158,6 +158,20 @@ def test_indices_recovered_from_the_traversal_order_match_the_index_field(beton)
         sbffcv.FFCVSource(loader, index_field="idx")
 
 
+def test_a_loader_with_batches_ahead_0_is_refused_naming_it(beton):
+    """FFCV's batches_ahead=0 makes its output queue unbounded (queue.Queue(0)), so its batch
+    thread writes every batch of the epoch into its 2 buffers without waiting: the batch being
+    selected from is overwritten under the loader. open_beton refuses it; a Loader built directly
+    was accepted."""
+    ffcv_loader = sys.modules["ffcv.loader"]
+    with sbffcv.preserved_threads():
+        loader = ffcv_loader.Loader(str(beton), 30, num_workers=1, seed=0, batches_ahead=0)
+    with pytest.raises(ValueError, match=r"batches_ahead=0.*batches_ahead=1"):
+        sbffcv.FFCVSource(loader)
+    with pytest.raises(ValueError, match=r"batches_ahead=0"):
+        SelectiveLoader(loader, model(), batch_size=16)
+
+
 def test_mid_epoch_resume_is_refused_for_quasi_random(beton):
     source = sbffcv.FFCVSource(sbffcv.open_beton(beton, 32, order="quasi_random"))
     state = source.state_dict()
