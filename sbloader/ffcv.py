@@ -599,6 +599,39 @@ def _stop_epoch_iterator(it: Any) -> None:
             it.closed = True
 
 
+def _next_batch(it: Any, epoch: int, taken: int) -> Any:
+    """The next batch of an FFCV ``EpochIterator``, or None at the end of its epoch.
+
+    NOTE (an FFCV batch thread that died): an exception in FFCV's batch thread (a pipeline step
+    that raises) ends the thread without ending its output queue, and FFCV's ``__next__``
+    (``output_queue.get()``) then waits forever. So this waits for a batch on the queue's own
+    condition (woken by each put, as ``get`` is) while checking that the thread is alive, and
+    raises once it has died with nothing queued. Checked under the queue's lock, which every
+    put takes: an empty queue with a dead thread can never fill.
+
+    Args:
+        it: FFCV's ``EpochIterator`` (anything else is advanced with ``next`` as it is).
+        epoch: the epoch, for the error message.
+        taken: batches taken from ``it`` so far, for the error message.
+
+    Raises:
+        RuntimeError: when FFCV's batch thread died before the end of the epoch.
+    """
+    output = getattr(it, "output_queue", None)
+    if isinstance(it, threading.Thread) and isinstance(output, queue.Queue):
+        with output.not_empty:
+            while not output.queue and it.is_alive():
+                output.not_empty.wait(0.1)
+            died = not output.queue
+        if died:
+            raise RuntimeError(
+                f"FFCV's batch thread ended in epoch {epoch} after {taken} batches without "
+                "finishing the epoch: a step of the FFCV loader's pipeline raised (FFCV printed "
+                "its traceback above, on stderr); fix that pipeline step"
+            )
+    return next(it, None)
+
+
 class FFCVSource(Source):
     """An FFCV ``Loader`` as a SelectiveLoader source, with every example's dataset index.
 
@@ -744,14 +777,14 @@ class FFCVSource(Source):
                 it = iter(loader)
                 # NOTE: FFCV's batch thread calls torch.set_num_threads when it starts, which is
                 # before it hands out the first batch: restoring after that batch is race-free.
-                first = next(it, None)
+                first = _next_batch(it, epoch, 0)
             b = 0
             batch = first
             while batch is not None:
                 if b >= skip:
                     yield self._convert(batch, b, recovered)
                 b += 1
-                batch = next(it, None)
+                batch = _next_batch(it, epoch, b)
         finally:
             # Also on close() or garbage collection of this generator (GeneratorExit): an
             # abandoned epoch's batch thread is stopped and joined here, see the NOTE there.

@@ -540,6 +540,56 @@ def test_breaking_out_of_epochs_on_one_core_exits(tmp_path, launched_by):
     assert out.strip().endswith("ok") and child.returncode == 0, err[-3000:]
 
 
+def test_an_error_in_ffcvs_batch_thread_raises_instead_of_hanging(beton):
+    """A pipeline step that raises (here a torch module, run on FFCV's batch thread) kills that
+    thread without ending its queue, and FFCV's next() then waits forever: the epoch hung
+    instead of failing. It raises RuntimeError once the thread has died, through the source and
+    through SelectiveLoader, and the next epoch runs."""
+    code = textwrap.dedent(
+        f"""
+        import threading, torch, sbloader, sbloader.ffcv as F
+        F.import_ffcv()
+        from ffcv.fields.decoders import NDArrayDecoder
+        from ffcv.transforms import ToTensor
+
+        class Boom(torch.nn.Module):
+            calls = 0
+
+            def forward(self, x):
+                Boom.calls += 1
+                if Boom.calls == 3:
+                    raise ValueError("boom")
+                return x
+
+        pipe = {{"image": [NDArrayDecoder(), ToTensor(), Boom()]}}
+        loader = F.open_beton({str(beton)!r}, 30, pipelines=pipe)  # 10 batches
+        for make in (
+            lambda: (b for b, _ in F.FFCVSource(loader).epoch()),
+            lambda: iter(sbloader.SelectiveLoader(loader, torch.nn.Flatten(), batch_size=16)),
+        ):
+            Boom.calls, seen = 0, 0
+            try:
+                for batch in make():
+                    seen += 1
+                raise AssertionError("no error")
+            except RuntimeError as e:
+                assert "batch thread" in str(e) and "pipeline" in str(e), e
+            assert 1 <= seen <= 2, seen
+        left = [t for t in threading.enumerate() if type(t).__name__ == "EpochIterator"]
+        assert not left, left
+        assert len([b for b, _ in F.FFCVSource(loader).epoch()]) == 10  # Boom.calls is past 3
+        print("ok", flush=True)
+        """
+    )
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the epoch hung after FFCV's batch thread died")
+    assert out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
 def test_import_sbloader_ffcv_and_a_dataloader_source_never_import_ffcv():
     code = (
         "import sys, torch, sbloader, sbloader.ffcv; "
