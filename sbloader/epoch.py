@@ -654,8 +654,13 @@ class EpochIterator:
         out when ``unconsumed`` is 1 (fetched ahead by a framework, not trained yet), then those
         taken back by the state this epoch resumed and not handed out yet, then a source batch
         made ready whole and not handed out yet (:meth:`finishing` runs ahead to it; its source
-        batch counts as consumed)."""
-        ready = [] if self._direct is None else [self._direct]
+        batch counts as consumed).
+
+        NOTE: the last batch handed out and a batch made ready may be a source's own batch
+        (a passthrough policy's fast path), which an FFCV source overwrites as the epoch goes on
+        (its ring of reused buffers): the state gets copies of their data, not views.
+        """
+        ready = [] if self._direct is None else [self._direct.copy()]
         if not unconsumed:
             return [*self._replay, *ready]
         if self._last is None:
@@ -663,7 +668,7 @@ class EpochIterator:
                 f"unconsumed={unconsumed}, but this epoch has handed out no batch yet; pass the "
                 "number of batches the caller has fetched from the loader and not trained on"
             )
-        return [self._last, *self._replay, *ready]
+        return [self._last.copy(), *self._replay, *ready]
 
     # ------------------------------------------------------------------ decisions
     def _selection_round(self, real: int) -> int:

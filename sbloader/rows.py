@@ -122,6 +122,26 @@ class Rows:
             logits=move(self.logits),
         )
 
+    def copy(self) -> Rows:
+        """The rows with their data tensors (nested fields' too) copied, sharing no memory with
+        the source's batches (FFCV reuses its buffers); lists stay as they are.
+
+        Example:
+            >>> import torch
+            >>> x = torch.zeros(2)
+            >>> r = metadata_rows([x], None, None, None, 2, torch.device("cpu")).copy()
+            >>> x += 1
+            >>> r.data[0].tolist()
+            [0.0, 0.0]
+        """
+
+        def copied(c: Any) -> Any:
+            if isinstance(c, Mapping):
+                return {k: copied(v) for k, v in c.items()}
+            return c.clone() if isinstance(c, torch.Tensor) else c
+
+        return replace(self, data=[copied(c) for c in self.data])
+
     def state_dict(self) -> dict[str, Any]:
         """The rows as CPU tensors, lists and dicts of them (nested fields), loadable with
         ``torch.load(weights_only=True)``."""

@@ -375,6 +375,37 @@ def test_mid_epoch_resume_with_a_random_order(beton):
     assert got == full
 
 
+def test_a_state_saved_mid_epoch_keeps_its_batches_while_the_run_goes_on(beton):
+    """Traditional hands out FFCV's own batches (source batch size = batch size). A state saved
+    with unconsumed=1 (the last batch handed out, not trained yet), or after finishing() made the
+    next batch ready, kept those batches as views of FFCV's reused buffers: once the run went on
+    they held other examples, and the resumed run handed out images that were not its indices."""
+
+    def build():
+        loader = sbffcv.open_beton(beton, 30, order="random", seed=1, batches_ahead=1)
+        return SelectiveLoader(loader, model(), policy=Traditional(), seed=0)
+
+    sl = build()
+    it = iter(sl)
+    for _ in range(3):
+        last = next(it)
+    taken_back = sl.state_dict(unconsumed=1)
+    expected = [last.indices.clone()]
+    assert not it.finishing()  # runs ahead to the next batch, which the state keeps
+    made_ready = sl.state_dict()
+    for _ in range(6):  # FFCV writes over its 3 buffers twice
+        expected.append(next(it).indices.clone())
+    del it
+    for state, first in ((taken_back, expected[:2]), (made_ready, expected[1:2])):
+        resumed = build()
+        resumed.load_state_dict(state)
+        got = []
+        for batch in resumed:  # FFCV's own batches are valid until the next one
+            check_pairing(batch[0], batch[1], batch.indices)
+            got.append(batch.indices.tolist())
+        assert got[: len(first)] == [i.tolist() for i in first]
+
+
 def build_and_run(loader: SelectiveLoader, epochs: int) -> list:
     return [b for _ in range(epochs) for b in loader]
 
