@@ -110,6 +110,9 @@ class EpochIterator:
         self._fresh = self._passthrough = self._filtering = self._joins = False
         self._remainder = "carry"  # this epoch's remainder (set as it begins)
         self._paused = False  # paused between training epochs (see pause())
+        # Whether the caller runs ahead (see runs_ahead()) of a source that reuses its buffers:
+        # its batches are then handed out as copies, never as the source's own.
+        self._copy_direct = False
         # overlap_selection: the next source batch, fetched and being scored on the selection
         # thread; the fetcher's last tally once fetching ahead found the source exhausted; the
         # thread; and the scores a restored state made ahead for this epoch's next source batch.
@@ -173,6 +176,18 @@ class EpochIterator:
             self.stats.wall_s += now - self._start
             self._start = 0.0
             self._paused = True
+
+    def runs_ahead(self) -> None:
+        """Declare, before the first batch, that :meth:`finishing` will be called after each
+        batch is handed out (as :class:`sbloader.integrations.accelerate.AcceleratedLoader`
+        does under gradient accumulation).
+
+        NOTE: running ahead fetches the next source batch while the caller still trains on the
+        one handed out; a source that reuses its buffers (FFCV: a ring of ``batches_ahead + 2``)
+        may then overwrite the batch being trained on when a source batch is handed out as it is
+        (Traditional at the source's batch size). Such batches are handed out as copies instead.
+        """
+        self._copy_direct = self._loader._source.reuses_buffers()
 
     def finishing(self) -> bool:
         """Whether the epoch has no batch left after those handed out so far.
@@ -360,7 +375,7 @@ class EpochIterator:
             # last batch would be: every example once per pass, in order, in batches of
             # batch_size. Rows kept for a later batch are copies (FFCV reuses its buffers).
             # One agreement either way: the ranks make the same collectives.
-            direct = n == loader.batch_size and not len(loader._pending)
+            direct = n == loader.batch_size and not len(loader._pending) and not self._copy_direct
             if direct and self._agree(1):
                 self._direct = metadata_rows(
                     data, None, None, indices, n, device, features=features, logits=logits

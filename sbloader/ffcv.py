@@ -26,7 +26,8 @@ What sbloader guards against (see the module's NOTEs):
 - FFCV's batches are views into a ring of ``batches_ahead + 2`` reused buffers, valid only until
   the next batch is requested. SelectiveLoader gathers the examples it keeps (pending or carried
   into the next epoch) with ``index_select``, which copies; only the passthrough policy
-  (``Traditional``) yields FFCV's own tensors, valid until the next batch as with FFCV itself.
+  (``Traditional``) yields FFCV's own tensors, valid until the next batch as with FFCV itself
+  (copies where the caller runs ahead: :meth:`sbloader.epoch.EpochIterator.runs_ahead`).
 
 Example (needs ffcv; ``images`` float32 of shape (N, 1, 28, 28), ``labels`` int64 of shape (N,)):
     >>> import sbloader, sbloader.ffcv as sbffcv
@@ -726,6 +727,9 @@ class FFCVSource(Source):
 
     def set_epoch(self, epoch: int) -> None:
         self._epoch = int(epoch)
+
+    def reuses_buffers(self) -> bool:
+        return True
 
     def check_prefetch(self, prefetch: int) -> None:
         """Refuse ``prefetch`` > 0: FFCV's buffers would be overwritten under the loader.

@@ -237,6 +237,11 @@ class FixedEpochIterator:
         clock.yielded += 1
         return batch
 
+    def runs_ahead(self) -> None:
+        """Accepted for :meth:`EpochIterator.runs_ahead <sbloader.epoch.EpochIterator.
+        runs_ahead>`'s callers: :meth:`finishing` here knows from the count, without running
+        ahead, so batches need no copying."""
+
     def finishing(self) -> bool:
         """Whether the training epoch has no batch left after those handed out so far (known
         from the count, without running ahead; see :meth:`EpochIterator.finishing

@@ -68,7 +68,7 @@ class Source(abc.ABC):
 
     A source declares what it can do through plain methods (:meth:`has_indices`,
     :meth:`can_filter`, :meth:`drop_last`, :meth:`replaying`, :meth:`default_prefetch`,
-    :meth:`check_prefetch`), never
+    :meth:`check_prefetch`, :meth:`reuses_buffers`), never
     through attributes the loader has to probe, and implements :meth:`epoch` and the state
     protocol. :func:`sbloader.adapt.make_source` turns what a user passes into a source.
 
@@ -104,6 +104,11 @@ class Source(abc.ABC):
     def default_prefetch(self) -> int:
         """Source batches worth fetching ahead on a thread by default (see ``prefetch=``)."""
         return 0
+
+    def reuses_buffers(self) -> bool:
+        """Whether a batch's tensors may be overwritten once the next batch is fetched (FFCV's
+        ring of buffers); the loader then copies what it keeps, or hands out, past that."""
+        return False
 
     def check_prefetch(self, prefetch: int) -> None:  # noqa: B027 - optional hook
         """Raise ValueError, naming ``prefetch=`` and the fix, where this source's batches

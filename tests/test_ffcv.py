@@ -258,6 +258,59 @@ def test_kept_batches_survive_ffcvs_buffer_reuse(beton):
         torch.testing.assert_close(batch.losses, expected)
 
 
+def test_running_ahead_hands_out_copies_of_ffcvs_batches(beton):
+    """AcceleratedLoader (gradient accumulation) calls finishing() after each batch, which
+    fetches the next FFCV batch while the caller trains on the one handed out: Traditional at
+    the source's batch size handed out FFCV's own buffers, overwritten by that fetch. After
+    runs_ahead() (which AcceleratedLoader calls), batches are copies: held for the whole epoch,
+    each stays as it was when handed out, and pairs its images with its indices."""
+
+    def held(declare: bool) -> tuple[int, int]:
+        loader = sbffcv.open_beton(beton, 16, order="random", seed=1, batches_ahead=1)
+        sl = SelectiveLoader(loader, model(), policy=Traditional(), batch_size=16, seed=0)
+        it = iter(sl)
+        if declare:
+            it.runs_ahead()
+        kept = []
+        for batch in it:
+            snapshot = [t.clone() for t in (batch[0], batch[1], batch.indices)]
+            kept.append((batch, snapshot))
+            it.finishing()
+        changed = sum(
+            not all(torch.equal(a, b) for a, b in zip((b[0], b[1], b.indices), snap))
+            for b, snap in kept
+        )
+        for b, _ in kept:
+            if declare:
+                check_pairing(b[0], b[1], b.indices)
+        return len(kept), changed
+
+    n, changed = held(declare=False)
+    assert changed > 0  # the control: without it, held batches were overwritten
+    n_copied, changed_copied = held(declare=True)
+    assert n_copied == n and changed_copied == 0
+
+    from sbloader.integrations.accelerate import AcceleratedLoader
+
+    accelerate = pytest.importorskip("accelerate")
+    accelerate.state.AcceleratorState._reset_state(True)
+    accelerate.state.GradientState._reset_state()
+    try:
+        accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+        loader = sbffcv.open_beton(beton, 16, order="random", seed=1, batches_ahead=1)
+        wrapped = AcceleratedLoader(
+            SelectiveLoader(loader, model(), policy=Traditional(), batch_size=16, seed=0)
+        )
+        kept = [(b, b[0].clone(), b.indices.clone()) for b in wrapped]
+        assert len(kept) == n
+        for b, images, indices in kept:
+            assert torch.equal(b[0], images) and torch.equal(b.indices, indices)
+            check_pairing(b[0], b[1], b.indices)
+    finally:
+        accelerate.state.AcceleratorState._reset_state(True)
+        accelerate.state.GradientState._reset_state()
+
+
 def test_prefetch_is_refused_naming_ffcvs_batches_ahead(beton):
     """prefetch= fetched FFCV batches ahead on sbloader's thread, which let FFCV's batch thread
     write over the batch being selected from (and those queued behind it) in its ring of

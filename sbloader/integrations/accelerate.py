@@ -244,6 +244,8 @@ class AcceleratedLoader(DataLoaderStateMixin):
         state = self.gradient_state
         ahead = state.num_steps > 1 and state.sync_with_dataloader
         it = iter(self.loader)
+        if ahead:
+            it.runs_ahead()
         self.begin()
         try:
             for batch in it:
