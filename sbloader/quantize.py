@@ -303,6 +303,39 @@ def _check_plain(copy: nn.Module) -> None:
                 )
 
 
+_QPARAMS = ("scale", "zero_point")
+
+
+def _attributes(copy: nn.Module) -> dict[str, Any]:
+    """The values ``copy``'s modules hold as plain attributes, outside its state dict, by
+    ``"module.attribute"`` name: tensors (a quantized PReLU's int8 weight) and output scales and
+    zero points (a quantized ELU's, PReLU's).
+
+    NOTE: a resumed copy is traced from the resumed model and calibrated on the resumed run's
+    first source batch, then takes the saved copy's state dict; without these, such values would
+    stay those of that model (weights newer than the saved copy's) and that calibration, and the
+    resumed run would score otherwise than the uninterrupted one.
+    """
+    state = copy.state_dict()
+    out: dict[str, Any] = {}
+    for name, module in copy.named_modules():
+        for attr, value in vars(module).items():
+            key = f"{name}.{attr}" if name else attr
+            if key in state:
+                continue
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if isinstance(value, torch.Tensor) or (attr in _QPARAMS and number):
+                out[key] = value
+    return out
+
+
+def _set_attributes(copy: nn.Module, values: Mapping[str, Any]) -> None:
+    """The inverse of :func:`_attributes`: set each saved value on ``copy``'s module."""
+    for key, value in values.items():
+        name, _, attr = key.rpartition(".")
+        setattr(copy.get_submodule(name), attr, value)
+
+
 def _with_versions(values: dict[str, Any], like: nn.Module) -> dict[str, Any]:
     """``values`` with the module versions of ``like``'s state dict (``_metadata``, which a plain
     dict lacks): quantized modules read their saved format from it."""
@@ -426,6 +459,7 @@ class QuantizedSelector:
         self._since = 0  # selection passes with the current copy
         self._since_examples = 0  # candidates scored with the current copy
         self._restored: dict[str, Any] | None = None  # a saved copy's state, not yet loaded
+        self._restored_attributes: dict[str, Any] = {}  # its values outside its state dict
 
     def model_for(
         self,
@@ -453,7 +487,8 @@ class QuantizedSelector:
             # model; every value in it (weights, scales, zero points) is then the saved one's.
             current = self._build(model, inputs, prepare)
             current.load_state_dict(_with_versions(_packed_values(self._restored), current))
-            self._restored = None
+            _set_attributes(current, self._restored_attributes)
+            self._restored, self._restored_attributes = None, {}
         assert current is not None
         self.model = current
         self._since += 1
@@ -514,12 +549,14 @@ class QuantizedSelector:
             )
 
     def state_dict(self) -> dict[str, Any]:
-        """The refresh clock and the current copy's values (int8 weights, scales, zero points),
-        so that a resumed run scores with the same copy as an uninterrupted one."""
+        """The refresh clock and the current copy's values (int8 weights, scales, zero points,
+        those held outside its state dict included: :func:`_attributes`), so that a resumed run
+        scores with the same copy as an uninterrupted one."""
         model = self.model
         values = None if model is None else _plain_values(model.state_dict())
+        attributes = None if model is None else _attributes(model)
         if values is None and self._restored is not None:
-            values = self._restored
+            values, attributes = self._restored, self._restored_attributes
         return {
             "version": self.VERSION,
             "epoch": self._epoch,
@@ -527,6 +564,9 @@ class QuantizedSelector:
             "since_examples": self._since_examples,
             "refreshes": self.refreshes,
             "model": values,
+            # NOTE: an optional key of version 1 (absent from states saved before it): the
+            # copy's values held outside its state dict (see _attributes).
+            "attributes": attributes,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -539,3 +579,4 @@ class QuantizedSelector:
         self.refreshes = int(state["refreshes"])
         self.model = None
         self._restored = None if state["model"] is None else dict(state["model"])
+        self._restored_attributes = dict(state.get("attributes") or {})

@@ -425,6 +425,52 @@ def test_a_copy_with_packed_weights_checkpoints_with_weights_only_and_resumes_ex
     assert head + epoch_batches(resumed) == expected
 
 
+def attribute_cnn() -> nn.Module:
+    """A CNN whose int8 copy holds values outside its state dict: a quantized ELU's output scale
+    and zero point, a quantized PReLU's int8 weight, scale and zero point (plain attributes)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Conv2d(1, 8, 3, padding=1),
+            nn.ELU(),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.PReLU(8),
+            nn.Flatten(),
+            nn.Linear(8 * 12 * 12, CLASSES),
+        )
+
+
+def test_a_copy_holding_values_outside_its_state_dict_resumes_exactly() -> None:
+    """The resumed copy is traced from the resumed model (trained past the saved copy's last
+    refresh) and calibrated on the resumed run's first source batch, then takes the saved
+    values: those its modules hold as plain attributes must be the saved copy's too."""
+    quantize = QuantizedSelection(refresh_every=5)
+
+    def start(state: dict[str, Any] | None = None) -> tuple[SelectiveLoader, Any]:
+        model = attribute_cnn()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        loader = make(model, quantize, data=dataset(384, noise=2.0))
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            loader.load_state_dict(state["loader"])
+        return loader, opt
+
+    whole, opt = start()
+    expected = epoch_batches(whole, opt)
+    first, opt = start()
+    head = epoch_batches(first, opt, stop=3)
+    model = first.model
+    buffer = io.BytesIO()
+    torch.save(
+        {"loader": first.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()},
+        buffer,
+    )
+    buffer.seek(0)
+    resumed, opt = start(torch.load(buffer, weights_only=True))
+    assert head + epoch_batches(resumed, opt) == expected
+
+
 # ------------------------------------------------------------------------ quantize_selection="auto"
 def native(monkeypatch: pytest.MonkeyPatch, answer: bool) -> None:
     """Make this process's CPU answer ``answer`` to torch's int8 capability queries."""
