@@ -233,7 +233,8 @@ class DecisionGenerator:
 
     Made on the device of the first losses it draws for (a CUDA generator for CUDA losses), so
     the draws never leave the device. Its state is saved and restored exactly, also before it
-    was first used.
+    was first used, on the kind of device it was made on: CPU and CUDA generators keep
+    different states, so a state of one is refused (``ValueError``) by the other.
 
     Args:
         seed: the loader's seed.
@@ -261,14 +262,19 @@ class DecisionGenerator:
 
     def get(self, device: torch.device) -> torch.Generator:
         """The generator, made on ``device`` at first use (moved there with its state if it was
-        made elsewhere, e.g. a state restored on another machine)."""
+        made on another device of the same kind, e.g. another GPU).
+
+        Raises:
+            ValueError: its state (restored, or its generator's) is that of another kind of
+                device (a CPU generator's for CUDA losses, or the other way).
+        """
         g = self._generator
         if g is None or g.device != device:
             state = self._state if g is None else g.get_state()
             g = torch.Generator(device=device)
             g.manual_seed(self.seed)
             if state is not None:
-                g.set_state(state)
+                _set_state(g, state)
             self._generator, self._state = g, None
         return g
 
@@ -286,9 +292,27 @@ class DecisionGenerator:
             )
         saved = state["state"]
         if self._generator is not None and saved is not None:
-            self._generator.set_state(saved)
+            _set_state(self._generator, saved)
         else:
             self._generator, self._state = None, saved
+
+
+def _set_state(generator: torch.Generator, state: torch.Tensor) -> None:
+    """``generator.set_state(state)``, refusing a state of another kind of device with the fix.
+
+    NOTE: a CPU generator's state is a Mersenne Twister's (5056 bytes), a CUDA generator's a
+    Philox seed and offset (16 bytes); ``set_state`` refuses the other kind's with a message
+    that names neither ``decisions`` nor what to do.
+    """
+    try:
+        generator.set_state(state)
+    except RuntimeError as e:
+        raise ValueError(
+            f"decisions='device': the saved draws of its generator were made on another kind of "
+            f"device than the losses, which are on {generator.device} (CPU and CUDA generators "
+            "keep different states, so the draws cannot continue here); resume on the kind of "
+            "device the run was saved on (keep the model there), or start the run afresh"
+        ) from e
 
 
 def device_rows(

@@ -84,6 +84,28 @@ def test_generator_state_round_trips_before_and_after_first_use():
         other.load_state_dict(saved)
 
 
+def test_a_generator_state_of_another_device_type_is_refused_with_the_fix():
+    """CPU and CUDA generators keep different states (a Mersenne Twister's 5056 bytes, a
+    Philox seed and offset's 16): a state saved by a run that decided on a GPU cannot continue
+    its draws on the CPU (nor the other way), and says so instead of failing in set_state."""
+    cpu = torch.device("cpu")
+    g = DecisionGenerator(seed=5, rank=0)
+    cuda_state = torch.zeros(16, dtype=torch.uint8)  # the size of a CUDA generator's state
+    g.load_state_dict({"seed": g.seed, "state": cuda_state})
+    with pytest.raises(ValueError, match=r"decisions='device'.*another kind of device.*on cpu"):
+        g.get(cpu)
+    used = DecisionGenerator(seed=5, rank=0)  # its CPU generator made already
+    torch.rand(2, generator=used.get(cpu))
+    twin = DecisionGenerator(seed=5, rank=0)
+    twin.load_state_dict(used.state_dict())
+    with pytest.raises(ValueError, match="resume on the kind of device the run was saved on"):
+        used.load_state_dict({"seed": used.seed, "state": cuda_state})
+    # the refused state changed nothing
+    assert torch.equal(
+        torch.rand(4, generator=used.get(cpu)), torch.rand(4, generator=twin.get(cpu))
+    )
+
+
 # ---------------------------------------------------------------------- through the loader
 X = torch.randn(3000, 12, generator=torch.Generator().manual_seed(0))
 Y = (X[:, 0] > 0).long() + (X[:, 1] > 0.5).long()
