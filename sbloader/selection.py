@@ -421,9 +421,14 @@ def selection_outputs(
     if first is None and batch is not None:
         first = _first_tensor(batch)
     device_type = first.device.type if first is not None else "cpu"
+    # NOTE: autocast=None is float32 even inside a caller's torch.autocast region: autocast is
+    # thread-local, so an overlapped pass (on the selection thread) never sees the caller's,
+    # and passes in the caller's thread would otherwise run in another precision than those.
     autocast = (
         torch.autocast(device_type, dtype=autocast_dtype)
         if autocast_dtype is not None
+        else torch.autocast(device_type, enabled=False)
+        if _autocast_enabled(device_type)
         else contextlib.nullcontext()
     )
     custom = forward is not None and not isinstance(forward, FieldsForward)
@@ -764,6 +769,19 @@ class SelectionForward:
             inference=inference,
         )
         return losses, features, outputs
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    """Whether the calling thread is in a ``torch.autocast`` region for ``device_type`` (False
+    for a device type autocast does not know, e.g. ``"meta"``)."""
+    try:
+        return bool(torch.is_autocast_enabled(device_type))
+    except TypeError:  # torch < 2.4: no device type argument
+        if device_type == "cpu":
+            return torch.is_autocast_cpu_enabled()
+        return device_type == "cuda" and torch.is_autocast_enabled()
+    except RuntimeError:
+        return False
 
 
 def _check_one_in_train_mode(model: nn.Module) -> None:

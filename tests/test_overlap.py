@@ -361,3 +361,35 @@ def test_a_model_moved_after_the_loader_was_built_is_refused_at_the_next_pass():
         copy_.sync(live.to("meta"))
     with pytest.raises(RuntimeError, match="changed in number or shape"):
         copy_.sync(nn.Linear(6, 5))
+
+
+def test_every_pass_runs_in_the_loaders_precision_whatever_the_callers_autocast():
+    """A training loop under ``torch.autocast``: the first pass of an epoch runs in the caller's
+    thread and the others on the selection thread, which does not share its autocast state;
+    every pass must run in the loader's own precision (``autocast=None``: float32), with or
+    without overlap, not the caller's in some passes only."""
+    seen: list[bool] = []
+
+    class Records(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 4)
+
+        def forward(self, x):
+            seen.append(torch.is_autocast_enabled("cpu"))
+            return self.lin(x)
+
+    for overlap in (False, True):
+        seen.clear()
+        loader = SelectiveLoader(
+            DataLoader(EncodedDataset(160), batch_size=SOURCE),
+            Records(),
+            policy=SelectiveBackprop(0.5),
+            batch_size=BATCH,
+            overlap_selection=overlap,
+            autocast=None,
+        )
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for _ in loader:
+                pass
+        assert seen == [False] * 5, (overlap, seen)
