@@ -242,8 +242,9 @@ class SelectiveLoader:
         subset: dataset indices to train on (e.g. from :func:`sbloader.prune`); the others are
             never yielded. A DataLoader source does not even load them. Needs dataset indices.
         eval_selection: run selection passes in eval mode (default True). With False, a
-            selection forward of a single example through a model with BatchNorm (a source
-            batch of one) is refused with ``ValueError`` naming the fixes.
+            selection forward of a single example (a source batch of one) that a BatchNorm
+            refuses in train mode (one value per channel, e.g. ``BatchNorm1d`` after a linear
+            layer) is refused with ``ValueError`` naming the fixes.
         rank: the process's rank, to derive its generator from ``seed``. Default: the
             ``torch.distributed`` rank when initialised, else 0.
         distributed: keep the ranks of a DDP job in step (see :mod:`sbloader.distributed`):

@@ -439,12 +439,16 @@ def selection_outputs(
             stop = min(start + step, n)
             m = stop - start
             y = B.rows(targets, start, stop)
-            if m == 1 and not eval:
-                _check_one_in_train_mode(model)
-            if forward is None:
-                raw = model(B.rows(inputs, start, stop))
-            else:
-                raw = forward(model, restrict(batch, start, stop))
+            counts = _batchnorm_counts(model) if m == 1 and not eval else None
+            try:
+                if forward is None:
+                    raw = model(B.rows(inputs, start, stop))
+                else:
+                    raw = forward(model, restrict(batch, start, stop))
+            except ValueError as e:
+                if counts is None or _ONE_VALUE_PER_CHANNEL not in str(e):
+                    raise
+                _one_in_train_mode(counts, e)
             logits = model_output(raw, output)
             # NOTE: by default a loss_fn of the user's own takes non-tensor outputs whole, as it
             # did before output= existed; a torch loss module takes tensors only.
@@ -784,21 +788,42 @@ def _autocast_enabled(device_type: str) -> bool:
         return False
 
 
-def _check_one_in_train_mode(model: nn.Module) -> None:
-    """Refuse a train-mode selection forward of one example through a training BatchNorm.
+#: The start of torch's message for a train-mode BatchNorm given one value per channel.
+_ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel when training"
+
+
+def _batchnorm_counts(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each training BatchNorm's ``num_batches_tracked`` with a copy of its value, to be put
+    back by :func:`_one_in_train_mode` (torch counts the batch before refusing it)."""
+    return [
+        (m.num_batches_tracked, m.num_batches_tracked.clone())
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        and m.training
+        and isinstance(m.num_batches_tracked, torch.Tensor)
+    ]
+
+
+def _one_in_train_mode(counts: list[tuple[torch.Tensor, torch.Tensor]], error: Exception) -> None:
+    """Refuse, naming the fixes, a train-mode selection forward of one example that torch's
+    BatchNorm refused (``error``), with the BatchNorm counters as they were before it.
+
+    NOTE: only a forward torch refuses is refused: BatchNorm2d normalises a single image over
+    its pixels, and BatchNorm1d refuses one example only where it has one value per channel.
 
     Raises:
-        ValueError: ``model`` has a BatchNorm layer in training mode, which cannot normalise a
-            single example (torch's own error would not say where the example came from).
+        ValueError: always (torch's own error would not say where the example came from).
     """
-    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules()):
-        raise ValueError(
-            "eval_selection=False scores in train mode, where BatchNorm cannot normalise a "
-            "single example, but a selection forward got 1 candidate (a source batch of one, "
-            "such as a DataLoader's last, or the last chunk of selection_batch_size); pass "
-            "drop_last=True to the DataLoader, a selection_batch_size that leaves no chunk of "
-            "one, or eval_selection=True"
-        )
+    with torch.no_grad():
+        for tracked, before in counts:
+            tracked.copy_(before)
+    raise ValueError(
+        "eval_selection=False scores in train mode, where BatchNorm cannot normalise a "
+        "single example, but a selection forward got 1 candidate (a source batch of one, "
+        "such as a DataLoader's last, or the last chunk of selection_batch_size); pass "
+        "drop_last=True to the DataLoader, a selection_batch_size that leaves no chunk of "
+        "one, or eval_selection=True"
+    ) from error
 
 
 def concrete_device(device: torch.device) -> torch.device:

@@ -684,6 +684,26 @@ def test_a_train_mode_selection_forward_of_one_example_names_the_fix():
     assert evaluated.stats.current.selection_forwards == 41
 
 
+def test_a_train_mode_selection_forward_of_one_image_through_batchnorm2d_runs():
+    """BatchNorm2d normalises a single image in train mode (its statistics run over the image's
+    pixels): eval_selection=False scores a source batch of one through it, as torch allows, and
+    only the forward torch refuses (BatchNorm1d, above) is refused with the fix."""
+    images = torch.randn(41, 1, 4, 4)
+    labels = torch.arange(41) % N_CLASSES
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, N_CLASSES)
+    ).train()
+    loader = SelectiveLoader(
+        DataLoader(ArrayDataset(images, labels), batch_size=20),
+        model,
+        policy=SelectiveBackprop(0.5),
+        eval_selection=False,
+    )
+    list(loader)
+    assert loader.stats.current.selection_forwards == 41
+    assert all(m.training for m in model.modules())
+
+
 @pytest.mark.parametrize("min_batch_size, dropped", [(3, 0), (4, 3)])
 def test_a_user_min_batch_size_drops_smaller_batches_and_counts_them(min_batch_size, dropped):
     ds = EncodedDataset(53)  # 53 = 5 * 10 + 3: 3 examples left at the end of an epoch
