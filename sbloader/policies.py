@@ -485,7 +485,8 @@ class SelectiveBackprop(Policy):
 
     def _adopt_store(self) -> None:
         """Make the store this run's, at its first use (an epoch begun, or losses reported
-        during a :class:`Phased` warm-up) unless a state was loaded into it.
+        during a :class:`Phased` warm-up) unless a state was loaded into it (one saved after
+        that first use: see :meth:`state_dict`).
 
         NOTE (store_path): a run that begins without loading a state starts with an empty
         store. Files an earlier run left in the folder would otherwise be its losses and
@@ -717,6 +718,10 @@ class SelectiveBackprop(Policy):
             state["device_window"] = self.device_window.state_dict()
         if self.store is not None:
             state["store"] = self.store.state_dict()
+            # NOTE: False for a state saved before the store's first use (a checkpoint at step
+            # 0): a memory-mapped store's state is its files, which are then an earlier run's,
+            # and the run resumed from it clears them at that first use, as this run does.
+            state["store_adopted"] = self._store_adopted
         state["schedule"] = {
             "last_fresh": self._last_fresh,
             "fed": self._fed,
@@ -752,7 +757,8 @@ class SelectiveBackprop(Policy):
                     "has none; construct it with the saved staleness and attach it to a loader"
                 )
             self.store.load_state_dict(state["store"])
-            self._store_adopted = True
+            # NOTE: saved before store_adopted was state: adopted.
+            self._store_adopted = bool(state.get("store_adopted", True))
         schedule = state.get("schedule")
         if schedule is None:
             # NOTE: saved before the schedule was state, when passes ran in epochs 0, n, 2n...:

@@ -374,6 +374,33 @@ def test_a_new_run_in_a_used_store_path_starts_empty_and_a_resumed_one_keeps_it(
     assert warm.store.selected.sum() == 0
 
 
+def test_a_state_saved_before_a_used_store_paths_first_use_resumes_as_the_run_goes_on(tmp_path):
+    """A checkpoint saved before the first epoch of a new run in a used store_path (the store
+    not used yet): the run itself clears the earlier run's files when its first epoch begins,
+    so the run resumed from that checkpoint must not continue with them."""
+
+    def build(path):
+        policy = SelectiveBackprop(1 / 3, staleness=2, store_path=str(path))
+        dl = DataLoader(EncodedDataset(120), batch_size=30, generator=torch.Generator())
+        return SelectiveLoader(dl, IndexLoss(), policy=policy, batch_size=10, seed=3)
+
+    used, fresh = tmp_path / "used", tmp_path / "fresh"
+    earlier = build(used)
+    for _ in range(3):
+        list(earlier)
+    assert earlier.policy.store.selected.sum() > 0
+    del earlier
+
+    reference = build(fresh)
+    state = build(used).state_dict()  # e.g. a checkpoint at step 0
+    resumed = build(used)
+    resumed.load_state_dict(state)
+    for _ in range(3):
+        list(reference)
+        list(resumed)
+    np.testing.assert_array_equal(resumed.policy.store.selected, reference.policy.store.selected)
+
+
 # ---------------------------------------------------------------------- bad input
 class PoisonedLoss:
     """Per-example cross-entropy, with NaN, +inf and -inf for the examples listed (the model's
