@@ -624,12 +624,7 @@ class SelectiveLoader:
             )
         self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE)
         self.cdf = check_choice("cdf", cdf, _CDFS)
-        self.prefetch = (
-            self._source.default_prefetch()
-            if prefetch is None
-            else check_int("prefetch", prefetch, minimum=0)
-        )
-        self._source.check_prefetch(self.prefetch)
+        self.prefetch = self._source.default_prefetch() if prefetch is None else prefetch
         self._sync: RankSync | None = make_sync(distributed, process_group)
         if self._scorer.collective and self._sync is None and is_distributed(process_group):
             raise ValueError(
@@ -849,6 +844,18 @@ class SelectiveLoader:
     @property
     def source(self) -> Source:
         return self._source
+
+    @property
+    def prefetch(self) -> int:
+        """Source batches fetched ahead on a thread (``prefetch=``); set it between epochs to
+        change it, checked as when the loader is built (e.g. refused > 0 for FFCV)."""
+        return self._prefetch
+
+    @prefetch.setter
+    def prefetch(self, value: int) -> None:
+        value = check_int("prefetch", value, minimum=0)
+        self._source.check_prefetch(value)
+        self._prefetch = value
 
     @property
     def autocast(self) -> torch.dtype | None:

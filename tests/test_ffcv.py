@@ -326,6 +326,9 @@ def test_prefetch_is_refused_naming_ffcvs_batches_ahead(beton):
         assert sl.prefetch == 0
         for batch in sl:
             check_pairing(batch[0], batch[1], batch.indices)
+    with pytest.raises(ValueError, match=r"prefetch=1.*prefetch=0.*batches_ahead"):
+        sl.prefetch = 1  # set after construction: refused as well
+    assert sl.prefetch == 0
 
 
 @pytest.mark.filterwarnings("ignore:overlap_selection=True with")
