@@ -649,10 +649,7 @@ class SelectiveLoader:
                 f"or None, but got metadata_key={metadata_key!r}"
             )
         self.metadata_key = metadata_key
-        if not isinstance(drop_index, bool):
-            raise TypeError(
-                f"drop_index should be True or False, but got drop_index={drop_index!r}"
-            )
+        drop_index = check_bool("drop_index", drop_index)
         drop_key = self._source.index_field_key() if drop_index else None
         if drop_index and drop_key is None:
             raise ValueError(
@@ -717,11 +714,7 @@ class SelectiveLoader:
         """The selection model's copy of ``overlap_selection`` (None when off), after checking
         that this configuration can overlap its selection passes. Called after the scorer is
         made."""
-        if not isinstance(option, bool):
-            raise TypeError(
-                f"overlap_selection should be True or False, but got overlap_selection={option!r}"
-            )
-        if not option:
+        if not check_bool("overlap_selection", option):
             return None
         scorer = self._scorer
         model = scorer.selection_model
