@@ -197,7 +197,9 @@ class EpochIterator:
         last batch handed out, one step staler) and end the epoch (``loader.epoch`` then counts
         it). The batch it runs ahead to stays owed, so a state saved now still yields it.
         Used by :class:`sbloader.integrations.accelerate.AcceleratedLoader` to mark an epoch's
-        last batch as Accelerate's own loaders do.
+        last batch as Accelerate's own loaders do. Call :meth:`runs_ahead` before the first
+        batch when calling this after each batch: with a source that reuses its buffers (FFCV)
+        the batch handed out may otherwise be overwritten while the caller trains on it.
         """
         t0 = perf_counter()
         try:

@@ -289,7 +289,8 @@ class SelectiveBackprop(Policy):
         store_path: a folder to memory-map the per-example store in (Stale-SB on huge datasets).
             A run that begins without loading a state starts with an empty store (the files an
             earlier run left there are cleared); a resumed run continues with the files, which
-            are the store's state. They hold what was recorded up to the interruption, also
+            are the store's state (from a state saved before the store's first use, it starts
+            empty as that run did). They hold what was recorded up to the interruption, also
             after the checkpoint was saved, so such a resume is not exact (an in-memory
             store's is).
         ramp_epochs: r >= 0: over the first r epochs of data this policy decides (counted from
