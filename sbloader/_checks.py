@@ -122,8 +122,9 @@ def check_device(device: Any, given: bool) -> None:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if not count or (device.index is not None and device.index >= count):
             raise ValueError(
-                f"device={str(device)!r} is not available here (CUDA devices: {count}); pass "
-                "device= one this machine has (e.g. 'cpu'), or leave it out to use the model's"
+                f"device should be a device this machine has (CUDA devices: {count}), but got "
+                f"device={str(device)!r}; pass one it has (e.g. 'cpu'), or leave device out to "
+                "use the model's"
             )
     if device.type != "meta":
         return

@@ -123,7 +123,9 @@ def eval_mode(model: nn.Module, enabled: bool = True) -> Iterator[None]:
                 m.training = flag
 
 
-@functools.cache
+# NOTE: bounded: torch.fx makes a new GraphModule class for every traced module (each refresh
+# of an int8 selection copy traces one), so an unbounded cache would grow with the run.
+@functools.lru_cache(maxsize=1024)
 def _plain_training(cls: type) -> bool:
     """Whether ``cls.train(mode)`` only sets ``training`` on itself and its children, and
     setting ``training`` on it is a plain attribute write: it keeps ``nn.Module``'s ``train``

@@ -54,6 +54,8 @@ class ExampleStore:
     def __init__(self, size: int, path: str | os.PathLike | None = None) -> None:
         self.size = check_int("size", size, minimum=0)
         self.path = None if path is None else Path(path)
+        #: Whether a column file already existed, of the right size, and was opened with its
+        #: contents (an earlier store's): see :meth:`clear`.
         self.reopened = False
         if self.path is None:
             # np.zeros maps zeroed pages lazily: untouched examples cost no resident memory.
@@ -62,9 +64,6 @@ class ExampleStore:
             self.selected = np.zeros(self.size, dtype=np.int32)
         else:
             self.path.mkdir(parents=True, exist_ok=True)
-            #: Whether a column file already existed, of the right size, and was opened with its
-            #: contents (an earlier store's): see :meth:`clear`.
-            self.reopened = False
             self._open_columns(fresh=False)
 
     def _open_columns(self, fresh: bool) -> None:

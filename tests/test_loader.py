@@ -436,6 +436,17 @@ def test_selection_pass_calls_an_overridden_train_and_restores_each_flag():
     assert all(m.training for m in net.modules())
 
 
+def test_eval_modes_class_cache_stays_bounded():
+    """torch.fx makes a new class per traced module (each int8 copy refresh traces one): the
+    per-class cache of eval_mode's fast path must not grow with the run."""
+    from sbloader.selection import _plain_training
+
+    for i in range(1100):
+        with eval_mode(type(f"Traced{i}", (nn.Module,), {})()):
+            pass
+    assert _plain_training.cache_info().currsize <= 1024
+
+
 def test_selection_pass_fast_path_restores_mixed_flags_and_survives_errors():
     """Plain modules (the fast path): the flags are all False inside, each one's own value
     after, also when the body raises."""
