@@ -5,10 +5,12 @@ gradient all-reduce of a rank with more steps blocks until the process group tim
 rank selects different examples, so each would fill a different number of batches. A
 :class:`RankSync` makes every rank yield the same number, without ``Join``:
 
-- after each source batch, every rank makes ONE ``all_reduce(MIN)`` of the int64 pair
-  ``[ready, -active]``: ``ready`` is the number of full batches it could yield now, ``active`` is
-  1 while it still has source batches. Every rank then yields the minimum; the surplus stays
-  pending and is yielded later, as carried examples are on one process;
+- after each source batch, every rank makes ONE ``all_reduce(MIN)`` of the int64 triple
+  ``[ready, -active, empty]``: ``ready`` is the number of full batches it could yield now,
+  ``active`` is 1 while it still has source batches, ``empty`` names the rank once its pass is
+  over without an example (refused on every rank when the pass ends). Every rank then yields the
+  minimum; the surplus stays pending and is yielded later, as carried examples are on one
+  process;
 - a rank whose source is exhausted keeps taking part (``active = 0``, no new data) until no rank
   is active, so source lengths may differ (Stale-SB's stale epochs load a different number of
   examples on each rank; an iterable source may simply be shorter on one rank);
@@ -145,6 +147,8 @@ class RankSync:
         self._read: np.ndarray | None = None
         self._size: int | None = None  # this rank's dataset size, compared at the first bind
         self._widest = 0  # the most indices in one source batch this rank read (the check's slack)
+        #: The lowest rank that reported an empty pass in the last :meth:`agree`, or None.
+        self.empty_rank: int | None = None
 
     def note_batch(self, inputs: Any) -> None:
         """Remember a digest of this rank's first source batch's inputs (later calls, and
@@ -241,10 +245,16 @@ class RankSync:
                 "one dataset to every rank with sampler=DistributedSampler(dataset)"
             )
 
-    def agree(self, ready: int, active: bool, digest: bool = True) -> tuple[int, bool]:
+    def agree(
+        self, ready: int, active: bool, digest: bool = True, empty: bool = False
+    ) -> tuple[int, bool]:
         """The fewest batches any rank has ready, and whether any rank still has source batches.
 
-        One ``all_reduce(MIN)`` of ``[ready, -active]``. The first call of a run also carries
+        One ``all_reduce(MIN)`` of ``[ready, -active, e]``, ``e`` this rank's number where
+        ``empty`` (its pass is over and read no example) and ``world_size`` otherwise: afterwards
+        :attr:`empty_rank` is the lowest rank that reported an empty pass, or None. (In the
+        pass's last round, where no rank is active, every rank knows whether its pass was empty,
+        so every rank learns alike whether any was.) The first call of a run also carries
         ``[d, -d]``, ``d`` the digest of this rank's first source batch (:meth:`note_batch`; a
         distinct negative number per rank where there is none), and warns on every rank when
         every rank's first batch had the same digest. ``digest=False``: a call made before
@@ -252,8 +262,8 @@ class RankSync:
         first call after one.
 
         NOTE: every rank makes its first call in the same round (the calls are matched one to
-        one across ranks, or the job would hang already), so the four-element tensor of the
-        first call meets four-element tensors only. The minimum of ``d`` equals the maximum
+        one across ranks, or the job would hang already), so the five-element tensor of the
+        first call meets five-element tensors only. The minimum of ``d`` equals the maximum
         (minus the minimum of ``-d``) exactly when all ranks' digests agree.
 
         NOTE (a warning, not an error): the same data on every rank is almost always a
@@ -262,7 +272,7 @@ class RankSync:
         deliberate replicas may want it.
         """
         first = digest and not self._checked and self.world_size > 1
-        values = [ready, -int(active)]
+        values = [ready, -int(active), self.rank if empty else self.world_size]
         if first:
             self._checked = True
             d = self._digest if self._digest is not None else -(self.rank + 1)
@@ -270,7 +280,8 @@ class RankSync:
         t = torch.tensor(values, dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         got = t.tolist()
-        if first and got[2] >= 0 and got[2] == -got[3]:
+        self.empty_rank = got[2] if got[2] < self.world_size else None
+        if first and got[3] >= 0 and got[3] == -got[4]:
             self._identical = True
             warnings.warn(
                 f"every one of the {self.world_size} ranks read the same first source batch: the "

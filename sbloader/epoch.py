@@ -121,6 +121,9 @@ class EpochIterator:
         self._exhausted: tuple[int, int, Any] | None = None
         self._thread: SelectionThread | None = None
         self._resume_scores: AheadScores | None = None
+        #: The lowest rank whose pass read no example, as the ranks' last round found (None: no
+        #: rank's, or a single process; see :meth:`_drain_step`).
+        self.empty_rank: int | None = None
 
     # ------------------------------------------------------------------ protocol
     def __iter__(self) -> EpochIterator:
@@ -589,9 +592,19 @@ class EpochIterator:
             loader._probed = True  # as on the ranks that probed this round
         if loader._sharing() and not self._passthrough:
             self._observe(sync.exchange(None, None))
-        count, active = sync.agree(loader._pending.full_batches(loader.batch_size), active=False)
+        # NOTE: whether this rank's pass was empty travels in the round's one all_reduce; in the
+        # last round (no rank active) every rank learns whether any rank's was, so that
+        # loader._end refuses it on every rank: a rank raising alone would leave the others
+        # waiting in the next pass's first collective.
+        assert self.stats is not None
+        count, active = sync.agree(
+            loader._pending.full_batches(loader.batch_size),
+            active=False,
+            empty=self.stats.examples_seen == 0,
+        )
         self._owed = count
         if not active:
+            self.empty_rank = sync.empty_rank
             self._phase = _Phase.REMAINDER
 
     def _remainder_step(self) -> None:

@@ -1200,6 +1200,15 @@ class SelectiveLoader:
         stats = it.stats
         assert stats is not None
         self.epoch += 1
+        if it.empty_rank is not None:  # on several ranks: the same on every rank
+            assert self._sync is not None
+            raise ValueError(
+                f"the source of rank {it.empty_rank} of {self._sync.world_size} yielded no "
+                f"examples in epoch {stats.epoch}, so no rank can yield a batch (each yields as "
+                "many as the fewest any rank has); give every rank a share of the data (e.g. "
+                "sampler=DistributedSampler(dataset)), and check that no rank's dataset or "
+                "sampler is empty"
+            )
         if stats.examples_seen == 0:
             raise ValueError(
                 f"the source yielded no examples in epoch {stats.epoch}; check that its dataset "

@@ -417,6 +417,19 @@ def scenario_nonfinite(rank: int, world_size: int) -> dict:
             distributed=distributed,
         )
         res[name] = [len(b[0]) for b in loader]
+    # A source with no examples on rank 1 only: every rank raises at the end of the pass (a rank
+    # raising alone would leave the others waiting in the next pass's first collective).
+    loader = SelectiveLoader(
+        _iterable(rank, [3, 0][rank]),
+        IndexLoss(),
+        policy=RandomBackprop(0.5),
+        batch_size=4,
+        index_key=2,
+    )
+    try:
+        res["empty_rank"] = f"yielded {len(list(loader))} batches"
+    except ValueError as e:
+        res["empty_rank"] = str(e)
     return res
 
 
@@ -885,6 +898,16 @@ def test_distributed_false_on_two_ranks_keeps_each_rank_on_its_own(nonfinite):
     assert [r["alone"] for r in nonfinite] == [[10] * 4, [10]]
     lockstep = [r["lockstep"] for r in nonfinite]  # the default: equal steps on every rank
     assert lockstep[0] == lockstep[1]
+
+
+def test_a_rank_without_examples_is_refused_on_every_rank(nonfinite):
+    """A source that yields no example on one rank (the others' yield theirs, and no rank a
+    batch: the fewest ready is 0) is refused on every rank at the end of the pass, naming it."""
+    for r in nonfinite:
+        message = r["empty_rank"]
+        expected = "the source of rank 1 of 2 yielded no examples in epoch 0"
+        assert message.startswith(expected), message
+        assert "DistributedSampler" in message
 
 
 def random_choices(rank: int, seed: int = 0) -> list[int]:
