@@ -1269,7 +1269,8 @@ class SelectiveLoader:
                 on it yet (a framework that fetches ahead, as Lightning does): the state is then
                 the one that batch was handed out from, and a resumed run hands that same batch
                 out first (no selection pass is made again for it), then goes on as the
-                uninterrupted run did. Only while an epoch is running. Default 0.
+                uninterrupted run did. Only while an epoch is running (with
+                ``batches_per_epoch``, a training epoch). Default 0.
 
         An epoch left part-way (``break``) is saved where it stopped, so that saving after
         leaving the loop resumes it; one closed with ``close(resumable=False)`` is saved as the
@@ -1279,6 +1280,14 @@ class SelectiveLoader:
             raise ValueError(
                 "unconsumed should be 0 or 1 (the batches fetched from the loader and not trained "
                 f"on yet), but got unconsumed={unconsumed!r}"
+            )
+        if unconsumed and self._fixed is not None and not self._fixed.current()[2]:
+            # NOTE: between training epochs the pass over the data is still running (suspended),
+            # but the batch handed out last belongs to a training epoch that has ended (or was
+            # abandoned): taken back, the next training epoch would hand it out again.
+            raise ValueError(
+                "unconsumed=1, but no training epoch is running: the batches handed out were all "
+                "part of a training epoch that has ended (or was abandoned); pass unconsumed=0"
             )
         it = self._live_iterator()
         returned = self._returned

@@ -258,6 +258,39 @@ def test_a_resume_with_a_prefetch_thread_is_exact():
     assert got + [indices(resumed) for _ in range(2)] == expected
 
 
+def test_unconsumed_needs_a_running_training_epoch():
+    """state_dict(unconsumed=1) takes back the last batch of the training epoch under way: once
+    that epoch has ended (or was abandoned), its batches were all handed out in it, and the pass
+    still running in between must not hand one of them out again in the next epoch; refused as
+    without batches_per_epoch. Inside a training epoch (after its last batch too) it resumes the
+    uninterrupted run exactly."""
+    loader = make(per_epoch=3)
+    with pytest.raises(ValueError, match="no training epoch is running"):
+        loader.state_dict(unconsumed=1)  # none has begun
+    indices(loader)  # training epoch 0 ended: the pass over the data is suspended, not over
+    with pytest.raises(ValueError, match="no training epoch is running"):
+        loader.state_dict(unconsumed=1)
+    it = iter(loader)
+    next(it)
+    del it  # training epoch 1 abandoned
+    with pytest.raises(ValueError, match="no training epoch is running"):
+        loader.state_dict(unconsumed=1)
+
+    whole = make(per_epoch=3)
+    expected = [indices(whole) for _ in range(3)]
+    loader = make(per_epoch=3)
+    got = [indices(loader)]
+    it = iter(loader)
+    got.append([next(it).indices.tolist() for _ in range(3)])  # the last batch, not trained
+    state = copy.deepcopy(loader.state_dict(unconsumed=1))
+    del it
+    resumed = make(per_epoch=3)
+    resumed.load_state_dict(state)
+    got[-1] = got[-1][:-1] + indices(resumed)
+    got.append(indices(resumed))
+    assert got == expected
+
+
 def test_a_state_of_another_length_is_refused():
     loader = make(per_epoch=5)
     list(loader)
