@@ -276,7 +276,8 @@ class FixedEpochIterator:
             # (before any source batch: the unsharded-source check waits for the first one)
             fewest = sync.agree(clock.count, True, digest=False)[0]
             most = -sync.agree(-clock.count, True, digest=False)[0]
-            clock._agreed = True
+            # (checked again by the next training epoch when refused: never trained unchecked)
+            clock._agreed = fewest == most
             if fewest != most:
                 raise ValueError(
                     f"batches_per_epoch should be the same on every rank, but the ranks have "

@@ -611,11 +611,14 @@ def scenario_fixed(rank: int, world_size: int) -> dict:
     split[-1] += [b.indices.tolist() for b in loader]
     split += [[b.indices.tolist() for b in loader] for _ in range(2)]
     res["fixed_split"] = split
-    try:
-        next(iter(fixed([3, 4, 3][rank])))
-        res["fixed_mismatch"] = None
-    except ValueError as e:
-        res["fixed_mismatch"] = str(e)
+    mismatched = fixed([3, 4, 3][rank])
+    res["fixed_mismatch"] = []
+    for _ in range(2):  # refused again by the same loader: never trained on unchecked
+        try:
+            next(iter(mismatched))
+            res["fixed_mismatch"].append(None)
+        except ValueError as e:
+            res["fixed_mismatch"].append(str(e))
     return res
 
 
@@ -795,8 +798,10 @@ def test_batches_per_epoch_holds_on_every_rank_and_resumes_exactly(rounds):
         assert all(len(b) == 4 for e in r["fixed_whole"] for b in e)
         assert r["fixed_split"] == r["fixed_whole"]
     assert len({r["fixed_passes"] for r in rounds}) == 1 and rounds[0]["fixed_passes"] > 1
-    for r in rounds:  # different counts are refused on every rank alike (no hang)
-        assert "the ranks have from 3 to 4" in r["fixed_mismatch"]
+    for r in rounds:  # different counts are refused on every rank alike (no hang), every time
+        assert len(r["fixed_mismatch"]) == 2
+        for message in r["fixed_mismatch"]:
+            assert message is not None and "the ranks have from 3 to 4" in message
 
 
 def test_traditional_with_uneven_sources_drops_the_extra_batches(rounds):
