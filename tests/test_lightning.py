@@ -379,3 +379,30 @@ def test_ddp_two_processes_step_together_split_the_data_and_resume_exactly(tmp_p
     for r in range(2):
         resumed = json.loads((again / f"rank{r}.json").read_text())["steps"]
         assert resumed == [s for s in ranks[r]["steps"] if s["epoch"] == 1]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(options=dict(batches_per_epoch="expected")), dict(limit_train_batches=10)],
+    ids=["batches_per_epoch", "limit_train_batches"],
+)
+def test_resume_from_a_step_checkpoint_on_the_last_batch_of_an_epoch(tmp_path, kwargs):
+    """An epoch that Lightning stops by count (len() or limit_train_batches) ends after its last
+    batch's on_train_batch_end, where ModelCheckpoint(every_n_train_steps=...) saves: the state
+    saved there must be the ended epoch's (Lightning resumes such a checkpoint at the next
+    epoch), not one in which the loader's epoch still has to end (the resumed run then got an
+    empty epoch and lost a training epoch's batches)."""
+    kwargs = dict(kwargs)
+    options = kwargs.pop("options", {})
+    first = Classifier(**options)
+    trainer(epochs=1, **kwargs).fit(first)
+    per_epoch = len(first.trained)
+    module = Classifier(**options)
+    t = trainer(callbacks=checkpoints(tmp_path, every=per_epoch), **kwargs)
+    t.fit(module)
+    assert len(module.trained) > 2 * per_epoch
+    for step in (per_epoch, 2 * per_epoch):
+        path = tmp_path / "steps" / f"step={step}.ckpt"
+        again = Classifier(**options)
+        trainer(**kwargs).fit(again, ckpt_path=path)
+        assert module.trained[:step] + again.trained == module.trained, step

@@ -215,6 +215,21 @@ class SelectiveLoaderCallback(pl.Callback):
         if self._loader is not None:
             self._loader.trained += 1
 
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        # NOTE: an epoch that Lightning stops by count (the loader's len(), limit_train_batches)
+        # ends here, before ModelCheckpoint(every_n_train_steps=...) saves after this batch
+        # (Lightning runs checkpoint callbacks last): Lightning resumes such a checkpoint at the
+        # next epoch, so the state saved must be the ended epoch's, not one still to be ended.
+        if self._loader is not None and batch_idx + 1 >= trainer.num_training_batches:
+            self._loader.end_epoch()
+
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._loader is not None:
             self._loader.end_epoch()
