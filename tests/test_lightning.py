@@ -406,3 +406,25 @@ def test_resume_from_a_step_checkpoint_on_the_last_batch_of_an_epoch(tmp_path, k
         again = Classifier(**options)
         trainer(**kwargs).fit(again, ckpt_path=path)
         assert module.trained[:step] + again.trained == module.trained, step
+
+
+@pytest.mark.parametrize("options", [{}, dict(batches_per_epoch="expected")])
+def test_reload_dataloaders_every_epoch_trains_what_one_loader_does(tmp_path, options):
+    """With reload_dataloaders_every_n_epochs Lightning iterates each rebuilt loader twice
+    before training on it, and the first iteration fetches a batch ahead: that batch is handed
+    out again (it used to start a pass over the data and abandon it, so every reload skipped
+    a source batch and counted an extra pass: a different run, its policy's epochs shifted)."""
+    once = Classifier(**options)
+    t = trainer(epochs=4)
+    t.fit(once)
+    reloaded = Classifier(**options)
+    r = trainer(
+        epochs=4, callbacks=checkpoints(tmp_path, every=5), reload_dataloaders_every_n_epochs=1
+    )
+    r.fit(reloaded)
+    assert reloaded.trained == once.trained
+    assert r.train_dataloader.loader.epoch == t.train_dataloader.loader.epoch
+    for path in sorted(tmp_path.glob("*/*.ckpt")):  # every 5 steps and at epoch ends
+        again = Classifier(**options)
+        trainer(epochs=4, reload_dataloaders_every_n_epochs=1).fit(again, ckpt_path=path)
+        assert once.trained[: step_of(path)] + again.trained == once.trained, path.name

@@ -98,8 +98,20 @@ class LightningLoader:
         self._epoch: EpochIterator | FixedEpochIterator | None = None
         self._state: dict[str, Any] | None = None  # restored, loaded when iterated first
         self._restored = False
+        self._untrained: list[Any] = []  # batches fetched before the epoch's first trained one
+        self._again: list[Any] = []  # of those, the ones to hand out again
 
     def __iter__(self) -> LightningLoader:
+        epoch = self._epoch
+        if epoch is not None and epoch.running and self.fetched and not self.trained:
+            # NOTE: Lightning iterates a loader again before training on the batch it fetched
+            # ahead (a loader rebuilt by reload_dataloaders_every_n_epochs is iterated in
+            # setup_data and again when its epoch starts): the epoch goes on, and the batches
+            # fetched ahead are handed out again, where a new epoch would abandon this one.
+            self._again, self._untrained = self._untrained, []
+            self.fetched = 0
+            return self
+        self._untrained, self._again = [], []
         if self._state is not None:
             # NOTE: loaded here, not when built: Lightning may build the loader before it moves
             # the model to its device (estimated_stepping_batches in configure_optimizers), and
@@ -113,8 +125,12 @@ class LightningLoader:
     def __next__(self) -> Any:
         if self._epoch is None:
             raise StopIteration
-        batch = next(self._epoch)
+        batch = self._again.pop(0) if self._again else next(self._epoch)
         self.fetched += 1
+        if not self.trained:
+            self._untrained.append(batch)
+        elif self._untrained:
+            self._untrained = []
         return batch
 
     def __len__(self) -> int:
