@@ -428,3 +428,40 @@ def test_reload_dataloaders_every_epoch_trains_what_one_loader_does(tmp_path, op
         again = Classifier(**options)
         trainer(epochs=4, reload_dataloaders_every_n_epochs=1).fit(again, ckpt_path=path)
         assert once.trained[: step_of(path)] + again.trained == once.trained, path.name
+
+
+def test_resume_from_a_validation_checkpoint_on_the_last_batch_of_an_epoch(tmp_path):
+    """ModelCheckpoint(monitor=...) saves when validation ends; at an epoch's last batch
+    (val_check_interval) the loader's epoch has ended already, and the resumed run calls
+    on_train_epoch_end for it after fetching the next epoch's first batch: that batch is
+    handed out again in the next epoch (it used to be abandoned with a new pass, so the resumed
+    run skipped it)."""
+
+    class Validated(Classifier):
+        def val_dataloader(self):
+            return DataLoader(data(), batch_size=128)
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def run(ckpt_path=None, callbacks=()):
+        module = Validated()
+        trainer(callbacks=callbacks, val_check_interval=2, check_val_every_n_epoch=None).fit(
+            module, ckpt_path=ckpt_path
+        )
+        return module.trained
+
+    on_validation = pl.callbacks.ModelCheckpoint(
+        dirpath=tmp_path,
+        monitor="val_loss",
+        save_top_k=-1,
+        filename="{step}",
+        save_on_train_epoch_end=False,
+    )
+    trained = run(callbacks=[on_validation])
+    first = Validated()
+    trainer(epochs=1).fit(first)
+    step = len(first.trained)  # the first epoch's last batch
+    assert step % 2 == 0, "the test needs validation at the first epoch's last batch"
+    assert trained[:step] + run(ckpt_path=tmp_path / f"step={step}.ckpt") == trained

@@ -156,6 +156,12 @@ class LightningLoader:
         epoch = self._epoch
         if epoch is None or not epoch.running:
             return
+        if not self.trained:
+            # NOTE: nothing of this epoch was trained on: Lightning ends, on resuming, an epoch
+            # whose loader epoch ended before the checkpoint (one saved when validation ended at
+            # its last batch), after fetching the next epoch's first batch. That epoch goes on,
+            # its batch handed out again when Lightning iterates the loader for the next epoch.
+            return
         try:
             length: int | None = len(self.loader)
         except TypeError:
