@@ -149,6 +149,37 @@ def test_the_callback_may_come_from_configure_callbacks():
     assert module.trained and t.train_dataloader.loader.epoch == 1
 
 
+class FromDataModule(Classifier):
+    """A module whose data comes from a LightningDataModule."""
+
+    def train_dataloader(self):
+        raise AssertionError("the DataModule's train_dataloader is used")
+
+
+class Data(pl.LightningDataModule):
+    def __init__(self, right: bool) -> None:
+        super().__init__()
+        self.right = right
+
+    def train_dataloader(self):
+        source = DataLoader(
+            data(), batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(1)
+        )
+        scored = self.trainer.lightning_module if self.right else self
+        return selective_loader(scored, source, policy=warmup_then_sb(), batch_size=24, seed=0)
+
+
+def test_a_datamodule_passes_the_trainers_module_and_is_told_so():
+    """selective_loader(self, ...) from a LightningDataModule's train_dataloader failed with
+    "'Data' object has no attribute 'training_step'"; it is refused naming the fix, and the fix
+    (the Trainer's LightningModule) trains."""
+    with pytest.raises(TypeError, match=r"module should be the LightningModule.*self\.trainer\."):
+        trainer(epochs=1).fit(FromDataModule(), datamodule=Data(right=False))
+    module = FromDataModule()
+    trainer(epochs=2).fit(module, datamodule=Data(right=True))
+    assert module.trained and all(len(b) == 24 for b in module.trained)
+
+
 def test_training_step_with_dataloader_iter_is_refused():
     class Iterating(Classifier):
         def training_step(self, dataloader_iter):

@@ -309,10 +309,23 @@ def selective_loader(
             (``loader.planned_passes``; see ``planned_epochs``).
 
     Raises:
+        TypeError: ``module`` is not a LightningModule (e.g. a LightningDataModule: pass
+            ``self.trainer.lightning_module`` from its ``train_dataloader``).
         ValueError: no :class:`SelectiveLoaderCallback` (or more than one) in the Trainer's
             callbacks, a ``training_step`` that takes ``dataloader_iter``, or a source
             DataLoader without a ``DistributedSampler`` for the Trainer's processes.
     """
+    if not isinstance(module, pl.LightningModule):
+        fix = (
+            "from a LightningDataModule's train_dataloader, pass "
+            "selective_loader(self.trainer.lightning_module, source, ...)"
+            if isinstance(module, pl.LightningDataModule)
+            else "pass the LightningModule being trained"
+        )
+        raise TypeError(
+            "module should be the LightningModule being trained, but got "
+            f"module={type(module).__name__}; {fix}"
+        )
     trainer = module.trainer
     callbacks = trainer.callbacks  # type: ignore[attr-defined]  # (set outside Trainer's body)
     found = [cb for cb in callbacks if isinstance(cb, SelectiveLoaderCallback)]
