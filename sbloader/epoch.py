@@ -288,13 +288,18 @@ class EpochIterator:
         self._fresh = policy.needs_losses(epoch)
         self._passthrough = policy.passthrough()
         # A passthrough policy hands out a pass's rest as one short batch, as the source's own
-        # last batch would be, whatever ``remainder`` says for selected rows.
-        self._remainder = "short" if self._passthrough else loader.remainder
+        # last batch would be, whatever ``remainder`` says for selected rows; except with
+        # ``batches_per_epoch``, whose training epochs are of full batches: there ``remainder``
+        # ("carry" or "drop") applies at the end of the pass, as for every policy.
+        fixed = loader._fixed is not None
+        self._remainder = "short" if self._passthrough and not fixed else loader.remainder
         # Whether rows of different source batches are joined into training batches this epoch:
         # always when selecting; for a passthrough policy, where the source's batches are not
-        # already training batches (another batch size, or rows left out by ``subset``).
+        # already training batches (another batch size, or rows left out by ``subset``), or
+        # where a pass's rest is carried into the next (``batches_per_epoch``).
         self._joins = (
             not self._passthrough
+            or fixed
             or loader.source.batch_size != loader.batch_size
             or loader._subset is not None
         )

@@ -964,16 +964,21 @@ class SelectiveLoader:
 
     def _expected_count(self) -> int:
         """``batches_per_epoch="expected"``: the expected batches per pass, rounded."""
-        if self.policy.passthrough():
-            try:
-                return self._pass_length()  # exact
-            except TypeError:
-                pass
+        # NOTE: a passthrough policy's pass has a known number of examples; its rest is carried
+        # or dropped as for any policy (never a short batch), so it counts as a fraction of a
+        # batch: rounded, or left out where it is dropped.
         try:
-            expected = self._batches_at(self.policy.steady_rate)
-        except TypeError as e:
-            raise ValueError(f'batches_per_epoch="expected" cannot be computed: {e}') from None
+            if not self.policy.passthrough():
+                raise TypeError
+            expected = self._pass_examples() / self.batch_size
+        except TypeError:
+            try:
+                expected = self._batches_at(self.policy.steady_rate)
+            except TypeError as e:
+                raise ValueError(f'batches_per_epoch="expected" cannot be computed: {e}') from None
         count = math.floor(expected + 0.5)
+        if self.policy.passthrough() and self.remainder == "drop":
+            count = math.floor(expected)
         if count < 1:
             raise ValueError(
                 f'batches_per_epoch="expected": {expected:.3g} batches are expected per pass '

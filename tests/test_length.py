@@ -83,8 +83,7 @@ def test_len_is_the_number_of_batches_of_every_epoch(policy, seed, per_epoch):
         assert loader.training_epoch == epoch
         sizes = [len(b[0]) for b in loader]
         assert len(sizes) == len(loader) == k
-        if policy != "traditional":  # Traditional yields the source's own batches
-            assert sizes == [8] * k
+        assert sizes == [8] * k  # full batches, Traditional's too
 
 
 def test_expected_uses_the_rate_after_the_warmup():
@@ -565,6 +564,29 @@ def test_traditional_rebatched_resumes_exactly(stop):
     reference = traditional()
     list(reference)
     assert head + rest == [b.indices.tolist() for b in reference]
+
+
+@pytest.mark.parametrize("remainder", ["carry", "drop"])
+@pytest.mark.parametrize("per_epoch", ["expected", 5])
+def test_traditional_with_batches_per_epoch_yields_full_batches(remainder, per_epoch):
+    """batches_per_epoch promises training epochs of full batches, and ``remainder`` applies at
+    the end of each pass: Traditional's rest of a pass (7 examples in batches of 3) is carried
+    into the next pass or dropped, never yielded as a short batch inside a training epoch."""
+    loader = SelectiveLoader(
+        DataLoader(EncodedDataset(7), batch_size=7),
+        IndexLoss(),
+        policy=Traditional(),
+        batch_size=3,
+        batches_per_epoch=per_epoch,
+        remainder=remainder,
+    )
+    assert len(loader) == (2 if per_epoch == "expected" else per_epoch)  # 7 / 3, rounded
+    got = [indices(loader) for _ in range(4)]
+    assert all(len(epoch) == len(loader) for epoch in got)
+    assert all(len(b) == 3 for epoch in got for b in epoch)
+    flat = [i for epoch in got for b in epoch for i in b]
+    one_pass = list(range(7)) if remainder == "carry" else list(range(6))
+    assert flat == (one_pass * len(flat))[: len(flat)]
 
 
 def test_traditional_len_over_a_sized_iterable_source():
