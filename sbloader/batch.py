@@ -27,7 +27,8 @@ class SelectedBatch:
             ``frozen_prefix=`` (train the head on them), else ``None``.
         logits: with ``keep_logits=True``, the selection pass's model outputs for these
             examples (float32; NaN rows for examples chosen without a selection pass), else
-            ``None``.
+            ``None`` (also before the loader's first selection pass: a Random-Backprop warm-up or
+            Traditional has no outputs whose width it knows).
     """
 
     indices: torch.Tensor | None
