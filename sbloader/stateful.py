@@ -80,8 +80,9 @@ class StatefulSource(Source):
             twin of its own class around the same dataset, sampler and options, and the twin's
             state is saved.
         index_key: the batch field holding dataset indices (an iterable dataset's own ids).
-        dataset_size: the number of distinct dataset indices, for Stale-SB's per-example store.
-            Default: ``len(dataset)`` for a map-style dataset, else unknown.
+        dataset_size: the number of distinct dataset indices, for Stale-SB's per-example store;
+            the ``index_key`` field's values are checked to lie below it. Default:
+            ``len(dataset)`` for a map-style dataset, else unknown.
 
     Example:
         >>> import torch
@@ -106,14 +107,19 @@ class StatefulSource(Source):
             )
         self.loader = loader
         self.index_key = index_key
-        self._twin = _indexed_twin(loader) if index_key is None and _map_style(loader) else None
-        self._rows = None if self._twin is not None else IterableSource(_Passes(loader), index_key)
-        self._stateful: Any = self._twin if self._twin is not None else loader
         if dataset_size is not None:
             dataset_size = check_int("dataset_size", dataset_size, minimum=1)
         elif _map_style(loader):
             dataset_size = len(loader.dataset)
         self._size = dataset_size
+        self._twin = _indexed_twin(loader) if index_key is None and _map_style(loader) else None
+        # NOTE: given the size, the rows check that the index field's values lie below it.
+        self._rows = (
+            None
+            if self._twin is not None
+            else IterableSource(_Passes(loader), index_key, dataset_size)
+        )
+        self._stateful: Any = self._twin if self._twin is not None else loader
         self._position = 0  # source batches produced in the current epoch
         self._finished = False  # whether the loader's last epoch ran to its end
         self._abandoned = False  # whether it was left part-way (closed or failed)

@@ -216,6 +216,18 @@ def test_stale_sb_keys_its_store_by_the_streams_indices():
     assert loader.stats.epochs[1].selection_forwards == 0
 
 
+@pytest.mark.parametrize("staleness", [1, 2], ids=["sb", "stale-sb"])
+def test_indices_beyond_dataset_size_are_refused_naming_it(staleness):
+    """As over any iterable: a stateful iterable's indices must lie below ``dataset_size``. They
+    went unchecked here (plain SB trained on them silently; Stale-SB's store failed naming
+    ``len(dataset)``, which an iterable has not)."""
+    dl = StatefulDataLoader(ShufflingStream(), batch_size=24)  # indices 0 .. N - 1
+    policy = SelectiveBackprop(1 / 3, staleness=staleness)
+    loader = SelectiveLoader(dl, IndexLoss(), policy=policy, index_key=2, dataset_size=N // 2)
+    with pytest.raises(ValueError, match=r"outside \[0, dataset_size=60\); pass dataset_size="):
+        run(loader, 1)
+
+
 def test_a_state_of_another_position_is_refused():
     loader = iterable_loader()
     it = iter(loader)
