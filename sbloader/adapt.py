@@ -73,7 +73,7 @@ def _adapt(source: Any, index_key: Hashable | None, dataset_size: int | None) ->
     if _is_a(source, "streaming", "StreamingDataLoader"):
         from .streaming import StreamingSource  # imports streaming: only for its loaders
 
-        return StreamingSource(source, index_key)
+        return StreamingSource(source, index_key, dataset_size)
     if _is_a(source, "torchdata", "StatefulDataLoader"):
         return StatefulSource(source, index_key, dataset_size)
     if isinstance(source, DataLoader) and not isinstance(source.dataset, IterableDataset):

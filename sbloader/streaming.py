@@ -218,9 +218,17 @@ class StreamingSource(StatefulSource):
         loader: a ``StreamingDataLoader`` over a ``StreamingDataset``.
         index_key: the batch field holding dataset indices: :data:`SAMPLE_ID` by default, as
             :class:`IndexedStreamingDataset` yields; or a field written with the data.
+        dataset_size: with ``index_key``, the number of distinct values its field may hold (one
+            more than the largest), where that is not the dataset's sample count (ids of a
+            larger dataset). Default: the sample count.
     """
 
-    def __init__(self, loader: StreamingDataLoader, index_key: Hashable | None = None) -> None:
+    def __init__(
+        self,
+        loader: StreamingDataLoader,
+        index_key: Hashable | None = None,
+        dataset_size: int | None = None,
+    ) -> None:
         dataset = getattr(loader, "dataset", None)
         if not isinstance(dataset, StreamingDataset):
             raise TypeError(
@@ -233,8 +241,19 @@ class StreamingSource(StatefulSource):
                 "sbloader.streaming.IndexedStreamingDataset (open_mds does), or pass index_key= "
                 "the field that holds each sample's dataset index"
             )
+        if dataset_size is not None and index_key is None:
+            # NOTE: sample ids index the dataset's samples; no other size is right for them.
+            dataset_size = check_int("dataset_size", dataset_size, minimum=1)
+            if dataset_size != int(dataset.num_samples):
+                raise ValueError(
+                    f"dataset_size={dataset_size} was given, but the streaming sample ids index "
+                    f"the dataset's {int(dataset.num_samples)} samples: leave dataset_size out, "
+                    "or pass it with index_key= a field of ids written with the data"
+                )
         super().__init__(
-            loader, SAMPLE_ID if index_key is None else index_key, int(dataset.num_samples)
+            loader,
+            SAMPLE_ID if index_key is None else index_key,
+            int(dataset.num_samples) if dataset_size is None else dataset_size,
         )
 
     def _resumable(self, loader_state: Any, state: dict[str, Any]) -> Any:

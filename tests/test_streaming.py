@@ -160,6 +160,61 @@ def test_stale_sb_stores_each_loss_under_its_sample_id(mds):
     released(loader)
 
 
+def test_a_written_index_field_beyond_the_sample_count_takes_dataset_size(tmp_path):
+    """A field written with the data (``index_key=``) may hold the ids of a larger dataset:
+    ``dataset_size=`` sizes the store for them. It was refused (the size was fixed to the
+    sample count), and Stale-SB then failed on the first batch."""
+    x = torch.stack([EncodedDataset(N)[i][0] for i in range(N)])
+    local = sbs.write_mds(
+        tmp_path / "ids",
+        (x, torch.arange(N) % N_CLASSES, torch.arange(N) * 3),
+        names=("image", "label", "gid"),
+    )
+    policy = SelectiveBackprop(1 / 3, staleness=2)
+    source = sbs.open_mds(local, 24, shuffle=True, seed=7)
+    loader = SelectiveLoader(
+        source,
+        IndexLoss(),
+        policy=policy,
+        batch_size=10,
+        seed=0,
+        input_key="image",
+        target_key="label",
+        index_key="gid",
+        dataset_size=3 * N,
+    )
+    assert loader.source.dataset_size == 3 * N
+    for b in loader:
+        assert torch.equal(b["gid"], b.indices)
+        assert torch.equal(b["image"][:, 0].long() * 3, b.indices)
+    losses, epochs = policy.store.lookup(np.arange(N) * 3)
+    np.testing.assert_array_equal(losses, expected_losses(N))
+    assert (epochs == 0).all()
+    released(loader, source)
+
+
+def test_indices_beyond_the_stores_size_are_refused_naming_dataset_size(tmp_path):
+    x = torch.stack([EncodedDataset(N)[i][0] for i in range(N)])
+    local = sbs.write_mds(
+        tmp_path / "ids",
+        (x, torch.arange(N) % N_CLASSES, torch.arange(N) * 3),
+        names=("image", "label", "gid"),
+    )
+    source = sbs.open_mds(local, 24, shuffle=True, seed=7)
+    loader = SelectiveLoader(
+        source,
+        IndexLoss(),
+        policy=SelectiveBackprop(1 / 3, staleness=2),
+        batch_size=10,
+        input_key="image",
+        target_key="label",
+        index_key="gid",
+    )
+    with pytest.raises(ValueError, match=r"dataset_size=120\); pass dataset_size="):
+        list(loader)
+    released(loader, source)
+
+
 # ------------------------------------------------------------------ two gloo ranks
 DEADLINE_S = 240
 
