@@ -7,6 +7,7 @@ The loader holds configuration and cross-epoch state; an :class:`~sbloader.epoch
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import warnings
@@ -967,18 +968,18 @@ class SelectiveLoader:
         # NOTE: a passthrough policy's pass has a known number of examples; its rest is carried
         # or dropped as for any policy (never a short batch), so it counts as a fraction of a
         # batch: rounded, or left out where it is dropped.
-        try:
-            if not self.policy.passthrough():
-                raise TypeError
-            expected = self._pass_examples() / self.batch_size
-        except TypeError:
+        passthrough = self.policy.passthrough()
+        expected: float | None = None
+        if passthrough:
+            with contextlib.suppress(TypeError):  # an exact count unknown: estimated below
+                expected = self._pass_examples() / self.batch_size
+        if expected is None:
             try:
                 expected = self._batches_at(self.policy.steady_rate)
             except TypeError as e:
                 raise ValueError(f'batches_per_epoch="expected" cannot be computed: {e}') from None
-        count = math.floor(expected + 0.5)
-        if self.policy.passthrough() and self.remainder == "drop":
-            count = math.floor(expected)
+        dropped = passthrough and self.remainder == "drop"
+        count = math.floor(expected) if dropped else math.floor(expected + 0.5)
         if count < 1:
             raise ValueError(
                 f'batches_per_epoch="expected": {expected:.3g} batches are expected per pass '

@@ -328,6 +328,13 @@ def test_memory_mapped_store_state_is_a_path(tmp_path):
     assert (again.policy.store.seen == 1).all()
 
 
+def stale_sb_in(path) -> SelectiveLoader:
+    """A Stale-SB loader whose store is memory-mapped in the folder ``path``."""
+    policy = SelectiveBackprop(1 / 3, staleness=2, store_path=str(path))
+    dl = DataLoader(EncodedDataset(120), batch_size=30, generator=torch.Generator())
+    return SelectiveLoader(dl, IndexLoss(), policy=policy, batch_size=10, seed=3)
+
+
 def test_a_new_run_in_a_used_store_path_starts_empty_and_a_resumed_one_keeps_it(tmp_path):
     """store_path files an earlier run left are that run's losses and selection counts: a new
     run starts empty (its counts are those of a run in a fresh folder, not the sum of both
@@ -335,13 +342,8 @@ def test_a_new_run_in_a_used_store_path_starts_empty_and_a_resumed_one_keeps_it(
     warm-up (the store's first use) are not cleared when the wrapped policy's first epoch
     begins."""
 
-    def build(path):
-        policy = SelectiveBackprop(1 / 3, staleness=2, store_path=str(path))
-        dl = DataLoader(EncodedDataset(120), batch_size=30, generator=torch.Generator())
-        return SelectiveLoader(dl, IndexLoss(), policy=policy, batch_size=10, seed=3)
-
     used, fresh = tmp_path / "used", tmp_path / "fresh"
-    first = build(used)
+    first = stale_sb_in(used)
     for _ in range(3):
         list(first)
     state = first.state_dict()
@@ -349,8 +351,8 @@ def test_a_new_run_in_a_used_store_path_starts_empty_and_a_resumed_one_keeps_it(
     assert counts.sum() > 0
     del first
 
-    reference = build(fresh)
-    again = build(used)
+    reference = stale_sb_in(fresh)
+    again = stale_sb_in(used)
     assert again.policy.store.reopened
     for _ in range(3):
         list(reference)
@@ -359,7 +361,7 @@ def test_a_new_run_in_a_used_store_path_starts_empty_and_a_resumed_one_keeps_it(
     np.testing.assert_array_equal(again.policy.store.selected, counts)  # not 2 * counts
     del again
 
-    resumed = build(used)
+    resumed = stale_sb_in(used)
     resumed.load_state_dict(state)
     next(iter(resumed))  # epoch 3 begins with the store as the files hold it
     assert resumed.policy.store.selected.sum() >= counts.sum()
@@ -379,21 +381,16 @@ def test_a_state_saved_before_a_used_store_paths_first_use_resumes_as_the_run_go
     not used yet): the run itself clears the earlier run's files when its first epoch begins,
     so the run resumed from that checkpoint must not continue with them."""
 
-    def build(path):
-        policy = SelectiveBackprop(1 / 3, staleness=2, store_path=str(path))
-        dl = DataLoader(EncodedDataset(120), batch_size=30, generator=torch.Generator())
-        return SelectiveLoader(dl, IndexLoss(), policy=policy, batch_size=10, seed=3)
-
     used, fresh = tmp_path / "used", tmp_path / "fresh"
-    earlier = build(used)
+    earlier = stale_sb_in(used)
     for _ in range(3):
         list(earlier)
     assert earlier.policy.store.selected.sum() > 0
     del earlier
 
-    reference = build(fresh)
-    state = build(used).state_dict()  # e.g. a checkpoint at step 0
-    resumed = build(used)
+    reference = stale_sb_in(fresh)
+    state = stale_sb_in(used).state_dict()  # e.g. a checkpoint at step 0
+    resumed = stale_sb_in(used)
     resumed.load_state_dict(state)
     for _ in range(3):
         list(reference)
