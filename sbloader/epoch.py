@@ -113,6 +113,10 @@ class EpochIterator:
         # Whether the caller runs ahead (see runs_ahead()) of a source that reuses its buffers:
         # its batches are then handed out as copies, never as the source's own.
         self._copy_direct = False
+        # Whether the batch handed out last is such a source's own buffers (a source batch
+        # handed out as it is before the caller ran ahead): finishing() must not take the next
+        # source batch while the caller holds it (see _more_after_lent()).
+        self._lent = False
         # overlap_selection: the next source batch, fetched and being scored on the selection
         # thread; the fetcher's last tally once fetching ahead found the source exhausted; the
         # thread; and the scores a restored state made ahead for this epoch's next source batch.
@@ -183,12 +187,14 @@ class EpochIterator:
     def runs_ahead(self) -> None:
         """Declare, before the first batch, that :meth:`finishing` will be called after each
         batch is handed out (as :class:`sbloader.integrations.accelerate.AcceleratedLoader`
-        does under gradient accumulation).
+        does under gradient accumulation). Optional: the first :meth:`finishing` call declares
+        it too.
 
         NOTE: running ahead fetches the next source batch while the caller still trains on the
         one handed out; a source that reuses its buffers (FFCV: a ring of ``batches_ahead + 2``)
         may then overwrite the batch being trained on when a source batch is handed out as it is
-        (Traditional at the source's batch size). Such batches are handed out as copies instead.
+        (Traditional at the source's batch size). Such batches are handed out as copies instead
+        (only once declared: a caller that never runs ahead gets the source's own, uncopied).
         """
         self._copy_direct = self._loader._source.reuses_buffers()
 
@@ -200,12 +206,19 @@ class EpochIterator:
         last batch handed out, one step staler) and end the epoch (``loader.epoch`` then counts
         it). The batch it runs ahead to stays owed, so a state saved now still yields it.
         Used by :class:`sbloader.integrations.accelerate.AcceleratedLoader` to mark an epoch's
-        last batch as Accelerate's own loaders do. Call :meth:`runs_ahead` before the first
-        batch when calling this after each batch: with a source that reuses its buffers (FFCV)
-        the batch handed out may otherwise be overwritten while the caller trains on it.
+        last batch as Accelerate's own loaders do.
+
+        Safe on its own with a source that reuses its buffers (FFCV), where running ahead would
+        let the source overwrite the batch the caller holds: calling it declares
+        :meth:`runs_ahead` (later batches are handed out as copies), and while the batch handed
+        out last is still the source's own (handed out before the first call), it answers from
+        the source's size without taking the next source batch.
         """
         t0 = perf_counter()
         try:
+            self.runs_ahead()
+            if self._lent:
+                return not self._more_after_lent()
             while self._direct is None and not self._owed and not self._short:
                 if self._phase in (_Phase.DONE, _Phase.CLOSED):
                     return True
@@ -244,6 +257,7 @@ class EpochIterator:
         # out next too, after those taken back: its source batch was consumed.
         ready = [] if self._direct is None else [self._direct]
         self._direct = self._last = None
+        self._lent = False
         self._loader._returned[:0], self._replay = [*self._replay, *ready], []
         self._stop_fetch()
         if running:
@@ -644,7 +658,7 @@ class EpochIterator:
             return self._build(self._replay.pop(0))
         if self._direct is not None:
             rows, self._direct = self._direct, None
-            return self._build(rows)
+            return self._build(rows, lent=loader._source.reuses_buffers())
         if self._owed:
             self._owed -= 1
             return self._build(loader._pending.pop(loader.batch_size, loader._codec.pads))
@@ -653,8 +667,9 @@ class EpochIterator:
             return self._build(loader._pending.pop(n, loader._codec.pads))
         return None
 
-    def _build(self, rows: Rows) -> B.SelectedBatch:
-        """The yielded batch: the source's structure, with the selection results attached."""
+    def _build(self, rows: Rows, lent: bool = False) -> B.SelectedBatch:
+        """The yielded batch: the source's structure, with the selection results attached;
+        ``lent``: ``rows`` are the source's own reused buffers."""
         loader, stats = self._loader, self.stats
         assert stats is not None
         batch = loader._codec.build(
@@ -662,8 +677,32 @@ class EpochIterator:
         )
         stats.examples_yielded += len(rows)
         stats.batches_yielded += 1
-        self._last = rows
+        self._last, self._lent = rows, lent
         return batch
+
+    def _more_after_lent(self) -> bool:
+        """Whether the epoch hands out another batch after the source's own batch handed out
+        last, known from the source's size: taking its next batch would let the source
+        overwrite the one the caller holds (see :meth:`finishing`).
+
+        NOTE: that batch was a whole source batch handed out as it is, which happens only in a
+        passthrough epoch whose source batches are training batches, with nothing pending. So
+        the source batches read so far were full, and the examples left, ``epoch_size`` less
+        ``position`` full batches, make full batches and a short last one of at least
+        ``min_batch_size`` (as :meth:`_remainder_step` hands it out). Exact where every rank has
+        as many examples left (FFCV's distributed order gives every rank a share of one size).
+        """
+        loader = self._loader
+        size = loader._source.epoch_size
+        if size is None:
+            raise RuntimeError(
+                f"finishing() cannot tell whether {type(loader._source).__name__} has another "
+                "batch without taking it, which would overwrite the batch handed out last (the "
+                "source reuses its buffers and its epoch size is unknown); call "
+                "runs_ahead() before the first batch when calling finishing() after each batch"
+            )
+        left = size - self.position * loader.batch_size
+        return left >= min(loader.batch_size, loader.min_batch_size)
 
     def fraction(self) -> float:
         """The share of this epoch's source data drawn so far, in [0, 1]: candidates drawn (also

@@ -27,7 +27,7 @@ What sbloader guards against (see the module's NOTEs):
   the next batch is requested. SelectiveLoader gathers the examples it keeps (pending or carried
   into the next epoch) with ``index_select``, which copies; only the passthrough policy
   (``Traditional``) yields FFCV's own tensors, valid until the next batch as with FFCV itself
-  (copies where the caller runs ahead: :meth:`sbloader.epoch.EpochIterator.runs_ahead`).
+  (copies where the caller runs ahead: :meth:`sbloader.epoch.EpochIterator.finishing`).
 
 Example (needs ffcv; ``images`` float32 of shape (N, 1, 28, 28), ``labels`` int64 of shape (N,)):
     >>> import sbloader, sbloader.ffcv as sbffcv

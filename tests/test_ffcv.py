@@ -258,6 +258,35 @@ def test_kept_batches_survive_ffcvs_buffer_reuse(beton):
         torch.testing.assert_close(batch.losses, expected)
 
 
+def contents(batch) -> list[torch.Tensor]:
+    return [t.clone() for t in (batch[0], batch[1], batch.indices)]
+
+
+def held_epoch(loader: SelectiveLoader, declare: bool, first_call: int | None) -> tuple:
+    """One epoch with finishing() called after each batch from batch ``first_call`` on (never
+    when None), after runs_ahead() when ``declare``: the batches (held to the end) with their
+    contents when handed out, whether each still held them when the caller asked for the next
+    batch (after finishing() and a training step's wait, while FFCV's thread fills its
+    buffers), and finishing()'s answers."""
+    it = iter(loader)
+    if declare:
+        it.runs_ahead()
+    kept, intact, flags = [], [], []
+    for b, batch in enumerate(it):
+        snapshot = contents(batch)
+        if first_call is not None and b >= first_call:
+            flags.append(it.finishing())
+        time.sleep(0.01)
+        intact.append(all(map(torch.equal, contents(batch), snapshot)))
+        kept.append((batch, snapshot))
+    return kept, intact, flags
+
+
+def changed(kept: list) -> int:
+    """How many held batches no longer hold what they held when handed out."""
+    return sum(not all(map(torch.equal, contents(batch), snap)) for batch, snap in kept)
+
+
 def test_running_ahead_hands_out_copies_of_ffcvs_batches(beton):
     """AcceleratedLoader (gradient accumulation) calls finishing() after each batch, which
     fetches the next FFCV batch while the caller trains on the one handed out: Traditional at
@@ -265,30 +294,16 @@ def test_running_ahead_hands_out_copies_of_ffcvs_batches(beton):
     runs_ahead() (which AcceleratedLoader calls), batches are copies: held for the whole epoch,
     each stays as it was when handed out, and pairs its images with its indices."""
 
-    def held(declare: bool) -> tuple[int, int]:
+    def build() -> SelectiveLoader:
         loader = sbffcv.open_beton(beton, 16, order="random", seed=1, batches_ahead=1)
-        sl = SelectiveLoader(loader, model(), policy=Traditional(), batch_size=16, seed=0)
-        it = iter(sl)
-        if declare:
-            it.runs_ahead()
-        kept = []
-        for batch in it:
-            snapshot = [t.clone() for t in (batch[0], batch[1], batch.indices)]
-            kept.append((batch, snapshot))
-            it.finishing()
-        changed = sum(
-            not all(torch.equal(a, b) for a, b in zip((b[0], b[1], b.indices), snap))
-            for b, snap in kept
-        )
-        for b, _ in kept:
-            if declare:
-                check_pairing(b[0], b[1], b.indices)
-        return len(kept), changed
+        return SelectiveLoader(loader, model(), policy=Traditional(), batch_size=16, seed=0)
 
-    n, changed = held(declare=False)
-    assert changed > 0  # the control: without it, held batches were overwritten
-    n_copied, changed_copied = held(declare=True)
-    assert n_copied == n and changed_copied == 0
+    plain, _, _ = held_epoch(build(), declare=False, first_call=None)
+    assert changed(plain) > 0  # the control: FFCV's own batches, held, are overwritten
+    kept, intact, _ = held_epoch(build(), declare=True, first_call=0)
+    assert len(kept) == len(plain) and all(intact) and changed(kept) == 0
+    for b, _ in kept:
+        check_pairing(b[0], b[1], b.indices)
 
     from sbloader.integrations.accelerate import AcceleratedLoader
 
@@ -302,13 +317,48 @@ def test_running_ahead_hands_out_copies_of_ffcvs_batches(beton):
             SelectiveLoader(loader, model(), policy=Traditional(), batch_size=16, seed=0)
         )
         kept = [(b, b[0].clone(), b.indices.clone()) for b in wrapped]
-        assert len(kept) == n
+        assert len(kept) == len(plain)
         for b, images, indices in kept:
             assert torch.equal(b[0], images) and torch.equal(b.indices, indices)
             check_pairing(b[0], b[1], b.indices)
     finally:
         accelerate.state.AcceleratorState._reset_state(True)
         accelerate.state.GradientState._reset_state()
+
+
+@pytest.mark.parametrize(
+    "batch_size, drop_last, min_batch_size, batches",
+    [(16, False, None, 19), (32, False, 16, 9), (30, True, None, 10), (32, True, None, 9)],
+    ids=["short last batch", "short last batch dropped", "no short batch", "drop_last"],
+)
+def test_finishing_alone_never_lets_ffcv_overwrite_a_held_batch(
+    beton, batch_size, drop_last, min_batch_size, batches
+):
+    """finishing() called after each batch without runs_ahead(): it used to run ahead as it
+    was, taking FFCV's next batch while the caller held FFCV's own (Traditional at the source's
+    batch size), which FFCV then overwrote while the caller trained on it. Now every batch stays
+    as handed out until the next is asked for, whenever the first call comes (the batch held
+    then is FFCV's own: that call answers from the source's size without taking the next
+    batch), later ones are copies, the answers are True for the last batch only, and the epoch
+    is the one handed out without finishing()."""
+
+    def build() -> SelectiveLoader:
+        loader = sbffcv.open_beton(
+            beton, batch_size, order="random", seed=1, batches_ahead=1, drop_last=drop_last
+        )
+        kw = {} if min_batch_size is None else {"min_batch_size": min_batch_size}
+        return SelectiveLoader(loader, model(), policy=Traditional(), batch_size=batch_size, **kw)
+
+    plain, intact, _ = held_epoch(build(), declare=False, first_call=None)
+    # FFCV's own batches, valid until the next one is asked for (the plain path copies nothing)
+    assert len(plain) == batches and all(intact) and changed(plain) > 0
+    for first_call in (0, batches - 2, batches - 1):
+        kept, intact, flags = held_epoch(build(), declare=False, first_call=first_call)
+        assert flags == [False] * (batches - first_call - 1) + [True]
+        assert all(intact) and changed(kept[first_call + 1 :]) == 0  # copies from then on
+        assert [b.indices.tolist() for b, _ in kept] == [s[2].tolist() for _, s in plain]
+        for b, _ in kept[first_call + 1 :]:
+            check_pairing(b[0], b[1], b.indices)
 
 
 def test_prefetch_is_refused_naming_ffcvs_batches_ahead(beton):
