@@ -1,5 +1,5 @@
-"""Older states of the loader, read by migrating them to the current version one step at a
-time (see :func:`sbloader._state.check_version`)."""
+"""Older states of the loader (and of its components), read by migrating them to the current
+version one step at a time (see :func:`sbloader._state.check_version`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from .rows import Rows
 
-__all__ = ["loader_state_v1_to_v2"]
+__all__ = ["ffcv_state_v0_to_v1", "loader_state_v1_to_v2"]
 
 
 def loader_state_v1_to_v2(
@@ -44,3 +44,14 @@ def loader_state_v1_to_v2(
         "scorer": {"version": 1, "logits_shape": state.get("logits_shape")},
         "stats": state["stats"],
     }
+
+
+def ffcv_state_v0_to_v1(state: dict[str, Any]) -> dict[str, Any]:
+    """An FFCV source state saved before it had a version (seed, order, num_samples,
+    batch_size) as version 1.
+
+    NOTE: version 1 added the Loader's ``indices`` (as a digest), ``drop_last`` and
+    ``distributed``, which a mid-epoch resume checks; they stay absent here, so an older state
+    is not checked for them (as :func:`sbloader._state.check_identity` skips absent keys).
+    """
+    return {**state, "version": 1}

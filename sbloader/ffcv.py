@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import importlib
 import importlib.util
 import multiprocessing
@@ -58,6 +59,8 @@ import numpy as np
 import torch
 
 from ._checks import check_choice, check_indices, check_int
+from ._migrations import ffcv_state_v0_to_v1
+from ._state import VERSION, check_identity, check_version
 from .sources import Source
 
 __all__ = [
@@ -288,6 +291,20 @@ def _encode(field: Any, value: Any) -> Any:
     if kind == "FloatField":
         return float(np.asarray(value).reshape(()))
     return value
+
+
+def _indices_digest(indices: Any) -> str:
+    """An FFCV Loader's ``indices`` (the examples it reads, in their order) in a few words.
+
+    Example:
+        >>> _indices_digest(np.arange(3)) == _indices_digest([0, 1, 2])
+        True
+        >>> _indices_digest([0, 1, 2]) == _indices_digest([2, 1, 0])
+        False
+    """
+    idx = np.ascontiguousarray(indices, dtype=np.int64)
+    digest = hashlib.blake2b(idx.tobytes(), digest_size=8).hexdigest()
+    return f"{idx.size} examples, digest {digest}"
 
 
 class _Indexed:
@@ -648,7 +665,9 @@ class FFCVSource(Source):
     epoch, so the source replays the epoch and discards the batches already consumed (FFCV
     decodes fast; nothing else is needed). ``QUASI_RANDOM`` is not a pure function of the
     epoch (it shuffles persistent state in place), so such a loader resumes only at epoch
-    boundaries, as does a loader whose seed differs from the saved one.
+    boundaries, as does a loader whose seed, batch size, ``indices=``, ``drop_last`` or
+    ``distributed`` differs from the saved one (the state records them; states saved before
+    it recorded the last three are not checked for them).
 
     Args:
         loader: an ``ffcv.loader.Loader`` (e.g. from :func:`open_beton`).
@@ -665,6 +684,8 @@ class FFCVSource(Source):
     counts to ``num_workers``; the source restores them as soon as the first batch of each epoch
     has arrived, before anything else runs.
     """
+
+    STATE_VERSION = 1
 
     def __init__(self, loader: Any, *, index_field: str | int | None = "index") -> None:
         if not is_ffcv_loader(loader):
@@ -713,6 +734,14 @@ class FFCVSource(Source):
             _field_kind(loader, name) in ("IntField", "FloatField") for name in self.outputs
         ]
         self._epoch = 0
+        # NOTE: besides the order, seed and batch size, what decides which examples an epoch's
+        # batches hold (FFCV fixes them when the Loader is built): a mid-epoch resume with
+        # others would skip the consumed batches of another sequence of examples.
+        self._identity = {
+            "indices": _indices_digest(loader.indices),
+            "drop_last": bool(loader.drop_last),
+            "distributed": bool(loader.distributed),
+        }
 
     # ------------------------------------------------------------------ Source API
     def has_indices(self) -> bool:
@@ -822,13 +851,19 @@ class FFCVSource(Source):
 
     def state_dict(self) -> dict[str, Any]:
         return {
+            VERSION: self.STATE_VERSION,
             "seed": int(self.loader.seed) if self.loader.seed is not None else None,
             "order": self.order_name,
             "num_samples": int(self.loader.reader.num_samples),
             "batch_size": int(self.loader.batch_size),
+            **self._identity,
         }
 
     def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
+        # (a state without a version is one saved before the source had one: version 0)
+        state = check_version(
+            {VERSION: 0, **state}, "FFCVSource", self.STATE_VERSION, {0: ffcv_state_v0_to_v1}
+        )
         if state.get("num_samples") != int(self.loader.reader.num_samples):
             raise ValueError(
                 f"the saved FFCV source read {state.get('num_samples')} examples but this "
@@ -855,6 +890,14 @@ class FFCVSource(Source):
                 f"order={self.order_name}, seed={self.loader.seed}, "
                 f"batch_size={self.loader.batch_size}; build the Loader with the saved ones"
             )
+        check_identity(
+            "FFCVSource",
+            state,
+            self._identity,
+            "build the FFCV Loader with the saved run's indices=, drop_last= and distributed= "
+            "to resume in the middle of an epoch, or resume from a state saved at an epoch "
+            "boundary",
+        )
 
     def __len__(self) -> int:
         return len(self.loader)

@@ -184,6 +184,67 @@ def test_mid_epoch_resume_is_refused_for_quasi_random(beton):
         other_seed.load_state_dict(state, mid_epoch=True)
 
 
+def test_mid_epoch_resume_is_refused_for_other_indices_drop_last_or_distributed(beton):
+    """The FFCV Loader's indices=, drop_last and distributed decide which examples an epoch's
+    batches hold, but a mid-epoch state did not record them: resumed with other indices of the
+    same size (dataset and epoch sizes as saved), it skipped the consumed batches of another
+    sequence of examples, silently. They are recorded now and a mismatch is refused at
+    load_state_dict, naming the setting; at an epoch boundary they may change."""
+
+    def build(indices, drop_last=False):
+        loader = sbffcv.open_beton(
+            beton, 30, order="random", seed=4, indices=indices, drop_last=drop_last
+        )
+        return SelectiveLoader(loader, model(), policy=SelectiveBackprop(0.5), seed=2)
+
+    evens, odds = np.arange(0, N, 2), np.arange(1, N, 2)
+    saved = build(evens)
+    it = iter(saved)
+    next(it)
+    state = copy.deepcopy(saved.state_dict())
+    del it
+    assert state["source"]["version"] == 1 and state["source"]["drop_last"] is False
+    with pytest.raises(ValueError, match=r"FFCVSource state has indices='150 examples.*indices="):
+        build(odds).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"drop_last=False, but this FFCVSource has drop_last=Tr"):
+        build(evens, drop_last=True).load_state_dict(state)  # (30 divides 150: same epoch size)
+    for key, value in (("distributed", True), ("indices", "150 examples, digest 0")):
+        other = copy.deepcopy(state)
+        other["source"][key] = value
+        with pytest.raises(ValueError, match=rf"{key}=.*build the FFCV Loader with the saved"):
+            build(evens).load_state_dict(other)
+    resumed = build(evens)
+    resumed.load_state_dict(state)
+    assert {i for b in resumed for i in b.indices.tolist()} <= set(evens.tolist())
+    # At an epoch boundary other settings are a new choice, not a resume of the saved epoch.
+    boundary = build(evens)
+    list(boundary)
+    build(odds).load_state_dict(boundary.state_dict())
+
+
+def test_an_ffcv_source_state_saved_before_it_had_a_version_still_resumes(beton):
+    """States saved before the source recorded its version, indices=, drop_last and
+    distributed load (as version 1, not checked for the keys they lack) and resume exactly."""
+
+    def build():
+        loader = sbffcv.open_beton(beton, 30, order="random", seed=4)
+        return SelectiveLoader(loader, model(), policy=SelectiveBackprop(1 / 3), seed=2)
+
+    full = [b.indices.tolist() for b in build()]
+    first = build()
+    it = iter(first)
+    got = [next(it).indices.tolist() for _ in range(2)]
+    state = copy.deepcopy(first.state_dict())
+    del it
+    for key in ("version", "indices", "drop_last", "distributed"):
+        del state["source"][key]
+    resumed = build()
+    resumed.load_state_dict(state)
+    assert got + [b.indices.tolist() for b in resumed] == full
+    with pytest.raises(ValueError, match=r"FFCVSource state has version=2"):
+        build().load_state_dict({**state, "source": {**state["source"], "version": 2}})
+
+
 # ------------------------------------------------------------------ through SelectiveLoader
 def test_selective_loader_takes_an_ffcv_loader_directly(beton):
     loader = sbffcv.open_beton(beton, 30, order="random", seed=0)
