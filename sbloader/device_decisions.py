@@ -234,7 +234,8 @@ class DecisionGenerator:
     Made on the device of the first losses it draws for (a CUDA generator for CUDA losses), so
     the draws never leave the device. Its state is saved and restored exactly, also before it
     was first used, on the kind of device it was made on: CPU and CUDA generators keep
-    different states, so a state of one is refused (``ValueError``) by the other.
+    different states, so a state of one is refused (``ValueError``) by the other, when it is
+    loaded for a given device (as the loader does), else at the first draw.
 
     Args:
         seed: the loader's seed.
@@ -270,12 +271,17 @@ class DecisionGenerator:
         """
         g = self._generator
         if g is None or g.device != device:
-            state = self._state if g is None else g.get_state()
-            g = torch.Generator(device=device)
-            g.manual_seed(self.seed)
-            if state is not None:
-                _set_state(g, state)
+            g = self._made(device, self._state if g is None else g.get_state())
             self._generator, self._state = g, None
+        return g
+
+    def _made(self, device: torch.device, state: torch.Tensor | None) -> torch.Generator:
+        """A generator on ``device`` seeded, then set to ``state`` when given (refused, naming
+        the fix, when it is another kind of device's)."""
+        g = torch.Generator(device=device)
+        g.manual_seed(self.seed)
+        if state is not None:
+            _set_state(g, state)
         return g
 
     def state_dict(self) -> dict[str, Any]:
@@ -284,14 +290,28 @@ class DecisionGenerator:
         state = g.get_state() if g is not None else self._state
         return {"seed": self.seed, "state": state}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        """Restore a state from :meth:`state_dict`; a refused one changes nothing.
+
+        Args:
+            state: the saved state.
+            device: where the draws will be made (the loader's device), or None: given, the
+                generator is made there now, so that a state of another kind of device is
+                refused here rather than at the first draw.
+
+        Raises:
+            ValueError: a state of another seed or rank, or of another kind of device than
+                ``device`` (or than the generator's, once made).
+        """
         if int(state["seed"]) != self.seed:
             raise ValueError(
                 "the saved device generator belongs to another seed or rank; build the loader "
                 "with the saved run's seed= and rank="
             )
         saved = state["state"]
-        if self._generator is not None and saved is not None:
+        if saved is not None and device is not None:
+            self._generator, self._state = self._made(device, saved), None
+        elif self._generator is not None and saved is not None:
             _set_state(self._generator, saved)
         else:
             self._generator, self._state = None, saved

@@ -1347,8 +1347,9 @@ class SelectiveLoader:
         Refuses (``ValueError`` naming the field and both values) a state saved by a loader
         with another seed, rank, world size, policy (kind or settings, such as a selectivity),
         dataset size, source batch size or epoch length, ``subset``, ``batch_size``,
-        ``batches_per_epoch``, ``keep_logits`` or ``frozen_prefix`` (whether there is one);
-        migrates a version-1 state. A refused state changes nothing:
+        ``batches_per_epoch``, ``keep_logits`` or ``frozen_prefix`` (whether there is one),
+        and with ``decisions="device"`` a generator state of another kind of device than the
+        loader's (CPU or CUDA); migrates a version-1 state. A refused state changes nothing:
         the loader is as it was (a running epoch is closed, and the next ``iter(loader)``
         resumes it where it stopped). The next ``iter(loader)`` continues a restored unfinished
         epoch.
@@ -1432,7 +1433,10 @@ class SelectiveLoader:
         if self._fixed is not None and training is not None:
             self._fixed.load_state_dict(training)
         if self._decider is not None:
-            self._decider.load_state_dict(state[K_DEVICE_RNG])
+            # NOTE: checked against the kind of device the draws will be made on (batches go
+            # to the loader's device), so that a state of another kind is refused now; a
+            # rollback restores this loader's own, whatever device the model is on now.
+            self._decider.load_state_dict(state[K_DEVICE_RNG], None if rollback else self.device)
         ahead = state.get(K_AHEAD)
         self._ahead = None if ahead is None or not active else AheadScores.from_state(ahead)
 

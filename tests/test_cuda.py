@@ -142,6 +142,23 @@ def test_device_decisions_on_the_gpu_are_deterministic_and_resume_exactly():
     assert first.policy.device_window.device.type == "cuda"
 
 
+def test_a_cpu_generator_state_is_refused_when_a_gpu_loader_loads_it():
+    """decisions="device": a state saved by a run that decided on the CPU (a Mersenne Twister's
+    generator state) is refused by a loader on the GPU at load_state_dict, not at its first
+    decision."""
+    cpu_run = cuda_loader(
+        sbloader.SelectiveBackprop(1 / 3, history=64), model=IndexLoss(), seed=3, decisions="device"
+    )
+    it = iter(cpu_run)
+    next(it)
+    state = cpu_run.state_dict()
+    del it
+    gpu = cuda_loader(sbloader.SelectiveBackprop(1 / 3, history=64), seed=3, decisions="device")
+    with pytest.raises(ValueError, match=r"decisions='device'.*another kind of device.*on cuda"):
+        gpu.load_state_dict(state)
+    assert gpu.state_dict()["position"] == 0
+
+
 def test_device_decisions_count_the_forward_gpu_time_as_selection_forward():
     """decisions="device" copies no losses to the host, so the forward's GPU time would land in
     the decision's wait for its two integers (the loader's own time); the scorer counts it as

@@ -184,6 +184,29 @@ def test_resume_mid_epoch_is_exact():
         assert torch.equal(ia, ib) and torch.equal(xa, xb) and torch.equal(pa, pb)
 
 
+def test_a_generator_state_of_another_device_type_is_refused_at_load_state_dict():
+    """A loader state whose device generator was saved on another kind of device (here a CUDA
+    generator's 16 bytes, loaded for the CPU) loaded without complaint and was refused only at
+    the epoch's first decision, after the loader had taken the saved run's position. It is
+    refused by load_state_dict now, naming decisions='device' and the fix, and the loader is
+    left as it was."""
+    saved = make_loader(seed=2)
+    it = iter(saved)
+    next(it)
+    state = saved.state_dict()
+    del it
+    state["device_rng"]["state"] = torch.zeros(16, dtype=torch.uint8)
+    fresh = make_loader(seed=2)
+    before = fresh.state_dict()
+    with pytest.raises(ValueError, match=r"decisions='device'.*another kind of device.*on cpu"):
+        fresh.load_state_dict(state)
+    after = fresh.state_dict()
+    assert after["device_rng"]["state"] is None and after["position"] == before["position"] == 0
+    assert [i.tolist() for _, i, _ in epoch_batches(fresh)] == [
+        i.tolist() for _, i, _ in epoch_batches(make_loader(seed=2))
+    ]
+
+
 def test_configurations_it_cannot_run_are_refused():
     with pytest.raises(ValueError, match="decisions should be one of"):
         make_loader("gpu")
