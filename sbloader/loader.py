@@ -195,7 +195,9 @@ class SelectiveLoader:
             ``torch.compile`` arguments). Training forwards are not affected.
         selection_scale: resize 4-d inputs by this factor in (0, 1] (bilinear) before the
             selection forward only, e.g. 0.5 (Composer's ``scale_factor``); the model must
-            accept the smaller inputs. Training batches keep full resolution.
+            accept the smaller inputs (a model that takes the first candidates at full size
+            but not resized is refused on the first selection pass, naming
+            ``selection_scale``). Training batches keep full resolution.
         frozen_prefix: activation caching for a frozen backbone: a module without trainable
             parameters whose outputs ``model`` (the head) takes. The selection pass computes
             ``features = frozen_prefix(inputs)`` once (in eval mode, without autograd, under

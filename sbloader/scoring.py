@@ -160,7 +160,7 @@ class Scorer:
             try:
                 model = self.quantized.model_for(model, inputs, epoch, self._prepare)
             except (Int8Unavailable, TypeError) as e:
-                self.fall_back(e)
+                self._int8_failed(e, model, inputs, targets)
         events = self._events(inputs)
         scored = self.run(model, inputs, targets, batch, cached)
         host_s = perf_counter() - t0
@@ -274,7 +274,7 @@ class Scorer:
             try:
                 self.quantized.trial(model, B.rows(inputs, 0, k), self._prepare)
             except (Int8Unavailable, TypeError) as e:
-                self.fall_back(e)
+                self._int8_failed(e, model, inputs, targets)
         self.forward(
             model,
             B.rows(inputs, 0, k),
@@ -288,6 +288,23 @@ class Scorer:
             inference=not self.collective,
         )
         self._keep_template(inputs, targets, batch)
+
+    def _int8_failed(self, error: Exception, model: nn.Module, inputs: Any, targets: Any) -> None:
+        """The int8 copy could not be built on ``inputs`` (``error``): refused naming
+        ``selection_scale`` where the float ``model`` cannot take the downsampled inputs either
+        (:meth:`SelectionForward.blame_scale <sbloader.selection.SelectionForward.blame_scale>`;
+        the copy is calibrated on them), else :meth:`fall_back`."""
+        self.forward.blame_scale(
+            model,
+            inputs,
+            targets,
+            self.loss_fn,
+            error,
+            autocast_dtype=self.autocast,
+            keep_outputs=self.keep_logits,
+            inference=not self.collective,
+        )
+        self.fall_back(error)
 
     def fall_back(self, error: Exception) -> None:
         """Score in ``fallback_autocast`` from now on, where the int8 copy was chosen by

@@ -662,6 +662,8 @@ class SelectionForward:
         self.frozen_prefix = None if frozen_prefix is None else unwrap(frozen_prefix)
         # NOTE: keyed by id() with the module kept alongside, so a recycled id cannot match.
         self._compiled: dict[int, tuple[nn.Module, nn.Module]] = {}
+        # Whether a selection forward at ``scale`` has succeeded (see blame_scale).
+        self._scale_taken = False
 
     @property
     def compiled_modules(self) -> list[nn.Module]:
@@ -751,6 +753,7 @@ class SelectionForward:
         inputs, are then reduced-precision values returned as float32. Without autocast they
         are exactly what a float32 training forward of the prefix computes.
         """
+        full = inputs
         if self.frozen_prefix is not None:
             if features is None:
                 features = self.features(inputs, batch_size, autocast_dtype)
@@ -760,21 +763,95 @@ class SelectionForward:
                 inputs = downsample(inputs, self.scale)
         if isinstance(self.call, FieldsForward):
             self.call.check(batch)
-        losses, outputs = selection_outputs(
-            self.module(model),
-            inputs,
-            targets,
-            loss_fn,
-            batch_size=batch_size,
-            autocast_dtype=autocast_dtype,
-            eval=eval,
-            keep_outputs=keep_outputs,
-            forward=self.call,
-            batch=batch,
-            output=self.output,
-            inference=inference,
-        )
+        options: dict[str, Any] = {"autocast_dtype": autocast_dtype, "keep_outputs": keep_outputs}
+        try:
+            losses, outputs = selection_outputs(
+                self.module(model),
+                inputs,
+                targets,
+                loss_fn,
+                batch_size=batch_size,
+                eval=eval,
+                forward=self.call,
+                batch=batch,
+                output=self.output,
+                inference=inference,
+                **options,
+            )
+        except Exception as e:
+            # (not for a collective forward, FSDP's: trials on one rank would wait for the rest)
+            if inference:
+                self.blame_scale(model, full, targets, loss_fn, e, inference=inference, **options)
+            raise
+        self._scale_taken = self.scale is not None
         return losses, features, outputs
+
+    def blame_scale(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[..., torch.Tensor],
+        error: Exception,
+        **options: Any,
+    ) -> None:
+        """Raise ``ValueError`` naming ``selection_scale``, from ``error``, where the first
+        selection forward at it failed because of it: the model (with ``loss_fn``) takes the
+        first candidates of ``inputs`` at full size but not downsampled. Return otherwise (the
+        caller re-raises ``error``): without a scale, after a forward at it has succeeded, or
+        for an error the scale does not cause (the same failure at full size, or one due to
+        other candidates, e.g. a label out of range).
+
+        NOTE: torch's own error (e.g. ``mat1 and mat2 shapes cannot be multiplied``, from a
+        classifier sized for the full-size images) does not say that the inputs were resized.
+        The two trials run in eval mode without gradients on two candidates at most, only after
+        a failure, and change nothing (no BatchNorm statistics); ``options`` are
+        :func:`selection_outputs`' (autocast, outputs kept, inference mode), as in the pass.
+        """
+        scale = self.scale
+        if scale is None or self._scale_taken or not isinstance(inputs, torch.Tensor):
+            return  # (inputs that are no tensor: downsample's own error names the scale)
+        k = min(B.column_length(inputs, "input"), 2)
+        first, labels = B.rows(inputs, 0, k), B.rows(targets, 0, k)
+        if self._trial(model, first, labels, loss_fn, None, options) is not None:
+            return
+        failed = self._trial(model, first, labels, loss_fn, scale, options)
+        if failed is None:
+            return
+        shape = tuple(first.shape[1:])
+        small = tuple(downsample(first[:1], scale).shape[1:])
+        raise ValueError(
+            f"selection_scale should resize the inputs to a size the model takes, but got "
+            f"selection_scale={scale:g}, which resizes inputs of shape {shape} to {small}: the "
+            f"model takes them at full size, and downsampled raised {type(failed).__name__} "
+            f"({_first_line(failed)}); pass a larger selection_scale, a model that takes any "
+            "input size (e.g. global pooling before its classifier), or selection_scale=None"
+        ) from error
+
+    def _trial(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[..., torch.Tensor],
+        scale: float | None,
+        options: Mapping[str, Any],
+    ) -> Exception | None:
+        """What a selection forward of ``inputs`` resized by ``scale`` (None: as they are)
+        raises, or None (a trial for :meth:`blame_scale`)."""
+        try:
+            with torch.no_grad():
+                x = inputs if scale is None else downsample(inputs, scale)
+            selection_outputs(self.module(model), x, targets, loss_fn, eval=True, **options)
+        except Exception as e:
+            return e
+        return None
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of an error's message, at most 200 characters."""
+    text = str(error)
+    return text.splitlines()[0][:200] if text else ""
 
 
 def _autocast_enabled(device_type: str) -> bool:

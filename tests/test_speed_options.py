@@ -10,7 +10,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from sbloader import FeatureCache, RandomBackprop, SelectiveBackprop, SelectiveLoader, Traditional
+from sbloader import (
+    FeatureCache,
+    RandomBackprop,
+    SelectiveBackprop,
+    SelectiveLoader,
+    Traditional,
+    default_policy,
+)
 
 N, CLASSES = 240, 4
 
@@ -29,16 +36,18 @@ def seeded(build):
         return build()
 
 
-def cnn() -> nn.Module:
-    """Resolution-agnostic (global pooling), so it also scores downsampled inputs."""
+def cnn(pooled: bool = True) -> nn.Module:
+    """Resolution-agnostic (global pooling), so it also scores downsampled inputs; or, not
+    ``pooled``, with a classifier sized for 8 x 8 images, which 4 x 4 ones do not fit."""
+    pool = [nn.AdaptiveAvgPool2d(2)] if pooled else []
     return seeded(
         lambda: nn.Sequential(
             nn.Conv2d(3, 8, 3, padding=1),
             nn.BatchNorm2d(8),
             nn.ReLU(),
-            nn.AdaptiveAvgPool2d(2),
+            *pool,
             nn.Flatten(),
-            nn.Linear(32, CLASSES),
+            nn.Linear(32 if pooled else 8 * 8 * 8, CLASSES),
         )
     )
 
@@ -104,6 +113,94 @@ def test_selection_scale_on_non_image_inputs_names_the_fix():
     loader = SelectiveLoader(DataLoader(data, batch_size=10), nn.Linear(6, 2), selection_scale=0.5)
     with pytest.raises(ValueError, match="selection_scale=None"):
         next(iter(loader))
+
+
+def first_batch(model, policy, data=None, **kw):
+    """The loader, and what its first next() raised (selection_scale=0.5)."""
+    loader = SelectiveLoader(
+        DataLoader(data or images(), batch_size=60),
+        model.train(),
+        policy=policy,
+        batch_size=20,
+        seed=0,
+        selection_scale=0.5,
+        **kw,
+    )
+    with pytest.raises(Exception) as raised:
+        next(iter(loader))
+    return loader, raised.value
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@pytest.mark.parametrize("warmup", [False, True], ids=["selection pass", "warm-up probe"])
+def test_a_selection_scale_the_model_cannot_take_is_named_on_the_first_batch(int8, warmup):
+    """A model whose classifier is sized for full-size images cannot take them downsampled: the
+    first selection pass (or a warm-up's probe; or the int8 copy's calibration, explicitly
+    asked for) failed inside torch ("mat1 and mat2 shapes cannot be multiplied"), naming
+    neither selection_scale nor the fix. It is refused naming both, chained to torch's error,
+    with the model, its BatchNorm statistics, the stats and the policy's window as they were."""
+    model = cnn(pooled=False)
+    bn = model[1]
+    policy = default_policy() if warmup else SelectiveBackprop(1 / 3, history=64)
+    loader, error = first_batch(model, policy, quantize_selection=int8)
+    assert isinstance(error, ValueError), error
+    message = str(error)
+    assert "selection_scale should resize the inputs to a size the model takes" in message
+    assert "selection_scale=0.5, which resizes inputs of shape (3, 8, 8) to (3, 4, 4)" in message
+    assert "mat1 and mat2 shapes cannot be multiplied" in message
+    assert message.endswith("or selection_scale=None")
+    assert "mat1 and mat2" in str(error.__cause__)
+    assert all(m.training for m in model.modules())
+    assert int(bn.num_batches_tracked) == 0 and torch.equal(bn.running_mean, torch.zeros(8))
+    assert loader.stats.current.selection_forwards == 0
+    if not warmup:
+        assert len(loader.policy.window) == 0
+
+
+def test_errors_selection_scale_does_not_cause_keep_their_own_type_and_message():
+    """The first pass's errors that the model also raises at full size (inputs of another channel
+    count), or that other candidates cause (a label out of range past the first two), are not
+    blamed on selection_scale."""
+    policy = SelectiveBackprop(1 / 3, history=64)
+    wrong_channels = seeded(lambda: nn.Sequential(nn.Conv2d(4, 8, 3), nn.AdaptiveAvgPool2d(1)))
+    _, error = first_batch(wrong_channels, policy, quantize_selection=False)
+    assert type(error) is RuntimeError and "selection_scale" not in str(error)
+    x, y = images().tensors
+    y = y.clone()
+    y[30] = CLASSES  # out of range
+    _, error = first_batch(cnn(), policy, data=TensorDataset(x, y), quantize_selection=False)
+    assert type(error) is IndexError and "out of bounds" in str(error)
+
+
+class FailsOnCall(ShapeRecorder):
+    """Raises on its ``fail``-th call (only)."""
+
+    def __init__(self, inner: nn.Module, fail: int) -> None:
+        super().__init__(inner)
+        self.fail, self.calls = fail, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.fail:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().forward(x)
+
+
+def test_only_the_first_selection_pass_at_a_scale_is_checked():
+    """Once a pass at selection_scale succeeded, a later pass's error is raised as it is, with
+    no trial forwards (the model is called once per pass)."""
+    model = FailsOnCall(cnn(), fail=2)
+    loader = SelectiveLoader(
+        DataLoader(images(), batch_size=60),
+        model,
+        policy=SelectiveBackprop(1 / 3, history=64),
+        batch_size=20,
+        selection_scale=0.5,
+        quantize_selection=False,
+    )
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        list(loader)
+    assert model.calls == 2 and model.shapes == [(60, 3, 4, 4)]
 
 
 # ------------------------------------------------------------------ compilation
