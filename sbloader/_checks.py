@@ -105,6 +105,27 @@ def indices_needed(what: str, fix: str = "") -> ValueError:
     )
 
 
+class NonFiniteLoss(FloatingPointError):
+    """Selection losses that are not finite under ``nonfinite="raise"``: a ``FloatingPointError``
+    of its own type, so that the loader can tell it from others (on several ranks it is reported
+    to every rank before it is raised, see :mod:`sbloader.distributed`)."""
+
+
+def nonfinite_losses(count: int, indices: list[int] | None = None) -> NonFiniteLoss:
+    """The error for ``count`` non-finite selection losses under ``nonfinite="raise"``, naming
+    the first dataset ``indices`` (or positions) where known.
+
+    Example:
+        >>> str(nonfinite_losses(2, [7, 9])).split(";")[0]
+        '2 selection losses are not finite (dataset indices [7, 9]...)'
+    """
+    where = "" if indices is None else f" (dataset indices {indices}...)"
+    return NonFiniteLoss(
+        f"{count} selection losses are not finite{where}; pass nonfinite='skip' or "
+        "nonfinite='select' to continue past them"
+    )
+
+
 class FieldError(KeyError, ValueError):
     """A batch field that does not exist (a key of dict batches, a position of tuple batches).
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import check_indices
+from ._checks import check_indices, nonfinite_losses
 from .policies import Choice, Policy
 
 __all__ = ["choose_finite", "in_subset", "keep_function", "subset_mask"]
@@ -39,7 +39,8 @@ def choose_finite(
         n: the number of candidates.
         nonfinite: ``"skip"`` (non-finite candidates get P = 0 and are not chosen),
             ``"select"`` (P = 1, chosen with weight 1, in position order among the others) or
-            ``"raise"`` (``FloatingPointError`` naming the first dataset indices).
+            ``"raise"`` (:class:`~sbloader._checks.NonFiniteLoss`, a ``FloatingPointError``
+            naming the first dataset indices).
         finite: ``np.isfinite(values)`` when the caller has it already (computed otherwise).
 
     Returns:
@@ -60,10 +61,7 @@ def choose_finite(
     bad = np.flatnonzero(~finite)
     if nonfinite == "raise":
         where = indices[bad[:5]].tolist() if indices is not None else bad[:5].tolist()
-        raise FloatingPointError(
-            f"{len(bad)} selection losses are not finite (dataset indices {where}...); pass "
-            "nonfinite='skip' or nonfinite='select' to continue past them"
-        )
+        raise nonfinite_losses(len(bad), where)
     good = np.flatnonzero(finite)
     sub = policy.choose(values[good], None if indices is None else indices[good], rng, len(good))
     probabilities = np.zeros(n, dtype=np.float64)

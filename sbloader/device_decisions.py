@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import batch as B
-from ._checks import check_int
+from ._checks import check_int, nonfinite_losses
 from ._state import check_identity, check_version
 from .rows import Rows
 
@@ -198,10 +198,7 @@ class DeviceWindow:
         # NOTE: the only transfer to the host: two integers, in one copy.
         m, k = torch.stack([finite.sum(), keep.sum()]).tolist()
         if nonfinite == "raise" and m < n:
-            raise FloatingPointError(
-                f"{n - m} selection losses are not finite; pass nonfinite='skip' or "
-                "nonfinite='select' to continue past them"
-            )
+            raise nonfinite_losses(n - m)
         self.push(losses, finite, m)
         positions = torch.argsort((~keep).to(torch.uint8), stable=True)[:k]
         if reweight:

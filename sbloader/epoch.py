@@ -17,12 +17,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch
 
 from . import batch as B
+from ._checks import NonFiniteLoss
 from .decisions import choose_finite, in_subset, keep_function
 from .device_decisions import device_rows
 from .overlap import AheadScores, SelectionThread
@@ -32,9 +33,28 @@ from .scoring import Scored
 from .stats import EpochStats
 
 if TYPE_CHECKING:
+    from .distributed import RankSync
     from .loader import SelectiveLoader
 
 __all__ = ["EpochIterator"]
+
+# The errors a rank meets in a round and reports to the others before raising (see
+# EpochIterator._fail): their kinds in RankSync.agree, and what the other ranks raise, naming them.
+_NONFINITE, _SHAPES = 1, 2
+_REPORTED: dict[int, tuple[type[Exception], str, str]] = {
+    _NONFINITE: (
+        NonFiniteLoss,
+        "met a non-finite selection loss (NaN or infinite) under nonfinite='raise'",
+        "pass nonfinite='skip' or nonfinite='select' to continue past such losses",
+    ),
+    _SHAPES: (
+        ValueError,
+        "loaded a source batch whose rows cannot be joined with earlier ones into training "
+        "batches (a field padded to another length, or a pad value that does not fit its field)",
+        "pass pad_values= for every field padded per batch (e.g. pad_values={'input_ids': "
+        "<pad_token_id>}), or pad every source batch to one length (padding='max_length')",
+    ),
+}
 
 
 class _Phase(Enum):
@@ -128,6 +148,9 @@ class EpochIterator:
         #: The lowest rank whose pass read no example, as the ranks' last round found (None: no
         #: rank's, or a single process; see :meth:`_drain_step`).
         self.empty_rank: int | None = None
+        # On several ranks, an error this rank met in the current round, held until the round's
+        # agreement reports it to every rank (see _fail): its kind and the error.
+        self._failure: tuple[int, Exception] | None = None
 
     # ------------------------------------------------------------------ protocol
     def __iter__(self) -> EpochIterator:
@@ -426,7 +449,10 @@ class EpochIterator:
                 self._decide_on_device(scored, data, indices, n, t0)
                 self._score_ahead()
                 return
-        choice = self._decide(scored, indices, n)
+        try:
+            choice = self._decide(scored, indices, n)
+        except NonFiniteLoss as e:
+            self._stop_round(_NONFINITE, e)
         stats.selection_s += perf_counter() - t0
         positions = choice.positions
         k = len(positions)
@@ -470,9 +496,14 @@ class EpochIterator:
             # Checked here on every source batch of a re-batching epoch (one shape comparison
             # per tensor field), it fails on the first batch that differs. A passthrough epoch
             # whose source batches are training batches hands each out whole and joins none.
-            loader._codec.check_shapes(
-                data, f"source batch {self.position + 1} (counted from 1) of epoch {self.epoch}"
-            )
+            # On several ranks the round goes on (its rows are only joined later) and its
+            # agreement raises on every rank (see _fail).
+            try:
+                loader._codec.check_shapes(
+                    data, f"source batch {self.position + 1} (counted from 1) of epoch {self.epoch}"
+                )
+            except ValueError as e:
+                self._fail(_SHAPES, e)
         if loader._sync is not None:
             loader._sync.note_batch(data[loader._codec.input_position])
             loader._sync.note_indices(indices)
@@ -582,9 +613,12 @@ class EpochIterator:
         loader, stats = self._loader, self.stats
         assert stats is not None and loader._decider is not None
         losses = scored.losses.detach()
-        choice = loader.policy.choose_device(
-            losses, loader._decider.get(losses.device), loader.nonfinite
-        )
+        try:
+            choice = loader.policy.choose_device(
+                losses, loader._decider.get(losses.device), loader.nonfinite
+            )
+        except NonFiniteLoss as e:
+            self._stop_round(_NONFINITE, e)
         loader._scorer.settle_forward_time(stats)
         stats.nonfinite += choice.nonfinite
         stats.selection_s += perf_counter() - t0
@@ -620,7 +654,9 @@ class EpochIterator:
             loader._pending.full_batches(loader.batch_size),
             active=False,
             empty=self.stats.examples_seen == 0,
+            failed=self._failed_kind(),
         )
+        self._raise_reported(sync)  # another rank's error, met in this round
         self._owed = count
         if not active:
             self.empty_rank = sync.empty_rank
@@ -769,9 +805,63 @@ class EpochIterator:
 
     def _agree(self, ready: int, active: bool = True) -> int:
         """How many of ``ready`` batches to yield now: all of them on one process; on several
-        ranks the fewest any rank has ready, so that every rank makes the same number of steps."""
+        ranks the fewest any rank has ready, so that every rank makes the same number of steps.
+        On several ranks it raises, on every rank, where any rank met an error in the round
+        (see :meth:`_fail`)."""
         sync = self._loader._sync
-        return ready if sync is None else sync.agree(ready, active)[0]
+        if sync is None:
+            return ready
+        count = sync.agree(ready, active, failed=self._failed_kind())[0]
+        self._raise_reported(sync)
+        return count
+
+    def _failed_kind(self) -> int:
+        """The kind of the error this rank met in the round (0: none), for its agreement."""
+        return 0 if self._failure is None else self._failure[0]
+
+    def _fail(self, kind: int, error: Exception) -> None:
+        """This rank met ``error`` (of kind ``kind``, see ``_REPORTED``): raised at once on one
+        process; on several ranks held until the round's agreement (:meth:`_agree`), its last
+        collective, which reports it to every rank, and every rank raises then.
+
+        NOTE: raised here on one rank alone, it would leave the others waiting in the round's
+        collectives until the process group times out (or torchrun ends the job), and only this
+        rank's log would say why. The round goes on with its data instead: every rank makes the
+        same collectives as in any round, and the error travels in the agreement's
+        ``all_reduce`` (one more integer, no collective more).
+        """
+        if self._loader._sync is None:
+            raise error
+        if self._failure is None:
+            self._failure = (kind, error)
+
+    def _stop_round(self, kind: int, error: Exception) -> NoReturn:
+        """This rank cannot go on with the round (``error``, of kind ``kind``): raised at once on
+        one process; on several ranks its agreement, made now, raises on every rank."""
+        self._fail(kind, error)
+        self._agree(self._loader._pending.full_batches(self._loader.batch_size))
+        raise AssertionError("unreachable: the agreement reports the error and raises")
+
+    def _raise_reported(self, sync: RankSync) -> None:
+        """After an agreement: raise where a rank reported an error in it (the same on every
+        rank). The rank that met it raises its own error, naming its rank; the others raise one
+        of the same kind naming that rank and the fix."""
+        if sync.failed is None:
+            return
+        where = f"rank {sync.rank} of {sync.world_size}"
+        own = self._failure
+        if own is not None:
+            error = own[1]
+            raise type(error)(
+                f"on {where} (every rank stops with this error, reported to the others): {error}"
+            ) from None
+        rank, kind = sync.failed
+        cls, what, fix = _REPORTED[kind]
+        raise cls(
+            f"in epoch {self.epoch}, rank {rank} of {sync.world_size} {what}; every rank stops "
+            f"with it (this is {where}; rank {rank}'s own error has the details), so that none "
+            f"waits for it in a collective: {fix}"
+        )
 
     def _decide(self, scored: Scored | None, indices: np.ndarray | None, n: int) -> Any:
         """The policy's choice; when the ranks share losses, made between observing the lower

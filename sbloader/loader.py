@@ -155,8 +155,10 @@ class SelectiveLoader:
             else 1.
         nonfinite: what happens to an example whose selection loss is NaN or infinite: ``"skip"``
             (default: never backpropagated, since its gradient would corrupt the weights),
-            ``"select"`` (always backpropagated) or ``"raise"`` (``FloatingPointError``). Either
-            way it never enters the policy's loss window and is counted in ``stats``.
+            ``"select"`` (always backpropagated) or ``"raise"`` (``FloatingPointError``; on
+            several ranks raised on every rank, naming the rank that met it, at the end of that
+            round). Either way it never enters the policy's loss window and is counted in
+            ``stats``.
         device: where yielded batches go. Default: the model's device.
         autocast: the precision of selection passes (training is never changed):
             ``torch.bfloat16`` or ``torch.float16`` to run them under autocast (the dtypes it

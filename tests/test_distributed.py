@@ -433,6 +433,91 @@ def scenario_nonfinite(rank: int, world_size: int) -> dict:
     return res
 
 
+class NonFiniteOnRank1(NonFiniteFor):
+    """:class:`NonFiniteFor` with its non-finite losses in the second half of 120 examples only."""
+
+    NAN, INF = (77,), (95,)
+
+
+class NonFiniteFirst(NonFiniteFor):
+    """:class:`NonFiniteFor` with non-finite losses in the first 15 examples of either half."""
+
+    NAN, INF = (7, 67), (8, 68)
+
+
+def raised(loader: SelectiveLoader) -> str:
+    """What an epoch of ``loader`` raised, as ``"Type: message"`` ("" when it ended)."""
+    try:
+        for _ in loader:
+            pass
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def ragged(rank: int, width: int) -> list:
+    """Four batches of :func:`_iterable` with a fourth field two wide, ``width`` wide in rank 1's
+    third batch."""
+    return [
+        (x, y, i, torch.zeros(len(x), width if (rank, b) == (1, 2) else 2))
+        for b, (x, y, i) in enumerate(_iterable(rank, 4))
+    ]
+
+
+def scenario_failures(rank: int, world_size: int) -> dict:
+    """Errors met on one rank (a non-finite selection loss under nonfinite="raise", a ragged
+    field): every rank raises, in the same round; none waits in a collective."""
+    import warnings
+
+    res: dict = {}
+
+    def nonfinite(model: torch.nn.Module, sampler=None, staleness: int = 1, **kw) -> str:
+        return raised(
+            SelectiveLoader(
+                DataLoader(
+                    EncodedDataset(120),
+                    batch_size=15,
+                    sampler=Block(120, rank, world_size) if sampler is None else sampler,
+                ),
+                model,
+                policy=SelectiveBackprop(0.5, history=64, staleness=staleness),
+                batch_size=10,
+                nonfinite="raise",
+                seed=0,
+                **kw,
+            )
+        )
+
+    # Rank 1 only: decided on the host with a local CDF (no exchange) or a global one (the
+    # exchange comes first), with Stale-SB's store (its exchange), or on the device.
+    res["local"] = nonfinite(NonFiniteOnRank1())
+    res["global"] = nonfinite(NonFiniteOnRank1(), cdf="global")
+    res["stale"] = nonfinite(NonFiniteOnRank1(), staleness=2)
+    res["device"] = nonfinite(NonFiniteOnRank1(), decisions="device")
+    # Rank 1 meets it in its second source batch, while rank 0 (one source batch) drains.
+    res["draining"] = nonfinite(NonFiniteOnRank1(), sampler=[range(15), range(60, 120)][rank])
+    # Both ranks in the same round: each raises its own error.
+    res["both"] = nonfinite(NonFiniteFirst(), sampler=range(60 * rank, 60 * (rank + 1)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the same first batch on both ranks; overlap's advice
+        for name, kw in (("ragged", {}), ("ragged_ahead", {"overlap_selection": True})):
+            res[name] = raised(
+                SelectiveLoader(
+                    ragged(rank, 3),
+                    IndexLoss(),
+                    policy=SelectiveBackprop(0.5),
+                    batch_size=4,
+                    index_key=2,
+                    **kw,
+                )
+            )
+    return res
+
+
+def scenario_limits(rank: int, world_size: int) -> dict:
+    return scenario_failures(rank, world_size)
+
+
 def scenario_feedback(rank: int, world_size: int) -> dict:
     """Stale-SB with training losses reported on every rank: each rank reports 1000 + index for
     what it trained in epoch 0 (only rank 0 in epoch 1); the reports reach every rank's store."""
@@ -632,7 +717,12 @@ def scenario_three(rank: int, world_size: int) -> dict:
 
 # NOTE: one spawned group per world size, running every scenario in sequence: each process
 # pays the imports (torch, DDP's torch._dynamo, numba's cached kernels) once.
-SCENARIOS = {"two": scenario_two, "three": scenario_three, "nonfinite": scenario_nonfinite}
+SCENARIOS = {
+    "two": scenario_two,
+    "three": scenario_three,
+    "nonfinite": scenario_nonfinite,
+    "limits": scenario_limits,
+}
 
 
 # ------------------------------------------------------------------ tests on spawned ranks
@@ -660,6 +750,11 @@ def rounds(tmp_path_factory) -> list[dict]:
 @pytest.fixture(scope="module")
 def nonfinite(tmp_path_factory) -> list[dict]:
     return run_ranks("nonfinite", 2, tmp_path_factory.mktemp("nonfinite"))
+
+
+@pytest.fixture(scope="module")
+def limits(tmp_path_factory) -> list[dict]:
+    return run_ranks("limits", 2, tmp_path_factory.mktemp("limits"))
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -913,6 +1008,42 @@ def test_a_rank_without_examples_is_refused_on_every_rank(nonfinite):
         expected = "the source of rank 1 of 2 yielded no examples in epoch 0"
         assert message.startswith(expected), message
         assert "DistributedSampler" in message
+
+
+@pytest.mark.parametrize("case", ["local", "global", "stale", "device", "draining"])
+def test_a_nonfinite_loss_on_one_rank_raises_on_every_rank(limits, case):
+    """nonfinite="raise" with a non-finite selection loss on rank 1 only: rank 1 raises its own
+    error and rank 0 one naming rank 1 and the fix, in the same round (none waits in a
+    collective), whether the losses are exchanged first or decided on the device, and while
+    rank 0's source has ended."""
+    own, other = limits[1][case], limits[0][case]
+    assert own.startswith("NonFiniteLoss: on rank 1 of 2 (every rank stops"), own
+    assert "selection losses are not finite" in own  # (on the host, naming the indices)
+    assert "nonfinite='skip' or nonfinite='select'" in own
+    expected = "NonFiniteLoss: in epoch 0, rank 1 of 2 met a non-finite selection loss"
+    assert other.startswith(expected), other
+    assert "under nonfinite='raise'" in other and "this is rank 0 of 2" in other
+    assert "pass nonfinite='skip' or nonfinite='select'" in other
+
+
+def test_nonfinite_losses_on_every_rank_raise_each_ranks_own_error(limits):
+    """Non-finite losses on both ranks in the same round: each rank raises its own error."""
+    for rank, r in enumerate(limits):
+        assert r["both"].startswith(f"NonFiniteLoss: on rank {rank} of 2"), r["both"]
+        assert "dataset indices [" in r["both"]
+
+
+@pytest.mark.parametrize("case", ["ragged", "ragged_ahead"])
+def test_a_ragged_field_on_one_rank_raises_on_every_rank(limits, case):
+    """A field of another width in rank 1's third source batch: rank 1 raises the field's error,
+    rank 0 one naming rank 1 and pad_values=; also when the batch is loaded ahead
+    (overlap_selection)."""
+    own, other = limits[1][case], limits[0][case]
+    assert own.startswith("ValueError: on rank 1 of 2 (every rank stops"), own
+    assert "field 3 of source batch 3 (counted from 1) of epoch 0 has shape (10, 3)" in own
+    expected = "ValueError: in epoch 0, rank 1 of 2 loaded a source batch whose rows cannot be"
+    assert other.startswith(expected), other
+    assert "this is rank 0 of 2" in other and "pass pad_values=" in other
 
 
 def random_choices(rank: int, seed: int = 0) -> list[int]:
