@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
 import warnings
 from typing import Any
 
@@ -56,6 +57,7 @@ __all__ = [
     "FAILURE_KINDS",
     "RankSync",
     "batch_digest",
+    "check_unsynced",
     "collective_device",
     "is_distributed",
     "make_sync",
@@ -414,6 +416,77 @@ def make_sync(distributed: bool | None, group: Any = None) -> RankSync | None:
             f"distributed={distributed!r}"
         )
     return RankSync(group) if distributed else None
+
+
+def launched_processes() -> int:
+    """How many processes the job's launcher says it has: ``WORLD_SIZE`` in the environment
+    (torchrun and most launchers set it), else 1.
+
+    Example:
+        >>> launched_processes() if "WORLD_SIZE" not in os.environ else 1
+        1
+    """
+    try:
+        return max(int(os.environ.get("WORLD_SIZE", "1")), 1)
+    except ValueError:
+        return 1
+
+
+def check_unsynced(distributed: bool | None, group: Any, cdf: str) -> None:
+    """Check the options of a loader that makes no collectives (:func:`make_sync` gave None): an
+    option that only means something across ranks is refused where there are several, and warned
+    about on one process.
+
+    - ``process_group=`` without an initialised process group: refused (no group can be live);
+    - ``distributed=None`` (automatic) without an initialised process group, while
+      ``WORLD_SIZE`` says the launcher started several processes: refused. The loader was built
+      before ``init_process_group``, so each rank would yield its own number of batches and DDP
+      would hang; ``distributed=False`` runs each process on its own on purpose;
+    - ``cdf="global"`` with ``distributed=False`` on several ranks: refused (the ranks then share
+      no losses);
+    - ``cdf="global"`` on one process without an initialised process group: a warning, since it
+      ranks against the process's own losses, as ``"local"`` does (a script run both on one
+      process and under torchrun may pass it; a group of one rank is silent: its global CDF is
+      exact).
+
+    NOTE: ``rank=`` is not checked: on processes that are not one ``torch.distributed`` job it is
+    how each draws differently from the same ``seed``.
+    """
+    initialised = dist.is_available() and dist.is_initialized()
+    if group is not None and not initialised:
+        raise ValueError(
+            f"process_group should be a group of an initialised torch.distributed, but got "
+            f"process_group={group!r} and no process group is initialised; call "
+            "torch.distributed.init_process_group(...) before building the SelectiveLoader, or "
+            "leave process_group out"
+        )
+    ranks = dist.get_world_size(group) if initialised else launched_processes()
+    if ranks > 1 and distributed is None:
+        raise ValueError(
+            f"WORLD_SIZE={ranks} says this is one of {ranks} processes, but no torch.distributed "
+            "process group is initialised, so the SelectiveLoader would run alone on each (each "
+            "rank yielding its own number of batches: DDP would hang); build the SelectiveLoader "
+            "after torch.distributed.init_process_group(...), or pass distributed=False to run "
+            "each process on its own"
+        )
+    if cdf != "global":
+        return
+    if ranks > 1:
+        raise ValueError(
+            f"cdf should be 'local' with distributed=False on {ranks} ranks (each then runs on "
+            "its own and shares no losses), but got cdf='global'; leave distributed out to rank "
+            "losses against every rank's, or pass cdf='local'"
+        )
+    if not initialised:
+        warnings.warn(
+            "cdf='global' ranks losses against every rank's, which needs an initialised "
+            "torch.distributed process group, but none is initialised: this process ranks "
+            "against its own losses, as cdf='local' does; call "
+            "torch.distributed.init_process_group(...) before building the SelectiveLoader, or "
+            "pass cdf='local'",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def reduce_stats(

@@ -26,7 +26,7 @@ from .adapt import make_source
 from .codec import BatchCodec
 from .decisions import NONFINITE, subset_mask
 from .device_decisions import DecisionGenerator
-from .distributed import RankSync, batch_digest, is_distributed, make_sync
+from .distributed import RankSync, batch_digest, check_unsynced, is_distributed, make_sync
 from .epoch import EpochIterator
 from .features import make_feature_cache
 from .feedback import FeedbackBuffer, check_range, checked
@@ -251,18 +251,25 @@ class SelectiveLoader:
             refuses in train mode (one value per channel, e.g. ``BatchNorm1d`` after a linear
             layer) is refused with ``ValueError`` naming the fixes.
         rank: the process's rank, to derive its generator from ``seed``. Default: the
-            ``torch.distributed`` rank when initialised, else 0.
+            ``torch.distributed`` rank when initialised, else 0. Accepted without a process
+            group: processes that are not one ``torch.distributed`` job draw differently by it.
         distributed: keep the ranks of a DDP job in step (see :mod:`sbloader.distributed`):
             every rank yields the same number of batches per epoch whatever its selections,
             and the end-of-epoch remainder is handled alike on every rank (``"short"``: one
             batch on every rank or on none, of the same size on every rank, the fewest any rank
             holds, up to ``batch_size``). Default None: on when
             ``torch.distributed`` is initialised with more than one rank (build the loader
-            after ``init_process_group``).
+            after ``init_process_group``: where ``WORLD_SIZE`` says the launcher started
+            several processes but no process group is initialised, None is refused, and False
+            runs each process on its own).
         process_group: the process group for the loader's collectives. Default: the world.
+            Refused without an initialised process group.
         cdf: ``"local"`` (default): each rank's policy ranks losses against its own history;
             ``"global"``: against every rank's, all-gathered per source batch (the ranks'
-            loss windows then hold identical contents).
+            loss windows then hold identical contents). ``"global"`` is refused with
+            ``distributed=False`` on several ranks, and on one process without a process group
+            it ranks against the process's own losses, as ``"local"``, with a warning (a
+            group of one rank: silent, its global CDF being exact).
         prefetch: source batches fetched ahead on a background thread while the caller trains
             (0: fetched on demand). Default: 1 for a DataLoader with ``num_workers > 0``, else
             0. NOTE: with ``num_workers=0`` the dataset's ``__getitem__`` then runs on that
@@ -631,6 +638,8 @@ class SelectiveLoader:
         self.cdf = check_choice("cdf", cdf, _CDFS)
         self.prefetch = self._source.default_prefetch() if prefetch is None else prefetch
         self._sync: RankSync | None = make_sync(distributed, process_group)
+        if self._sync is None:
+            check_unsynced(distributed, process_group, self.cdf)
         if self._scorer.collective and self._sync is None and is_distributed(process_group):
             raise ValueError(
                 "distributed=False cannot be used with an FSDP-sharded model on several ranks: "

@@ -11,6 +11,7 @@ import copy
 import datetime
 import os
 import pickle
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -467,8 +468,6 @@ def ragged(rank: int, width: int) -> list:
 def scenario_failures(rank: int, world_size: int) -> dict:
     """Errors met on one rank (a non-finite selection loss under nonfinite="raise", a ragged
     field): every rank raises, in the same round; none waits in a collective."""
-    import warnings
-
     res: dict = {}
 
     def nonfinite(model: torch.nn.Module, sampler=None, staleness: int = 1, **kw) -> str:
@@ -514,8 +513,22 @@ def scenario_failures(rank: int, world_size: int) -> dict:
     return res
 
 
+def refused(**kwargs) -> str:
+    """The error building a SelectiveLoader with ``kwargs`` raised ("" when it was built)."""
+    try:
+        SelectiveLoader(DataLoader(EncodedDataset(20), batch_size=5), IndexLoss(), **kwargs)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def scenario_limits(rank: int, world_size: int) -> dict:
-    return scenario_failures(rank, world_size)
+    return {
+        **scenario_failures(rank, world_size),
+        # Each rank on its own, with a CDF over every rank's losses: refused on every rank.
+        "global_alone": refused(cdf="global", distributed=False),
+        "local_alone": refused(cdf="local", distributed=False),
+    }
 
 
 def scenario_feedback(rank: int, world_size: int) -> dict:
@@ -1033,6 +1046,12 @@ def test_nonfinite_losses_on_every_rank_raise_each_ranks_own_error(limits):
         assert "dataset indices [" in r["both"]
 
 
+def test_cdf_global_with_each_rank_on_its_own_is_refused_on_every_rank(limits):
+    for r in limits:
+        assert r["global_alone"].startswith("cdf should be 'local' with distributed=False on 2")
+        assert r["local_alone"] == ""
+
+
 @pytest.mark.parametrize("case", ["ragged", "ragged_ahead"])
 def test_a_ragged_field_on_one_rank_raises_on_every_rank(limits, case):
     """A field of another width in rank 1's third source batch: rank 1 raises the field's error,
@@ -1064,7 +1083,11 @@ def test_rank_seeds_the_generator():
     assert random_choices(0) != random_choices(1)
 
 
-def test_one_process_is_not_distributed_and_cdf_global_changes_nothing():
+def test_one_process_is_not_distributed_and_cdf_global_changes_nothing_but_warns():
+    """cdf="global" on one process without a process group ranks against the process's own
+    losses, as "local" does (a script run on one process and under torchrun alike may pass it):
+    it warns, naming the option and the fixes; "local" does not."""
+
     def run(cdf: str) -> list[list[int]]:
         loader = SelectiveLoader(
             DataLoader(EncodedDataset(120), batch_size=30),
@@ -1076,7 +1099,40 @@ def test_one_process_is_not_distributed_and_cdf_global_changes_nothing():
         assert loader.world_size == 1
         return [b.indices.tolist() for b in loader]
 
-    assert run("global") == run("local")
+    expected = r"cdf='global' .*needs an initialised torch.distributed process group, but none"
+    with pytest.warns(UserWarning, match=expected) as caught:
+        got = run("global")
+    assert "init_process_group" in str(caught[0].message)
+    assert "pass cdf='local'" in str(caught[0].message)
+    with warnings.catch_warnings(record=True) as local:
+        warnings.simplefilter("always")
+        assert got == run("local")
+    assert not [w for w in local if "cdf=" in str(w.message)]
+
+
+def test_a_loader_built_before_init_process_group_under_a_launcher_is_refused(monkeypatch):
+    """WORLD_SIZE=2 (a launcher such as torchrun) without an initialised process group: the
+    loader would run alone on each rank, so distributed=None (the default) is refused naming
+    init_process_group and distributed=False, and so is cdf="global" with distributed=False;
+    distributed=False alone runs each process on its own (rank= then seeds each)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for cdf in ("local", "global"):
+        message = refused(cdf=cdf)
+        assert message.startswith("WORLD_SIZE=2 says this is one of 2 processes"), message
+        assert "after torch.distributed.init_process_group(...)" in message
+        assert "distributed=False" in message
+    message = refused(cdf="global", distributed=False)
+    assert message.startswith(
+        "cdf should be 'local' with distributed=False on 2 ranks (each then runs on its own and "
+        "shares no losses), but got cdf='global'"
+    ), message
+    assert refused(distributed=False, rank=1) == ""
+
+
+def test_a_process_group_without_an_initialised_one_is_refused():
+    message = refused(process_group=object())
+    assert message.startswith("process_group should be a group of an initialised torch.")
+    assert "init_process_group" in message and "leave process_group out" in message
 
 
 COLLECTIVES = (
@@ -1125,13 +1181,16 @@ def test_distributed_false_under_an_initialised_group_makes_no_collectives(tmp_p
         )
         return [b.indices.tolist() for _ in range(2) for b in loader]
 
-    alone = run()
+    with pytest.warns(UserWarning, match="cdf='global'"):  # no process group: its own losses
+        alone = run()
     calls = spy_on_collectives(monkeypatch)
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        assert run(distributed=False) == alone and not calls
-        assert run() == alone and not calls  # automatic: one rank is not distributed
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a group of one rank: its global CDF is exact
+            assert run(distributed=False) == alone and not calls
+            assert run() == alone and not calls  # automatic: one rank is not distributed
         assert run(distributed=True) == alone and calls["all_reduce"] > 0  # the spy sees them
     finally:
         dist.destroy_process_group()
