@@ -30,6 +30,10 @@ rank selects different examples, so each would fill a different number of batche
   batch (and its negation), so that a source that is not sharded (every rank reading the same
   examples, e.g. a DataLoader without a ``DistributedSampler``) is reported on every rank, at no
   extra collective (:meth:`RankSync.note_batch`);
+- with a passthrough policy (Traditional) and epochs of one pass, the ranks agree on the batches
+  of a pass as the loader is built (:meth:`RankSync.span`, one ``all_reduce`` every rank makes
+  there): every rank yields the fewest any rank's pass makes, and ``len(loader)`` says so on
+  every rank;
 - where a policy keeps per-example records (Stale-SB's store, which every rank's losses reach by
   dataset index), the ranks check that their datasets have the same size (the first
   collective; an error), and, once, after the first whole pass, warn where more indices were read
@@ -249,9 +253,7 @@ class RankSync:
         if self._size is None:
             return
         size, self._size = self._size, None
-        t = torch.tensor([size, -size], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        low, high = t.tolist()[0], -t.tolist()[1]
+        low, high = self.span(size)
         if low != high:
             self._read = None
             raise ValueError(
@@ -262,6 +264,16 @@ class RankSync:
                 "batch, named by index_key=, with dataset_size= the whole dataset's), or give "
                 "one dataset to every rank with sampler=DistributedSampler(dataset)"
             )
+
+    def span(self, value: int, device: torch.device | None = None) -> tuple[int, int]:
+        """The smallest and the largest ``value`` of any rank: one ``all_reduce(MIN)`` of
+        ``[value, -value]``, on :attr:`device`, or where a model on ``device`` puts them (before
+        :meth:`bind`)."""
+        where = self.device if device is None else collective_device(self.backend, device)
+        t = torch.tensor([value, -value], dtype=torch.int64, device=where)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        low, high = t.tolist()
+        return int(low), -int(high)
 
     def agree(
         self,

@@ -399,10 +399,11 @@ class SelectiveLoader:
 
     ``len(loader)`` is ``batches_per_epoch`` when given. Without it, it is exact for passthrough
     policies (Traditional: the pass's examples, within ``subset``, in batches of ``batch_size``
-    and a short last one; a ``subset`` of a rank's share of the data raises ``TypeError``) and
-    raises ``TypeError`` for selective ones, whose batch count per epoch is random: pass
-    ``batches_per_epoch=``, use :meth:`expected_batches`, or schedule by :attr:`progress`
-    instead.
+    and a short last one; a ``subset`` of a rank's share of the data raises ``TypeError``; on
+    several ranks the fewest batches any rank's pass makes, which every rank yields, agreed as
+    the loader is built) and raises ``TypeError`` for selective ones, whose batch count per
+    epoch is random: pass ``batches_per_epoch=``, use :meth:`expected_batches`, or schedule by
+    :attr:`progress` instead.
 
     Example:
         >>> import torch
@@ -696,6 +697,9 @@ class SelectiveLoader:
             # collective, overlap after the first pass).
             if size is not None:
                 self._sync.arm_overlap_check(size)
+        # The fewest and the most batches of a pass on any rank, for a passthrough policy on
+        # several ranks (every rank yields the fewest: len(loader) says so); None otherwise.
+        self._pass_span = self._agree_pass_length()
         #: Training batches per epoch (``len(loader)``), or None (one pass per epoch).
         self.batches_per_epoch: int | None = None if self._fixed is None else self._fixed.count
         self.decisions = check_choice("decisions", decisions, _DECISIONS)
@@ -1057,7 +1061,53 @@ class SelectiveLoader:
                 "for epochs of a fixed number of batches, use loader.expected_batches() for an "
                 "estimate, or key schedules on loader.progress"
             )
-        return self._pass_length()
+        own = self._pass_length()
+        span = self._pass_span
+        if span is None:
+            return own
+        if span[0] < 0:
+            raise TypeError(
+                "the number of batches of a pass is unknown on another rank (its source has no "
+                "known number of examples), and every rank yields as many as the fewest any "
+                "rank's pass makes; pass dataset_size= on every rank, or batches_per_epoch= an "
+                "int"
+            )
+        return span[0]
+
+    def _agree_pass_length(self) -> tuple[int, int] | None:
+        """On several ranks, for a passthrough policy with epochs of one pass: the fewest and
+        the most batches of a pass on any rank (-1 where a rank's is unknown), agreed as the
+        loader is built; None otherwise (no collective).
+
+        NOTE: every rank yields the same number of batches per pass, as many as the fewest any
+        rank's pass makes (a rank's further batches are dropped and counted), so ``len()`` of
+        a rank's own pass would be more on the ranks with more data: a loop, scheduler or
+        framework keyed on ``len(loader)`` (gradient accumulation's last step, Lightning's
+        validation interval) would then differ between ranks. The loader is built on every
+        rank at the same point, before any other collective of its own, so this one
+        ``all_reduce`` is matched on every rank, whereas ``len()`` itself may be called on one
+        rank only (a progress bar).
+        """
+        sync = self._sync
+        if sync is None or sync.world_size < 2 or self._fixed is not None:
+            return None
+        if not self.policy.passthrough():
+            return None
+        try:
+            own = self._pass_length()
+        except TypeError:
+            own = -1
+        fewest, most = sync.span(own, self.device)
+        if 0 <= fewest < most:
+            warnings.warn(
+                f"the ranks' passes over their data make from {fewest} to {most} batches of "
+                f"{self.batch_size}: every rank yields {fewest} per epoch (len(loader)), and a "
+                "rank's further batches are dropped (counted in loader.stats, dropped); give the "
+                "DataLoader sampler=DistributedSampler(dataset) for equal shares",
+                UserWarning,
+                stacklevel=3,
+            )
+        return fewest, most
 
     def _pass_length(self) -> int:
         """The exact number of batches of a pass of a passthrough policy: the pass's examples in

@@ -522,9 +522,49 @@ def refused(**kwargs) -> str:
     return ""
 
 
+def scenario_lengths(rank: int, world_size: int) -> dict:
+    """len() of Traditional over sources of different lengths on each rank (no
+    DistributedSampler), and over equal shares; then two epochs of it."""
+    res: dict = {}
+    shares = [range(45), range(45, 70)][rank]  # 45 and 25 examples
+    cases = {
+        "sized": (DataLoader(EncodedDataset(70), batch_size=10, sampler=shares), 10),
+        "rebatched": (DataLoader(EncodedDataset(70), batch_size=10, sampler=shares), 4),
+        "even": (
+            DataLoader(
+                EncodedDataset(70),
+                batch_size=10,
+                sampler=DistributedSampler(EncodedDataset(70), world_size, rank, shuffle=False),
+            ),
+            10,
+        ),
+    }
+    for name, (source, batch_size) in cases.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader = SelectiveLoader(
+                source, IndexLoss(), policy=sbloader.Traditional(), batch_size=batch_size
+            )
+        res[name] = {
+            "len": len(loader),
+            "yielded": [sum(1 for _ in loader) for _ in range(2)],
+            "warnings": [str(w.message) for w in caught],
+        }
+    # A rank whose pass length is unknown (batches of an iterable, of unknown sizes, re-batched):
+    # len() is unknown on both.
+    source = cases["sized"][0] if rank == 0 else _iterable(rank, 2)
+    loader = SelectiveLoader(source, IndexLoss(), policy=sbloader.Traditional(), batch_size=4)
+    try:
+        res["unknown"] = f"len() was {len(loader)}"
+    except TypeError as e:
+        res["unknown"] = str(e)
+    return res
+
+
 def scenario_limits(rank: int, world_size: int) -> dict:
     return {
         **scenario_failures(rank, world_size),
+        "lengths": scenario_lengths(rank, world_size),
         # Each rank on its own, with a CDF over every rank's losses: refused on every rank.
         "global_alone": refused(cdf="global", distributed=False),
         "local_alone": refused(cdf="local", distributed=False),
@@ -1044,6 +1084,26 @@ def test_nonfinite_losses_on_every_rank_raise_each_ranks_own_error(limits):
     for rank, r in enumerate(limits):
         assert r["both"].startswith(f"NonFiniteLoss: on rank {rank} of 2"), r["both"]
         assert "dataset indices [" in r["both"]
+
+
+def test_traditional_len_is_what_every_rank_yields_over_uneven_sources(limits):
+    """Traditional over sources of 45 and 25 examples (no DistributedSampler): every rank yields
+    as many batches as the fewest any rank's pass makes, and len() says so on every rank (it was
+    each rank's own pass); a warning names the drop and the fix. Equal shares: no warning."""
+    for r in limits:
+        lengths = r["lengths"]
+        # (passes of 5 and 3 batches of 10, with a short last one; of 12 and 7 batches of 4)
+        for case, fewest, most in (("sized", 3, 5), ("rebatched", 7, 12)):
+            got = lengths[case]
+            assert got["len"] == fewest and got["yielded"] == [fewest, fewest], (case, got)
+            (message,) = got["warnings"]
+            assert message.startswith(f"the ranks' passes over their data make from {fewest} to ")
+            assert f"to {most} batches" in message and "DistributedSampler" in message
+        assert lengths["even"] == {"len": 4, "yielded": [4, 4], "warnings": []}
+    unknown = [r["lengths"]["unknown"] for r in limits]
+    assert unknown[0].startswith("the number of batches of a pass is unknown on another rank")
+    assert "batches_per_epoch= an int" in unknown[0]
+    assert unknown[1].startswith("the number of examples per pass of this source is unknown")
 
 
 def test_cdf_global_with_each_rank_on_its_own_is_refused_on_every_rank(limits):
