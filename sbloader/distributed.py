@@ -40,7 +40,9 @@ rank selects different examples, so each would fill a different number of batche
   by two ranks than a sharding sampler pads with (a batch per rank): ranks reading their own data
   under indices from 0 mix their losses in the store (:meth:`RankSync.check_overlap`).
 
-:func:`reduce_stats` sums a loader's counters across ranks.
+:func:`reduce_stats` sums a loader's counters across ranks. :func:`check_unsynced` checks the
+options that only mean something across ranks where a loader makes no collectives (a loader built
+before ``init_process_group`` under a launcher of several processes, ``cdf="global"`` alone).
 """
 
 from __future__ import annotations
