@@ -480,8 +480,9 @@ def check_unsynced(distributed: bool | None, group: Any, cdf: str) -> None:
             f"WORLD_SIZE={ranks} says this is one of {ranks} processes, but no torch.distributed "
             "process group is initialised, so the SelectiveLoader would run alone on each (each "
             "rank yielding its own number of batches: DDP would hang); build the SelectiveLoader "
-            "after torch.distributed.init_process_group(...), or pass distributed=False to run "
-            "each process on its own"
+            "after torch.distributed.init_process_group(...) (in Lightning: in "
+            "train_dataloader(); with Accelerate: after Accelerator()), or pass "
+            "distributed=False to run each process on its own"
         )
     if cdf != "global":
         return

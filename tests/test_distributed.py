@@ -1180,6 +1180,7 @@ def test_a_loader_built_before_init_process_group_under_a_launcher_is_refused(mo
         message = refused(cdf=cdf)
         assert message.startswith("WORLD_SIZE=2 says this is one of 2 processes"), message
         assert "after torch.distributed.init_process_group(...)" in message
+        assert "in Lightning: in train_dataloader()" in message
         assert "distributed=False" in message
     message = refused(cdf="global", distributed=False)
     assert message.startswith(
