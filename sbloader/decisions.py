@@ -38,7 +38,8 @@ def choose_finite(
         rng: the loader's generator.
         n: the number of candidates.
         nonfinite: ``"skip"`` (non-finite candidates get P = 0 and are not chosen),
-            ``"select"`` (P = 1, chosen with weight 1, in position order among the others) or
+            ``"select"`` (P = 1, chosen with weight 1, in position order among the others, and
+            counted through :meth:`~sbloader.Policy.count_forced`) or
             ``"raise"`` (:class:`~sbloader._checks.NonFiniteLoss`, a ``FloatingPointError``
             naming the first dataset indices).
         finite: ``np.isfinite(values)`` when the caller has it already (computed otherwise).
@@ -68,6 +69,9 @@ def choose_finite(
     probabilities[good] = sub.probabilities
     positions, weights = good[sub.positions], sub.weights
     if nonfinite == "select":
+        if indices is not None:
+            # NOTE: backpropagated, so counted as selected in a per-example store's records.
+            policy.count_forced(indices[bad])
         probabilities[bad] = 1.0
         positions = np.concatenate([positions, bad])
         weights = np.concatenate([weights, np.ones(len(bad))])

@@ -181,6 +181,11 @@ class Policy(abc.ABC):
         """Whether :meth:`feedback` uses training-step losses (a per-example store does)."""
         return False
 
+    def count_forced(self, indices: np.ndarray) -> None:  # noqa: B027 - optional hook
+        """Examples backpropagated without :meth:`choose` choosing them: those with a non-finite
+        selection loss under ``nonfinite="select"`` (int64 dataset indices). A policy with
+        per-example records counts them as selected, as it counts those it chooses."""
+
     def feedback(  # noqa: B027 - optional hook
         self, indices: np.ndarray, losses: np.ndarray, epoch: int
     ) -> None:
@@ -605,6 +610,10 @@ class SelectiveBackprop(Policy):
 
     def takes_feedback(self) -> bool:
         return self.store is not None
+
+    def count_forced(self, indices: np.ndarray) -> None:
+        if self.store is not None and len(indices):
+            self.store.count_selected(indices)
 
     def feedback(self, indices: np.ndarray, losses: np.ndarray, epoch: int) -> None:
         """Training losses enter the store (by index; the window is left alone: it ranks
@@ -1079,6 +1088,11 @@ class Phased(Policy):
 
     def takes_feedback(self) -> bool:
         return self.policy.takes_feedback()
+
+    def count_forced(self, indices: np.ndarray) -> None:
+        # NOTE: like choose: only the policy deciding from losses (the wrapped one) gets them.
+        if self.active(self._epoch):
+            self.policy.count_forced(indices)
 
     def feedback(self, indices: np.ndarray, losses: np.ndarray, epoch: int) -> None:
         # NOTE: also from warm-up epochs (recorded as the wrapped policy's epoch 0): the store

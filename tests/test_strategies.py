@@ -139,6 +139,25 @@ def test_never_scored_examples_are_selected_not_skipped():
     assert set(range(30)) <= got
 
 
+def test_nonfinite_select_counts_forced_examples_in_the_store():
+    """With nonfinite="select" an example with a non-finite loss is backpropagated, so the
+    store's selection count (ExampleStore.selected: times chosen for backprop) counts it; it
+    used to count only the examples the policy chose among the finite ones."""
+
+    class NanSome(IndexLoss):
+        def forward(self, x):
+            out = super().forward(x)
+            out[x[:, 0] % 7 == 0] = float("nan")
+            return out
+
+    policy = SelectiveBackprop(0.2, staleness=2)
+    loader = loader_for(policy, model=NanSome(), remainder="short", nonfinite="select")
+    yielded = np.concatenate([b.indices.numpy() for b in loader])  # epoch 0: a selection pass
+    assert policy.store is not None and loader.stats.current.nonfinite == 300 // 7 + 1
+    assert set(range(0, 300, 7)) <= set(yielded.tolist())
+    np.testing.assert_array_equal(policy.store.selected, np.bincount(yielded, minlength=300))
+
+
 @pytest.mark.parametrize("stop", [0, 1, 3])
 def test_stale_sb_resumes_exactly_mid_stale_epoch(stop):
     def build():
