@@ -131,3 +131,54 @@ def test_property_choice_is_valid_and_identical_after_state_round_trip(losses, s
     np.testing.assert_array_equal(ca.probabilities, cb.probabilities)
     assert ((ca.probabilities > 0) & (ca.probabilities <= 1)).all()
     assert (np.diff(ca.positions) > 0).all()  # source order, no repeats
+
+
+def test_reweight_is_self_normalised_and_s_over_p_weights_are_unbiased():
+    """What the reweight docs claim: the weights are 1/P normalised to mean 1 per batch, whose
+    weighted batch mean is a biased (self-normalised) estimate of the data's mean loss, while
+    weights s / P (``selectivity / batch.probabilities``) give an unbiased one."""
+    rng = np.random.default_rng(0)
+    population = rng.exponential(size=4096)
+    s, b = 1 / 3, 64
+    sb = SelectiveBackprop(s, history=1024, reweight=True)
+    sb.choose(population[:1024], None, rng, 1024)  # a full window
+    kept, p = [], []
+    for _ in range(100):
+        losses = rng.permutation(population)
+        c = sb.choose(losses, None, rng, losses.size)
+        np.testing.assert_allclose(c.weights, 1 / c.probabilities[c.positions])
+        kept.append(losses[c.positions])
+        p.append(c.probabilities[c.positions])
+    usable = sum(len(k) for k in kept) // b * b
+    losses_kept = np.concatenate(kept)[:usable].reshape(-1, b)
+    inverse = 1 / np.concatenate(p)[:usable].reshape(-1, b)
+    normalised = inverse / inverse.mean(axis=1, keepdims=True)  # what the loader yields
+    self_normalised = (normalised * losses_kept).mean(axis=1).mean()
+    unbiased = (s * inverse * losses_kept).mean(axis=1).mean()
+    assert unbiased == pytest.approx(population.mean(), rel=0.02)
+    assert self_normalised > 1.05 * population.mean()
+
+
+@pytest.mark.parametrize("history", [1, 4, 16, 1024])
+@pytest.mark.parametrize("s", [0.1, 1 / 3, 0.5])
+def test_a_full_window_keeps_the_discrete_cdfs_share_about_s_plus_one_over_2r(history, s):
+    """The history docs: once the window is full, continuous losses are kept at
+    mean((k / R) ** beta), k = 1..R, about s + 1 / (2R) (everything at R = 1)."""
+    sb = SelectiveBackprop(s, history=history)
+    losses = np.random.default_rng(3).lognormal(0.0, 1.5, 200_000)
+    p = sb.choose(losses, None, np.random.default_rng(0), losses.size).probabilities
+    share = np.mean((np.arange(1, history + 1) / history) ** sb.beta)
+    assert p[history:].mean() == pytest.approx(share, abs=0.004)
+    if history >= 16:
+        assert share == pytest.approx(s + 1 / (2 * history), abs=0.1 / history)
+
+
+def test_during_a_ramp_the_uniform_share_keeps_trimmed_losses_at_u_times_s():
+    """The trim_top docs' NOTE: the ramp's uniform share reaches the trimmed losses too."""
+    sb = SelectiveBackprop(1 / 3, history=100, trim_top=0.1, ramp_epochs=1.0)
+    sb.advance(0.25)  # u = 0.75
+    rng = np.random.default_rng(0)
+    p = sb.choose(np.arange(100.0), None, rng, 100).probabilities  # each loss a new maximum
+    assert p[-1] == pytest.approx(0.75 / 3)
+    sb.advance(1.0)  # ramp over: trimmed losses are never kept
+    assert sb.choose(np.array([1e9]), None, rng, 1).probabilities[0] == 0.0

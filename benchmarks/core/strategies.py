@@ -10,8 +10,8 @@ strategies that differ only in their budget form a *family*, named by the strate
 
 Variants (a suffix of the name): ``_warmup`` (one Traditional epoch first), ``_rwarmup`` (one
 Random-Backprop epoch at the same selectivity first), ``_anneal`` (the last eighth of the
-planned epochs on all the data), ``_reweight`` (SB's unbiased weights), ``_int8`` (selection
-passes through ``quantize_selection=True``, see :func:`int8`), ``_float`` and
+planned epochs on all the data), ``_reweight`` (SB's weights 1/P, normalised per batch),
+``_int8`` (selection passes through ``quantize_selection=True``, see :func:`int8`), ``_float`` and
 ``_int8auto`` (a user's loader with ``quantize_selection=False`` or ``"auto"``, see
 :func:`user_quantized`), ``_overlap`` (selection passes
 overlapped with training, ``overlap_selection=True``, see :func:`overlapped`).
@@ -135,7 +135,8 @@ def random_backprop(selectivity: float, variant: str = "") -> Strategy:
 
 
 def selective_backprop(selectivity: float, variant: str = "") -> Strategy:
-    """Selective-Backprop keeping ``selectivity`` in expectation (``reweight``: unbiased)."""
+    """Selective-Backprop keeping ``selectivity`` in expectation (``reweight``: weights 1/P,
+    normalised to mean 1 per batch)."""
     s = selectivity
     reweight = variant == "reweight"
     return _named(
