@@ -63,7 +63,7 @@ from benchmarks.core.machine import machine_info
 from benchmarks.core.records import Run, load_runs, run_key, save_run
 from benchmarks.core.report import plots, summary_markdown, write_curves
 from benchmarks.core.scores import compute_el2n, el2n_path, save_el2n
-from benchmarks.core.train import Data, Trainer, train_interleaved
+from benchmarks.core.train import Data, Trainer, train_interleaved, warm_up
 
 
 def _family(text: str) -> tuple[str, tuple[int, ...]]:
@@ -204,6 +204,11 @@ def execute(
         flush=True,
     )
     data = load_data(cfg) if data is None else data
+    if todo:
+        names = dict.fromkeys(name for name, _, _ in todo)
+        seconds = warm_up(cfg, [strategies.get(name) for name in names], data)
+        (out / "warmup.json").write_text(json.dumps({"seconds": seconds, "runs": list(names)}))
+        print(f"# warm-up: every configuration on a few batches, {seconds:.1f}s (not counted)")
     train = train_each_seed_interleaved if cfg.interleave else train_sequential
     train(cfg, todo, data, out / "runs")
     for seed in cfg.seeds:
@@ -218,6 +223,8 @@ def execute(
 def report(cfg: Config, machine: dict, out: Path) -> str:
     """Summary, curves and plots of the runs in ``out/runs``; returns the summary."""
     runs = load_runs(out / "runs")
+    if (out / "warmup.json").exists():
+        machine = {**machine, "warmup_s": json.loads((out / "warmup.json").read_text())["seconds"]}
     text = summary_markdown(cfg, runs, machine)
     (out / "summary.md").write_text(text + "\n")
     write_curves(runs, out)

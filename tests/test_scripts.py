@@ -124,3 +124,33 @@ def test_the_ddp_example_keeps_two_ranks_in_step(tmp_path):
         assert all(x["seen"] == 2048 for x in ranks)  # each rank its DistributedSampler half
         assert all(x["yielded"] == x["batches"] * 64 for x in ranks)  # full batches of 128 / 2
     assert rows[0]["selection_forwards"] == 0 and rows[1]["selection_forwards"] == 4096
+
+
+def test_the_warm_up_trains_every_configuration_and_leaves_the_timed_runs_unchanged(tmp_path):
+    """execute() warms every configuration up on a few batches before the timed runs (so that
+    first-use costs of the process, numba's kernels and int8 quantization, fall on no run),
+    records its seconds, says so in the summary, and the runs train exactly as without it."""
+    from benchmarks.core.machine import machine_info
+    from benchmarks.core.train import warm_up
+    from benchmarks.run import execute, report
+
+    cfg = Config(epochs=2, eval_every=1.0, strategies=("sb_0.33_int8",), interleave=True)
+    x, y, xt, yt = load_data(cfg)
+    data = (x[:1024], y[:1024], xt[:200], yt[:200])
+    strat = strategies.get("sb_0.33_int8")
+    with tqdm(total=200, disable=True) as bar:
+        alone = run_one(cfg, strat, 0, 0.0, data, bar)
+    assert warm_up(cfg, [strat], data) > 0
+    machine = machine_info(exclude=tmp_path)
+    (tmp_path / "runs").mkdir()
+    execute(cfg, tmp_path, machine, data=data)
+    recorded = json.loads((tmp_path / "warmup.json").read_text())
+    assert recorded["runs"] == ["sb_0.33_int8"] and recorded["seconds"] > 0
+    run = json.loads((tmp_path / "runs" / "sb_0.33_int8__s0__n0.json").read_text())
+    assert [p["error"] for p in run["points"]] == [p["error"] for p in alone.points]
+    assert [e["examples_selected"] for e in run["epochs"]] == [
+        e["examples_selected"] for e in alone.epochs
+    ]
+    assert "a warm-up trained every configuration on a few batches" in report(
+        cfg, machine, tmp_path
+    )

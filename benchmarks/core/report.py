@@ -264,6 +264,13 @@ def summary_markdown(cfg: Config, runs: Sequence[Run], machine: dict[str, Any]) 
             if cfg.interleave
             else ""
         )
+        + (
+            f" Before them, a warm-up trained every configuration on a few batches "
+            f"({machine['warmup_s']:.0f} s, not counted: first-use costs of the process, such "
+            "as numba's kernels and int8 quantization, fall on no run)."
+            if machine.get("warmup_s") is not None
+            else ""
+        )
     )
     lines.append("")
     lines += frontier_section(cfg, runs)
