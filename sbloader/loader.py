@@ -33,7 +33,13 @@ from .feedback import FeedbackBuffer, check_range, checked
 from .length import FixedEpochIterator, FixedEpochs, check_batches_per_epoch
 from .overlap import AheadScores, SelectionCopy
 from .policies import Policy, default_policy, passes_within
-from .precision import AUTO, check_autocast, selection_dtype
+from .precision import (
+    AUTO,
+    check_autocast,
+    forward_autocast,
+    forward_autocast_refused,
+    selection_dtype,
+)
 from .quantize import QuantizedSelection, QuantizedSelector
 from .quantize import resolve as resolve_quantized
 from .rows import PendingRows, Rows
@@ -169,7 +175,11 @@ class SelectiveLoader:
             bf16 ranks losses as float32 does at a fraction of the cost there. The choice is
             logged and is ``loader.autocast``; a saved state records it, and a loader built with
             ``"auto"`` adopts it, so a run resumed on another machine selects as it began. Pass
-            None for float32 selections identical on every machine.
+            None for float32 selections identical on every machine. A model whose own forward
+            runs under ``torch.autocast`` (``accelerator.prepare(model)`` with
+            ``mixed_precision``) selects in that dtype whatever is asked: ``"auto"`` then takes
+            it as the selection precision, and another explicit value is refused (``ValueError``,
+            when the loader is built or at the first epoch start after the model is prepared).
         memory_format: e.g. ``torch.channels_last``, applied to 4-d inputs before selection and
             training.
         input_key, target_key: the model input and loss target fields: positions in tuple/list
@@ -616,6 +626,7 @@ class SelectiveLoader:
             fallback_autocast=autocast,
             precision=f"{int8_why}; {why}" if quantized is None else int8_why,
         )
+        self._follow_forward_autocast()
         logger.info("selection precision: %s", self._scorer.precision)
         self._scorer.check()
         self._overlap = self._selection_copy(overlap_selection, device, frozen_prefix)
@@ -1175,6 +1186,7 @@ class SelectiveLoader:
         batches to skip, whether it resumes a restored epoch, its stats, and the batches to hand
         out first (taken back by a saved state)."""
         self._scorer.check()  # a frozen prefix may have been unfrozen
+        self._follow_forward_autocast()  # the model may have been prepared by Accelerate since
         check_device(self.device, self._device is not None)
         skip, resumed = 0, False
         if self._unfinished is not None:
@@ -1502,6 +1514,43 @@ class SelectiveLoader:
             self._decider.load_state_dict(state[K_DEVICE_RNG], None if rollback else self.device)
         ahead = state.get(K_AHEAD)
         self._ahead = None if ahead is None or not active else AheadScores.from_state(ahead)
+
+    def _follow_forward_autocast(self) -> None:
+        """Where the selecting model's own forward runs under ``torch.autocast`` (Accelerate's
+        ``mixed_precision``: see :func:`~sbloader.precision.forward_autocast`), selection passes
+        run in its dtype whatever ``autocast`` asks: with ``"auto"`` that dtype is the selection
+        precision (reported and saved as such), an explicit other one is refused naming the fix.
+        Checked when the loader is built and at every epoch start (the model may be prepared
+        after the loader is built).
+
+        NOTE: not with a frozen prefix, whose float32 features feed training (the head's own
+        autocast then covers only the head), nor for an int8 copy, which is traced from the
+        module's class forward (only the float precision it falls back to follows).
+        """
+        scorer = self._scorer
+        if scorer.has_prefix:
+            return
+        selecting = scorer.selector if scorer.selector is not None else scorer.model
+        device = model_device(selecting)
+        dtype = forward_autocast(unwrap(selecting), device)
+        if dtype is None:
+            return
+        requested = self._autocast_requested
+        if scorer.quantized is not None:
+            if requested == AUTO:
+                scorer.fallback_autocast = dtype
+            return
+        if dtype == scorer.autocast:
+            return
+        if requested != AUTO:
+            raise ValueError(forward_autocast_refused(requested, dtype, device))
+        scorer.autocast = scorer.fallback_autocast = dtype
+        scorer.precision = (
+            f"autocast='auto': {str(dtype).removeprefix('torch.')} (the model's forward runs "
+            "under its own torch.autocast, as accelerator.prepare(model) makes it with "
+            "mixed_precision)"
+        )
+        logger.info("selection precision: %s", scorer.precision)
 
     def _adopt_autocast(self, saved: Any) -> None:
         """Continue a resumed run in the selection precision it was saved with, when this

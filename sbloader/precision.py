@@ -29,6 +29,8 @@ __all__ = [
     "AUTO",
     "PRECISIONS",
     "check_autocast",
+    "forward_autocast",
+    "forward_autocast_refused",
     "native_bf16",
     "native_int8",
     "selection_dtype",
@@ -75,6 +77,64 @@ def check_autocast(autocast: Any) -> torch.dtype | str | None:
     raise TypeError(
         "autocast should be a torch.dtype such as torch.bfloat16, 'auto' (bf16 where the device "
         f"computes it natively) or None (float32), but got autocast={autocast!r}"
+    )
+
+
+def forward_autocast(model: torch.nn.Module, device: torch.device) -> torch.dtype | None:
+    """The dtype of the ``torch.autocast`` that ``model``'s own forward enters on ``device``'s
+    type, or None: where the forward was replaced on the instance by one decorated with
+    ``torch.autocast``, as ``accelerator.prepare(model)`` does under Accelerate's
+    ``mixed_precision="bf16"`` (or ``"fp16"``). A selection pass calls the model, so it then runs
+    in that dtype whatever the loader's ``autocast`` asks (an inner autocast overrides an outer
+    one).
+
+    NOTE: found by following the instance forward's ``__wrapped__`` chain (``functools.wraps``,
+    which torch's autocast decorator and Accelerate's output conversion both set) to the
+    ``torch.autocast`` held in a closure; a disabled autocast, one for another device type and a
+    float64 model (which autocast leaves as it is) count as none.
+
+    Example:
+        >>> from types import MethodType
+        >>> model = torch.nn.Linear(2, 2)
+        >>> forward_autocast(model, torch.device("cpu")) is None
+        True
+        >>> model.forward = MethodType(
+        ...     torch.autocast("cpu", dtype=torch.bfloat16)(torch.nn.Linear.forward), model)
+        >>> forward_autocast(model, torch.device("cpu"))
+        torch.bfloat16
+    """
+    forward = vars(model).get("forward")
+    if forward is None or any(p.dtype == torch.float64 for p in model.parameters()):
+        return None
+    fn = getattr(forward, "__func__", forward)
+    for _ in range(64):  # (a chain of decorators: never a cycle in practice, bounded anyway)
+        if fn is None:
+            break
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if (
+                isinstance(value, torch.autocast)
+                and value.device == device.type
+                and getattr(value, "_enabled", True)
+            ):
+                return value.fast_dtype
+        fn = getattr(fn, "__wrapped__", None)
+    return None
+
+
+def forward_autocast_refused(requested: Any, dtype: torch.dtype, device: torch.device) -> str:
+    """The refusal of an explicit ``autocast`` that a model's own forward autocast (see
+    :func:`forward_autocast`) overrides."""
+    name = str(dtype).removeprefix("torch.")
+    return (
+        f"autocast should be 'auto' or {dtype} for this model, whose forward runs under its own "
+        f"torch.autocast({device.type!r}, dtype={dtype}) (as accelerator.prepare(model) makes it "
+        f"with mixed_precision), so that selection passes run in {name} whatever the loader "
+        f"asks, but got autocast={requested!r}; pass autocast='auto' (selection passes in "
+        f"{name}, as the training forward), or prepare the model without mixed precision"
     )
 
 

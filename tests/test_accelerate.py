@@ -247,6 +247,67 @@ def test_a_state_from_another_number_of_processes_is_refused(fresh_accelerate):
         loader.load_state_dict({**state, "ranks": state["ranks"] * 2, "world_size": 2})
 
 
+def no_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This CPU answers False to torch's bf16 queries: autocast="auto" alone picks float32."""
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda: False, raising=False)
+
+
+def bf16_model() -> tuple[nn.Module, list[torch.dtype]]:
+    """A model whose layer records the dtype it computes in during selection passes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 3))
+    dtypes: list[torch.dtype] = []
+    model[0].register_forward_hook(
+        lambda m, i, out: None if m.training else dtypes.append(out.dtype)
+    )
+    return model, dtypes
+
+
+def test_a_model_prepared_for_mixed_precision_selects_in_it_and_says_so(
+    fresh_accelerate, monkeypatch
+):
+    """accelerator.prepare(model) under mixed_precision="bf16" puts its own autocast into the
+    model's forward, which selection passes run under whatever the loader asks. The loader
+    reported float32 (autocast="auto" where the CPU has no native bf16, or autocast=None) while
+    selecting in bf16; "auto" now reports and saves bf16, and an explicit float32 is refused
+    naming the fix."""
+    no_native_bf16(monkeypatch)
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    model, dtypes = bf16_model()
+    model, source = accelerator.prepare(model, DataLoader(data(), batch_size=16))
+    loader = sbloader.SelectiveLoader(
+        source, model, policy=sbloader.SelectiveBackprop(0.5), batch_size=4
+    )
+    next(iter(loader))
+    assert dtypes and set(dtypes) == {torch.bfloat16}
+    assert loader.autocast is torch.bfloat16
+    assert "bfloat16" in loader.selection_precision
+    assert "mixed_precision" in loader.selection_precision
+    assert loader.state_dict()["autocast"] == "bfloat16"
+    with pytest.raises(
+        ValueError, match=r"autocast should be 'auto' or torch.bfloat16 .* got autocast=None"
+    ):
+        sbloader.SelectiveLoader(source, model, batch_size=4, autocast=None)
+
+
+def test_a_model_prepared_after_the_loader_was_built_is_followed_at_the_epoch_start(
+    fresh_accelerate, monkeypatch
+):
+    no_native_bf16(monkeypatch)
+    model, dtypes = bf16_model()
+    source = DataLoader(data(), batch_size=16)
+    policy = sbloader.SelectiveBackprop(0.5)
+    auto = sbloader.SelectiveLoader(source, model, policy=policy, batch_size=4)
+    explicit = sbloader.SelectiveLoader(source, model, batch_size=4, autocast=None)
+    assert auto.autocast is None
+    Accelerator(cpu=True, mixed_precision="bf16").prepare(model)  # patches model in place
+    next(iter(auto))
+    assert auto.autocast is torch.bfloat16 and set(dtypes) == {torch.bfloat16}
+    with pytest.raises(ValueError, match="got autocast=None; pass autocast='auto'"):
+        next(iter(explicit))
+
+
 # ------------------------------------------------------------------ the example
 def have_fashion_mnist() -> bool:
     from sbloader.datasets import load_fashion_mnist
