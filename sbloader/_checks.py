@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Collection
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -124,6 +124,44 @@ def nonfinite_losses(count: int, indices: list[int] | None = None) -> NonFiniteL
         f"{count} selection losses are not finite{where}; pass nonfinite='skip' or "
         "nonfinite='select' to continue past them"
     )
+
+
+def not_a_dataloader(owner: object, name: str) -> AttributeError:
+    """The error for a torch ``DataLoader`` attribute (``batch_sampler``, ``drop_last``) asked of
+    a loader that is none, as what rebuilds a DataLoader from its attributes does: Accelerate's
+    ``skip_first_batches``, the usual way to resume mid-epoch under Accelerate, would otherwise
+    fail on a bare ``AttributeError``, or (given those attributes) rebuild the source's plain
+    DataLoader, training on every example without a selection pass.
+
+    Example:
+        >>> str(not_a_dataloader(object(), "batch_sampler")).split(":")[0]
+        "'object' object has no attribute 'batch_sampler'"
+    """
+    kind = type(owner).__name__
+    return AttributeError(
+        f"'{kind}' object has no attribute {name!r}: it is no torch DataLoader and cannot be "
+        f"rebuilt as one. accelerator.skip_first_batches(dataloader, n) should be given a "
+        f"DataLoader, but got dataloader={kind}: to resume mid-epoch, restore the loader's own "
+        "state instead (accelerator.load_state restores an AcceleratedLoader registered with "
+        "accelerator.register_for_checkpointing; or loader.load_state_dict) and iterate it "
+        "without skipping: it goes on where it was saved"
+    )
+
+
+class NotADataLoader:
+    """A loader that is no torch ``DataLoader``: its ``batch_sampler`` and ``drop_last`` raise
+    :func:`not_a_dataloader`'s ``AttributeError`` (``hasattr`` answers False, as without them)."""
+
+    @property
+    def batch_sampler(self) -> NoReturn:
+        """None: raises ``AttributeError`` naming the fix for what asked (see
+        :func:`not_a_dataloader`)."""
+        raise not_a_dataloader(self, "batch_sampler")
+
+    @property
+    def drop_last(self) -> NoReturn:
+        """None: see :attr:`batch_sampler`."""
+        raise not_a_dataloader(self, "drop_last")
 
 
 class FieldError(KeyError, ValueError):

@@ -19,7 +19,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._checks import check_bool, check_choice, check_device, check_int, indices_needed
+from ._checks import (
+    NotADataLoader,
+    check_bool,
+    check_choice,
+    check_device,
+    check_int,
+    indices_needed,
+)
 from ._migrations import loader_state_v1_to_v2
 from ._state import check_identity, check_version
 from .adapt import make_source
@@ -95,7 +102,7 @@ K_AUTOCAST = "autocast"  # the selection precision (optional: older states have 
 K_AHEAD = "ahead"  # optional: a source batch scored ahead (overlap_selection) and not consumed
 
 
-class SelectiveLoader:
+class SelectiveLoader(NotADataLoader):
     """Wraps a training data source and yields full batches of the examples a policy selects.
 
     For each source batch, the loader runs a *selection pass* (the model in eval mode under

@@ -308,6 +308,31 @@ def test_a_model_prepared_after_the_loader_was_built_is_followed_at_the_epoch_st
         next(iter(explicit))
 
 
+@pytest.mark.parametrize("wrap", [False, True])
+@pytest.mark.parametrize("iterable", [False, True])
+def test_skip_first_batches_on_the_loader_names_the_resume_that_works(
+    fresh_accelerate, wrap, iterable
+):
+    """Accelerate's mid-epoch resume recipe, accelerator.skip_first_batches(loader, n) after
+    load_state, given the SelectiveLoader or the AcceleratedLoader, failed on a bare
+    AttributeError ('AcceleratedLoader' object has no attribute 'dataset'); it now names the
+    loader's own state as the way to resume."""
+    accelerator = Accelerator(cpu=True)
+    if iterable:
+        source = DataLoader(Stream(), batch_size=4)
+        loader = sbloader.SelectiveLoader(
+            source, nn.Linear(2, 3), batch_size=2, index_key=1, dataset_size=8
+        )
+    else:
+        source = accelerator.prepare(DataLoader(data(), batch_size=16))
+        loader = sbloader.SelectiveLoader(source, nn.Linear(6, 3), batch_size=4)
+    target = AcceleratedLoader(loader) if wrap else loader
+    with pytest.raises(AttributeError, match=r"skip_first_batches.*load_state"):
+        accelerator.skip_first_batches(target, 2)
+    assert not hasattr(target, "batch_sampler") and not hasattr(target, "drop_last")
+    assert target.dataset is loader.dataset and target.sampler is loader.sampler
+
+
 # ------------------------------------------------------------------ the example
 def have_fashion_mnist() -> bool:
     from sbloader.datasets import load_fashion_mnist

@@ -54,6 +54,7 @@ from accelerate.state import GradientState
 from accelerate.utils import synchronize_rng_states
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler
 
+from .._checks import NotADataLoader
 from .._state import check_version
 from ..loader import SelectiveLoader
 from ..sources import DataLoaderSource, Source
@@ -194,7 +195,7 @@ class AcceleratedShardSource(DataLoaderSource):
         self.shard.set_epoch(epoch)
 
 
-class AcceleratedLoader(DataLoaderStateMixin):
+class AcceleratedLoader(DataLoaderStateMixin, NotADataLoader):
     """A :class:`~sbloader.SelectiveLoader` as Accelerate sees its own loaders.
 
     Iterate it instead of the SelectiveLoader; it yields the same batches (with their
@@ -257,6 +258,16 @@ class AcceleratedLoader(DataLoaderStateMixin):
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    @property
+    def dataset(self) -> Any:
+        """The source's dataset (``loader.dataset``)."""
+        return self.loader.dataset
+
+    @property
+    def sampler(self) -> Any:
+        """The source's sampler (``loader.sampler``)."""
+        return self.loader.sampler
 
     def state_dict(self) -> dict[str, Any]:
         """Every process's loader state, in rank order (a collective on several processes:
