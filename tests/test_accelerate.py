@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -331,6 +332,37 @@ def test_skip_first_batches_on_the_loader_names_the_resume_that_works(
         accelerator.skip_first_batches(target, 2)
     assert not hasattr(target, "batch_sampler") and not hasattr(target, "drop_last")
     assert target.dataset is loader.dataset and target.sampler is loader.sampler
+
+
+def test_a_checkpoint_between_optimizer_steps_warns_that_resuming_differs(
+    fresh_accelerate, tmp_path
+):
+    """Under gradient accumulation a checkpoint saved between optimizer steps holds none of the
+    gradients accumulated since the last one: the resumed run's weights, and soon its
+    selections, differ from the uninterrupted run's (measured here: within a few batches).
+    That was silent; it warns, and a checkpoint at an optimizer step does not."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    torch.manual_seed(0)
+    model, source = accelerator.prepare(nn.Linear(6, 3), DataLoader(data(), batch_size=16))
+    loader = AcceleratedLoader(
+        sbloader.SelectiveLoader(
+            source, model, policy=sbloader.SelectiveBackprop(0.5), batch_size=4
+        )
+    )
+    accelerator.register_for_checkpointing(loader)
+    it = iter(loader)
+    for step in range(3):
+        x, y = next(it)
+        with accelerator.accumulate(model):
+            accelerator.backward(F.cross_entropy(model(x), y))
+        if step == 1:
+            assert accelerator.sync_gradients
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                accelerator.save_state(str(tmp_path / "at_a_step"))
+    assert not accelerator.sync_gradients
+    with pytest.warns(UserWarning, match="sync_gradients is False .* will not train as"):
+        accelerator.save_state(str(tmp_path / "between_steps"))
 
 
 # ------------------------------------------------------------------ the example

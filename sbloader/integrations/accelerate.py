@@ -39,6 +39,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Hashable, Iterator
 from functools import cached_property
 from typing import Any
@@ -271,7 +272,23 @@ class AcceleratedLoader(DataLoaderStateMixin, NotADataLoader):
 
     def state_dict(self) -> dict[str, Any]:
         """Every process's loader state, in rank order (a collective on several processes:
-        every rank calls it, as ``accelerator.save_state`` does)."""
+        every rank calls it, as ``accelerator.save_state`` does).
+
+        Warns where it is saved between optimizer steps (gradient accumulation, and
+        ``accelerator.sync_gradients`` False after the last step): the gradients accumulated
+        since the last optimizer step are in no checkpoint, so a run resumed from it trains on
+        the same batches with other weights and soon selects other examples."""
+        state = self.gradient_state
+        if state.num_steps > 1 and not state.sync_gradients:
+            warnings.warn(
+                "the AcceleratedLoader's state is saved between optimizer steps (accelerator."
+                f"sync_gradients is False under gradient_accumulation_steps={state.num_steps}): "
+                "the gradients accumulated since the last optimizer step are in no checkpoint, "
+                "so a run resumed from it will not train as the uninterrupted one does; save at "
+                "a step where accelerator.sync_gradients is True",
+                UserWarning,
+                stacklevel=2,
+            )
         own = self.loader.state_dict()
         sync = self.loader._sync
         if sync is None:
