@@ -279,6 +279,15 @@ class DataLoaderSource(Source):
     NOTE: a shuffling DataLoader without a ``generator`` draws its order from torch's global RNG,
     which sbloader never touches, so its order cannot be replayed: such a source resumes only at
     epoch boundaries (a mid-epoch state is refused with the fix).
+
+    NOTE (persistent workers): a DataLoader draws its workers' base seed from its ``generator``
+    when it makes an iterator, which with ``persistent_workers=True`` happens once, at the
+    first epoch; later epochs reuse the workers and draw only their order, from the same
+    generator when it also shuffles. A resumed run (or one whose workers died) makes a new
+    iterator where the uninterrupted run reused one: its base seed is then drawn from a
+    generator of its own (seeded by the base seed the run drew), so that the order goes on as
+    in the uninterrupted run. The state records whether the run had drawn it, at the epoch's
+    start (for a mid-epoch resume) and now.
     """
 
     def __init__(self, loader: DataLoader) -> None:
@@ -292,6 +301,10 @@ class DataLoaderSource(Source):
         self._batch_sampler = _SkippingBatchSampler(loader.batch_sampler)
         self._gens = _generators(loader)
         self._epoch_start: list[torch.Tensor] | None = None
+        # Persistent workers: the base seed the run drew for them from the generator (None: not
+        # drawn yet), now and when the current epoch started (see the class's NOTE).
+        self._base_seed: int | None = None
+        self._epoch_start_seed: int | None = None
         self._indexed = DataLoader(
             IndexedDataset(loader.dataset), **indexed_loader_kwargs(loader, self._batch_sampler)
         )
@@ -328,17 +341,38 @@ class DataLoaderSource(Source):
         if skip and self._epoch_start is not None:
             for g, s in zip(self._gens, self._epoch_start):
                 g.set_state(s)
+            self._base_seed = self._epoch_start_seed
         else:
             self._epoch_start = [g.get_state() for g in self._gens]
+            self._epoch_start_seed = self._base_seed
         self._batch_sampler.skip = skip
         self._batch_sampler.keep = keep
         self._drop_workers(only_dead=True)
         try:
-            for indices, batch in self._indexed:
+            for indices, batch in self._iterate():
                 yield batch, indices.numpy()
         except Exception:
             self._drop_workers(only_dead=False)
             raise
+
+    def _iterate(self) -> Iterator[Any]:
+        """A new epoch's iterator of the rebuilt DataLoader; with persistent workers, its base
+        seed drawn from the generator once in the run (see the class's NOTE)."""
+        loader = self._indexed
+        if not (loader.persistent_workers and loader.num_workers > 0):
+            return iter(loader)
+        if loader._iterator is not None:  # the workers of an earlier epoch: only the order
+            return iter(loader)
+        if self._base_seed is None:  # the run's first: drawn from the generator, as torch does
+            it = iter(loader)
+            self._base_seed = int(it._base_seed)
+            return it
+        own = torch.Generator().manual_seed(self._base_seed)
+        shared, loader.generator = loader.generator, own
+        try:
+            return iter(loader)
+        finally:
+            loader.generator = shared
 
     def _drop_workers(self, only_dead: bool) -> None:
         """Shut down persistent workers (if ``only_dead``: only when one has died), so that the
@@ -363,6 +397,8 @@ class DataLoaderSource(Source):
         return {
             "generators": [g.get_state() for g in self._gens],
             "epoch_start": self._epoch_start,
+            "base_seed": self._base_seed,
+            "epoch_start_seed": self._epoch_start_seed,
         }
 
     def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
@@ -380,6 +416,9 @@ class DataLoaderSource(Source):
         for g, s in zip(self._gens, state["generators"]):
             g.set_state(s)
         self._epoch_start = state["epoch_start"]
+        # (absent from states saved before persistent workers were followed)
+        self._base_seed = state.get("base_seed")
+        self._epoch_start_seed = state.get("epoch_start_seed")
 
     def __len__(self) -> int:
         return len(self.loader)

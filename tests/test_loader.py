@@ -963,6 +963,43 @@ def test_mid_epoch_resume_yields_what_an_uninterrupted_run_would(stop_after, wor
     assert [e.epoch for e in loader.stats.epochs] == [0, 1, 2]
 
 
+@pytest.mark.parametrize("stop", [(1, 0), (2, 0), (1, 3), (0, 2)])
+def test_persistent_workers_resume_in_the_uninterrupted_runs_order(stop):
+    """A DataLoader with persistent_workers=True draws its workers' base seed from its
+    generator once, when its first epoch starts, and each later epoch only its order. A
+    resumed run's new workers drew that seed again, from the generator that also shuffles: every
+    epoch after the resume (at an epoch's end or mid-epoch) came in another order than the
+    uninterrupted run's. The resumed run now draws it once, when its uninterrupted twin did."""
+    epochs, (stop_epoch, stop_batch) = 4, stop
+
+    def build() -> SelectiveLoader:
+        dl = DataLoader(
+            EncodedDataset(120),
+            batch_size=24,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=True,
+            generator=torch.Generator().manual_seed(1),
+        )
+        return SelectiveLoader(dl, IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=6, seed=0)
+
+    whole = build()
+    full = [b.indices.tolist() for _ in range(epochs) for b in whole]
+    del whole
+    loader, got = build(), []
+    for _ in range(stop_epoch):
+        got += [b.indices.tolist() for b in loader]
+    it = iter(loader)
+    got += [next(it).indices.tolist() for _ in range(stop_batch)]
+    state = copy.deepcopy(loader.state_dict())
+    del it, loader
+    resumed = build()
+    resumed.load_state_dict(state)
+    for _ in range(resumed.epoch, epochs):
+        got += [b.indices.tolist() for b in resumed]
+    assert got == full
+
+
 @pytest.mark.parametrize("stop_after", [0, 1, 4, 7])
 def test_mid_epoch_resume_of_an_iterable_source_yields_what_an_uninterrupted_run_would(
     stop_after,
