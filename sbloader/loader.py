@@ -628,7 +628,14 @@ class SelectiveLoader(NotADataLoader):
             self.selection_batch_size,
             self.eval_selection,
             keep_logits,
-            index_key=self._source.index_field_name() if index_key is None else index_key,
+            id_fields=tuple(
+                k
+                for k in (
+                    self._source.index_field_name() if index_key is None else index_key,
+                    *self._source.id_fields(),
+                )
+                if k is not None
+            ),
             quantized=quantized,
             fallback_autocast=autocast,
             precision=f"{int8_why}; {why}" if quantized is None else int8_why,

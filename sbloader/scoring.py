@@ -63,7 +63,7 @@ class Scorer:
         batch_size: examples per selection forward, or None for whole source batches.
         eval_selection: run selection passes in eval mode.
         keep_logits: keep the model's outputs for yielded batches.
-        index_key: the field holding dataset indices (no model input), or None.
+        id_fields: the batch fields holding ids (dataset indices), no model inputs.
         quantized: the int8 copy that scores in the selection model's place
             (``quantize_selection``), or None.
         fallback_autocast: the precision to score in if a copy chosen by
@@ -85,7 +85,7 @@ class Scorer:
         eval_selection: bool,
         keep_logits: bool,
         *,
-        index_key: Hashable | None = None,
+        id_fields: tuple[Hashable, ...] = (),
         quantized: QuantizedSelector | None = None,
         fallback_autocast: torch.dtype | None = None,
         precision: str = "",
@@ -99,7 +99,7 @@ class Scorer:
         self.batch_size = batch_size
         self.eval_selection = eval_selection
         self.keep_logits = keep_logits
-        self.index_key = index_key
+        self.id_fields = id_fields
         self.quantized = quantized
         self.fallback_autocast = fallback_autocast
         self.precision = precision
@@ -413,8 +413,7 @@ class Scorer:
         which takes the input field alone by design."""
         if self.forward.call is not None or self.has_prefix or not isinstance(batch, Mapping):
             return
-        ignore = () if self.index_key is None else (self.index_key,)
-        extra = unused_fields(batch, [inputs, targets], ignore)
+        extra = unused_fields(batch, [inputs, targets], self.id_fields)
         if not extra:
             return
         key = next((k for k, v in batch.items() if v is inputs), None)

@@ -126,6 +126,12 @@ class Source(abc.ABC):
         """The batch field this source reads dataset indices from (no model input), or None."""
         return None
 
+    def id_fields(self) -> tuple[Hashable, ...]:
+        """Batch fields the source adds that hold ids, not model inputs, besides the index
+        field: none by default (the loader's warning about tensor fields the model is not given
+        leaves them out)."""
+        return ()
+
     def snapshot(self) -> dict[str, Any] | None:
         """This source's :meth:`state_dict` as of the batch its epoch iterator produced last.
 

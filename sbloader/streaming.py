@@ -263,6 +263,11 @@ class StreamingSource(StatefulSource):
             return dict(loader_state, epoch=int(loader_state["epoch"]) + 1, sample_in_epoch=0)
         return loader_state
 
+    def id_fields(self) -> tuple[Hashable, ...]:
+        """:data:`SAMPLE_ID`, which an :class:`IndexedStreamingDataset` adds to every sample
+        also where ``index_key=`` names another field of ids."""
+        return (SAMPLE_ID,) if isinstance(self.loader.dataset, IndexedStreamingDataset) else ()
+
     def set_epoch(self, epoch: int) -> None:
         """Nothing to forward: a StreamingDataset counts its epochs itself (and saves them)."""
 
