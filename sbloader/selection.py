@@ -838,11 +838,18 @@ class SelectionForward:
         options: Mapping[str, Any],
     ) -> Exception | None:
         """What a selection forward of ``inputs`` resized by ``scale`` (None: as they are)
-        raises, or None (a trial for :meth:`blame_scale`)."""
+        raises, or None (a trial for :meth:`blame_scale`).
+
+        NOTE: with the pass's ``output=`` (a model whose logits it takes from a dict would fail
+        at full size too without it); a ``forward=`` hook takes the whole source batch, which
+        the trial does not have: the model is called on the inputs alone (a failure at full size
+        then leaves the error as it was)."""
         try:
             with torch.no_grad():
                 x = inputs if scale is None else downsample(inputs, scale)
-            selection_outputs(self.module(model), x, targets, loss_fn, eval=True, **options)
+            selection_outputs(
+                self.module(model), x, targets, loss_fn, eval=True, output=self.output, **options
+            )
         except Exception as e:
             return e
         return None

@@ -157,6 +157,28 @@ def test_a_selection_scale_the_model_cannot_take_is_named_on_the_first_batch(int
         assert len(loader.policy.window) == 0
 
 
+class Scores(nn.Module):
+    """A model whose output is a dict: ``output="scores"`` takes the logits from it."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"scores": self.inner(x)}
+
+
+def test_a_selection_scale_is_named_for_a_model_whose_logits_output_takes():
+    """The trials that tell whether selection_scale caused the first pass's error call the model
+    as the pass does, with output=: without it the full-size trial failed too (the loss taking
+    the model's dict), and a model sized for full-size images kept torch's bare error."""
+    model = Scores(cnn(pooled=False))
+    policy = SelectiveBackprop(1 / 3, history=64)
+    _, error = first_batch(model, policy, quantize_selection=False, output="scores")
+    assert isinstance(error, ValueError), error
+    assert "selection_scale=0.5, which resizes inputs of shape (3, 8, 8)" in str(error)
+
+
 def test_errors_selection_scale_does_not_cause_keep_their_own_type_and_message():
     """The first pass's errors that the model also raises at full size (inputs of another channel
     count), or that other candidates cause (a label out of range past the first two), are not
