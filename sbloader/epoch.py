@@ -402,7 +402,7 @@ class EpochIterator:
         pad = self._selection_round(scorer.chunks(n) if self._fresh else int(probing))
         if not loader._probed:
             loader._probed = True
-            if n and not self._fresh and loader.policy.uses_losses():
+            if n and not self._fresh and loader.policy.uses_losses() and pad >= 0:
                 codec = loader._codec
                 inputs, targets = data[codec.input_position], data[codec.target_position]
                 scorer.probe(inputs, targets, codec.view(data))
@@ -784,7 +784,8 @@ class EpochIterator:
     def _selection_round(self, real: int) -> int:
         """How many padding selection forwards this rank runs this round after its ``real`` ones:
         under FSDP on several ranks, as many as make every rank run the same number (the most
-        any rank runs); otherwise 0, without a collective.
+        any rank runs); otherwise 0, without a collective. Negative in a probe round that every
+        rank skips, since a rank has no candidate to run it on.
 
         NOTE: whether the ranks agree is decided alike on every rank (a fresh epoch, or the
         first round's probe), so that they all make this collective or none does.
@@ -795,6 +796,13 @@ class EpochIterator:
         if sync is None or not scorer.collective or not (self._fresh or probing):
             return 0
         most, stuck = sync.most(real, not real and not scorer.can_pad)
+        if stuck and most and probing:
+            # NOTE: a probe round (the first source batch of a run without a selection pass in
+            # its epoch) where a rank has no candidate to run the probe on: a resumed run whose
+            # process scored nothing yet, on a rank whose source (filtered by Stale-SB's stale
+            # epoch or a Random-Backprop warm-up) already ended. The probe only checks the model
+            # early, so every rank skips it (a negative count: the caller runs no probe).
+            return -real
         if stuck and most:
             raise RuntimeError(
                 "under FSDP every rank runs as many selection forwards as the others, but a rank "

@@ -20,8 +20,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from launch import end_process_group, leave
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
-from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, SubsetRandomSampler, TensorDataset
 
 import sbloader
 
@@ -84,10 +89,69 @@ def run(kind: str, rank: int) -> dict[str, Any]:
     }
 
 
+def resumes(kind: str) -> list[bool]:
+    """Stale-SB over a DistributedSampler, saved (loader and full model state) after each batch
+    of the first two epochs and resumed in a fresh model and loader: whether each resumed run
+    yields the uninterrupted run's batches (their indices and kept logits) to the end of epoch
+    2. A stale epoch's sources are filtered, so one rank's may end a round before the other's,
+    while a fresh loader probes the model (see EpochIterator._selection_round)."""
+    full = StateDictOptions(full_state_dict=True)
+
+    def build() -> tuple[nn.Module, sbloader.SelectiveLoader]:
+        model = make_model(kind)
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(
+            torch.randn(96, 6, generator=g), torch.randint(0, 3, (96,), generator=g)
+        )
+        source = DataLoader(data, batch_size=16, sampler=DistributedSampler(data, seed=0))
+        policy = sbloader.SelectiveBackprop(1 / 3, staleness=2)
+        loader = sbloader.SelectiveLoader(
+            source, model, policy=policy, batch_size=4, keep_logits=True
+        )
+        return model, loader
+
+    def train(model: nn.Module, loader: sbloader.SelectiveLoader, saves: list | None) -> list:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        out = []
+        while loader.epoch < 3:
+            for batch in loader:
+                out.append((batch.indices.tolist(), batch.logits))
+                losses = F.cross_entropy(model(batch[0]), batch[1], reduction="none")
+                opt.zero_grad()
+                losses.mean().backward()
+                opt.step()
+                loader.feedback(batch.indices, losses)
+                if saves is not None and loader.epoch < 2:
+                    state = get_model_state_dict(model, options=full)
+                    model_state = {k: v.clone() for k, v in state.items()}
+                    saves.append((len(out), loader.state_dict(), model_state))
+        return out
+
+    saves: list = []
+    model, loader = build()
+    whole = train(model, loader, saves)
+    same = []
+    for done, state, model_state in saves:
+        model, loader = build()
+        set_model_state_dict(model, model_state, options=full)
+        loader.load_state_dict(state)
+        rest = train(model, loader, None)
+        same.append(
+            [i for i, _ in rest] == [i for i, _ in whole[done:]]
+            and all(
+                torch.allclose(a, b, atol=1e-5, equal_nan=True)
+                for (_, a), (_, b) in zip(rest, whole[done:])
+            )
+        )
+    return same
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     result = {kind: run(kind, rank) for kind in ("FullyShardedDataParallel", "fully_shard")}
+    for kind in ("FullyShardedDataParallel", "fully_shard"):
+        result[kind]["resumes"] = resumes(kind)
     dist.barrier()
     # NOTE: fully_shard's DTensor caches keep the group alive past destroy_process_group, so
     # gloo's workers are still running here and this rank leaves without finalizing (see
