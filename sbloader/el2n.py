@@ -8,6 +8,7 @@ forwards and backwards) is reported, because a fair comparison must charge it.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,6 +122,8 @@ def el2n_scores(
     counts = np.zeros(size, dtype=np.int64)
     train_examples = score_forwards = 0
     per_model: list[float] = []
+    # The parameters of the copies made so far, while they are alive (see _check_fresh).
+    earlier: dict[int, weakref.ref[torch.Tensor]] = {}
     start = time.perf_counter()
     for k in range(models):
         t0 = time.perf_counter()
@@ -134,6 +137,7 @@ def el2n_scores(
                 with torch.cuda.device(d):
                     torch.cuda.manual_seed(seed + k)
             model = make_model()
+            _check_fresh(model, earlier, k)
             if dev is None:
                 dev = next(model.parameters()).device
             model.to(dev)
@@ -168,6 +172,38 @@ def el2n_scores(
         epochs,
         per_model,
     )
+
+
+def _check_fresh(model: Any, earlier: dict[int, weakref.ref[torch.Tensor]], k: int) -> None:
+    """Refuse a ``make_model()`` result that is not a new module or shares parameters with an
+    earlier copy still alive; then remember its parameters in ``earlier`` (by id, weakly: a
+    copy already freed cannot be shared).
+
+    NOTE: ``make_model=lambda: model`` (the model being trained) trained that model in place
+    and continued each copy from the previous one's weights: the scores silently averaged one
+    ever longer training instead of ``models`` short ones, and the caller's model came back
+    trained. Caught at the second copy, after the first one trained (a single copy cannot be
+    told from a fresh model).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"make_model should return a freshly initialised nn.Module, but got "
+            f"make_model()={type(model).__name__}; pass a function that builds the model, e.g. "
+            "make_model=lambda: MyNet()"
+        )
+    params = list(model.parameters())
+    if any(p is _alive(earlier.get(id(p))) for p in params):
+        raise ValueError(
+            f"make_model should return a new model on each call, but copy {k} shares parameters "
+            "with an earlier copy (make_model=lambda: model returns the model itself, which "
+            "el2n_scores trains in place); pass a function that builds a fresh model, e.g. "
+            "make_model=lambda: MyNet(), or copy.deepcopy(model) of an untrained one"
+        )
+    earlier.update((id(p), weakref.ref(p)) for p in params)
+
+
+def _alive(ref: weakref.ref[torch.Tensor] | None) -> torch.Tensor | None:
+    return None if ref is None else ref()
 
 
 def _cuda_devices(device: torch.device | None) -> list[int]:

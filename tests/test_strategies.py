@@ -345,6 +345,27 @@ def test_el2n_leaves_the_global_rng_alone_with_a_source_that_draws_from_it(shuff
     assert torch.equal(torch.rand(3), expected)
 
 
+def test_el2n_refuses_a_make_model_that_returns_the_same_model_again():
+    """make_model=lambda: model trained the caller's model in place and continued each copy
+    from the last one's weights (one long training scored, silently); refused at the second
+    copy, naming make_model. A backbone shared by fresh heads is refused too; fresh models
+    whose predecessors were freed are not (parameter ids may be reused)."""
+    dl = DataLoader(Blobs(64), batch_size=32)
+    opt = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="make_model should return a new model on each call"):
+        el2n_scores(lambda: model, dl, make_optimizer=opt, models=2, epochs=1)
+    backbone = nn.Linear(2, 4)
+    with pytest.raises(ValueError, match="copy 1 shares parameters"):
+        el2n_scores(
+            lambda: nn.Sequential(backbone, nn.Linear(4, 2)), dl, make_optimizer=opt, models=2
+        )
+    with pytest.raises(TypeError, match="make_model should return a freshly initialised"):
+        el2n_scores(lambda: None, dl, make_optimizer=opt, models=1)
+    r = el2n_scores(lambda: nn.Linear(2, 2), dl, make_optimizer=opt, models=3, epochs=1)
+    assert r.models == 3 and not np.isnan(r.scores).any()
+
+
 def test_el2n_never_reseeds_cuda_generators_it_does_not_restore(monkeypatch):
     """torch.manual_seed also reseeds every CUDA device's generator; on a CPU run fork_rng
     restores none of them, so EL2N seeds the CPU generator alone (a caller's CUDA random state
