@@ -19,8 +19,9 @@ class SelectedBatch:
 
     Attributes:
         indices: int64 CPU tensor of dataset indices, or ``None`` when the source has none.
-        losses: float32 tensor of selection-pass losses on the model's device, or ``None`` for
-            examples chosen without a selection pass (Traditional, Random-Backprop).
+        losses: float32 tensor of selection-pass losses on the model's device; NaN for
+            examples chosen without a selection pass (Traditional, Random-Backprop, Stale-SB's
+            stale epochs).
         probabilities: float32 tensor, the probability each example was kept with.
         weights: float32 tensor, the per-example loss weight (1.0 unless the policy says otherwise).
         features: the frozen prefix's outputs for these examples when the loader was given
@@ -29,6 +30,21 @@ class SelectedBatch:
             examples (float32; NaN rows for examples chosen without a selection pass), else
             ``None`` (also before the loader's first selection pass: a Random-Backprop warm-up or
             Traditional has no outputs whose width it knows).
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> import sbloader
+        >>> data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+        >>> loader = sbloader.SelectiveLoader(
+        ...     DataLoader(data, batch_size=32), torch.nn.Linear(4, 2),
+        ...     policy=sbloader.RandomBackprop(0.5), batch_size=8)
+        >>> batch = next(iter(loader))
+        >>> inputs, targets = batch
+        >>> type(batch).__name__, isinstance(batch, sbloader.SelectedBatch), len(batch.indices)
+        ('SelectedList', True, 8)
+        >>> bool(batch.losses.isnan().all()), batch.probabilities[0].item(), batch.weights[0].item()
+        (True, 0.5, 1.0)
     """
 
     indices: torch.Tensor | None
