@@ -18,6 +18,7 @@ Example:
 """
 
 from . import analysis as analysis
+from ._checks import NonFiniteLoss
 from .batch import SelectedBatch, SelectedDict, SelectedList, SelectedTuple
 from .el2n import EL2NResult, el2n_scores, prune
 from .epoch import EpochIterator
@@ -56,6 +57,7 @@ __all__ = [
     "Kath18",
     "LoaderStats",
     "LossWindow",
+    "NonFiniteLoss",
     "Phased",
     "Policy",
     "QuantizedSelection",

@@ -790,7 +790,7 @@ def test_nonfinite_skip_select_raise():
     assert got == set(range(200)) and len(select.policy.window) == 200 - len(expected_bad)
 
     raising = make_loader(model=NanFor(), nonfinite="raise")
-    with pytest.raises(FloatingPointError, match="nonfinite='skip'"):
+    with pytest.raises(sbloader.NonFiniteLoss, match="nonfinite='skip'"):
         list(raising)
 
 

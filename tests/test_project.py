@@ -86,14 +86,22 @@ def test_examples_import_only_public_names():
 
 
 @pytest.mark.parametrize(
-    "module", sorted(m.name for m in pkgutil.iter_modules(sbloader.__path__, "sbloader."))
+    "module",
+    sorted(
+        m.name
+        for m in pkgutil.walk_packages(sbloader.__path__, "sbloader.")
+        if not m.ispkg or m.name.count(".") == 1
+    ),
 )
 def test_docstring_examples_run(module):
+    """Every module's docstring examples, the integrations' included."""
     # Modules over optional libraries (installed by scripts/setup.sh) are skipped without them.
     if module == "sbloader.streaming":
         import_streaming()
     elif module == "sbloader.stateful":
         pytest.importorskip("torchdata")
+    elif module.startswith("sbloader.integrations."):
+        pytest.importorskip(module.rsplit(".", 1)[1])  # lightning, accelerate
     mod = importlib.import_module(module)
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0
