@@ -1443,6 +1443,32 @@ class SelectiveLoader(NotADataLoader):
         resumes it where it stopped). The next ``iter(loader)`` continues a restored unfinished
         epoch.
         """
+        # NOTE: all or nothing. The policy's, codec's and scorer's own checks (a window size,
+        # a beta) run part-way through restoring; a state refused there must not leave the
+        # loader half restored (its epoch, generators and position taken from the refused
+        # state), or a caller that starts afresh after a refusal would silently continue the
+        # refused run. So the loader's own state is taken first and put back on any failure,
+        # with what a saved state does not tell: whether an epoch left part-way is resumed by
+        # the next iter() (a saved state always resumes it; after a break the loader does not).
+        # The version and identity checks run inside too: refused before restoring, they left a
+        # running epoch running, and the next iter() then skipped its rest as abandoned, where
+        # a state refused later resumed it; every refusal now ends alike (closed, resumed).
+        live = self._live_iterator()
+        running = live is not None and live.running
+        unfinished, source_state = self._unfinished, self._source_state
+        backup = self.state_dict()
+        try:
+            self._restore(self._checked(state))
+        except BaseException:
+            self._restore(backup, rollback=True)
+            if not running:  # a running epoch was closed: the next iter() resumes it
+                self._unfinished = unfinished
+            self._source_state = source_state
+            raise
+
+    def _checked(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` migrated to this version, once its version, rank and identity are checked
+        against this loader's (refused with ``ValueError``, naming the field and the fix)."""
         state = check_version(state, "SelectiveLoader", self.STATE_VERSION, {1: self._from_v1})
         saved_rank = state[K_IDENTITY].get("rank", self.rank)
         if saved_rank != self.rank and self.world_size > 1:
@@ -1467,25 +1493,7 @@ class SelectiveLoader(NotADataLoader):
                 f"{self._fixed.count} (it was saved without batches_per_epoch); build the loader "
                 "with the saved run's arguments to resume it"
             )
-        # NOTE: all or nothing. The policy's, codec's and scorer's own checks (a window size,
-        # a beta) run part-way through restoring; a state refused there must not leave the
-        # loader half restored (its epoch, generators and position taken from the refused
-        # state), or a caller that starts afresh after a refusal would silently continue the
-        # refused run. So the loader's own state is taken first and put back on any failure,
-        # with what a saved state does not tell: whether an epoch left part-way is resumed by
-        # the next iter() (a saved state always resumes it; after a break the loader does not).
-        live = self._live_iterator()
-        running = live is not None and live.running
-        unfinished, source_state = self._unfinished, self._source_state
-        backup = self.state_dict()
-        try:
-            self._restore(state)
-        except BaseException:
-            self._restore(backup, rollback=True)
-            if not running:  # a running epoch was closed: the next iter() resumes it
-                self._unfinished = unfinished
-            self._source_state = source_state
-            raise
+        return state
 
     def _restore(self, state: dict[str, Any], rollback: bool = False) -> None:
         """Set the loader to ``state`` (checked by :meth:`load_state_dict`'s caller part);

@@ -225,6 +225,42 @@ def test_a_state_refused_part_way_through_restoring_changes_nothing():
     assert head + epoch_indices(running) == expected
 
 
+@pytest.mark.parametrize("per_epoch", [None, 3], ids=["passes", "batches_per_epoch"])
+@pytest.mark.parametrize(
+    ("other", "match"),
+    [
+        ({"seed": 1}, "has seed=1"),  # the identity, checked before restoring
+        ({"batch_size": 5}, "has batch_size=5"),
+        ({"keep_logits": True}, "has keep_logits=True"),
+        ({"beta": 3.0}, r"beta=3\.0"),  # the policy's own, part-way through restoring
+    ],
+    ids=["seed", "batch_size", "keep_logits", "beta"],
+)
+def test_every_refused_state_leaves_a_running_epoch_to_resume_where_it_stopped(
+    other, match, per_epoch
+):
+    """Whichever check refuses a state loaded while an epoch runs, the next ``iter(loader)``
+    goes on where the epoch stopped, as documented: a state refused by the identity check (a
+    seed, a batch size) left the epoch running, and the next ``iter(loader)`` then closed it as
+    abandoned and skipped its rest, where one refused by the policy's check resumed it."""
+
+    def build(beta: float = 2.0, **changed):
+        return make(policy=SelectiveBackprop(beta=beta), batches_per_epoch=per_epoch, **changed)
+
+    whole = build()
+    expected = [epoch_indices(whole) for _ in range(3)]
+    saved = build(**other)
+    list(saved)
+    state = saved.state_dict()
+    running = build()
+    it = iter(running)
+    head = [next(it).indices.tolist() for _ in range(2)]
+    with pytest.raises(ValueError, match=match):
+        running.load_state_dict(state)
+    got = [head + epoch_indices(running), epoch_indices(running), epoch_indices(running)]
+    assert got == expected
+
+
 def test_a_state_saved_with_another_reweight_is_refused_and_an_older_one_loads():
     """SelectiveBackprop's reweight changes every yielded weight (1 / P against 1): a state
     saved with reweight=True is refused by a policy with reweight=False, naming the fix; a state
