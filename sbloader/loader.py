@@ -100,6 +100,9 @@ K_TRAINING = "training"
 K_DEVICE_RNG = "device_rng"  # only with decisions="device"
 K_AUTOCAST = "autocast"  # the selection precision (optional: older states have none)
 K_AHEAD = "ahead"  # optional: a source batch scored ahead (overlap_selection) and not consumed
+# NOTE: optional (absent from states saved before it): the speed options the state was saved
+# with (see SelectiveLoader._speed), compared, not enforced, when it is loaded.
+K_SPEED = "speed"
 
 
 class SelectiveLoader(NotADataLoader):
@@ -181,12 +184,14 @@ class SelectiveLoader(NotADataLoader):
             with a ``frozen_prefix`` (its features feed training); see :mod:`sbloader.precision`.
             bf16 ranks losses as float32 does at a fraction of the cost there. The choice is
             logged and is ``loader.autocast``; a saved state records it, and a loader built with
-            ``"auto"`` adopts it, so a run resumed on another machine selects as it began. Pass
-            None for float32 selections identical on every machine. A model whose own forward
-            runs under ``torch.autocast`` (``accelerator.prepare(model)`` with
-            ``mixed_precision``) selects in that dtype whatever is asked: ``"auto"`` then takes
-            it as the selection precision, and another explicit value is refused (``ValueError``,
-            when the loader is built or at the first epoch start after the model is prepared).
+            ``"auto"`` adopts it, so a run resumed on another machine selects as it began (an
+            explicit dtype or None is kept as given, with a warning where it differs from the
+            saved run's: see :meth:`load_state_dict`). Pass None for float32 selections
+            identical on every machine. A model whose own forward runs under ``torch.autocast``
+            (``accelerator.prepare(model)`` with ``mixed_precision``) selects in that dtype
+            whatever is asked: ``"auto"`` then takes it as the selection precision, and another
+            explicit value is refused (``ValueError``, when the loader is built or at the first
+            epoch start after the model is prepared).
         memory_format: e.g. ``torch.channels_last``, applied to 4-d inputs before selection and
             training.
         input_key, target_key: the model input and loss target fields: positions in tuple/list
@@ -1428,6 +1433,7 @@ class SelectiveLoader(NotADataLoader):
             else str(self.autocast).removeprefix("torch."),
             **({K_DEVICE_RNG: self._decider.state_dict()} if self._decider is not None else {}),
             **({K_AHEAD: ahead.state_dict()} if ahead is not None else {}),
+            K_SPEED: self._speed(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1436,12 +1442,21 @@ class SelectiveLoader(NotADataLoader):
         Refuses (``ValueError`` naming the field and both values) a state saved by a loader
         with another seed, rank, world size, policy (kind or settings, such as a selectivity),
         dataset size, source batch size or epoch length, ``subset``, ``batch_size``,
-        ``batches_per_epoch``, ``keep_logits`` or ``frozen_prefix`` (whether there is one),
-        and with ``decisions="device"`` a generator state of another kind of device than the
-        loader's (CPU or CUDA); migrates a version-1 state. A refused state changes nothing:
-        the loader is as it was (a running epoch is closed, and the next ``iter(loader)``
-        resumes it where it stopped). The next ``iter(loader)`` continues a restored unfinished
-        epoch.
+        ``batches_per_epoch``, ``decisions``, ``keep_logits`` or ``frozen_prefix`` (whether
+        there is one), with or without ``quantize_selection``'s int8 copy, and with
+        ``decisions="device"`` a generator state of another kind of device than the loader's
+        (CPU or CUDA); migrates a version-1 state. A refused state changes nothing: the loader
+        is as it was (a running epoch is closed, and the next ``iter(loader)`` resumes it where
+        it stopped, whichever check refused the state). The next ``iter(loader)`` continues a
+        restored unfinished epoch.
+
+        The other speed options may differ (a run resumed on another machine): a state saved
+        with another ``overlap_selection``, ``selection_scale``, ``compile_selection``,
+        ``memory_format``, ``selection_batch_size``, explicit ``autocast`` or
+        :class:`~sbloader.QuantizedSelection` settings loads with a ``UserWarning`` naming each
+        option and its saved value; the run then selects as this loader's options do, so it is
+        not the uninterrupted run from here on. ``prefetch`` changes no selection and is not
+        compared.
         """
         # NOTE: all or nothing. The policy's, codec's and scorer's own checks (a window size,
         # a beta) run part-way through restoring; a state refused there must not leave the
@@ -1458,13 +1473,61 @@ class SelectiveLoader(NotADataLoader):
         unfinished, source_state = self._unfinished, self._source_state
         backup = self.state_dict()
         try:
-            self._restore(self._checked(state))
+            checked = self._checked(state)
+            self._restore(checked)
         except BaseException:
             self._restore(backup, rollback=True)
             if not running:  # a running epoch was closed: the next iter() resumes it
                 self._unfinished = unfinished
             self._source_state = source_state
             raise
+        self._warn_other_speed(checked.get(K_SPEED))
+
+    def _speed(self) -> dict[str, str]:
+        """The options that change how selection passes score, as shown in messages: the
+        effective ``autocast`` (an ``"auto"`` loader's after adopting a saved run's),
+        ``overlap_selection``, ``selection_scale``, ``compile_selection``, ``memory_format``,
+        ``selection_batch_size`` and ``quantize_selection``'s settings.
+
+        NOTE: not part of the identity: a run may resume with other speed options (another
+        machine: its cores, its native precisions), and then selects as they do from the resume
+        on (:meth:`_warn_other_speed`). ``prefetch`` and ``cache_features`` change no selection
+        and are left out; ``quantize_selection`` on or off, ``decisions``, ``keep_logits`` and
+        ``frozen_prefix`` are refused where they differ (the state holds their values).
+        """
+        forward, quantized = self._scorer.forward, self._scorer.quantized
+        compiled = forward.compile_kwargs
+        return {
+            "autocast": repr(self.autocast),
+            "overlap_selection": repr(self.overlapping),
+            "selection_scale": repr(forward.scale),
+            "compile_selection": repr(compiled if compiled else compiled is not None),
+            "memory_format": repr(self.memory_format),
+            "selection_batch_size": repr(self.selection_batch_size),
+            "quantize_selection": repr(None if quantized is None else quantized.config),
+        }
+
+    def _warn_other_speed(self, saved: dict[str, str] | None) -> None:
+        """Warn (``UserWarning``) where a state loaded was saved with other speed options than
+        this loader's (:meth:`_speed`): the resumed run then selects otherwise than the
+        uninterrupted one from here on. Allowed, not refused; states saved before the speed
+        options were recorded are not compared."""
+        if not saved:
+            return
+        current = self._speed()
+        changed = [k for k, v in saved.items() if k in current and current[k] != v]
+        if not changed:
+            return
+        was = ", ".join(f"{k}={saved[k]}" for k in changed)
+        now = ", ".join(f"{k}={current[k]}" for k in changed)
+        warnings.warn(
+            f"the loaded SelectiveLoader state was saved with {was}, but this loader has {now}: "
+            "these options change the selection passes, so from here on this run selects "
+            "otherwise than the saved run would have (allowed, e.g. to resume on another "
+            f"machine); build the loader with {was} to resume it exactly",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _checked(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` migrated to this version, once its version, rank and identity are checked

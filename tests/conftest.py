@@ -63,6 +63,15 @@ def dataset() -> EncodedDataset:
     return EncodedDataset()
 
 
+@pytest.fixture
+def one_torch_thread() -> Any:
+    """Tiny tensors: one intra-op thread is faster and immune to a busy machine (restored)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ------------------------------------------------------------------ mosaicml-streaming's import
 PLACEHOLDERS = Path(__file__).resolve().parent / "placeholders"
 

@@ -125,7 +125,8 @@ def test_a_frozen_prefix_keeps_float32_since_its_features_feed_training(monkeypa
 
 def test_a_resumed_auto_loader_selects_in_the_saved_runs_precision(monkeypatch):
     """Saved on a machine with native bf16, resumed on one without: the resumed run continues
-    in bf16, exactly as the uninterrupted run; an explicit choice is kept as given."""
+    in bf16, exactly as the uninterrupted run; an explicit choice is kept as given, with a
+    warning."""
     no_native_bf16(monkeypatch, native=True)
     first = build()
     it = iter(first)
@@ -140,6 +141,7 @@ def test_a_resumed_auto_loader_selects_in_the_saved_runs_precision(monkeypatch):
     assert resumed.autocast is torch.bfloat16  # ... gives way to the saved run's
     assert [b.indices.tolist() for b in resumed] + [b.indices.tolist() for b in resumed] == rest
     explicit = build(autocast=None)
-    explicit.load_state_dict(state)
+    with pytest.warns(UserWarning, match="saved with autocast=torch.bfloat16, but this loader"):
+        explicit.load_state_dict(state)  # allowed, and said
     assert explicit.autocast is None
     assert state["autocast"] == "bfloat16" and build(autocast=None).state_dict()["autocast"] is None

@@ -13,7 +13,6 @@ import json
 import tempfile
 
 import numpy as np
-import pytest
 import torch
 from conftest import N_CLASSES, EncodedDataset
 from hypothesis import HealthCheck, given, settings
@@ -172,14 +171,6 @@ POLICIES = {
     "random": lambda: RandomBackprop(0.5),
     "phased": lambda: Phased(SelectiveBackprop(0.5, history=32), warmup_epochs=1),
 }
-
-
-@pytest.fixture
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @settings(

@@ -36,14 +36,7 @@ from sbloader import (
     Traditional,
 )
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny tensors: one intra-op thread is faster and immune to a busy machine (restored)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest)
 
 
 class Net(nn.Module):
