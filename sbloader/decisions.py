@@ -6,6 +6,7 @@ None of them calls a model or does I/O; each can be tested directly.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +15,7 @@ import numpy as np
 from ._checks import check_indices, nonfinite_losses
 from .policies import Choice, Policy
 
-__all__ = ["choose_finite", "in_subset", "keep_function", "subset_mask"]
+__all__ = ["Keep", "choose_finite", "in_subset", "keep_function", "subset_mask"]
 
 #: What ``choose_finite`` does with a non-finite loss.
 NONFINITE = ("skip", "select", "raise")
@@ -130,18 +131,83 @@ def in_subset(mask: np.ndarray, indices: np.ndarray) -> np.ndarray:
     return inside & mask[np.where(inside, indices, 0)]
 
 
+class Keep:
+    """What a filtering source should load this epoch, and a tally of what it left out.
+
+    Called on an int64 array of dataset indices, it returns the mask of those to load: the
+    examples in ``mask`` (all if None) that the policy does not reject before loading (when it
+    :meth:`~sbloader.Policy.can_prefilter`). ``tally`` is ``[rejected by the policy, outside the
+    subset]``, advanced by whichever thread loads, except while ``replaying()`` (a resumed epoch
+    filtering its skipped batches again, which the checkpoint's stats already count).
+
+    A source that makes batches ahead of handing them out (a DataLoader with worker processes
+    draws ``prefetch_factor`` batches per worker from its sampler in advance) calls
+    :meth:`batch_made` as it makes each batch and :meth:`batch_taken` as it hands each out in
+    that order: :meth:`counted` is then the tally as of the batch handed out last, not as of
+    batches made ahead, until :meth:`ended` (the epoch's whole tally).
+
+    NOTE: the loader counts ``counted()`` right after each source batch, and a checkpoint keeps
+    those counts. Counted as of the batches made ahead, a run resumed mid-epoch (which replays
+    the consumed batches uncounted, then counts from there) counted the batches made ahead
+    twice: ``excluded`` and ``prefiltered`` came out too high, and ``loader.progress`` (and the
+    ramp of ``ramp_epochs``, which follows it) ran ahead of the uninterrupted run's.
+    """
+
+    def __init__(
+        self, policy: Policy, mask: np.ndarray | None, replaying: Callable[[], bool]
+    ) -> None:
+        self._policy, self._mask, self._replaying = policy, mask, replaying
+        self._prefilters = policy.can_prefilter()
+        self.tally = [0, 0]
+        self._marks: deque[tuple[int, int]] = deque()
+        self._taken: tuple[int, int] | None = None  # the tally as of the batch handed out last
+
+    def __call__(self, indices: np.ndarray) -> np.ndarray:
+        tally = self.tally
+        chosen = (
+            in_subset(self._mask, indices)
+            if self._mask is not None
+            else np.ones(len(indices), bool)
+        )
+        counting = not self._replaying()
+        if counting:
+            tally[1] += int(len(indices) - chosen.sum())
+        if self._prefilters:
+            accepted = self._policy.prefilter(indices[chosen])
+            if counting:
+                tally[0] += int(chosen.sum() - accepted.sum())
+            chosen[np.flatnonzero(chosen)[~accepted]] = False
+        return chosen
+
+    def batch_made(self) -> None:
+        """The source made a batch (not one it skips), with everything left out so far."""
+        self._marks.append((self.tally[0], self.tally[1]))
+
+    def batch_taken(self) -> None:
+        """The source hands out the oldest batch made and not handed out yet."""
+        if self._marks:
+            self._taken = self._marks.popleft()
+
+    def ended(self) -> None:
+        """The source's epoch ended: every batch made was handed out."""
+        self._marks.clear()
+        self._taken = None
+
+    def counted(self) -> tuple[int, int]:
+        """``(rejected, outside the subset)`` as of the batch handed out last (where the source
+        says which; else as of now)."""
+        taken = self._taken
+        return (self.tally[0], self.tally[1]) if taken is None else taken
+
+
 def keep_function(
     policy: Policy,
     mask: np.ndarray | None,
     replaying: Callable[[], bool],
-) -> tuple[Callable[[np.ndarray], np.ndarray] | None, list[int]]:
-    """What a filtering source should load this epoch, and a tally of what it left out.
-
-    The keep function accepts the examples in ``mask`` (all if None) that the policy does not
-    reject before loading (when it :meth:`~sbloader.Policy.can_prefilter`); it is None when
-    everything is loaded. The tally is ``[rejected by the policy, outside the subset]``, advanced
-    by whichever thread loads, except while ``replaying()`` (a resumed epoch filtering its
-    skipped batches again, which the checkpoint's stats already count).
+) -> tuple[Keep | None, list[int]]:
+    """What a filtering source should load this epoch (a :class:`Keep`, or None when everything
+    is loaded), and its tally of what it left out, ``[rejected by the policy, outside the
+    subset]`` (see :class:`Keep`).
 
     Example:
         >>> from sbloader import Traditional
@@ -150,21 +216,7 @@ def keep_function(
         >>> keep(np.array([0, 1, 2])).tolist(), tally
         ([True, False, True], [0, 1])
     """
-    tally = [0, 0]
-    prefilters = policy.can_prefilter()
-    if mask is None and not prefilters:
-        return None, tally
-
-    def keep(indices: np.ndarray) -> np.ndarray:
-        chosen = in_subset(mask, indices) if mask is not None else np.ones(len(indices), bool)
-        counting = not replaying()
-        if counting:
-            tally[1] += int(len(indices) - chosen.sum())
-        if prefilters:
-            accepted = policy.prefilter(indices[chosen])
-            if counting:
-                tally[0] += int(chosen.sum() - accepted.sum())
-            chosen[np.flatnonzero(chosen)[~accepted]] = False
-        return chosen
-
-    return keep, tally
+    if mask is None and not policy.can_prefilter():
+        return None, [0, 0]
+    keep = Keep(policy, mask, replaying)
+    return keep, keep.tally

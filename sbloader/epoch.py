@@ -123,7 +123,6 @@ class EpochIterator:
         # ``unconsumed``), handed out first and as they were; and the last batch handed out.
         self._replay: list[Rows] = []
         self._last: Rows | None = None
-        self._tally: list[int] = [0, 0]
         self._counted = (0, 0)
         self._handed_out: float | None = None
         self._start = 0.0
@@ -342,22 +341,21 @@ class EpochIterator:
         )
         source = loader.source
         self._filtering = source.can_filter()
-        keep, self._tally = (
-            keep_function(policy, loader._subset, source.replaying)
-            if self._filtering
-            else (None, [0, 0])
+        keep = (
+            keep_function(policy, loader._subset, source.replaying)[0] if self._filtering else None
         )
-        tally = self._tally
         snapshot = source.snapshot
 
         def make_iter() -> Any:
             return source.epoch(skip, keep)
 
-        # NOTE: the source's snapshot travels with each batch, taken right after it on the
-        # fetching thread: the state saved mid-epoch is that of the last batch consumed, never of
-        # the ones fetched ahead.
+        # NOTE: the source's snapshot and the tally of what it left out travel with each batch,
+        # taken right after it on the fetching thread: the state saved mid-epoch is that of the
+        # last batch consumed, never of the ones fetched ahead (by the prefetch thread, or by
+        # the source itself: see Keep).
         def read_tally() -> tuple[int, int, Any]:
-            return (tally[0], tally[1], snapshot())
+            rejected, excluded = (0, 0) if keep is None else keep.counted()
+            return (rejected, excluded, snapshot())
 
         loader._source_state = snapshot()
 

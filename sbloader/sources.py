@@ -151,7 +151,12 @@ class Source(abc.ABC):
 
         Sources that :meth:`can_filter` load only the examples whose dataset index ``keep``
         accepts (a function from an int64 array of indices to a boolean mask); others ignore
-        ``keep``.
+        ``keep``. Where ``keep`` has them (the loader's :class:`~sbloader.decisions.Keep`), a
+        filtering source calls ``keep.batch_made()`` as it makes each batch it does not skip,
+        ``keep.batch_taken()`` as it hands out each of those batches (in the same order), and
+        ``keep.ended()`` when the epoch ends, so that ``keep``'s tally of what was left out is
+        counted as of the batches handed out, also where batches are made ahead (a
+        DataLoader's workers).
         """
 
     def state_dict(self) -> dict[str, Any]:
@@ -215,6 +220,7 @@ class _SkippingBatchSampler:
         if keep is None:
             yield from self.inner
             return
+        made = getattr(keep, "batch_made", None)  # (see Source.epoch)
         size = getattr(self.inner, "batch_size", None)
         buffer: list[int] = []
         for batch in self.inner:
@@ -222,9 +228,13 @@ class _SkippingBatchSampler:
             buffer.extend(idx[keep(idx)].tolist())
             size = size or len(batch)
             while len(buffer) >= size:
+                if made is not None and not self.replaying:
+                    made()
                 yield buffer[:size]
                 buffer = buffer[size:]
         if buffer:
+            if made is not None and not self.replaying:
+                made()
             yield buffer
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -354,12 +364,21 @@ class DataLoaderSource(Source):
         self._batch_sampler.skip = skip
         self._batch_sampler.keep = keep
         self._drop_workers(only_dead=True)
+        # NOTE: the DataLoader draws batches from the sampler ahead of handing them out (with
+        # workers, prefetch_factor per worker): the keep function is told which batch goes out,
+        # so that its tally counts what the batches handed out left out (see Source.epoch).
+        taken = getattr(keep, "batch_taken", None)
         try:
             for indices, batch in self._iterate():
+                if taken is not None:
+                    taken()
                 yield batch, indices.numpy()
         except Exception:
             self._drop_workers(only_dead=False)
             raise
+        ended = getattr(keep, "ended", None)
+        if ended is not None:
+            ended()
 
     def _iterate(self) -> Iterator[Any]:
         """A new epoch's iterator of the rebuilt DataLoader; with persistent workers, its base

@@ -22,10 +22,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import sbloader
 from sbloader import Phased, RandomBackprop, SelectiveBackprop, SelectiveLoader
+from sbloader.stats import CLASS_FIELDS, COUNT_FIELDS
 
 N, CLASSES, SIDE = 72, 4, 6
 EPOCHS = 4
-POLICIES = ("sb", "stale", "phased", "default", "default-planned")
+POLICIES = ("sb", "ramp", "stale", "phased", "default", "default-planned")
 CUTS = ("in-loop", "unconsumed", "after-break", "epoch-end")
 
 
@@ -50,6 +51,8 @@ class Config:
     selection_batch_size: int | None = None
     batches_per_epoch: int | str | None = None
     subset: bool = False
+    selector: bool = False
+    workers: int = 0
     source_batch: int = 16
     batch_size: int = 6
     seed: int = 0
@@ -67,6 +70,7 @@ class Config:
             "quantize with prefix": self.quantize and self.prefix,
             "quantize with compile": self.quantize and self.compile,
             "scale with prefix": self.scale is not None and self.prefix,
+            "selector with prefix": self.selector and self.prefix,
             "device decisions need staleness 1": self.decisions == "device" and stale,
             "device decisions with keep_logits": self.decisions == "device" and self.keep_logits,
             "device decisions with prefix": self.decisions == "device" and self.prefix,
@@ -97,6 +101,8 @@ def sample(rng: random.Random) -> Config:
             selection_batch_size=rng.choice([None, None, 5]),
             batches_per_epoch=rng.choice([None, None, None, "expected", 3]),
             subset=rng.random() < 0.2,
+            selector=rng.random() < 0.15,
+            workers=rng.choice([0] * 9 + [1]),
             source_batch=rng.choice([12, 16, 20]),
             batch_size=rng.choice([4, 6, 8]),
             seed=rng.randrange(2**16),
@@ -138,6 +144,8 @@ def modules(cfg: Config) -> tuple[nn.Module | None, nn.Module]:
 def policy(cfg: Config) -> sbloader.Policy | None:
     if cfg.policy == "sb":
         return SelectiveBackprop(0.5, history=24)
+    if cfg.policy == "ramp":  # its P follows loader.progress
+        return SelectiveBackprop(0.5, history=24, ramp_epochs=3)
     if cfg.policy == "stale":
         return SelectiveBackprop(0.5, history=24, staleness=2, store_path=cfg.extra.get("path"))
     if cfg.policy == "phased":
@@ -156,6 +164,7 @@ def build(cfg: Config) -> tuple[nn.Module | None, nn.Module, torch.optim.Optimiz
         batch_size=cfg.source_batch,
         shuffle=True,
         generator=torch.Generator().manual_seed(cfg.seed + 1),
+        num_workers=cfg.workers,
     )
     kw: dict[str, Any] = {}
     if cfg.policy == "default-planned":
@@ -186,6 +195,7 @@ def build(cfg: Config) -> tuple[nn.Module | None, nn.Module, torch.optim.Optimiz
         selection_batch_size=cfg.selection_batch_size,
         batches_per_epoch=cfg.batches_per_epoch,
         subset=[i for i in range(N) if i % 5] if cfg.subset else None,
+        selector=modules(replace(cfg, seed=cfg.seed + 2))[1] if cfg.selector else None,
         **kw,
     )
     return prefix, model, opt, loader
@@ -208,6 +218,8 @@ class Run:
 
     batches: list[tuple[Any, ...]]
     params: list[torch.Tensor]
+    #: Each epoch's counts (``loader.stats``, times left out) and target rate.
+    counts: list[tuple[Any, ...]] = field(default_factory=list)
 
 
 def step(cfg: Config, model: nn.Module, opt: torch.optim.Optimizer, loader: Any, batch: Any):
@@ -229,6 +241,7 @@ def step(cfg: Config, model: nn.Module, opt: torch.optim.Optimizer, loader: Any,
         _bytes(getattr(batch, "logits", None)),
         _bytes(batch.features) if cfg.prefix else None,
         bool(x.is_contiguous(memory_format=torch.channels_last)) if x.dim() == 4 else None,
+        loader.progress,
     )
 
 
@@ -286,7 +299,16 @@ def run(
         while pending and pending[0][0] < len(done) and pending[0][1] != "epoch-end":
             pending.pop(0)
     params = [p.detach().clone() for p in model.state_dict().values()]
-    return Run(done, params)
+    return Run(done, params, counts(loader))
+
+
+def counts(loader: Any) -> list[tuple[Any, ...]]:
+    """Each epoch's counts in ``loader.stats`` (its times left out: they are measured)."""
+    out = []
+    for e in loader.stats.epochs:
+        d = e.as_dict()
+        out.append(tuple((k, d[k]) for k in (*COUNT_FIELDS, *CLASS_FIELDS, "target_rate")))
+    return out
 
 
 def _resume(cfg: Config, state: dict[str, Any], opt: torch.optim.Optimizer):
@@ -299,15 +321,34 @@ def _resume(cfg: Config, state: dict[str, Any], opt: torch.optim.Optimizer):
 
 
 def same(a: Run, b: Run) -> bool:
-    return a.batches == b.batches and all(torch.equal(x, y) for x, y in zip(a.params, b.params))
+    """The same batches, parameters and counts."""
+    return (
+        a.batches == b.batches
+        and all(torch.equal(x, y) for x, y in zip(a.params, b.params))
+        and a.counts == b.counts
+    )
 
 
 def first_difference(a: Run, b: Run) -> str:
     for i, (x, y) in enumerate(zip(a.batches, b.batches)):
         if x != y:
-            parts = ("indices", "data", "weights", "losses", "logits", "features", "layout")
+            parts = (
+                "indices",
+                "data",
+                "weights",
+                "losses",
+                "logits",
+                "features",
+                "layout",
+                "progress",
+            )
             which = [p for p, u, v in zip(parts, x, y) if u != v]
             return f"batch {i}: {which} (indices {x[0]} vs {y[0]})"
     if len(a.batches) != len(b.batches):
         return f"{len(a.batches)} batches vs {len(b.batches)}"
+    for x, y in zip(a.counts, b.counts):
+        if x != y:
+            return f"counts: {[(k, u, v) for (k, u), (_, v) in zip(x, y) if u != v]}"
+    if len(a.counts) != len(b.counts):
+        return f"{len(a.counts)} epochs counted vs {len(b.counts)}"
     return "parameters differ"

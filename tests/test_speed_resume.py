@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 import torch
-from speed_harness import Config, build, step, through_torch_save
+from speed_harness import (
+    Config,
+    build,
+    first_difference,
+    run,
+    same,
+    step,
+    through_torch_save,
+)
 
 import sbloader
 
@@ -113,3 +121,21 @@ def test_a_state_saved_before_speed_options_were_recorded_loads_without_a_warnin
     state = saved_after(Config(policy="sb"), 5)
     del state["speed"]
     assert not load_warnings(Config(policy="sb", overlap=True), state)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("policy", ["ramp", "stale"])
+def test_what_a_dataloaders_workers_draw_ahead_is_counted_when_handed_out(policy, prefetch):
+    """A DataLoader with worker processes draws batches from its sampler ahead of handing them
+    out, and the examples it filters out there (outside ``subset``, rejected in Stale-SB's stale
+    epochs) were counted as they were drawn: a run resumed mid-epoch (which replays the batches
+    consumed, uncounted) counted the batches drawn ahead twice, its ``excluded`` and
+    ``prefiltered`` too high and its ``loader.progress`` ahead, and with ``ramp_epochs``, whose
+    P follows the progress, it then selected otherwise. Counted as each batch is handed out,
+    a run with workers counts, progresses and selects as one without, and resumes exactly."""
+    plain = run(Config(policy=policy, subset=True, prefetch=prefetch))
+    workers = Config(policy=policy, subset=True, prefetch=prefetch, workers=1)
+    for cuts in ((), ((3, "in-loop"), (9, "after-break"), (14, "unconsumed"))):
+        got = run(workers, cuts)
+        alike = same(got, plain)
+        assert alike, f"{cuts}: {first_difference(got, plain)}"
