@@ -237,7 +237,10 @@ class SelectiveLoader(NotADataLoader):
             Valid only when an example's input is the same every epoch (no random
             augmentation before the prefix): a few cached examples are recomputed each epoch
             and a changed input raises ``ValueError``. Needs dataset indices. Its memory is
-            dataset size x prefix output size (in the ``autocast`` dtype when given).
+            dataset size x prefix output size (in the ``autocast`` dtype when given). Not part
+            of :meth:`state_dict`: it refills after a resume, with features computed among
+            other candidates, which may differ in the last bits from those the uninterrupted run
+            cached, so such a resume is not bit-exact.
         keep_logits: yielded batches also carry ``batch.logits``, the selection pass's model
             outputs for their examples (float32, one row each, as ``output=`` picks them from
             the model's outputs; the selector's outputs when
