@@ -13,6 +13,7 @@ epoch, process one source batch, one distributed drain round, the end-of-epoch r
 
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
@@ -110,7 +111,10 @@ class EpochIterator:
     """
 
     def __init__(self, loader: SelectiveLoader) -> None:
-        self._loader = loader
+        # The loader, held strongly while the caller owns this iterator; weakly once the loader
+        # keeps it (see held_by_loader).
+        self._owner: SelectiveLoader | None = loader
+        self._owner_ref = weakref.ref(loader)
         self._phase = _Phase.NEW
         self.stats: EpochStats | None = None
         self.epoch: int | None = None
@@ -152,6 +156,25 @@ class EpochIterator:
         self._failure: tuple[int, Exception] | None = None
 
     # ------------------------------------------------------------------ protocol
+    @property
+    def _loader(self) -> SelectiveLoader:
+        loader = self._owner if self._owner is not None else self._owner_ref()
+        if loader is None:
+            raise ReferenceError("the SelectiveLoader of this epoch iterator was dropped")
+        return loader
+
+    def held_by_loader(self) -> None:
+        """The loader keeps this iterator (a pass over the data suspended between training
+        epochs of ``batches_per_epoch``), and whoever advances it holds the loader: it refers
+        to the loader weakly from now on.
+
+        NOTE: held strongly both ways, a loader dropped with a suspended pass lived on in a
+        reference cycle, and with it the pass's prefetch thread and a DataLoader's worker
+        processes, until the garbage collector happened to run; now it is freed at once, and
+        the pass is closed as it is freed (see :meth:`close`).
+        """
+        self._owner = None
+
     def __iter__(self) -> EpochIterator:
         return self
 
@@ -267,6 +290,10 @@ class EpochIterator:
                 then starts the next epoch, as the run does.
         """
         if self._phase in (_Phase.DONE, _Phase.CLOSED):
+            return
+        if self._owner is None and self._owner_ref() is None:  # the loader was dropped
+            self._phase = _Phase.CLOSED
+            self._stop_fetch()
             return
         running = self.running
         if running and resumable:

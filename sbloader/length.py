@@ -298,6 +298,7 @@ class FixedEpochIterator:
             it = clock._pass
             if it is None:
                 it = clock._pass = loader._new_pass()
+                it.held_by_loader()  # (this iterator holds the loader while it runs)
             try:
                 batch = next(it)
             except StopIteration:

@@ -1494,9 +1494,11 @@ class SelectiveLoader(NotADataLoader):
 
         NOTE: not part of the identity: a run may resume with other speed options (another
         machine: its cores, its native precisions), and then selects as they do from the resume
-        on (:meth:`_warn_other_speed`). ``prefetch`` and ``cache_features`` change no selection
-        and are left out; ``quantize_selection`` on or off, ``decisions``, ``keep_logits`` and
-        ``frozen_prefix`` are refused where they differ (the state holds their values).
+        on (:meth:`_warn_other_speed`). Left out: ``prefetch``, which changes nothing a run
+        yields, and ``cache_features``, whose cache is not saved anyway (a resume refills it:
+        see its documentation). ``quantize_selection`` on or off, ``decisions``,
+        ``keep_logits`` and ``frozen_prefix`` are refused where they differ (the state holds
+        their values).
         """
         forward, quantized = self._scorer.forward, self._scorer.quantized
         compiled = forward.compile_kwargs

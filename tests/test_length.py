@@ -8,7 +8,10 @@ batches, only cut into epochs differently, so nothing is lost, repeated or reord
 from __future__ import annotations
 
 import copy
+import gc
 import io
+import multiprocessing
+import weakref
 
 import pytest
 import torch
@@ -255,6 +258,34 @@ def test_a_resume_with_a_prefetch_thread_is_exact():
     resumed = make(per_epoch=4, prefetch=1)
     resumed.load_state_dict(state)
     assert got + [indices(resumed) for _ in range(2)] == expected
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_dropped_loader_stops_its_suspended_pass_at_once(workers):
+    """Between training epochs the loader keeps the pass over the data it suspended (its
+    prefetch thread, a DataLoader's worker processes): that pass referred to the loader, so a
+    loader dropped there lived on in a reference cycle, threads and worker processes running,
+    until the garbage collector happened to run (a process that built loaders one after another
+    gathered a hundred idle workers). Dropped, it now stops them at once."""
+    gc.disable()  # (only reference counting frees the loader: no collection in between)
+    try:
+        loader = SelectiveLoader(
+            DataLoader(EncodedDataset(120), batch_size=20, num_workers=workers),
+            IndexLoss(),
+            policy=POLICIES["sb-third"](),
+            batch_size=8,
+            batches_per_epoch=2,
+            prefetch=1,
+        )
+        indices(loader)
+        suspended = loader._fixed._pass
+        assert suspended is not None and suspended.running  # a pass left for the next epoch
+        fetch = weakref.ref(suspended._fetch)
+        del loader, suspended
+        assert fetch() is None  # the pass, its prefetch thread and its source are gone
+        assert not [w for w in multiprocessing.active_children() if w.is_alive()]
+    finally:
+        gc.enable()
 
 
 def test_unconsumed_needs_a_running_training_epoch():
