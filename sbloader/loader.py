@@ -1455,8 +1455,9 @@ class SelectiveLoader(NotADataLoader):
 
         The other speed options may differ (a run resumed on another machine): a state saved
         with another ``overlap_selection``, ``selection_scale``, ``compile_selection``,
-        ``memory_format``, ``selection_batch_size``, explicit ``autocast`` or
-        :class:`~sbloader.QuantizedSelection` settings loads with a ``UserWarning`` naming each
+        ``memory_format``, ``selection_batch_size``, explicit ``autocast``,
+        :class:`~sbloader.QuantizedSelection` settings or with or without a ``selector`` (of
+        another class) loads with a ``UserWarning`` naming each
         option and its saved value; the run then selects as this loader's options do, so it is
         not the uninterrupted run from here on. ``prefetch`` changes no selection and is not
         compared.
@@ -1490,7 +1491,8 @@ class SelectiveLoader(NotADataLoader):
         """The options that change how selection passes score, as shown in messages: the
         effective ``autocast`` (an ``"auto"`` loader's after adopting a saved run's),
         ``overlap_selection``, ``selection_scale``, ``compile_selection``, ``memory_format``,
-        ``selection_batch_size`` and ``quantize_selection``'s settings.
+        ``selection_batch_size``, ``quantize_selection``'s settings and whether there is a
+        ``selector`` (by its class's name).
 
         NOTE: not part of the identity: a run may resume with other speed options (another
         machine: its cores, its native precisions), and then selects as they do from the resume
@@ -1510,6 +1512,7 @@ class SelectiveLoader(NotADataLoader):
             "memory_format": repr(self.memory_format),
             "selection_batch_size": repr(self.selection_batch_size),
             "quantize_selection": repr(None if quantized is None else quantized.config),
+            "selector": "None" if self.selector is None else type(self.selector).__name__,
         }
 
     def _warn_other_speed(self, saved: dict[str, str] | None) -> None:

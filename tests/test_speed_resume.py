@@ -72,6 +72,7 @@ QUANTIZED = sbloader.QuantizedSelection(refresh_every=2)
         ({}, {"channels_last": True}, "memory_format=None", "memory_format=torch.channels_last"),
         ({}, {"compile": True}, "compile_selection=False", "compile_selection={'backend'"),
         ({}, {"selection_batch_size": 5}, "selection_batch_size=None", "selection_batch_size=5"),
+        ({}, {"selector": True}, "selector=None", "selector=Sequential"),
         (
             {"quantize": True},
             {"quantize": True, "extra": {"quantize": QUANTIZED}},
@@ -88,6 +89,7 @@ QUANTIZED = sbloader.QuantizedSelection(refresh_every=2)
         "channels_last",
         "compile",
         "chunks",
+        "selector",
         "int8-settings",
     ],
 )
