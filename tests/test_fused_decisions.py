@@ -157,6 +157,11 @@ class Adapter:
     def choose(self, losses, indices, rng, n):
         return self.ref.choose(losses, indices, rng, n)
 
+    def count_forced(self, indices):
+        """Examples kept for their non-finite losses count as selected (nonfinite="select")."""
+        if self.ref.store:
+            np.add.at(self.ref.selected, indices, 1)
+
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("selectivity", [1.0, 0.5, 1 / 3, 0.1])
