@@ -22,10 +22,12 @@ rank selects different examples, so each would fill a different number of batche
   also all-gather their selection losses and dataset indices (:meth:`RankSync.exchange`), and
   each rank feeds the others' into its policy through :meth:`~sbloader.Policy.observe`;
 - a rank that meets an error its round can finish without (a non-finite selection loss under
-  ``nonfinite="raise"``, a source batch whose fields cannot be joined with earlier ones) goes on
-  with the round and reports it in the same ``all_reduce(MIN)`` (a fourth integer), so that every
-  rank raises at the end of that round, naming the rank, instead of the others waiting in their
-  next collective (:attr:`RankSync.failed`);
+  ``nonfinite="raise"``, a source batch whose fields cannot be joined with earlier ones, an
+  exception the user's code raised in its selection pass, not under FSDP) goes on to the end of
+  the round, making its collectives, and reports it in the same ``all_reduce(MIN)`` (a fourth
+  integer: its kind, for an exception its type), so that every rank raises at the end of that
+  round, naming the rank, instead of the others waiting in their next collective
+  (:attr:`RankSync.failed`);
 - the first of those ``all_reduce(MIN)`` calls also carries a digest of the rank's first source
   batch (and its negation), so that a source that is not sharded (every rank reading the same
   examples, e.g. a DataLoader without a ``DistributedSampler``) is reported on every rank, at no

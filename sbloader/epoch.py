@@ -13,6 +13,7 @@ epoch, process one source batch, one distributed drain round, the end-of-epoch r
 
 from __future__ import annotations
 
+import builtins
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -56,6 +57,41 @@ _REPORTED: dict[int, tuple[type[Exception], str, str]] = {
         "<pad_token_id>}), or pad every source batch to one length (padding='max_length')",
     ),
 }
+
+
+#: The exception types a rank names to the others when its selection pass raised (kinds from
+#: ``_RAISED``, see :func:`_raised_kind`): the built-in ones by name, then torch's out-of-memory
+#: error. NOTE: the same tuple on every rank (sorted by name, from the same Python and torch).
+_NAMED: tuple[type[Exception], ...] = tuple(
+    dict.fromkeys(
+        [
+            c
+            for _, c in sorted(vars(builtins).items())
+            if isinstance(c, type) and issubclass(c, Exception)
+        ]
+        + [c for c in (getattr(torch, "OutOfMemoryError", None),) if c is not None]
+    )
+)
+#: The kinds of an exception raised in a rank's selection pass: ``_RAISED + 2 * i`` for type
+#: ``_NAMED[i]`` itself, ``+ 1`` for a type derived from it (and from none after it in its MRO).
+_RAISED = 3
+
+
+def _raised_kind(error: Exception) -> int:
+    """The kind that names ``error``'s type (or its nearest named base) to the other ranks."""
+    for depth, cls in enumerate(type(error).__mro__):
+        if cls in _NAMED:
+            return _RAISED + 2 * _NAMED.index(cls) + int(depth > 0)
+    return _RAISED + 2 * _NAMED.index(Exception) + 1  # (unreachable: Exception is named)
+
+
+def _raised_name(kind: int) -> str:
+    """What the other ranks call the exception of kind ``kind`` (see :func:`_raised_kind`)."""
+    if (kind - _RAISED) // 2 >= len(_NAMED):  # (a rank on another Python, naming more types)
+        return "an exception"
+    cls = _NAMED[(kind - _RAISED) // 2]
+    name = cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__name__}"
+    return f"an exception derived from {name}" if (kind - _RAISED) % 2 else name
 
 
 class _Phase(Enum):
@@ -430,7 +466,12 @@ class EpochIterator:
             if n and not self._fresh and loader.policy.uses_losses() and pad >= 0:
                 codec = loader._codec
                 inputs, targets = data[codec.input_position], data[codec.target_position]
-                scorer.probe(inputs, targets, codec.view(data))
+                try:
+                    scorer.probe(inputs, targets, codec.view(data))
+                except Exception as e:
+                    if not self._reports_raised():
+                        raise
+                    self._stop_pass(e, exchange=loader._sharing() and not self._passthrough)
         if not self._fresh:
             scorer.pad(pad)
         targets = data[loader._codec.target_position]
@@ -467,7 +508,12 @@ class EpochIterator:
         if self._fresh:
             inputs = data[loader._codec.input_position]
             batch = loader._codec.view(data)
-            scored = self._scored(loaded, inputs, targets, indices, batch)
+            try:
+                scored = self._scored(loaded, inputs, targets, indices, batch)
+            except Exception as e:
+                if not self._reports_raised():
+                    raise
+                self._stop_pass(e, exchange=loader._sharing() and loader._decider is None)
             scorer.pad(pad)
             loader.policy.advance(self.epoch + self.fraction())
             if loader._decider is not None:
@@ -875,6 +921,37 @@ class EpochIterator:
         self._agree(self._loader._pending.full_batches(self._loader.batch_size))
         raise AssertionError("unreachable: the agreement reports the error and raises")
 
+    def _reports_raised(self) -> bool:
+        """Whether an exception raised in this rank's selection pass is reported to the other
+        ranks (:meth:`_stop_pass`): on several ranks, where a selection forward makes no
+        collective.
+
+        NOTE (FSDP): there a selection forward is itself a collective, so a rank whose forward
+        raised leaves the others waiting inside theirs, before any agreement could report it;
+        the exception is raised on that rank alone, as before (the process group's timeout ends
+        the others).
+        """
+        loader = self._loader
+        return loader._sync is not None and not loader._scorer.collective
+
+    def _stop_pass(self, error: Exception, exchange: bool) -> NoReturn:
+        """This rank's selection pass raised ``error`` (the model's forward, ``loss_fn``, a
+        ``forward=`` or ``output=`` hook): the rank skips the rest of its round's own work but
+        makes the round's remaining collectives, the same as the other ranks make (the loss
+        exchange where ``exchange``, with no losses; then the agreement), whose ``all_reduce``
+        reports the error's type (see :func:`_raised_kind`); every rank raises then.
+
+        NOTE: raised on this rank alone, it left the others waiting in their next collective
+        until the process group timed out (minutes), with a bare gloo error. Only the type
+        travels, in the agreement's one integer: the message stays in this rank's error (and
+        log), so that no round makes a collective more.
+        """
+        sync = self._loader._sync
+        assert sync is not None
+        if exchange:
+            sync.exchange(None, None)
+        self._stop_round(_raised_kind(error), error)
+
     def _raise_reported(self, sync: RankSync) -> None:
         """After an agreement: raise where a rank reported an error in it (the same on every
         rank). The rank that met it raises its own error, naming its rank; the others raise one
@@ -884,11 +961,20 @@ class EpochIterator:
         where = f"rank {sync.rank} of {sync.world_size}"
         own = self._failure
         if own is not None:
-            error = own[1]
-            raise type(error)(
-                f"on {where} (every rank stops with this error, reported to the others): {error}"
-            ) from None
+            kind, error = own
+            message = f"on {where} (every rank stops with this error, reported to the others): "
+            if kind < _RAISED:
+                raise type(error)(message + str(error)) from None
+            _raise_own(error, message + str(error))
         rank, kind = sync.failed
+        if kind >= _RAISED:
+            raise RuntimeError(
+                f"in epoch {self.epoch}, rank {rank} of {sync.world_size} raised "
+                f"{_raised_name(kind)} in its selection pass (the model's forward, loss_fn, or a "
+                f"forward= or output= hook); every rank stops with it (this is {where}), so that "
+                f"none waits for it in a collective: rank {rank}'s own log has its message and "
+                "traceback"
+            )
         cls, what, fix = _REPORTED[kind]
         raise cls(
             f"in epoch {self.epoch}, rank {rank} of {sync.world_size} {what}; every rank stops "
@@ -957,6 +1043,19 @@ class EpochIterator:
                 if self.stats is not None and self._start:
                     self.stats.wall_s += perf_counter() - self._start
                     self._start = 0.0
+
+
+def _raise_own(error: Exception, message: str) -> NoReturn:
+    """Raise an exception of ``error``'s type with ``message``, chained to ``error`` (its
+    traceback); ``error`` itself, unchanged, where its type cannot be made from a message
+    alone (a constructor that takes other arguments)."""
+    try:
+        again: Exception | None = type(error)(message)
+    except Exception:
+        again = None
+    if again is None or type(again) is not type(error):
+        raise error
+    raise again from error
 
 
 def _gather(data: list[Any], positions: np.ndarray, device: torch.device) -> list[Any]:

@@ -11,6 +11,7 @@ import copy
 import datetime
 import os
 import pickle
+import time
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -513,6 +514,91 @@ def scenario_failures(rank: int, world_size: int) -> dict:
     return res
 
 
+class RaisingLoss:
+    """Per-example cross-entropy that raises ``IndexError`` (a target out of range, say) in its
+    ``at``-th call on rank 1 only."""
+
+    def __init__(self, rank: int, at: int) -> None:
+        self.rank, self.at, self.calls = rank, at, 0
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.rank == 1 and self.calls == self.at:
+            raise IndexError(f"target 99 is out of bounds in call {self.calls}")
+        return F.cross_entropy(outputs, targets, reduction="none")
+
+
+class BadInput(ValueError):
+    """An exception type of the user's own (derived from a built-in one)."""
+
+
+class RaisingModel(IndexLoss):
+    """:class:`IndexLoss` whose forward raises :class:`BadInput` on rank 1 only."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rank == 1:
+            raise BadInput("the model cannot take this input")
+        return super().forward(x)
+
+
+def scenario_raised(rank: int, world_size: int) -> dict:
+    """An exception raised by the user's code in rank 1's selection pass only: every rank raises
+    in the same round (none waits in a collective), whatever the round's collectives are."""
+    res: dict = {}
+
+    def run(at: int = 1, sampler=None, model=None, staleness: int = 1, policy=None, **kw) -> dict:
+        policy = (
+            SelectiveBackprop(0.5, history=64, staleness=staleness) if policy is None else policy
+        )
+        loader = SelectiveLoader(
+            DataLoader(
+                EncodedDataset(120),
+                batch_size=15,
+                sampler=Block(120, rank, world_size) if sampler is None else sampler,
+            ),
+            IndexLoss() if model is None else model,
+            loss_fn=RaisingLoss(rank, at),
+            policy=policy,
+            batch_size=10,
+            seed=0,
+            **kw,
+        )
+        t0, got = time.perf_counter(), {"raised": "", "cause": ""}
+        try:
+            for _ in loader:
+                pass
+        except Exception as e:
+            got["raised"] = f"{type(e).__name__}: {e}"
+            if e.__cause__ is not None:
+                got["cause"] = f"{type(e.__cause__).__name__}: {e.__cause__}"
+        got["seconds"] = time.perf_counter() - t0
+        return got
+
+    res["first"] = run(at=1)  # (a) rank 1's first selection pass
+    res["later"] = run(at=3)  # (b) its third
+    res["global"] = run(at=2, cdf="global")  # (c) the losses exchanged first
+    res["stale"] = run(at=2, staleness=2)  # Stale-SB's store: exchanged too
+    res["device"] = run(at=2, decisions="device")
+    # (d) rank 1's second source batch, while rank 0 (one source batch) drains.
+    res["draining"] = run(at=2, sampler=[range(15), range(60, 120)][rank])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # overlap's advice on the CPU
+        res["ahead"] = run(at=2, overlap_selection=True)  # raised on the selection thread
+    res["forward"] = run(model=RaisingModel(rank))
+    # A warm-up epoch without selection passes: the first round's probe forward raises (a
+    # passthrough round, and one of RandomBackprop's with the losses shared by the store).
+    res["probe"] = run(policy=Phased(SelectiveBackprop(0.5, history=64), warmup_epochs=1))
+    stale = SelectiveBackprop(0.5, history=64, staleness=2)
+    res["probe_random"] = run(
+        policy=Phased(stale, warmup_epochs=1, warmup_policy=RandomBackprop(0.5))
+    )
+    return res
+
+
 def refused(**kwargs) -> str:
     """The error building a SelectiveLoader with ``kwargs`` raised ("" when it was built)."""
     try:
@@ -775,6 +861,7 @@ SCENARIOS = {
     "three": scenario_three,
     "nonfinite": scenario_nonfinite,
     "limits": scenario_limits,
+    "raised": scenario_raised,
 }
 
 
@@ -1112,6 +1199,59 @@ def test_cdf_global_with_each_rank_on_its_own_is_refused_on_every_rank(limits):
         assert r["local_alone"] == ""
 
 
+@pytest.fixture(scope="module")
+def raised_on_rank1(tmp_path_factory) -> list[dict]:
+    return run_ranks("raised", 2, tmp_path_factory.mktemp("raised"))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "first",
+        "later",
+        "global",
+        "stale",
+        "device",
+        "draining",
+        "ahead",
+        "forward",
+        "probe",
+        "probe_random",
+    ],
+)
+def test_an_exception_in_one_ranks_selection_pass_raises_on_every_rank(raised_on_rank1, case):
+    """The user's loss_fn (or model) raises on rank 1 only: rank 1 raises its own exception (the
+    same type, its message prefixed with the rank, the original chained) and rank 0 a
+    RuntimeError naming rank 1 and the type, in the same round, within seconds (it waited in
+    its next collective until the process group timed out): in the first round or a later one,
+    with the losses exchanged first (a global CDF, Stale-SB's store), decided on the device,
+    while rank 0 drains, raised on the selection thread (overlap_selection), in the forward,
+    in the probe forward of a warm-up's first round."""
+    own, other = raised_on_rank1[1][case], raised_on_rank1[0][case]
+    if case == "forward":
+        kind, message = "BadInput", "the model cannot take this input"
+        named = "an exception derived from ValueError"
+    else:
+        call = (
+            3
+            if case == "later"
+            else 2
+            if case in ("global", "stale", "device", "draining", "ahead")
+            else 1
+        )
+        kind, message = "IndexError", f"target 99 is out of bounds in call {call}"
+        named = "IndexError"
+    prefix = f"{kind}: on rank 1 of 2 (every rank stops with this error, reported to the others)"
+    assert own["raised"] == f"{prefix}: {message}", own
+    assert own["cause"] == f"{kind}: {message}", own
+    expected = f"RuntimeError: in epoch 0, rank 1 of 2 raised {named} in its selection pass"
+    assert other["raised"].startswith(expected), other
+    assert "this is rank 0 of 2" in other["raised"], other
+    assert "rank 1's own log has its message and traceback" in other["raised"], other
+    assert other["cause"] == "", other
+    assert own["seconds"] < 30 and other["seconds"] < 30, (own, other)  # (PG timeout: 120 s)
+
+
 @pytest.mark.parametrize("case", ["ragged", "ragged_ahead"])
 def test_a_ragged_field_on_one_rank_raises_on_every_rank(limits, case):
     """A field of another width in rank 1's third source batch: rank 1 raises the field's error,
@@ -1135,6 +1275,43 @@ def random_choices(rank: int, seed: int = 0) -> list[int]:
         rank=rank,
     )
     return [i for b in loader for i in b.indices.tolist()]
+
+
+def test_an_exception_in_the_selection_pass_on_one_process_propagates_unchanged():
+    """On one process the user's exception is raised as it is (no prefix, no chaining)."""
+    loss = RaisingLoss(1, 2)
+    loader = SelectiveLoader(
+        DataLoader(EncodedDataset(60), batch_size=15),
+        IndexLoss(),
+        loss_fn=loss,
+        policy=SelectiveBackprop(0.5),
+        batch_size=10,
+    )
+    with pytest.raises(IndexError) as info:
+        for _ in loader:
+            pass
+    assert str(info.value) == "target 99 is out of bounds in call 2"
+    assert info.value.__cause__ is None and loss.calls == 2
+
+
+def test_the_kinds_of_raised_exceptions_fit_the_agreement_and_name_their_type():
+    """Every named exception type has a kind below FAILURE_KINDS, and the kind names the type
+    (or its nearest named base); a type that cannot be made from a message is raised as it is."""
+    from sbloader import epoch
+    from sbloader.distributed import FAILURE_KINDS
+
+    assert epoch._RAISED + 2 * len(epoch._NAMED) <= FAILURE_KINDS
+    assert epoch._raised_name(epoch._raised_kind(IndexError("x"))) == "IndexError"
+    assert epoch._raised_name(epoch._raised_kind(KeyError("x"))) == "KeyError"
+    derived = "an exception derived from ValueError"
+    assert epoch._raised_name(epoch._raised_kind(BadInput("x"))) == derived
+    assert epoch._raised_name(epoch._raised_kind(torch.OutOfMemoryError("x"))) == (
+        "torch.OutOfMemoryError"
+    )
+    error = UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+    with pytest.raises(UnicodeDecodeError) as info:
+        epoch._raise_own(error, "on rank 1 of 2: ")
+    assert info.value is error
 
 
 def test_rank_seeds_the_generator():
