@@ -105,6 +105,30 @@ K_AHEAD = "ahead"  # optional: a source batch scored ahead (overlap_selection) a
 K_SPEED = "speed"
 
 
+def _stable_repr(value: Any) -> str:
+    """``repr(value)`` with functions and classes (nested in dicts, lists and tuples) named by
+    their module and qualified name, for :meth:`SelectiveLoader._speed`.
+
+    NOTE: a plain repr names a function by its address (``<function f at 0x7f...>``), which
+    differs from process to process: ``compile_selection={"backend": my_backend}`` then warned
+    on every resume with the very same options.
+    """
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_stable_repr(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_stable_repr(v) for v in value)
+        if isinstance(value, list):
+            return f"[{inner}]"
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', None)}.{value.__qualname__}"
+    text = repr(value)
+    if " at 0x" in text:  # an object's default repr
+        kind = type(value)
+        return f"<{kind.__module__}.{kind.__qualname__} object>"
+    return text
+
+
 class SelectiveLoader(NotADataLoader):
     """Wraps a training data source and yields full batches of the examples a policy selects.
 
@@ -1508,7 +1532,7 @@ class SelectiveLoader(NotADataLoader):
             "autocast": repr(self.autocast),
             "overlap_selection": repr(self.overlapping),
             "selection_scale": repr(forward.scale),
-            "compile_selection": repr(compiled if compiled else compiled is not None),
+            "compile_selection": _stable_repr(compiled if compiled else compiled is not None),
             "memory_format": repr(self.memory_format),
             "selection_batch_size": repr(self.selection_batch_size),
             "quantize_selection": repr(None if quantized is None else quantized.config),

@@ -219,3 +219,42 @@ def test_what_a_dataloaders_workers_draw_ahead_is_counted_when_handed_out(policy
         got = run(workers, cuts)
         alike = same(got, plain)
         assert alike, f"{cuts}: {first_difference(got, plain)}"
+
+
+def _backend() -> Any:
+    """A torch.compile backend, a new function object on each call (as in another process)."""
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        return gm.forward
+
+    return backend
+
+
+class _Backend:
+    def __call__(self, gm: Any, example_inputs: Any) -> Any:
+        return gm.forward
+
+
+@pytest.mark.parametrize("make", [_backend, _Backend], ids=["function", "callable-object"])
+def test_no_speed_warning_for_a_compile_backend_given_as_a_callable(make):
+    """compile_selection={"backend": fn} was recorded as repr(fn), which names the function by
+    its address: the same options warned on every resume in another process (here: another
+    function object of the same name). Compared by name, they load silently; another backend
+    still warns."""
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+
+    def loader(backend: Any) -> sbloader.SelectiveLoader:
+        return sbloader.SelectiveLoader(
+            torch.utils.data.DataLoader(data, batch_size=8),
+            torch.nn.Linear(4, 2),
+            batch_size=8,
+            compile_selection={"backend": backend},
+        )
+
+    saved = loader(make())  # (kept alive: a freed function's address may be reused)
+    state = saved.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader(make()).load_state_dict(state)
+    with pytest.warns(UserWarning, match="compile_selection="):
+        loader("eager").load_state_dict(state)
