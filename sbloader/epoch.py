@@ -13,7 +13,6 @@ epoch, process one source batch, one distributed drain round, the end-of-epoch r
 
 from __future__ import annotations
 
-import builtins
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -60,17 +59,45 @@ _REPORTED: dict[int, tuple[type[Exception], str, str]] = {
 
 
 #: The exception types a rank names to the others when its selection pass raised (kinds from
-#: ``_RAISED``, see :func:`_raised_kind`): the built-in ones by name, then torch's out-of-memory
-#: error. NOTE: the same tuple on every rank (sorted by name, from the same Python and torch).
-_NAMED: tuple[type[Exception], ...] = tuple(
-    dict.fromkeys(
-        [
-            c
-            for _, c in sorted(vars(builtins).items())
-            if isinstance(c, type) and issubclass(c, Exception)
-        ]
-        + [c for c in (getattr(torch, "OutOfMemoryError", None),) if c is not None]
-    )
+#: ``_RAISED``, see :func:`_raised_kind`): built-in ones, then torch's out-of-memory error.
+#: NOTE: an explicit list in a fixed order, not the ``builtins`` of the running Python (whose
+#: order would move with a version's new types): the same kinds on every rank, and a type not
+#: named here is sent as "derived from" its nearest named base.
+_NAMED: tuple[type[Exception], ...] = (
+    Exception,
+    ArithmeticError,
+    AssertionError,
+    AttributeError,
+    BufferError,
+    ConnectionError,
+    EOFError,
+    FileNotFoundError,
+    FloatingPointError,
+    ImportError,
+    IndexError,
+    KeyError,
+    LookupError,
+    MemoryError,
+    ModuleNotFoundError,
+    NameError,
+    NotImplementedError,
+    OSError,
+    OverflowError,
+    PermissionError,
+    RecursionError,
+    ReferenceError,
+    RuntimeError,
+    StopIteration,
+    SystemError,
+    TimeoutError,
+    TypeError,
+    UnboundLocalError,
+    UnicodeDecodeError,
+    UnicodeEncodeError,
+    UnicodeError,
+    ValueError,
+    ZeroDivisionError,
+    *[c for c in (getattr(torch, "OutOfMemoryError", None),) if c is not None],
 )
 #: The kinds of an exception raised in a rank's selection pass: ``_RAISED + 2 * i`` for type
 #: ``_NAMED[i]`` itself, ``+ 1`` for a type derived from it (and from none after it in its MRO).
@@ -87,7 +114,7 @@ def _raised_kind(error: Exception) -> int:
 
 def _raised_name(kind: int) -> str:
     """What the other ranks call the exception of kind ``kind`` (see :func:`_raised_kind`)."""
-    if (kind - _RAISED) // 2 >= len(_NAMED):  # (a rank on another Python, naming more types)
+    if (kind - _RAISED) // 2 >= len(_NAMED):  # (a rank with another torch, naming one more)
         return "an exception"
     cls = _NAMED[(kind - _RAISED) // 2]
     name = cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__name__}"

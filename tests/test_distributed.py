@@ -1303,6 +1303,10 @@ def test_the_kinds_of_raised_exceptions_fit_the_agreement_and_name_their_type():
     assert epoch._RAISED + 2 * len(epoch._NAMED) <= FAILURE_KINDS
     assert epoch._raised_name(epoch._raised_kind(IndexError("x"))) == "IndexError"
     assert epoch._raised_name(epoch._raised_kind(KeyError("x"))) == "KeyError"
+    # A built-in type not in the fixed list travels as derived from its nearest listed base.
+    assert epoch._raised_name(epoch._raised_kind(BlockingIOError("x"))) == (
+        "an exception derived from OSError"
+    )
     derived = "an exception derived from ValueError"
     assert epoch._raised_name(epoch._raised_kind(BadInput("x"))) == derived
     assert epoch._raised_name(epoch._raised_kind(torch.OutOfMemoryError("x"))) == (
