@@ -62,15 +62,56 @@ class SelectedBatch:
 
 
 class SelectedTuple(tuple, SelectedBatch):
-    """A tuple batch (``for inputs, targets in loader`` keeps working) with selection attributes."""
+    """A tuple batch (``for inputs, targets in loader`` keeps working) with selection attributes.
+
+    Example:
+        A source of tuple batches without dataset indices:
+
+        >>> import sbloader
+        >>> batches = [(torch.randn(4, 3), torch.tensor([0, 1, 0, 1])) for _ in range(2)]
+        >>> loader = sbloader.SelectiveLoader(
+        ...     batches, torch.nn.Linear(3, 2), policy=sbloader.SelectiveBackprop(beta=0),
+        ...     batch_size=4)
+        >>> batch = next(iter(loader))
+        >>> inputs, targets = batch
+        >>> type(batch).__name__, inputs.shape, targets.tolist(), batch.indices
+        ('SelectedTuple', torch.Size([4, 3]), [0, 1, 0, 1], None)
+    """
 
 
 class SelectedList(list, SelectedBatch):
-    """A list batch with selection attributes."""
+    """A list batch with selection attributes.
+
+    Example:
+        A DataLoader over a TensorDataset collates its batches as lists:
+
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> import sbloader
+        >>> data = TensorDataset(torch.randn(8, 3), torch.randint(0, 2, (8,)))
+        >>> loader = sbloader.SelectiveLoader(
+        ...     DataLoader(data, batch_size=4), torch.nn.Linear(3, 2),
+        ...     policy=sbloader.Traditional())
+        >>> [(type(b).__name__, len(b), b.indices.tolist()) for b in loader]
+        [('SelectedList', 2, [0, 1, 2, 3]), ('SelectedList', 2, [4, 5, 6, 7])]
+    """
 
 
 class SelectedDict(dict, SelectedBatch):
-    """A dict batch with selection attributes."""
+    """A dict batch with selection attributes.
+
+    Example:
+        Fields besides ``"input"`` and ``"target"`` are selected with them:
+
+        >>> from torch.utils.data import DataLoader
+        >>> import sbloader
+        >>> rows = [{"input": torch.randn(3), "target": i % 2, "id": f"row{i}"} for i in range(8)]
+        >>> loader = sbloader.SelectiveLoader(
+        ...     DataLoader(rows, batch_size=4), torch.nn.Linear(3, 2),
+        ...     policy=sbloader.SelectiveBackprop(beta=0), batch_size=4)
+        >>> batch = next(iter(loader))
+        >>> type(batch).__name__, sorted(batch), batch["id"], batch.indices.tolist()
+        ('SelectedDict', ['id', 'input', 'target'], ['row0', 'row1', 'row2', 'row3'], [0, 1, 2, 3])
+    """
 
 
 Column = Any  # a tensor with the batch in dimension 0, or a list with one entry per example

@@ -35,6 +35,14 @@ class EL2NResult:
         train_examples: examples forwarded and backpropagated while training the models.
         score_forwards: examples forwarded to score them.
         models, epochs: the recipe's size.
+
+    Example:
+        >>> r = EL2NResult(scores=np.array([0.2, 1.1, 0.7, 0.9]), seconds=0.5, train_examples=8,
+        ...                score_forwards=4, models=1, epochs=2)
+        >>> r.cost()
+        {'seconds': 0.5, 'train_examples': 8, 'score_forwards': 4, 'models': 1, 'epochs': 2}
+        >>> prune(r.scores, 0.5).tolist()
+        [1, 3]
     """
 
     scores: np.ndarray

@@ -171,6 +171,24 @@ class EpochIterator:
         stats: the epoch's :class:`~sbloader.EpochStats` (None before it starts).
         position: source batches consumed in the epoch so far.
         epoch: the epoch's number (None before it starts).
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> import sbloader
+        >>> data = TensorDataset(torch.randn(12, 4), torch.randint(0, 2, (12,)))
+        >>> loader = sbloader.SelectiveLoader(DataLoader(data, batch_size=4), torch.nn.Linear(4, 2),
+        ...                                   policy=sbloader.Traditional())
+        >>> it = iter(loader)
+        >>> it.epoch, it.stats
+        (None, None)
+        >>> batch = next(it)
+        >>> it.epoch, it.position, batch.indices.tolist(), it.finishing()
+        (0, 1, [0, 1, 2, 3], False)
+        >>> batch = next(it)
+        >>> batch = next(it)
+        >>> it.finishing(), it.position, next(it, None)
+        (True, 3, None)
     """
 
     def __init__(self, loader: SelectiveLoader) -> None:

@@ -50,6 +50,16 @@ class Choice:
             should be yielded. A position may repeat for policies that sample with replacement.
         probabilities: float64, one per candidate: the probability the policy gave it.
         weights: float64, one per entry of ``positions``: the loss weight for that example.
+
+    Example:
+        >>> import numpy as np
+        >>> c = Choice(np.array([2, 0]), np.array([1.0, 0.25, 0.5]), np.array([1.0, 4.0]))
+        >>> c.positions.tolist(), c.probabilities.tolist(), c.weights.tolist()
+        ([2, 0], [1.0, 0.25, 0.5], [1.0, 4.0])
+        >>> Choice.bernoulli(np.array([1.0, 0.0, 1.0]), np.random.default_rng(0)).positions.tolist()
+        [0, 2]
+        >>> Choice.everything(3).weights.tolist()
+        [1.0, 1.0, 1.0]
     """
 
     positions: np.ndarray
@@ -85,6 +95,31 @@ class Policy(abc.ABC):
     is True, :meth:`prefilter` may only read state that :meth:`choose` does not change in that
     epoch (it is fixed by :meth:`begin_epoch`). :class:`SelectiveBackprop` enforces this: its
     loss window is frozen in such epochs, and a push into it raises.
+
+    Example:
+        A policy that backpropagates the higher-loss half of every candidate batch, hardest
+        first:
+
+        >>> import numpy as np
+        >>> import torch
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> import sbloader
+        >>> class HardestHalf(Policy):
+        ...     @property
+        ...     def target_rate(self):
+        ...         return 0.5
+        ...     def choose(self, losses, indices, rng, n):
+        ...         positions = np.argsort(-losses, kind="stable")[: n // 2].astype(np.int64)
+        ...         return Choice(positions, np.full(n, 0.5), np.ones(n // 2))
+        >>> data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+        >>> loader = sbloader.SelectiveLoader(
+        ...     DataLoader(data, batch_size=8), torch.nn.Linear(4, 2), policy=HardestHalf(),
+        ...     batch_size=4)
+        >>> batches = list(loader)
+        >>> [len(y) for _, y in batches], loader.stats.total.selection_rate
+        ([4, 4, 4, 4], 0.5)
+        >>> bool((batches[0].losses[:-1] >= batches[0].losses[1:]).all())
+        True
     """
 
     def passthrough(self) -> bool:

@@ -76,6 +76,23 @@ class Source(abc.ABC):
     thread (see ``prefetch=``), and ``keep`` is then called on that thread too; every other
     method is called on the caller's thread, never while an epoch iterator of the same source is
     being advanced elsewhere, except :meth:`replaying`, which ``keep`` may call.
+
+    Example:
+        A source of two batches of four examples, with their dataset indices:
+
+        >>> import torch
+        >>> import sbloader
+        >>> class Ranges(Source):
+        ...     def has_indices(self):
+        ...         return True
+        ...     def epoch(self, skip=0, keep=None):
+        ...         for b in range(skip, 2):
+        ...             idx = np.arange(4 * b, 4 * b + 4)
+        ...             yield (torch.randn(4, 4), torch.from_numpy(idx % 2)), idx
+        >>> loader = sbloader.SelectiveLoader(Ranges(), torch.nn.Linear(4, 2),
+        ...                                   policy=sbloader.Traditional(), batch_size=4)
+        >>> [batch.indices.tolist() for batch in loader]
+        [[0, 1, 2, 3], [4, 5, 6, 7]]
     """
 
     def has_indices(self) -> bool:
@@ -304,6 +321,19 @@ class DataLoaderSource(Source):
     generator of its own (seeded by the base seed the run drew), so that the order goes on as
     in the uninterrupted run. The state records whether the run had drawn it, at the epoch's
     start (for a mid-epoch resume) and now.
+
+    Example:
+        A filtering epoch loads only the examples ``keep`` accepts, in full batches:
+
+        >>> import torch
+        >>> from torch.utils.data import TensorDataset
+        >>> src = DataLoaderSource(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=4))
+        >>> [idx.tolist() for _, idx in src.epoch()]
+        [[0, 1, 2, 3], [4, 5, 6, 7]]
+        >>> [(x.tolist(), idx.tolist()) for (x,), idx in src.epoch(keep=lambda i: i % 2 == 0)]
+        [([0.0, 2.0, 4.0, 6.0], [0, 2, 4, 6])]
+        >>> [idx.tolist() for _, idx in src.epoch(skip=1)], len(src), src.dataset_size
+        ([[4, 5, 6, 7]], 2, 8)
     """
 
     def __init__(self, loader: DataLoader) -> None:

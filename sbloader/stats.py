@@ -121,6 +121,23 @@ class EpochStats:
             highest class seen plus one), or None where the targets are not class indices on the
             CPU (see :meth:`count_classes`).
         class_selected: candidates selected per class (with multiplicity), or None likewise.
+
+    Example:
+        The stats of an epoch that kept every example after a selection pass:
+
+        >>> import torch
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> import sbloader
+        >>> data = TensorDataset(torch.randn(12, 4), torch.tensor([0, 1, 1] * 4))
+        >>> loader = sbloader.SelectiveLoader(
+        ...     DataLoader(data, batch_size=4), torch.nn.Linear(4, 2),
+        ...     policy=sbloader.SelectiveBackprop(beta=0), batch_size=4)
+        >>> _ = list(loader)
+        >>> e = loader.stats.current
+        >>> e.epoch, e.examples_seen, e.selection_forwards, e.examples_selected, e.batches_yielded
+        (0, 12, 12, 12, 3)
+        >>> e.selection_rate, e.class_seen.tolist(), e.class_selected.tolist()
+        (1.0, [4, 8], [4, 8])
     """
 
     epoch: int = -1
