@@ -204,19 +204,17 @@ def keep_function(
     policy: Policy,
     mask: np.ndarray | None,
     replaying: Callable[[], bool],
-) -> tuple[Keep | None, list[int]]:
-    """What a filtering source should load this epoch (a :class:`Keep`, or None when everything
-    is loaded), and its tally of what it left out, ``[rejected by the policy, outside the
-    subset]`` (see :class:`Keep`).
+) -> Keep | None:
+    """What a filtering source should load this epoch: a :class:`Keep` (whose ``tally`` counts
+    what it leaves out, ``[rejected by the policy, outside the subset]``), or None when
+    everything is loaded.
 
     Example:
         >>> from sbloader import Traditional
-        >>> keep, tally = keep_function(Traditional(), np.array([True, False, True]),
-        ...                             lambda: False)
-        >>> keep(np.array([0, 1, 2])).tolist(), tally
+        >>> keep = keep_function(Traditional(), np.array([True, False, True]), lambda: False)
+        >>> keep(np.array([0, 1, 2])).tolist(), keep.tally
         ([True, False, True], [0, 1])
     """
     if mask is None and not policy.can_prefilter():
-        return None, [0, 0]
-    keep = Keep(policy, mask, replaying)
-    return keep, keep.tally
+        return None
+    return Keep(policy, mask, replaying)

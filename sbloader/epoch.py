@@ -449,9 +449,7 @@ class EpochIterator:
         )
         source = loader.source
         self._filtering = source.can_filter()
-        keep = (
-            keep_function(policy, loader._subset, source.replaying)[0] if self._filtering else None
-        )
+        keep = keep_function(policy, loader._subset, source.replaying) if self._filtering else None
         snapshot = source.snapshot
 
         def make_iter() -> Any:
