@@ -108,7 +108,21 @@ def indices_needed(what: str, fix: str = "") -> ValueError:
 class NonFiniteLoss(FloatingPointError):
     """Selection losses that are not finite under ``nonfinite="raise"``: a ``FloatingPointError``
     of its own type, so that the loader can tell it from others (on several ranks it is reported
-    to every rank before it is raised, see :mod:`sbloader.distributed`)."""
+    to every rank before it is raised, see :mod:`sbloader.distributed`).
+
+    Example:
+        >>> import numpy as np
+        >>> from sbloader import Traditional
+        >>> from sbloader.decisions import choose_finite
+        >>> issubclass(NonFiniteLoss, FloatingPointError)
+        True
+        >>> try:
+        ...     choose_finite(Traditional(), np.array([1.0, np.inf, np.nan]), np.array([4, 5, 6]),
+        ...                   np.random.default_rng(0), 3, "raise")
+        ... except NonFiniteLoss as e:
+        ...     print(str(e).split(";")[0])
+        2 selection losses are not finite (dataset indices [5, 6]...)
+    """
 
 
 def nonfinite_losses(count: int, indices: list[int] | None = None) -> NonFiniteLoss:

@@ -63,6 +63,13 @@ class BinnedAccuracy(NamedTuple):
     Attributes:
         accuracy: float64, one per bin, lowest confidence first; NaN for an empty bin.
         examples: int64, the examples in each bin.
+
+    Example:
+        With fewer examples than bins, the last bins are empty and their accuracy is NaN:
+
+        >>> accuracy, examples = binned_accuracy([0.2, 0.9, 0.6], [False, True, True], bins=4)
+        >>> accuracy.tolist(), examples.tolist()
+        ([0.0, 1.0, 1.0, nan], [1, 1, 1, 0])
     """
 
     accuracy: np.ndarray
@@ -76,6 +83,15 @@ class NoiseShare(NamedTuple):
         share: the share of the ``k`` most selected examples whose label was flipped.
         expected: the share a random choice of ``k`` examples would give (the noise rate among the
             examples with a selection count).
+
+    Example:
+        The never-seen example (NaN) is left out of the noise rate; the most selected is flipped:
+
+        >>> result = flipped_share([0, 3], [4, float("nan"), 3, 1], k=1)
+        >>> result
+        NoiseShare(share=1.0, expected=0.6666666666666666)
+        >>> result.share > result.expected
+        True
     """
 
     share: float

@@ -151,6 +151,24 @@ class Keep:
     the consumed batches uncounted, then counts from there) counted the batches made ahead
     twice: ``excluded`` and ``prefiltered`` came out too high, and ``loader.progress`` (and the
     ramp of ``ramp_epochs``, which follows it) ran ahead of the uninterrupted run's.
+
+    Example:
+        Two batches made, one handed out: ``counted()`` is as of the one handed out.
+
+        >>> from sbloader import Traditional
+        >>> keep = Keep(Traditional(), np.array([True, False, True, False]), lambda: False)
+        >>> keep(np.array([0, 1])).tolist()
+        [True, False]
+        >>> keep.batch_made()
+        >>> keep(np.array([2, 3])).tolist()
+        [True, False]
+        >>> keep.batch_made()
+        >>> keep.batch_taken()
+        >>> keep.tally, keep.counted()
+        ([0, 2], (0, 1))
+        >>> keep.ended()
+        >>> keep.counted()
+        (0, 2)
     """
 
     def __init__(
