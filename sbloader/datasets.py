@@ -88,6 +88,16 @@ class ArrayRows(Sequence):
     As a sequence it holds one tuple per row (what torch's default collate function takes, made
     on first access); :meth:`ArrayDataset.collate` uses ``columns``, the gathered tensors, as
     they are.
+
+    Example:
+        >>> ds = ArrayDataset(torch.arange(6).view(3, 2), torch.tensor([7, 8, 9]))
+        >>> rows = ds.__getitems__([2, 0])
+        >>> len(rows), [c.tolist() for c in rows.columns]
+        (2, [[[4, 5], [0, 1]], [9, 7]])
+        >>> rows[0]
+        (tensor([4, 5]), tensor(9))
+        >>> [c.tolist() for c in ArrayDataset.collate(rows)]
+        [[[4, 5], [0, 1]], [9, 7]]
     """
 
     __slots__ = ("_rows", "columns")
@@ -178,7 +188,25 @@ class ArrayDataset(Dataset):
 def fashion_mnist_tensors(
     split: str = "train", root: str | os.PathLike | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalised float32 images (N x 1 x 28 x 28) and int64 labels, ready for training."""
+    """Normalised float32 images (N x 1 x 28 x 28) and int64 labels, ready for training.
+
+    Reads the files of :func:`load_fashion_mnist` (same ``split`` and ``root``), scales the pixels
+    to [0, 1] and normalises them with the training split's mean (0.2860) and std (0.3530).
+
+    Example:
+        Two white test images written as IDX files (the format of the dataset's files):
+
+        >>> import tempfile
+        >>> def write_idx(path, a):
+        ...     dims = b"".join(d.to_bytes(4, "big") for d in a.shape)
+        ...     Path(path).write_bytes(bytes([0, 0, 8, a.ndim]) + dims + a.tobytes())
+        >>> with tempfile.TemporaryDirectory() as root:
+        ...     write_idx(f"{root}/t10k-images-idx3-ubyte", np.full((2, 28, 28), 255, np.uint8))
+        ...     write_idx(f"{root}/t10k-labels-idx1-ubyte", np.array([3, 7], np.uint8))
+        ...     x, y = fashion_mnist_tensors("test", root)
+        >>> x.shape, x.dtype, round(x.max().item(), 4), y.dtype, y.tolist()
+        (torch.Size([2, 1, 28, 28]), torch.float32, 2.0227, torch.int64, [3, 7])
+    """
     images, labels = load_fashion_mnist(split, root)
     x = torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)
     x = (x - FASHION_MNIST_MEAN) / FASHION_MNIST_STD

@@ -35,6 +35,15 @@ class DeviceChoice:
         probabilities: float64, one per candidate: the probability it was kept with.
         weights: float64, one per kept candidate: its loss weight.
         nonfinite: how many losses were not finite.
+
+    Example:
+        The infinite loss is never kept (P = 0); with ``reweight=True`` a kept loss weighs 1 / P:
+
+        >>> losses = torch.tensor([2.0, float("inf"), 1.0, 4.0])
+        >>> uniforms = torch.tensor([0.9, 0.0, 0.4, 0.9], dtype=torch.float64)
+        >>> c = DeviceWindow(8).push_rank_and_draw(losses, uniforms, beta=1.0, reweight=True)
+        >>> len(c), c.positions.tolist(), c.probabilities.tolist(), c.weights.tolist(), c.nonfinite
+        (3, [0, 2, 3], [1.0, 0.0, 0.5, 1.0], [1.0, 2.0, 1.0], 1)
     """
 
     positions: torch.Tensor
@@ -344,6 +353,21 @@ def device_rows(
     The kept positions stay on the device for tensor columns, losses, probabilities and
     weights; they come to the host only for list columns and for the source's dataset indices
     (which :class:`~sbloader.rows.Rows` keeps on the CPU).
+
+    Example:
+        A tensor column and a list column, positions 0, 2 and 3 kept:
+
+        >>> losses = torch.tensor([2.0, float("inf"), 1.0, 4.0])
+        >>> uniforms = torch.tensor([0.9, 0.0, 0.4, 0.9], dtype=torch.float64)
+        >>> c = DeviceWindow(8).push_rank_and_draw(losses, uniforms, beta=1.0, reweight=True)
+        >>> data = [torch.tensor([10, 11, 12, 13]), ["a", "b", "c", "d"]]
+        >>> rows = device_rows(data, c, np.array([50, 51, 52, 53]), torch.device("cpu"), losses)
+        >>> rows.data[0].tolist(), rows.data[1], rows.indices.tolist()
+        ([10, 12, 13], ['a', 'c', 'd'], [50, 52, 53])
+        >>> rows.losses.tolist(), rows.probabilities.tolist(), rows.weights.tolist()
+        ([2.0, 1.0, 4.0], [1.0, 0.5, 1.0], [1.0, 2.0, 1.0])
+        >>> device_rows(data[:1], c, None, torch.device("cpu"), losses).indices.tolist()
+        [-1, -1, -1]
     """
     pos = choice.positions
     k = len(choice)
