@@ -148,6 +148,17 @@ class RankSync:
         rank: this process's rank within ``group``.
         world_size: the number of ranks in ``group``.
         device: where collective tensors live (set by :meth:`bind`).
+
+    Example:
+        It is built on every rank after ``torch.distributed.init_process_group(...)``; without
+        an initialised process group (a plain Python process) it is refused:
+
+        >>> RankSync()
+        Traceback (most recent call last):
+            ...
+        RuntimeError: distributed=True needs an initialised process group; call
+        torch.distributed.init_process_group(...) before building the SelectiveLoader, or pass
+        distributed=False
     """
 
     def __init__(self, group: Any = None) -> None:
@@ -423,6 +434,20 @@ def make_sync(distributed: bool | None, group: Any = None) -> RankSync | None:
         distributed: None (automatic: when ``torch.distributed`` is initialised with more than
             one rank), True (required; an uninitialised process group raises) or False.
         group: the process group; None for the default group.
+
+    Example:
+        In a plain Python process (no process group initialised):
+
+        >>> make_sync(None) is None, make_sync(False) is None
+        (True, True)
+        >>> make_sync(True)
+        Traceback (most recent call last):
+            ...
+        RuntimeError: distributed=True needs an initialised process group; ...
+        >>> make_sync("yes")
+        Traceback (most recent call last):
+            ...
+        TypeError: distributed should be True, False or None (automatic), but got distributed='yes'
     """
     if distributed is None:
         return RankSync(group) if is_distributed(group) else None
@@ -467,6 +492,26 @@ def check_unsynced(distributed: bool | None, group: Any, cdf: str) -> None:
 
     NOTE: ``rank=`` is not checked: on processes that are not one ``torch.distributed`` job it is
     how each draws differently from the same ``seed``.
+
+    Example:
+        Without a process group, under a launcher that started 4 processes:
+
+        >>> from unittest import mock
+        >>> with mock.patch.dict(os.environ, {"WORLD_SIZE": "4"}):
+        ...     check_unsynced(False, None, "local")  # each process on its own: fine
+        ...     check_unsynced(None, None, "local")
+        Traceback (most recent call last):
+            ...
+        ValueError: WORLD_SIZE=4 says this is one of 4 processes, but no torch.distributed ...
+
+        On one process, ``cdf="global"`` warns that it ranks as ``"local"`` does:
+
+        >>> with mock.patch.dict(os.environ, {"WORLD_SIZE": "1"}), warnings.catch_warnings():
+        ...     warnings.simplefilter("error")  # the warning raised, to show it
+        ...     check_unsynced(None, None, "global")
+        Traceback (most recent call last):
+            ...
+        UserWarning: cdf='global' ranks losses against every rank's, which needs an initialised ...
     """
     initialised = dist.is_available() and dist.is_initialized()
     if group is not None and not initialised:
