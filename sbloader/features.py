@@ -158,7 +158,29 @@ def make_feature_cache(
     cache: Any, prefix: nn.Module | None, autocast: Any, source: Any
 ) -> FeatureCache | None:
     """The cross-epoch cache of a frozen prefix's outputs that ``cache_features=`` asks for over
-    ``source`` (a :class:`~sbloader.sources.Source`), or None; checked."""
+    ``source`` (a :class:`~sbloader.sources.Source`), or None; checked.
+
+    A cache of one row per dataset index, on the device ``cache`` names (``True``: where the
+    outputs are), stored in ``autocast``'s dtype when that is one.
+
+    Example:
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> from sbloader.sources import DataLoaderSource, IterableSource
+        >>> src = DataLoaderSource(DataLoader(TensorDataset(torch.randn(8, 3)), batch_size=4))
+        >>> cache = make_feature_cache("cpu", nn.Linear(3, 2), torch.bfloat16, src)
+        >>> cache.size, cache.device, cache.store_dtype
+        (8, device(type='cpu'), torch.bfloat16)
+        >>> make_feature_cache(False, nn.Linear(3, 2), None, src) is None
+        True
+        >>> make_feature_cache(True, None, None, src)
+        Traceback (most recent call last):
+            ...
+        ValueError: cache_features caches frozen_prefix's outputs, but got frozen_prefix=None; ...
+        >>> make_feature_cache(True, nn.Linear(3, 2), None, IterableSource([[torch.zeros(2, 3)]]))
+        Traceback (most recent call last):
+            ...
+        ValueError: cache_features needs each example's dataset index, but the source provides ...
+    """
     if cache is False or cache is None:
         return None
     if prefix is None:

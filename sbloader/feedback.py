@@ -20,7 +20,16 @@ __all__ = ["FeedbackBuffer", "check_range", "checked"]
 
 
 def check_range(indices: np.ndarray, size: int | None) -> np.ndarray:
-    """``indices``, or an ``IndexError`` naming the fix if one is outside ``0 .. size - 1``."""
+    """``indices``, or an ``IndexError`` naming the fix if one is outside ``0 .. size - 1``.
+
+    Example:
+        >>> check_range(np.array([0, 9]), 10).tolist(), check_range(np.array([12]), None).tolist()
+        ([0, 9], [12])
+        >>> check_range(np.array([3, 10, -1]), 10)
+        Traceback (most recent call last):
+            ...
+        IndexError: loader.feedback got dataset indices outside 0..9 (e.g. [10, -1]); pass the ...
+    """
     if size is None or not len(indices):
         return indices
     outside = (indices < 0) | (indices >= size)
@@ -51,6 +60,19 @@ def checked(indices: Any, losses: Any, size: int | None) -> tuple[torch.Tensor, 
 
     Host-side indices are checked against ``size`` at once; device-side ones are left for
     :func:`check_range` when they reach the host (checking them here would synchronise).
+
+    Example:
+        >>> idx, losses = checked([4, 7], np.array([0.5, 2.0]), 10)
+        >>> idx.tolist(), losses.tolist()
+        ([4, 7], [0.5, 2.0])
+        >>> checked([4, 7], [0.5], 10)
+        Traceback (most recent call last):
+            ...
+        ValueError: feedback needs one loss per example, but got 2 indices and 1 losses; ...
+        >>> checked(torch.tensor([1.0]), [0.5], 10)
+        Traceback (most recent call last):
+            ...
+        TypeError: indices should hold whole dataset indices (an integer tensor such as ...
     """
     idx, val = _as_tensor("indices", indices), _as_tensor("losses", losses)
     if idx.shape[0] != val.shape[0]:
