@@ -127,6 +127,19 @@ class AheadScores:
         logits: the selection outputs with ``keep_logits``, else None.
         calls: selection-model calls the pass made.
         seconds: how long the pass ran.
+
+    Example:
+        Saved and restored, the scores are used only for the source batch they were made for:
+
+        >>> ahead = AheadScores(0, 3, np.array([8, 9]), torch.tensor([0.5, 1.5]), None, 1, 0.01)
+        >>> restored = AheadScores.from_state(ahead.state_dict())
+        >>> restored.indices.tolist(), restored.losses.tolist(), restored.position
+        ([8, 9], [0.5, 1.5], 3)
+        >>> restored.check(0, 3, np.array([8, 9]), 2)  # the same batch: no error
+        >>> restored.check(0, 3, np.array([8, 10]), 2)
+        Traceback (most recent call last):
+            ...
+        RuntimeError: the resumed run's source yielded another source batch than the saved run ...
     """
 
     epoch: int

@@ -127,7 +127,19 @@ def forward_autocast(model: torch.nn.Module, device: torch.device) -> torch.dtyp
 
 def forward_autocast_refused(requested: Any, dtype: torch.dtype, device: torch.device) -> str:
     """The refusal of an explicit ``autocast`` that a model's own forward autocast (see
-    :func:`forward_autocast`) overrides."""
+    :func:`forward_autocast`) overrides.
+
+    Example:
+        A model prepared with bf16 mixed precision, and ``autocast=torch.float32`` asked:
+
+        >>> message = forward_autocast_refused(torch.float32, torch.bfloat16, torch.device("cuda"))
+        >>> print(message.split(" (")[0])
+        autocast should be 'auto' or torch.bfloat16 for this model, whose forward runs under its
+        own torch.autocast('cuda', dtype=torch.bfloat16)
+        >>> print(message.split("; ")[1])
+        pass autocast='auto' (selection passes in bfloat16, as the training forward), or prepare
+        the model without mixed precision
+    """
     name = str(dtype).removeprefix("torch.")
     return (
         f"autocast should be 'auto' or {dtype} for this model, whose forward runs under its own "
@@ -140,7 +152,17 @@ def forward_autocast_refused(requested: Any, dtype: torch.dtype, device: torch.d
 
 def native_bf16(device: torch.device) -> bool:
     """Whether ``device`` computes bf16 natively: a CUDA device that supports it, or a CPU with
-    AVX512-BF16 or AMX (x86). Other devices and CPUs (ARM included) answer False."""
+    AVX512-BF16 or AMX (x86). Other devices and CPUs (ARM included) answer False.
+
+    Example:
+        The answer depends on the machine; ``autocast="auto"`` picks bf16 where it is True:
+
+        >>> cpu = torch.device("cpu")
+        >>> isinstance(native_bf16(cpu), bool), native_bf16(torch.device("meta"))
+        (True, False)
+        >>> selection_dtype("auto", cpu)[0] == (torch.bfloat16 if native_bf16(cpu) else None)
+        True
+    """
     if device.type == "cuda":
         return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
@@ -152,7 +174,14 @@ def native_int8() -> bool:
     """Whether this CPU computes int8 dot products natively (x86 VNNI or AMX), where the int8
     selection copy (``quantize_selection``) measured cheaper than bf16 and fp32 (README, A
     cheaper selection pass). Without them (an AVX2-only CPU, ARM) it saved far less, so
-    ``quantize_selection="auto"`` leaves it off."""
+    ``quantize_selection="auto"`` leaves it off.
+
+    Example:
+        The answer depends on the machine's CPU:
+
+        >>> isinstance(native_int8(), bool)
+        True
+    """
     return _cpu_has("_is_vnni_supported", "_is_amx_tile_supported")
 
 
