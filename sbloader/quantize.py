@@ -352,6 +352,13 @@ def qconfig_mapping(engine: str) -> Any:
     histogram observer made calibration on the benchmark CNN about twice as slow as min-max, for
     the same ranking of losses (Spearman 0.9996 against fp32 either way on the benchmark CNN;
     see benchmarks/results/quantized/). Weights keep the default's per-channel observer.
+
+    Example:
+        >>> qconfig = qconfig_mapping("x86").global_qconfig
+        >>> qconfig.activation.p.func.__name__, qconfig.activation.p.keywords
+        ('MinMaxObserver', {'reduce_range': True})
+        >>> qconfig.weight.p.func.__name__
+        'PerChannelMinMaxObserver'
     """
     from torch.ao.quantization import QConfig, get_default_qconfig_mapping
     from torch.ao.quantization.observer import MinMaxObserver
@@ -417,7 +424,23 @@ def _forget_modules() -> None:
 
 
 class Int8Unavailable(RuntimeError):
-    """The int8 copy of the selection model could not be built (its message names the fix)."""
+    """The int8 copy of the selection model could not be built (its message names the fix).
+
+    Example:
+        A forward with data-dependent control flow cannot be traced for an int8 copy:
+
+        >>> class Branchy(nn.Module):
+        ...     def forward(self, x):
+        ...         return x if x.sum() > 0 else -x
+        >>> selector = QuantizedSelector(QuantizedSelection(), torch.backends.quantized.engine)
+        >>> try:
+        ...     selector.model_for(Branchy(), torch.randn(4, 3), epoch=0)
+        ... except Int8Unavailable as e:
+        ...     print(isinstance(e, RuntimeError), str(e).split(": ", 1)[1])
+        True TraceError: symbolically traced variables cannot be used as inputs to control flow;
+        pass selector= a model whose layers have int8 kernels (convolutions, Linear, ReLU,
+        pooling), or pass quantize_selection=False
+    """
 
 
 class QuantizedSelector:
