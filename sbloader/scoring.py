@@ -42,6 +42,18 @@ class Scored:
             decisions run on the device: ``Scorer.host_values`` False).
         features: the frozen prefix's outputs for every candidate, or None without one.
         logits: the model's outputs for every candidate (``keep_logits``), else None.
+
+    Example:
+        >>> from sbloader.selection import SelectionForward
+        >>> scorer = Scorer(nn.Linear(3, 2), nn.CrossEntropyLoss(reduction="none"), None,
+        ...                 SelectionForward(), None, None, None, True, False)
+        >>> x, y = torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
+        >>> scored = scorer.run(scorer.selection_model, x, y)
+        >>> scored.losses.shape, scored.values.dtype, scored.features, scored.logits
+        (torch.Size([4]), dtype('float64'), None, None)
+        >>> scorer.host_values = False  # decisions="device": no host copy
+        >>> scorer.run(scorer.selection_model, x, y).values is None
+        True
     """
 
     losses: torch.Tensor
@@ -69,6 +81,20 @@ class Scorer:
         fallback_autocast: the precision to score in if a copy chosen by
             ``quantize_selection="auto"`` cannot be built (see :meth:`fall_back`).
         precision: what selection passes run in, and why (``loader.selection_precision``).
+
+    Example:
+        Five candidates scored in forwards of 2, the outputs kept (``keep_logits``):
+
+        >>> from sbloader.selection import SelectionForward
+        >>> scorer = Scorer(nn.Linear(3, 2), nn.CrossEntropyLoss(reduction="none"), None,
+        ...                 SelectionForward(), None, None, 2, True, True)
+        >>> stats = EpochStats()
+        >>> x, y = torch.randn(5, 3), torch.tensor([0, 1, 0, 1, 1])
+        >>> scored = scorer.score(x, y, np.arange(5), 0, stats)
+        >>> scored.losses.shape, scored.logits.shape, scorer.logits_shape
+        (torch.Size([5]), torch.Size([5, 2]), (2,))
+        >>> stats.selection_forwards, stats.selection_calls, scorer.chunks(5)
+        (5, 3, 3)
     """
 
     VERSION = 1
