@@ -48,6 +48,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 
     NOTE: selection passes must call the unwrapped module: a forward through the DDP wrapper on
     one rank but not another makes DDP's collectives mismatch across ranks.
+
+    Example:
+        >>> model = nn.Linear(2, 2)
+        >>> unwrap(nn.DataParallel(model)) is model, unwrap(model) is model
+        (True, True)
     """
     while True:
         inner = getattr(model, "module", None)
@@ -149,6 +154,19 @@ def check_loss_fn(loss_fn: Callable[..., torch.Tensor]) -> None:
     Raises:
         TypeError: ``loss_fn`` is not callable (e.g. the name of a loss).
         ValueError: ``loss_fn`` is a loss module whose ``reduction`` is not ``"none"``.
+
+    Example:
+        >>> check_loss_fn(nn.CrossEntropyLoss(reduction="none"))  # one loss per example: fine
+        >>> check_loss_fn(nn.CrossEntropyLoss())
+        Traceback (most recent call last):
+            ...
+        ValueError: loss_fn should return one loss per example, but got a loss with
+        reduction='mean'; pass reduction='none', e.g. nn.CrossEntropyLoss(reduction='none')
+        >>> check_loss_fn("cross_entropy")
+        Traceback (most recent call last):
+            ...
+        TypeError: loss_fn should be a callable loss_fn(outputs, targets) returning one loss per
+        example, e.g. nn.CrossEntropyLoss(reduction='none'), but got loss_fn='cross_entropy'
     """
     if not callable(loss_fn):
         raise TypeError(
@@ -231,6 +249,18 @@ def input_fields(
 
 
 def check_forward(forward: Any) -> None:
+    """Refuse a ``forward=`` that is neither None nor a callable ``forward(model, batch)``.
+
+    Example:
+        >>> check_forward(None)
+        >>> check_forward(lambda model, batch: model(batch["x"]))
+        >>> check_forward("input_ids")
+        Traceback (most recent call last):
+            ...
+        TypeError: forward should be a callable forward(model, batch) returning the model's
+        outputs, e.g. forward=lambda model, batch: model(batch['input_ids'],
+        attention_mask=batch['attention_mask']), but got str
+    """
     if forward is not None and not callable(forward):
         raise TypeError(
             "forward should be a callable forward(model, batch) returning the model's outputs, "
@@ -240,6 +270,19 @@ def check_forward(forward: Any) -> None:
 
 
 def check_output(output: Any) -> None:
+    """Refuse an ``output=`` that is none of :data:`Output`'s kinds: None, a key or attribute
+    name, a position (an int, not a bool) or a callable.
+
+    Example:
+        >>> for output in (None, "logits", 0, lambda out: out[0]):
+        ...     check_output(output)
+        >>> check_output(True)
+        Traceback (most recent call last):
+            ...
+        TypeError: output should be None (a Tensor as is, else its 'logits'), a key or attribute
+        name such as output='logits', a position such as output=0, or a callable, but got
+        output=True
+    """
     if output is None or callable(output) or isinstance(output, str):
         return
     if isinstance(output, int) and not isinstance(output, bool):
