@@ -222,6 +222,14 @@ def import_ffcv() -> ModuleType:
 
     Raises:
         ImportError: naming the fix when ffcv is not installed.
+
+    Example:
+        ``import ffcv`` alone would set torch's thread count to 1:
+
+        >>> before = torch.get_num_threads()
+        >>> ffcv = import_ffcv() if ffcv_available() else None  # ffcv is optional
+        >>> torch.get_num_threads() == before
+        True
     """
     with preserved_threads():
         try:
@@ -536,6 +544,18 @@ def open_beton(
         pipelines: per-field pipelines, overriding the defaults (``None`` disables a field).
         indices: a subset of the file's examples to load.
         **kwargs: passed to ``ffcv.loader.Loader``.
+
+    Example:
+        Over the toy file of :func:`write_beton`'s example (8 examples), and arguments refused
+        before ffcv is imported:
+
+        >>> loader = open_beton("toy.beton", 3, order="random", seed=0)  # doctest: +SKIP
+        >>> type(loader).__name__, len(loader), loader.drop_last  # doctest: +SKIP
+        ('Loader', 3, False)
+        >>> open_beton("toy.beton", 3, order="shuffle")
+        Traceback (most recent call last):
+            ...
+        ValueError: order should be one of 'sequential', 'random', 'quasi_random', but got ...
     """
     check_int("batch_size", batch_size, minimum=1)
     check_int("seed", seed, minimum=0)
@@ -683,6 +703,22 @@ class FFCVSource(Source):
     Thread counts: FFCV's ``iter(loader)`` and its batch thread set torch's and numba's thread
     counts to ``num_workers``; the source restores them as soon as the first batch of each epoch
     has arrived, before anything else runs.
+
+    Example:
+        Six examples in batches of 4, in FFCV's random order (labels flattened to ``(B,)``):
+
+        >>> import numpy as np
+        >>> data = (np.arange(6, dtype=np.float32).reshape(6, 1) * 10, np.arange(6) % 2)
+        >>> path = write_beton("toy.beton", data)  # doctest: +SKIP
+        >>> src = FFCVSource(open_beton(path, 4, order="random", seed=0))  # doctest: +SKIP
+        >>> src.outputs, len(src), src.dataset_size  # doctest: +SKIP
+        (['image', 'label', 'index'], 2, 6)
+        >>> [(y.tolist(), idx.tolist()) for (_, y, _), idx in src.epoch()]  # doctest: +SKIP
+        [([1, 0, 1, 0], [3, 2, 5, 4]), ([0, 1], [0, 1])]
+        >>> FFCVSource([1, 2])
+        Traceback (most recent call last):
+            ...
+        TypeError: loader should be an ffcv.loader.Loader, but got list
     """
 
     STATE_VERSION = 1
