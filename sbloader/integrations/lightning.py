@@ -90,6 +90,25 @@ class LightningLoader:
         loader: the :class:`~sbloader.SelectiveLoader` (its ``stats``, ``epoch``, ``progress``).
         fetched: batches Lightning fetched from the current epoch's iterator.
         trained: batches of those handed to ``training_step``.
+
+    Example:
+        Lightning fetches a batch ahead of ``training_step``; the state saved is the one the
+        last trained batch came from, so a resumed loader hands the batch fetched ahead out
+        again:
+
+        >>> from torch.utils.data import TensorDataset
+        >>> import sbloader
+        >>> data = TensorDataset(torch.randn(12, 4), torch.randint(0, 3, (12,)))
+        >>> source = DataLoader(data, batch_size=4)
+        >>> wrapped = LightningLoader(
+        ...     SelectiveLoader(source, nn.Linear(4, 3), policy=sbloader.Traditional()))
+        >>> batches = iter(wrapped)
+        >>> first, ahead = next(batches), next(batches)
+        >>> wrapped.trained = 1  # as SelectiveLoaderCallback counts training_step's batches
+        >>> again = SelectiveLoader(source, nn.Linear(4, 3), policy=sbloader.Traditional())
+        >>> again.load_state_dict(wrapped.saved_state())
+        >>> next(iter(again)).indices.tolist(), ahead.indices.tolist()
+        ([4, 5, 6, 7], [4, 5, 6, 7])
     """
 
     def __init__(self, loader: SelectiveLoader) -> None:
@@ -207,6 +226,25 @@ class SelectiveLoaderCallback(pl.Callback):
     state as of the last batch handed to ``training_step``. One callback per training run: a
     loader built again by the same callback (``reload_dataloaders_every_n_epochs``) carries on
     from the previous one's state.
+
+    Example:
+        >>> from torch.utils.data import TensorDataset
+        >>> class Module(pl.LightningModule):
+        ...     def training_step(self, batch, batch_idx):
+        ...         pass
+        >>> callback = SelectiveLoaderCallback()
+        >>> callback.loader, callback.state_dict()  # no loader built yet: nothing to save
+        (None, {})
+        >>> module = Module()
+        >>> module.trainer = pl.Trainer(callbacks=[callback], logger=False, accelerator="cpu")
+        >>> data = TensorDataset(torch.randn(12, 4), torch.randint(0, 3, (12,)))
+        >>> loader = selective_loader(module, DataLoader(data, batch_size=4), nn.Linear(4, 3),
+        ...                           batch_size=2)
+        >>> callback.loader is loader
+        True
+        >>> state = callback.state_dict()  # what a checkpoint holds: one state per rank
+        >>> state["version"], len(state["ranks"]), state["ranks"][0]["epoch"]
+        (1, 1, 0)
     """
 
     def __init__(self) -> None:
@@ -314,6 +352,31 @@ def selective_loader(
         ValueError: no :class:`SelectiveLoaderCallback` (or more than one) in the Trainer's
             callbacks, a ``training_step`` that takes ``dataloader_iter``, or a source
             DataLoader without a ``DistributedSampler`` for the Trainer's processes.
+
+    Example:
+        The selection results travel in the batch, under ``"sb"``:
+
+        >>> from torch.utils.data import TensorDataset
+        >>> class Module(pl.LightningModule):
+        ...     def training_step(self, batch, batch_idx):
+        ...         pass
+        >>> module = Module()
+        >>> module.trainer = pl.Trainer(callbacks=[SelectiveLoaderCallback()], logger=False,
+        ...                             accelerator="cpu")
+        >>> data = TensorDataset(torch.randn(12, 4), torch.randint(0, 3, (12,)))
+        >>> loader = selective_loader(module, DataLoader(data, batch_size=4), nn.Linear(4, 3),
+        ...                           batch_size=2)
+        >>> x, y, sb = next(iter(loader))
+        >>> x.shape, sorted(sb)
+        (torch.Size([2, 4]), ['indices', 'losses', 'probabilities', 'weights'])
+
+        Without the callback, checkpoints could not save the loader:
+
+        >>> module.trainer = pl.Trainer(logger=False, accelerator="cpu")
+        >>> selective_loader(module, DataLoader(data, batch_size=4))
+        Traceback (most recent call last):
+            ...
+        ValueError: selective_loader needs one SelectiveLoaderCallback in the Trainer's ...
     """
     if not isinstance(module, pl.LightningModule):
         fix = (
