@@ -77,6 +77,20 @@ def shard_source(loader: Any, index_key: Hashable | None = None) -> Source:
     main process (``dispatch_batches=True``, Accelerate's default for iterable datasets),
     iterable datasets, ``split_batches=True``, ``skip_first_batches`` (resume through the
     loader's state instead), and ``index_key`` (the indices are recovered without it).
+
+    Example:
+        >>> import torch
+        >>> from accelerate import Accelerator
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> data = TensorDataset(torch.randn(12, 4), torch.randint(0, 3, (12,)))
+        >>> prepared = Accelerator(cpu=True).prepare(DataLoader(data, batch_size=4))
+        >>> source = shard_source(prepared)
+        >>> type(source).__name__, source.epoch_size
+        ('AcceleratedShardSource', 12)
+        >>> shard_source(DataLoader(data, batch_size=4))  # not prepared
+        Traceback (most recent call last):
+            ...
+        ValueError: SelectiveLoader cannot read Accelerate's DataLoader: pass the DataLoader ...
     """
     kind = type(loader).__name__
     if kind != "DataLoaderShard":
@@ -132,6 +146,27 @@ class AcceleratedShardSource(DataLoaderSource):
     ``device``). The synchronisation runs in :meth:`set_epoch`, which the loader calls on the
     caller's thread at every epoch start, since a collective must not run on the prefetch
     thread; a resumed epoch then restores its saved generator states over the synchronised ones.
+
+    Example:
+        On one process the shard is the whole epoch; a shuffling DataLoader needs a
+        ``generator`` for its order to be replayed (a mid-epoch resume):
+
+        >>> import torch
+        >>> from accelerate import Accelerator
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> accelerator = Accelerator(cpu=True)
+        >>> data = TensorDataset(torch.randn(12, 4), torch.randint(0, 3, (12,)))
+        >>> source = AcceleratedShardSource(accelerator.prepare(DataLoader(data, batch_size=4)))
+        >>> source.set_epoch(0)
+        >>> [idx.tolist() for _, idx in source.epoch(skip=1)]
+        [[4, 5, 6, 7], [8, 9, 10, 11]]
+        >>> shuffled = accelerator.prepare(DataLoader(data, batch_size=4, shuffle=True))
+        >>> AcceleratedShardSource(shuffled).replayable
+        False
+        >>> shuffled = accelerator.prepare(DataLoader(
+        ...     data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0)))
+        >>> AcceleratedShardSource(shuffled).replayable
+        True
     """
 
     def __init__(self, loader: Any) -> None:
@@ -227,6 +262,25 @@ class AcceleratedLoader(DataLoaderStateMixin, NotADataLoader):
 
     Attributes:
         loader: the wrapped SelectiveLoader (``stats``, ``epoch``, ``progress``, ...).
+
+    Example:
+        >>> import torch
+        >>> from accelerate import Accelerator
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> from sbloader import Traditional
+        >>> data = TensorDataset(torch.randn(12, 4), torch.randint(0, 3, (12,)))
+        >>> prepared = Accelerator(cpu=True).prepare(DataLoader(data, batch_size=4))
+        >>> loader = AcceleratedLoader(
+        ...     SelectiveLoader(prepared, torch.nn.Linear(4, 3), policy=Traditional()))
+        >>> len(loader), [batch.indices.tolist() for batch in loader]
+        (3, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]])
+        >>> state = loader.state_dict()  # what accelerator.save_state saves: every rank's state
+        >>> state["version"], state["world_size"], len(state["ranks"])
+        (1, 1, 1)
+        >>> AcceleratedLoader(prepared)
+        Traceback (most recent call last):
+            ...
+        TypeError: AcceleratedLoader wraps a sbloader.SelectiveLoader, but got DataLoaderShard; ...
     """
 
     VERSION = 1
