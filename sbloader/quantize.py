@@ -351,7 +351,8 @@ def qconfig_mapping(engine: str) -> Any:
     NOTE: a refresh runs every ``refresh_every`` source batches, so its cost counts: the
     histogram observer made calibration on the benchmark CNN about twice as slow as min-max, for
     the same ranking of losses (Spearman 0.9996 against fp32 either way on the benchmark CNN;
-    see benchmarks/results/quantized/). Weights keep the default's per-channel observer.
+    see benchmarks/results/quantized/). Weights keep the default's observer (per-channel for
+    ``"x86"`` and ``"fbgemm"``, per-tensor min-max for ``"qnnpack"``).
 
     Example:
         >>> qconfig = qconfig_mapping("x86").global_qconfig
@@ -359,6 +360,8 @@ def qconfig_mapping(engine: str) -> Any:
         ('MinMaxObserver', {'reduce_range': True})
         >>> qconfig.weight.p.func.__name__
         'PerChannelMinMaxObserver'
+        >>> qconfig_mapping("qnnpack").global_qconfig.weight.p.func.__name__
+        'MinMaxObserver'
     """
     from torch.ao.quantization import QConfig, get_default_qconfig_mapping
     from torch.ao.quantization.observer import MinMaxObserver
