@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +60,32 @@ class SelectedBatch:
         self.probabilities = probabilities
         self.weights = weights
 
+    def _set_lazy_meta(self, make: Callable[[], tuple[Any, ...]]) -> None:
+        """Attach ``indices``, ``losses``, ``probabilities`` and ``weights`` as ``make()``
+        returns them, called on the first access of any of them.
+
+        NOTE: a whole source batch handed out by a passthrough policy (Traditional's fast path)
+        carries metadata known without looking at it; made for every batch, its tensors were a
+        third of the loader's own time per batch, and most training loops never read them.
+        Reading an attribute gives the same tensors it would have had; pickling or copying the
+        batch makes them first.
+        """
+        self.__dict__[_LAZY] = make
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only where normal lookup fails: for a batch whose metadata is still to be made.
+        if name in _META:
+            make = self.__dict__.pop(_LAZY, None)
+            if make is not None:
+                self._set_meta(*make())
+                return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __getstate__(self) -> dict[str, Any]:
+        if _LAZY in self.__dict__:
+            self.__getattr__("indices")
+        return self.__dict__
+
 
 class SelectedTuple(tuple, SelectedBatch):
     """A tuple batch (``for inputs, targets in loader`` keeps working) with selection attributes.
@@ -113,6 +139,11 @@ class SelectedDict(dict, SelectedBatch):
         ('SelectedDict', ['id', 'input', 'target'], ['row0', 'row1', 'row2', 'row3'], [0, 1, 2, 3])
     """
 
+
+#: The metadata attributes of a yielded batch, and where a batch keeps the callable that makes
+#: them when they are made on first access (see SelectedBatch._set_lazy_meta).
+_META = frozenset({"indices", "losses", "probabilities", "weights"})
+_LAZY = "_sbloader_lazy_meta"
 
 Column = Any  # a tensor with the batch in dimension 0, or a list with one entry per example
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Hashable, Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 
 from . import batch as B
 from ._state import check_version
-from .rows import Rows
+from .rows import Rows, WholeBatch
 
 __all__ = ["BatchCodec"]
 
@@ -236,11 +237,16 @@ class BatchCodec:
         assert self.format is not None
         return self.format.view(data)
 
-    def build(self, rows: Rows, normalize_weights: bool, has_indices: bool) -> B.SelectedBatch:
+    def build(
+        self, rows: Rows | WholeBatch, normalize_weights: bool, has_indices: bool
+    ) -> B.SelectedBatch:
         """A yielded batch of the source's structure from ``rows``, with the selection results
         as attributes (``indices`` None when the source has none; weights scaled to mean 1 when
-        ``normalize_weights``)."""
+        ``normalize_weights``). A :class:`~sbloader.rows.WholeBatch`'s are made when first
+        read (its weights are all 1, scaled or not)."""
         assert self.format is not None
+        if isinstance(rows, WholeBatch) and self.metadata_key is not None:
+            rows = rows.rows()  # the metadata travels in the batch itself
         data = list(rows.data)
         in_pos = self.input_position
         x = data[in_pos]
@@ -248,17 +254,16 @@ class BatchCodec:
             # NOTE: index_select and cat return the default layout; restore the requested one
             # (a no-op when the batch already has it, e.g. passthrough batches).
             data[in_pos] = x.contiguous(memory_format=self.memory_format)
+        if isinstance(rows, WholeBatch):
+            batch = self._structure(data)
+            batch._set_lazy_meta(partial(rows.metadata, has_indices))
+            batch.features = rows.features
+            batch.logits = _known_logits(rows.logits)
+            return batch
         weights = rows.weights / rows.weights.mean() if normalize_weights else rows.weights
         indices = rows.indices if has_indices else None
-        logits = rows.logits
-        if logits is not None and logits.dim() == 2 and logits.shape[1] == 0:
-            logits = None  # no selection pass has shown the outputs' shape yet
-        fmt = self.format
-        dropped = self._yielded_format()
-        if dropped is not None:
-            fmt, pos = dropped
-            del data[pos]
-        batch = fmt.build(data)
+        logits = _known_logits(rows.logits)
+        batch = self._structure(data)
         if self.metadata_key is not None:
             meta: dict[str, Any] = {
                 "indices": indices,
@@ -282,6 +287,17 @@ class BatchCodec:
         batch.features = rows.features
         batch.logits = logits
         return batch
+
+    def _structure(self, data: list[Any]) -> B.SelectedBatch:
+        """The yielded batch's structure over the columns ``data`` (``drop_key``'s field
+        removed from ``data``)."""
+        assert self.format is not None
+        fmt = self.format
+        dropped = self._yielded_format()
+        if dropped is not None:
+            fmt, pos = dropped
+            del data[pos]
+        return fmt.build(data)
 
     def state_dict(self) -> dict[str, Any]:
         f = self.format
@@ -388,3 +404,11 @@ def check_pad_values(value: Any) -> dict[Hashable, bool | int | float]:
                 f"({example}), but got pad_values={dict(value)!r}{hint}"
             )
     return out
+
+
+def _known_logits(logits: torch.Tensor | None) -> torch.Tensor | None:
+    """A batch's ``logits``: None for rows of shape ``(k, 0)`` (no selection pass has shown the
+    outputs' shape yet)."""
+    if logits is not None and logits.dim() == 2 and logits.shape[1] == 0:
+        return None
+    return logits

@@ -29,7 +29,7 @@ from .decisions import choose_finite, in_subset, keep_function
 from .device_decisions import device_rows
 from .overlap import AheadScores, SelectionThread
 from .prefetch import Prefetcher, Synchronous
-from .rows import Rows, metadata_rows
+from .rows import Rows, WholeBatch, metadata_rows
 from .scoring import Scored
 from .stats import EpochStats
 
@@ -203,11 +203,11 @@ class EpochIterator:
         self._fetch: Prefetcher[Any] | Synchronous[Any] | None = None
         self._owed = 0  # full batches agreed on and not handed out yet
         self._short = 0  # the size of a short last batch to hand out (remainder="short")
-        self._direct: Rows | None = None  # a passthrough batch to hand out as it is
+        self._direct: WholeBatch | None = None  # a passthrough batch to hand out as it is
         # Batches a saved state took back from the caller (see SelectiveLoader.state_dict's
         # ``unconsumed``), handed out first and as they were; and the last batch handed out.
         self._replay: list[Rows] = []
-        self._last: Rows | None = None
+        self._last: Rows | WholeBatch | None = None
         self._counted = (0, 0)
         self._handed_out: float | None = None
         self._start = 0.0
@@ -385,7 +385,7 @@ class EpochIterator:
         self._owed = self._short = 0
         # A direct batch made ready but not handed out (finishing() ran ahead to it) is handed
         # out next too, after those taken back: its source batch was consumed.
-        ready = [] if self._direct is None else [self._direct]
+        ready = [] if self._direct is None else [self._direct.rows()]
         self._direct = self._last = None
         self._lent = False
         self._loader._returned[:0], self._replay = [*self._replay, *ready], []
@@ -533,9 +533,7 @@ class EpochIterator:
             # One agreement either way: the ranks make the same collectives.
             direct = n == loader.batch_size and not len(loader._pending) and not self._copy_direct
             if direct and self._agree(1):
-                self._direct = metadata_rows(
-                    data, None, None, indices, n, device, features=features, logits=logits
-                )
+                self._direct = WholeBatch(data, indices, n, device, features, logits)
                 return
             copied = _gather(data, np.arange(n, dtype=np.int64), device)
             loader._pending.add(
@@ -817,7 +815,7 @@ class EpochIterator:
             return self._build(loader._pending.pop(n, loader._codec.pads))
         return None
 
-    def _build(self, rows: Rows, lent: bool = False) -> B.SelectedBatch:
+    def _build(self, rows: Rows | WholeBatch, lent: bool = False) -> B.SelectedBatch:
         """The yielded batch: the source's structure, with the selection results attached;
         ``lent``: ``rows`` are the source's own reused buffers."""
         loader, stats = self._loader, self.stats

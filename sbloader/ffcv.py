@@ -656,7 +656,9 @@ def _next_batch(it: Any, epoch: int, taken: int) -> Any:
         RuntimeError: when FFCV's batch thread died before the end of the epoch.
     """
     output = getattr(it, "output_queue", None)
-    if isinstance(it, threading.Thread) and isinstance(output, queue.Queue):
+    # NOTE: a queued batch needs no check (the common case, read without the lock: only this
+    # thread takes from the queue, so a batch seen there is still there for ``next``).
+    if isinstance(output, queue.Queue) and not output.queue and isinstance(it, threading.Thread):
         with output.not_empty:
             while not output.queue and it.is_alive():
                 output.not_empty.wait(0.1)

@@ -18,7 +18,7 @@ import torch
 
 from . import batch as B
 
-__all__ = ["PendingRows", "Rows", "metadata_rows"]
+__all__ = ["PendingRows", "Rows", "WholeBatch", "metadata_rows"]
 
 
 @dataclass(frozen=True)
@@ -248,6 +248,76 @@ def metadata_rows(
     probs = torch.from_numpy(choice.probabilities[positions].astype(np.float32)).to(device)
     weights = torch.from_numpy(choice.weights.astype(np.float32)).to(device)
     return Rows(data, idx, kept_losses, probs, weights, features, logits)
+
+
+class WholeBatch:
+    """A source batch handed out whole, every example chosen without a selection pass (the
+    fast path of passthrough policies): :class:`Rows` whose metadata columns are made only
+    when asked for.
+
+    NOTE (made when asked for): the metadata of such a batch is known without looking at it
+    (probability and weight 1, no loss), and a Traditional loop rarely reads it; making its
+    four tensors for every batch was a third of the loader's own time per batch. The yielded
+    batch makes them on first access (see :meth:`sbloader.SelectedBatch.__getattr__`), and
+    :meth:`rows` makes them where the loader needs :class:`Rows` (a saved state). The dataset
+    indices are copied here, as :func:`metadata_rows` copies them: a source may reuse its
+    buffers.
+
+    Example:
+        >>> import numpy as np, torch
+        >>> whole = WholeBatch([torch.zeros(3, 2)], np.array([7, 8, 9]), 3, torch.device("cpu"))
+        >>> r = whole.rows()
+        >>> len(whole), r.indices.tolist(), r.weights.tolist(), bool(r.losses.isnan().all())
+        (3, [7, 8, 9], [1.0, 1.0, 1.0], True)
+    """
+
+    __slots__ = ("_rows", "data", "device", "features", "indices", "logits", "n")
+
+    def __init__(
+        self,
+        data: list[Any],
+        indices: np.ndarray | None,
+        n: int,
+        device: torch.device,
+        features: torch.Tensor | None = None,
+        logits: torch.Tensor | None = None,
+    ) -> None:
+        self.data = data
+        self.indices = None if indices is None else np.array(indices, dtype=np.int64)
+        self.n = n
+        self.device = device
+        self.features = features
+        self.logits = logits
+        self._rows: Rows | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def rows(self) -> Rows:
+        """The batch as :class:`Rows` (the same values :func:`metadata_rows` gives; made once)."""
+        if self._rows is None:
+            self._rows = metadata_rows(
+                self.data,
+                None,
+                None,
+                self.indices,
+                self.n,
+                self.device,
+                features=self.features,
+                logits=self.logits,
+            )
+        return self._rows
+
+    def copy(self) -> Rows:
+        """:meth:`rows` with their data copied (see :meth:`Rows.copy`)."""
+        return self.rows().copy()
+
+    def metadata(self, has_indices: bool) -> tuple[Any, ...]:
+        """The yielded batch's ``indices`` (None when ``has_indices`` is False), ``losses``,
+        ``probabilities`` and ``weights``, made now."""
+        rows = self.rows()
+        indices = rows.indices if has_indices else None
+        return indices, rows.losses, rows.probabilities, rows.weights
 
 
 class PendingRows:

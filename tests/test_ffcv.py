@@ -319,6 +319,33 @@ def test_kept_batches_survive_ffcvs_buffer_reuse(beton):
         torch.testing.assert_close(batch.losses, expected)
 
 
+def test_metadata_read_after_ffcv_reused_the_buffers_is_each_batchs_own(beton):
+    """Traditional hands out FFCV's own batches and makes their metadata only when it is read:
+    read after the epoch (FFCV has overwritten the batches' data by then), pickled or copied,
+    each batch's metadata is still its own."""
+    import copy
+    import pickle
+
+    loader = sbffcv.open_beton(beton, 30, order="random", seed=1, batches_ahead=1)
+    sl = SelectiveLoader(loader, model(), policy=Traditional(), batch_size=30)
+    for epoch in range(2):
+        batches = list(sl)
+        assert len(batches) == N // 30
+        # The control: the batches' own index field was overwritten by FFCV (3 buffers).
+        fields = torch.cat([b[2] for b in batches]).numpy()
+        assert not np.array_equal(fields, np.random.default_rng(1 + epoch).permutation(N))
+        pickled = [pickle.loads(pickle.dumps(b)) for b in batches[:3]]
+        copied = [copy.deepcopy(b) for b in batches[3:6]]
+        order = torch.cat([b.indices for b in batches]).numpy()
+        assert np.array_equal(order, np.random.default_rng(1 + epoch).permutation(N))
+        for b in batches:
+            assert b.indices.dtype == torch.int64 and b.weights.dtype == torch.float32
+            assert torch.equal(b.weights, torch.ones(30)) and b.losses.isnan().all()
+            assert torch.equal(b.probabilities, torch.ones(30))
+        for b, twin in zip(batches, pickled + copied):
+            assert torch.equal(b.indices, twin.indices) and torch.equal(b.weights, twin.weights)
+
+
 def contents(batch) -> list[torch.Tensor]:
     return [t.clone() for t in (batch[0], batch[1], batch.indices)]
 

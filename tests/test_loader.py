@@ -1169,3 +1169,46 @@ def test_traditional_batch_columns_are_independent() -> None:
         assert torch.equal(b.weights, torch.full((16,), 3.0))
         assert torch.equal(b.probabilities, torch.ones(16))
         assert b.losses is None or torch.isnan(b.losses).all()
+
+
+@pytest.mark.parametrize("metadata_key", [None, "sb"])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_whole_source_batches_carry_the_metadata_of_rebatched_ones(metadata_key, channels_last):
+    """Traditional hands out a source batch of the training batch size whole, its metadata made
+    when first read; re-batched from larger source batches, the same examples carry the same
+    metadata, read at once or later, pickled or copied."""
+    import pickle
+
+    images = torch.arange(48 * 3 * 2 * 2, dtype=torch.float32).reshape(48, 3, 2, 2)
+    data = ArrayDataset(images, torch.arange(48) % N_CLASSES)
+    fmt = torch.channels_last if channels_last else None
+
+    def batches(source_batch: int) -> list:
+        loader = SelectiveLoader(
+            DataLoader(data, batch_size=source_batch, shuffle=True, generator=gen()),
+            nn.Sequential(nn.Flatten(), nn.Linear(12, N_CLASSES)),
+            policy=Traditional(),
+            batch_size=8,
+            metadata_key=metadata_key,
+            memory_format=fmt,
+        )
+        return list(loader)
+
+    def gen() -> torch.Generator:
+        return torch.Generator().manual_seed(5)
+
+    whole, rebatched = batches(8), batches(24)
+    assert len(whole) == len(rebatched) == 6
+    later = [pickle.loads(pickle.dumps(b)) for b in whole[:2]] + [copy.copy(b) for b in whole[2:]]
+    for w, r, p in zip(whole, rebatched, later):
+        assert torch.equal(w[0], r[0]) and torch.equal(w[1], r[1])
+        assert w[0].is_contiguous(memory_format=fmt or torch.contiguous_format)
+        for name in ("indices", "losses", "probabilities", "weights"):
+            for b in (w, p):
+                got, want = getattr(b, name), getattr(r, name)
+                assert got.dtype == want.dtype
+                assert torch.equal(got.nan_to_num(-1), want.nan_to_num(-1))
+                if metadata_key is not None:
+                    assert torch.equal(b[2][name].nan_to_num(-1), want.nan_to_num(-1))
+        assert w.features is None and w.logits is None
+    assert torch.equal(torch.cat([b.indices for b in whole]).sort().values, torch.arange(48))
