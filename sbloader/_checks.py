@@ -79,7 +79,12 @@ def check_indices(name: str, value: Any) -> Any:
         [3, 1]
     """
     if isinstance(value, torch.Tensor):
-        value = value.detach().cpu().numpy()
+        # NOTE: one call where the tensor is already a plain CPU one (every source batch).
+        value = (
+            value.numpy()
+            if value.is_cpu and not value.requires_grad
+            else value.detach().cpu().numpy()
+        )
     idx = np.asarray(value)
     if idx.dtype.kind not in "iu":
         raise TypeError(
