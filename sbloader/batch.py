@@ -75,10 +75,15 @@ class SelectedBatch:
     def __getattr__(self, name: str) -> Any:
         # Called only where normal lookup fails: for a batch whose metadata is still to be made.
         if name in _META:
-            make = self.__dict__.pop(_LAZY, None)
+            attributes = self.__dict__
+            make = attributes.get(_LAZY)
             if make is not None:
+                # NOTE: set before the callable is dropped, so that another thread reading the
+                # batch at the same time finds one or the other (never neither).
                 self._set_meta(*make())
-                return self.__dict__[name]
+                attributes.pop(_LAZY, None)
+            if name in attributes:
+                return attributes[name]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __getstate__(self) -> dict[str, Any]:
