@@ -67,7 +67,7 @@ def _adapt(source: Any, index_key: Hashable | None, dataset_size: int | None) ->
     if isinstance(source, Source):
         return source
     if _is_accelerate_loader(source):  # NOTE: before the DataLoader check, which it passes
-        from .integrations.accelerate import shard_source
+        from .integrations.accelerate_source import shard_source
 
         return shard_source(source, index_key)
     if _is_a(source, "streaming", "StreamingDataLoader"):
