@@ -376,6 +376,12 @@ class DataLoaderSource(Source):
         return True
 
     @property
+    def out_of_order(self) -> bool:
+        """Whether the DataLoader hands out batches as its workers finish them
+        (``in_order=False`` with worker processes), not in the sampler's order."""
+        return not getattr(self.loader, "in_order", True) and self.loader.num_workers > 0
+
+    @property
     def replayable(self) -> bool:
         """Whether the epoch order can be replayed from saved generator states."""
         sampler = getattr(self.loader.batch_sampler, "sampler", None)
@@ -467,6 +473,16 @@ class DataLoaderSource(Source):
                 "cannot resume this DataLoader in the middle of an epoch: it shuffles with torch's "
                 "global RNG, so its order cannot be replayed; pass "
                 "generator=torch.Generator().manual_seed(seed) to the DataLoader"
+            )
+        if mid_epoch and self.out_of_order:
+            # NOTE: a resumed epoch skips the batches consumed, taken as the sampler's first
+            # ones; out of order they were whichever the workers finished first, so the resumed
+            # epoch would repeat some examples and never yield others.
+            raise ValueError(
+                "cannot resume this DataLoader in the middle of an epoch: with in_order=False its "
+                f"{self.loader.num_workers} workers hand out batches in the order they finish "
+                "them, so which batches were consumed is not a prefix of the sampler's; pass "
+                "in_order=True (the default) to the DataLoader, or save at the end of an epoch"
             )
         for g, s in zip(self._gens, state["generators"]):
             g.set_state(s)
