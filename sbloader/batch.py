@@ -78,9 +78,12 @@ class SelectedBatch:
             attributes = self.__dict__
             make = attributes.get(_LAZY)
             if make is not None:
-                # NOTE: set before the callable is dropped, so that another thread reading the
-                # batch at the same time finds one or the other (never neither).
-                self._set_meta(*make())
+                # NOTE: only those not set by the caller since (``batch.weights = ...`` before
+                # any of them was read must stay), and set before the callable is dropped, so
+                # that another thread reading the batch at the same time finds one or the other
+                # (never neither).
+                for key, value in zip(_META_ORDER, make()):
+                    attributes.setdefault(key, value)
                 attributes.pop(_LAZY, None)
             if name in attributes:
                 return attributes[name]
@@ -147,7 +150,8 @@ class SelectedDict(dict, SelectedBatch):
 
 #: The metadata attributes of a yielded batch, and where a batch keeps the callable that makes
 #: them when they are made on first access (see SelectedBatch._set_lazy_meta).
-_META = frozenset({"indices", "losses", "probabilities", "weights"})
+_META_ORDER = ("indices", "losses", "probabilities", "weights")  # as _set_meta takes them
+_META = frozenset(_META_ORDER)
 _LAZY = "_sbloader_lazy_meta"
 
 Column = Any  # a tensor with the batch in dimension 0, or a list with one entry per example

@@ -1212,3 +1212,22 @@ def test_whole_source_batches_carry_the_metadata_of_rebatched_ones(metadata_key,
                     assert torch.equal(b[2][name].nan_to_num(-1), want.nan_to_num(-1))
         assert w.features is None and w.logits is None
     assert torch.equal(torch.cat([b.indices for b in whole]).sort().values, torch.arange(48))
+
+
+def test_metadata_set_by_the_caller_before_any_was_read_is_kept():
+    """A whole batch's metadata is made when first read; a value the caller set before that
+    (``batch.weights = ...``) stays when another attribute is read, pickled or copied."""
+    import pickle
+
+    data = ArrayDataset(torch.randn(16, 3), torch.arange(16) % N_CLASSES)
+    loader = SelectiveLoader(
+        DataLoader(data, batch_size=8), nn.Linear(3, N_CLASSES), policy=Traditional(), batch_size=8
+    )
+    first, second = list(loader)
+    mine = torch.full((8,), 2.0)
+    first.weights = mine
+    assert first.losses.isnan().all() and first.weights is mine
+    second.indices = None
+    twin = pickle.loads(pickle.dumps(second))
+    assert second.indices is None and twin.indices is None
+    assert torch.equal(twin.weights, torch.ones(8)) and torch.equal(second.weights, torch.ones(8))
