@@ -152,6 +152,16 @@ class IndexedStreamingDataset(StreamingDataset):
     Takes ``StreamingDataset``'s arguments. Every sample dict gets the field
     :data:`SAMPLE_ID`: its global sample id over all streams, which is what the shuffling and
     partitioning permute, so it names the same example on every rank and in every epoch.
+
+    Example:
+        >>> import tempfile, numpy as np
+        >>> data = (np.zeros((4, 2), np.float32), np.arange(4))
+        >>> out = write_mds(tempfile.mkdtemp() + "/mds", data)
+        >>> dataset = IndexedStreamingDataset(local=str(out), batch_size=2, shuffle=False)
+        >>> sample = dataset[2]
+        >>> sorted(sample), int(sample["sample_id"]), sample["image"].flags.writeable
+        (['image', 'label', 'sample_id'], 2, True)
+        >>> del dataset, sample  # releases streaming's shared memory for this directory
     """
 
     def get_item(self, sample_id: int, retry: int = 7) -> Any:
@@ -221,6 +231,23 @@ class StreamingSource(StatefulSource):
         dataset_size: with ``index_key``, the number of distinct values its field may hold (one
             more than the largest), where that is not the dataset's sample count (ids of a
             larger dataset). Default: the sample count.
+
+    Example:
+        >>> import tempfile, numpy as np
+        >>> from streaming import StreamingDataLoader, StreamingDataset
+        >>> data = (np.zeros((5, 2), np.float32), np.arange(5))
+        >>> out = write_mds(tempfile.mkdtemp() + "/mds", data)
+        >>> source = StreamingSource(open_mds(out, 2, shuffle=False))
+        >>> source.dataset_size, source.epoch_size, source.id_fields()
+        (5, 5, ('sample_id',))
+        >>> [indices.tolist() for _, indices in source.epoch()]
+        [[0, 1], [2, 3], [4]]
+        >>> plain = StreamingDataset(local=str(out), batch_size=2, shuffle=False)
+        >>> StreamingSource(StreamingDataLoader(plain, batch_size=2))
+        Traceback (most recent call last):
+            ...
+        TypeError: a StreamingDataset's samples carry no sample id; build it as ...
+        >>> del source, plain  # releases streaming's shared memory for this directory
     """
 
     def __init__(
