@@ -815,6 +815,24 @@ def test_an_error_in_ffcvs_batch_thread_raises_instead_of_hanging(beton):
     assert out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
+def test_the_examples_skipped_without_ffcv_run_with_it(tmp_path, monkeypatch):
+    """The docstring examples that write and read a .beton are marked +SKIP, so that the
+    module's doctests pass where ffcv is not installed; here, with ffcv, they run unskipped (in
+    order: open_beton's reads the file of write_beton's), in a temporary folder."""
+    import doctest
+
+    monkeypatch.chdir(tmp_path)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    skipped = 0
+    for name in ("write_beton", "open_beton", "FFCVSource"):
+        finder = doctest.DocTestFinder(recurse=False)
+        (test,) = finder.find(getattr(sbffcv, name), name, globs=dict(vars(sbffcv)))
+        for example in test.examples:
+            skipped += example.options.pop(doctest.SKIP, False)
+        runner.run(test)
+    assert skipped >= 8 and runner.failures == 0 and (tmp_path / "toy.beton").exists()
+
+
 def test_import_sbloader_ffcv_and_a_dataloader_source_never_import_ffcv():
     code = (
         "import sys, torch, sbloader, sbloader.ffcv; "
