@@ -78,11 +78,15 @@ class SelectedBatch:
             attributes = self.__dict__
             make = attributes.get(_LAZY)
             if make is not None:
-                # NOTE: only those not set by the caller since (``batch.weights = ...`` before
-                # any of them was read must stay), and set before the callable is dropped, so
-                # that another thread reading the batch at the same time finds one or the other
-                # (never neither).
-                for key, value in zip(_META_ORDER, make()):
+                # NOTE: made outside any inference mode the first read happens in (a logging
+                # line, ``loader.feedback``): the weights are multiplied into a loss that is
+                # backpropagated, which inference tensors cannot be. Only those not set by the
+                # caller since (``batch.weights = ...`` before any of them was read must stay),
+                # and set before the callable is dropped, so that another thread reading the
+                # batch at the same time finds one or the other (never neither).
+                with torch.inference_mode(False):
+                    made = make()
+                for key, value in zip(_META_ORDER, made):
                     attributes.setdefault(key, value)
                 attributes.pop(_LAZY, None)
             if name in attributes:

@@ -246,14 +246,14 @@ def metadata_rows(
             if indices is not None
             else torch.full((n,), -1, dtype=torch.int64)
         )
-        ones = torch.ones(n, device=device)
-        nan = torch.full((n,), float("nan"), device=device)
+        ones = torch.ones(n, dtype=torch.float32, device=device)
+        nan = torch.full((n,), float("nan"), dtype=torch.float32, device=device)
         return Rows(data, idx, nan, ones, ones.clone(), features, logits)
     idx = torch.from_numpy(
         indices[positions].astype(np.int64) if indices is not None else np.full(n, -1, np.int64)
     )
     if losses is None:
-        kept_losses = torch.full((n,), float("nan"), device=device)
+        kept_losses = torch.full((n,), float("nan"), dtype=torch.float32, device=device)
     else:
         pos_t = torch.from_numpy(positions).to(losses.device, non_blocking=True)
         kept_losses = losses.index_select(0, pos_t)

@@ -1231,3 +1231,21 @@ def test_metadata_set_by_the_caller_before_any_was_read_is_kept():
     twin = pickle.loads(pickle.dumps(second))
     assert second.indices is None and twin.indices is None
     assert torch.equal(twin.weights, torch.ones(8)) and torch.equal(second.weights, torch.ones(8))
+
+
+def test_metadata_first_read_in_inference_mode_still_trains():
+    """A whole batch's metadata is made when first read; read first inside
+    ``torch.inference_mode()`` (a logging line), its weights must still multiply a loss that is
+    backpropagated (inference tensors cannot be saved for backward)."""
+    data = ArrayDataset(torch.randn(16, 3), torch.arange(16) % N_CLASSES)
+    model = nn.Linear(3, N_CLASSES)
+    loader = SelectiveLoader(
+        DataLoader(data, batch_size=8), model, policy=Traditional(), batch_size=8
+    )
+    for batch in loader:
+        x, y = batch
+        with torch.inference_mode():
+            assert len(batch.indices.tolist()) == 8
+        assert not batch.weights.is_inference() and not batch.losses.is_inference()
+        loss = nn.functional.cross_entropy(model(x), y, reduction="none") * batch.weights
+        loss.mean().backward()
