@@ -460,6 +460,7 @@ class DataLoaderSource(Source):
             "epoch_start": self._epoch_start,
             "base_seed": self._base_seed,
             "epoch_start_seed": self._epoch_start_seed,
+            "out_of_order": self.out_of_order,
         }
 
     def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
@@ -474,15 +475,18 @@ class DataLoaderSource(Source):
                 "global RNG, so its order cannot be replayed; pass "
                 "generator=torch.Generator().manual_seed(seed) to the DataLoader"
             )
-        if mid_epoch and self.out_of_order:
+        if mid_epoch and state.get("out_of_order", self.out_of_order):
             # NOTE: a resumed epoch skips the batches consumed, taken as the sampler's first
             # ones; out of order they were whichever the workers finished first, so the resumed
-            # epoch would repeat some examples and never yield others.
+            # epoch would repeat some examples and never yield others. What counts is how the
+            # state was saved (a loader rebuilt with in_order=True cannot mend that), recorded
+            # since; older states are judged by the loading DataLoader.
             raise ValueError(
-                "cannot resume this DataLoader in the middle of an epoch: with in_order=False its "
-                f"{self.loader.num_workers} workers hand out batches in the order they finish "
-                "them, so which batches were consumed is not a prefix of the sampler's; pass "
-                "in_order=True (the default) to the DataLoader, or save at the end of an epoch"
+                "cannot resume this state in the middle of a pass over the data: it was saved "
+                "from a DataLoader with in_order=False, whose workers hand out batches in the "
+                "order they finish them, so the batches consumed are not the sampler's first "
+                "ones; give the DataLoader in_order=True (the default) to save states that "
+                "resume mid-pass, or resume from a state saved at the end of a pass"
             )
         for g, s in zip(self._gens, state["generators"]):
             g.set_state(s)

@@ -342,11 +342,12 @@ def test_a_refused_state_on_a_source_that_cannot_resume_mid_epoch_changes_nothin
     assert {k: loader.state_dict()[k] for k in ("epoch", "position", "active")} == before
 
 
-def test_a_dataloader_handing_out_batches_out_of_order_refuses_mid_epoch_resumes():
+def test_a_state_saved_mid_pass_out_of_order_is_refused_wherever_it_is_loaded():
     """With ``in_order=False`` the workers hand out batches as they finish them, so the batches
     consumed are not the sampler's first ones, which a resumed epoch skips: it would repeat some
-    examples and never yield others. Refused naming ``in_order``; at an epoch's end the state
-    resumes as any."""
+    examples and never yield others. A state saved so mid-pass is refused, also by a loader
+    rebuilt with ``in_order=True`` as the message advises; one saved in order resumes in either,
+    and one saved at the end of a pass resumes as any."""
 
     def build(in_order: bool) -> SelectiveLoader:
         dl = DataLoader(
@@ -359,17 +360,24 @@ def test_a_dataloader_handing_out_batches_out_of_order_refuses_mid_epoch_resumes
         )
         return SelectiveLoader(dl, IndexLoss(), policy=Traditional(), batch_size=30)
 
-    for in_order in (False, True):
-        first = build(in_order)
-        it = iter(first)
-        next(it)
-        state = first.state_dict()
+    def saved_after_one_batch(in_order: bool) -> tuple[dict, list[int]]:
+        loader = build(in_order)
+        it = iter(loader)
+        head = next(it).indices.tolist()
+        state = loader.state_dict()
         it.close()
-        if in_order:
-            build(in_order).load_state_dict(state)  # the control: the same state, in order
-        else:
-            with pytest.raises(ValueError, match=r"in_order=False .* pass in_order=True"):
-                build(in_order).load_state_dict(state)
+        return state, head
+
+    state, _ = saved_after_one_batch(in_order=False)
+    for loading in (False, True):
+        with pytest.raises(ValueError, match=r"saved from a DataLoader with in_order=False"):
+            build(loading).load_state_dict(state)
+    state, head = saved_after_one_batch(in_order=True)
+    for loading in (True, False):
+        resumed = build(loading)
+        resumed.load_state_dict(state)
+        rest = [i for b in resumed for i in b.indices.tolist()]
+        assert sorted(head + rest) == list(range(120))
     done = build(False)
     list(done)
     resumed = build(False)
