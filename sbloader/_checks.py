@@ -62,6 +62,35 @@ def check_float(
     return value
 
 
+def check_device_name(name: str, value: Any) -> torch.device:
+    """``value`` (a ``torch.device``, a device string such as ``"cuda:0"`` or a device index) as a
+    ``torch.device``, or raise naming ``name``: torch's own error ("Expected one of cpu, cuda,
+    ...") names no parameter.
+
+    Example:
+        >>> check_device_name("device", "cpu")
+        device(type='cpu')
+        >>> check_device_name("device", "gpu")
+        Traceback (most recent call last):
+            ...
+        ValueError: device should be a device such as 'cpu' or 'cuda:0', but got device='gpu' ...
+    """
+    if isinstance(value, torch.device):
+        return value
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (str, numbers.Integral)):
+        raise TypeError(
+            f"{name} should be a torch.device or a device such as 'cpu' or 'cuda:0', but got "
+            f"{name}={value!r}"
+        )
+    try:
+        return torch.device(value if isinstance(value, str) else int(value))
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(
+            f"{name} should be a device such as 'cpu' or 'cuda:0', but got {name}={value!r} "
+            f"(torch: {e}); pass a device this machine has"
+        ) from e
+
+
 def check_choice(name: str, value: Any, choices: Collection[str]) -> str:
     """Return ``value`` if it is one of ``choices``, or raise naming ``name``."""
     if value not in choices:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import _kernels
-from ._checks import check_choice, check_float, check_int, indices_needed
+from ._checks import check_choice, check_device_name, check_float, check_int, indices_needed
 from .adapt import make_source
 from .selection import eval_mode
 
@@ -121,6 +121,7 @@ def el2n_scores(
     models = check_int("models", models, minimum=1)
     epochs = check_int("epochs", epochs, minimum=0)
     seed = check_int("seed", seed, minimum=0)
+    given = None if device is None else check_device_name("device", device)
     src = make_source(source)
     size = src.dataset_size
     if not src.has_indices() or size is None:
@@ -135,7 +136,7 @@ def el2n_scores(
     start = time.perf_counter()
     for k in range(models):
         t0 = time.perf_counter()
-        dev = None if device is None else torch.device(device)
+        dev = given
         devices = _cuda_devices(dev)
         with torch.random.fork_rng(devices=devices):
             # NOTE: not torch.manual_seed, which also reseeds every CUDA device's generator,

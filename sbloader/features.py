@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._checks import indices_needed
+from ._checks import check_device_name, indices_needed
 
 __all__ = ["FeatureCache", "make_feature_cache"]
 
@@ -57,7 +57,7 @@ class FeatureCache:
         store_dtype: torch.dtype | None = None,
     ) -> None:
         self.size = int(size)
-        self.device = None if device is None else torch.device(device)
+        self.device = None if device is None else check_device_name("device", device)
         self.store_dtype = store_dtype
         self.values: torch.Tensor | None = None
         self.out_dtype: torch.dtype | None = None

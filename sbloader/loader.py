@@ -24,6 +24,7 @@ from ._checks import (
     check_bool,
     check_choice,
     check_device,
+    check_device_name,
     check_int,
     indices_needed,
 )
@@ -543,6 +544,8 @@ class SelectiveLoader(NotADataLoader):
                     f"{name} should be a torch.nn.Module{' or None' if optional else ''}, but "
                     f"got {type(module).__name__}"
                 )
+        if device is not None:
+            device = check_device_name("device", device)
         if dataset_size is not None:
             dataset_size = check_int("dataset_size", dataset_size, minimum=1)
         self._source: Source = make_source(source, index_key, dataset_size)

@@ -664,6 +664,33 @@ def test_a_cuda_device_this_machine_lacks_is_refused_naming_it():
         assert loader.stats.total.examples_seen == 0
 
 
+@pytest.mark.parametrize("device", ["gpu", "CPU", 2.5, True, [0]])
+def test_a_device_torch_cannot_parse_is_refused_naming_the_parameter(device):
+    """device= that torch.device cannot read fails as the loader (or el2n_scores, or a
+    FeatureCache) is built, naming the parameter, not in torch's words ("Expected one of cpu,
+    cuda, ...") that name none."""
+    from sbloader import FeatureCache, el2n_scores
+
+    dl = DataLoader(EncodedDataset(40), batch_size=10)
+    exc = TypeError if not isinstance(device, str) else ValueError
+    with pytest.raises(
+        exc, match=r"device should be a .*'cuda:0', but got device=" + re.escape(repr(device))
+    ):
+        SelectiveLoader(dl, IndexLoss(), policy=Traditional(), device=device)
+    with pytest.raises(exc, match=r"device should be a .*device="):
+        el2n_scores(
+            lambda: Net(),
+            dl,
+            make_optimizer=lambda m: torch.optim.SGD(m.parameters(), 0.1),
+            device=device,
+        )
+    with pytest.raises(exc, match=r"device should be a .*device="):
+        FeatureCache(4, device=device)
+    # Devices as torch reads them are unchanged: a name, a torch.device, an index type.
+    for ok in ("cpu", torch.device("cpu"), "cuda:0"):
+        assert SelectiveLoader(dl, IndexLoss(), device=ok)._device == torch.device(ok)
+
+
 def test_a_model_on_the_meta_device_is_refused_with_the_fix():
     """On a CPU-only machine the only other device is 'meta': a model not materialised yet (as
     built under ``torch.device('meta')`` for deferred initialisation). Batches moved there would
