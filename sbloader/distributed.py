@@ -451,7 +451,7 @@ def make_sync(distributed: bool | None, group: Any = None) -> RankSync | None:
     """
     if distributed is None:
         return RankSync(group) if is_distributed(group) else None
-    if not isinstance(distributed, bool):
+    if not isinstance(distributed, (bool, np.bool_)):
         raise TypeError(
             f"distributed should be True, False or None (automatic), but got "
             f"distributed={distributed!r}"

@@ -645,7 +645,7 @@ class SelectiveLoader(NotADataLoader):
             forward=call,
             output=output,
         )
-        self._overlap_requested = overlap_selection is True
+        self._overlap_requested = check_bool("overlap_selection", overlap_selection)
         quantized, int8_why = self._quantizer(
             quantize_selection,
             selector if selector is not None else model,

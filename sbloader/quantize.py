@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -125,6 +126,8 @@ def quantized_selection(value: Any) -> QuantizedSelection | None:
         >>> quantized_selection(False) is None
         True
     """
+    if isinstance(value, np.bool_):  # a numpy bool, as the bool it holds
+        value = bool(value)
     if value is None or value is False:
         return None
     if value is True or value == AUTO:

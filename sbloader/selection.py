@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 import sys
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -285,7 +287,7 @@ def check_output(output: Any) -> None:
     """
     if output is None or callable(output) or isinstance(output, str):
         return
-    if isinstance(output, int) and not isinstance(output, bool):
+    if isinstance(output, numbers.Integral) and not isinstance(output, (bool, np.bool_)):
         return
     raise TypeError(
         "output should be None (a Tensor as is, else its 'logits'), a key or attribute name such "
@@ -661,6 +663,8 @@ class SelectionForward:
     ) -> None:
         check_forward(forward)
         check_output(output)
+        if isinstance(output, numbers.Integral):  # a numpy integer position, as an int
+            output = int(output)
         self.call, self.output = forward, output
         if forward is not None:
             name = repr(forward) if isinstance(forward, FieldsForward) else "forward="
@@ -679,7 +683,7 @@ class SelectionForward:
                 )
         if isinstance(compile, Mapping):
             self.compile_kwargs: dict[str, Any] | None = dict(compile)
-        elif isinstance(compile, bool):
+        elif isinstance(compile, (bool, np.bool_)):
             self.compile_kwargs = {} if compile else None
         else:
             raise TypeError(

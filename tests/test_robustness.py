@@ -1004,3 +1004,34 @@ def test_the_whole_suite_passes_without_numba_jit():
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1700)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"compile_selection": np.bool_(False)},
+        {"distributed": np.bool_(False)},
+        {"quantize_selection": np.bool_(False)},
+        {"overlap_selection": np.bool_(False)},
+        {"keep_logits": np.bool_(False)},
+        {"output": np.int64(0)},
+    ],
+    ids=lambda option: next(iter(option)),
+)
+def test_numpy_scalars_are_taken_as_the_python_values_they_hold(option):
+    """A flag or position read from a numpy array or config (np.bool_, np.int64) means what the
+    Python value does: compile_selection, distributed and quantize_selection refused np.bool_ and
+    output refused np.int64 (TypeError), while the other flags took them."""
+
+    class TupleOut(nn.Module):
+        def forward(self, x):
+            return (x.float()[:, :N_CLASSES], None)
+
+    dl = DataLoader(EncodedDataset(40), batch_size=10)
+    model = TupleOut() if "output" in option else IndexLoss()
+    plain = {k: v.item() for k, v in option.items()}
+    runs = []
+    for kwargs in (option, plain):
+        loader = SelectiveLoader(dl, model, policy=SelectiveBackprop(0.5), seed=3, **kwargs)
+        runs.append([b.indices.tolist() for b in loader])
+    assert runs[0] == runs[1] and runs[0]
