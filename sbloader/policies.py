@@ -1251,6 +1251,7 @@ def default_policy(
     """
     warmup = 1
     anneal = None
+    has_store = check_bool("has_store", has_store)
     selectivity = check_float("selectivity", selectivity, low=0.0, high=1.0, low_open=True)
     anneal_share = check_float(
         "anneal_share", anneal_share, low=0.0, high=1.0, low_open=True, high_open=True

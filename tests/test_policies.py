@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sbloader import Choice, RandomBackprop, SelectiveBackprop, Traditional
+from sbloader import Choice, RandomBackprop, SelectiveBackprop, Traditional, default_policy
 
 
 def test_selectivity_gives_beta():
@@ -31,6 +31,18 @@ def test_selectivity_gives_beta():
 def test_bad_arguments_name_the_parameter(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SelectiveBackprop(**kwargs)
+
+
+@pytest.mark.parametrize("bad", ["False", "True", 0, 1, None])
+def test_default_policy_refuses_a_has_store_that_is_no_bool(bad):
+    """has_store picks Stale-SB (a per-example store) or a selection pass every epoch: read by its
+    truth value, has_store="False" silently built the Stale-SB."""
+    with pytest.raises(
+        TypeError, match=f"has_store should be True or False, but got has_store={bad!r}"
+    ):
+        default_policy(has_store=bad)
+    assert default_policy(has_store=np.bool_(False)).policy.staleness == 1
+    assert default_policy(has_store=True).policy.staleness == 3
 
 
 def test_probabilities_follow_the_formula_exactly():
