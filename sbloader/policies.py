@@ -10,6 +10,7 @@ state protocol saves and restores.
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -484,6 +485,11 @@ class SelectiveBackprop(Policy):
         self._fed = False
         self._begun: int | None = None
         self._fresh = True
+        if store_path is not None and not isinstance(store_path, (str, os.PathLike)):
+            raise TypeError(
+                "store_path should be a folder to memory-map the per-example store in (a str or "
+                f"os.PathLike), or None to keep it in memory, but got store_path={store_path!r}"
+            )
         self.store_path = store_path
         self.store: ExampleStore | None = None
         # Whether the store belongs to this run: begun in, or loaded from a state (a store

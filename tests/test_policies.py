@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -43,6 +45,16 @@ def test_default_policy_refuses_a_has_store_that_is_no_bool(bad):
         default_policy(has_store=bad)
     assert default_policy(has_store=np.bool_(False)).policy.staleness == 1
     assert default_policy(has_store=True).policy.staleness == 3
+
+
+@pytest.mark.parametrize("bad", [True, 1, 3.5, ["/tmp/store"]])
+def test_a_store_path_that_is_no_path_is_refused_naming_it(bad, tmp_path):
+    """store_path=True or a number was taken, then failed in os.fspath when a loader opened the
+    store ("expected str, bytes or os.PathLike object, not bool"), naming no parameter."""
+    with pytest.raises(TypeError, match=r"store_path should be a folder .*" + re.escape(repr(bad))):
+        SelectiveBackprop(0.5, staleness=2, store_path=bad)
+    for ok in (str(tmp_path), tmp_path, None):
+        assert SelectiveBackprop(0.5, staleness=2, store_path=ok).store_path == ok
 
 
 def test_probabilities_follow_the_formula_exactly():
