@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._checks import check_device_name, indices_needed
+from ._checks import check_device_name, check_int, indices_needed
 
 __all__ = ["FeatureCache", "make_feature_cache"]
 
@@ -56,7 +56,12 @@ class FeatureCache:
         device: torch.device | str | None = None,
         store_dtype: torch.dtype | None = None,
     ) -> None:
-        self.size = int(size)
+        self.size = check_int("size", size, minimum=0)
+        if store_dtype is not None and not isinstance(store_dtype, torch.dtype):
+            raise TypeError(
+                "store_dtype should be a torch.dtype such as torch.bfloat16, or None to store the "
+                f"outputs' own dtype, but got store_dtype={store_dtype!r}"
+            )
         self.device = None if device is None else check_device_name("device", device)
         self.store_dtype = store_dtype
         self.values: torch.Tensor | None = None
@@ -181,8 +186,16 @@ def make_feature_cache(
             ...
         ValueError: cache_features needs each example's dataset index, but the source provides ...
     """
+    if isinstance(cache, np.bool_):  # a numpy bool, as the bool it holds
+        cache = bool(cache)
     if cache is False or cache is None:
         return None
+    if cache is not True and not isinstance(cache, (str, torch.device)):
+        # NOTE: an int is refused, not read as a CUDA index: cache_features=1 means True.
+        raise TypeError(
+            "cache_features should be True (the cache on the loader's device), False, or a "
+            f"device such as 'cpu' to keep it on, but got cache_features={cache!r}"
+        )
     if prefix is None:
         raise ValueError(
             "cache_features caches frozen_prefix's outputs, but got frozen_prefix=None; pass "
@@ -194,5 +207,5 @@ def make_feature_cache(
             "cache_features",
             "pass a DataLoader over a map-style dataset, or cache_features=False",
         )
-    device = None if cache is True else torch.device(cache)
+    device = None if cache is True else check_device_name("cache_features", cache)
     return FeatureCache(size, device, autocast if isinstance(autocast, torch.dtype) else None)

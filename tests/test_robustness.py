@@ -1035,3 +1035,41 @@ def test_numpy_scalars_are_taken_as_the_python_values_they_hold(option):
         loader = SelectiveLoader(dl, model, policy=SelectiveBackprop(0.5), seed=3, **kwargs)
         runs.append([b.indices.tolist() for b in loader])
     assert runs[0] == runs[1] and runs[0]
+
+
+def test_feature_cache_options_that_are_no_size_dtype_or_device_are_refused_naming_them():
+    """FeatureCache(size) took int(size) (2.5 made 2 rows, True one, "3" three), store_dtype any
+    object, and cache_features= an int (read by torch as a CUDA index), a float or a word
+    reached torch.device, whose error names no parameter; np.bool_(True) was refused there."""
+    from sbloader import FeatureCache
+
+    for bad in (2.5, True, "3", None):
+        with pytest.raises(TypeError, match=f"size should be an int, but got size={bad!r}"):
+            FeatureCache(bad)
+    with pytest.raises(ValueError, match="size should be >= 0, but got size=-1"):
+        FeatureCache(-1)
+    with pytest.raises(TypeError, match=r"store_dtype should be a torch\.dtype"):
+        FeatureCache(4, store_dtype="bf16")
+    assert FeatureCache(np.int64(4), "cpu", torch.bfloat16).size == 4
+
+    dl = DataLoader(EncodedDataset(40), batch_size=10)
+    prefix = nn.Linear(6, 6).requires_grad_(False)
+
+    def build(cache):
+        return SelectiveLoader(
+            dl, nn.Linear(6, N_CLASSES), frozen_prefix=prefix, cache_features=cache
+        )
+
+    for bad in (1, 0, 2.5, [0]):
+        with pytest.raises(
+            TypeError,
+            match=f"cache_features should be True .*cache_features={re.escape(repr(bad))}",
+        ):
+            build(bad)
+    with pytest.raises(
+        ValueError, match=r"cache_features should be a device .*cache_features='yes'"
+    ):
+        build("yes")
+    assert build(np.bool_(True))._scorer.feature_cache is not None
+    assert build(np.bool_(False))._scorer.feature_cache is None
+    assert build("cpu")._scorer.feature_cache.device == torch.device("cpu")
