@@ -252,12 +252,37 @@ def prune(scores: Any, fraction: float, keep: str = "hardest") -> np.ndarray:
     """
     fraction = check_float("fraction", fraction, low=0.0, high=1.0, low_open=True)
     keep = check_choice("keep", keep, ("hardest", "easiest"))
-    s = np.asarray(scores, dtype=np.float64).reshape(-1)
+    try:
+        s = np.asarray(scores, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"scores should hold one number per dataset index, but got {type(scores).__name__} "
+            f"({e}); pass e.g. el2n_scores(...).scores"
+        ) from e
+    # NOTE: a column of shape (N, 1) is one score per index; (N, K) scores (one per model, say)
+    # were flattened into N * K "indices" before.
+    if s.ndim == 0 or s.size == 0:
+        raise ValueError(
+            f"scores should hold a score for each dataset index, but got shape {s.shape}; pass "
+            "e.g. el2n_scores(...).scores"
+        )
+    if s.size != s.shape[0]:
+        raise ValueError(
+            f"scores should hold one score per dataset index (a 1-d array), but got shape "
+            f"{s.shape}; reduce the other dimensions first (e.g. scores.mean(axis=1))"
+        )
+    s = s.reshape(-1)
     if np.isnan(s).any():
         raise ValueError(
             f"scores has {int(np.isnan(s).sum())} NaN entries (examples never scored); score "
             "every example, or fill them before pruning"
         )
     k = round(fraction * s.shape[0])
+    if k == 0:
+        raise ValueError(
+            f"prune keeps round(fraction * len(scores)) examples, but fraction={fraction:g} of "
+            f"{s.shape[0]} scores keeps none; pass fraction >= 1/{s.shape[0]} (at least one "
+            "example)"
+        )
     order = np.argsort(-s if keep == "hardest" else s, kind="stable")
     return np.sort(order[:k]).astype(np.int64)

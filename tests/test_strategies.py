@@ -423,6 +423,25 @@ def test_prune_rejects_nan_and_bad_fractions():
         prune([0.1, 0.2], 0.0)
 
 
+def test_prune_refuses_scores_that_are_not_one_per_index_and_an_empty_result():
+    """Scores of shape (N, K) were flattened into N * K "dataset indices" (up to N * K - 1), a
+    scalar or None taken as one score, and a fraction that rounds to no example returned an empty
+    array: each a silent wrong result, now refused naming the fix."""
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match=r"one score per dataset index \(a 1-d array\).*\(64, 2\)"):
+        prune(rng.random((64, 2)), 0.5)
+    for bad in (3.0, None, []):
+        with pytest.raises(ValueError, match="scores should hold a score for each dataset index"):
+            prune(bad, 1.0)
+    with pytest.raises(TypeError, match="scores should hold one number per dataset index"):
+        prune(["a", "b"], 0.5)
+    with pytest.raises(ValueError, match=r"fraction=0.001 of 64 scores keeps none; .*1/64"):
+        prune(rng.random(64), 0.001)
+    column = rng.random((64, 1))  # one score per index, as a column: taken as before
+    assert prune(column, 0.5).tolist() == prune(column[:, 0], 0.5).tolist()
+    assert prune(torch.tensor([0.1, 0.9, 0.5]), 1 / 3).tolist() == [1]
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_diet_sb_never_yields_a_pruned_index(workers):
     keep = prune(np.random.default_rng(0).random(300), 0.5)
