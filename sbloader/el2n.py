@@ -118,6 +118,26 @@ def el2n_scores(
         >>> r.train_examples, r.score_forwards
         (128, 128)
     """
+    if isinstance(make_model, nn.Module) or not callable(make_model):
+        raise TypeError(
+            "make_model should be a function that returns a freshly initialised model (called "
+            f"once per copy), but got make_model={type(make_model).__name__}; pass e.g. "
+            "make_model=lambda: MyNet()"
+        )
+    optimizer_class = isinstance(make_optimizer, type) and issubclass(
+        make_optimizer, torch.optim.Optimizer
+    )
+    if optimizer_class or not callable(make_optimizer):
+        raise TypeError(
+            "make_optimizer should be a function that builds a model's optimizer, but got "
+            f"make_optimizer={getattr(make_optimizer, '__name__', type(make_optimizer).__name__)}"
+            "; pass e.g. make_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1)"
+        )
+    if train_step is not None and not callable(train_step):
+        raise TypeError(
+            "train_step should be a function train_step(model, optimizer, inputs, targets) or "
+            f"None, but got train_step={train_step!r}"
+        )
     models = check_int("models", models, minimum=1)
     epochs = check_int("epochs", epochs, minimum=0)
     seed = check_int("seed", seed, minimum=0)

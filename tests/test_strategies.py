@@ -391,6 +391,32 @@ def test_el2n_never_reseeds_cuda_generators_it_does_not_restore(monkeypatch):
     assert not np.array_equal(first, scores(4))
 
 
+def test_el2n_scores_refuses_what_is_no_builder_naming_the_parameter():
+    """A model instance for make_model (a module is callable: "forward() missing 1 required
+    positional argument"), an optimizer class for make_optimizer ("'Linear' object is not
+    iterable") or None failed inside the first copy's training, naming no parameter."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    dl = DataLoader(TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,))), batch_size=8)
+
+    def sgd(m):
+        return torch.optim.SGD(m.parameters(), 0.1)
+
+    for kwargs, message in [
+        ({"make_model": nn.Linear(4, 2)}, "make_model should be a function .*make_model=Linear"),
+        ({"make_model": None}, "make_model should be a function"),
+        ({"make_optimizer": torch.optim.SGD}, "make_optimizer should be a function .*=SGD"),
+        ({"make_optimizer": None}, "make_optimizer should be a function"),
+        ({"train_step": "sgd"}, "train_step should be a function"),
+    ]:
+        args = {"make_model": lambda: nn.Linear(4, 2), "make_optimizer": sgd, **kwargs}
+        with pytest.raises(TypeError, match=message):
+            el2n_scores(args.pop("make_model"), dl, models=1, epochs=1, **args)
+    assert el2n_scores(lambda: nn.Linear(4, 2), dl, make_optimizer=sgd, models=1).scores.shape == (
+        16,
+    )
+
+
 @pytest.mark.parametrize("fraction", [0.01, 0.3, 0.5, 0.77, 1.0])
 def test_prune_keeps_exactly_the_requested_fraction(fraction):
     scores = np.round(np.random.default_rng(0).random(1000), 2)  # many ties
