@@ -138,6 +138,17 @@ def test_without_the_callback_the_fix_is_named():
         trainer(epochs=1, naive=True).fit(Classifier())
 
 
+def test_a_lightning_loader_around_no_selective_loader_is_refused():
+    """LightningLoader(DataLoader) was taken and failed at the first batch on a missing
+    attribute; like AcceleratedLoader, it names what to pass as it is built."""
+    with pytest.raises(
+        TypeError,
+        match=r"LightningLoader wraps a sbloader.SelectiveLoader, .*"
+        r"DataLoader; return selective_loader\(self, source",
+    ):
+        lightning_sb.LightningLoader(DataLoader(list(range(4))))
+
+
 def test_the_callback_may_come_from_configure_callbacks():
     class SelfContained(Classifier):
         def configure_callbacks(self):

@@ -112,6 +112,12 @@ class LightningLoader:
     """
 
     def __init__(self, loader: SelectiveLoader) -> None:
+        if not isinstance(loader, SelectiveLoader):
+            raise TypeError(
+                "LightningLoader wraps a sbloader.SelectiveLoader, but got "
+                f"{type(loader).__name__}; return selective_loader(self, source, ...) from "
+                "train_dataloader"
+            )
         self.loader = loader
         self.fetched = self.trained = 0
         self._epoch: EpochIterator | FixedEpochIterator | None = None
