@@ -204,6 +204,12 @@ class Policy(abc.ABC):
         the model and ``loss_fn`` on the first source batch, even in an epoch without a pass)."""
         return True
 
+    def check_losses(self, losses: np.ndarray) -> None:  # noqa: B027 - optional hook
+        """Raise ``ValueError`` for selection losses this policy cannot decide from (default:
+        none). The loader also calls it on the losses of the check it runs on the first source
+        batch of an epoch without a selection pass (a warm-up), so that such a loss fails there
+        and not after the warm-up."""
+
     def begin_epoch(self, epoch: int) -> None:  # noqa: B027 - optional hook
         """Called by the loader when ``epoch`` (0-based) starts."""
 
@@ -950,6 +956,13 @@ class Kath18(Policy):
             f"momentum={self.momentum!r}, unbiased={self.unbiased}"
         )
 
+    def check_losses(self, losses: np.ndarray) -> None:
+        if (losses < 0).any():
+            raise ValueError(
+                "Kath18 samples in proportion to the loss, so losses should be >= 0, but got "
+                f"min loss {losses.min():g}; use a non-negative per-example loss"
+            )
+
     def threshold(self, pool: int, b: int) -> float:
         """tau_th for a pool of ``pool`` candidates from which ``b`` are drawn."""
         if self.tau_threshold is not None:
@@ -971,11 +984,7 @@ class Kath18(Policy):
             raise ValueError("Kath18 needs selection losses, but got losses=None")
         if n == 0:
             return Choice.everything(0)
-        if (losses < 0).any():
-            raise ValueError(
-                "Kath18 samples in proportion to the loss, so losses should be >= 0, but got "
-                f"min loss {losses.min():g}; use a non-negative per-example loss"
-            )
+        self.check_losses(losses)
         b = max(1, round(n * self.selectivity))
         # As in the original: the decision uses tau from earlier pools, then this pool updates it.
         self.importance_sampling = self.tau > self.threshold(n, b)
@@ -1119,6 +1128,9 @@ class Phased(Policy):
 
     def uses_losses(self) -> bool:
         return self.policy.uses_losses()
+
+    def check_losses(self, losses: np.ndarray) -> None:
+        self.policy.check_losses(losses)
 
     def begin_epoch(self, epoch: int) -> None:
         self._epoch = epoch

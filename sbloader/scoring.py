@@ -121,6 +121,8 @@ class Scorer:
         self.selector = selector
         self.forward = forward
         self.feature_cache = feature_cache
+        #: The policy's :meth:`~sbloader.Policy.check_losses`, applied to :meth:`probe`'s losses.
+        self.check_losses: Callable[[np.ndarray], None] | None = None
         self.autocast = autocast
         self.batch_size = batch_size
         self.eval_selection = eval_selection
@@ -301,7 +303,7 @@ class Scorer:
                 self.quantized.trial(model, B.rows(inputs, 0, k), self._prepare)
             except (Int8Unavailable, TypeError) as e:
                 self._int8_failed(e, model, inputs, targets)
-        self.forward(
+        losses, _, _ = self.forward(
             model,
             B.rows(inputs, 0, k),
             B.rows(targets, 0, k),
@@ -313,6 +315,8 @@ class Scorer:
             batch=None if batch is None else restrict(batch, 0, k),
             inference=not self.collective,
         )
+        if self.check_losses is not None:  # e.g. Kath18's losses >= 0, before its warm-up ends
+            self.check_losses(losses.detach().float().cpu().numpy().astype(np.float64))
         self._keep_template(inputs, targets, batch)
 
     def _int8_failed(self, error: Exception, model: nn.Module, inputs: Any, targets: Any) -> None:

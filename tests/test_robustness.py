@@ -1073,3 +1073,22 @@ def test_feature_cache_options_that_are_no_size_dtype_or_device_are_refused_nami
     assert build(np.bool_(True))._scorer.feature_cache is not None
     assert build(np.bool_(False))._scorer.feature_cache is None
     assert build("cpu")._scorer.feature_cache.device == torch.device("cpu")
+
+
+def test_kath18_negative_losses_fail_on_the_first_batch_of_a_warm_up():
+    """Kath18 samples in proportion to the loss: a negative loss_fn was refused only at its first
+    selection pass, after a whole warm-up epoch (Phased); the check on the first source batch
+    now asks the policy too."""
+    dl = DataLoader(EncodedDataset(40), batch_size=10)
+
+    def negative(out, y):
+        return -nn.functional.cross_entropy(out, y, reduction="none")
+
+    policy = Phased(Kath18(0.5), warmup_epochs=1, warmup_policy=RandomBackprop(0.5))
+    loader = SelectiveLoader(dl, Net(), loss_fn=negative, policy=policy, batch_size=5)
+    with pytest.raises(ValueError, match="Kath18 samples in proportion to the loss, so losses"):
+        next(iter(loader))
+    assert loader.stats.current.examples_yielded == 0
+    # A non-negative loss through the same warm-up is taken: both epochs yield.
+    loader = SelectiveLoader(dl, Net(), policy=policy, batch_size=5)
+    assert all(sum(len(y) for _, y in loader) > 0 for _ in range(2))
