@@ -93,6 +93,10 @@ class SelectedBatch:
                 return attributes[name]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
+    def __dir__(self) -> list[str]:
+        # The metadata still to be made is listed too (tab completion, introspection).
+        return sorted(set(super().__dir__()) | _META)
+
     def __getstate__(self) -> dict[str, Any]:
         if _LAZY in self.__dict__:
             self.__getattr__("indices")

@@ -1231,6 +1231,8 @@ def test_metadata_set_by_the_caller_before_any_was_read_is_kept():
     twin = pickle.loads(pickle.dumps(second))
     assert second.indices is None and twin.indices is None
     assert torch.equal(twin.weights, torch.ones(8)) and torch.equal(second.weights, torch.ones(8))
+    fresh = next(iter(loader))  # listed before any was read
+    assert {"indices", "losses", "probabilities", "weights"} <= set(dir(fresh))
 
 
 def test_metadata_first_read_in_inference_mode_still_trains():
