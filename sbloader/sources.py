@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, RandomSampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 from torch.utils.data.dataloader import default_collate
 
 from ._checks import FieldError, check_indices, check_int
@@ -337,6 +337,17 @@ class DataLoaderSource(Source):
     """
 
     def __init__(self, loader: DataLoader) -> None:
+        if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+            what = (
+                type(loader).__name__
+                if not isinstance(loader, DataLoader)
+                else "a DataLoader over an iterable dataset"
+            )
+            raise TypeError(
+                "DataLoaderSource's loader should be a torch DataLoader over a map-style dataset "
+                f"(whose indices it recovers), but got {what}; pass any other source to "
+                "SelectiveLoader (sbloader.adapt.make_source) as it is"
+            )
         if loader.batch_size is None and loader.batch_sampler is None:
             raise ValueError(
                 "SelectiveLoader needs a batching DataLoader, but got one with batch_size=None "
@@ -559,6 +570,11 @@ class IterableSource(Source):
         index_key: Hashable | None = None,
         dataset_size: int | None = None,
     ) -> None:
+        if not isinstance(iterable, Iterable):
+            raise TypeError(
+                "IterableSource's iterable should be a re-iterable of batches (a DataLoader, a "
+                f"list of batches), but got {type(iterable).__name__}"
+            )
         if iter(iterable) is iterable:
             raise TypeError(
                 "SelectiveLoader's source should be re-iterable (one pass per epoch), but got an "

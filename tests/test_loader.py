@@ -1251,3 +1251,24 @@ def test_metadata_first_read_in_inference_mode_still_trains():
         assert not batch.weights.is_inference() and not batch.losses.is_inference()
         loss = nn.functional.cross_entropy(model(x), y, reduction="none") * batch.weights
         loss.mean().backward()
+
+
+def test_the_source_classes_refuse_what_they_cannot_read_naming_it():
+    """DataLoaderSource and IterableSource, public for sources of one's own, name the parameter
+    and the fix for what they cannot read (a bare AttributeError or "'NoneType' object is not
+    iterable" before)."""
+    from torch.utils.data import IterableDataset
+
+    from sbloader.sources import DataLoaderSource, IterableSource
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(4)
+
+    for bad, what in (([1, 2], "list"), (DataLoader(Stream()), "a DataLoader over an iterable")):
+        with pytest.raises(TypeError, match=rf"DataLoaderSource's loader should be .* got {what}"):
+            DataLoaderSource(bad)
+    with pytest.raises(TypeError, match=r"IterableSource's iterable should be .* got NoneType"):
+        IterableSource(None)
+    assert len(list(DataLoaderSource(DataLoader(EncodedDataset(8), batch_size=4)).epoch())) == 2
+    assert IterableSource([(torch.zeros(2), torch.zeros(2))]).has_indices() is False
