@@ -750,6 +750,7 @@ class SelectiveLoader(NotADataLoader):
         if policy is None and planned_epochs is not None and per_epoch is not None:
             self._plan_passes(store, int(key), planned_epochs, int(per_epoch))
         self._fixed = None if per_epoch is None else FixedEpochs(int(per_epoch))
+        self._backlog_warned = False  # see _warn_backlog
         size = self._source.dataset_size
         checkable = self._source.disjoint_across_ranks()
         if self._sync is not None and self.policy.records_examples() and checkable:
@@ -1353,7 +1354,39 @@ class SelectiveLoader(NotADataLoader):
                 stats.nonfinite,
                 self.nonfinite,
             )
+        self._warn_backlog(stats)
         self.stats.log_epoch(stats)
+
+    def _warn_backlog(self, stats: EpochStats) -> None:
+        """Warn (once) where this rank carries many more selected examples into the next epoch
+        than a rank in step with the others would.
+
+        NOTE: every rank yields as many batches as the fewest has ready, so a rank that selects
+        more (a larger share of the data, a higher selection rate) keeps its surplus pending
+        under ``remainder="carry"``, and where the difference is systematic the surplus grows
+        every epoch, unbounded, and is never trained on. Ranks in step differ only by chance,
+        a backlog of a few batches; the warning fires from a quarter of the epoch's yield (and
+        four batches) on.
+        """
+        sync = self._sync
+        if sync is None or self.remainder != "carry" or self._backlog_warned:
+            return
+        carried = len(self._pending)
+        if carried <= max(4 * self.batch_size, stats.examples_yielded // 4):
+            return
+        self._backlog_warned = True
+        warnings.warn(
+            f"rank {sync.rank} of {sync.world_size} carries {carried} selected examples into "
+            f"epoch {stats.epoch + 1} (it yielded {stats.examples_yielded} in epoch "
+            f"{stats.epoch}): every rank yields as many batches as the fewest has ready, so a "
+            "rank that selects more than the others keeps its surplus pending, and where its "
+            "share of the data or its selection rate stays larger that surplus grows every "
+            "epoch and is never trained on; give every rank an equal share "
+            "(sampler=DistributedSampler(dataset)), or pass remainder='drop' (counted in "
+            "loader.stats, dropped) or remainder='short'",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def _sharing(self) -> bool:
         """Whether the ranks exchange selection losses every round (``cdf="global"``, or a

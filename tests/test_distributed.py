@@ -237,9 +237,14 @@ def scenario_rounds(rank: int, world_size: int) -> dict:
             remainder=remainder,
             seed=1,
         )
-        res[remainder] = [[len(b[0]) for b in loader] for _ in range(3)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res[remainder] = [[len(b[0]) for b in loader] for _ in range(3)]
         res[remainder + "_stats"] = [e.as_dict() for e in loader.stats.epochs]
         res[remainder + "_pending"] = loader.pending_examples
+        res[remainder + "_backlog"] = [
+            str(w.message) for w in caught if "selected examples into epoch" in str(w.message)
+        ]
 
     # Passthrough (Traditional) with uneven source lengths: equal counts, extras dropped.
     loader = SelectiveLoader(
@@ -1022,6 +1027,18 @@ def test_uneven_source_lengths_do_not_hang_and_batch_counts_agree(rounds, remain
         selected = sum(s["examples_selected"] for s in st)
         assert selected == sum(s["examples_yielded"] for s in st) + r["carry_pending"]
     assert rounds[0]["carry_pending"] > rounds[2]["carry_pending"]
+
+
+def test_a_rank_whose_carried_surplus_grows_is_warned(rounds):
+    """Rank 0 selects everything of 6 source batches, rank 2 a quarter of 2: every rank yields
+    what rank 2 has ready, so rank 0's surplus grows every epoch under remainder="carry". It is
+    warned once, naming the fixes; rank 2, carrying nothing, and the other remainders are not."""
+    (message,) = rounds[0]["carry_backlog"]
+    assert message.startswith("rank 0 of 3 carries ") and "into epoch 1" in message
+    assert "DistributedSampler" in message and "remainder='drop'" in message
+    assert rounds[2]["carry_backlog"] == []
+    for r in rounds:
+        assert r["short_backlog"] == r["drop_backlog"] == []
 
 
 def test_batches_per_epoch_holds_on_every_rank_and_resumes_exactly(rounds):
