@@ -551,7 +551,7 @@ class SelectiveLoader(NotADataLoader):
         self._source: Source = make_source(source, index_key, dataset_size)
         # NOTE: the default depends on the source: Stale-SB's store needs dataset indices and
         # the dataset's size.
-        store = self._source.has_indices() and self._source.dataset_size is not None
+        store = bool(self._source.has_indices()) and self._source.dataset_size is not None
         if planned_epochs is not None:
             planned_epochs = check_int("planned_epochs", planned_epochs, minimum=2)
             if policy is not None:
@@ -1359,14 +1359,17 @@ class SelectiveLoader(NotADataLoader):
 
     def _warn_backlog(self, stats: EpochStats) -> None:
         """Warn (once) where this rank carries many more selected examples into the next epoch
-        than a rank in step with the others would.
+        than ranks that differ by chance would.
 
         NOTE: every rank yields as many batches as the fewest has ready, so a rank that selects
-        more (a larger share of the data, a higher selection rate) keeps its surplus pending
-        under ``remainder="carry"``, and where the difference is systematic the surplus grows
-        every epoch, unbounded, and is never trained on. Ranks in step differ only by chance,
-        a backlog of a few batches; the warning fires from a quarter of the epoch's yield (and
-        four batches) on.
+        more keeps its surplus pending under ``remainder="carry"`` (trained first in the next
+        epoch). Ranks with equal shares and rates still drift apart by chance, as random walks
+        do: the difference grows as the square root of the examples selected (an SB keep is a
+        coin flip per candidate), about 3 of those units for 8 ranks. A rank with a larger
+        share of the data or a higher selection rate drifts linearly instead, and its backlog
+        (memory, and ever staler selections) grows without bound. The warning fires beyond 12
+        such units (and four batches, and a quarter of the epoch's yield): not for a chance
+        difference, but within a few epochs for a rank that selects a tenth more.
         """
         sync = self._sync
         if sync is None or self.remainder != "carry" or self._backlog_warned:
@@ -1374,18 +1377,21 @@ class SelectiveLoader(NotADataLoader):
         carried = len(self._pending)
         if carried <= max(4 * self.batch_size, stats.examples_yielded // 4):
             return
+        selected = sum(e.examples_selected for e in self.stats.epochs)
+        if carried <= 12 * math.sqrt(selected):
+            return
         self._backlog_warned = True
         warnings.warn(
             f"rank {sync.rank} of {sync.world_size} carries {carried} selected examples into "
             f"epoch {stats.epoch + 1} (it yielded {stats.examples_yielded} in epoch "
-            f"{stats.epoch}): every rank yields as many batches as the fewest has ready, so a "
-            "rank that selects more than the others keeps its surplus pending, and where its "
-            "share of the data or its selection rate stays larger that surplus grows every "
-            "epoch and is never trained on; give every rank an equal share "
-            "(sampler=DistributedSampler(dataset)), or pass remainder='drop' (counted in "
-            "loader.stats, dropped) or remainder='short'",
+            f"{stats.epoch}), more than the ranks' selections differ by chance: every rank "
+            "yields as many batches as the fewest has ready, so a rank that selects more than "
+            "the others keeps its surplus pending, and where its share of the data or its "
+            "selection rate stays larger that backlog grows every epoch; give every rank an "
+            "equal share (sampler=DistributedSampler(dataset)), or pass remainder='drop' "
+            "(counted in loader.stats, dropped) or remainder='short'",
             UserWarning,
-            stacklevel=2,
+            stacklevel=6,  # the caller's loop (through the iterator's steps)
         )
 
     def _sharing(self) -> bool:

@@ -1272,3 +1272,19 @@ def test_the_source_classes_refuse_what_they_cannot_read_naming_it():
         IterableSource(None)
     assert len(list(DataLoaderSource(DataLoader(EncodedDataset(8), batch_size=4)).epoch())) == 2
     assert IterableSource([(torch.zeros(2), torch.zeros(2))]).has_indices() is False
+
+
+def test_a_source_of_ones_own_answering_has_indices_with_a_falsy_value_is_taken():
+    """A Source of one's own whose has_indices() returns a falsy non-bool (None, 0) is a source
+    without indices, as before: the default policy's store choice reads it as a bool (it was
+    refused naming has_store=, a parameter the user never passed)."""
+    from sbloader.sources import IterableSource
+
+    class Mine(IterableSource):
+        def has_indices(self):  # type: ignore[override]
+            return None
+
+    batches = [(torch.randn(6, 3), torch.arange(6) % N_CLASSES) for _ in range(3)]
+    loader = SelectiveLoader(Mine(batches), nn.Linear(3, N_CLASSES), batch_size=2, seed=0)
+    assert loader.policy.policy.staleness == 1  # plain SB after the warm-up: no store
+    assert sum(len(b[0]) for b in loader) > 0
