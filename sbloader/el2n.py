@@ -286,10 +286,13 @@ def prune(scores: Any, fraction: float, keep: str = "hardest") -> np.ndarray:
             f"scores should hold a score for each dataset index, but got shape {s.shape}; pass "
             "e.g. el2n_scores(...).scores"
         )
+    if s.ndim > 1 and sum(d > 1 for d in s.shape) <= 1:
+        s = s.reshape(-1)  # a column (N, 1) or a row (1, N): one score per index
     if s.size != s.shape[0]:
         raise ValueError(
             f"scores should hold one score per dataset index (a 1-d array), but got shape "
-            f"{s.shape}; reduce the other dimensions first (e.g. scores.mean(axis=1))"
+            f"{s.shape}; reduce the other dimensions first (e.g. scores.mean(axis=1) for one row "
+            "per index)"
         )
     s = s.reshape(-1)
     if np.isnan(s).any():

@@ -205,10 +205,11 @@ class Policy(abc.ABC):
         return True
 
     def check_losses(self, losses: np.ndarray) -> None:  # noqa: B027 - optional hook
-        """Raise ``ValueError`` for selection losses this policy cannot decide from (default:
-        none). The loader also calls it on the losses of the check it runs on the first source
-        batch of an epoch without a selection pass (a warm-up), so that such a loss fails there
-        and not after the warm-up."""
+        """Raise ``ValueError`` for finite selection losses this policy cannot decide from
+        (default: none). The loader also calls it on the losses of the check it runs once, on
+        its first source batch, where that batch's epoch has no selection pass (a warm-up): a
+        loss that fails there (on the first two candidates) fails before the warm-up, not
+        after it."""
 
     def begin_epoch(self, epoch: int) -> None:  # noqa: B027 - optional hook
         """Called by the loader when ``epoch`` (0-based) starts."""

@@ -316,7 +316,9 @@ class Scorer:
             inference=not self.collective,
         )
         if self.check_losses is not None:  # e.g. Kath18's losses >= 0, before its warm-up ends
-            self.check_losses(losses.detach().float().cpu().numpy().astype(np.float64))
+            values = losses.detach().float().cpu().numpy().astype(np.float64)
+            # Only finite ones, as a selection pass hands the policy (nonfinite= decides the rest).
+            self.check_losses(values[np.isfinite(values)])
         self._keep_template(inputs, targets, batch)
 
     def _int8_failed(self, error: Exception, model: nn.Module, inputs: Any, targets: Any) -> None:

@@ -1092,3 +1092,14 @@ def test_kath18_negative_losses_fail_on_the_first_batch_of_a_warm_up():
     # A non-negative loss through the same warm-up is taken: both epochs yield.
     loader = SelectiveLoader(dl, Net(), policy=policy, batch_size=5)
     assert all(sum(len(y) for _, y in loader) > 0 for _ in range(2))
+
+    # A non-finite loss is nonfinite='s to decide, in the check as in a selection pass: -inf on
+    # the first candidate under "skip" is no negative loss.
+    def minus_inf_first(out, y):
+        losses = nn.functional.cross_entropy(out, y, reduction="none")
+        return torch.cat([torch.tensor([-float("inf")]), losses[1:]])
+
+    loader = SelectiveLoader(
+        dl, Net(), loss_fn=minus_inf_first, policy=policy, batch_size=5, nonfinite="skip"
+    )
+    assert all(sum(len(y) for _, y in loader) > 0 for _ in range(2))

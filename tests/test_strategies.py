@@ -465,6 +465,7 @@ def test_prune_refuses_scores_that_are_not_one_per_index_and_an_empty_result():
         prune(rng.random(64), 0.001)
     column = rng.random((64, 1))  # one score per index, as a column: taken as before
     assert prune(column, 0.5).tolist() == prune(column[:, 0], 0.5).tolist()
+    assert prune(column.T, 0.5).tolist() == prune(column[:, 0], 0.5).tolist()  # and as a row
     assert prune(torch.tensor([0.1, 0.9, 0.5]), 1 / 3).tolist() == [1]
 
 
