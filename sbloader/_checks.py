@@ -87,7 +87,8 @@ def check_device_name(name: str, value: Any) -> torch.device:
     except (RuntimeError, ValueError) as e:
         raise ValueError(
             f"{name} should be a device such as 'cpu' or 'cuda:0', but got {name}={value!r} "
-            f"(torch: {e}); pass a device this machine has"
+            f"(torch: {e}); pass a device name torch reads, such as 'cpu', 'cuda', 'cuda:1' "
+            "or 'mps'"
         ) from e
 
 
