@@ -175,8 +175,12 @@ class StatefulSource(Source):
             "position": self._position,
             "finished": self._finished,
             "abandoned": self._abandoned,
-            "loader": copy.deepcopy(self._stateful.state_dict()),
+            "loader": copy.deepcopy(self._loader_state()),
         }
+
+    def _loader_state(self) -> Any:
+        """The wrapped loader's own ``state_dict()`` (overridden where reading it needs care)."""
+        return self._stateful.state_dict()
 
     def snapshot(self) -> dict[str, Any] | None:
         return self.state_dict()

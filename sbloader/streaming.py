@@ -15,7 +15,9 @@ streaming`` imports torchvision (for streaming's own vision datasets).
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,9 @@ __all__ = ["SAMPLE_ID", "IndexedStreamingDataset", "StreamingSource", "open_mds"
 
 #: The field :class:`IndexedStreamingDataset` adds to every sample: its streaming sample id.
 SAMPLE_ID = "sample_id"
+#: How often :meth:`StreamingSource._loader_state` reads a resume state another rank is writing
+#: (10 ms apart).
+_READS = 100
 
 
 def _column(value: Any) -> tuple[str, Any]:
@@ -289,6 +294,27 @@ class StreamingSource(StatefulSource):
         if state["finished"] and loader_state is not None:
             return dict(loader_state, epoch=int(loader_state["epoch"]) + 1, sample_in_epoch=0)
         return loader_state
+
+    def _loader_state(self) -> Any:
+        """The StreamingDataLoader's state, read again where another rank was writing it.
+
+        NOTE (ranks loading a state at the same time): streaming's ``state_dict()`` reads the
+        resume state that ``load_state_dict()`` writes into shared memory, one block per
+        dataset directory that the ranks on a machine share; a rank reading it right after
+        another rank created the block and before that rank wrote it reads an empty or partial
+        text, on which ``json`` fails. The loader reads its source's state as it loads one (to
+        put it back if the load is refused), so ranks resuming together met this (seen in the
+        two-rank test). The write is one copy of a few hundred bytes: read again a moment later,
+        the state is whole.
+        """
+        for attempt in range(_READS):
+            try:
+                return self.loader.state_dict()
+            except json.JSONDecodeError:
+                if attempt == _READS - 1:
+                    raise
+                time.sleep(0.01)
+        raise AssertionError("unreachable")  # (the loop returns or raises)
 
     def id_fields(self) -> tuple[Hashable, ...]:
         """:data:`SAMPLE_ID`, which an :class:`IndexedStreamingDataset` adds to every sample

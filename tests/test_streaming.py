@@ -116,6 +116,34 @@ def test_a_streaming_loader_is_a_source_keyed_by_sample_id(mds):
     released(loader, source)
 
 
+def test_a_resume_state_read_while_another_rank_writes_it_is_read_again(mds, monkeypatch):
+    """streaming's state_dict() reads the resume state another rank's load_state_dict() writes
+    into shared memory; read between the block's creation and the write, it is empty and json
+    fails (two ranks resuming together met it: the loader reads its source's state as it loads
+    one). The source reads it again, and fails only where it never becomes whole."""
+    import json
+
+    loader = make_loader(mds)
+    source = loader.source
+    real, calls = source.loader.state_dict, []
+
+    def torn(limit: int):
+        def state_dict():
+            calls.append(1)
+            return json.loads("") if len(calls) <= limit else real()
+
+        return state_dict
+
+    monkeypatch.setattr(source.loader, "state_dict", torn(2))
+    assert source.state_dict()["loader"] == real() and len(calls) == 3
+    calls.clear()
+    monkeypatch.setattr(source.loader, "state_dict", torn(10**6))
+    with pytest.raises(json.JSONDecodeError):
+        source.state_dict()
+    assert len(calls) == sbs._READS
+    released(loader, source)
+
+
 def test_a_dataset_without_sample_ids_needs_an_index_key(mds):
     streaming = import_streaming()
     dataset = streaming.StreamingDataset(local=str(mds), batch_size=8)
