@@ -72,8 +72,9 @@ def main() -> int:
         "",
         f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
         f"sbloader {machine['sbloader']} ({describe_commit(machine)}), {machine['date']}. "
-        f"{m.examples} examples, {m.throughput_epochs} epochs per measurement, median of "
-        f"{m.repeats} per run; {args.runs} runs.",
+        f"{m.examples} examples; the raw source and the loader alternated epoch by epoch, "
+        f"{m.throughput_epochs} pairs per measurement, {m.repeats} measurements per run, the "
+        f"median of the paired ratios; {args.runs} runs.",
         "",
         "| source | strategy | prefetch | ratio per run | median ratio | median ratio without "
         "the selection forwards | selection forwards' share of the loader's time |",

@@ -154,3 +154,28 @@ def test_the_warm_up_trains_every_configuration_and_leaves_the_timed_runs_unchan
     assert "a warm-up trained every configuration on a few batches" in report(
         cfg, machine, tmp_path
     )
+
+
+def test_the_throughput_measure_pairs_raw_and_loader_epochs():
+    """benchmarks/core/throughput.py (throughput.py, breakdown.py's section 3): the raw source
+    and the loader alternate epoch by epoch, and every configuration gets a paired ratio."""
+    import torch
+
+    from benchmarks.core.config import measurement
+    from benchmarks.core.sources import Sources
+    from benchmarks.core.throughput import raw_epoch, throughput
+
+    cfg, m = measurement(True, examples=1024, throughput_epochs=2, warmup_batches=1)
+    x = torch.randn(1024, 1, cfg.image_size, cfg.image_size)
+    sources = Sources(x, torch.randint(0, 10, (1024,)), "cpu", ffcv=False)
+    try:
+        rows = throughput(cfg, m, sources, lambda line: None)
+        assert raw_epoch(sources.make("dataloader", 128, 0), 1) > 0
+    finally:
+        sources.close()
+    got = {(r["source"], r["strategy"], r["prefetch"]) for r in rows}
+    assert got == {("dataloader", s, p) for s in ("traditional", "sb") for p in (0, 1)}
+    for r in rows:
+        assert r["raw_examples_per_s"] > 0 and r["loader_examples_per_s"] > 0
+        assert 0 < r["ratio"] <= r["ratio_without_forward"]
+        assert (r["forward_share"] > 0) == (r["strategy"] == "sb")

@@ -304,7 +304,8 @@ class Measurement:
     option_batches: int = 12
     """Selection cost: examples per round, in source batches [batches]."""
     throughput_epochs: int = 2
-    """Trivial-model throughput: epochs per measurement [epochs]."""
+    """Trivial-model throughput: epochs of the raw source and of the loader per measurement,
+    alternated (one pair per epoch) [epochs]."""
     frozen_examples: int = 60_000
     """Frozen-backbone comparison: examples per epoch [examples]."""
     seed: int = 0

@@ -22,7 +22,9 @@ def throughput(
     cfg: Config, m: Measurement, sources: Sources, log: Callable[[str], None]
 ) -> list[dict[str, Any]]:
     """Examples per second: the raw source against SelectiveLoader with a trivial model and a
-    training loop that does nothing (Traditional: yielded examples; SB: candidates consumed).
+    training loop that does nothing (Traditional: yielded examples; SB: candidates consumed),
+    an epoch of each in turn, the ratio taken per pair (``m.throughput_epochs`` pairs per
+    measurement, ``m.repeats`` measurements; medians).
 
     A DataLoader source is measured with the next batch fetched on demand and fetched ahead on
     a thread (``prefetch=1``; the in-memory dataset draws no global randomness); FFCV fetches
@@ -48,7 +50,6 @@ def throughput(
     for rep in range(m.repeats):
         for kind, strategy, bs, prefetch in configs:
             source = sources.make(kind, bs, m.seed + rep)
-            raw = raw_rate(source, m)
             loader = sbloader.SelectiveLoader(
                 source,
                 trivial(),
@@ -56,19 +57,25 @@ def throughput(
                 batch_size=cfg.batch_size,
                 prefetch=prefetch,
             )
-            for i, _ in enumerate(loader):  # warm-up
+            raw_epoch(source, m.warmup_batches)  # warm-ups
+            for i, _ in enumerate(loader):
                 if i >= m.warmup_batches:
                     break
-            seen, forward, t0 = 0, 0.0, time.perf_counter()
+            # NOTE: the raw source and the loader alternate epoch by epoch, each pair's ratio
+            # taken: on this shared machine the raw DataLoader's own rate swung between about
+            # 250k and 430k examples a second from one epoch to the next, and a ratio of a raw
+            # measurement and a loader measurement taken a minute apart was as noisy as that.
             for _ in range(m.throughput_epochs):
+                raw = raw_epoch(source)
+                t0 = time.perf_counter()
                 for _ in loader:
                     pass
-                seen += loader.stats.current.examples_seen
-                forward += loader.stats.current.selection_forward_s
-            elapsed = time.perf_counter() - t0
-            measured[kind, strategy, bs, prefetch].append(
-                (raw, seen / elapsed, seen / max(elapsed - forward, 1e-9), forward / elapsed)
-            )
+                elapsed = time.perf_counter() - t0
+                seen = loader.stats.current.examples_seen
+                forward = loader.stats.current.selection_forward_s
+                measured[kind, strategy, bs, prefetch].append(
+                    (raw, seen / elapsed, seen / max(elapsed - forward, 1e-9), forward / elapsed)
+                )
     rows = []
     for (kind, strategy, bs, prefetch), pairs in measured.items():
         row = {
@@ -94,8 +101,9 @@ def throughput(
     return rows
 
 
-def raw_rate(source: Any, m: Measurement) -> float:
-    """Examples per second of iterating the source itself (FFCV: threads restored after)."""
+def raw_epoch(source: Any, limit: int | None = None) -> float:
+    """Examples per second of one epoch of the source itself (its first ``limit`` batches, a
+    warm-up, where given; FFCV: threads restored after)."""
 
     guard: Any = contextlib.nullcontext()
     if not isinstance(source, DataLoader):
@@ -103,11 +111,9 @@ def raw_rate(source: Any, m: Measurement) -> float:
 
         guard = sbffcv.preserved_threads()
     with guard:
-        for i, _ in enumerate(source):  # warm-up
-            if i >= m.warmup_batches:
-                break
         seen, t0 = 0, time.perf_counter()
-        for _ in range(m.throughput_epochs):
-            for batch in source:
-                seen += len(batch[0])
+        for i, batch in enumerate(source):
+            seen += len(batch[0])
+            if limit is not None and i >= limit:
+                break
         return seen / (time.perf_counter() - t0)
