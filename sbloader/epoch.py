@@ -510,7 +510,8 @@ class EpochIterator:
                 codec = loader._codec
                 inputs, targets = data[codec.input_position], data[codec.target_position]
                 try:
-                    scorer.probe(inputs, targets, codec.view(data))
+                    # (e.g. Kath18's losses >= 0: checked before its warm-up ends)
+                    loader.policy.check_losses(scorer.probe(inputs, targets, codec.view(data)))
                 except Exception as e:
                     if not self._reports_raised():
                         raise
@@ -1002,10 +1003,8 @@ class EpochIterator:
         where = f"rank {sync.rank} of {sync.world_size}"
         own = self._failure
         if own is not None:
-            kind, error = own
+            error = own[1]
             message = f"on {where} (every rank stops with this error, reported to the others): "
-            if kind < _RAISED:
-                raise type(error)(message + str(error)) from None
             _raise_own(error, message + str(error))
         rank, kind = sync.failed
         if kind >= _RAISED:

@@ -675,7 +675,6 @@ class SelectiveLoader(NotADataLoader):
             fallback_autocast=autocast,
             precision=f"{int8_why}; {why}" if quantized is None else int8_why,
         )
-        self._scorer.check_losses = self.policy.check_losses
         self._follow_forward_autocast()
         logger.info("selection precision: %s", self._scorer.precision)
         self._scorer.check()
@@ -1104,7 +1103,6 @@ class SelectiveLoader(NotADataLoader):
         self.planned_passes = passes
         self.policy = default_policy(store, epochs=passes)
         self.policy.attach(self._source.dataset_size, key)
-        self._scorer.check_losses = self.policy.check_losses
         logger.info(
             "policy: %r (the default recipe, chosen for this source and %d planned epochs of "
             "%d batches: %d passes over the data)",

@@ -121,8 +121,6 @@ class Scorer:
         self.selector = selector
         self.forward = forward
         self.feature_cache = feature_cache
-        #: The policy's :meth:`~sbloader.Policy.check_losses`, applied to :meth:`probe`'s losses.
-        self.check_losses: Callable[[np.ndarray], None] | None = None
         self.autocast = autocast
         self.batch_size = batch_size
         self.eval_selection = eval_selection
@@ -283,9 +281,10 @@ class Scorer:
         """The losses as float64 on the host for the policy (None: decisions="device")."""
         return losses.detach().cpu().numpy().astype(np.float64) if self.host_values else None
 
-    def probe(self, inputs: Any, targets: Any, batch: Any = None) -> None:
-        """Run the selection forward on the first two candidates and discard the result, so that
-        a ``loss_fn`` without one loss per example or an unselectable model fails at once.
+    def probe(self, inputs: Any, targets: Any, batch: Any = None) -> np.ndarray:
+        """Run the selection forward on the first two candidates, so that a ``loss_fn`` without
+        one loss per example or an unselectable model fails at once; returns their finite
+        losses (float64), for the policy's :meth:`~sbloader.Policy.check_losses`.
 
         NOTE: used where an epoch has no selection pass (a warm-up) but later ones will: without
         it, such a mistake would surface only after the whole warm-up. It changes nothing: eval
@@ -315,11 +314,10 @@ class Scorer:
             batch=None if batch is None else restrict(batch, 0, k),
             inference=not self.collective,
         )
-        if self.check_losses is not None:  # e.g. Kath18's losses >= 0, before its warm-up ends
-            values = losses.detach().float().cpu().numpy().astype(np.float64)
-            # Only finite ones, as a selection pass hands the policy (nonfinite= decides the rest).
-            self.check_losses(values[np.isfinite(values)])
         self._keep_template(inputs, targets, batch)
+        values = losses.detach().float().cpu().numpy().astype(np.float64)
+        # Only finite ones, as a selection pass hands the policy (nonfinite= decides the rest).
+        return values[np.isfinite(values)]
 
     def _int8_failed(self, error: Exception, model: nn.Module, inputs: Any, targets: Any) -> None:
         """The int8 copy could not be built on ``inputs`` (``error``): refused naming
