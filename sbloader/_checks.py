@@ -160,15 +160,21 @@ class NonFiniteLoss(FloatingPointError):
     """
 
 
-def nonfinite_losses(count: int, indices: list[int] | None = None) -> NonFiniteLoss:
+def nonfinite_losses(
+    count: int, indices: list[int] | None = None, positions: bool = False
+) -> NonFiniteLoss:
     """The error for ``count`` non-finite selection losses under ``nonfinite="raise"``, naming
-    the first dataset ``indices`` (or positions) where known.
+    the first dataset ``indices`` where known (``positions``: the first positions in the source
+    batch instead, for a source without indices).
 
     Example:
         >>> str(nonfinite_losses(2, [7, 9])).split(";")[0]
         '2 selection losses are not finite (dataset indices [7, 9]...)'
+        >>> str(nonfinite_losses(2, [0, 3], positions=True)).split(";")[0]
+        '2 selection losses are not finite (positions [0, 3] in the source batch...)'
     """
-    where = "" if indices is None else f" (dataset indices {indices}...)"
+    what = "positions {} in the source batch" if positions else "dataset indices {}"
+    where = "" if indices is None else f" ({what.format(indices)}...)"
     return NonFiniteLoss(
         f"{count} selection losses are not finite{where}; pass nonfinite='skip' or "
         "nonfinite='select' to continue past them"

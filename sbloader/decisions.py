@@ -63,7 +63,7 @@ def choose_finite(
     bad = np.flatnonzero(~finite)
     if nonfinite == "raise":
         where = indices[bad[:5]].tolist() if indices is not None else bad[:5].tolist()
-        raise nonfinite_losses(len(bad), where)
+        raise nonfinite_losses(len(bad), where, positions=indices is None)
     good = np.flatnonzero(finite)
     sub = policy.choose(values[good], None if indices is None else indices[good], rng, len(good))
     probabilities = np.zeros(n, dtype=np.float64)

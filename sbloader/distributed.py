@@ -464,7 +464,12 @@ def launched_processes() -> int:
     (torchrun and most launchers set it), else 1.
 
     Example:
-        >>> launched_processes() if "WORLD_SIZE" not in os.environ else 1
+        >>> from unittest import mock
+        >>> with mock.patch.dict(os.environ, {"WORLD_SIZE": "4"}):
+        ...     launched_processes()
+        4
+        >>> with mock.patch.dict(os.environ, {"WORLD_SIZE": "x"}):
+        ...     launched_processes()  # unreadable: one
         1
     """
     try:

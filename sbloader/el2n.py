@@ -279,16 +279,14 @@ def prune(scores: Any, fraction: float, keep: str = "hardest") -> np.ndarray:
             f"scores should hold one number per dataset index, but got {type(scores).__name__} "
             f"({e}); pass e.g. el2n_scores(...).scores"
         ) from e
-    # NOTE: a column of shape (N, 1) is one score per index; (N, K) scores (one per model, say)
-    # were flattened into N * K "indices" before.
     if s.ndim == 0 or s.size == 0:
         raise ValueError(
             f"scores should hold a score for each dataset index, but got shape {s.shape}; pass "
             "e.g. el2n_scores(...).scores"
         )
-    if s.ndim > 1 and sum(d > 1 for d in s.shape) <= 1:
-        s = s.reshape(-1)  # a column (N, 1) or a row (1, N): one score per index
-    if s.size != s.shape[0]:
+    # NOTE: a column (N, 1) or a row (1, N) is one score per index; (N, K) scores (one per
+    # model, say) were flattened into N * K "indices" before.
+    if sum(d > 1 for d in s.shape) > 1:
         raise ValueError(
             f"scores should hold one score per dataset index (a 1-d array), but got shape "
             f"{s.shape}; reduce the other dimensions first (e.g. scores.mean(axis=1) for one row "

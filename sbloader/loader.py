@@ -716,7 +716,7 @@ class SelectiveLoader(NotADataLoader):
                 f"min_batch_size should be <= batch_size={self.batch_size}, but got "
                 f"min_batch_size={self.min_batch_size}"
             )
-        self._device = torch.device(device) if device is not None else None
+        self._device = device  # (a torch.device or None: checked above)
         self.input_key, self.target_key = input_key, target_key
         if metadata_key is not None and not isinstance(metadata_key, str):
             raise TypeError(

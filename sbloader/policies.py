@@ -206,10 +206,11 @@ class Policy(abc.ABC):
 
     def check_losses(self, losses: np.ndarray) -> None:  # noqa: B027 - optional hook
         """Raise ``ValueError`` for finite selection losses this policy cannot decide from
-        (default: none). The loader also calls it on the losses of the check it runs once, on
-        its first source batch, where that batch's epoch has no selection pass (a warm-up): a
-        loss that fails there (on the first two candidates) fails before the warm-up, not
-        after it."""
+        (default: none). The loader calls it on the losses of the check it runs once, on its
+        first source batch, where that batch's epoch has no selection pass (a warm-up), so that
+        such a loss (among the first two candidates) fails before the warm-up, not after it; a
+        policy checks the losses of its selection passes in its own :meth:`choose` (as
+        :class:`Kath18` does, calling this)."""
 
     def begin_epoch(self, epoch: int) -> None:  # noqa: B027 - optional hook
         """Called by the loader when ``epoch`` (0-based) starts."""
@@ -961,7 +962,7 @@ class Kath18(Policy):
         if (losses < 0).any():
             raise ValueError(
                 "Kath18 samples in proportion to the loss, so losses should be >= 0, but got "
-                f"min loss {losses.min():g}; use a non-negative per-example loss"
+                f"min loss {losses.min():g}; pass loss_fn= a non-negative per-example loss"
             )
 
     def threshold(self, pool: int, b: int) -> float:

@@ -279,7 +279,7 @@ class Scorer:
 
     def _host_values(self, losses: torch.Tensor) -> np.ndarray | None:
         """The losses as float64 on the host for the policy (None: decisions="device")."""
-        return losses.detach().cpu().numpy().astype(np.float64) if self.host_values else None
+        return _to_host(losses) if self.host_values else None
 
     def probe(self, inputs: Any, targets: Any, batch: Any = None) -> np.ndarray:
         """Run the selection forward on the first two candidates, so that a ``loss_fn`` without
@@ -315,7 +315,7 @@ class Scorer:
             inference=not self.collective,
         )
         self._keep_template(inputs, targets, batch)
-        values = losses.detach().float().cpu().numpy().astype(np.float64)
+        values = _to_host(losses)
         # Only finite ones, as a selection pass hands the policy (nonfinite= decides the rest).
         return values[np.isfinite(values)]
 
@@ -573,3 +573,8 @@ def _owned(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_owned(v) for v in value)
     return value
+
+
+def _to_host(losses: torch.Tensor) -> np.ndarray:
+    """Selection losses (float32 on any device) as float64 on the host, as policies take them."""
+    return losses.detach().cpu().numpy().astype(np.float64)

@@ -1103,3 +1103,16 @@ def test_kath18_negative_losses_fail_on_the_first_batch_of_a_warm_up():
         dl, Net(), loss_fn=minus_inf_first, policy=policy, batch_size=5, nonfinite="skip"
     )
     assert all(sum(len(y) for _, y in loader) > 0 for _ in range(2))
+
+
+def test_a_nonfinite_loss_without_dataset_indices_is_named_by_its_position():
+    """Under nonfinite="raise" the error names the first dataset indices, or, for a source
+    without them, the positions in the source batch (it called those "dataset indices")."""
+    from sbloader.decisions import choose_finite
+
+    losses = np.array([1.0, np.nan, 2.0, np.inf])
+    rng = np.random.default_rng(0)
+    with pytest.raises(FloatingPointError, match=r"positions \[1, 3\] in the source batch"):
+        choose_finite(Traditional(), losses, None, rng, 4, "raise")
+    with pytest.raises(FloatingPointError, match=r"dataset indices \[11, 13\]"):
+        choose_finite(Traditional(), losses, np.arange(10, 14), rng, 4, "raise")
