@@ -271,13 +271,14 @@ def check_forward(forward: Any) -> None:
         )
 
 
-def check_output(output: Any) -> None:
-    """Refuse an ``output=`` that is none of :data:`Output`'s kinds: None, a key or attribute
-    name, a position (an int, not a bool) or a callable.
+def check_output(output: Any) -> Output:
+    """``output=`` as given (a numpy integer position as an int), or refused where it is none of
+    :data:`Output`'s kinds: None, a key or attribute name, a position (an int, not a bool) or a
+    callable.
 
     Example:
-        >>> for output in (None, "logits", 0, lambda out: out[0]):
-        ...     check_output(output)
+        >>> [check_output(output) for output in (None, "logits", np.int64(0))]
+        [None, 'logits', 0]
         >>> check_output(True)
         Traceback (most recent call last):
             ...
@@ -286,9 +287,9 @@ def check_output(output: Any) -> None:
         output=True
     """
     if output is None or callable(output) or isinstance(output, str):
-        return
-    if isinstance(output, numbers.Integral) and not isinstance(output, (bool, np.bool_)):
-        return
+        return output
+    if isinstance(output, numbers.Integral) and not isinstance(output, bool):
+        return int(output)
     raise TypeError(
         "output should be None (a Tensor as is, else its 'logits'), a key or attribute name such "
         "as output='logits', a position such as output=0, or a callable, but got "
@@ -662,9 +663,7 @@ class SelectionForward:
         output: Output = None,
     ) -> None:
         check_forward(forward)
-        check_output(output)
-        if isinstance(output, numbers.Integral):  # a numpy integer position, as an int
-            output = int(output)
+        output = check_output(output)
         self.call, self.output = forward, output
         if forward is not None:
             name = repr(forward) if isinstance(forward, FieldsForward) else "forward="
