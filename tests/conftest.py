@@ -119,3 +119,10 @@ def streaming_env() -> dict[str, str]:
     paths = [*placeholder, str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(paths).strip(os.pathsep)
     return env
+
+
+def no_native_bf16(monkeypatch: pytest.MonkeyPatch, native: bool = False) -> None:
+    """Make this process's CPU answer ``native`` to both of torch's bf16 capability queries (the
+    ones sbloader.precision reads): with False, autocast="auto" alone picks float32."""
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda: native, raising=False)

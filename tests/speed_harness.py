@@ -220,6 +220,8 @@ class Run:
     params: list[torch.Tensor]
     #: Each epoch's counts (``loader.stats``, times left out) and target rate.
     counts: list[tuple[Any, ...]] = field(default_factory=list)
+    #: How many cuts resumed the run from a saved state.
+    resumes: int = 0
 
 
 def step(cfg: Config, model: nn.Module, opt: torch.optim.Optimizer, loader: Any, batch: Any):
@@ -263,18 +265,20 @@ def run(
     _, model, opt, loader = build(cfg)
     done: list[tuple[Any, ...]] = []
     pending = sorted(cuts)
+    resumes = 0
 
     def due(how: str) -> bool:
         return bool(pending) and pending[0][1] == how and pending[0][0] == len(done)
 
     def resume() -> bool:
-        nonlocal model, opt, loader
+        nonlocal model, opt, loader, resumes
         if not resuming:
             pending.pop(0)
             return False
         state = {"l": loader.state_dict(unconsumed=int(pending[0][1] == "unconsumed"))}
         model, opt, loader = _resume(cfg, {**state, "m": model.state_dict()}, opt)
         pending.pop(0)
+        resumes += 1
         return True
 
     while loader.training_epoch < EPOCHS:
@@ -299,7 +303,7 @@ def run(
         while pending and pending[0][0] < len(done) and pending[0][1] != "epoch-end":
             pending.pop(0)
     params = [p.detach().clone() for p in model.state_dict().values()]
-    return Run(done, params, counts(loader))
+    return Run(done, params, counts(loader), resumes)
 
 
 def counts(loader: Any) -> list[tuple[Any, ...]]:

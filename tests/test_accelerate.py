@@ -26,6 +26,7 @@ import accelerate_scenarios as S  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.data_loader import prepare_data_loader  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from conftest import no_native_bf16  # noqa: E402
 from launch import ROOT, torchrun_ranks  # noqa: E402
 
 from sbloader.integrations.accelerate import AcceleratedLoader, AcceleratedShardSource  # noqa: E402
@@ -246,12 +247,6 @@ def test_a_state_from_another_number_of_processes_is_refused(fresh_accelerate):
     assert state["world_size"] == 1 and len(state["ranks"]) == 1
     with pytest.raises(ValueError, match="number of processes"):
         loader.load_state_dict({**state, "ranks": state["ranks"] * 2, "world_size": 2})
-
-
-def no_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This CPU answers False to torch's bf16 queries: autocast="auto" alone picks float32."""
-    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
-        monkeypatch.setattr(torch.cpu, name, lambda: False, raising=False)
 
 
 def bf16_model() -> tuple[nn.Module, list[torch.dtype]]:

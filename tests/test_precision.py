@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from conftest import no_native_bf16
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -17,12 +18,6 @@ from sbloader.precision import native_bf16, selection_dtype
 
 CPU = torch.device("cpu")
 N = 240
-
-
-def no_native_bf16(monkeypatch: pytest.MonkeyPatch, native: bool = False) -> None:
-    """Make this process's CPU answer ``native`` to both of torch's bf16 capability queries."""
-    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
-        monkeypatch.setattr(torch.cpu, name, lambda: native, raising=False)
 
 
 def build(seed: int = 0, **kw) -> SelectiveLoader:

@@ -130,6 +130,7 @@ def test_the_warm_up_trains_every_configuration_and_leaves_the_timed_runs_unchan
     """execute() warms every configuration up on a few batches before the timed runs (so that
     first-use costs of the process, numba's kernels and int8 quantization, fall on no run),
     records its seconds, says so in the summary, and the runs train exactly as without it."""
+    import benchmarks.core.train as train
     from benchmarks.core.machine import machine_info
     from benchmarks.core.train import warm_up
     from benchmarks.run import execute, report
@@ -140,7 +141,21 @@ def test_the_warm_up_trains_every_configuration_and_leaves_the_timed_runs_unchan
     strat = strategies.get("sb_0.33_int8")
     with tqdm(total=200, disable=True) as bar:
         alone = run_one(cfg, strat, 0, 0.0, data, bar)
-    assert warm_up(cfg, [strat], data) > 0
+    # The warm-up trains each configuration, every planned epoch, on its few batches only.
+    trained, real_train = [], train.Trainer.train
+
+    def spy(self):
+        out = real_train(self)
+        trained.append((self.strat.name, self.loader.stats.total.examples_seen))
+        return out
+
+    few = min(2 * max(cfg.pool_batch_size, cfg.batch_size), 1024)
+    assert few < 2048
+    big = (x[:2048], y[:2048], xt[:200], yt[:200])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train.Trainer, "train", spy)
+        warm_up(cfg, [strat, strategies.get("traditional")], big)
+    assert trained == [("sb_0.33_int8", 2 * few), ("traditional", 2 * few)]
     machine = machine_info(exclude=tmp_path)
     (tmp_path / "runs").mkdir()
     execute(cfg, tmp_path, machine, data=data)
@@ -161,18 +176,35 @@ def test_the_throughput_measure_pairs_raw_and_loader_epochs():
     and the loader alternate epoch by epoch, and every configuration gets a paired ratio."""
     import torch
 
+    import benchmarks.core.throughput as tp
+    import sbloader
     from benchmarks.core.config import measurement
     from benchmarks.core.sources import Sources
-    from benchmarks.core.throughput import raw_epoch, throughput
 
     cfg, m = measurement(True, examples=1024, throughput_epochs=2, warmup_batches=1)
     x = torch.randn(1024, 1, cfg.image_size, cfg.image_size)
     sources = Sources(x, torch.randint(0, 10, (1024,)), "cpu", ffcv=False)
+    events: list[str] = []
+    real_raw, real_iter = tp.raw_epoch, sbloader.SelectiveLoader.__iter__
+
+    def raw(source, limit=None):
+        events.append("raw" if limit is None else "raw warm-up")
+        return real_raw(source, limit)
+
+    def loader_epoch(self):
+        events.append("loader")
+        return real_iter(self)
+
     try:
-        rows = throughput(cfg, m, sources, lambda line: None)
-        assert raw_epoch(sources.make("dataloader", 128, 0), 1) > 0
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(tp, "raw_epoch", raw)
+            mp.setattr(sbloader.SelectiveLoader, "__iter__", loader_epoch)
+            rows = tp.throughput(cfg, m, sources, lambda line: None)
     finally:
         sources.close()
+    # Per configuration: the warm-ups, then a raw epoch and a loader epoch in turn.
+    per_config = ["raw warm-up", "loader"] + ["raw", "loader"] * m.throughput_epochs
+    assert events == per_config * 4 * m.repeats
     got = {(r["source"], r["strategy"], r["prefetch"]) for r in rows}
     assert got == {("dataloader", s, p) for s in ("traditional", "sb") for p in (0, 1)}
     for r in rows:

@@ -162,11 +162,18 @@ def check(cfg: Config, rng: random.Random, folder: Path) -> None:
     assert deterministic, f"not deterministic: {first_difference(first, again)}"
     n = len(first.batches)
     assert n > 0
-    cuts = tuple((rng.randrange(n), rng.choice(CUTS)) for _ in range(rng.choice([1, 1, 2, 3])))
+    # NOTE: each cut at its own batch count, and those taken after a batch is trained
+    # ("in-loop", "after-break") after the first: the first cut always happens (checked below).
+    ks = rng.sample(range(n), min(n, rng.choice([1, 1, 2, 3])))
+    hows = [rng.choice(CUTS) for _ in ks]
+    cuts = tuple(
+        (max(k, 1) if how in ("in-loop", "after-break") else k, how) for k, how in zip(ks, hows)
+    )
     reference = first
     if cfg.batches_per_epoch is not None:
         reference = run(cfg, cuts, folder=folder / "reference", resuming=False)
     resumed = run(cfg, cuts, folder=folder / "resumed")
+    assert resumed.resumes >= 1, f"{cuts}: no cut resumed the run"
     if not cfg.cache:
         exact = same(reference, resumed)
         assert exact, f"{cuts}: {first_difference(reference, resumed)}"
@@ -182,6 +189,9 @@ def check(cfg: Config, rng: random.Random, folder: Path) -> None:
             assert ours[0] == theirs[0]  # the same examples, their features in the last bits
             break
         assert ours == theirs, cuts
+    else:  # no feature differed: the whole run is the uninterrupted one's
+        assert len(resumed.batches) == len(reference.batches), cuts
+        assert all(torch.equal(x, y) for x, y in zip(resumed.params, reference.params)), cuts
 
 
 @pytest.mark.parametrize("cfg", COVERING, ids=[f"covering-{i}" for i in range(len(COVERING))])

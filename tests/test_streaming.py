@@ -39,8 +39,10 @@ def mds(tmp_path) -> Path:
 
 
 def released(*objects) -> None:
-    """Drop a loader (and its StreamingDataset): streaming lets one dataset per local directory
-    live at a time, and frees its shared memory when the dataset is collected."""
+    """Collect the garbage after a test's last use of a loader (and its StreamingDataset):
+    streaming lets one dataset per local directory live at a time, and frees its shared memory
+    when the dataset is collected. Only objects no caller still refers to are freed: a test that
+    opens the same directory again drops its own references first (``del``)."""
     del objects
     gc.collect()
 
@@ -203,20 +205,8 @@ def test_a_written_index_field_beyond_the_sample_count_takes_dataset_size(tmp_pa
     """A field written with the data (``index_key=``) may hold the ids of a larger dataset:
     ``dataset_size=`` sizes the store for them. It was refused (the size was fixed to the
     sample count), and Stale-SB then failed on the first batch."""
-    local = write_gids(tmp_path)
     policy = SelectiveBackprop(1 / 3, staleness=2)
-    source = sbs.open_mds(local, 24, shuffle=True, seed=7)
-    loader = SelectiveLoader(
-        source,
-        IndexLoss(),
-        policy=policy,
-        batch_size=10,
-        seed=0,
-        input_key="image",
-        target_key="label",
-        index_key="gid",
-        dataset_size=3 * N,
-    )
+    loader = make_loader(write_gids(tmp_path), policy, index_key="gid", dataset_size=3 * N)
     assert loader.source.dataset_size == 3 * N
     for b in loader:
         assert torch.equal(b["gid"], b.indices)
@@ -224,24 +214,15 @@ def test_a_written_index_field_beyond_the_sample_count_takes_dataset_size(tmp_pa
     losses, epochs = policy.store.lookup(np.arange(N) * 3)
     np.testing.assert_array_equal(losses, expected_losses(N))
     assert (epochs == 0).all()
-    released(loader, source)
+    released(loader)
 
 
 def test_indices_beyond_the_stores_size_are_refused_naming_dataset_size(tmp_path):
-    local = write_gids(tmp_path)
-    source = sbs.open_mds(local, 24, shuffle=True, seed=7)
-    loader = SelectiveLoader(
-        source,
-        IndexLoss(),
-        policy=SelectiveBackprop(1 / 3, staleness=2),
-        batch_size=10,
-        input_key="image",
-        target_key="label",
-        index_key="gid",
-    )
+    policy = SelectiveBackprop(1 / 3, staleness=2)
+    loader = make_loader(write_gids(tmp_path), policy, index_key="gid")
     with pytest.raises(ValueError, match=r"dataset_size=120\); pass dataset_size="):
         list(loader)
-    released(loader, source)
+    released(loader)
 
 
 def test_the_sample_id_beside_an_index_field_is_no_unused_model_input(tmp_path):
@@ -250,27 +231,18 @@ def test_the_sample_id_beside_an_index_field_is_no_unused_model_input(tmp_path):
     advising forward=lambda model, batch: model(batch['image'], sample_id=...). It is an id of
     sbloader's own, left out of that warning as the index field is; another field is not."""
     local = write_gids(tmp_path)
-    source = sbs.open_mds(local, 24, shuffle=True, seed=7)
-    loader = SelectiveLoader(
-        source,
-        IndexLoss(),
-        policy=SelectiveBackprop(0.5),
-        batch_size=10,
-        input_key="image",
-        target_key="label",
-        index_key="gid",
-        dataset_size=3 * N,
-    )
+    loader = make_loader(local, index_key="gid", dataset_size=3 * N)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         batch = next(iter(loader))
     assert "sample_id" in batch
-    released(loader, source, batch)
-    source = sbs.open_mds(local, 24, shuffle=True, seed=7)
-    loader = SelectiveLoader(source, IndexLoss(), input_key="image", target_key="label")
+    # (dropped here, not by released(): streaming lets one dataset per directory live at a time)
+    del loader, batch
+    gc.collect()
+    loader = make_loader(local)
     with pytest.warns(UserWarning, match=r"tensor fields \['gid'\] besides"):
         next(iter(loader))
-    released(loader, source)
+    released(loader)
 
 
 # ------------------------------------------------------------------ two gloo ranks

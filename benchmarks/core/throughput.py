@@ -102,8 +102,9 @@ def throughput(
 
 
 def raw_epoch(source: Any, limit: int | None = None) -> float:
-    """Examples per second of one epoch of the source itself (its first ``limit`` batches, a
-    warm-up, where given; FFCV: threads restored after)."""
+    """Examples per second of one epoch of the source itself (its first ``limit + 1`` batches,
+    a warm-up, where ``limit`` is given, as the loader's warm-up reads; FFCV: threads restored
+    after)."""
 
     guard: Any = contextlib.nullcontext()
     if not isinstance(source, DataLoader):
