@@ -371,7 +371,13 @@ def selection_costs(
     sides of a ratio alike. The training reference is channels_last (the faster layout here,
     and what the breakdown trains with): a fair c compares with the best training step.
     """
-    n = m.option_batches * cfg.pool_batch_size
+    # As many whole pools as the examples hold (a small --examples holds fewer than planned).
+    n = min(m.option_batches, len(y) // cfg.pool_batch_size) * cfg.pool_batch_size
+    if n == 0:
+        raise ValueError(
+            f"the selection costs need at least one pool of {cfg.pool_batch_size} examples, but "
+            f"--examples gave {len(y)}; pass --examples {cfg.pool_batch_size} or more"
+        )
     x, y = x[:n], y[:n]
     train_batches = n // cfg.batch_size
     train = {cl: TrainingStep(x, y, cfg, m.seed, cl, train_batches) for cl in (False, True)}

@@ -374,7 +374,12 @@ def main() -> int:
     n = m.option_batches * cfg.pool_batch_size
     start = args.train_examples
     xh, yh = x[start : start + n].contiguous(memory_format=fmt), y[start : start + n]
-    chunks = [(xh[i : i + 512], yh[i : i + 512]) for i in range(0, n, 512)]
+    chunks = [(xh[i : i + 512], yh[i : i + 512]) for i in range(0, len(yh), 512)]
+    if not chunks:
+        raise ValueError(
+            f"no held-out examples after --train-examples {args.train_examples} (the data has "
+            f"{len(y)}); pass a smaller --train-examples"
+        )
     calib = x[start + n : start + n + 512].contiguous()
     ways = [
         Way("fp32", model, chunks),

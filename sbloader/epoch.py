@@ -501,6 +501,12 @@ class EpochIterator:
         data, indices, n = loaded.data, loaded.indices, loaded.n
         stats.excluded += loaded.excluded
         stats.examples_seen += n
+        if not n and loader._sync is None:
+            # NOTE: a source batch without examples (an iterable source's empty batch) has
+            # nothing to score, select or hand out; it still counts as a source batch, so that a
+            # resume skips it like the others. On several ranks it goes on, so that every rank
+            # makes the round's collectives; its selection pass then raises, naming the fix.
+            return
         scorer = loader._scorer
         probing = not loader._probed and bool(n) and loader.policy.uses_losses()
         pad = self._selection_round(scorer.chunks(n) if self._fresh else int(probing))

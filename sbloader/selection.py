@@ -462,6 +462,11 @@ def selection_outputs(
     if forward is not None and batch is None:
         raise ValueError("selection_outputs with forward= needs batch= (the source batch)")
     n = B.column_length(inputs, "input")
+    if n == 0:
+        raise ValueError(
+            "selection_outputs needs at least one example to score, but the inputs have 0 rows; "
+            "skip empty batches before the selection pass"
+        )
     step = n if not batch_size else batch_size
     chunks = []
     outputs = []

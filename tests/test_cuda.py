@@ -13,7 +13,7 @@ import sbloader
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def cuda_loader(policy, *, pin=False, seed=0, model=None, n=600, **kw):
+def cuda_loader(policy, *, pin=False, seed=0, model=None, n=600, batch_size=20, **kw):
     dl = DataLoader(
         EncodedDataset(n),
         batch_size=60,
@@ -22,7 +22,9 @@ def cuda_loader(policy, *, pin=False, seed=0, model=None, n=600, **kw):
         generator=torch.Generator().manual_seed(0),
     )
     model = model if model is not None else IndexLoss().cuda()
-    return sbloader.SelectiveLoader(dl, model, policy=policy, batch_size=20, seed=seed, **kw)
+    return sbloader.SelectiveLoader(
+        dl, model, policy=policy, batch_size=batch_size, seed=seed, **kw
+    )
 
 
 @pytest.mark.parametrize("pin", [False, True])
@@ -46,6 +48,24 @@ def test_metadata_is_on_the_gpu_and_indices_match_inputs():
         for t in (batch.losses, batch.probabilities, batch.weights):
             assert t.is_cuda
         assert torch.equal(batch.indices.to(x.device), x[:, 0].long())
+
+
+def test_whole_traditional_batches_make_their_metadata_on_the_gpu_like_re_batched_ones():
+    """A source batch handed out whole makes its metadata on first read (``WholeBatch``): on the
+    same devices, with the same values, as a re-batched one's (source batch 60 into batches of
+    20), and its indices pair with its inputs."""
+    whole = cuda_loader(sbloader.Traditional(), batch_size=60)
+    ref = next(iter(cuda_loader(sbloader.Traditional())))
+    assert len(ref[1]) == 20
+    for b in whole:
+        x, y = b
+        assert len(y) == 60
+        assert torch.equal(b.indices.to(x.device), x[:, 0].long())
+        for name in ("indices", "losses", "probabilities", "weights"):
+            got, want = getattr(b, name), getattr(ref, name)
+            assert got.device == want.device and got.dtype == want.dtype, name
+        assert b.weights.is_cuda and bool((b.weights == 1).all())
+        assert bool(b.losses.isnan().all()) and bool((b.probabilities == 1).all())
 
 
 def test_same_seed_same_batches_on_the_gpu():

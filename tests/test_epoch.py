@@ -659,3 +659,65 @@ def test_a_bad_field_is_one_kind_of_error_for_dicts_and_positions():
         with pytest.raises(FieldError, match="input_key") as err:
             next(iter(loader))
         assert isinstance(err.value, KeyError) and isinstance(err.value, ValueError)
+
+
+def _dict_batches(sizes, dim=6):
+    """Dict batches of EncodedDataset's examples (indices in ``"i"``), of the given sizes."""
+    out, start = [], 0
+    for n in sizes:
+        i = torch.arange(start, start + n)
+        out.append({"x": i[:, None].float().expand(n, dim).clone(), "y": i % 3, "i": i})
+        start += n
+    return out
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        Traditional(),
+        RandomBackprop(0.5),
+        SelectiveBackprop(0.5),
+        SelectiveBackprop(0.5, staleness=2),
+        Kath18(0.5),
+    ],
+    ids=lambda p: repr(p)[:24],
+)
+def test_an_empty_source_batch_is_skipped_as_if_the_source_never_yielded_it(policy):
+    """An iterable source's empty batch has nothing to score: the epoch yields what it would
+    without it (the same examples in the same batches, seed for seed), and a resume saved just
+    after it replays the rest exactly."""
+
+    def build(batches):
+        return SelectiveLoader(
+            batches,
+            IndexLoss(),
+            policy=copy.deepcopy(policy),
+            batch_size=4,
+            seed=3,
+            input_key="x",
+            target_key="y",
+            index_key="i",
+            dataset_size=24,
+        )
+
+    sizes = [8, 8, 8]
+    with_empty = [0, 8, 0, 8, 8, 0]
+    plain = build(_dict_batches(sizes))
+    gappy = build(_dict_batches(with_empty))
+    for _ in range(3):
+        want = epoch_indices(plain)
+        assert want and epoch_indices(gappy) == want
+    assert gappy.stats.epochs[-1].examples_seen == 24
+
+    # A state saved after the first batch, past the empty source batches, resumes exactly.
+    first = build(_dict_batches(with_empty))
+    it = iter(first)
+    head = next(it).indices.tolist()
+    state = first.state_dict()
+    rest = epoch_indices(it)
+    resumed = build(_dict_batches(with_empty))
+    resumed.load_state_dict(state)
+    assert epoch_indices(resumed) == rest
+    yielded = [i for batch in [head, *rest] for i in batch]
+    whole = [i for batch in epoch_indices(build(_dict_batches(sizes))) for i in batch]
+    assert sorted(yielded) == sorted(whole)

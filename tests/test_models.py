@@ -445,3 +445,17 @@ def test_a_warm_up_tries_the_hook_on_its_first_batch():
         next(iter(make_loader(model, forward=loss, policy=warmup())))
     with pytest.warns(UserWarning, match=r"\['attention_mask'\] besides the input field"):
         next(iter(make_loader(model, policy=warmup())))
+
+
+def test_a_selection_pass_over_no_examples_is_refused_naming_the_fix():
+    from sbloader.selection import selection_outputs
+
+    with pytest.raises(
+        ValueError, match="needs at least one example to score, but the inputs have 0 rows"
+    ):
+        selection_outputs(
+            nn.Linear(3, 2),
+            torch.zeros(0, 3),
+            torch.zeros(0, dtype=torch.long),
+            nn.CrossEntropyLoss(reduction="none"),
+        )
