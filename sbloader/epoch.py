@@ -579,8 +579,10 @@ class EpochIterator:
         stats.count_classes(targets, positions)
         if k:
             inputs = data[loader._codec.input_position]
+            # NOTE (one copy of the positions): the data's gather and the losses' share it.
+            pos_t = torch.from_numpy(positions).to(device, non_blocking=True)
             rows = metadata_rows(
-                _gather(data, positions, device),
+                _gather(data, positions, device, pos_t),
                 positions,
                 choice,
                 indices,
@@ -589,6 +591,7 @@ class EpochIterator:
                 None if scored is None else scored.losses,
                 features=scorer.features(inputs, scored, positions, indices, self.epoch, stats),
                 logits=scorer.logits(scored, positions, k, device),
+                positions_t=pos_t,
             )
             loader._pending.add(rows)
         self._score_ahead()
@@ -1104,8 +1107,15 @@ def _raise_own(error: Exception, message: str) -> NoReturn:
     raise again from error
 
 
-def _gather(data: list[Any], positions: np.ndarray, device: torch.device) -> list[Any]:
-    """Rows ``positions`` of every data column, gathered where each column lives."""
-    pos_t = torch.from_numpy(positions).to(device, non_blocking=True)
+def _gather(
+    data: list[Any],
+    positions: np.ndarray,
+    device: torch.device,
+    pos_t: torch.Tensor | None = None,
+) -> list[Any]:
+    """Rows ``positions`` of every data column, gathered where each column lives (``pos_t``:
+    the positions already on ``device``, if the caller made them)."""
+    if pos_t is None:
+        pos_t = torch.from_numpy(positions).to(device, non_blocking=True)
     pos_list = positions.tolist() if any(not isinstance(c, torch.Tensor) for c in data) else None
     return [B.take(c, pos_t, pos_list) for c in data]

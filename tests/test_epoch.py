@@ -721,3 +721,27 @@ def test_an_empty_source_batch_is_skipped_as_if_the_source_never_yielded_it(poli
     yielded = [i for batch in [head, *rest] for i in batch]
     whole = [i for batch in epoch_indices(build(_dict_batches(sizes))) for i in batch]
     assert sorted(yielded) == sorted(whole)
+
+
+def test_metadata_rows_are_the_same_with_the_positions_already_made():
+    """The epoch hands ``metadata_rows`` the positions tensor it gathered the data with (one copy
+    to the device instead of two); the rows are those made from the numpy positions, and the
+    probabilities and weights (one transfer, two rows of one array) are float32 columns of
+    their own values."""
+    positions = np.array([3, 0, 2], dtype=np.int64)
+    choice = Choice(positions, np.array([0.5, 0.1, 0.25, 1.0]), np.array([2.0, 4.0, 1.0]))
+    losses = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    indices = np.array([10, 11, 12, 13])
+    data = [torch.tensor([3, 0, 2])]
+    plain = metadata_rows(data, positions, choice, indices, 3, CPU, losses)
+    shared = metadata_rows(
+        data, positions, choice, indices, 3, CPU, losses, positions_t=torch.from_numpy(positions)
+    )
+    for rows in (plain, shared):
+        assert rows.indices.tolist() == [13, 10, 12]
+        assert rows.losses.tolist() == pytest.approx([0.4, 0.1, 0.3])
+        assert rows.probabilities.tolist() == [1.0, 0.5, 0.25]
+        assert rows.weights.tolist() == [2.0, 4.0, 1.0]
+        assert rows.probabilities.dtype == rows.weights.dtype == torch.float32
+        rows.weights.mul_(2)  # a caller's in-place change touches its own column only
+        assert rows.probabilities.tolist() == [1.0, 0.5, 0.25]
