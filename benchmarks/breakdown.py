@@ -13,6 +13,10 @@ on Fashion-MNIST (Debian's dataset-fashion-mnist) and measures, on this machine:
 3. **Throughput** of SelectiveLoader with a trivial model against the raw source's.
 4. **Frozen-backbone fine-tuning**: SB epochs with and without activation caching
    (``frozen_prefix=``).
+5. **Profile** (``--sections profile``, not in the default four): one SB and one Stale-SB epoch
+   of the breakdown's setting under ``cProfile``, unsynchronised, the functions that took the
+   most of their own time (``profile_<strategy>.txt``, and the first ones in ``breakdown.md``):
+   where the loader's own share goes, on a GPU included.
 
 Warm-up (first calls, kernel selection, numba and FFCV compilation, ``torch.compile``) is
 excluded: every measured configuration first runs a few batches that are not timed. Each figure is
@@ -45,9 +49,13 @@ if __name__ == "__main__" and not __package__:
     raise SystemExit(0)
 
 import argparse
+import cProfile
 import dataclasses
 import inspect
+import io
 import json
+import os
+import pstats
 import sys
 import time
 import warnings
@@ -82,7 +90,9 @@ GPU_VARIANTS: dict[str, tuple[str, dict[str, Any], bool]] = {
     "sb_async": ("sb", {}, False),
     "sb_overlap_async": ("sb", {"overlap_selection": True}, False),
 }
-SECTIONS = ("breakdown", "selection", "throughput", "frozen")
+SECTIONS = ("breakdown", "selection", "throughput", "frozen", "profile")
+#: The sections measured without ``--sections``: the profile runs only when asked for.
+DEFAULT_SECTIONS = ("breakdown", "selection", "throughput", "frozen")
 CATEGORIES = ("data", "selection_fwd", "train_fwd", "backward", "other")
 LABELS = {
     "data": "data loading",
@@ -487,6 +497,102 @@ def frozen_backbone(
     return out
 
 
+# ---------------------------------------------------------------------------- 5. profile
+#: Functions listed per profiled strategy (in the text file; the markdown shows the first 12).
+PROFILE_TOP = 40
+
+
+def profile(
+    cfg: Config, m: Measurement, sources: Sources, out: Path, log: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """One SB and one Stale-SB epoch (its fresh epoch, then a stale one) under ``cProfile``.
+
+    NOTE: the profiled epochs are unsynchronised (as the ``_async`` rows), so that a function
+    that waits for the GPU (a copy of the losses to the host) shows that wait as its own time,
+    where the loader's own share counts it. ``cProfile`` adds about a microsecond per Python
+    call, so the listing ranks where the host's time goes rather than timing it: the epoch's
+    wall-clock without the profiler is the breakdown's.
+    """
+    kind = sources.kinds()[0]
+    rows = []
+    for strategy in ("sb", "stale_sb") if stale_sb_available() else ("sb",):
+        model = seeded_model(cfg, m.seed)
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+        source = sources.make(kind, cfg.pool_batch_size, m.seed)
+        warm_up(source, model, cfg, m)
+        loader = make_loader(cfg, source, model, m.policy(strategy), m.seed)
+        epochs = 2 if strategy == "stale_sb" else 1
+        profiler = cProfile.Profile()
+        walls = []
+        for _ in range(epochs):
+            profiler.enable()
+            try:
+                walls.append(train_epoch(loader, model, opt, cfg, synchronise=False)["wall"])
+            finally:
+                profiler.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(PROFILE_TOP)
+        name = f"profile_{strategy}.txt"
+        (out / name).write_text(
+            f"# {strategy}, {kind} source, {epochs} epoch(s) of {walls} s under cProfile\n"
+            + text.getvalue()
+        )
+        top = []
+        raw = stats.stats  # type: ignore[attr-defined]
+        ranked = sorted(raw.items(), key=lambda kv: kv[1][2], reverse=True)[:PROFILE_TOP]
+        for (path, line, func), (_, calls, tottime, cumtime, _) in ranked:
+            where = f" ({Path(path).name}:{line})" if line else ""
+            top.append(
+                {
+                    "function": f"{func}{where}",
+                    "calls": calls,
+                    "own_s": tottime,
+                    "cumulative_s": cumtime,
+                }
+            )
+        own, called = _sbloader_seconds(raw)
+        rows.append(
+            {
+                "strategy": strategy,
+                "source": kind,
+                "epochs": epochs,
+                "profiled_wall_s": walls,
+                "sbloader_python_s": own,
+                "sbloader_builtins_s": called,
+                "file": name,
+                "top": top,
+            }
+        )
+        log(
+            f"{strategy:9s} profiled {epochs} epoch(s), {sum(walls):.2f}s, sbloader's Python "
+            f"{own:.3f}s + the built-ins it called {called:.3f}s: "
+            + "; ".join(f"{t['function']} {t['own_s']:.3f}s" for t in top[:4])
+        )
+    return rows
+
+
+def _sbloader_seconds(raw: dict[Any, Any]) -> tuple[float, float]:
+    """From ``pstats`` entries: the own time of sbloader's Python functions, and the time of the
+    built-in calls (torch's and numpy's C functions, numba's kernels, waits for the GPU) that
+    sbloader's functions made directly."""
+
+    package = os.path.join(os.path.dirname(os.path.abspath(sbloader.__file__)), "")
+
+    def in_sbloader(path: str) -> bool:
+        return path != "~" and os.path.abspath(path).startswith(package)
+
+    own = called = 0.0
+    for (path, _, _), (_, _, tottime, _, callers) in raw.items():
+        if in_sbloader(path):
+            own += tottime
+        elif path == "~":
+            called += sum(
+                entry[2] for (where, _, _), entry in callers.items() if in_sbloader(where)
+            )
+    return own, called
+
+
 # ---------------------------------------------------------------------------- reporting
 def markdown(cfg: Config, m: Measurement, machine: dict[str, Any], results: dict[str, Any]) -> str:
     lines = [
@@ -517,11 +623,40 @@ def markdown(cfg: Config, m: Measurement, machine: dict[str, Any], results: dict
         lines += _throughput_lines(results["throughput"])
     if "frozen_backbone" in results:
         lines += _frozen_lines(results["frozen_backbone"])
+    if "profile" in results:
+        lines += _profile_lines(results["profile"])
     if results.get("ffcv_write_s") is not None:
         lines.append(
             f"Writing the .beton took {results['ffcv_write_s']:.1f} s (not in any figure)."
         )
     return "\n".join(lines) + "\n"
+
+
+def _profile_lines(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "## 5. Profile: where the host's time goes (cProfile, unsynchronised)",
+        "",
+        "The functions with the most time of their own (a wait for the GPU counts where it "
+        f"happens); the first {PROFILE_TOP} of each in its file. cProfile slows Python calls, "
+        "so these rank the host's work rather than time it.",
+        "",
+    ]
+    for row in rows:
+        lines += [
+            f"**{row['strategy']}** ({row['source']}, {row['epochs']} epoch(s), "
+            f"{sum(row['profiled_wall_s']):.2f} s profiled; `{row['file']}`): sbloader's "
+            f"Python functions {row['sbloader_python_s']:.3f} s of their own, the built-in calls "
+            f"they made {row['sbloader_builtins_s']:.3f} s.",
+            "",
+            "| function | calls | own (s) | cumulative (s) |",
+            "|---|---|---|---|",
+        ]
+        for t in row["top"][:12]:
+            lines.append(
+                f"| `{t['function']}` | {t['calls']} | {t['own_s']:.3f} | {t['cumulative_s']:.3f} |"
+            )
+        lines.append("")
+    return lines
 
 
 def _breakdown_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -692,8 +827,8 @@ def main(argv: list[str] | None = None) -> int:
         "--sections",
         nargs="+",
         choices=SECTIONS,
-        default=list(SECTIONS),
-        help="measure these sections only (default: all four)",
+        default=list(DEFAULT_SECTIONS),
+        help="measure these sections only (default: the first four; profile: when asked)",
     )
     args = p.parse_args(argv)
     cfg, m = measurement(
@@ -745,6 +880,9 @@ def main(argv: list[str] | None = None) -> int:
         if "throughput" in args.sections:
             log("## 3. throughput")
             results["throughput"] = throughput(cfg, m, sources, log)
+        if "profile" in args.sections:
+            log("## 5. profile")
+            results["profile"] = profile(cfg, m, sources, args.out, log)
     finally:
         sources.close()
     if "frozen" in args.sections:

@@ -32,9 +32,10 @@ timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py \
     >"$out/cuda_tests.log" 2>&1
 echo "rc $? at $(date -u +%T)" >>"$out/cuda_tests.log"
 
-# 2. Where a GPU epoch goes (7 rows, medians of 3) and c for each selection option.
+# 2. Where a GPU epoch goes (7 rows, medians of 3), c for each selection option, and a profile
+#    of an SB and a Stale-SB epoch (where the loader's own share goes).
 timeout $(($(left) > 220 ? 220 : $(left))) python3 benchmarks/breakdown.py "$work/breakdown" \
-    --gpu --no-ffcv --sections breakdown selection --repeats 3 >"$out/breakdown.log" 2>&1
+    --gpu --no-ffcv --sections breakdown selection profile --repeats 3 >"$out/breakdown.log" 2>&1
 echo "rc $? at $(date -u +%T)" >>"$out/breakdown.log"
 tar czf "$out/breakdown.tgz" -C "$work" breakdown 2>/dev/null
 

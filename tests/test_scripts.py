@@ -211,3 +211,44 @@ def test_the_throughput_measure_pairs_raw_and_loader_epochs():
         assert r["raw_examples_per_s"] > 0 and r["loader_examples_per_s"] > 0
         assert 0 < r["ratio"] <= r["ratio_without_forward"]
         assert (r["forward_share"] > 0) == (r["strategy"] == "sb")
+
+
+def test_the_profile_section_ranks_functions_and_counts_sbloader_s_host_time(tmp_path):
+    """breakdown.py's section 5: an SB and a Stale-SB epoch under cProfile, each written to its
+    file, the top functions ranked by their own time, and the host time in sbloader's functions
+    and the built-ins they called counted apart from the training step's."""
+    import cProfile
+
+    import torch
+
+    import benchmarks.breakdown as bd
+    from benchmarks.core.config import measurement
+    from benchmarks.core.sources import Sources
+
+    cfg, m = measurement(True, examples=1024, warmup_batches=1)
+    x = torch.randn(1024, 1, cfg.image_size, cfg.image_size)
+    sources = Sources(x, torch.randint(0, 10, (1024,)), "cpu", ffcv=False)
+    try:
+        rows = bd.profile(cfg, m, sources, tmp_path, lambda line: None)
+    finally:
+        sources.close()
+    assert [r["strategy"] for r in rows] == ["sb", "stale_sb"]
+    assert [r["epochs"] for r in rows] == [1, 2]
+    for r in rows:
+        text = (tmp_path / r["file"]).read_text()
+        assert "function calls" in text and "Ordered by: internal time" in text
+        own = [t["own_s"] for t in r["top"]]
+        assert own == sorted(own, reverse=True) and len(own) == bd.PROFILE_TOP
+        assert 0 < r["sbloader_python_s"] and 0 < r["sbloader_builtins_s"]
+        assert r["sbloader_python_s"] + r["sbloader_builtins_s"] < sum(r["profiled_wall_s"])
+    md = "\n".join(bd._profile_lines(rows))
+    assert "**stale_sb**" in md and md.count("| function | calls |") == 2
+
+    # A profile of code outside sbloader counts nothing as sbloader's.
+    profiler = cProfile.Profile()
+    profiler.enable()
+    torch.randn(64, 64) @ torch.randn(64, 64)
+    profiler.disable()
+    import pstats
+
+    assert bd._sbloader_seconds(pstats.Stats(profiler).stats) == (0.0, 0.0)
