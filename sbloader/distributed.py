@@ -61,8 +61,12 @@ import torch.distributed as dist
 
 from .stats import CLASS_FIELDS, COUNT_FIELDS, TIME_FIELDS, EpochStats, LoaderStats
 
+#: The most bytes of a failed rank's error message that :meth:`RankSync.broadcast_text` sends.
+TEXT_LIMIT = 4000
+
 __all__ = [
     "FAILURE_KINDS",
+    "TEXT_LIMIT",
     "RankSync",
     "batch_digest",
     "check_unsynced",
@@ -375,6 +379,29 @@ class RankSync:
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
         dist.all_gather(parts, t, group=self.group)
         return parts
+
+    def broadcast_text(self, text: str, src: int) -> str:
+        """``text`` as rank ``src`` (of this group) passed it, on every rank; every rank calls it
+        alike, and only ``src``'s ``text`` is read (the others pass anything, e.g. ``""``).
+
+        Two broadcasts: the length, then the UTF-8 bytes (at most :data:`TEXT_LIMIT`; none where
+        the text is empty). Used on the error path only (see
+        :meth:`sbloader.EpochIterator._raise_reported`), never in an ordinary round. Tested on
+        two gloo ranks (``tests/test_distributed.py``: rank 0's error ends with rank 1's
+        message).
+        """
+        data = text.encode("utf-8", "replace")[:TEXT_LIMIT] if self.rank == src else b""
+        root = src if self.group is None else dist.get_global_rank(self.group, src)
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        dist.broadcast(size, src=root, group=self.group)
+        n = int(size.item())
+        if not n:
+            return ""
+        buf = torch.zeros(n, dtype=torch.uint8, device=self.device)
+        if self.rank == src:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        dist.broadcast(buf, src=root, group=self.group)
+        return bytes(buf.cpu().tolist()).decode("utf-8", "replace")
 
     def exchange(
         self, losses: np.ndarray | None, indices: np.ndarray | None

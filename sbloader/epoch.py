@@ -993,9 +993,10 @@ class EpochIterator:
         reports the error's type (see :func:`_raised_kind`); every rank raises then.
 
         NOTE: raised on this rank alone, it left the others waiting in their next collective
-        until the process group timed out (minutes), with a bare gloo error. Only the type
-        travels, in the agreement's one integer: the message stays in this rank's error (and
-        log), so that no round makes a collective more.
+        until the process group timed out (minutes), with a bare gloo error. The type travels in
+        the agreement's one integer, so that no ordinary round makes a collective more; the
+        message follows in two broadcasts made only once a rank has failed
+        (:meth:`_raise_reported`).
         """
         sync = self._loader._sync
         assert sync is not None
@@ -1006,29 +1007,39 @@ class EpochIterator:
     def _raise_reported(self, sync: RankSync) -> None:
         """After an agreement: raise where a rank reported an error in it (the same on every
         rank). The rank that met it raises its own error, naming its rank; the others raise one
-        of the same kind naming that rank and the fix."""
+        of the same kind naming that rank and the fix, with that rank's message.
+
+        NOTE (the message): the agreement carries the lowest failed rank and its error's kind;
+        its message then comes from that rank in :meth:`RankSync.broadcast_text`, which every
+        rank calls here alike (they all learned of the failure in the same agreement), before
+        any rank raises. Collectives made only on the way to an error cost no ordinary round.
+        """
         if sync.failed is None:
             return
         where = f"rank {sync.rank} of {sync.world_size}"
         own = self._failure
+        rank, kind = sync.failed
+        mine = own is not None and sync.rank == rank
+        detail = sync.broadcast_text(
+            f"{type(own[1]).__name__}: {own[1]}" if mine and own is not None else "", rank
+        )
         if own is not None:
             error = own[1]
             message = f"on {where} (every rank stops with this error, reported to the others): "
             _raise_own(error, message + str(error))
-        rank, kind = sync.failed
         if kind >= _RAISED:
             raise RuntimeError(
                 f"in epoch {self.epoch}, rank {rank} of {sync.world_size} raised "
                 f"{_raised_name(kind)} in its selection pass (the model's forward, loss_fn, or a "
                 f"forward= or output= hook); every rank stops with it (this is {where}), so that "
-                f"none waits for it in a collective: rank {rank}'s own log has its message and "
-                "traceback"
+                f"none waits for it in a collective. Rank {rank}'s error: {detail} (its own log "
+                "has the traceback)"
             )
         cls, what, fix = _REPORTED[kind]
         raise cls(
             f"in epoch {self.epoch}, rank {rank} of {sync.world_size} {what}; every rank stops "
-            f"with it (this is {where}; rank {rank}'s own error has the details), so that none "
-            f"waits for it in a collective: {fix}"
+            f"with it (this is {where}), so that none waits for it in a collective: {fix}. "
+            f"Rank {rank}'s error: {detail}"
         )
 
     def _decide(self, scored: Scored | None, indices: np.ndarray | None, n: int) -> Any:

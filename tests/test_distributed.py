@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 import sbloader
 from sbloader import Phased, Policy, RandomBackprop, SelectiveBackprop, SelectiveLoader
-from sbloader.distributed import reduce_stats
+from sbloader.distributed import TEXT_LIMIT, RankSync, reduce_stats
 
 #: Seconds a spawned group may run before the test fails as a hang. NOTE: a group takes about
 #: 10 s alone and up to about 60 s on a loaded 2-core machine (each rank imports torch, DDP
@@ -661,7 +661,23 @@ def scenario_limits(rank: int, world_size: int) -> dict:
         # Each rank on its own, with a CDF over every rank's losses: refused on every rank.
         "global_alone": refused(cdf="global", distributed=False),
         "local_alone": refused(cdf="local", distributed=False),
+        "texts": scenario_texts(rank, world_size),
     }
+
+
+def scenario_texts(rank: int, world_size: int) -> list[str]:
+    """RankSync.broadcast_text: what every rank receives from rank 1 (each rank passes its own
+    text, only the source's is read), an empty text, and one past the limit in multi-byte
+    characters."""
+    sync = RankSync()
+    mine = f"from rank {rank}: héllo ✓"
+    long_text = "é" * TEXT_LIMIT  # 2 bytes each: cut at TEXT_LIMIT bytes
+    return [
+        sync.broadcast_text(mine, 1),
+        sync.broadcast_text(mine, 0),
+        sync.broadcast_text("", 1),
+        sync.broadcast_text(long_text if rank == 1 else "", 1),
+    ]
 
 
 def scenario_feedback(rank: int, world_size: int) -> dict:
@@ -1185,6 +1201,9 @@ def test_a_nonfinite_loss_on_one_rank_raises_on_every_rank(limits, case):
     assert other.startswith(expected), other
     assert "under nonfinite='raise'" in other and "this is rank 0 of 2" in other
     assert "pass nonfinite='skip' or nonfinite='select'" in other
+    # with rank 1's own message
+    _, _, detail = other.partition(". Rank 1's error: NonFiniteLoss: ")
+    assert detail and "selection losses are not finite" in detail, other
 
 
 def test_nonfinite_losses_on_every_rank_raise_each_ranks_own_error(limits):
@@ -1212,6 +1231,17 @@ def test_traditional_len_is_what_every_rank_yields_over_uneven_sources(limits):
     assert unknown[0].startswith("the number of batches of a pass is unknown on another rank")
     assert "batches_per_epoch= an int" in unknown[0]
     assert unknown[1].startswith("the number of examples per pass of this source is unknown")
+
+
+def test_a_text_broadcast_reaches_every_rank_as_its_source_passed_it(limits):
+    """The failed rank's message reaches the others whole (UTF-8), empty stays empty, and a
+    long one is cut at TEXT_LIMIT bytes, the same on every rank."""
+    for r in limits:
+        first, second, empty, long_text = r["texts"]
+        assert first == "from rank 1: héllo ✓" and second == "from rank 0: héllo ✓"
+        assert empty == ""
+        assert long_text == "é" * (TEXT_LIMIT // 2)
+    assert limits[0]["texts"] == limits[1]["texts"]
 
 
 def test_cdf_global_with_each_rank_on_its_own_is_refused_on_every_rank(limits):
@@ -1268,7 +1298,10 @@ def test_an_exception_in_one_ranks_selection_pass_raises_on_every_rank(raised_on
     expected = f"RuntimeError: in epoch 0, rank 1 of 2 raised {named} in its selection pass"
     assert other["raised"].startswith(expected), other
     assert "this is rank 0 of 2" in other["raised"], other
-    assert "rank 1's own log has its message and traceback" in other["raised"], other
+    # Rank 1's message comes along (two broadcasts made only once a rank failed).
+    assert other["raised"].endswith(
+        f"Rank 1's error: {kind}: {message} (its own log has the traceback)"
+    ), other
     assert other["cause"] == "", other
     assert own["seconds"] < 30 and other["seconds"] < 30, (own, other)  # (PG timeout: 120 s)
 
@@ -1284,6 +1317,10 @@ def test_a_ragged_field_on_one_rank_raises_on_every_rank(limits, case):
     expected = "ValueError: in epoch 0, rank 1 of 2 loaded a source batch whose rows cannot be"
     assert other.startswith(expected), other
     assert "this is rank 0 of 2" in other and "pass pad_values=" in other
+    assert other.endswith(
+        "Rank 1's error: ValueError: field 3 of source batch 3 (counted from 1) of epoch 0 has "
+        + own.split("of epoch 0 has ", 1)[1]
+    ), other
 
 
 def random_choices(rank: int, seed: int = 0) -> list[int]:
