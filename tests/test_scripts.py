@@ -252,3 +252,25 @@ def test_the_profile_section_ranks_functions_and_counts_sbloader_s_host_time(tmp
     import pstats
 
     assert bd._sbloader_seconds(pstats.Stats(profiler).stats) == (0.0, 0.0)
+
+
+def test_the_profile_counts_the_benchmark_models_as_the_model_s_time():
+    """sbloader/recipes.py holds the benchmark's models: their forward (and the convolutions it
+    calls) is the model's time, not the loader's."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    import benchmarks.breakdown as bd
+    from sbloader.recipes import resnet18
+
+    model = resnet18(in_channels=1)  # its blocks' forward is in recipes.py
+    x = torch.randn(8, 1, 32, 32)
+    model(x)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(3):
+        model(x)
+    profiler.disable()
+    assert bd._sbloader_seconds(pstats.Stats(profiler).stats) == (0.0, 0.0)
