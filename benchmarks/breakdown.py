@@ -552,6 +552,14 @@ def profile(
                 }
             )
         own, called = _sbloader_seconds(raw)
+        loader_top = _loader_top(raw, PROFILE_TOP)
+        with (out / name).open("a") as f:
+            f.write(
+                "\n# The loader's own entries (sbloader's functions, and the built-ins they "
+                "called, named by caller), by own time:\n"
+            )
+            for t in loader_top:
+                f.write(f"{t['calls']:>8} {t['own_s']:9.4f}  {t['function']}\n")
         rows.append(
             {
                 "strategy": strategy,
@@ -562,6 +570,7 @@ def profile(
                 "sbloader_builtins_s": called,
                 "file": name,
                 "top": top,
+                "loader_top": loader_top,
             }
         )
         log(
@@ -572,21 +581,54 @@ def profile(
     return rows
 
 
-def _sbloader_seconds(raw: dict[Any, Any]) -> tuple[float, float]:
-    """From ``pstats`` entries: the own time of sbloader's Python functions, and the time of the
-    built-in calls (torch's and numpy's C functions, numba's kernels, waits for the GPU) that
-    sbloader's functions made directly. The models of ``sbloader/recipes.py`` (the benchmark's
-    CNN and ResNet-18) are the model's time, not the loader's: left out."""
+def _loader_top(raw: dict[Any, Any], k: int) -> list[dict[str, Any]]:
+    """The ``k`` entries of the loader's own time (see :func:`_sbloader_seconds`) with the most
+    of it: sbloader's functions by their own time, and each built-in by the sbloader function
+    that called it (``torch.cat <- concat (rows.py:83)``)."""
+    in_sbloader = _in_sbloader()
+    entries = []
+    for (path, line, func), (_, calls, tottime, _, callers) in raw.items():
+        if in_sbloader(path):
+            entries.append(
+                {"function": f"{func} ({Path(path).name}:{line})", "calls": calls, "own_s": tottime}
+            )
+        elif path == "~":
+            for (where, at, caller), entry in callers.items():
+                if in_sbloader(where):
+                    entries.append(
+                        {
+                            "function": f"{func} <- {caller} ({Path(where).name}:{at})",
+                            "calls": entry[1],
+                            "own_s": entry[2],
+                        }
+                    )
+    return sorted(entries, key=lambda e: e["own_s"], reverse=True)[:k]
 
+
+def _in_sbloader() -> Callable[[str], bool]:
+    """Whether a profiled function's file is the loader's: sbloader's, its models
+    (``recipes.py``: the model's time) and datasets (``datasets.py``, e.g. ``ArrayDataset``: the
+    source's time) left out."""
     package = os.path.join(os.path.dirname(os.path.abspath(sbloader.__file__)), "")
-    models = os.path.join(package, "recipes.py")
+    others = {os.path.join(package, name) for name in ("recipes.py", "datasets.py")}
 
     def in_sbloader(path: str) -> bool:
         if path == "~":
             return False
         path = os.path.abspath(path)
-        return path.startswith(package) and path != models
+        return path.startswith(package) and path not in others
 
+    return in_sbloader
+
+
+def _sbloader_seconds(raw: dict[Any, Any]) -> tuple[float, float]:
+    """From ``pstats`` entries: the own time of sbloader's Python functions, and the time of the
+    built-in calls (torch's and numpy's C functions, numba's kernels, waits for the GPU) that
+    sbloader's functions made directly. The models of ``sbloader/recipes.py`` (the benchmark's
+    CNN and ResNet-18) are the model's time and its datasets (``sbloader/datasets.py``) the
+    source's, not the loader's: left out."""
+
+    in_sbloader = _in_sbloader()
     own = called = 0.0
     for (path, _, _), (_, _, tottime, _, callers) in raw.items():
         if in_sbloader(path):
@@ -660,6 +702,13 @@ def _profile_lines(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(
                 f"| `{t['function']}` | {t['calls']} | {t['own_s']:.3f} | {t['cumulative_s']:.3f} |"
             )
+        lines += ["", "The loader's own entries with the most time:", ""]
+        lines += [
+            "| loader function (or built-in <- its caller) | calls | own (s) |",
+            "|---|---|---|",
+        ]
+        for t in row.get("loader_top", [])[:12]:
+            lines.append(f"| `{t['function']}` | {t['calls']} | {t['own_s']:.4f} |")
         lines.append("")
     return lines
 

@@ -241,8 +241,20 @@ def test_the_profile_section_ranks_functions_and_counts_sbloader_s_host_time(tmp
         assert own == sorted(own, reverse=True) and len(own) == bd.PROFILE_TOP
         assert 0 < r["sbloader_python_s"] and 0 < r["sbloader_builtins_s"]
         assert r["sbloader_python_s"] + r["sbloader_builtins_s"] < sum(r["profiled_wall_s"])
+        # The loader's entries: sbloader's functions and the built-ins they called, by caller;
+        # together the two sums.
+        loader = r["loader_top"]
+        names = [t["function"] for t in loader]
+        assert any(n.startswith("_source_step (epoch.py:") for n in names), names
+        assert any(" <- " in t["function"] for t in loader)
+        assert (
+            sum(t["own_s"] for t in loader)
+            <= r["sbloader_python_s"] + r["sbloader_builtins_s"] + 1e-9
+        )
+        assert "The loader's own entries" in text
     md = "\n".join(bd._profile_lines(rows))
     assert "**stale_sb**" in md and md.count("| function | calls |") == 2
+    assert md.count("| loader function (or built-in <- its caller) |") == 2
 
     # A profile of code outside sbloader counts nothing as sbloader's.
     profiler = cProfile.Profile()
@@ -256,13 +268,15 @@ def test_the_profile_section_ranks_functions_and_counts_sbloader_s_host_time(tmp
 
 def test_the_profile_counts_the_benchmark_models_as_the_model_s_time():
     """sbloader/recipes.py holds the benchmark's models: their forward (and the convolutions it
-    calls) is the model's time, not the loader's."""
+    calls) is the model's time, not the loader's; sbloader/datasets.py's ArrayDataset is the
+    source's."""
     import cProfile
     import pstats
 
     import torch
 
     import benchmarks.breakdown as bd
+    from sbloader.datasets import ArrayDataset
     from sbloader.recipes import resnet18
 
     model = resnet18(in_channels=1)  # its blocks' forward is in recipes.py
@@ -270,7 +284,9 @@ def test_the_profile_counts_the_benchmark_models_as_the_model_s_time():
     model(x)
     profiler = cProfile.Profile()
     profiler.enable()
+    data = ArrayDataset(x, torch.zeros(8, dtype=torch.long))
     for _ in range(3):
         model(x)
+        data.__getitems__([0, 3, 5])
     profiler.disable()
     assert bd._sbloader_seconds(pstats.Stats(profiler).stats) == (0.0, 0.0)
