@@ -603,6 +603,33 @@ def scenario_raised(rank: int, world_size: int) -> dict:
     res["probe_random"] = run(
         policy=Phased(stale, warmup_epochs=1, warmup_policy=RandomBackprop(0.5))
     )
+    # An empty source batch (a list source's) on rank 1 only: SB's pass raises on every rank
+    # naming the fix; Traditional hands out the same batches on both ranks.
+    for name, policy in (("empty", SelectiveBackprop(0.5, history=64)), ("empty_trad", None)):
+        sizes = [15, 0, 15, 15] if rank == 1 else [15, 15, 15]
+        batches, start = [], 60 * rank
+        for size in sizes:
+            i = torch.arange(start, start + size)
+            batches.append({"x": i[:, None].float().expand(size, 6).clone(), "y": i % 3, "i": i})
+            start += size
+        loader = SelectiveLoader(
+            batches,
+            IndexLoss(),
+            policy=policy if policy is not None else sbloader.Traditional(),
+            batch_size=15,
+            seed=0,
+            input_key="x",
+            target_key="y",
+            index_key="i",
+            dataset_size=120,
+        )
+        got = {"raised": "", "batches": 0}
+        try:
+            for _ in loader:
+                got["batches"] += 1
+        except Exception as e:
+            got["raised"] = f"{type(e).__name__}: {e}"
+        res[name] = got
     return res
 
 
@@ -1253,6 +1280,23 @@ def test_cdf_global_with_each_rank_on_its_own_is_refused_on_every_rank(limits):
 @pytest.fixture(scope="module")
 def raised_on_rank1(tmp_path_factory) -> list[dict]:
     return run_ranks("raised", 2, tmp_path_factory.mktemp("raised"))
+
+
+def test_an_empty_source_batch_on_one_rank_is_refused_on_every_rank_naming_the_fix(
+    raised_on_rank1,
+):
+    """One rank's list source yields an empty batch: on one process it is skipped, but on
+    several ranks a selection pass over it raises on every rank, each naming the fix (the other
+    ranks with the rank's own message); a passthrough epoch hands out the same batches on both
+    ranks."""
+    own, other = raised_on_rank1[1]["empty"], raised_on_rank1[0]["empty"]
+    fix = "selection_outputs needs at least one example to score"
+    assert own["raised"].startswith("ValueError: on rank 1 of 2") and fix in own["raised"], own
+    assert other["raised"].startswith("RuntimeError: in epoch 0, rank 1 of 2 raised ValueError")
+    assert f"Rank 1's error: ValueError: {fix}" in other["raised"], other
+    assert "skip empty batches before the selection pass" in other["raised"], other
+    trad = [raised_on_rank1[r]["empty_trad"] for r in (0, 1)]
+    assert trad[0] == trad[1] == {"raised": "", "batches": 3}, trad
 
 
 @pytest.mark.parametrize(
