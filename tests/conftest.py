@@ -30,6 +30,17 @@ class EncodedDataset(Dataset):
         return torch.full((self.dim,), float(i)), torch.tensor(i % N_CLASSES)
 
 
+def encoded_batches(sizes: list[int], start: int = 0, dim: int = 6) -> list[dict[str, Any]]:
+    """Dict batches of :class:`EncodedDataset`'s examples ``start, start + 1, ...`` in batches of
+    the given ``sizes`` (0: an empty batch): inputs ``"x"``, targets ``"y"``, indices ``"i"``."""
+    out = []
+    for n in sizes:
+        i = torch.arange(start, start + n)
+        out.append({"x": i[:, None].float().expand(n, dim).clone(), "y": i % N_CLASSES, "i": i})
+        start += n
+    return out
+
+
 class IndexLoss(nn.Module):
     """A model whose per-example loss is a known function of the example's index.
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import N_CLASSES, EncodedDataset, IndexLoss, bn_model
+from conftest import N_CLASSES, EncodedDataset, IndexLoss, bn_model, encoded_batches
 from launch import end_process_group, free_port, gloo_threads, leave, spawn_ranks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
@@ -607,13 +607,8 @@ def scenario_raised(rank: int, world_size: int) -> dict:
     # naming the fix; Traditional hands out the same batches on both ranks.
     for name, policy in (("empty", SelectiveBackprop(0.5, history=64)), ("empty_trad", None)):
         sizes = [15, 0, 15, 15] if rank == 1 else [15, 15, 15]
-        batches, start = [], 60 * rank
-        for size in sizes:
-            i = torch.arange(start, start + size)
-            batches.append({"x": i[:, None].float().expand(size, 6).clone(), "y": i % 3, "i": i})
-            start += size
         loader = SelectiveLoader(
-            batches,
+            encoded_batches(sizes, start=60 * rank),
             IndexLoss(),
             policy=policy if policy is not None else sbloader.Traditional(),
             batch_size=15,

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import EncodedDataset, IndexLoss
+from conftest import EncodedDataset, IndexLoss, encoded_batches
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -661,16 +661,6 @@ def test_a_bad_field_is_one_kind_of_error_for_dicts_and_positions():
         assert isinstance(err.value, KeyError) and isinstance(err.value, ValueError)
 
 
-def _dict_batches(sizes, dim=6):
-    """Dict batches of EncodedDataset's examples (indices in ``"i"``), of the given sizes."""
-    out, start = [], 0
-    for n in sizes:
-        i = torch.arange(start, start + n)
-        out.append({"x": i[:, None].float().expand(n, dim).clone(), "y": i % 3, "i": i})
-        start += n
-    return out
-
-
 @pytest.mark.parametrize(
     "policy",
     [
@@ -702,24 +692,24 @@ def test_an_empty_source_batch_is_skipped_as_if_the_source_never_yielded_it(poli
 
     sizes = [8, 8, 8]
     with_empty = [0, 8, 0, 8, 8, 0]
-    plain = build(_dict_batches(sizes))
-    gappy = build(_dict_batches(with_empty))
+    plain = build(encoded_batches(sizes))
+    gappy = build(encoded_batches(with_empty))
     for _ in range(3):
         want = epoch_indices(plain)
         assert want and epoch_indices(gappy) == want
     assert gappy.stats.epochs[-1].examples_seen == 24
 
     # A state saved after the first batch, past the empty source batches, resumes exactly.
-    first = build(_dict_batches(with_empty))
+    first = build(encoded_batches(with_empty))
     it = iter(first)
     head = next(it).indices.tolist()
     state = first.state_dict()
     rest = epoch_indices(it)
-    resumed = build(_dict_batches(with_empty))
+    resumed = build(encoded_batches(with_empty))
     resumed.load_state_dict(state)
     assert epoch_indices(resumed) == rest
     yielded = [i for batch in [head, *rest] for i in batch]
-    whole = [i for batch in epoch_indices(build(_dict_batches(sizes))) for i in batch]
+    whole = [i for batch in epoch_indices(build(encoded_batches(sizes))) for i in batch]
     assert sorted(yielded) == sorted(whole)
 
 
