@@ -143,7 +143,8 @@ class RankSync:
     """The collectives a :class:`~sbloader.SelectiveLoader` makes on each of several ranks.
 
     Every rank calls the same methods in the same order: per source batch (or, once its source
-    is exhausted, per round of the others) an optional :meth:`exchange`, then one :meth:`agree`.
+    is exhausted, per round of the others) an optional :meth:`exchange`, then one :meth:`agree`;
+    after an agreement that reports a failed rank, :meth:`broadcast_text` of its message.
 
     Args:
         group: the process group; None for the default (world) group.

@@ -501,11 +501,15 @@ class EpochIterator:
         data, indices, n = loaded.data, loaded.indices, loaded.n
         stats.excluded += loaded.excluded
         stats.examples_seen += n
-        if not n and loader._sync is None:
-            # NOTE: a source batch without examples (an iterable source's empty batch) has
-            # nothing to score, select or hand out; it still counts as a source batch, so that a
-            # resume skips it like the others. On several ranks it goes on, so that every rank
-            # makes the round's collectives; its selection pass then raises, naming the fix.
+        if not n and (loader._sync is None or not self._passthrough):
+            # NOTE: a source batch without examples (an iterable source's empty batch, or one
+            # whose rows ``subset`` all leaves out) has nothing to score, select or hand out; it
+            # still counts as a source batch, so that a resume skips it like the others. On
+            # several ranks this rank still makes the round's collectives, as a rank whose
+            # source has ended does (:meth:`_empty_round`); a passthrough round goes on below,
+            # where no rows make an empty part.
+            if loader._sync is not None:
+                self._empty_round()
             return
         scorer = loader._scorer
         probing = not loader._probed and bool(n) and loader.policy.uses_losses()
@@ -753,6 +757,26 @@ class EpochIterator:
             loader._pending.add(device_rows(data, choice, indices, self._device, scored.losses))
         self._owed = self._agree(loader._pending.full_batches(loader.batch_size))
 
+    def _empty_round(self) -> None:
+        """On several ranks, a selecting round in which this rank's source batch has no
+        examples: the collectives of a rank without a batch (as :meth:`_drain_step`'s), its
+        source still going (``active``), so that the others' round meets its own."""
+        self._batchless_collectives()
+        self._owed = self._agree(self._loader._pending.full_batches(self._loader.batch_size))
+
+    def _batchless_collectives(self) -> None:
+        """The collectives a rank makes in a round before its agreement when it has no source
+        batch to score: the FSDP padding forwards and the loss exchange, with nothing of its
+        own."""
+        loader = self._loader
+        sync = loader._sync
+        assert sync is not None
+        if loader._scorer.collective:
+            loader._scorer.pad(self._selection_round(0))
+            loader._probed = True  # as on the ranks that probed this round
+        if loader._sharing() and not self._passthrough:
+            self._observe(sync.exchange(None, None))
+
     def _drain_step(self) -> None:
         """One round of the other ranks' with no new data (see :mod:`sbloader.distributed`).
 
@@ -762,11 +786,7 @@ class EpochIterator:
         loader = self._loader
         sync = loader._sync
         assert sync is not None
-        if loader._scorer.collective:
-            loader._scorer.pad(self._selection_round(0))
-            loader._probed = True  # as on the ranks that probed this round
-        if loader._sharing() and not self._passthrough:
-            self._observe(sync.exchange(None, None))
+        self._batchless_collectives()
         # NOTE: whether this rank's pass was empty travels in the round's one all_reduce; in the
         # last round (no rank active) every rank learns whether any rank's was, so that
         # loader._end refuses it on every rank: a rank raising alone would leave the others
@@ -958,7 +978,8 @@ class EpochIterator:
         collectives until the process group times out (or torchrun ends the job), and only this
         rank's log would say why. The round goes on with its data instead: every rank makes the
         same collectives as in any round, and the error travels in the agreement's
-        ``all_reduce`` (one more integer, no collective more).
+        ``all_reduce`` (one more integer, no collective more in the round); its message follows
+        in the broadcasts of :meth:`_raise_reported`, made only once a rank has failed.
         """
         if self._loader._sync is None:
             raise error
@@ -1020,9 +1041,7 @@ class EpochIterator:
         own = self._failure
         rank, kind = sync.failed
         mine = own is not None and sync.rank == rank
-        detail = sync.broadcast_text(
-            f"{type(own[1]).__name__}: {own[1]}" if mine and own is not None else "", rank
-        )
+        detail = sync.broadcast_text(_describe(own[1]) if mine and own is not None else "", rank)
         if own is not None:
             error = own[1]
             message = f"on {where} (every rank stops with this error, reported to the others): "
@@ -1103,6 +1122,16 @@ class EpochIterator:
                 if self.stats is not None and self._start:
                     self.stats.wall_s += perf_counter() - self._start
                     self._start = 0.0
+
+
+def _describe(error: BaseException) -> str:
+    """``"Type: message"`` of ``error``, or its type's name alone where its message cannot be
+    made (its ``__str__`` raised): the failed rank must reach the broadcast that the others
+    wait in, whatever its error."""
+    try:
+        return f"{type(error).__name__}: {error}"
+    except Exception:
+        return f"{type(error).__name__} (its message could not be made)"
 
 
 def _raise_own(error: Exception, message: str) -> NoReturn:

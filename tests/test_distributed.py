@@ -603,25 +603,38 @@ def scenario_raised(rank: int, world_size: int) -> dict:
     res["probe_random"] = run(
         policy=Phased(stale, warmup_epochs=1, warmup_policy=RandomBackprop(0.5))
     )
-    # An empty source batch (a list source's) on rank 1 only: SB's pass raises on every rank
-    # naming the fix; Traditional hands out the same batches on both ranks.
-    for name, policy in (("empty", SelectiveBackprop(0.5, history=64)), ("empty_trad", None)):
-        sizes = [15, 0, 15, 15] if rank == 1 else [15, 15, 15]
+    # A source batch without examples on rank 1 only (a list source's empty batch, or one that
+    # subset= leaves empty): every rank goes on in step (rank 1 makes the round's collectives
+    # with nothing of its own), under SB, Stale-SB's shared store and a global CDF, and
+    # Traditional; rank 1 never yields an example outside its subset.
+    sb = SelectiveBackprop(0.5, history=64)
+    cases = {
+        "empty": (sb, {}, [15, 0, 15, 15]),
+        "empty_stale": (SelectiveBackprop(0.5, history=64, staleness=2), {}, [15, 0, 15, 15]),
+        "empty_global": (sb, {"cdf": "global"}, [15, 0, 15, 15]),
+        "empty_trad": (sbloader.Traditional(), {}, [15, 0, 15, 15]),
+        # rank 1's second batch, dataset indices 75-89, is outside its subset
+        "empty_subset": (sb, {"subset": np.r_[0:75, 90:120]}, [15, 15, 15]),
+    }
+    for name, (policy, kw, sizes) in cases.items():
         loader = SelectiveLoader(
-            encoded_batches(sizes, start=60 * rank),
+            encoded_batches(sizes if rank == 1 else [15, 15, 15], start=60 * rank),
             IndexLoss(),
-            policy=policy if policy is not None else sbloader.Traditional(),
-            batch_size=15,
+            policy=copy.deepcopy(policy),
+            batch_size=5,
             seed=0,
             input_key="x",
             target_key="y",
             index_key="i",
             dataset_size=120,
+            **kw,
         )
-        got = {"raised": "", "batches": 0}
+        got: dict = {"raised": "", "batches": [], "indices": []}
         try:
-            for _ in loader:
-                got["batches"] += 1
+            for _ in range(2):
+                batches = [b.indices.tolist() for b in loader]
+                got["batches"].append(len(batches))
+                got["indices"] += [i for b in batches for i in b]
         except Exception as e:
             got["raised"] = f"{type(e).__name__}: {e}"
         res[name] = got
@@ -1277,21 +1290,27 @@ def raised_on_rank1(tmp_path_factory) -> list[dict]:
     return run_ranks("raised", 2, tmp_path_factory.mktemp("raised"))
 
 
-def test_an_empty_source_batch_on_one_rank_is_refused_on_every_rank_naming_the_fix(
-    raised_on_rank1,
+@pytest.mark.parametrize(
+    "case", ["empty", "empty_stale", "empty_global", "empty_trad", "empty_subset"]
+)
+def test_a_source_batch_without_examples_on_one_rank_keeps_every_rank_in_step(
+    raised_on_rank1, case
 ):
-    """One rank's list source yields an empty batch: on one process it is skipped, but on
-    several ranks a selection pass over it raises on every rank, each naming the fix (the other
-    ranks with the rank's own message); a passthrough epoch hands out the same batches on both
-    ranks."""
-    own, other = raised_on_rank1[1]["empty"], raised_on_rank1[0]["empty"]
-    fix = "selection_outputs needs at least one example to score"
-    assert own["raised"].startswith("ValueError: on rank 1 of 2") and fix in own["raised"], own
-    assert other["raised"].startswith("RuntimeError: in epoch 0, rank 1 of 2 raised ValueError")
-    assert f"Rank 1's error: ValueError: {fix}" in other["raised"], other
-    assert "skip empty batches before the selection pass" in other["raised"], other
-    trad = [raised_on_rank1[r]["empty_trad"] for r in (0, 1)]
-    assert trad[0] == trad[1] == {"raised": "", "batches": 3}, trad
+    """Rank 1's source yields a batch without examples (empty, or all outside ``subset``): rank
+    1 makes that round's collectives with nothing of its own (as a rank whose source ended), so
+    both ranks go on in step over two epochs, with the losses exchanged too (Stale-SB's store,
+    a global CDF); rank 1 never yields an example outside its subset. (It raised, or hung.)"""
+    ranks = [raised_on_rank1[r][case] for r in (0, 1)]
+    for got in ranks:
+        assert got["raised"] == "", got
+    assert ranks[0]["batches"] == ranks[1]["batches"] and min(ranks[0]["batches"]) > 0, ranks
+    assert all(60 <= i < 120 for i in ranks[1]["indices"]), ranks[1]
+    if case == "empty_subset":
+        assert not any(75 <= i < 90 for i in ranks[1]["indices"]), ranks[1]
+    if case == "empty_trad":  # 45 examples each, in batches of 5
+        assert ranks[0]["batches"] == [9, 9] and sorted(ranks[1]["indices"]) == sorted(
+            list(range(60, 75)) * 2 + list(range(75, 105)) * 2
+        )
 
 
 @pytest.mark.parametrize(
