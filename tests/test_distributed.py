@@ -1673,3 +1673,16 @@ def test_batch_counts_use_the_distributed_samplers_share():
     assert len(trad) == 6 == len(list(trad))
     sb = SelectiveLoader(source, IndexLoss(), policy=RandomBackprop(0.5), batch_size=5)
     assert sb.expected_batches() == pytest.approx(51 * 0.5 / 5)
+
+
+def test_an_error_whose_message_cannot_be_made_is_still_described():
+    """The failed rank describes its error for the others before raising; an exception whose
+    ``__str__`` raises must not stop it before the broadcast they wait in (it hung them)."""
+    from sbloader.epoch import _describe
+
+    class Unprintable(RuntimeError):
+        def __str__(self) -> str:
+            raise ValueError("no message")
+
+    assert _describe(IndexError("target 99")) == "IndexError: target 99"
+    assert _describe(Unprintable()) == "Unprintable (its message could not be made)"
