@@ -581,34 +581,12 @@ def profile(
     return rows
 
 
-def _loader_top(raw: dict[Any, Any], k: int) -> list[dict[str, Any]]:
-    """The ``k`` entries of the loader's own time (see :func:`_sbloader_seconds`) with the most
-    of it: sbloader's functions by their own time, and each built-in by the sbloader function
-    that called it (``torch.cat <- concat (rows.py:83)``)."""
-    in_sbloader = _in_sbloader()
-    entries = []
-    for (path, line, func), (_, calls, tottime, _, callers) in raw.items():
-        if in_sbloader(path):
-            entries.append(
-                {"function": f"{func} ({Path(path).name}:{line})", "calls": calls, "own_s": tottime}
-            )
-        elif path == "~":
-            for (where, at, caller), entry in callers.items():
-                if in_sbloader(where):
-                    entries.append(
-                        {
-                            "function": f"{func} <- {caller} ({Path(where).name}:{at})",
-                            "calls": entry[1],
-                            "own_s": entry[2],
-                        }
-                    )
-    return sorted(entries, key=lambda e: e["own_s"], reverse=True)[:k]
-
-
-def _in_sbloader() -> Callable[[str], bool]:
-    """Whether a profiled function's file is the loader's: sbloader's, its models
-    (``recipes.py``: the model's time) and datasets (``datasets.py``, e.g. ``ArrayDataset``: the
-    source's time) left out."""
+def _loader_entries(raw: dict[Any, Any]) -> list[dict[str, Any]]:
+    """The loader's own time in ``pstats`` entries: sbloader's functions by their own time, and
+    each built-in call (torch's and numpy's C functions, numba's kernels, waits for the GPU) by
+    the sbloader function that made it (``torch.cat <- concat (rows.py:83)``, ``builtin``
+    True). The models of ``sbloader/recipes.py`` (the benchmark's CNN and ResNet-18) are the
+    model's time and its datasets (``sbloader/datasets.py``) the source's: left out."""
     package = os.path.join(os.path.dirname(os.path.abspath(sbloader.__file__)), "")
     others = {os.path.join(package, name) for name in ("recipes.py", "datasets.py")}
 
@@ -618,26 +596,32 @@ def _in_sbloader() -> Callable[[str], bool]:
         path = os.path.abspath(path)
         return path.startswith(package) and path not in others
 
-    return in_sbloader
+    entries = []
+    for (path, line, func), (_, calls, tottime, _, callers) in raw.items():
+        if in_sbloader(path):
+            name = f"{func} ({Path(path).name}:{line})"
+            entries.append({"function": name, "calls": calls, "own_s": tottime, "builtin": False})
+        elif path == "~":
+            for (where, at, caller), entry in callers.items():
+                if in_sbloader(where):
+                    name = f"{func} <- {caller} ({Path(where).name}:{at})"
+                    entries.append(
+                        {"function": name, "calls": entry[1], "own_s": entry[2], "builtin": True}
+                    )
+    return entries
+
+
+def _loader_top(raw: dict[Any, Any], k: int) -> list[dict[str, Any]]:
+    """The ``k`` entries of :func:`_loader_entries` with the most time."""
+    return sorted(_loader_entries(raw), key=lambda e: e["own_s"], reverse=True)[:k]
 
 
 def _sbloader_seconds(raw: dict[Any, Any]) -> tuple[float, float]:
-    """From ``pstats`` entries: the own time of sbloader's Python functions, and the time of the
-    built-in calls (torch's and numpy's C functions, numba's kernels, waits for the GPU) that
-    sbloader's functions made directly. The models of ``sbloader/recipes.py`` (the benchmark's
-    CNN and ResNet-18) are the model's time and its datasets (``sbloader/datasets.py``) the
-    source's, not the loader's: left out."""
-
-    in_sbloader = _in_sbloader()
-    own = called = 0.0
-    for (path, _, _), (_, _, tottime, _, callers) in raw.items():
-        if in_sbloader(path):
-            own += tottime
-        elif path == "~":
-            called += sum(
-                entry[2] for (where, _, _), entry in callers.items() if in_sbloader(where)
-            )
-    return own, called
+    """The own time of sbloader's Python functions and that of the built-in calls they made
+    (:func:`_loader_entries`, summed)."""
+    entries = _loader_entries(raw)
+    own = sum(e["own_s"] for e in entries if not e["builtin"])
+    return own, sum(e["own_s"] for e in entries if e["builtin"])
 
 
 # ---------------------------------------------------------------------------- reporting

@@ -506,10 +506,11 @@ class EpochIterator:
             # whose rows ``subset`` all leaves out) has nothing to score, select or hand out; it
             # still counts as a source batch, so that a resume skips it like the others. On
             # several ranks this rank still makes the round's collectives, as a rank whose
-            # source has ended does (:meth:`_empty_round`); a passthrough round goes on below,
+            # source has ended does, its source still going; a passthrough round goes on below,
             # where no rows make an empty part.
             if loader._sync is not None:
-                self._empty_round()
+                self._batchless_collectives()
+                self._owed = self._agree(loader._pending.full_batches(loader.batch_size))
             return
         scorer = loader._scorer
         probing = not loader._probed and bool(n) and loader.policy.uses_losses()
@@ -757,17 +758,10 @@ class EpochIterator:
             loader._pending.add(device_rows(data, choice, indices, self._device, scored.losses))
         self._owed = self._agree(loader._pending.full_batches(loader.batch_size))
 
-    def _empty_round(self) -> None:
-        """On several ranks, a selecting round in which this rank's source batch has no
-        examples: the collectives of a rank without a batch (as :meth:`_drain_step`'s), its
-        source still going (``active``), so that the others' round meets its own."""
-        self._batchless_collectives()
-        self._owed = self._agree(self._loader._pending.full_batches(self._loader.batch_size))
-
     def _batchless_collectives(self) -> None:
         """The collectives a rank makes in a round before its agreement when it has no source
-        batch to score: the FSDP padding forwards and the loss exchange, with nothing of its
-        own."""
+        batch to score (its source ended, or its batch has no examples): the FSDP padding
+        forwards and the loss exchange, with nothing of its own."""
         loader = self._loader
         sync = loader._sync
         assert sync is not None
@@ -1040,8 +1034,9 @@ class EpochIterator:
         where = f"rank {sync.rank} of {sync.world_size}"
         own = self._failure
         rank, kind = sync.failed
-        mine = own is not None and sync.rank == rank
-        detail = sync.broadcast_text(_describe(own[1]) if mine and own is not None else "", rank)
+        detail = sync.broadcast_text(
+            _describe(own[1]) if own is not None and sync.rank == rank else "", rank
+        )
         if own is not None:
             error = own[1]
             message = f"on {where} (every rank stops with this error, reported to the others): "

@@ -30,9 +30,14 @@ class EncodedDataset(Dataset):
         return torch.full((self.dim,), float(i)), torch.tensor(i % N_CLASSES)
 
 
+#: The SelectiveLoader keys of :func:`encoded_batches`' fields.
+ENCODED_KEYS: dict[str, str] = {"input_key": "x", "target_key": "y", "index_key": "i"}
+
+
 def encoded_batches(sizes: list[int], start: int = 0, dim: int = 6) -> list[dict[str, Any]]:
     """Dict batches of :class:`EncodedDataset`'s examples ``start, start + 1, ...`` in batches of
-    the given ``sizes`` (0: an empty batch): inputs ``"x"``, targets ``"y"``, indices ``"i"``."""
+    the given ``sizes`` (0: an empty batch): inputs ``"x"``, targets ``"y"``, indices ``"i"``
+    (a SelectiveLoader over them takes ``**ENCODED_KEYS``)."""
     out = []
     for n in sizes:
         i = torch.arange(start, start + n)

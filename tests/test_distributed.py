@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import N_CLASSES, EncodedDataset, IndexLoss, bn_model, encoded_batches
+from conftest import ENCODED_KEYS, N_CLASSES, EncodedDataset, IndexLoss, bn_model, encoded_batches
 from launch import end_process_group, free_port, gloo_threads, leave, spawn_ranks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
@@ -623,10 +623,8 @@ def scenario_raised(rank: int, world_size: int) -> dict:
             policy=copy.deepcopy(policy),
             batch_size=5,
             seed=0,
-            input_key="x",
-            target_key="y",
-            index_key="i",
             dataset_size=120,
+            **ENCODED_KEYS,
             **kw,
         )
         got: dict = {"raised": "", "batches": [], "indices": []}

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import EncodedDataset, IndexLoss, encoded_batches
+from conftest import ENCODED_KEYS, EncodedDataset, IndexLoss, encoded_batches
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -684,10 +684,8 @@ def test_an_empty_source_batch_is_skipped_as_if_the_source_never_yielded_it(poli
             policy=copy.deepcopy(policy),
             batch_size=4,
             seed=3,
-            input_key="x",
-            target_key="y",
-            index_key="i",
             dataset_size=24,
+            **ENCODED_KEYS,
         )
 
     sizes = [8, 8, 8]
