@@ -65,6 +65,7 @@ from .selection import (
 )
 from .sources import Source
 from .stats import EpochStats, LoaderStats
+from .store import live_states
 
 __all__ = ["SelectiveLoader"]
 
@@ -1541,7 +1542,10 @@ class SelectiveLoader(NotADataLoader):
         live = self._live_iterator()
         running = live is not None and live.running
         unfinished, source_state = self._unfinished, self._source_state
-        backup = self.state_dict()
+        # (a memory-mapped store's part of the backup names its files, no snapshot written:
+        # a refused load never touched them, see ExampleStore.load_state_dict)
+        with live_states():
+            backup = self.state_dict()
         try:
             checked = self._checked(state)
             self._restore(checked)

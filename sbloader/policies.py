@@ -348,11 +348,14 @@ class SelectiveBackprop(Policy):
             instead (the batch mean of those weighted losses).
         store_path: a folder to memory-map the per-example store in (Stale-SB on huge datasets).
             A run that begins without loading a state starts with an empty store (the files an
-            earlier run left there are cleared); a resumed run continues with the files, which
-            are the store's state (from a state saved before the store's first use, it starts
-            empty as that run did). They hold what was recorded up to the interruption, also
-            after the checkpoint was saved, so such a resume is not exact (an in-memory
-            store's is).
+            earlier run left there are cleared). Each saved state copies the files into a
+            snapshot in the folder's ``snapshots/`` (sparse: about the scored examples' 12
+            bytes each), and loading a state restores its snapshot, so that a resumed run
+            continues from the store as it was at the checkpoint, exactly as an in-memory
+            store's does. Under several ranks give each rank its own folder.
+        store_snapshots: how many of the newest saved states keep their snapshot in
+            ``store_path`` (older ones are removed; a state whose snapshot is gone is refused
+            when loaded, naming this). Default 2.
         ramp_epochs: r >= 0: over the first r epochs of data this policy decides (counted from
             its start, after a :class:`Phased` warm-up), each P of a selection pass is blended
             with uniform keeping at the same expected rate, ``P = u / (beta + 1) + (1 - u) *
@@ -424,6 +427,7 @@ class SelectiveBackprop(Policy):
         fed_staleness: int | None = None,
         reweight: bool = False,
         store_path: str | None = None,
+        store_snapshots: int = 2,
         ramp_epochs: float = 0.0,
         trim_top: float = 0.0,
         stale_cdf: str = "window",
@@ -499,6 +503,7 @@ class SelectiveBackprop(Policy):
                 f"os.PathLike), or None to keep it in memory, but got store_path={store_path!r}"
             )
         self.store_path = store_path
+        self.store_snapshots = check_int("store_snapshots", store_snapshots, minimum=1)
         self.store: ExampleStore | None = None
         # Whether the store belongs to this run: begun in, or loaded from a state (a store
         # reopened from an earlier run's files is cleared when the first epoch begins).
@@ -549,7 +554,7 @@ class SelectiveBackprop(Policy):
                 "DataLoader over a map-style dataset, or staleness=1"
             )
         if self.store is None or len(self.store) != num_examples:
-            self.store = ExampleStore(num_examples, self.store_path)
+            self.store = ExampleStore(num_examples, self.store_path, self.store_snapshots)
             self._store_adopted = False
 
     def _adopt_store(self) -> None:
@@ -559,7 +564,8 @@ class SelectiveBackprop(Policy):
 
         NOTE (store_path): a run that begins without loading a state starts with an empty
         store. Files an earlier run left in the folder would otherwise be its losses and
-        selection counts; a resumed run (load_state_dict) continues with them instead.
+        selection counts; a resumed run (load_state_dict) continues from its state's snapshot
+        of them instead (see :class:`~sbloader.store.ExampleStore`).
         """
         if self.store is not None and not self._store_adopted:
             if self.store.reopened:
@@ -792,8 +798,9 @@ class SelectiveBackprop(Policy):
         if self.store is not None:
             state["store"] = self.store.state_dict()
             # NOTE: False for a state saved before the store's first use (a checkpoint at step
-            # 0): a memory-mapped store's state is its files, which are then an earlier run's,
-            # and the run resumed from it clears them at that first use, as this run does.
+            # 0): a memory-mapped store's state is a snapshot of its files, which are then an
+            # earlier run's, and the run resumed from it clears them at that first use, as this
+            # run does.
             state["store_adopted"] = self._store_adopted
         state["schedule"] = {
             "last_fresh": self._last_fresh,

@@ -1,9 +1,17 @@
 """The per-example store: each example's last selection loss, when it was measured, how often it
-was selected. Keyed by dataset index, backed by numba kernels, optionally memory-mapped."""
+was selected. Keyed by dataset index, backed by numba kernels, optionally memory-mapped (with
+a snapshot of its files for each saved state, so that a resume is exact)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import errno
 import os
+import shutil
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +26,85 @@ __all__ = ["ExampleStore"]
 
 #: Bytes per example: float32 loss, int32 epoch, int32 selection count.
 BYTES_PER_EXAMPLE = 12
+#: The columns' names and dtypes, in the order of :attr:`ExampleStore.columns`.
+COLUMNS = (("loss", np.float32), ("seen", np.int32), ("selected", np.int32))
+#: The folder, inside a memory-mapped store's, that holds its snapshots.
+SNAPSHOTS = "snapshots"
+
+# Whether a memory-mapped store's state_dict() writes a snapshot (see live_states).
+_SNAPSHOT = contextvars.ContextVar("sbloader_store_snapshot", default=True)
+
+
+@contextlib.contextmanager
+def live_states() -> Iterator[None]:
+    """Within this context a memory-mapped store's ``state_dict()`` writes no snapshot and
+    names its files as they are (``"live"``), a state only for rolling back a refused
+    ``load_state_dict`` within the same process (the loader's backup): loading it cancels a
+    restore not yet applied (see :meth:`ExampleStore.load_state_dict`)."""
+    token = _SNAPSHOT.set(False)
+    try:
+        yield
+    finally:
+        _SNAPSHOT.reset(token)
+
+
+def copy_sparse(src: Path, dst: Path) -> None:
+    """Copy the file ``src`` to ``dst`` (replaced), leaving holes where ``src`` has them: a
+    store's files are sparse until examples are scored, and a copy that wrote their zeros would
+    take the whole size on disk. Where the file system cannot tell data from holes, every byte
+    is copied.
+
+    Example:
+        >>> import tempfile
+        >>> d = Path(tempfile.mkdtemp())
+        >>> with open(d / "a", "wb") as f:
+        ...     _ = f.truncate(1 << 20)
+        ...     _ = f.seek(500_000)
+        ...     _ = f.write(b"x")
+        >>> copy_sparse(d / "a", d / "b")
+        >>> (d / "b").read_bytes() == (d / "a").read_bytes()
+        True
+    """
+    size = src.stat().st_size
+    fdi = os.open(src, os.O_RDONLY)
+    try:
+        fdo = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fdo, size)
+            for start, end in _data_ranges(fdi, size):
+                while start < end:
+                    chunk = os.pread(fdi, min(end - start, 1 << 24), start)
+                    if not chunk:
+                        break
+                    start += os.pwrite(fdo, chunk, start)
+        finally:
+            os.close(fdo)
+    finally:
+        os.close(fdi)
+
+
+def _data_ranges(fd: int, size: int) -> Iterator[tuple[int, int]]:
+    """The ``(start, end)`` byte ranges of the open file ``fd`` that hold data (all of it where
+    the file system has no ``SEEK_DATA``)."""
+    seek_data = getattr(os, "SEEK_DATA", None)
+    seek_hole = getattr(os, "SEEK_HOLE", None)
+    offset = 0
+    while offset < size:
+        if seek_data is None or seek_hole is None:
+            yield offset, size
+            return
+        try:
+            start = os.lseek(fd, offset, seek_data)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # holes from offset to the end
+                return
+            if e.errno != errno.EINVAL:
+                raise
+            seek_data = None  # not supported here: copy the rest whole
+            continue
+        end = min(os.lseek(fd, start, seek_hole), size)  # (a hole at least at the end)
+        yield start, end
+        offset = end
 
 
 class ExampleStore:
@@ -39,6 +126,16 @@ class ExampleStore:
         path: a folder to hold the columns as memory-mapped files (for 10^8 to 10^9 examples; the
             operating system pages them in and out, and files are created sparse). Default: in
             memory.
+        keep_snapshots: a memory-mapped store's :meth:`state_dict` copies its files into a
+            snapshot (``path/snapshots/``, sparse where they are); the snapshots of this
+            store's newest ``keep_snapshots`` states are kept, older ones (also those an earlier
+            process left there) removed. A state whose snapshot is gone is refused when loaded.
+
+    NOTE (why snapshots): the files of a memory-mapped store change after a state is saved (the
+    run goes on), so a state that only named them would resume from the losses and counts
+    recorded up to the interruption, not those at the checkpoint. Copying the files when a state
+    is saved costs what an in-memory store's state costs (its columns copied into the state),
+    and makes a resume exact either way.
 
     Example:
         >>> import numpy as np
@@ -49,27 +146,65 @@ class ExampleStore:
         ([0.5, nan], [3, -1])
     """
 
-    VERSION = 1
+    VERSION = 2
 
-    def __init__(self, size: int, path: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self, size: int, path: str | os.PathLike | None = None, keep_snapshots: int = 2
+    ) -> None:
         self.size = check_int("size", size, minimum=0)
         self.path = None if path is None else Path(path)
+        self.keep_snapshots = check_int("keep_snapshots", keep_snapshots, minimum=1)
+        # A loaded state's snapshot, copied over the files at the columns' next use (see
+        # load_state_dict), and the lock that applies it once whichever thread gets there.
+        self._restore: Path | None = None
+        self._restore_lock = threading.Lock()
+        # This store's snapshots, oldest first (see state_dict).
+        self._written: list[Path] = []
         #: Whether a column file already existed, of the right size, and was opened with its
         #: contents (an earlier store's): see :meth:`clear`.
         self.reopened = False
         if self.path is None:
             # np.zeros maps zeroed pages lazily: untouched examples cost no resident memory.
-            self.loss = np.zeros(self.size, dtype=np.float32)
-            self.seen = np.zeros(self.size, dtype=np.int32)
-            self.selected = np.zeros(self.size, dtype=np.int32)
+            self._loss = np.zeros(self.size, dtype=np.float32)
+            self._seen = np.zeros(self.size, dtype=np.int32)
+            self._selected = np.zeros(self.size, dtype=np.int32)
         else:
             self.path.mkdir(parents=True, exist_ok=True)
             self._open_columns(fresh=False)
 
     def _open_columns(self, fresh: bool) -> None:
-        self.loss = self._memmap("loss", np.float32, fresh)
-        self.seen = self._memmap("seen", np.int32, fresh)
-        self.selected = self._memmap("selected", np.int32, fresh)
+        self._loss = self._memmap("loss", np.float32, fresh)
+        self._seen = self._memmap("seen", np.int32, fresh)
+        self._selected = self._memmap("selected", np.int32, fresh)
+
+    def _file(self, name: str, dtype: type) -> Path:
+        assert self.path is not None
+        return self.path / f"{name}.{np.dtype(dtype).name}"
+
+    # NOTE (columns as properties): a loaded state's snapshot is applied at the columns' first
+    # use after the load, not in load_state_dict itself, so that a load the loader refuses
+    # after the policy's part (all or nothing: see SelectiveLoader.load_state_dict) leaves the
+    # files untouched; its rollback cancels the restore.
+    @property
+    def loss(self) -> np.ndarray:
+        """Each example's last finite selection loss (float32)."""
+        if self._restore is not None:
+            self._apply_restore()
+        return self._loss
+
+    @property
+    def seen(self) -> np.ndarray:
+        """The epoch each loss was measured in, plus one (int32; 0: never scored)."""
+        if self._restore is not None:
+            self._apply_restore()
+        return self._seen
+
+    @property
+    def selected(self) -> np.ndarray:
+        """How many times each example was chosen for backprop (int32)."""
+        if self._restore is not None:
+            self._apply_restore()
+        return self._selected
 
     def _memmap(self, name: str, dtype: type, fresh: bool) -> np.ndarray:
         """A column file of zeros (created sparse), or the existing one of the right size (unless
@@ -77,7 +212,7 @@ class ExampleStore:
         assert self.path is not None
         if self.size == 0:
             return np.zeros(0, dtype=dtype)
-        file = self.path / f"{name}.{np.dtype(dtype).name}"
+        file = self._file(name, dtype)
         if not fresh:
             fresh = not file.exists() or file.stat().st_size != self.size * np.dtype(dtype).itemsize
             self.reopened |= not fresh
@@ -97,12 +232,13 @@ class ExampleStore:
             >>> s.lookup(np.array([1]))[1].tolist()
             [-1]
         """
+        self._restore = None  # (a restore not applied yet: cleared all the same)
         if self.path is None:
-            for col in (self.loss, self.seen, self.selected):
+            for col in (self._loss, self._seen, self._selected):
                 col[:] = 0
             return
         self.flush()
-        del self.loss, self.seen, self.selected  # unmapped before their files are truncated
+        del self._loss, self._seen, self._selected  # unmapped before their files are truncated
         self._open_columns(fresh=True)
         self.reopened = False
 
@@ -188,42 +324,155 @@ class ExampleStore:
 
     def flush(self) -> None:
         """Write memory-mapped columns to disk (no-op in memory)."""
-        for col in (self.loss, self.seen, self.selected):
+        for col in (self._loss, self._seen, self._selected):
             if isinstance(col, np.memmap):
                 col.flush()
 
     def state_dict(self) -> dict[str, Any]:
-        """The columns (copies for in-memory stores; flushed file paths for memory-mapped ones).
+        """The columns: copies for an in-memory store; for a memory-mapped one, the name of a
+        snapshot of its files written now (see the class's NOTE), the snapshots of states older
+        than its ``keep_snapshots`` newest removed.
 
         Columns are CPU tensors, so that a checkpoint holding them loads with ``torch.load``'s
         default ``weights_only=True`` (numpy arrays would be refused).
+
+        Example:
+            >>> import tempfile
+            >>> s = ExampleStore(10, path=tempfile.mkdtemp())
+            >>> s.record(np.array([3]), np.array([0.5]), epoch=0)
+            >>> state = s.state_dict()
+            >>> s.record(np.array([3]), np.array([9.0]), epoch=1)  # the run goes on
+            >>> s.load_state_dict(state)  # a resume: the losses as they were at the state
+            >>> s.lookup(np.array([3]))[0].tolist()
+            [0.5]
         """
-        if self.path is not None:
+        if self.path is None:
+            return {
+                "version": self.VERSION,
+                "size": self.size,
+                "loss": torch.from_numpy(self.loss.copy()),
+                "seen": torch.from_numpy(self.seen.copy()),
+                "selected": torch.from_numpy(self.selected.copy()),
+            }
+        state = {"version": self.VERSION, "size": self.size, "path": str(self.path)}
+        if not _SNAPSHOT.get():
             self.flush()
-            return {"version": self.VERSION, "size": self.size, "path": str(self.path)}
-        return {
-            "version": self.VERSION,
-            "size": self.size,
-            "loss": torch.from_numpy(self.loss.copy()),
-            "seen": torch.from_numpy(self.seen.copy()),
-            "selected": torch.from_numpy(self.selected.copy()),
-        }
+            restore = None if self._restore is None else self._restore.name
+            return {**state, "live": True, "restore": restore}
+        self.flush()
+        return {**state, "snapshot": self._snapshot().name}
+
+    def _snapshot(self) -> Path:
+        """Copy the column files (a restore not yet applied is applied first) into a new
+        snapshot folder, written under a temporary name and renamed when complete, so that a
+        snapshot that exists is whole; then remove those older than the ``keep_snapshots``
+        newest this store wrote."""
+        assert self.path is not None
+        columns = [self._file(name, dtype) for name, dtype in COLUMNS]
+        _ = self.loss  # applies a pending restore
+        folder = self.path / SNAPSHOTS
+        folder.mkdir(exist_ok=True)
+        # NOTE: named by the time (ns) first, so that names sort as snapshots were written,
+        # also across processes (a resumed run prunes those its predecessor left).
+        name = f"{time.time_ns():020d}-{os.getpid()}-{len(self._written)}"
+        tmp = folder / f".tmp-{name}"
+        tmp.mkdir()
+        if self.size:
+            for file in columns:
+                copy_sparse(file, tmp / file.name)
+        final = folder / name
+        os.rename(tmp, final)
+        self._written.append(final)
+        self._prune(folder)
+        return final
+
+    def _prune(self, folder: Path) -> None:
+        """Remove the snapshots (and unfinished ones) older than this store's
+        ``keep_snapshots``-th newest; none while it has written fewer."""
+        if len(self._written) < self.keep_snapshots:
+            return
+        oldest_kept = self._written[-self.keep_snapshots].name
+        for entry in folder.iterdir():
+            name = entry.name.removeprefix(".tmp-")
+            if entry.is_dir() and name < oldest_kept:
+                shutil.rmtree(entry, ignore_errors=True)
+        self._written = self._written[-self.keep_snapshots :]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        state = check_version(state, "ExampleStore", self.VERSION)
+        """Restore a saved state. A memory-mapped store's snapshot is checked now (it must
+        exist, whole) and copied over the files when the columns are next used.
+
+        Raises:
+            ValueError: the state is of another size, of another folder, or its snapshot is
+                gone (removed as older than the ``keep_snapshots`` newest).
+        """
+        state = check_version(state, "ExampleStore", self.VERSION, {1: _store_v1_to_v2})
         check_identity(
             "ExampleStore",
             {"size": int(state["size"])},
             {"size": self.size},
             "build it for the same dataset",
         )
-        if "path" in state:
-            if self.path is None or Path(state["path"]).resolve() != self.path.resolve():
+        if "path" not in state:
+            self._restore = None
+            self.loss[:] = state["loss"]
+            self.seen[:] = state["seen"]
+            self.selected[:] = state["selected"]
+            return
+        if self.path is None or Path(state["path"]).resolve() != self.path.resolve():
+            raise ValueError(
+                f"the saved store is memory-mapped at {state['path']}; build the store with "
+                "path= that folder"
+            )
+        if state.get("live"):
+            # The files as they are, with the restore that was pending then (a rollback).
+            restore = state.get("restore")
+            self._restore = None if restore is None else self.path / SNAPSHOTS / restore
+            return
+        snapshot = self.path / SNAPSHOTS / str(state["snapshot"])
+        self._check_snapshot(snapshot)
+        self._restore = snapshot
+
+    def _check_snapshot(self, snapshot: Path) -> None:
+        for name, dtype in COLUMNS:
+            file = snapshot / self._file(name, dtype).name
+            want = self.size * np.dtype(dtype).itemsize
+            if not snapshot.is_dir() or (
+                self.size and (not file.is_file() or file.stat().st_size != want)
+            ):
                 raise ValueError(
-                    f"the saved store is memory-mapped at {state['path']}; build the store with "
-                    "path= that folder"
+                    f"the saved state's store snapshot {snapshot} is missing or incomplete: a "
+                    f"memory-mapped store keeps the snapshots of its {self.keep_snapshots} newest "
+                    "saved states and removes older ones; resume from a newer checkpoint, or "
+                    "keep more (SelectiveBackprop(store_snapshots=...), "
+                    "ExampleStore(keep_snapshots=...))"
                 )
-            return  # the files are the state
-        self.loss[:] = state["loss"]
-        self.seen[:] = state["seen"]
-        self.selected[:] = state["selected"]
+
+    def _apply_restore(self) -> None:
+        """Copy the loaded state's snapshot over the column files and map them again (once,
+        whichever thread uses the columns first)."""
+        with self._restore_lock:
+            snapshot = self._restore
+            if snapshot is None:
+                return
+            assert self.path is not None
+            self._check_snapshot(snapshot)
+            if self.size:
+                for name, dtype in COLUMNS:
+                    file = self._file(name, dtype)
+                    tmp = file.with_name(f".restore-{file.name}")
+                    copy_sparse(snapshot / file.name, tmp)
+                    # NOTE: a new file renamed over the mapped one (never rewritten under a
+                    # mapping that may still be referenced), then mapped anew.
+                    os.replace(tmp, file)
+            self._open_columns(fresh=False)
+            self._restore = None
+
+
+def _store_v1_to_v2(state: dict[str, Any]) -> dict[str, Any]:
+    """A version-1 state as version 2: a memory-mapped store's named its files as they are
+    (``"live"``: such a resume continues with what was recorded up to the interruption, as it
+    did when saved), an in-memory store's is unchanged."""
+    if "path" in state:
+        return {**state, "version": 2, "live": True, "restore": None}
+    return {**state, "version": 2}

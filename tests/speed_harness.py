@@ -27,7 +27,10 @@ from sbloader.stats import CLASS_FIELDS, COUNT_FIELDS
 N, CLASSES, SIDE = 72, 4, 6
 EPOCHS = 4
 POLICIES = ("sb", "ramp", "stale", "phased", "default", "default-planned")
-CUTS = ("in-loop", "unconsumed", "after-break", "epoch-end")
+CUTS = ("in-loop", "unconsumed", "after-break", "epoch-end", "crash")
+#: After a ``"crash"`` cut's checkpoint the run goes on for this many batches (or to its end),
+#: then dies and is resumed from that checkpoint.
+CRASH_AFTER = 7
 
 
 @dataclass(frozen=True)
@@ -256,16 +259,22 @@ def run(
     """Train ``EPOCHS`` (training) epochs; at each ``(k, how)`` of ``cuts`` (in order of ``k``)
     checkpoint after ``k`` batches, rebuild everything and resume. ``how``: ``"in-loop"`` (saved
     inside the loop), ``"unconsumed"`` (with the next batch fetched and not trained,
-    ``unconsumed=1``), ``"after-break"`` (after leaving the loop) or ``"epoch-end"`` (at the end
-    of the epoch the cut falls in). Not ``resuming``: the cuts only leave the loop where
-    ``"after-break"`` leaves it, and the run goes on with the same loader (what a resumed run
-    after a break must equal)."""
+    ``unconsumed=1``), ``"after-break"`` (after leaving the loop), ``"epoch-end"`` (at the end
+    of the epoch the cut falls in) or ``"crash"`` (saved inside the loop; the run goes on for
+    ``CRASH_AFTER`` batches, or to its end, then dies and is rebuilt from that checkpoint: crash
+    recovery, where the loader's state, the model and a memory-mapped store have moved on
+    since). Not ``resuming``: the cuts only leave the loop where ``"after-break"`` leaves it,
+    and the run goes on with the same loader (what a resumed run after a break must equal)."""
     if folder is not None and cfg.store:
         cfg = replace(cfg, extra={**cfg.extra, "path": str(folder)})
     _, model, opt, loader = build(cfg)
     done: list[tuple[Any, ...]] = []
     pending = sorted(cuts)
     resumes = 0
+    # A "crash" cut's checkpoint, the batches done when it was saved and the cuts still to
+    # come then (those of the doomed stretch happen again after the resume, as in the
+    # uninterrupted run: a break there changes the epochs with batches_per_epoch).
+    crash: tuple[dict[str, Any], int, list[tuple[int, str]]] | None = None
 
     def due(how: str) -> bool:
         return bool(pending) and pending[0][1] == how and pending[0][0] == len(done)
@@ -281,20 +290,47 @@ def run(
         resumes += 1
         return True
 
-    while loader.training_epoch < EPOCHS:
+    def save_for_crash() -> None:
+        nonlocal crash
+        pending.pop(0)
+        if resuming:
+            state = {"l": loader.state_dict(), "m": model.state_dict()}
+            crash = (through_torch_save({**state, "o": opt.state_dict()}), len(done), list(pending))
+
+    def die() -> None:
+        nonlocal model, opt, loader, crash, resumes
+        assert crash is not None
+        state, k, pending[:] = crash
+        crash = None
+        model, opt, loader = _resume(cfg, state, None)
+        del done[k:]
+        resumes += 1
+
+    while loader.training_epoch < EPOCHS or crash is not None:
+        if loader.training_epoch >= EPOCHS:
+            die()  # the run ended before it would have crashed: it crashes now
+            continue
         it = iter(loader)
-        left = False
+        left = crashed = False
         for batch in it:
             if due("unconsumed") and resume():
                 left = True
                 break
             done.append(step(cfg, model, opt, loader, batch))
+            if due("crash"):
+                save_for_crash()
+            if crash is not None and len(done) >= crash[1] + CRASH_AFTER:
+                left = crashed = True
+                break
             if due("in-loop") and resume():
                 left = True
                 break
             if due("after-break"):
                 break
         del it
+        if crashed:
+            die()
+            continue
         if due("after-break"):
             resume()
         elif not left and pending and pending[0][1] == "epoch-end" and len(done) >= pending[0][0]:
@@ -315,8 +351,10 @@ def counts(loader: Any) -> list[tuple[Any, ...]]:
     return out
 
 
-def _resume(cfg: Config, state: dict[str, Any], opt: torch.optim.Optimizer):
-    state = through_torch_save({**state, "o": opt.state_dict()})
+def _resume(cfg: Config, state: dict[str, Any], opt: torch.optim.Optimizer | None):
+    """Rebuild everything from ``state`` (the optimizer's from ``opt``, or the state's own)."""
+    if opt is not None:
+        state = through_torch_save({**state, "o": opt.state_dict()})
     _, model, opt, loader = build(cfg)
     model.load_state_dict(state["m"])
     opt.load_state_dict(state["o"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
 import json
 import os
 import re
@@ -300,7 +301,7 @@ def test_mid_epoch_state_is_json_scalars_plus_tensors_and_loads_weights_only(pol
     assert rest == [b.indices.tolist() for b in it]
 
 
-def test_memory_mapped_store_state_is_a_path(tmp_path):
+def test_memory_mapped_store_state_names_a_snapshot_of_its_files(tmp_path):
     def build():
         policy = SelectiveBackprop(1 / 3, staleness=2, store_path=str(tmp_path / "store"))
         dl = DataLoader(EncodedDataset(120), batch_size=30)
@@ -309,16 +310,215 @@ def test_memory_mapped_store_state_is_a_path(tmp_path):
     loader = build()
     list(loader)
     state = loader.state_dict()
-    assert state["policy"]["store"] == {
+    store_state = dict(state["policy"]["store"])
+    name = store_state.pop("snapshot")
+    assert store_state == {
         "version": ExampleStore.VERSION,
         "size": 120,
         "path": str(tmp_path / "store"),
     }
+    snapshot = tmp_path / "store" / "snapshots" / name
+    assert sorted(p.name for p in snapshot.iterdir()) == [
+        "loss.float32",
+        "seen.int32",
+        "selected.int32",
+    ]
+    for column in ("loss.float32", "seen.int32", "selected.int32"):  # the files as they were
+        assert (snapshot / column).read_bytes() == (tmp_path / "store" / column).read_bytes()
     json.dumps(scalars(state))
     again = build()
     again.load_state_dict(state)
     np.testing.assert_array_equal(again.policy.store.loss, loader.policy.store.loss)
     assert (again.policy.store.seen == 1).all()
+
+
+class Trained:
+    """A Stale-SB run (passes in epochs 0, 2, 4) whose store is memory-mapped in ``folder``,
+    training a linear model so that its losses change from pass to pass; ``record`` collects
+    each yielded batch's indices and weights."""
+
+    def __init__(self, folder, keep=2) -> None:
+        torch.manual_seed(0)
+        self.model = nn.Linear(6, N_CLASSES)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.5)
+        policy = SelectiveBackprop(
+            0.5, history=64, staleness=2, store_path=str(folder), store_snapshots=keep
+        )
+        dl = DataLoader(
+            EncodedDataset(96), batch_size=24, shuffle=True, generator=torch.Generator()
+        )
+        self.loader = SelectiveLoader(dl, self.model, policy=policy, batch_size=8, seed=5)
+        self.record: list[tuple[list[int], list[float]]] = []
+
+    def step(self, batch) -> None:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.model(x), y, reduction="none")
+        self.opt.zero_grad()
+        (loss * batch.weights).mean().backward()
+        self.opt.step()
+        self.record.append((batch.indices.tolist(), batch.weights.tolist()))
+
+    def checkpoint(self) -> dict:
+        return through_torch_save(
+            {
+                "loader": self.loader.state_dict(),
+                "model": self.model.state_dict(),
+                "opt": self.opt.state_dict(),
+            }
+        )
+
+    def restore(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.loader.load_state_dict(state["loader"])
+
+
+def through_torch_save(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def test_a_memory_mapped_store_resumes_exactly_after_the_run_went_on_past_the_checkpoint(tmp_path):
+    """Crash recovery: a checkpoint in the first stale epoch, the run goes on through another
+    pass (which rewrites every stored loss and count), then dies; rebuilt and resumed from that
+    checkpoint it yields exactly what the uninterrupted run did from there (the stale epoch
+    decides from the losses of epoch 0's pass, not epoch 2's that the files held by then), and
+    ends with the same parameters and store."""
+    reference = Trained(tmp_path / "reference")
+    for _ in range(4):
+        for batch in reference.loader:
+            reference.step(batch)
+
+    run = Trained(tmp_path / "run")
+    for batch in run.loader:
+        run.step(batch)
+    it = iter(run.loader)
+    for _ in range(2):
+        run.step(next(it))
+    saved, done = run.checkpoint(), len(run.record)
+    for batch in it:
+        run.step(batch)
+    for _ in range(2):  # the pass of epoch 2 and the stale epoch 3 rewrite the files
+        for batch in run.loader:
+            run.step(batch)
+    assert run.record == reference.record
+    files = run.loader.policy.store
+    losses_then = files.loss.copy()
+    del run, it, files
+
+    resumed = Trained(tmp_path / "run")
+    resumed.restore(saved)
+    resumed.record = reference.record[:done]
+    while resumed.loader.epoch < 4:
+        for batch in resumed.loader:
+            resumed.step(batch)
+    assert resumed.record == reference.record
+    for a, b in zip(resumed.model.parameters(), reference.model.parameters()):
+        assert torch.equal(a, b)
+    store, ref = resumed.loader.policy.store, reference.loader.policy.store
+    for a, b in zip(store.columns, ref.columns):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(store.loss, losses_then)
+
+
+def test_a_state_whose_store_snapshot_was_removed_is_refused_naming_store_snapshots(tmp_path):
+    """The snapshots of the newest ``store_snapshots`` states are kept (also across a resumed
+    process, whose new snapshots prune its predecessor's); an older state is refused when
+    loaded, with the fix, and the loader that refused it goes on as it was."""
+    run = Trained(tmp_path / "store", keep=2)
+    states = []
+    for _ in range(3):
+        for batch in run.loader:
+            run.step(batch)
+        states.append(run.checkpoint())
+    folder = tmp_path / "store" / "snapshots"
+    names = [s["loader"]["policy"]["store"]["snapshot"] for s in states]
+    assert sorted(p.name for p in folder.iterdir()) == sorted(names[1:])
+
+    fresh = Trained(tmp_path / "store", keep=2)
+    before = fresh.loader.state_dict()["epoch"]
+    with pytest.raises(ValueError, match=r"store snapshot .*missing.*store_snapshots="):
+        fresh.loader.load_state_dict(states[0]["loader"])
+    assert fresh.loader.epoch == before
+    fresh.restore(states[1])  # the two newest load
+    assert fresh.loader.epoch == 2
+    for batch in fresh.loader:
+        fresh.step(batch)
+    fresh.checkpoint()
+    fresh.checkpoint()  # the resumed process's own two newest: its predecessor's are removed
+    assert len(list(folder.iterdir())) == 2 and not set(names) & {p.name for p in folder.iterdir()}
+
+
+def test_a_refused_load_leaves_a_memory_mapped_store_as_it_was(tmp_path):
+    """All or nothing: a state the loader refuses after the policy's part was restored (here
+    its statistics) leaves the store's files as they were, also when a load before it had
+    succeeded and its snapshot was not applied yet; a snapshot is applied once a load
+    succeeds."""
+    run = Trained(tmp_path / "store")
+    for batch in run.loader:
+        run.step(batch)
+    saved = run.checkpoint()
+    at_checkpoint = [c.copy() for c in run.loader.policy.store.columns]
+    for _ in range(2):
+        for batch in run.loader:
+            run.step(batch)
+    after = [c.copy() for c in run.loader.policy.store.columns]
+    assert not np.array_equal(after[1], at_checkpoint[1])
+    bad = copy.deepcopy(saved["loader"])
+    bad["stats"]["epochs"][0]["no_such_count"] = 1
+
+    def refused():
+        with pytest.raises(TypeError, match="no_such_count"):
+            run.loader.load_state_dict(bad)
+
+    refused()
+    for a, b in zip(run.loader.policy.store.columns, after):
+        np.testing.assert_array_equal(a, b)
+    run.loader.load_state_dict(saved["loader"])
+    refused()
+    for a, b in zip(run.loader.policy.store.columns, at_checkpoint):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_copy_sparse_copies_every_byte_whatever_the_holes(seed, tmp_path):
+    """Files of random sizes with random data runs among holes (at the start, the end, none)
+    copy byte for byte."""
+    from sbloader.store import copy_sparse
+
+    rng = np.random.default_rng(seed)
+    for _ in range(4):
+        size = int(rng.integers(1, 1 << 22))
+        with open(tmp_path / "a", "wb") as f:
+            f.truncate(size)
+            for _ in range(int(rng.integers(0, 5))):
+                start = int(rng.integers(0, size))
+                f.seek(start)
+                f.write(rng.bytes(min(int(rng.integers(1, 1 << 18)), size - start)))
+        copy_sparse(tmp_path / "a", tmp_path / "b")
+        assert (tmp_path / "b").read_bytes() == (tmp_path / "a").read_bytes()
+
+
+def test_a_store_snapshot_stays_sparse(tmp_path):
+    """A store of ten million examples with a few scored: its snapshot takes about what the
+    scored examples' pages take on disk, not the 120 MB of its columns."""
+    store = ExampleStore(10_000_000, path=tmp_path)
+    store.record(np.array([5, 9_999_999]), np.array([1.0, 2.0]), epoch=0)
+    store.count_selected(np.array([5]))
+    state = store.state_dict()
+    snapshot = tmp_path / "snapshots" / state["snapshot"]
+    used = sum(f.stat().st_blocks * 512 for f in snapshot.iterdir())
+    if sum((tmp_path / f.name).stat().st_blocks * 512 for f in snapshot.iterdir()) > 1 << 20:
+        pytest.skip("this file system does not keep files sparse")
+    assert used < 1 << 20
+    again = ExampleStore(10_000_000, path=tmp_path)
+    store.record(np.array([5]), np.array([7.0]), epoch=1)
+    again.load_state_dict(state)
+    losses, epochs = again.lookup(np.array([5, 6, 9_999_999]))
+    assert losses[[0, 2]].tolist() == [1.0, 2.0] and epochs.tolist() == [0, -1, 0]
+    assert again.selected[5] == 1
 
 
 def stale_sb_in(path) -> SelectiveLoader:

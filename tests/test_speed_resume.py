@@ -167,7 +167,8 @@ def check(cfg: Config, rng: random.Random, folder: Path) -> None:
     ks = rng.sample(range(n), min(n, rng.choice([1, 1, 2, 3])))
     hows = [rng.choice(CUTS) for _ in ks]
     cuts = tuple(
-        (max(k, 1) if how in ("in-loop", "after-break") else k, how) for k, how in zip(ks, hows)
+        (max(k, 1) if how in ("in-loop", "after-break", "crash") else k, how)
+        for k, how in zip(ks, hows)
     )
     reference = first
     if cfg.batches_per_epoch is not None:
@@ -197,6 +198,23 @@ def check(cfg: Config, rng: random.Random, folder: Path) -> None:
 @pytest.mark.parametrize("cfg", COVERING, ids=[f"covering-{i}" for i in range(len(COVERING))])
 def test_every_speed_option_is_deterministic_and_resumes_exactly(cfg, tmp_path):
     check(cfg, random.Random(str(cfg)), tmp_path)
+
+
+@pytest.mark.parametrize("cfg", COVERING, ids=[f"covering-{i}" for i in range(len(COVERING))])
+def test_every_speed_option_recovers_exactly_from_a_checkpoint_the_run_went_past(cfg, tmp_path):
+    """Crash recovery: checkpointed after 5 batches, the run goes on for ``CRASH_AFTER`` more
+    (a memory-mapped store, the loss window, the pending rows and the model move on), dies, and
+    resumed from that checkpoint it yields exactly the uninterrupted run's batches (with
+    ``cache_features``, as far as its features are the same; see :func:`check`)."""
+    reference = run(cfg, folder=tmp_path / "reference")
+    resumed = run(cfg, ((5, "crash"),), folder=tmp_path / "resumed")
+    assert resumed.resumes == 1
+    if not cfg.cache:
+        exact = same(reference, resumed)
+        assert exact, first_difference(reference, resumed)
+        return
+    assert len(resumed.batches) == len(reference.batches)
+    assert resumed.batches[:5] == reference.batches[:5]
 
 
 @pytest.mark.parametrize("k", range(12))
