@@ -569,6 +569,35 @@ def test_mid_epoch_resume_with_a_random_order(beton):
     assert got == full
 
 
+def test_a_checkpoint_the_run_went_past_resumes_exactly(beton):
+    """Crash recovery with FFCV: a mid-epoch state (Stale-SB, whose stale epoch decides from the
+    stored losses) kept while the run goes on through the next epochs (FFCV's epoch counter,
+    its buffers and the store move on), then resumed by a new loader: the rest of the
+    uninterrupted run exactly."""
+
+    def build():
+        loader = sbffcv.open_beton(beton, 30, order="random", seed=4)
+        policy = SelectiveBackprop(1 / 3, history=64, staleness=2)
+        return SelectiveLoader(loader, model(), policy=policy, batch_size=16, seed=2)
+
+    full = [b.indices.tolist() for b in build_and_run(build(), 4)]
+    first = build()
+    got = [b.indices.tolist() for b in first]
+    it = iter(first)
+    got += [next(it).indices.tolist() for _ in range(2)]
+    state = copy.deepcopy(first.state_dict())
+    for _ in it:
+        pass
+    for _ in range(2):
+        list(first)
+    del it, first
+    resumed = build()
+    resumed.load_state_dict(state)
+    for _ in range(3):
+        got += [b.indices.tolist() for b in resumed]
+    assert got == full
+
+
 def test_a_state_saved_mid_epoch_keeps_its_batches_while_the_run_goes_on(beton):
     """Traditional hands out FFCV's own batches (source batch size = batch size). A state saved
     with unconsumed=1 (the last batch handed out, not trained yet), or after finishing() made the

@@ -255,3 +255,26 @@ def test_accelerates_prepared_loader_is_not_taken_for_a_stateful_one():
 def test_a_loader_without_state_is_refused():
     with pytest.raises(TypeError, match="state_dict"):
         StatefulSource([[1, 2]])
+
+
+@pytest.mark.parametrize("make", [iterable_loader, map_loader], ids=["iterable", "map"])
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_a_checkpoint_the_run_went_past_resumes_exactly(make, prefetch):
+    """Crash recovery: the state saved mid-epoch is kept while the run goes on into the next
+    epoch (the source's own state moves on), then the process dies; resumed from that state a
+    fresh loader yields exactly the rest of the uninterrupted run."""
+    epochs = 3
+    reference = run(make(prefetch=prefetch), epochs)
+    loader = make(prefetch=prefetch)
+    before = run(loader, 1)
+    it = iter(loader)
+    before += [next(it).indices.tolist() for _ in range(2)]
+    state = checkpoint(loader.state_dict())
+    for _ in it:  # the run goes on past the checkpoint, then dies
+        pass
+    run(loader, 1)
+    del it, loader
+
+    resumed = make(prefetch=prefetch)
+    resumed.load_state_dict(state)
+    assert before + run(resumed, epochs - 1) == reference

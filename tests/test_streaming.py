@@ -180,6 +180,32 @@ def test_mid_epoch_resume_yields_what_an_uninterrupted_run_does(mds, stop, prefe
     released(resumed)
 
 
+def test_a_checkpoint_the_run_went_past_resumes_exactly(mds):
+    """Crash recovery: a mid-epoch state kept while the run goes on into the next epoch (the
+    dataset's own epoch and resume state move on), then the process dies; resumed from that
+    state a new dataset and loader yield exactly the rest of the uninterrupted run."""
+    epochs = 3
+    loader = make_loader(mds)
+    reference = run(loader, epochs)
+    released(loader)
+
+    loader = make_loader(mds)
+    before = run(loader, 1)
+    it = iter(loader)
+    before += [next(it).indices.tolist() for _ in range(3)]
+    state = checkpoint(loader.state_dict())
+    for _ in it:  # the run goes on past the checkpoint
+        pass
+    run(loader, 1)
+    it.close()
+    released(loader, it)
+
+    resumed = make_loader(mds)
+    resumed.load_state_dict(state)
+    assert before + run(resumed, epochs - 1) == reference
+    released(resumed)
+
+
 def test_stale_sb_stores_each_loss_under_its_sample_id(mds):
     policy = SelectiveBackprop(1 / 3, staleness=2)
     loader = make_loader(mds, policy=policy)
