@@ -357,6 +357,22 @@ def scenario_rounds(rank: int, world_size: int) -> dict:
     second += [b.indices.tolist() for b in loader]
     res["resume_split"] = [first, second]
     res["resume_position"] = state["position"]
+
+    # Crash recovery: the same state, kept while the run goes on to the end of the epoch and
+    # through another (every rank alike), then resumed by a new loader on every rank.
+    loader = resumable()
+    list(loader)
+    it = iter(loader)
+    crashed = [next(it).indices.tolist() for _ in range(4)]
+    state = copy.deepcopy(loader.state_dict())
+    for _ in it:
+        pass
+    list(loader)
+    del it
+    loader = resumable()
+    loader.load_state_dict(state)
+    crashed += [b.indices.tolist() for b in loader]
+    res["crash_split"] = crashed
     return res
 
 
@@ -1165,10 +1181,13 @@ def test_generators_differ_by_rank_and_reproduce(rounds):
 
 
 def test_mid_epoch_resume_with_a_rank_that_loaded_nothing(rounds):
+    """Resumed at once, and from the same checkpoint after the run went on past it (crash
+    recovery): on three ranks, the uninterrupted run's batches."""
     assert rounds[0]["resume_position"] == 0 < rounds[1]["resume_position"]
     for r in rounds:
         assert len(r["resume_whole"][1]) > 5
         assert r["resume_split"] == r["resume_whole"]
+        assert r["crash_split"] == r["resume_whole"][1]  # from a checkpoint the run went past
 
 
 def test_reduce_stats_sums_counts_and_takes_the_slowest_time(rounds):
