@@ -72,15 +72,30 @@ def copy_sparse(src: Path, dst: Path) -> None:
         try:
             os.ftruncate(fdo, size)
             for start, end in _data_ranges(fdi, size):
-                while start < end:
-                    chunk = os.pread(fdi, min(end - start, 1 << 24), start)
-                    if not chunk:
-                        break
-                    start += os.pwrite(fdo, chunk, start)
+                _copy_range(fdi, fdo, start, end)
         finally:
             os.close(fdo)
     finally:
         os.close(fdi)
+
+
+def _copy_range(fdi: int, fdo: int, start: int, end: int) -> None:
+    """Copy bytes ``start .. end`` of the open file ``fdi`` to the same place in ``fdo``: in the
+    kernel (``os.copy_file_range``, which some file systems serve by sharing blocks), else
+    through memory where it is unavailable or refused."""
+    while start < end:
+        try:
+            done = os.copy_file_range(fdi, fdo, end - start, start, start)
+        except (AttributeError, OSError):
+            break
+        if not done:
+            break
+        start += done
+    while start < end:
+        chunk = os.pread(fdi, min(end - start, 1 << 24), start)
+        if not chunk:
+            break
+        start += os.pwrite(fdo, chunk, start)
 
 
 def _data_ranges(fd: int, size: int) -> Iterator[tuple[int, int]]:

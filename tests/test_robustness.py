@@ -482,12 +482,19 @@ def test_a_refused_load_leaves_a_memory_mapped_store_as_it_was(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_copy_sparse_copies_every_byte_whatever_the_holes(seed, tmp_path):
+@pytest.mark.parametrize("in_kernel", [True, False], ids=["copy_file_range", "through-memory"])
+@pytest.mark.parametrize("seed", range(6))
+def test_copy_sparse_copies_every_byte_whatever_the_holes(seed, in_kernel, tmp_path, monkeypatch):
     """Files of random sizes with random data runs among holes (at the start, the end, none)
-    copy byte for byte."""
+    copy byte for byte, in the kernel or, where it refuses, through memory."""
     from sbloader.store import copy_sparse
 
+    if not in_kernel:
+
+        def refused(*args):
+            raise OSError(38, "copy_file_range refused")
+
+        monkeypatch.setattr(os, "copy_file_range", refused)
     rng = np.random.default_rng(seed)
     for _ in range(4):
         size = int(rng.integers(1, 1 << 22))
