@@ -508,6 +508,30 @@ def test_copy_sparse_copies_every_byte_whatever_the_holes(seed, in_kernel, tmp_p
         assert (tmp_path / "b").read_bytes() == (tmp_path / "a").read_bytes()
 
 
+def test_a_version_1_store_state_still_loads(tmp_path):
+    """States saved before snapshots (version 1): an in-memory store's columns load as they
+    were; a memory-mapped one's named its files, which it continues with, as it did then."""
+    store = ExampleStore(4)
+    store.load_state_dict(
+        {
+            "version": 1,
+            "size": 4,
+            "loss": torch.tensor([0.0, 2.5, 0.0, 0.0]),
+            "seen": torch.tensor([0, 3, 0, 0], dtype=torch.int32),
+            "selected": torch.tensor([0, 1, 0, 0], dtype=torch.int32),
+        }
+    )
+    assert store.lookup(np.arange(4))[0][1] == 2.5 and store.selected.tolist() == [0, 1, 0, 0]
+    mapped = ExampleStore(4, path=tmp_path)
+    mapped.record(np.array([2]), np.array([1.5]), epoch=0)
+    mapped.load_state_dict({"version": 1, "size": 4, "path": str(tmp_path)})
+    assert mapped.lookup(np.array([2]))[0].tolist() == [1.5]
+    with pytest.raises(ValueError, match="memory-mapped at"):
+        ExampleStore(4, path=tmp_path / "other").load_state_dict(
+            {"version": 1, "size": 4, "path": str(tmp_path)}
+        )
+
+
 def test_a_store_snapshot_stays_sparse(tmp_path):
     """A store of ten million examples with a few scored: its snapshot takes about what the
     scored examples' pages take on disk, not the 120 MB of its columns."""
