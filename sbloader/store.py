@@ -434,21 +434,37 @@ class ExampleStore:
             self.seen[:] = state["seen"]
             self.selected[:] = state["selected"]
             return
-        if self.path is None or Path(state["path"]).resolve() != self.path.resolve():
+        if self.path is None:
             raise ValueError(
                 f"the saved store is memory-mapped at {state['path']}; build the store with "
-                "path= that folder"
+                "path= that folder (or a copy of it)"
             )
         if state.get("live"):
-            # The files as they are, with the restore that was pending then (a rollback).
+            # The files as they are (a rollback, or a version-1 state), with the restore that
+            # was pending then: they must be this folder's.
+            if Path(state["path"]).resolve() != self.path.resolve():
+                raise ValueError(
+                    f"the saved store is memory-mapped at {state['path']}; build the store "
+                    "with path= that folder"
+                )
             restore = state.get("restore")
             self._restore = None if restore is None else self.path / SNAPSHOTS / restore
             return
+        # NOTE: a snapshot is found in this store's folder, wherever the state was saved: a run
+        # moved to another machine or mount resumes from a copy of the folder.
         snapshot = self.path / SNAPSHOTS / str(state["snapshot"])
-        self._check_snapshot(snapshot)
+        self._check_snapshot(snapshot, str(state["path"]))
         self._restore = snapshot
 
-    def _check_snapshot(self, snapshot: Path) -> None:
+    def _check_snapshot(self, snapshot: Path, saved_at: str | None = None) -> None:
+        moved = (
+            ""
+            if saved_at is None
+            or self.path is None
+            or Path(saved_at).resolve() == self.path.resolve()
+            else f" (the state was saved by a store at {saved_at}: copy that folder here, or "
+            "build the store with path= that folder)"
+        )
         for name, dtype in COLUMNS:
             file = snapshot / self._file(name, dtype).name
             want = self.size * np.dtype(dtype).itemsize
@@ -456,11 +472,11 @@ class ExampleStore:
                 self.size and (not file.is_file() or file.stat().st_size != want)
             ):
                 raise ValueError(
-                    f"the saved state's store snapshot {snapshot} is missing or incomplete: a "
-                    f"memory-mapped store keeps the snapshots of its {self.keep_snapshots} newest "
-                    "saved states and removes older ones; resume from a newer checkpoint, or "
-                    "keep more (SelectiveBackprop(store_snapshots=...), "
-                    "ExampleStore(keep_snapshots=...))"
+                    f"the saved state's store snapshot {snapshot} is missing or incomplete"
+                    f"{moved}; a memory-mapped store keeps the snapshots of its "
+                    f"{self.keep_snapshots} newest saved states and removes older ones: resume "
+                    "from a newer checkpoint, or keep more (SelectiveBackprop(store_snapshots="
+                    "...), ExampleStore(keep_snapshots=...))"
                 )
 
     def _apply_restore(self) -> None:

@@ -451,6 +451,39 @@ def test_a_state_whose_store_snapshot_was_removed_is_refused_naming_store_snapsh
     assert len(list(folder.iterdir())) == 2 and not set(names) & {p.name for p in folder.iterdir()}
 
 
+def test_a_memory_mapped_store_resumes_from_a_copy_of_its_folder_elsewhere(tmp_path):
+    """A run moved to another machine or mount: the checkpoint and a copy of the store's folder
+    at another path resume exactly; a folder without the snapshot is refused, naming where the
+    state was saved."""
+    import shutil
+
+    reference = Trained(tmp_path / "reference")
+    for _ in range(3):
+        for batch in reference.loader:
+            reference.step(batch)
+
+    run = Trained(tmp_path / "here")
+    for batch in run.loader:
+        run.step(batch)
+    saved, done = run.checkpoint(), len(run.record)
+    del run
+    shutil.copytree(tmp_path / "here", tmp_path / "there")
+    shutil.rmtree(tmp_path / "here")
+    moved = Trained(tmp_path / "there")
+    moved.restore(saved)
+    moved.record = reference.record[:done]
+    while moved.loader.epoch < 3:
+        for batch in moved.loader:
+            moved.step(batch)
+    assert moved.record == reference.record
+
+    empty = Trained(tmp_path / "empty")
+    with pytest.raises(
+        ValueError, match=r"missing or incomplete \(the state was saved by a store at .*here"
+    ):
+        empty.restore(saved)
+
+
 def test_a_refused_load_leaves_a_memory_mapped_store_as_it_was(tmp_path):
     """All or nothing: a state the loader refuses after the policy's part was restored (here
     its statistics) leaves the store's files as they were, also when a load before it had
