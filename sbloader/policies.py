@@ -355,7 +355,8 @@ class SelectiveBackprop(Policy):
             store's does. Under several ranks give each rank its own folder.
         store_snapshots: how many of the newest saved states keep their snapshot in
             ``store_path`` (older ones are removed; a state whose snapshot is gone is refused
-            when loaded, naming this). Default 2.
+            when loaded, naming this): at least as many as the checkpoints you keep, counting
+            every ``state_dict()`` call (two per step with two checkpoint callbacks). Default 2.
         ramp_epochs: r >= 0: over the first r epochs of data this policy decides (counted from
             its start, after a :class:`Phased` warm-up), each P of a selection pass is blended
             with uniform keeping at the same expected rate, ``P = u / (beta + 1) + (1 - u) *
@@ -506,8 +507,10 @@ class SelectiveBackprop(Policy):
         self.store_snapshots = check_int("store_snapshots", store_snapshots, minimum=1)
         self.store: ExampleStore | None = None
         # Whether the store belongs to this run: begun in, or loaded from a state (a store
-        # reopened from an earlier run's files is cleared when the first epoch begins).
+        # reopened from an earlier run's files is cleared when the first epoch begins, as is
+        # one loaded from a state saved before its first use).
         self._store_adopted = False
+        self._clear_at_adoption = False
         self._epoch = 0
         self._key = 0
 
@@ -568,9 +571,10 @@ class SelectiveBackprop(Policy):
         of them instead (see :class:`~sbloader.store.ExampleStore`).
         """
         if self.store is not None and not self._store_adopted:
-            if self.store.reopened:
+            if self.store.reopened or self._clear_at_adoption:
                 self.store.clear()
             self._store_adopted = True
+            self._clear_at_adoption = False
 
     def _due(self, epoch: int) -> bool:
         """Whether ``epoch`` would run a selection pass if it began now."""
@@ -837,8 +841,12 @@ class SelectiveBackprop(Policy):
                     "has none; construct it with the saved staleness and attach it to a loader"
                 )
             self.store.load_state_dict(state["store"])
-            # NOTE: saved before store_adopted was state: adopted.
+            # NOTE: saved before store_adopted was state: adopted. A state saved before the
+            # store's first use holds an earlier run's files (or nothing): the run resumed from
+            # it starts empty at that first use, as the saved run did, whatever the files are
+            # by now (see _adopt_store).
             self._store_adopted = bool(state.get("store_adopted", True))
+            self._clear_at_adoption = not self._store_adopted
         schedule = state.get("schedule")
         if schedule is None:
             # NOTE: saved before the schedule was state, when passes ran in epochs 0, n, 2n...:

@@ -10,7 +10,6 @@ import errno
 import os
 import shutil
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,11 +47,11 @@ def live_states() -> Iterator[None]:
         _SNAPSHOT.reset(token)
 
 
-def copy_sparse(src: Path, dst: Path) -> None:
+def copy_sparse(src: Path, dst: Path, sync: bool = False) -> None:
     """Copy the file ``src`` to ``dst`` (replaced), leaving holes where ``src`` has them: a
     store's files are sparse until examples are scored, and a copy that wrote their zeros would
     take the whole size on disk. Where the file system cannot tell data from holes, every byte
-    is copied.
+    is copied. ``sync``: flushed to disk before returning.
 
     Example:
         >>> import tempfile
@@ -73,6 +72,8 @@ def copy_sparse(src: Path, dst: Path) -> None:
             os.ftruncate(fdo, size)
             for start, end in _data_ranges(fdi, size):
                 _copy_range(fdi, fdo, start, end)
+            if sync:
+                os.fsync(fdo)
         finally:
             os.close(fdo)
     finally:
@@ -98,6 +99,37 @@ def _copy_range(fdi: int, fdo: int, start: int, end: int) -> None:
         start += os.pwrite(fdo, chunk, start)
 
 
+#: The errors of ``lseek(SEEK_DATA)`` where a file system cannot tell data from holes.
+_NO_SEEK_DATA = {
+    errno.EINVAL,
+    errno.ENOSYS,
+    errno.ESPIPE,
+    getattr(errno, "EOPNOTSUPP", errno.EINVAL),
+    getattr(errno, "ENOTSUP", errno.EINVAL),
+}
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush a folder's entries to disk (where the system allows opening a folder)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _sequence(name: str) -> int:
+    """The sequence number a snapshot's folder name starts with (also an unfinished one's,
+    ``.tmp-`` first), or 0 for any other name."""
+    head = name.removeprefix(".tmp-").split("-", 1)[0]
+    return int(head) if head.isdigit() else 0
+
+
 def _data_ranges(fd: int, size: int) -> Iterator[tuple[int, int]]:
     """The ``(start, end)`` byte ranges of the open file ``fd`` that hold data (all of it where
     the file system has no ``SEEK_DATA``)."""
@@ -113,7 +145,7 @@ def _data_ranges(fd: int, size: int) -> Iterator[tuple[int, int]]:
         except OSError as e:
             if e.errno == errno.ENXIO:  # holes from offset to the end
                 return
-            if e.errno != errno.EINVAL:
+            if e.errno not in _NO_SEEK_DATA:
                 raise
             seek_data = None  # not supported here: copy the rest whole
             continue
@@ -169,12 +201,14 @@ class ExampleStore:
         self.size = check_int("size", size, minimum=0)
         self.path = None if path is None else Path(path)
         self.keep_snapshots = check_int("keep_snapshots", keep_snapshots, minimum=1)
-        # A loaded state's snapshot, copied over the files at the columns' next use (see
-        # load_state_dict), and the lock that applies it once whichever thread gets there.
-        self._restore: Path | None = None
+        # A loaded state not yet applied to the files (a memory-mapped store's): its snapshot,
+        # or the columns of an in-memory store's state; applied at the columns' next use (see
+        # load_state_dict), under a lock, once, whichever thread gets there.
+        self._restore: Path | tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._restore_lock = threading.Lock()
-        # This store's snapshots, oldest first (see state_dict).
+        # This store's snapshots, oldest first, and how many it has written (see state_dict).
         self._written: list[Path] = []
+        self._count = 0
         #: Whether a column file already existed, of the right size, and was opened with its
         #: contents (an earlier store's): see :meth:`clear`.
         self.reopened = False
@@ -370,46 +404,54 @@ class ExampleStore:
                 "selected": torch.from_numpy(self.selected.copy()),
             }
         state = {"version": self.VERSION, "size": self.size, "path": str(self.path)}
-        if not _SNAPSHOT.get():
-            self.flush()
-            restore = None if self._restore is None else self._restore.name
-            return {**state, "live": True, "restore": restore}
+        _ = self.loss  # a restore still pending is a loaded state's: applied first
         self.flush()
+        if not _SNAPSHOT.get():
+            return {**state, "live": True}
         return {**state, "snapshot": self._snapshot().name}
 
     def _snapshot(self) -> Path:
-        """Copy the column files (a restore not yet applied is applied first) into a new
-        snapshot folder, written under a temporary name and renamed when complete, so that a
-        snapshot that exists is whole; then remove those older than the ``keep_snapshots``
-        newest this store wrote."""
+        """Copy the column files into a new snapshot folder, written under a temporary name,
+        synced to disk and then renamed, so that a snapshot that exists is whole (also after a
+        power loss); then remove those older than the ``keep_snapshots`` newest this store
+        wrote.
+
+        NOTE (names): ``<sequence>-<pid>-<count>``, the sequence one more than the highest in
+        the folder: snapshots order as they were written, also across the processes of a
+        resumed run (which prunes what its predecessor left), whatever the clocks do.
+        """
         assert self.path is not None
-        columns = [self._file(name, dtype) for name, dtype in COLUMNS]
-        _ = self.loss  # applies a pending restore
         folder = self.path / SNAPSHOTS
         folder.mkdir(exist_ok=True)
-        # NOTE: named by the time (ns) first, so that names sort as snapshots were written,
-        # also across processes (a resumed run prunes those its predecessor left).
-        name = f"{time.time_ns():020d}-{os.getpid()}-{len(self._written)}"
+        sequence = max((_sequence(e.name) for e in folder.iterdir()), default=0)
+        self._count += 1
+        name = f"{sequence + 1:012d}-{os.getpid()}-{self._count}"
         tmp = folder / f".tmp-{name}"
         tmp.mkdir()
-        if self.size:
-            for file in columns:
-                copy_sparse(file, tmp / file.name)
-        final = folder / name
-        os.rename(tmp, final)
+        try:
+            if self.size:
+                for column, dtype in COLUMNS:
+                    file = self._file(column, dtype)
+                    copy_sparse(file, tmp / file.name, sync=True)
+            _sync_folder(tmp)
+            final = folder / name
+            os.rename(tmp, final)
+            _sync_folder(folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         self._written.append(final)
         self._prune(folder)
         return final
 
     def _prune(self, folder: Path) -> None:
-        """Remove the snapshots (and unfinished ones) older than this store's
+        """Remove the snapshots (and unfinished ones) written before this store's
         ``keep_snapshots``-th newest; none while it has written fewer."""
         if len(self._written) < self.keep_snapshots:
             return
-        oldest_kept = self._written[-self.keep_snapshots].name
+        oldest_kept = _sequence(self._written[-self.keep_snapshots].name)
         for entry in folder.iterdir():
-            name = entry.name.removeprefix(".tmp-")
-            if entry.is_dir() and name < oldest_kept:
+            if entry.is_dir() and 0 < _sequence(entry.name) < oldest_kept:
                 shutil.rmtree(entry, ignore_errors=True)
         self._written = self._written[-self.keep_snapshots :]
 
@@ -429,10 +471,15 @@ class ExampleStore:
             "build it for the same dataset",
         )
         if "path" not in state:
-            self._restore = None
-            self.loss[:] = state["loss"]
-            self.seen[:] = state["seen"]
-            self.selected[:] = state["selected"]
+            columns = tuple(
+                np.asarray(state[name], dtype=dtype).reshape(-1) for name, dtype in COLUMNS
+            )
+            if self.path is None:
+                self._restore = None
+                for column, values in zip((self._loss, self._seen, self._selected), columns):
+                    column[:] = values
+            else:  # written into the files at their next use (see load_state_dict's NOTE)
+                self._restore = columns  # type: ignore[assignment]
             return
         if self.path is None:
             raise ValueError(
@@ -440,15 +487,13 @@ class ExampleStore:
                 "path= that folder (or a copy of it)"
             )
         if state.get("live"):
-            # The files as they are (a rollback, or a version-1 state), with the restore that
-            # was pending then: they must be this folder's.
+            # The files as they are (a rollback, or a version-1 state): this folder's.
             if Path(state["path"]).resolve() != self.path.resolve():
                 raise ValueError(
                     f"the saved store is memory-mapped at {state['path']}; build the store "
                     "with path= that folder"
                 )
-            restore = state.get("restore")
-            self._restore = None if restore is None else self.path / SNAPSHOTS / restore
+            self._restore = None
             return
         # NOTE: a snapshot is found in this store's folder, wherever the state was saved: a run
         # moved to another machine or mount resumes from a copy of the folder.
@@ -480,22 +525,31 @@ class ExampleStore:
                 )
 
     def _apply_restore(self) -> None:
-        """Copy the loaded state's snapshot over the column files and map them again (once,
-        whichever thread uses the columns first)."""
+        """Write the loaded state into the column files: its snapshot copied over them (and
+        mapped anew), or an in-memory store's columns written into them; once, whichever
+        thread uses the columns first."""
         with self._restore_lock:
-            snapshot = self._restore
-            if snapshot is None:
+            restore = self._restore
+            if restore is None:
                 return
             assert self.path is not None
-            self._check_snapshot(snapshot)
+            if not isinstance(restore, Path):
+                for column, values in zip((self._loss, self._seen, self._selected), restore):
+                    column[:] = values
+                self._restore = None
+                return
+            self._check_snapshot(restore)
             if self.size:
                 for name, dtype in COLUMNS:
                     file = self._file(name, dtype)
-                    tmp = file.with_name(f".restore-{file.name}")
-                    copy_sparse(snapshot / file.name, tmp)
-                    # NOTE: a new file renamed over the mapped one (never rewritten under a
-                    # mapping that may still be referenced), then mapped anew.
-                    os.replace(tmp, file)
+                    tmp = file.with_name(f".restore-{os.getpid()}-{file.name}")
+                    try:
+                        copy_sparse(restore / file.name, tmp)
+                        # NOTE: a new file renamed over the mapped one (never rewritten under a
+                        # mapping that may still be referenced), then mapped anew.
+                        os.replace(tmp, file)
+                    finally:
+                        tmp.unlink(missing_ok=True)
             self._open_columns(fresh=False)
             self._restore = None
 
@@ -505,5 +559,5 @@ def _store_v1_to_v2(state: dict[str, Any]) -> dict[str, Any]:
     (``"live"``: such a resume continues with what was recorded up to the interruption, as it
     did when saved), an in-memory store's is unchanged."""
     if "path" in state:
-        return {**state, "version": 2, "live": True, "restore": None}
+        return {**state, "version": 2, "live": True}
     return {**state, "version": 2}

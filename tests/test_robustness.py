@@ -8,6 +8,7 @@ step) changes the losses and shows up.
 from __future__ import annotations
 
 import copy
+import errno
 import gc
 import io
 import json
@@ -342,7 +343,11 @@ class Trained:
         self.model = nn.Linear(6, N_CLASSES)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.5)
         policy = SelectiveBackprop(
-            0.5, history=64, staleness=2, store_path=str(folder), store_snapshots=keep
+            0.5,
+            history=64,
+            staleness=2,
+            store_path=None if folder is None else str(folder),
+            store_snapshots=keep,
         )
         dl = DataLoader(
             EncodedDataset(96), batch_size=24, shuffle=True, generator=torch.Generator()
@@ -563,6 +568,86 @@ def test_a_version_1_store_state_still_loads(tmp_path):
         ExampleStore(4, path=tmp_path / "other").load_state_dict(
             {"version": 1, "size": 4, "path": str(tmp_path)}
         )
+
+
+def test_a_rewind_to_a_state_saved_before_the_stores_first_use_starts_empty(tmp_path):
+    """A run in a folder an earlier run used, checkpointed at step 0 (the snapshot holds the
+    earlier run's files), trained an epoch (its store cleared and refilled at first use), then
+    rewound to that checkpoint: it starts empty again at first use, as the saved run did, and
+    counts what a run in a fresh folder counts (the snapshot's earlier-run counts never come
+    back)."""
+    earlier = stale_sb_in(tmp_path / "used")
+    for _ in range(3):
+        list(earlier)
+    del earlier
+    run = stale_sb_in(tmp_path / "used")
+    at_step_0 = run.state_dict()
+    list(run)
+    run.load_state_dict(at_step_0)
+    reference = stale_sb_in(tmp_path / "fresh")
+    for _ in range(2):
+        list(run)
+        list(reference)
+    for a, b in zip(run.policy.store.columns, reference.policy.store.columns):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_refused_load_of_an_in_memory_state_leaves_a_memory_mapped_store_as_it_was(tmp_path):
+    """An in-memory store's state loaded into a memory-mapped store is written into its files
+    only once the load succeeded (at the columns' next use): a refused one leaves them as they
+    were."""
+    in_memory = Trained(None)
+    for batch in in_memory.loader:
+        in_memory.step(batch)
+    saved = in_memory.checkpoint()
+    run = Trained(tmp_path / "store")
+    for _ in range(2):
+        for batch in run.loader:
+            run.step(batch)
+    before = [c.copy() for c in run.loader.policy.store.columns]
+    bad = copy.deepcopy(saved["loader"])
+    bad["stats"]["epochs"][0]["no_such_count"] = 1
+    with pytest.raises(TypeError, match="no_such_count"):
+        run.loader.load_state_dict(bad)
+    for a, b in zip(run.loader.policy.store.columns, before):
+        np.testing.assert_array_equal(a, b)
+    run.restore(saved)
+    for a, b in zip(run.loader.policy.store.columns, in_memory.loader.policy.store.columns):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_snapshot_names_order_as_written_whatever_the_clock(tmp_path, monkeypatch):
+    """Snapshots are named by a sequence one past the folder's highest (not by the time): a
+    clock that steps back, or a new store in the folder (a resumed process), never makes a new
+    snapshot sort before older ones, and the newest kept are the newest written."""
+    import time as time_module
+
+    monkeypatch.setattr(time_module, "time_ns", lambda: 0)
+    store = ExampleStore(8, path=tmp_path, keep_snapshots=2)
+    names = [store.state_dict()["snapshot"] for _ in range(3)]
+    again = ExampleStore(8, path=tmp_path, keep_snapshots=2)
+    names += [again.state_dict()["snapshot"] for _ in range(2)]
+    assert names == sorted(names) and len(set(names)) == 5
+    assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == names[-2:]
+
+
+def test_copy_sparse_copies_whole_where_seek_data_is_not_supported(tmp_path, monkeypatch):
+    from sbloader.store import copy_sparse
+
+    with open(tmp_path / "a", "wb") as f:
+        f.truncate(1 << 20)
+        f.seek(1000)
+        f.write(b"data")
+    lseek = os.lseek
+
+    def no_seek_data(fd, offset, how):
+        if how == os.SEEK_DATA:
+            raise OSError(errno.EOPNOTSUPP, "not supported")
+        return lseek(fd, offset, how)
+
+    monkeypatch.setattr(os, "lseek", no_seek_data)
+    copy_sparse(tmp_path / "a", tmp_path / "b")
+    assert (tmp_path / "b").read_bytes() == (tmp_path / "a").read_bytes()
 
 
 def test_a_store_snapshot_stays_sparse(tmp_path):
