@@ -507,3 +507,43 @@ def test_resume_from_a_validation_checkpoint_on_the_last_batch_of_an_epoch(tmp_p
     step = len(first.trained)  # the first epoch's last batch
     assert step % 2 == 0, "the test needs validation at the first epoch's last batch"
     assert trained[:step] + run(ckpt_path=tmp_path / f"step={step}.ckpt") == trained
+
+
+def test_stale_sb_with_a_memory_mapped_store_resumes_exactly_from_an_earlier_checkpoint(tmp_path):
+    """Stale-SB with ``store_path`` under Lightning's checkpointing (a checkpoint every 7 steps
+    and at each epoch's end, all kept): resumed from a mid-run checkpoint after the run had gone
+    on to its end (crash recovery), the same store folder gives the uninterrupted run's batches,
+    as long as ``store_snapshots`` keeps that checkpoint's snapshot; a checkpoint whose snapshot
+    was pruned is refused, naming ``store_snapshots``."""
+
+    def stale(keep: int, store: Path):
+        def policy():
+            sb = SelectiveBackprop(0.5, staleness=2, store_path=str(store), store_snapshots=keep)
+            return Phased(sb, warmup_epochs=1, warmup_policy=RandomBackprop(0.5))
+
+        return policy
+
+    def fit(keep: int, folder: Path):
+        module = Classifier(policy=stale(keep, folder / "store"))
+        t = trainer(epochs=4, callbacks=checkpoints(folder, every=7))
+        t.fit(module)
+        return module.trained, t.train_dataloader.loader
+
+    trained, loader = fit(100, tmp_path / "all")
+    first = loader.stats.epochs[0].batches_yielded + loader.stats.epochs[1].batches_yielded
+    step = next(s for s in range(first + 2, len(trained)) if s % 7 == 0)  # in epoch 2
+    assert loader.stats.epochs[2].selection_forwards == 0  # a stale epoch: from the store
+    assert loader.stats.epochs[3].selection_forwards > 0  # whose losses a pass then rewrote
+    path = tmp_path / "all" / "steps" / f"step={step}.ckpt"
+    after = resumed(path, policy=stale(100, tmp_path / "all" / "store"), epochs=4)
+    assert trained[:step] + after == trained
+
+    # With two kept, that checkpoint's snapshot is gone by the run's end: refused, not resumed
+    # from the files as the run left them.
+    fit(2, tmp_path / "two")
+    with pytest.raises(ValueError, match="store_snapshots"):
+        resumed(
+            tmp_path / "two" / "steps" / f"step={step}.ckpt",
+            policy=stale(2, tmp_path / "two" / "store"),
+            epochs=4,
+        )
