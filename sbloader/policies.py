@@ -352,7 +352,8 @@ class SelectiveBackprop(Policy):
             snapshot in the folder's ``snapshots/`` (sparse: about the scored examples' 12
             bytes each), and loading a state restores its snapshot, so that a resumed run
             continues from the store as it was at the checkpoint, exactly as an in-memory
-            store's does. Under several ranks give each rank its own folder.
+            store's does. The folder is held by one process (another process's store there,
+            e.g. another rank's, is refused): under several ranks give each rank its own.
         store_snapshots: how many of the newest saved states keep their snapshot in
             ``store_path`` (older ones are removed; a state whose snapshot is gone is refused
             when loaded, naming this): at least as many as the checkpoints you keep, counting

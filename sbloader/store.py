@@ -10,6 +10,7 @@ import errno
 import os
 import shutil
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,61 @@ _NO_SEEK_DATA = {
 }
 
 
+# NOTE (one process per folder): a memory-mapped store's folder is held by one process at a
+# time. Two processes writing the same files (e.g. every rank of a torchrun job given the same
+# store_path) corrupt them silently: selection counts are read-modified-written by each, a new
+# run's clearing truncates files another maps, and one's snapshots prune the other's. The hold
+# is a POSIX record lock on ``.lock`` in the folder, taken by the first store of a process and
+# shared by its other stores of that folder (POSIX locks belong to the process, and closing any
+# descriptor of the file would drop them: so one descriptor per folder and process, closed when
+# its last store is gone); the system releases it when the process ends, also by a crash.
+_HELD: dict[str, list[int]] = {}  # folder -> [descriptor, stores holding it]
+_HELD_LOCK = threading.Lock()
+
+
+def _hold_folder(store: ExampleStore, folder: Path) -> None:
+    """Hold ``folder`` for this process while ``store`` lives, or raise ``ValueError`` naming
+    the process that holds it."""
+    try:
+        import fcntl
+    except ImportError:  # (no POSIX locks here: nothing is held)
+        return
+    key = str(folder.resolve())
+    with _HELD_LOCK:
+        held = _HELD.get(key)
+        if held is None:
+            fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                if e.errno not in (errno.EACCES, errno.EAGAIN):
+                    raise
+                raise ValueError(
+                    f"the store folder {folder} is in use by another process (pid {owner}): "
+                    "a memory-mapped store has one writer; give each process its own folder "
+                    "(under several ranks, e.g. store_path=f'stores/rank{rank}'), or end the "
+                    "other run"
+                ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            held = _HELD[key] = [fd, 0]
+        held[1] += 1
+    weakref.finalize(store, _release_folder, key)
+
+
+def _release_folder(key: str) -> None:
+    with _HELD_LOCK:
+        held = _HELD.get(key)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] <= 0:
+            del _HELD[key]
+            os.close(held[0])  # (drops the process's lock)
+
+
 def _sync_folder(folder: Path) -> None:
     """Flush a folder's entries to disk (where the system allows opening a folder)."""
     try:
@@ -171,8 +227,9 @@ class ExampleStore:
     Args:
         size: the number of examples (dataset indices ``0 .. size - 1``).
         path: a folder to hold the columns as memory-mapped files (for 10^8 to 10^9 examples; the
-            operating system pages them in and out, and files are created sparse). Default: in
-            memory.
+            operating system pages them in and out, and files are created sparse), held by this
+            process while the store lives (another process's store there is refused: give each
+            rank its own folder). Default: in memory.
         keep_snapshots: a memory-mapped store's :meth:`state_dict` copies its files into a
             snapshot (``path/snapshots/``, sparse where they are); the snapshots of this
             store's newest ``keep_snapshots`` states are kept, older ones (also those an earlier
@@ -219,6 +276,7 @@ class ExampleStore:
             self._selected = np.zeros(self.size, dtype=np.int32)
         else:
             self.path.mkdir(parents=True, exist_ok=True)
+            _hold_folder(self, self.path)
             self._open_columns(fresh=False)
 
     def _open_columns(self, fresh: bool) -> None:

@@ -650,6 +650,42 @@ def test_copy_sparse_copies_whole_where_seek_data_is_not_supported(tmp_path, mon
     assert (tmp_path / "b").read_bytes() == (tmp_path / "a").read_bytes()
 
 
+def test_a_store_folder_is_held_by_one_process(tmp_path):
+    """Two processes writing one store folder (every rank of a job given the same store_path)
+    would corrupt it silently: another process's store there is refused at once, naming this
+    process and the fix; stores of one process share the folder; once this process's last
+    store there is gone (or the process ended) another process may take it."""
+    code = (
+        "import sys\n"
+        "from sbloader import ExampleStore\n"
+        "try:\n"
+        "    ExampleStore(10, path=sys.argv[1])\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n"
+        "else:\n"
+        "    print('taken')\n"
+    )
+
+    def other_process() -> str:
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    first = ExampleStore(10, path=tmp_path)
+    second = ExampleStore(10, path=tmp_path)  # the same process: shared
+    message = other_process()
+    assert message.startswith("refused:") and f"(pid {os.getpid()})" in message
+    assert "store_path=f'stores/rank{rank}'" in message
+    del first
+    gc.collect()
+    assert other_process().startswith("refused:")  # the second store still holds it
+    del second
+    gc.collect()
+    assert other_process() == "taken"
+
+
 def test_a_store_snapshot_stays_sparse(tmp_path):
     """A store of ten million examples with a few scored: its snapshot takes about what the
     scored examples' pages take on disk, not the 120 MB of its columns."""
