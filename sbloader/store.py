@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import errno
 import os
 import shutil
 import threading
-import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ import torch
 
 from . import _kernels
 from ._checks import check_indices, check_int
+from ._files import copy_sparse, hold_folder, sync_folder
 from ._state import check_identity, check_version
 
 __all__ = ["ExampleStore"]
@@ -48,166 +47,11 @@ def live_states() -> Iterator[None]:
         _SNAPSHOT.reset(token)
 
 
-def copy_sparse(src: Path, dst: Path, sync: bool = False) -> None:
-    """Copy the file ``src`` to ``dst`` (replaced), leaving holes where ``src`` has them: a
-    store's files are sparse until examples are scored, and a copy that wrote their zeros would
-    take the whole size on disk. Where the file system cannot tell data from holes, every byte
-    is copied. ``sync``: flushed to disk before returning.
-
-    Example:
-        >>> import tempfile
-        >>> d = Path(tempfile.mkdtemp())
-        >>> with open(d / "a", "wb") as f:
-        ...     _ = f.truncate(1 << 20)
-        ...     _ = f.seek(500_000)
-        ...     _ = f.write(b"x")
-        >>> copy_sparse(d / "a", d / "b")
-        >>> (d / "b").read_bytes() == (d / "a").read_bytes()
-        True
-    """
-    size = src.stat().st_size
-    fdi = os.open(src, os.O_RDONLY)
-    try:
-        fdo = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.ftruncate(fdo, size)
-            for start, end in _data_ranges(fdi, size):
-                _copy_range(fdi, fdo, start, end)
-            if sync:
-                os.fsync(fdo)
-        finally:
-            os.close(fdo)
-    finally:
-        os.close(fdi)
-
-
-def _copy_range(fdi: int, fdo: int, start: int, end: int) -> None:
-    """Copy bytes ``start .. end`` of the open file ``fdi`` to the same place in ``fdo``: in the
-    kernel (``os.copy_file_range``, which some file systems serve by sharing blocks), else
-    through memory where it is unavailable or refused."""
-    while start < end:
-        try:
-            done = os.copy_file_range(fdi, fdo, end - start, start, start)
-        except (AttributeError, OSError):
-            break
-        if not done:
-            break
-        start += done
-    while start < end:
-        chunk = os.pread(fdi, min(end - start, 1 << 24), start)
-        if not chunk:
-            break
-        start += os.pwrite(fdo, chunk, start)
-
-
-#: The errors of ``lseek(SEEK_DATA)`` where a file system cannot tell data from holes.
-_NO_SEEK_DATA = {
-    errno.EINVAL,
-    errno.ENOSYS,
-    errno.ESPIPE,
-    getattr(errno, "EOPNOTSUPP", errno.EINVAL),
-    getattr(errno, "ENOTSUP", errno.EINVAL),
-}
-
-
-# NOTE (one process per folder): a memory-mapped store's folder is held by one process at a
-# time. Two processes writing the same files (e.g. every rank of a torchrun job given the same
-# store_path) corrupt them silently: selection counts are read-modified-written by each, a new
-# run's clearing truncates files another maps, and one's snapshots prune the other's. The hold
-# is a POSIX record lock on ``.lock`` in the folder, taken by the first store of a process and
-# shared by its other stores of that folder (POSIX locks belong to the process, and closing any
-# descriptor of the file would drop them: so one descriptor per folder and process, closed when
-# its last store is gone); the system releases it when the process ends, also by a crash.
-_HELD: dict[str, list[int]] = {}  # folder -> [descriptor, stores holding it]
-_HELD_LOCK = threading.Lock()
-
-
-def _hold_folder(store: ExampleStore, folder: Path) -> None:
-    """Hold ``folder`` for this process while ``store`` lives, or raise ``ValueError`` naming
-    the process that holds it."""
-    try:
-        import fcntl
-    except ImportError:  # (no POSIX locks here: nothing is held)
-        return
-    key = str(folder.resolve())
-    with _HELD_LOCK:
-        held = _HELD.get(key)
-        if held is None:
-            fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
-                if e.errno not in (errno.EACCES, errno.EAGAIN):
-                    raise
-                raise ValueError(
-                    f"the store folder {folder} is in use by another process (pid {owner}): "
-                    "a memory-mapped store has one writer; give each process its own folder "
-                    "(under several ranks, e.g. store_path=f'stores/rank{rank}'), or end the "
-                    "other run"
-                ) from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
-            held = _HELD[key] = [fd, 0]
-        held[1] += 1
-    weakref.finalize(store, _release_folder, key)
-
-
-def _release_folder(key: str) -> None:
-    with _HELD_LOCK:
-        held = _HELD.get(key)
-        if held is None:
-            return
-        held[1] -= 1
-        if held[1] <= 0:
-            del _HELD[key]
-            os.close(held[0])  # (drops the process's lock)
-
-
-def _sync_folder(folder: Path) -> None:
-    """Flush a folder's entries to disk (where the system allows opening a folder)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _sequence(name: str) -> int:
     """The sequence number a snapshot's folder name starts with (also an unfinished one's,
     ``.tmp-`` first), or 0 for any other name."""
     head = name.removeprefix(".tmp-").split("-", 1)[0]
     return int(head) if head.isdigit() else 0
-
-
-def _data_ranges(fd: int, size: int) -> Iterator[tuple[int, int]]:
-    """The ``(start, end)`` byte ranges of the open file ``fd`` that hold data (all of it where
-    the file system has no ``SEEK_DATA``)."""
-    seek_data = getattr(os, "SEEK_DATA", None)
-    seek_hole = getattr(os, "SEEK_HOLE", None)
-    offset = 0
-    while offset < size:
-        if seek_data is None or seek_hole is None:
-            yield offset, size
-            return
-        try:
-            start = os.lseek(fd, offset, seek_data)
-        except OSError as e:
-            if e.errno == errno.ENXIO:  # holes from offset to the end
-                return
-            if e.errno not in _NO_SEEK_DATA:
-                raise
-            seek_data = None  # not supported here: copy the rest whole
-            continue
-        end = min(os.lseek(fd, start, seek_hole), size)  # (a hole at least at the end)
-        yield start, end
-        offset = end
 
 
 class ExampleStore:
@@ -276,7 +120,7 @@ class ExampleStore:
             self._selected = np.zeros(self.size, dtype=np.int32)
         else:
             self.path.mkdir(parents=True, exist_ok=True)
-            _hold_folder(self, self.path)
+            hold_folder(self, self.path)
             self._open_columns(fresh=False)
 
     def _open_columns(self, fresh: bool) -> None:
@@ -491,10 +335,10 @@ class ExampleStore:
                 for column, dtype in COLUMNS:
                     file = self._file(column, dtype)
                     copy_sparse(file, tmp / file.name, sync=True)
-            _sync_folder(tmp)
+            sync_folder(tmp)
             final = folder / name
             os.rename(tmp, final)
-            _sync_folder(folder)
+            sync_folder(folder)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

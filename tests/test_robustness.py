@@ -525,7 +525,7 @@ def test_a_refused_load_leaves_a_memory_mapped_store_as_it_was(tmp_path):
 def test_copy_sparse_copies_every_byte_whatever_the_holes(seed, in_kernel, tmp_path, monkeypatch):
     """Files of random sizes with random data runs among holes (at the start, the end, none)
     copy byte for byte, in the kernel or, where it refuses, through memory."""
-    from sbloader.store import copy_sparse
+    from sbloader._files import copy_sparse
 
     if not in_kernel:
 
@@ -632,7 +632,7 @@ def test_snapshot_names_order_as_written_whatever_the_clock(tmp_path, monkeypatc
 
 
 def test_copy_sparse_copies_whole_where_seek_data_is_not_supported(tmp_path, monkeypatch):
-    from sbloader.store import copy_sparse
+    from sbloader._files import copy_sparse
 
     with open(tmp_path / "a", "wb") as f:
         f.truncate(1 << 20)
