@@ -9,7 +9,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._checks import check_device_name, check_int, indices_needed
+from ._checks import check_bool, check_device_name, check_int, indices_needed
+from ._state import check_identity, check_version
 
 __all__ = ["FeatureCache", "make_feature_cache"]
 
@@ -23,15 +24,18 @@ class FeatureCache:
     (e.g. bfloat16 when the outputs come from a bf16 autocast, which halves the memory and
     loses nothing); :meth:`get` returns rows in the dtype they were given in.
 
-    NOTE: the cache is not part of a loader's checkpoint (it can take gigabytes); after a resume
-    it fills again as examples are seen, with outputs that may differ from the first ones in
-    the last bits where the prefix's kernels depend on the batch they run in.
+    NOTE: the cache is part of a loader's checkpoint only when asked (``in_state``; it can take
+    gigabytes); otherwise after a resume it fills again as examples are seen, with outputs that
+    may differ from the first ones in the last bits where the prefix's kernels depend on the
+    batch they run in, so the resumed run is not bit-exact.
 
     Args:
         size: the number of dataset indices.
         device: where the rows live (e.g. ``"cpu"`` to keep a large cache off the GPU); None:
             where the first outputs are.
         store_dtype: the storage dtype; None stores the outputs' own dtype.
+        in_state: :meth:`state_dict` holds the rows (a copy on the CPU), so that a resumed run
+            uses the outputs the saved run cached (bit-exact); else it holds none.
 
     Example:
         >>> cache = FeatureCache(10, "cpu")
@@ -50,11 +54,14 @@ class FeatureCache:
     #: input by far more.
     TOLERANCE = 0.05
 
+    VERSION = 1
+
     def __init__(
         self,
         size: int,
         device: torch.device | str | None = None,
         store_dtype: torch.dtype | None = None,
+        in_state: bool = False,
     ) -> None:
         self.size = check_int("size", size, minimum=0)
         if store_dtype is not None and not isinstance(store_dtype, torch.dtype):
@@ -68,6 +75,7 @@ class FeatureCache:
         self.out_dtype: torch.dtype | None = None
         self.filled = np.zeros(self.size, dtype=bool)
         self._checked_epoch: int | None = None
+        self.in_state = check_bool("in_state", in_state)
 
     @property
     def nbytes(self) -> int:
@@ -158,9 +166,67 @@ class FeatureCache:
             )
         return len(hits)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The cached rows (a CPU copy, with which are filled) where :attr:`in_state`, else
+        nothing but the size: a resumed run refills the cache.
+
+        Example:
+            >>> cache = FeatureCache(4, "cpu", in_state=True)
+            >>> cache.put(np.array([2]), torch.tensor([[1.5, 2.5]]))
+            >>> again = FeatureCache(4, "cpu")
+            >>> again.load_state_dict(cache.state_dict())
+            >>> again.missing(np.arange(4)).tolist(), again.get(np.array([2])).tolist()
+            ([0, 1, 3], [[1.5, 2.5]])
+        """
+        state: dict[str, Any] = {"version": self.VERSION, "size": self.size}
+        if not self.in_state:
+            return state
+        values = self.values
+        return {
+            **state,
+            "filled": torch.from_numpy(self.filled.copy()),
+            "values": None if values is None else values.detach().to("cpu", copy=True),
+            "device": None if values is None else str(values.device),
+            "out_dtype": None if self.out_dtype is None else _dtype_name(self.out_dtype),
+            "checked_epoch": self._checked_epoch,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the rows a state holds (on this cache's device, else where they were saved,
+        where that device exists); a state without rows leaves the cache empty, to refill."""
+        state = check_version(state, "FeatureCache", self.VERSION)
+        check_identity(
+            "FeatureCache", {"size": int(state["size"])}, {"size": self.size}, "the same dataset"
+        )
+        self.values, self.out_dtype, self._checked_epoch = None, None, None
+        self.filled = np.zeros(self.size, dtype=bool)
+        if "filled" not in state:
+            return
+        self._checked_epoch = state["checked_epoch"]
+        values = state["values"]
+        if values is None:
+            return
+        if self.device is None:
+            saved = torch.device(state["device"])
+            usable = saved.type == "cpu" or (saved.type == "cuda" and torch.cuda.is_available())
+            self.device = saved if usable else torch.device("cpu")
+        if tuple(values.shape) != (self.size, *values.shape[1:]):
+            raise ValueError(
+                f"the saved feature cache has {values.shape[0]} rows, but this cache has "
+                f"{self.size}; build the loader over the same dataset"
+            )
+        stored = self.store_dtype or values.dtype
+        self.values = values.to(self.device, stored)
+        self.out_dtype = getattr(torch, state["out_dtype"])
+        self.filled = np.asarray(state["filled"], dtype=bool).reshape(-1).copy()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
 
 def make_feature_cache(
-    cache: Any, prefix: nn.Module | None, autocast: Any, source: Any
+    cache: Any, prefix: nn.Module | None, autocast: Any, source: Any, in_state: bool = False
 ) -> FeatureCache | None:
     """The cross-epoch cache of a frozen prefix's outputs that ``cache_features=`` asks for over
     ``source`` (a :class:`~sbloader.sources.Source`), or None; checked.
@@ -189,6 +255,11 @@ def make_feature_cache(
     if isinstance(cache, np.bool_):  # a numpy bool, as the bool it holds
         cache = bool(cache)
     if cache is False or cache is None:
+        if in_state:
+            raise ValueError(
+                "save_feature_cache=True saves cache_features' cache in the loader's state, but "
+                "got cache_features=False; pass cache_features=True (or a device)"
+            )
         return None
     if cache is not True and not isinstance(cache, (str, torch.device)):
         # NOTE: an int is refused, not read as a CUDA index: cache_features=1 means True.
@@ -208,4 +279,5 @@ def make_feature_cache(
             "pass a DataLoader over a map-style dataset, or cache_features=False",
         )
     device = None if cache is True else check_device_name("cache_features", cache)
-    return FeatureCache(size, device, autocast if isinstance(autocast, torch.dtype) else None)
+    store_dtype = autocast if isinstance(autocast, torch.dtype) else None
+    return FeatureCache(size, device, store_dtype, in_state)

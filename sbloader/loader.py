@@ -263,10 +263,14 @@ class SelectiveLoader(NotADataLoader):
             Valid only when an example's input is the same every epoch (no random
             augmentation before the prefix): a few cached examples are recomputed each epoch
             and a changed input raises ``ValueError``. Needs dataset indices. Its memory is
-            dataset size x prefix output size (in the ``autocast`` dtype when given). Not part
-            of :meth:`state_dict`: it refills after a resume, with features computed among
-            other candidates, which may differ in the last bits from those the uninterrupted run
-            cached, so such a resume is not bit-exact.
+            dataset size x prefix output size (in the ``autocast`` dtype when given). Part of
+            :meth:`state_dict` only with ``save_feature_cache=True``; otherwise it refills after
+            a resume, with features computed among other candidates, which may differ in the
+            last bits from those the uninterrupted run cached, so such a resume is not
+            bit-exact.
+        save_feature_cache: :meth:`state_dict` holds ``cache_features``' rows (a CPU copy:
+            dataset size x prefix output size in every checkpoint), so that a resumed run uses
+            the saved run's cached outputs: bit-exact, and the prefix does not run again.
         keep_logits: yielded batches also carry ``batch.logits``, the selection pass's model
             outputs for their examples (float32, one row each, as ``output=`` picks them from
             the model's outputs; the selector's outputs when
@@ -522,6 +526,7 @@ class SelectiveLoader(NotADataLoader):
         selection_scale: float | None = None,
         frozen_prefix: nn.Module | None = None,
         cache_features: bool | str | torch.device = False,
+        save_feature_cache: bool = False,
         keep_logits: bool = False,
         forward: Forward | None = None,
         output: Output = None,
@@ -659,7 +664,13 @@ class SelectiveLoader(NotADataLoader):
             loss_fn,
             selector,
             selection_forward,
-            make_feature_cache(cache_features, frozen_prefix, autocast, self._source),
+            make_feature_cache(
+                cache_features,
+                frozen_prefix,
+                autocast,
+                self._source,
+                check_bool("save_feature_cache", save_feature_cache),
+            ),
             None if quantized is not None else autocast,  # the int8 copy replaces it
             self.selection_batch_size,
             self.eval_selection,
@@ -1567,8 +1578,8 @@ class SelectiveLoader(NotADataLoader):
         NOTE: not part of the identity: a run may resume with other speed options (another
         machine: its cores, its native precisions), and then selects as they do from the resume
         on (:meth:`_warn_other_speed`). Left out: ``prefetch``, which changes nothing a run
-        yields, and ``cache_features``, whose cache is not saved anyway (a resume refills it:
-        see its documentation). ``quantize_selection`` on or off, ``decisions``,
+        yields, and ``cache_features``, whose cache a resume refills (or restores, with
+        ``save_feature_cache``: see its documentation). ``quantize_selection`` on or off, ``decisions``,
         ``keep_logits`` and ``frozen_prefix`` are refused where they differ (the state holds
         their values).
         """

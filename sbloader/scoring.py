@@ -541,12 +541,15 @@ class Scorer:
 
     def state_dict(self) -> dict[str, Any]:
         shape = self.logits_shape
+        cache = self.feature_cache
         return {
             "version": self.VERSION,
             "logits_shape": None if shape is None else list(shape),
             # NOTE: an optional key of version 1 (absent from states saved before
             # quantize_selection): the int8 copy's refresh clock and values, or None.
             "quantized": None if self.quantized is None else self.quantized.state_dict(),
+            # (optional too: the feature cache, whose rows only save_feature_cache=True keeps)
+            "feature_cache": None if cache is None else cache.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -557,6 +560,9 @@ class Scorer:
         self.logits_shape = None if shape is None else tuple(int(v) for v in shape)
         if self.quantized is not None and quantized is not None:
             self.quantized.load_state_dict(quantized)
+        cache = state.get("feature_cache")
+        if self.feature_cache is not None and cache is not None:
+            self.feature_cache.load_state_dict(cache)
 
 
 def _float_name(dtype: torch.dtype | None) -> str:

@@ -45,6 +45,7 @@ class Config:
     decisions: str = "host"
     prefix: bool = False
     cache: bool = False
+    save_cache: bool = False
     channels_last: bool = False
     prefetch: int = 0
     feedback: bool = False
@@ -78,6 +79,7 @@ class Config:
             "device decisions with keep_logits": self.decisions == "device" and self.keep_logits,
             "device decisions with prefix": self.decisions == "device" and self.prefix,
             "cache without prefix": self.cache and not self.prefix,
+            "cache saved without a cache": self.save_cache and not self.cache,
             "store without a store": self.store and not stale,
         }
         return next((why for why, on in rules.items() if on), None)
@@ -110,6 +112,7 @@ def sample(rng: random.Random) -> Config:
             batch_size=rng.choice([4, 6, 8]),
             seed=rng.randrange(2**16),
         )
+        cfg = replace(cfg, save_cache=cfg.cache and rng.random() < 0.5)
         if cfg.conflicts() is None:
             return cfg
 
@@ -191,6 +194,7 @@ def build(cfg: Config) -> tuple[nn.Module | None, nn.Module, torch.optim.Optimiz
         decisions=cfg.decisions,
         frozen_prefix=prefix,
         cache_features=cfg.cache,
+        save_feature_cache=cfg.save_cache,
         memory_format=torch.channels_last if cfg.channels_last else None,
         prefetch=cfg.prefetch,
         keep_logits=cfg.keep_logits,

@@ -519,3 +519,28 @@ def test_cache_features_misuse_is_named():
             frozen_prefix=backbone,
             cache_features=True,
         )
+    with pytest.raises(ValueError, match=r"save_feature_cache=True .* cache_features=False"):
+        run(model=head, frozen_prefix=backbone, save_feature_cache=True)
+    with pytest.raises(TypeError, match="save_feature_cache should be True or False"):
+        run(model=head, frozen_prefix=backbone, cache_features=True, save_feature_cache="yes")
+
+
+def test_a_saved_feature_cache_resumes_without_running_the_prefix_again():
+    """save_feature_cache=True: the state holds the cached rows (bf16 as stored, on the CPU),
+    and a loader that loads it hands out the saved run's features without a prefix forward for
+    examples cached before; without it the state holds none and the cache refills."""
+    backbone, head = backbone_and_head()
+    kwargs = dict(model=head, frozen_prefix=backbone, autocast=torch.bfloat16, cache_features=True)
+    loader, _ = run(save_feature_cache=True, epochs=1, **kwargs)
+    state = loader.state_dict()
+    saved = state["scorer"]["feature_cache"]
+    assert saved["values"].dtype == torch.bfloat16 and saved["values"].device.type == "cpu"
+    assert saved["filled"].all()
+    again, _ = run(save_feature_cache=True, epochs=0, **kwargs)
+    again.load_state_dict(state)
+    assert [b.features.shape[0] for b in again]  # an epoch from the restored cache
+    assert again.stats.current.prefix_forwards <= FeatureCache.CHECKED  # only the check's
+    cache = again.scorer.feature_cache
+    assert torch.equal(cache.values, loader.scorer.feature_cache.values)
+    plain, _ = run(epochs=1, **kwargs)
+    assert "filled" not in plain.state_dict()["scorer"]["feature_cache"]
