@@ -132,6 +132,33 @@ def test_features_cached_on_the_cpu_for_a_model_on_the_gpu(monkeypatch):
     assert loader.stats.epochs[1].prefix_forwards <= sbloader.FeatureCache.CHECKED
 
 
+def test_a_saved_feature_cache_goes_back_to_the_gpu():
+    """save_feature_cache with the cache on the GPU (cache_features=True): the state holds a CPU
+    copy, and a loader that loads it keeps the rows on the GPU again, the same values."""
+
+    def build():
+        torch.manual_seed(0)
+        backbone = nn.Sequential(nn.Linear(6, 8), nn.ReLU()).cuda().requires_grad_(False)
+        return cuda_loader(
+            sbloader.SelectiveBackprop(1 / 3, history=64),
+            model=nn.Linear(8, 4).cuda(),
+            frozen_prefix=backbone,
+            cache_features=True,
+            save_feature_cache=True,
+        )
+
+    loader = build()
+    list(loader)
+    cache = loader.scorer.feature_cache
+    assert cache.values.is_cuda
+    state = loader.state_dict()
+    assert state["scorer"]["feature_cache"]["values"].device.type == "cpu"
+    again = build()
+    again.load_state_dict(state)
+    restored = again.scorer.feature_cache
+    assert restored.values.is_cuda and torch.equal(restored.values, cache.values)
+
+
 def test_device_decisions_on_the_gpu_are_deterministic_and_resume_exactly():
     """decisions="device": the window and the generator live on the GPU; same seed, same
     batches; a mid-epoch resume continues exactly."""
