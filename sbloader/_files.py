@@ -7,8 +7,9 @@ import errno
 import os
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 __all__ = ["copy_sparse", "hold_folder", "sync_folder"]
 
@@ -117,52 +118,102 @@ def sync_folder(folder: Path) -> None:
 # time. Two processes writing the same files (e.g. every rank of a torchrun job given the same
 # store_path) corrupt them silently: selection counts are read-modified-written by each, a new
 # run's clearing truncates files another maps, and one's snapshots prune the other's. The hold
-# is a POSIX record lock on ``.lock`` in the folder, taken by the first store of a process and
-# shared by its other stores of that folder (POSIX locks belong to the process, and closing any
-# descriptor of the file would drop them: so one descriptor per folder and process, closed when
-# its last store is gone); the system releases it when the process ends, also by a crash.
-_HELD: dict[str, list[int]] = {}  # folder -> [descriptor, stores holding it]
+# is a ``flock`` on ``.lock`` in the folder (a lock of the open file description, so that no
+# other descriptor of the file, e.g. a copy of the folder made in this process, drops it; the
+# system releases it when the process ends, also by a crash), taken by the first store of a
+# process and shared by its other stores of that folder, keyed by the folder's device and inode
+# (one entry however the folder is reached); closed when the last of them is gone.
+# NOTE (releases): a store's finalizer may run inside a garbage collection that starts while
+# this module's lock is held, in the same thread: it never waits for the lock, it queues the
+# release, which whoever holds the lock carries out before letting it go.
+_HELD: dict[tuple[int, int], list[int]] = {}  # folder -> [descriptor, stores, size]
 _HELD_LOCK = threading.Lock()
+_RELEASES: list[tuple[int, int]] = []
+#: ``flock`` errors of a file system without locks: nothing is held there.
+_NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EINVAL, getattr(errno, "EOPNOTSUPP", errno.EINVAL)}
 
 
-def hold_folder(owner: object, folder: Path) -> None:
-    """Hold ``folder`` for this process while ``owner`` lives, or raise ``ValueError`` naming
-    the process that holds it."""
+def hold_folder(owner: object, folder: Path, size: int) -> Callable[[], Any]:
+    """Hold ``folder`` for this process while ``owner`` (a store of ``size`` examples) lives,
+    or raise ``ValueError`` naming the process that holds it (or, in this process, a store of
+    another size there, whose files this one would truncate under it). Returns the release
+    (called by itself when ``owner`` is collected; call it when ``owner`` fails to build)."""
     try:
         import fcntl
-    except ImportError:  # (no POSIX locks here: nothing is held)
-        return
-    key = str(folder.resolve())
+    except ImportError:  # (no flock here: nothing is held)
+        return lambda: None
+    info = folder.stat()
+    key = (info.st_dev, info.st_ino)
     with _HELD_LOCK:
-        held = _HELD.get(key)
-        if held is None:
-            fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
-                if e.errno not in (errno.EACCES, errno.EAGAIN):
-                    raise
+        try:
+            held = _HELD.get(key)
+            if held is None:
+                held = _take(fcntl, folder, size)
+                if held is None:
+                    return lambda: None
+                _HELD[key] = held
+            elif held[2] != size:
                 raise ValueError(
-                    f"the store folder {folder} is in use by another process (pid {owner}): "
-                    "a memory-mapped store has one writer; give each process its own folder "
-                    "(under several ranks, e.g. store_path=f'stores/rank{rank}'), or end the "
-                    "other run"
-                ) from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
-            held = _HELD[key] = [fd, 0]
-        held[1] += 1
-    weakref.finalize(owner, _release_folder, key)
+                    f"the store folder {folder} is used by a store of {held[2]} examples in "
+                    f"this process; a store of {size} would truncate its files under it: give "
+                    "it another folder"
+                )
+            held[1] += 1
+        finally:
+            _release_queued()
+    return weakref.finalize(owner, _queue_release, key)
 
 
-def _release_folder(key: str) -> None:
-    with _HELD_LOCK:
+def _take(fcntl: Any, folder: Path, size: int) -> list[int] | None:
+    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if e.errno in _NO_LOCKS:
+            return None
+        if e.errno not in (errno.EACCES, errno.EAGAIN):
+            raise
+        raise ValueError(
+            f"the store folder {folder} is in use by another process (pid {holder}): a "
+            "memory-mapped store has one writer; give each process its own folder (under "
+            "several ranks, e.g. store_path=f'stores/rank{rank}'), or end the other run"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return [fd, 0, size]
+
+
+def _queue_release(key: tuple[int, int]) -> None:
+    _RELEASES.append(key)
+    while _RELEASES and _HELD_LOCK.acquire(blocking=False):
+        try:
+            _release_queued()
+        finally:
+            _HELD_LOCK.release()
+
+
+def _release_queued() -> None:
+    """Carry out the queued releases (with ``_HELD_LOCK`` held)."""
+    while _RELEASES:
+        key = _RELEASES.pop()
         held = _HELD.get(key)
         if held is None:
-            return
+            continue
         held[1] -= 1
         if held[1] <= 0:
             del _HELD[key]
-            os.close(held[0])  # (drops the process's lock)
+            os.close(held[0])  # (drops the lock)
+
+
+def _forget_held() -> None:
+    """In a forked child: the parent's holds are not the child's (its stores take their own)."""
+    global _HELD_LOCK
+    _HELD.clear()
+    _RELEASES.clear()
+    _HELD_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_held)

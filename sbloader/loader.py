@@ -1579,9 +1579,9 @@ class SelectiveLoader(NotADataLoader):
         machine: its cores, its native precisions), and then selects as they do from the resume
         on (:meth:`_warn_other_speed`). Left out: ``prefetch``, which changes nothing a run
         yields, and ``cache_features``, whose cache a resume refills (or restores, with
-        ``save_feature_cache``: see its documentation). ``quantize_selection`` on or off, ``decisions``,
-        ``keep_logits`` and ``frozen_prefix`` are refused where they differ (the state holds
-        their values).
+        ``save_feature_cache``: see its documentation). ``quantize_selection`` on or off,
+        ``decisions``, ``keep_logits`` and ``frozen_prefix`` are refused where they differ (the
+        state holds their values).
         """
         forward, quantized = self._scorer.forward, self._scorer.quantized
         compiled = forward.compile_kwargs

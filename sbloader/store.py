@@ -120,8 +120,12 @@ class ExampleStore:
             self._selected = np.zeros(self.size, dtype=np.int32)
         else:
             self.path.mkdir(parents=True, exist_ok=True)
-            hold_folder(self, self.path)
-            self._open_columns(fresh=False)
+            release = hold_folder(self, self.path, self.size)
+            try:
+                self._open_columns(fresh=False)
+            except BaseException:
+                release()
+                raise
 
     def _open_columns(self, fresh: bool) -> None:
         self._loss = self._memmap("loss", np.float32, fresh)

@@ -14,6 +14,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -681,9 +682,40 @@ def test_a_store_folder_is_held_by_one_process(tmp_path):
     del first
     gc.collect()
     assert other_process().startswith("refused:")  # the second store still holds it
+    (tmp_path / ".lock").read_text()  # another descriptor of the lock file, closed again
+    shutil.copytree(tmp_path, tmp_path.parent / f"{tmp_path.name}-copy")  # (a copy, as to move)
+    assert other_process().startswith("refused:")  # neither dropped the hold
+    with pytest.raises(ValueError, match="a store of 10 examples in this process; a store of 11"):
+        ExampleStore(11, path=tmp_path)  # would truncate the files the others map
     del second
     gc.collect()
     assert other_process() == "taken"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_does_not_inherit_its_parents_hold_on_a_store_folder(tmp_path):
+    """A forked child (a DataLoader worker, or the user's own) is another process: a store it
+    builds in the parent's folder is refused, as another process's is."""
+    import multiprocessing
+
+    held = ExampleStore(10, path=tmp_path)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+
+    def child() -> None:
+        try:
+            ExampleStore(10, path=tmp_path)
+        except ValueError as e:
+            queue.put(str(e))
+        else:
+            queue.put("taken")
+
+    process = ctx.Process(target=child)
+    process.start()
+    message = queue.get(timeout=60)
+    process.join(timeout=60)
+    assert "in use by another process" in message and f"(pid {os.getpid()})" in message
+    assert held.size == 10
 
 
 def test_a_store_snapshot_stays_sparse(tmp_path):
