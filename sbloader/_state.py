@@ -10,10 +10,19 @@ values named, never loaded silently.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["VERSION", "Stateful", "check_identity", "check_version"]
+__all__ = [
+    "VERSION",
+    "Stateful",
+    "check_identity",
+    "check_version",
+    "rollback_state",
+    "taking_rollback",
+]
 
 #: The key of every component's state version.
 VERSION = "version"
@@ -95,3 +104,37 @@ def check_identity(
                 f"the saved {component} state has {key}={value!r}, but this {component} has "
                 f"{key}={current[key]!r}; {fix}"
             )
+
+
+# Whether the states being taken are a rollback backup (see rollback_state).
+_ROLLBACK = contextvars.ContextVar("sbloader_rollback_state", default=False)
+
+
+@contextlib.contextmanager
+def rollback_state() -> Iterator[None]:
+    """Within this context ``state_dict()`` calls take a backup to roll a refused
+    ``load_state_dict`` back to, in this process only: components whose state is large or lives
+    outside the process (a memory-mapped store's files, a feature cache's rows) then refer to
+    what they hold instead of copying it (see :func:`taking_rollback`).
+
+    NOTE (why): a state refused part-way must leave the loader as it was (all or nothing), so
+    the loader takes its own state first; copying a store's files or a cache's gigabytes for a
+    backup that is dropped unless the load fails would make every load cost a checkpoint.
+
+    Example:
+        >>> with rollback_state():
+        ...     taking_rollback()
+        True
+        >>> taking_rollback()
+        False
+    """
+    token = _ROLLBACK.set(True)
+    try:
+        yield
+    finally:
+        _ROLLBACK.reset(token)
+
+
+def taking_rollback() -> bool:
+    """Whether a rollback backup is being taken (within :func:`rollback_state`)."""
+    return _ROLLBACK.get()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -10,9 +11,9 @@ import torch
 from torch import nn
 
 from ._checks import check_bool, check_device_name, check_int, indices_needed
-from ._state import check_identity, check_version
+from ._state import check_identity, check_version, taking_rollback
 
-__all__ = ["FeatureCache", "make_feature_cache"]
+__all__ = ["FeatureCache", "make_feature_cache", "prefix_digest"]
 
 
 class FeatureCache:
@@ -179,6 +180,9 @@ class FeatureCache:
             ([0, 1, 3], [[1.5, 2.5]])
         """
         state: dict[str, Any] = {"version": self.VERSION, "size": self.size}
+        if taking_rollback():  # what it holds, not a copy (see _state.rollback_state)
+            live = (self.values, self.out_dtype, self.device, self.filled, self._checked_epoch)
+            return {**state, "live": live}
         if not self.in_state:
             return state
         values = self.values
@@ -186,18 +190,22 @@ class FeatureCache:
             **state,
             "filled": torch.from_numpy(self.filled.copy()),
             "values": None if values is None else values.detach().to("cpu", copy=True),
-            "device": None if values is None else str(values.device),
             "out_dtype": None if self.out_dtype is None else _dtype_name(self.out_dtype),
             "checked_epoch": self._checked_epoch,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the rows a state holds (on this cache's device, else where they were saved,
-        where that device exists); a state without rows leaves the cache empty, to refill."""
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        """Restore the rows a state holds (a copy, on this cache's device, else on ``device``:
+        the prefix's); a state without rows leaves the cache empty, to refill."""
         state = check_version(state, "FeatureCache", self.VERSION)
         check_identity(
             "FeatureCache", {"size": int(state["size"])}, {"size": self.size}, "the same dataset"
         )
+        if "live" in state:  # a rollback: what the cache held
+            (self.values, self.out_dtype, self.device, self.filled, self._checked_epoch) = state[
+                "live"
+            ]
+            return
         self.values, self.out_dtype, self._checked_epoch = None, None, None
         self.filled = np.zeros(self.size, dtype=bool)
         if "filled" not in state:
@@ -207,18 +215,35 @@ class FeatureCache:
         if values is None:
             return
         if self.device is None:
-            saved = torch.device(state["device"])
-            usable = saved.type == "cpu" or (saved.type == "cuda" and torch.cuda.is_available())
-            self.device = saved if usable else torch.device("cpu")
+            self.device = device if device is not None else torch.device("cpu")
         if tuple(values.shape) != (self.size, *values.shape[1:]):
             raise ValueError(
                 f"the saved feature cache has {values.shape[0]} rows, but this cache has "
                 f"{self.size}; build the loader over the same dataset"
             )
         stored = self.store_dtype or values.dtype
-        self.values = values.to(self.device, stored)
+        # (a copy: the run goes on writing rows, never into the caller's state)
+        self.values = values.to(self.device, stored, copy=True)
         self.out_dtype = getattr(torch, state["out_dtype"])
         self.filled = np.asarray(state["filled"], dtype=bool).reshape(-1).copy()
+
+
+def prefix_digest(prefix: nn.Module) -> str:
+    """A digest of a module's parameters and buffers (names, shapes, dtypes and bytes), which a
+    saved feature cache records, so that a cache computed by another prefix is refused.
+
+    Example:
+        >>> a = nn.Linear(2, 2)
+        >>> prefix_digest(a) == prefix_digest(a), prefix_digest(a) == prefix_digest(nn.Linear(2, 2))
+        (True, False)
+    """
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in prefix.state_dict().items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

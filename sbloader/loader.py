@@ -29,7 +29,7 @@ from ._checks import (
     indices_needed,
 )
 from ._migrations import loader_state_v1_to_v2
-from ._state import check_identity, check_version
+from ._state import check_identity, check_version, rollback_state
 from .adapt import make_source
 from .codec import BatchCodec
 from .decisions import NONFINITE, subset_mask
@@ -65,7 +65,6 @@ from .selection import (
 )
 from .sources import Source
 from .stats import EpochStats, LoaderStats
-from .store import live_states
 
 __all__ = ["SelectiveLoader"]
 
@@ -1555,7 +1554,7 @@ class SelectiveLoader(NotADataLoader):
         unfinished, source_state = self._unfinished, self._source_state
         # (a memory-mapped store's part of the backup names its files, no snapshot written:
         # a refused load never touched them, see ExampleStore.load_state_dict)
-        with live_states():
+        with rollback_state():
             backup = self.state_dict()
         try:
             checked = self._checked(state)

@@ -22,9 +22,17 @@ from torch import nn
 
 from . import batch as B
 from ._state import check_version
-from .features import FeatureCache
+from .features import FeatureCache, prefix_digest
 from .quantize import Int8Unavailable, QuantizedSelector
-from .selection import SelectionForward, downsample, is_fsdp, restrict, unused_fields, unwrap
+from .selection import (
+    SelectionForward,
+    downsample,
+    is_fsdp,
+    model_device,
+    restrict,
+    unused_fields,
+    unwrap,
+)
 from .stats import EpochStats
 
 logger = logging.getLogger("sbloader")
@@ -549,8 +557,16 @@ class Scorer:
             # quantize_selection): the int8 copy's refresh clock and values, or None.
             "quantized": None if self.quantized is None else self.quantized.state_dict(),
             # (optional too: the feature cache, whose rows only save_feature_cache=True keeps)
-            "feature_cache": None if cache is None else cache.state_dict(),
+            "feature_cache": None if cache is None else self._cache_state(cache),
         }
+
+    def _cache_state(self, cache: FeatureCache) -> dict[str, Any]:
+        """The feature cache's state, with its rows the prefix's digest (see load_state_dict)."""
+        state = cache.state_dict()
+        prefix = self.forward.frozen_prefix
+        if "filled" in state and prefix is not None:
+            state["prefix_digest"] = prefix_digest(prefix)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.adopt_quantized(state)
@@ -561,8 +577,19 @@ class Scorer:
         if self.quantized is not None and quantized is not None:
             self.quantized.load_state_dict(quantized)
         cache = state.get("feature_cache")
-        if self.feature_cache is not None and cache is not None:
-            self.feature_cache.load_state_dict(cache)
+        prefix = self.forward.frozen_prefix
+        if self.feature_cache is not None and cache is not None and prefix is not None:
+            # NOTE: rows of another prefix (other weights, another model) would be handed out as
+            # this one's features, unnoticed until the next epoch's check: refused now.
+            saved = cache.get("prefix_digest")
+            if saved is not None and saved != prefix_digest(prefix):
+                raise ValueError(
+                    "the saved feature cache was computed by another frozen_prefix (its "
+                    "parameters or buffers differ from this one's): load the prefix's weights "
+                    "before the loader's state, or build the loader with "
+                    "save_feature_cache=False to compute the cache again"
+                )
+            self.feature_cache.load_state_dict(cache, model_device(prefix))
 
 
 def _float_name(dtype: torch.dtype | None) -> str:

@@ -4,12 +4,9 @@ a snapshot of its files for each saved state, so that a resume is exact)."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import os
 import shutil
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +16,7 @@ import torch
 from . import _kernels
 from ._checks import check_indices, check_int
 from ._files import copy_sparse, hold_folder, sync_folder
-from ._state import check_identity, check_version
+from ._state import check_identity, check_version, taking_rollback
 
 __all__ = ["ExampleStore"]
 
@@ -29,22 +26,6 @@ BYTES_PER_EXAMPLE = 12
 COLUMNS = (("loss", np.float32), ("seen", np.int32), ("selected", np.int32))
 #: The folder, inside a memory-mapped store's, that holds its snapshots.
 SNAPSHOTS = "snapshots"
-
-# Whether a memory-mapped store's state_dict() writes a snapshot (see live_states).
-_SNAPSHOT = contextvars.ContextVar("sbloader_store_snapshot", default=True)
-
-
-@contextlib.contextmanager
-def live_states() -> Iterator[None]:
-    """Within this context a memory-mapped store's ``state_dict()`` writes no snapshot and
-    names its files as they are (``"live"``), a state only for rolling back a refused
-    ``load_state_dict`` within the same process (the loader's backup): loading it cancels a
-    restore not yet applied (see :meth:`ExampleStore.load_state_dict`)."""
-    token = _SNAPSHOT.set(False)
-    try:
-        yield
-    finally:
-        _SNAPSHOT.reset(token)
 
 
 def _sequence(name: str) -> int:
@@ -312,7 +293,7 @@ class ExampleStore:
         state = {"version": self.VERSION, "size": self.size, "path": str(self.path)}
         _ = self.loss  # a restore still pending is a loaded state's: applied first
         self.flush()
-        if not _SNAPSHOT.get():
+        if taking_rollback():
             return {**state, "live": True}
         return {**state, "snapshot": self._snapshot().name}
 

@@ -544,3 +544,42 @@ def test_a_saved_feature_cache_resumes_without_running_the_prefix_again():
     assert torch.equal(cache.values, loader.scorer.feature_cache.values)
     plain, _ = run(epochs=1, **kwargs)
     assert "filled" not in plain.state_dict()["scorer"]["feature_cache"]
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["cache-not-saved", "cache-saved"])
+def test_a_refused_load_leaves_the_feature_cache_as_it_was(saved):
+    """All or nothing: a state refused after the scorer's part was restored (here, its stats)
+    leaves the cache's rows as they were (its backup refers to them), saved with the state or
+    not."""
+    backbone, head = backbone_and_head()
+    kwargs = dict(model=head, frozen_prefix=backbone, cache_features=True)
+    loader, _ = run(save_feature_cache=saved, epochs=1, **kwargs)
+    cache = loader.scorer.feature_cache
+    values, filled = cache.values.clone(), cache.filled.copy()
+    other, _ = run(save_feature_cache=saved, epochs=0, **kwargs)
+    bad = copy.deepcopy(other.state_dict())
+    bad["stats"]["epochs"] = [{"no_such_count": 1}]
+    with pytest.raises(TypeError, match="no_such_count"):
+        loader.load_state_dict(bad)
+    cache = loader.scorer.feature_cache
+    assert torch.equal(cache.values, values) and (cache.filled == filled).all()
+
+
+def test_a_saved_feature_cache_of_another_prefix_is_refused_and_never_shared():
+    """The saved rows record the prefix's digest: a loader whose frozen prefix has other
+    weights refuses them when loading (they would be handed out as its features); the rows
+    loaded are a copy, never the caller's state's tensor."""
+    backbone, head = backbone_and_head()
+    kwargs = dict(model=head, cache_features=True, save_feature_cache=True)
+    loader, _ = run(frozen_prefix=backbone, epochs=1, **kwargs)
+    state = loader.state_dict()
+    other = copy.deepcopy(backbone)
+    with torch.no_grad():
+        next(other.parameters()).add_(1e-3)
+    moved, _ = run(frozen_prefix=other, epochs=0, **kwargs)
+    with pytest.raises(ValueError, match="computed by another frozen_prefix"):
+        moved.load_state_dict(state)
+    same, _ = run(frozen_prefix=backbone, epochs=0, **kwargs)
+    same.load_state_dict(state)
+    rows, saved = same.scorer.feature_cache.values, state["scorer"]["feature_cache"]["values"]
+    assert torch.equal(rows, saved) and rows.data_ptr() != saved.data_ptr()
