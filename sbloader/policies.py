@@ -357,7 +357,8 @@ class SelectiveBackprop(Policy):
         store_snapshots: how many of the newest saved states keep their snapshot in
             ``store_path`` (older ones are removed; a state whose snapshot is gone is refused
             when loaded, naming this): at least as many as the checkpoints you keep, counting
-            every ``state_dict()`` call (two per step with two checkpoint callbacks). Default 2.
+            every ``state_dict()`` call (two per step with two checkpoint callbacks); None keeps
+            every one (e.g. with Lightning's ``save_top_k=-1``). Default 2.
         ramp_epochs: r >= 0: over the first r epochs of data this policy decides (counted from
             its start, after a :class:`Phased` warm-up), each P of a selection pass is blended
             with uniform keeping at the same expected rate, ``P = u / (beta + 1) + (1 - u) *
@@ -429,7 +430,7 @@ class SelectiveBackprop(Policy):
         fed_staleness: int | None = None,
         reweight: bool = False,
         store_path: str | None = None,
-        store_snapshots: int = 2,
+        store_snapshots: int | None = 2,
         ramp_epochs: float = 0.0,
         trim_top: float = 0.0,
         stale_cdf: str = "window",
@@ -505,7 +506,11 @@ class SelectiveBackprop(Policy):
                 f"os.PathLike), or None to keep it in memory, but got store_path={store_path!r}"
             )
         self.store_path = store_path
-        self.store_snapshots = check_int("store_snapshots", store_snapshots, minimum=1)
+        self.store_snapshots = (
+            None
+            if store_snapshots is None
+            else check_int("store_snapshots", store_snapshots, minimum=1)
+        )
         self.store: ExampleStore | None = None
         # Whether the store belongs to this run: begun in, or loaded from a state (a store
         # reopened from an earlier run's files is cleared when the first epoch begins, as is

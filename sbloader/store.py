@@ -58,7 +58,9 @@ class ExampleStore:
         keep_snapshots: a memory-mapped store's :meth:`state_dict` copies its files into a
             snapshot (``path/snapshots/``, sparse where they are); the snapshots of this
             store's newest ``keep_snapshots`` states are kept, older ones (also those an earlier
-            process left there) removed. A state whose snapshot is gone is refused when loaded.
+            process left there) removed; None keeps every one (as many as the checkpoints you
+            keep, each the size of the scored examples' columns). A state whose snapshot is gone
+            is refused when loaded.
 
     NOTE (why snapshots): the files of a memory-mapped store change after a state is saved (the
     run goes on), so a state that only named them would resume from the losses and counts
@@ -78,11 +80,15 @@ class ExampleStore:
     VERSION = 2
 
     def __init__(
-        self, size: int, path: str | os.PathLike | None = None, keep_snapshots: int = 2
+        self, size: int, path: str | os.PathLike | None = None, keep_snapshots: int | None = 2
     ) -> None:
         self.size = check_int("size", size, minimum=0)
         self.path = None if path is None else Path(path)
-        self.keep_snapshots = check_int("keep_snapshots", keep_snapshots, minimum=1)
+        self.keep_snapshots = (
+            None
+            if keep_snapshots is None
+            else check_int("keep_snapshots", keep_snapshots, minimum=1)
+        )
         # A loaded state not yet applied to the files (a memory-mapped store's): its snapshot,
         # or the columns of an in-memory store's state; applied at the columns' next use (see
         # load_state_dict), under a lock, once, whichever thread gets there.
@@ -333,14 +339,15 @@ class ExampleStore:
 
     def _prune(self, folder: Path) -> None:
         """Remove the snapshots (and unfinished ones) written before this store's
-        ``keep_snapshots``-th newest; none while it has written fewer."""
-        if len(self._written) < self.keep_snapshots:
+        ``keep_snapshots``-th newest; none while it has written fewer, or keeping every one."""
+        keep = self.keep_snapshots
+        if keep is None or len(self._written) < keep:
             return
-        oldest_kept = _sequence(self._written[-self.keep_snapshots].name)
+        oldest_kept = _sequence(self._written[-keep].name)
         for entry in folder.iterdir():
             if entry.is_dir() and 0 < _sequence(entry.name) < oldest_kept:
                 shutil.rmtree(entry, ignore_errors=True)
-        self._written = self._written[-self.keep_snapshots :]
+        self._written = self._written[-keep:]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a saved state. A memory-mapped store's snapshot is checked now (it must
@@ -403,12 +410,17 @@ class ExampleStore:
             if not snapshot.is_dir() or (
                 self.size and (not file.is_file() or file.stat().st_size != want)
             ):
+                kept = (
+                    "this store keeps every snapshot, so it was removed from the folder"
+                    if self.keep_snapshots is None
+                    else f"a memory-mapped store keeps the snapshots of its {self.keep_snapshots} "
+                    "newest saved states and removes older ones: resume from a newer "
+                    "checkpoint, or keep more (SelectiveBackprop(store_snapshots=..., or None "
+                    "for every one), ExampleStore(keep_snapshots=...))"
+                )
                 raise ValueError(
                     f"the saved state's store snapshot {snapshot} is missing or incomplete"
-                    f"{moved}; a memory-mapped store keeps the snapshots of its "
-                    f"{self.keep_snapshots} newest saved states and removes older ones: resume "
-                    "from a newer checkpoint, or keep more (SelectiveBackprop(store_snapshots="
-                    "...), ExampleStore(keep_snapshots=...))"
+                    f"{moved}; {kept}"
                 )
 
     def _apply_restore(self) -> None:

@@ -457,6 +457,27 @@ def test_a_state_whose_store_snapshot_was_removed_is_refused_naming_store_snapsh
     assert len(list(folder.iterdir())) == 2 and not set(names) & {p.name for p in folder.iterdir()}
 
 
+def test_store_snapshots_none_keeps_every_snapshot(tmp_path):
+    """store_snapshots=None (every checkpoint kept, e.g. Lightning's save_top_k=-1): no snapshot
+    is removed, and the oldest state still resumes; a snapshot removed from the folder by hand
+    is refused saying so."""
+    run = Trained(tmp_path / "store", keep=None)
+    states = []
+    for _ in range(4):
+        for batch in run.loader:
+            run.step(batch)
+        states.append(run.checkpoint())
+    assert len(list((tmp_path / "store" / "snapshots").iterdir())) == 4
+    assert run.loader.policy.store.seen.max() == 3  # the pass of epoch 2
+    fresh = Trained(tmp_path / "store", keep=None)
+    fresh.restore(states[0])
+    assert fresh.loader.epoch == 1 and fresh.loader.policy.store.seen.max() == 1
+    name = states[1]["loader"]["policy"]["store"]["snapshot"]
+    shutil.rmtree(tmp_path / "store" / "snapshots" / name)
+    with pytest.raises(ValueError, match="keeps every snapshot, so it was removed"):
+        fresh.restore(states[1])
+
+
 def test_a_memory_mapped_store_resumes_from_a_copy_of_its_folder_elsewhere(tmp_path):
     """A run moved to another machine or mount: the checkpoint and a copy of the store's folder
     at another path resume exactly; a folder without the snapshot is refused, naming where the
