@@ -11,6 +11,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+try:
+    import fcntl
+except ImportError:  # (no flock here: folders are not held)
+    fcntl = None  # type: ignore[assignment]
+
 __all__ = ["copy_sparse", "hold_folder", "sync_folder"]
 
 
@@ -138,9 +143,7 @@ def hold_folder(owner: object, folder: Path, size: int) -> Callable[[], Any]:
     or raise ``ValueError`` naming the process that holds it (or, in this process, a store of
     another size there, whose files this one would truncate under it). Returns the release
     (called by itself when ``owner`` is collected; call it when ``owner`` fails to build)."""
-    try:
-        import fcntl
-    except ImportError:  # (no flock here: nothing is held)
+    if fcntl is None:
         return lambda: None
     info = folder.stat()
     key = (info.st_dev, info.st_ino)
@@ -148,7 +151,7 @@ def hold_folder(owner: object, folder: Path, size: int) -> Callable[[], Any]:
         try:
             held = _HELD.get(key)
             if held is None:
-                held = _take(fcntl, folder, size)
+                held = _take(folder, size)
                 if held is None:
                     return lambda: None
                 _HELD[key] = held
@@ -161,10 +164,11 @@ def hold_folder(owner: object, folder: Path, size: int) -> Callable[[], Any]:
             held[1] += 1
         finally:
             _release_queued()
+    _drain()  # (releases queued while the lock was held here, after the call above)
     return weakref.finalize(owner, _queue_release, key)
 
 
-def _take(fcntl: Any, folder: Path, size: int) -> list[int] | None:
+def _take(folder: Path, size: int) -> list[int] | None:
     fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -187,6 +191,11 @@ def _take(fcntl: Any, folder: Path, size: int) -> list[int] | None:
 
 def _queue_release(key: tuple[int, int]) -> None:
     _RELEASES.append(key)
+    _drain()
+
+
+def _drain() -> None:
+    """Carry out the queued releases where the lock is free (else its holder does)."""
     while _RELEASES and _HELD_LOCK.acquire(blocking=False):
         try:
             _release_queued()

@@ -190,7 +190,9 @@ class FeatureCache:
             **state,
             "filled": torch.from_numpy(self.filled.copy()),
             "values": None if values is None else values.detach().to("cpu", copy=True),
-            "out_dtype": None if self.out_dtype is None else _dtype_name(self.out_dtype),
+            "out_dtype": None
+            if self.out_dtype is None
+            else str(self.out_dtype).removeprefix("torch."),
             "checked_epoch": self._checked_epoch,
         }
 
@@ -244,10 +246,6 @@ def prefix_digest(prefix: nn.Module) -> str:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
         h.update(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def make_feature_cache(

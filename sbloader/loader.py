@@ -1552,8 +1552,8 @@ class SelectiveLoader(NotADataLoader):
         live = self._live_iterator()
         running = live is not None and live.running
         unfinished, source_state = self._unfinished, self._source_state
-        # (a memory-mapped store's part of the backup names its files, no snapshot written:
-        # a refused load never touched them, see ExampleStore.load_state_dict)
+        # (a backup for this process only: a memory-mapped store names its files, a feature
+        # cache its rows, nothing is copied; see _state.rollback_state)
         with rollback_state():
             backup = self.state_dict()
         try:

@@ -92,7 +92,7 @@ class ExampleStore:
         # A loaded state not yet applied to the files (a memory-mapped store's): its snapshot,
         # or the columns of an in-memory store's state; applied at the columns' next use (see
         # load_state_dict), under a lock, once, whichever thread gets there.
-        self._restore: Path | tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._restore: Path | tuple[np.ndarray, ...] | None = None
         self._restore_lock = threading.Lock()
         # This store's snapshots, oldest first, and how many it has written (see state_dict).
         self._written: list[Path] = []
@@ -372,8 +372,8 @@ class ExampleStore:
                 self._restore = None
                 for column, values in zip((self._loss, self._seen, self._selected), columns):
                     column[:] = values
-            else:  # written into the files at their next use (see load_state_dict's NOTE)
-                self._restore = columns  # type: ignore[assignment]
+            else:  # written into the files at their next use (NOTE (columns as properties))
+                self._restore = columns
             return
         if self.path is None:
             raise ValueError(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import errno
 import gc
-import io
 import json
 import os
 import re
@@ -26,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import N_CLASSES, EncodedDataset, IndexLoss
+from speed_harness import through_torch_save
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -364,6 +364,17 @@ class Trained:
         self.opt.step()
         self.record.append((batch.indices.tolist(), batch.weights.tolist()))
 
+    def train(self, epochs: int = 1) -> None:
+        """Train on every batch of the next ``epochs`` epochs."""
+        for _ in range(epochs):
+            for batch in self.loader:
+                self.step(batch)
+
+    def until(self, epoch: int) -> None:
+        """Train to the end of the epoch before ``epoch`` (a resumed epoch's rest first)."""
+        while self.loader.epoch < epoch:
+            self.train()
+
     def checkpoint(self) -> dict:
         return through_torch_save(
             {
@@ -379,13 +390,6 @@ class Trained:
         self.loader.load_state_dict(state["loader"])
 
 
-def through_torch_save(state):
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
 def test_a_memory_mapped_store_resumes_exactly_after_the_run_went_on_past_the_checkpoint(tmp_path):
     """Crash recovery: a checkpoint in the first stale epoch, the run goes on through another
     pass (which rewrites every stored loss and count), then dies; rebuilt and resumed from that
@@ -393,22 +397,17 @@ def test_a_memory_mapped_store_resumes_exactly_after_the_run_went_on_past_the_ch
     decides from the losses of epoch 0's pass, not epoch 2's that the files held by then), and
     ends with the same parameters and store."""
     reference = Trained(tmp_path / "reference")
-    for _ in range(4):
-        for batch in reference.loader:
-            reference.step(batch)
+    reference.train(4)
 
     run = Trained(tmp_path / "run")
-    for batch in run.loader:
-        run.step(batch)
+    run.train()
     it = iter(run.loader)
     for _ in range(2):
         run.step(next(it))
     saved, done = run.checkpoint(), len(run.record)
     for batch in it:
         run.step(batch)
-    for _ in range(2):  # the pass of epoch 2 and the stale epoch 3 rewrite the files
-        for batch in run.loader:
-            run.step(batch)
+    run.train(2)  # the pass of epoch 2 and the stale epoch 3 rewrite the files
     assert run.record == reference.record
     files = run.loader.policy.store
     losses_then = files.loss.copy()
@@ -417,9 +416,7 @@ def test_a_memory_mapped_store_resumes_exactly_after_the_run_went_on_past_the_ch
     resumed = Trained(tmp_path / "run")
     resumed.restore(saved)
     resumed.record = reference.record[:done]
-    while resumed.loader.epoch < 4:
-        for batch in resumed.loader:
-            resumed.step(batch)
+    resumed.until(4)
     assert resumed.record == reference.record
     for a, b in zip(resumed.model.parameters(), reference.model.parameters()):
         assert torch.equal(a, b)
@@ -436,8 +433,7 @@ def test_a_state_whose_store_snapshot_was_removed_is_refused_naming_store_snapsh
     run = Trained(tmp_path / "store", keep=2)
     states = []
     for _ in range(3):
-        for batch in run.loader:
-            run.step(batch)
+        run.train()
         states.append(run.checkpoint())
     folder = tmp_path / "store" / "snapshots"
     names = [s["loader"]["policy"]["store"]["snapshot"] for s in states]
@@ -450,8 +446,7 @@ def test_a_state_whose_store_snapshot_was_removed_is_refused_naming_store_snapsh
     assert fresh.loader.epoch == before
     fresh.restore(states[1])  # the two newest load
     assert fresh.loader.epoch == 2
-    for batch in fresh.loader:
-        fresh.step(batch)
+    fresh.train()
     fresh.checkpoint()
     fresh.checkpoint()  # the resumed process's own two newest: its predecessor's are removed
     assert len(list(folder.iterdir())) == 2 and not set(names) & {p.name for p in folder.iterdir()}
@@ -464,8 +459,7 @@ def test_store_snapshots_none_keeps_every_snapshot(tmp_path):
     run = Trained(tmp_path / "store", keep=None)
     states = []
     for _ in range(4):
-        for batch in run.loader:
-            run.step(batch)
+        run.train()
         states.append(run.checkpoint())
     assert len(list((tmp_path / "store" / "snapshots").iterdir())) == 4
     assert run.loader.policy.store.seen.max() == 3  # the pass of epoch 2
@@ -482,16 +476,11 @@ def test_a_memory_mapped_store_resumes_from_a_copy_of_its_folder_elsewhere(tmp_p
     """A run moved to another machine or mount: the checkpoint and a copy of the store's folder
     at another path resume exactly; a folder without the snapshot is refused, naming where the
     state was saved."""
-    import shutil
-
     reference = Trained(tmp_path / "reference")
-    for _ in range(3):
-        for batch in reference.loader:
-            reference.step(batch)
+    reference.train(3)
 
     run = Trained(tmp_path / "here")
-    for batch in run.loader:
-        run.step(batch)
+    run.train()
     saved, done = run.checkpoint(), len(run.record)
     del run
     shutil.copytree(tmp_path / "here", tmp_path / "there")
@@ -499,9 +488,7 @@ def test_a_memory_mapped_store_resumes_from_a_copy_of_its_folder_elsewhere(tmp_p
     moved = Trained(tmp_path / "there")
     moved.restore(saved)
     moved.record = reference.record[:done]
-    while moved.loader.epoch < 3:
-        for batch in moved.loader:
-            moved.step(batch)
+    moved.until(3)
     assert moved.record == reference.record
 
     empty = Trained(tmp_path / "empty")
@@ -517,13 +504,10 @@ def test_a_refused_load_leaves_a_memory_mapped_store_as_it_was(tmp_path):
     succeeded and its snapshot was not applied yet; a snapshot is applied once a load
     succeeds."""
     run = Trained(tmp_path / "store")
-    for batch in run.loader:
-        run.step(batch)
+    run.train()
     saved = run.checkpoint()
     at_checkpoint = [c.copy() for c in run.loader.policy.store.columns]
-    for _ in range(2):
-        for batch in run.loader:
-            run.step(batch)
+    run.train(2)
     after = [c.copy() for c in run.loader.policy.store.columns]
     assert not np.array_equal(after[1], at_checkpoint[1])
     bad = copy.deepcopy(saved["loader"])
@@ -619,13 +603,10 @@ def test_a_refused_load_of_an_in_memory_state_leaves_a_memory_mapped_store_as_it
     only once the load succeeded (at the columns' next use): a refused one leaves them as they
     were."""
     in_memory = Trained(None)
-    for batch in in_memory.loader:
-        in_memory.step(batch)
+    in_memory.train()
     saved = in_memory.checkpoint()
     run = Trained(tmp_path / "store")
-    for _ in range(2):
-        for batch in run.loader:
-            run.step(batch)
+    run.train(2)
     before = [c.copy() for c in run.loader.policy.store.columns]
     bad = copy.deepcopy(saved["loader"])
     bad["stats"]["epochs"][0]["no_such_count"] = 1
