@@ -47,6 +47,20 @@ def test_default_policy_refuses_a_has_store_that_is_no_bool(bad):
     assert default_policy(has_store=True).policy.staleness == 3
 
 
+@pytest.mark.parametrize(
+    ("bad", "error", "says"),
+    [
+        (0, ValueError, "should be >= 1"),
+        ("2", TypeError, "should be an int"),
+        (True, TypeError, "should be an int"),
+    ],
+)
+def test_a_bad_store_snapshots_is_refused_at_construction_naming_it(bad, error, says):
+    with pytest.raises(error, match=f"store_snapshots {says}, but got store_snapshots={bad!r}"):
+        SelectiveBackprop(0.5, staleness=2, store_snapshots=bad)
+    assert SelectiveBackprop(0.5, staleness=2, store_snapshots=None).store_snapshots is None
+
+
 @pytest.mark.parametrize("bad", [True, 1, 3.5, ["/tmp/store"]])
 def test_a_store_path_that_is_no_path_is_refused_naming_it(bad, tmp_path):
     """store_path=True or a number was taken, then failed in os.fspath when a loader opened the
