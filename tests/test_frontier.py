@@ -15,7 +15,7 @@ from benchmarks.core import strategies
 from benchmarks.core.config import PRESETS, Config, preset
 from benchmarks.core.frontier import Reached, Record, family_time, first_time, frontier_table
 from benchmarks.core.machine import machine_info, tree_changes
-from benchmarks.core.report import pairwise_lines, speedup_cell, summary_markdown
+from benchmarks.core.report import _isa, pairwise_lines, speedup_cell, summary_markdown
 from benchmarks.core.train import Trainer, train_interleaved
 from sbloader.datasets import load_fashion_mnist
 
@@ -231,6 +231,25 @@ def test_the_machine_record_says_whether_the_tree_was_dirty(tmp_path):
     # the vector ISA and native bf16 tell apart machines that share a CPU name
     assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert info["native_bf16"] == sbloader.precision.native_bf16(torch.device("cpu"))
+    assert info["amx"] == torch.cpu._is_amx_tile_supported()
+
+
+@pytest.mark.parametrize(
+    "record, shown",
+    [
+        (
+            {"cpu_capability": "AVX512", "native_bf16": True, "amx": True},
+            " (AVX512, native bf16, AMX)",
+        ),
+        ({"cpu_capability": "AVX512", "native_bf16": True, "amx": False}, " (AVX512, native bf16)"),
+        ({"cpu_capability": "AVX2", "native_bf16": False}, " (AVX2, no native bf16)"),  # older
+        ({"cpu": "AMD EPYC"}, ""),  # older still
+    ],
+)
+def test_the_summary_names_the_cpus_matrix_units(record, shown):
+    """Three CPUs have served under one machine kind; the summary's first line tells them apart
+    (AMX: the Intel one, where int8 and bf16 selection passes are cheapest)."""
+    assert _isa(record) == shown
 
 
 try:
@@ -307,6 +326,7 @@ def test_selection_precision_is_the_configurations_and_is_recorded(precision, ex
     summary = summary_markdown(cfg, [run], machine_info())
     assert f"selection passes {precision} ({named})" in summary
     assert f"({torch.backends.cpu.get_cpu_capability()}, " in summary.splitlines()[2]
+    assert (", AMX)" in summary.splitlines()[2]) == torch.cpu._is_amx_tile_supported()
 
 
 def test_an_int8_strategy_selects_through_the_quantized_copy_and_records_int8():

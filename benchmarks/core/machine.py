@@ -59,6 +59,15 @@ def tree_changes(exclude: Path | str | None = None) -> list[str] | None:
     return lines
 
 
+def amx_tiles() -> bool | None:
+    """Whether the CPU has AMX tile units (int8 and bf16 matrix products), or None where this
+    torch cannot tell (its check is private: ``torch.cpu._is_amx_tile_supported``)."""
+    import torch
+
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return None if check is None else bool(check())
+
+
 def machine_info(exclude: Path | str | None = None) -> dict[str, Any]:
     """Date (UTC), CPU, cores, threads, GPU, Python, platform, library versions, git commit,
     whether the tree had changes (``git_dirty``; None without git; files under ``exclude``, the
@@ -77,6 +86,11 @@ def machine_info(exclude: Path | str | None = None) -> dict[str, Any]:
         # project's kind, 3.4x apart per training step: the vector ISA torch uses tells them apart.
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "native_bf16": native_bf16(torch.device("cpu")),
+        # NOTE: a third CPU of this name (an Intel Xeon with AMX) computes int8 and bf16 matrix
+        # products in tile units, and trains the benchmark CNN more slowly than the AVX512-BF16
+        # AMD one: the selection's share of a training step differs, so their speedups do not
+        # compare.
+        "amx": amx_tiles(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,

@@ -227,11 +227,13 @@ def pairwise_lines(table: FrontierTable) -> list[str]:
 
 
 def _isa(machine: dict[str, Any]) -> str:
-    """`` (AVX2, no native bf16)``, from a machine record that has them (newer ones)."""
+    """`` (AVX2, no native bf16)`` or `` (AVX512, native bf16, AMX)``, from a machine record
+    that has them (newer ones)."""
     if "cpu_capability" not in machine:
         return ""
     bf16 = "native bf16" if machine.get("native_bf16") else "no native bf16"
-    return f" ({machine['cpu_capability']}, {bf16})"
+    amx = ", AMX" if machine.get("amx") else ""
+    return f" ({machine['cpu_capability']}, {bf16}{amx})"
 
 
 def _precisions(cfg: Config, runs: Sequence[Run]) -> str:
