@@ -3,6 +3,7 @@ folder's entries, and holding a folder for one process."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -217,8 +218,13 @@ def _release_queued() -> None:
 
 
 def _forget_held() -> None:
-    """In a forked child: the parent's holds are not the child's (its stores take their own)."""
+    """In a forked child: the parent's holds are not the child's (its stores take their own),
+    and its copies of their descriptors are closed, so that the lock goes when the parent lets
+    go (a ``flock`` lasts while any descriptor of it is open, e.g. a DataLoader worker's)."""
     global _HELD_LOCK
+    for fd, _, _ in _HELD.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
     _HELD.clear()
     _RELEASES.clear()
     _HELD_LOCK = threading.Lock()

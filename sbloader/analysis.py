@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ._checks import check_choice, check_float, check_indices, check_int
-from .store import ExampleStore
+from .store import ExampleStore, saved_column
 
 __all__ = [
     "BinnedAccuracy",
@@ -507,11 +507,15 @@ def _selected_column(name: str, store: Any) -> np.ndarray:
         if "selected" in store:
             return _counts(name, store["selected"])
         if "path" in store:
-            raise ValueError(
-                f"{name} is the state of a memory-mapped store, which holds no counts (only "
-                f"{store['path']!r}); pass ExampleStore(size, path=that folder), or for a snapshot "
-                "a copy of its selected column (store.selected.copy())"
-            )
+            # A memory-mapped store's state: its counts are in the snapshot it names.
+            column = saved_column(dict(store), "selected")
+            if column is None:
+                raise ValueError(
+                    f"{name} is the state of a memory-mapped store that names its files as "
+                    f"they are (only {store['path']!r}), not a snapshot of them; pass "
+                    "a copy of its selected column then (store.selected.copy())"
+                )
+            return _counts(name, column)
         raise ValueError(
             f"{name} should be an ExampleStore state_dict() with a 'selected' column, but has "
             f"keys {sorted(store)}"
@@ -532,8 +536,11 @@ def store_selection_frequency(
         store: an :class:`~sbloader.ExampleStore`, its ``state_dict()`` (in memory), or its
             ``selected`` column.
         seen: times each example was seen: (N,) integers, or one int for all.
-        before: a snapshot at the window's start: a store's ``state_dict()``, an earlier
-            (restored) store, or a copy of the ``selected`` column (``store.selected.copy()``).
+        before: the counts at the window's start: a copy of the ``selected`` column
+            (``store.selected.copy()``), a copy of the store (``copy.deepcopy(store)``), or a
+            state it saved (e.g. a checkpoint's; a memory-mapped store's is read from the
+            snapshot it names). NOTE: calling a memory-mapped store's ``state_dict()`` just
+            for this writes a snapshot, which counts against its ``keep_snapshots``.
             Default: the run's start.
         seen_before: ``seen`` at the window's start (default: 0; or pass the window's own
             ``seen`` and leave this out).

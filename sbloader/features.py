@@ -231,8 +231,11 @@ class FeatureCache:
 
 
 def prefix_digest(prefix: nn.Module) -> str:
-    """A digest of a module's parameters and buffers (names, shapes, dtypes and bytes), which a
-    saved feature cache records, so that a cache computed by another prefix is refused.
+    """A digest of a module's parameters and buffers (in order: shapes, dtypes and bytes), which
+    a saved feature cache records, so that a cache computed by another prefix is refused.
+
+    NOTE: not their names, which wrapping changes (``torch.compile``'s ``_orig_mod.``, DDP's
+    ``module.``) while the outputs stay the same.
 
     Example:
         >>> a = nn.Linear(2, 2)
@@ -240,10 +243,10 @@ def prefix_digest(prefix: nn.Module) -> str:
         (True, False)
     """
     h = hashlib.blake2b(digest_size=16)
-    for name, t in prefix.state_dict().items():
+    for t in prefix.state_dict().values():
         if not isinstance(t, torch.Tensor):
             continue
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
         h.update(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
@@ -281,7 +284,7 @@ def make_feature_cache(
         if in_state:
             raise ValueError(
                 "save_feature_cache=True saves cache_features' cache in the loader's state, but "
-                "got cache_features=False; pass cache_features=True (or a device)"
+                f"got cache_features={cache!r}; pass cache_features=True (or a device)"
             )
         return None
     if cache is not True and not isinstance(cache, (str, torch.device)):

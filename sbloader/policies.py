@@ -563,6 +563,10 @@ class SelectiveBackprop(Policy):
                 "DataLoader over a map-style dataset, or staleness=1"
             )
         if self.store is None or len(self.store) != num_examples:
+            if self.store is not None:
+                # (the folder let go first: the new store is of another size)
+                self.store.close()
+                self.store = None
             self.store = ExampleStore(num_examples, self.store_path, self.store_snapshots)
             self._store_adopted = False
 

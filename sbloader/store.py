@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,14 @@ BYTES_PER_EXAMPLE = 12
 COLUMNS = (("loss", np.float32), ("seen", np.int32), ("selected", np.int32))
 #: The folder, inside a memory-mapped store's, that holds its snapshots.
 SNAPSHOTS = "snapshots"
+
+
+class _Closed:
+    """What a closed store holds instead of a pending restore: every use of its columns raises."""
+
+
+def _no_release() -> None:
+    return None
 
 
 def _sequence(name: str) -> int:
@@ -53,8 +62,9 @@ class ExampleStore:
         size: the number of examples (dataset indices ``0 .. size - 1``).
         path: a folder to hold the columns as memory-mapped files (for 10^8 to 10^9 examples; the
             operating system pages them in and out, and files are created sparse), held by this
-            process while the store lives (another process's store there is refused: give each
-            rank its own folder). Default: in memory.
+            process while the store lives or until :meth:`close` (another process's store
+            there is refused: give each rank its own folder). Default: in memory. A copy of
+            such a store (``copy.deepcopy``, pickle) is an in-memory store.
         keep_snapshots: a memory-mapped store's :meth:`state_dict` copies its files into a
             snapshot (``path/snapshots/``, sparse where they are); the snapshots of this
             store's newest ``keep_snapshots`` states are kept, older ones (also those an earlier
@@ -92,8 +102,10 @@ class ExampleStore:
         # A loaded state not yet applied to the files (a memory-mapped store's): its snapshot,
         # or the columns of an in-memory store's state; applied at the columns' next use (see
         # load_state_dict), under a lock, once, whichever thread gets there.
-        self._restore: Path | tuple[np.ndarray, ...] | None = None
+        self._restore: Path | tuple[np.ndarray, ...] | _Closed | None = None
         self._restore_lock = threading.Lock()
+        # Lets go of the folder (see close); called by itself when the store is collected.
+        self._release: Callable[[], Any] = _no_release
         # This store's snapshots, oldest first, and how many it has written (see state_dict).
         self._written: list[Path] = []
         self._count = 0
@@ -107,12 +119,54 @@ class ExampleStore:
             self._selected = np.zeros(self.size, dtype=np.int32)
         else:
             self.path.mkdir(parents=True, exist_ok=True)
-            release = hold_folder(self, self.path, self.size)
+            self._release = hold_folder(self, self.path, self.size)
             try:
                 self._open_columns(fresh=False)
             except BaseException:
-                release()
+                self._release()
                 raise
+
+    def close(self) -> None:
+        """Let go of a memory-mapped store's folder: its files are flushed and unmapped, and the
+        folder is free for another store (of another size, or another process's). A restore
+        still pending (a state loaded and not used yet) is dropped. The store cannot be used
+        after; closing again, or an in-memory store, does nothing.
+
+        Example:
+            >>> import tempfile
+            >>> folder = tempfile.mkdtemp()
+            >>> s = ExampleStore(10, path=folder)
+            >>> s.close()
+            >>> len(ExampleStore(20, path=folder))  # another size: free once the first is closed
+            20
+        """
+        if self.path is None or isinstance(self._restore, _Closed):
+            return
+        with self._restore_lock:
+            self._restore = _Closed()
+            self.flush()
+            self._loss = np.zeros(0, dtype=np.float32)
+            self._seen = np.zeros(0, dtype=np.int32)
+            self._selected = np.zeros(0, dtype=np.int32)
+        self._release()
+
+    # NOTE (copies): a copy (copy.deepcopy, pickle) of a memory-mapped store is an in-memory
+    # store holding its columns: two stores writing one folder is what the folder's hold
+    # forbids, and a copy taken to compare counts later (the analysis functions' ``before=``)
+    # must not change as the run goes on.
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_restore_lock"], state["_release"]
+        if self.path is not None:
+            loss, seen, selected = (np.array(c) for c in self.columns)
+            state.update(path=None, _loss=loss, _seen=seen, _selected=selected)
+            state.update(_restore=None, _written=[], reopened=False)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._restore_lock = threading.Lock()
+        self._release = _no_release
 
     def _open_columns(self, fresh: bool) -> None:
         self._loss = self._memmap("loss", np.float32, fresh)
@@ -174,6 +228,7 @@ class ExampleStore:
             >>> s.lookup(np.array([1]))[1].tolist()
             [-1]
         """
+        self._check_open()
         self._restore = None  # (a restore not applied yet: cleared all the same)
         if self.path is None:
             for col in (self._loss, self._seen, self._selected):
@@ -357,6 +412,7 @@ class ExampleStore:
             ValueError: the state is of another size, of another folder, or its snapshot is
                 gone (removed as older than the ``keep_snapshots`` newest).
         """
+        self._check_open()
         state = check_version(state, "ExampleStore", self.VERSION, {1: _store_v1_to_v2})
         check_identity(
             "ExampleStore",
@@ -365,8 +421,10 @@ class ExampleStore:
             "build it for the same dataset",
         )
         if "path" not in state:
+            # (copies: a memory-mapped store writes them at the columns' next use, and the
+            # caller's state may change until then)
             columns = tuple(
-                np.asarray(state[name], dtype=dtype).reshape(-1) for name, dtype in COLUMNS
+                np.asarray(state[name], dtype=dtype).reshape(-1).copy() for name, dtype in COLUMNS
             )
             if self.path is None:
                 self._restore = None
@@ -423,6 +481,10 @@ class ExampleStore:
                     f"{moved}; {kept}"
                 )
 
+    def _check_open(self) -> None:
+        if isinstance(self._restore, _Closed):
+            self._apply_restore()  # (raises)
+
     def _apply_restore(self) -> None:
         """Write the loaded state into the column files: its snapshot copied over them (and
         mapped anew), or an in-memory store's columns written into them; once, whichever
@@ -431,6 +493,11 @@ class ExampleStore:
             restore = self._restore
             if restore is None:
                 return
+            if isinstance(restore, _Closed):
+                raise RuntimeError(
+                    f"this store at {self.path} was closed (ExampleStore.close(), e.g. its "
+                    "policy attached to a dataset of another size); build another store"
+                )
             assert self.path is not None
             if not isinstance(restore, Path):
                 for column, values in zip((self._loss, self._seen, self._selected), restore):
@@ -451,6 +518,38 @@ class ExampleStore:
                         tmp.unlink(missing_ok=True)
             self._open_columns(fresh=False)
             self._restore = None
+
+
+def saved_column(state: dict[str, Any], name: str) -> np.ndarray | None:
+    """Column ``name`` (``loss``, ``seen`` or ``selected``) of an :class:`ExampleStore` state:
+    an in-memory store's, or read from the snapshot a memory-mapped store's names (a copy);
+    None for a state that names the files as they are (``"live"``: a version-1 state).
+
+    Raises:
+        ValueError: the snapshot is missing, or ``name`` is no column.
+    """
+    dtypes = dict(COLUMNS)
+    if name not in dtypes:
+        raise ValueError(f"name should be one of {list(dtypes)}, but got name={name!r}")
+    if name in state:
+        return np.asarray(state[name], dtype=dtypes[name]).reshape(-1).copy()
+    if "snapshot" not in state:
+        return None
+    file = (
+        Path(state["path"])
+        / SNAPSHOTS
+        / str(state["snapshot"])
+        / f"{name}.{np.dtype(dtypes[name]).name}"
+    )
+    size = int(state["size"])
+    if not size:
+        return np.zeros(0, dtype=dtypes[name])
+    if not file.is_file() or file.stat().st_size != size * np.dtype(dtypes[name]).itemsize:
+        raise ValueError(
+            f"the store state's snapshot file {file} is missing or incomplete (a memory-mapped "
+            "store keeps the snapshots of its newest saved states only: see keep_snapshots)"
+        )
+    return np.fromfile(file, dtype=dtypes[name])
 
 
 def _store_v1_to_v2(state: dict[str, Any]) -> dict[str, Any]:

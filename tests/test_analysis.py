@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import numpy as np
@@ -181,8 +182,29 @@ def test_selection_frequency_from_a_memory_mapped_store(tmp_path):
     store = ExampleStore(3, path=tmp_path)
     store.count_selected(np.array([2, 2, 0]))
     same(store_selection_frequency(store, 4), [0.25, 0.0, 0.5])
+    same(store_selection_frequency(store.state_dict(), 4), [0.25, 0.0, 0.5])  # its snapshot
+    live = {"version": 1, "size": 3, "path": str(tmp_path)}  # an old state: the files as they are
     with pytest.raises(ValueError, match=r"memory-mapped store.*store\.selected\.copy\(\)"):
-        store_selection_frequency(store.state_dict(), 4)
+        store_selection_frequency(live, 4)
+
+
+def test_a_memory_mapped_stores_checkpoint_as_before_writes_and_removes_nothing(tmp_path):
+    """The counts since a checkpoint: its state's snapshot is read, and the call neither writes
+    a snapshot nor removes one (which could make the checkpoint unloadable)."""
+    store = ExampleStore(4, path=tmp_path, keep_snapshots=2)
+    store.count_selected(np.array([1]))
+    first = store.state_dict()
+    store.count_selected(np.array([2, 2]))
+    second = store.state_dict()
+    store.count_selected(np.array([3]))
+    snapshots = sorted(p.name for p in (tmp_path / "snapshots").iterdir())
+    same(store_selection_frequency(store, 2, before=first), [0.0, 0.0, 1.0, 0.5])
+    same(store_selection_frequency(store, 1, before=second), [0.0, 0.0, 0.0, 1.0])
+    same(store_selection_frequency(first, 1), [0.0, 1.0, 0.0, 0.0])
+    same(store_selection_frequency(store, 2, before=copy.deepcopy(store)), [0.0] * 4)
+    assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == snapshots
+    store.load_state_dict(first)
+    assert store.selected.tolist() == [0, 1, 0, 0]
 
 
 @pytest.mark.parametrize(

@@ -1535,3 +1535,121 @@ def test_a_nonfinite_loss_without_dataset_indices_is_named_by_its_position():
         choose_finite(Traditional(), losses, None, rng, 4, "raise")
     with pytest.raises(FloatingPointError, match=r"dataset indices \[11, 13\]"):
         choose_finite(Traditional(), losses, np.arange(10, 14), rng, 4, "raise")
+
+
+# ---------------------------------------------------------------------- closing and copying
+def test_a_policy_attached_to_a_dataset_of_another_size_lets_go_of_its_folder(tmp_path):
+    """A Stale-SB policy with store_path, reused for a loader over another dataset, builds a
+    store of the new size there (its first store is closed, so that the folder's hold does not
+    refuse its own new store); the closed store refuses every further use."""
+    policy = SelectiveBackprop(0.5, history=64, staleness=2, store_path=tmp_path)
+    first_loader = SelectiveLoader(
+        DataLoader(EncodedDataset(96), batch_size=24), Net(), policy=policy, batch_size=8
+    )
+    first = policy.store
+    assert first is not None and len(first) == 96
+    for _ in first_loader:
+        pass
+    SelectiveLoader(
+        DataLoader(EncodedDataset(50), batch_size=24), Net(), policy=policy, batch_size=8
+    )
+    assert policy.store is not None and len(policy.store) == 50 and policy.store is not first
+    assert (tmp_path / "loss.float32").stat().st_size == 50 * 4
+    for use in (
+        lambda: first.loss,
+        first.state_dict,
+        first.clear,
+        lambda: first.lookup(np.arange(2)),
+    ):
+        with pytest.raises(RuntimeError, match="was closed"):
+            use()
+    first.close()  # again: nothing
+
+
+def test_a_closed_store_frees_its_folder_for_another_process(tmp_path):
+    store = ExampleStore(10, path=tmp_path)
+    code = "import sys\nfrom sbloader import ExampleStore\nExampleStore(10, path=sys.argv[1])\n"
+    run = lambda: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert "in use by another process" in run().stderr
+    store.close()
+    out = run()
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("path", [False, True], ids=["memory", "memory-mapped"])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_store_copies_as_an_in_memory_store_that_does_not_follow_the_run(tmp_path, path, how):
+    """A copy of a store (e.g. to compare selection counts later) holds its columns as they
+    were; a memory-mapped store's copy is an in-memory one (never a second writer of the
+    folder)."""
+    import pickle
+
+    store = ExampleStore(10, path=tmp_path if path else None)
+    store.record(np.array([1, 2]), np.array([0.5, 1.5]), epoch=0)
+    store.count_selected(np.array([2, 2]))
+    copied = copy.deepcopy(store) if how == "deepcopy" else pickle.loads(pickle.dumps(store))
+    store.record(np.array([1]), np.array([9.0]), epoch=1)
+    store.count_selected(np.array([1]))
+    assert copied.path is None and not isinstance(copied.loss, np.memmap)
+    assert copied.lookup(np.array([1, 2]))[0].tolist() == [0.5, 1.5]
+    assert copied.selected.tolist() == [0, 0, 2, 0, 0, 0, 0, 0, 0, 0]
+    copied.count_selected(np.array([3]))  # usable, and apart from the original
+    assert store.selected[3] == 0
+    if path:
+        assert len(ExampleStore(10, path=tmp_path)) == 10  # the original still holds the folder
+
+
+def test_an_attached_stale_sb_policy_can_be_copied():
+    policy = SelectiveBackprop(0.5, history=64, staleness=2)
+    loader = SelectiveLoader(
+        DataLoader(EncodedDataset(96), batch_size=24), Net(), policy=policy, batch_size=8
+    )
+    for _ in loader:
+        pass
+    copied = copy.deepcopy(policy)
+    assert copied.store is not None and copied.store is not policy.store
+    assert np.array_equal(copied.store.loss, policy.store.loss)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_does_not_keep_its_parents_folder_locked(tmp_path):
+    """A flock lasts while any descriptor of it is open: a forked child (a DataLoader worker)
+    closes the copies it inherits, so the folder is free once the parent lets go, the child
+    still running."""
+    import multiprocessing
+
+    store = ExampleStore(10, path=tmp_path)
+    ctx = multiprocessing.get_context("fork")
+    started, done = ctx.Event(), ctx.Event()
+
+    def child() -> None:
+        started.set()  # (after the fork's handlers ran in the child)
+        done.wait(60)
+
+    process = ctx.Process(target=child)
+    process.start()
+    try:
+        assert started.wait(60)
+        store.close()
+        # (a new descriptor: refused as "in use by another process" while the child's copy of
+        # the parent's holds the lock)
+        assert len(ExampleStore(20, path=tmp_path)) == 20
+    finally:
+        done.set()
+        process.join(timeout=60)
+    assert process.exitcode == 0
+
+
+def test_a_memory_mapped_store_restores_the_state_as_loaded_not_as_changed_after(tmp_path):
+    """An in-memory state loaded into a memory-mapped store is written at the columns' next
+    use: what is restored is the state as it was loaded, whatever the caller does to it
+    between."""
+    source = ExampleStore(10)
+    source.record(np.array([4]), np.array([2.5]), epoch=0)
+    state = source.state_dict()
+    store = ExampleStore(10, path=tmp_path)
+    store.load_state_dict(state)
+    state["loss"][4] = 99.0  # the caller reuses its tensors
+    assert store.lookup(np.array([4]))[0].tolist() == [2.5]

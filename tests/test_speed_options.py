@@ -583,3 +583,15 @@ def test_a_saved_feature_cache_of_another_prefix_is_refused_and_never_shared():
     same.load_state_dict(state)
     rows, saved = same.scorer.feature_cache.values, state["scorer"]["feature_cache"]["values"]
     assert torch.equal(rows, saved) and rows.data_ptr() != saved.data_ptr()
+    # The same weights wrapped (parameter names prefixed, as torch.compile's _orig_mod. and
+    # DDP's module. do) compute the same features: accepted.
+    wrapped, _ = run(frozen_prefix=nn.Sequential(copy.deepcopy(backbone)), epochs=0, **kwargs)
+    wrapped.load_state_dict(state)
+    assert torch.equal(wrapped.scorer.feature_cache.values, saved)
+
+
+@pytest.mark.parametrize("cache", [False, None])
+def test_save_feature_cache_without_a_cache_is_refused_naming_the_value(cache):
+    backbone, head = backbone_and_head()
+    with pytest.raises(ValueError, match=rf"save_feature_cache=True .* got cache_features={cache}"):
+        run(model=head, frozen_prefix=backbone, cache_features=cache, save_feature_cache=True)
