@@ -280,6 +280,39 @@ def _generators(loader: DataLoader) -> list[torch.Generator]:
     return gens
 
 
+def unreplayable_sampler(loader: DataLoader) -> str | None:
+    """Why a DataLoader's order cannot be replayed from its generators' saved states, or None:
+    its sampler draws from torch's global RNG (which sbloader never touches).
+
+    NOTE: torch's random samplers (``RandomSampler``, ``SubsetRandomSampler``,
+    ``WeightedRandomSampler``) and any sampler with a ``generator`` attribute draw from the
+    global RNG when it is None; the DataLoader's own ``generator=`` reaches only the
+    ``RandomSampler`` it makes for ``shuffle=True``.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import SubsetRandomSampler
+        >>> data = list(range(8))
+        >>> unreplayable_sampler(DataLoader(data, sampler=SubsetRandomSampler(range(4))))[:40]
+        'its sampler (SubsetRandomSampler) draws '
+        >>> unreplayable_sampler(DataLoader(data, shuffle=True, generator=torch.Generator()))
+    """
+    sampler = getattr(loader.batch_sampler, "sampler", None)
+    if sampler is None or not hasattr(sampler, "generator") or sampler.generator is not None:
+        return None
+    name = type(sampler).__name__
+    fix = f"build the {name} with generator=torch.Generator().manual_seed(seed)"
+    if isinstance(sampler, RandomSampler):
+        fix = (
+            "pass generator=torch.Generator().manual_seed(seed) to the DataLoader (shuffle=True), "
+            f"or to the {name} you built"
+        )
+    return (
+        f"its sampler ({name}) draws from torch's global RNG, so its order cannot be "
+        f"replayed; {fix}"
+    )
+
+
 def indexed_loader_kwargs(loader: DataLoader, batch_sampler: Any) -> dict[str, Any]:
     """The arguments of ``loader``'s twin over :class:`IndexedDataset`: the same batches from
     ``batch_sampler``, workers and memory options, collated into ``(indices, batch)``."""
@@ -395,8 +428,7 @@ class DataLoaderSource(Source):
     @property
     def replayable(self) -> bool:
         """Whether the epoch order can be replayed from saved generator states."""
-        sampler = getattr(self.loader.batch_sampler, "sampler", None)
-        return not (isinstance(sampler, RandomSampler) and sampler.generator is None)
+        return unreplayable_sampler(self.loader) is None
 
     def epoch(
         self, skip: int = 0, keep: Callable[[np.ndarray], np.ndarray] | None = None
@@ -480,12 +512,9 @@ class DataLoaderSource(Source):
                 f"the saved source state has {len(state['generators'])} generators but this "
                 f"DataLoader has {len(self._gens)}; build the DataLoader as the saved one was"
             )
-        if mid_epoch and not self.replayable:
-            raise ValueError(
-                "cannot resume this DataLoader in the middle of an epoch: it shuffles with torch's "
-                "global RNG, so its order cannot be replayed; pass "
-                "generator=torch.Generator().manual_seed(seed) to the DataLoader"
-            )
+        why = unreplayable_sampler(self.loader) if mid_epoch else None
+        if why is not None:
+            raise ValueError(f"cannot resume this DataLoader in the middle of an epoch: {why}")
         if mid_epoch and state.get("out_of_order", self.out_of_order):
             # NOTE: a resumed epoch skips the batches consumed, taken as the sampler's first
             # ones; out of order they were whichever the workers finished first, so the resumed
@@ -585,6 +614,12 @@ class IterableSource(Source):
         self._size = (
             None if dataset_size is None else check_int("dataset_size", dataset_size, minimum=1)
         )
+        # NOTE (a DataLoader iterated as it is, e.g. with index_key=): its order comes from its
+        # generators, whose states are saved (now, and as the epoch started), so that an
+        # epoch-boundary resume goes on with the next epoch's order, and a mid-epoch one
+        # replays the interrupted epoch's order and skips what was consumed.
+        self._gens = _generators(iterable) if isinstance(iterable, DataLoader) else []
+        self._epoch_start: list[torch.Tensor] | None = None
 
     def has_indices(self) -> bool:
         return self.index_key is not None
@@ -596,7 +631,13 @@ class IterableSource(Source):
         self, skip: int = 0, keep: Callable[[np.ndarray], np.ndarray] | None = None
     ) -> Iterator[tuple[Any, np.ndarray | None]]:
         # NOTE: a generic iterable cannot skip without producing batches; resuming mid-epoch
-        # replays and discards them, which is exact only if the iterable's order is fixed.
+        # replays and discards them, which is exact only if the iterable's order is fixed (or,
+        # for a DataLoader, drawn from the generators restored here).
+        if skip and self._epoch_start is not None:
+            for g, state in zip(self._gens, self._epoch_start):
+                g.set_state(state)
+        else:
+            self._epoch_start = [g.get_state() for g in self._gens]
         for i, batch in enumerate(self.iterable):
             if i < skip:
                 continue
@@ -621,8 +662,32 @@ class IterableSource(Source):
                     )
             yield batch, indices
 
+    def state_dict(self) -> dict[str, Any]:
+        if not self._gens:
+            return {}
+        return {
+            "generators": [g.get_state() for g in self._gens],
+            "epoch_start": self._epoch_start,
+        }
+
     def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
-        """Nothing to restore: a mid-epoch resume replays the iterable and skips batches."""
+        """A DataLoader's generators (see the NOTE in ``__init__``); nothing else: a mid-epoch
+        resume replays the iterable and skips batches."""
+        if mid_epoch and isinstance(self.iterable, DataLoader):
+            why = unreplayable_sampler(self.iterable)
+            if why is not None:
+                raise ValueError(f"cannot resume this DataLoader in the middle of an epoch: {why}")
+        saved = state.get("generators")
+        if saved is None:  # (an iterable without generators, or a state saved before them)
+            return
+        if len(saved) != len(self._gens):
+            raise ValueError(
+                f"the saved source state has {len(saved)} generators but this DataLoader has "
+                f"{len(self._gens)}; build the DataLoader as the saved one was"
+            )
+        for g, s in zip(self._gens, saved):
+            g.set_state(s)
+        self._epoch_start = state["epoch_start"]
 
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]

@@ -733,3 +733,96 @@ def test_metadata_rows_are_the_same_with_the_positions_already_made():
         assert rows.probabilities.dtype == rows.weights.dtype == torch.float32
         rows.weights.mul_(2)  # a caller's in-place change touches its own column only
         assert rows.probabilities.tolist() == [1.0, 0.5, 0.25]
+
+
+# ---------------------------------------------------------------------- samplers and resumes
+class IndexedItems(torch.utils.data.Dataset):
+    """Example i is (input [i, i], target i % 4, its own index i): for index_key=2."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i):
+        return torch.full((2,), float(i)), torch.tensor(i % 4), torch.tensor(i)
+
+
+def _resumed_indices(make_loader, cut: int):
+    """The indices of three epochs uninterrupted, and of the same three epochs with the loader
+    saved after ``cut`` batches of the second and rebuilt from that state in a process whose
+    global RNG is elsewhere."""
+    torch.manual_seed(0)
+    loader = make_loader()
+    full = [epoch_indices(loader) for _ in range(3)]
+    torch.manual_seed(0)
+    loader = make_loader()
+    first = epoch_indices(loader)
+    it = iter(loader)
+    head = [next(it).indices.tolist() for _ in range(cut)]
+    state = copy.deepcopy(loader.state_dict())
+    torch.manual_seed(123)
+    again = make_loader()
+    again.load_state_dict(state)
+    return full, [first, head + epoch_indices(again), epoch_indices(again)]
+
+
+@pytest.mark.parametrize("sampler", ["subset", "weighted"])
+def test_a_sampler_on_the_global_rng_refuses_a_mid_epoch_resume_naming_it(sampler):
+    """SubsetRandomSampler / WeightedRandomSampler built without a generator draw from torch's
+    global RNG (the DataLoader's generator= does not reach them): a mid-epoch resume would
+    replay another order (examples repeated and lost), so it is refused naming the sampler and
+    the fix; given a generator, the resume is exact."""
+
+    def make(generator):
+        def build():
+            g = torch.Generator().manual_seed(1) if generator else None
+            s = (
+                torch.utils.data.SubsetRandomSampler(range(48), generator=g)
+                if sampler == "subset"
+                else torch.utils.data.WeightedRandomSampler(
+                    torch.ones(64), 48, replacement=False, generator=g
+                )
+            )
+            dl = DataLoader(
+                EncodedDataset(64), batch_size=8, sampler=s, generator=torch.Generator()
+            )
+            return SelectiveLoader(dl, IndexLoss(), policy=Traditional(), batch_size=8, seed=0)
+
+        return build
+
+    name = "SubsetRandomSampler" if sampler == "subset" else "WeightedRandomSampler"
+    with pytest.raises(
+        ValueError,
+        match=rf"middle of an epoch: its sampler \({name}\).*build the {name} with generator=",
+    ):
+        _resumed_indices(make(False), cut=2)
+    full, resumed = _resumed_indices(make(True), cut=2)
+    assert resumed == full and len({i for batch in full[0] for i in batch}) == 48
+
+
+@pytest.mark.parametrize("generator", [True, False], ids=["seeded", "global-rng"])
+def test_a_dataloader_read_through_index_key_resumes_exactly(generator):
+    """With index_key= a map-style DataLoader is iterated as it is (its own index field): its
+    generator's states are saved, so that a resume, mid-epoch or at its end, yields what the
+    uninterrupted run does; shuffling on the global RNG, a mid-epoch resume is refused."""
+
+    def build():
+        g = torch.Generator().manual_seed(0) if generator else None
+        dl = DataLoader(IndexedItems(), batch_size=8, shuffle=True, generator=g)
+        return SelectiveLoader(
+            dl,
+            IndexLoss(),
+            policy=Traditional(),
+            batch_size=8,
+            index_key=2,
+            drop_index=True,
+            dataset_size=64,
+            seed=0,
+        )
+
+    if not generator:
+        with pytest.raises(ValueError, match=r"its sampler \(RandomSampler\).*to the DataLoader"):
+            _resumed_indices(build, cut=3)
+        return
+    for cut in (3, 8):  # mid-epoch, and after the epoch's last batch
+        full, resumed = _resumed_indices(build, cut=cut)
+        assert resumed == full and full[1] != full[2]
