@@ -280,6 +280,30 @@ def _generators(loader: DataLoader) -> list[torch.Generator]:
     return gens
 
 
+def loader_batch_size(loader: Any) -> int | None:
+    """A DataLoader's (or a loader like it) batch size: its own, or its ``batch_sampler=``'s."""
+    bs = getattr(loader, "batch_size", None)
+    if bs is None:
+        bs = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return bs
+
+
+def drops_last(loader: Any) -> bool:
+    """Whether a DataLoader (or a loader like it) drops its last partial batch: its batch
+    sampler's ``drop_last``, which a ``batch_sampler=`` given to the DataLoader decides (the
+    DataLoader's own ``drop_last`` is then False, whatever the batch sampler does).
+
+    Example:
+        >>> from torch.utils.data import BatchSampler, SequentialSampler
+        >>> data = list(range(10))
+        >>> loader = DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(data), 4, True))
+        >>> drops_last(loader), loader.drop_last, len(loader)
+        (True, False, 2)
+    """
+    default = bool(getattr(loader, "drop_last", False))
+    return bool(getattr(getattr(loader, "batch_sampler", None), "drop_last", default))
+
+
 def unreplayable_sampler(loader: DataLoader) -> str | None:
     """Why a DataLoader's order cannot be replayed from its generators' saved states, or None:
     its sampler draws from torch's global RNG (which sbloader never touches).
@@ -406,7 +430,7 @@ class DataLoaderSource(Source):
         return True
 
     def drop_last(self) -> bool:
-        return bool(self.loader.drop_last)
+        return drops_last(self.loader)
 
     def replaying(self) -> bool:
         return self._batch_sampler.replaying
@@ -540,10 +564,7 @@ class DataLoaderSource(Source):
 
     @property
     def batch_size(self) -> int | None:
-        bs = self.loader.batch_size
-        if bs is None:
-            bs = getattr(self.loader.batch_sampler, "batch_size", None)
-        return bs
+        return loader_batch_size(self.loader)
 
     @property
     def dataset_size(self) -> int | None:

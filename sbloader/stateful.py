@@ -19,7 +19,14 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ._checks import check_int
 from ._state import VERSION, Stateful, check_version
-from .sources import IndexedDataset, IterableSource, Source, indexed_loader_kwargs
+from .sources import (
+    IndexedDataset,
+    IterableSource,
+    Source,
+    drops_last,
+    indexed_loader_kwargs,
+    loader_batch_size,
+)
 
 __all__ = ["StatefulSource"]
 
@@ -133,7 +140,7 @@ class StatefulSource(Source):
         return self.index_key
 
     def drop_last(self) -> bool:
-        return bool(getattr(self.loader, "drop_last", False))
+        return drops_last(self.loader)
 
     def default_prefetch(self) -> int:
         """1 with worker processes (the next batch is then fetched while the caller trains)."""
@@ -214,7 +221,7 @@ class StatefulSource(Source):
 
     @property
     def batch_size(self) -> int | None:
-        return getattr(self.loader, "batch_size", None)
+        return loader_batch_size(self.loader)
 
     @property
     def dataset_size(self) -> int | None:

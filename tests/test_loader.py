@@ -1288,3 +1288,24 @@ def test_a_source_of_ones_own_answering_has_indices_with_a_falsy_value_is_taken(
     loader = SelectiveLoader(Mine(batches), nn.Linear(3, N_CLASSES), batch_size=2, seed=0)
     assert loader.policy.policy.staleness == 1  # plain SB after the warm-up: no store
     assert sum(len(b[0]) for b in loader) > 0
+
+
+@pytest.mark.parametrize("kind", ["dataloader", "stateful"])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_len_follows_a_batch_samplers_drop_last(kind, drop_last):
+    """A batch_sampler= decides whether the last partial batch is dropped (the DataLoader's own
+    drop_last is then False): len(loader) counts what the epoch yields, as a length-hungry
+    scheduler needs."""
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    data = EncodedDataset(100)
+    batches = BatchSampler(SequentialSampler(data), 32, drop_last=drop_last)
+    if kind == "stateful":
+        stateful = pytest.importorskip("torchdata.stateful_dataloader")
+        source = stateful.StatefulDataLoader(data, batch_sampler=batches)
+    else:
+        source = DataLoader(data, batch_sampler=batches)
+    loader = SelectiveLoader(source, IndexLoss(), policy=Traditional(), batch_size=32)
+    yielded = [len(b.indices) for b in loader]
+    assert len(loader) == len(yielded) == (3 if drop_last else 4)
+    assert yielded[:3] == [32, 32, 32]
