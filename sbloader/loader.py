@@ -996,6 +996,15 @@ class SelectiveLoader(NotADataLoader):
         epoch is one pass over the data)."""
         return self.epoch if self._fixed is None else self._fixed.current()[0]
 
+    def _training_yielded(self) -> int:
+        """Batches yielded in the current training epoch so far: with ``batches_per_epoch``,
+        counted in that epoch (whose passes are not its epochs); else in the pass (its stats'
+        count, restored with a mid-epoch state), 0 before one began."""
+        if self._fixed is not None:
+            return self._fixed.current()[1]
+        stats = self.stats.current
+        return 0 if stats is None else stats.batches_yielded
+
     @property
     def world_size(self) -> int:
         """The number of ranks the loader keeps in step (1 on a single process)."""

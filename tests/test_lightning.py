@@ -547,3 +547,21 @@ def test_stale_sb_with_a_memory_mapped_store_resumes_exactly_from_an_earlier_che
             policy=stale(2, tmp_path / "two" / "store"),
             epochs=4,
         )
+
+
+@pytest.mark.parametrize("policy", [Traditional, warmup_then_sb], ids=["traditional", "phased"])
+@pytest.mark.parametrize("stop", ["limit_train_batches", "max_steps"])
+def test_batches_per_epoch_with_an_epoch_cut_short(tmp_path, policy, stop):
+    """batches_per_epoch with Lightning stopping a training epoch early: the epoch is abandoned
+    after the batches Lightning took (the pass's own count, beyond len(), is not the epoch's),
+    and a checkpoint saved then resumes as the uninterrupted run goes on."""
+    kwargs = {"limit_train_batches": 3} if stop == "limit_train_batches" else {"max_steps": 13}
+    module = Classifier(policy=policy, batches_per_epoch=5)
+    t = trainer(callbacks=checkpoints(tmp_path, every=1000), **kwargs)
+    t.fit(module)
+    assert len(module.trained) == (9 if stop == "limit_train_batches" else 13)
+    assert len(t.train_dataloader) == 5 < len(t.train_dataloader.loader.source)
+    if stop == "limit_train_batches":
+        again = Classifier(policy=policy, batches_per_epoch=5)
+        trainer(**kwargs).fit(again, ckpt_path=tmp_path / "epochs" / "epoch=0-step=3.ckpt")
+        assert module.trained[:3] + again.trained == module.trained

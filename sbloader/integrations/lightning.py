@@ -191,12 +191,12 @@ class LightningLoader:
             length: int | None = len(self.loader)
         except TypeError:
             length = None
-        stats = self.loader.stats.current
-        # NOTE: counted over the whole epoch (its stats are restored with a mid-epoch state),
-        # not since this iterator started: a resumed epoch must end as the uninterrupted one
-        # did. (Whether it ends or is abandoned changes what the source draws next: a torch
-        # RandomSampler draws again from its generator when it is exhausted.)
-        if length is None or stats is None or stats.batches_yielded < length:
+        # NOTE: counted over the whole training epoch (restored with a mid-epoch state), not
+        # since this iterator started: a resumed epoch must end as the uninterrupted one did.
+        # (Whether it ends or is abandoned changes what the source draws next: a torch
+        # RandomSampler draws again from its generator when it is exhausted.) With
+        # batches_per_epoch, the training epoch's batches, not its current pass's.
+        if length is None or self.loader._training_yielded() < length:
             epoch.close(resumable=False)
             return
         extra = next(epoch, None)
