@@ -565,3 +565,42 @@ def test_batches_per_epoch_with_an_epoch_cut_short(tmp_path, policy, stop):
         again = Classifier(policy=policy, batches_per_epoch=5)
         trainer(**kwargs).fit(again, ckpt_path=tmp_path / "epochs" / "epoch=0-step=3.ckpt")
         assert module.trained[:3] + again.trained == module.trained
+
+
+def test_under_ddp_a_source_that_does_not_split_the_data_is_refused_and_others_accepted(
+    monkeypatch,
+):
+    """With several processes a DataLoader whose sampler gives every rank all the data is
+    refused, naming DistributedSampler; a DistributedSampler, a batch sampler that splits by
+    itself, and an iterable dataset (which shards itself: a DataLoader refuses a sampler
+    there) are accepted."""
+    from torch.utils.data import DistributedSampler, IterableDataset
+
+    monkeypatch.setattr(pl.Trainer, "world_size", property(lambda self: 2))
+    module = Classifier()
+    module.trainer = trainer(epochs=1)
+
+    def build(source):
+        return selective_loader(module, source, policy=Traditional(), batch_size=8)
+
+    with pytest.raises(ValueError, match=r"2 processes.*\(RandomSampler\).*DistributedSampler"):
+        build(DataLoader(data(), batch_size=8, shuffle=True))
+    build(DataLoader(data(), batch_size=8, sampler=DistributedSampler(data(), 2, 0, seed=0)))
+
+    class SplittingBatches:
+        num_replicas = 2
+
+        def __iter__(self):
+            return iter([list(range(0, 16, 2))])
+
+        def __len__(self):
+            return 1
+
+    build(DataLoader(data(), batch_sampler=SplittingBatches()))
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            d = data()
+            return iter((d[i][0], d[i][1], i) for i in range(0, 64, 2))
+
+    build(DataLoader(Stream(), batch_size=8))

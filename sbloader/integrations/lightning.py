@@ -66,7 +66,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from .._state import check_version
 from ..epoch import EpochIterator
@@ -412,9 +412,22 @@ def selective_loader(
             "training_step(self, batch, batch_idx)"
         )
     world = trainer.world_size
-    if world > 1 and isinstance(source, DataLoader):
-        sampler = getattr(source.batch_sampler, "sampler", source.sampler)
-        if getattr(sampler, "num_replicas", None) != world:
+    # NOTE: checked where the split is the sampler's to make: not over an iterable dataset
+    # (mosaicml-streaming's and torchdata's shard by rank themselves; a DataLoader refuses a
+    # sampler there), nor for a batch sampler of the user's own that splits by itself or holds
+    # no sampler to inspect.
+    if (
+        world > 1
+        and isinstance(source, DataLoader)
+        and not isinstance(source.dataset, IterableDataset)
+    ):
+        batches = source.batch_sampler
+        sampler = getattr(batches, "sampler", None)
+        splits = world in (
+            getattr(batches, "num_replicas", None),
+            getattr(sampler, "num_replicas", None),
+        )
+        if sampler is not None and not splits:
             raise ValueError(
                 f"the Trainer runs {world} processes, but the source DataLoader's sampler "
                 f"({type(sampler).__name__}) does not split the data between them; build it with "
