@@ -552,7 +552,23 @@ class SelectiveBackprop(Policy):
         return self.reweight
 
     def attach(self, num_examples: int | None, key: int) -> None:
+        """A new loader's run: the window, the pass schedule and the store start afresh (a
+        state loaded next restores them), also for a policy reused from an earlier run.
+
+        NOTE: a policy reused without this began the new run in its old schedule (a stale first
+        epoch, kept against the old run's losses, or against an empty store of another size:
+        every example kept, no selection pass)."""
         self._key = int(key)
+        self.window = LossWindow(self.window.size)
+        self.device_window = DeviceWindow(self.window.size)
+        self._uniform_share = 1.0 if self.ramp_epochs > 0 else 0.0
+        self.drift_passes = 0
+        self._reference = None
+        self._last_fresh, self._fed, self._begun, self._fresh = None, False, None, True
+        self._epoch = 0
+        if self.store is not None and self._store_adopted:
+            # (the store an earlier run used: cleared at its first use, unless a state loads)
+            self._store_adopted, self._clear_at_adoption = False, True
         if self.staleness == 1:
             return
         if num_examples is None:
@@ -996,6 +1012,12 @@ class Kath18(Policy):
             return self.tau_threshold
         return (pool + 3 * b) / (3 * b)
 
+    def attach(self, num_examples: int | None, key: int) -> None:
+        """A new loader's run: tau starts afresh (a state loaded next restores it), also for
+        a policy reused from an earlier run."""
+        self.tau = 0.0
+        self.importance_sampling = False
+
     def update_tau(self, losses: np.ndarray) -> float:
         """Fold one pool's losses into tau's moving average and return the pool's estimate."""
         n = losses.shape[0]
@@ -1304,6 +1326,13 @@ def default_policy(
     if epochs is not None:
         epochs = check_int("epochs", epochs, minimum=warmup + 1)
         anneal = _anneal_from(epochs, anneal_share, warmup)
+    # (checked also where they go unused, without a store: a typo is never accepted silently)
+    if stale_cdf not in STALE_CDFS:
+        raise ValueError(
+            f"stale_cdf should be one of {list(STALE_CDFS)}, but got stale_cdf={stale_cdf!r}"
+        )
+    if drift_bound is not None:
+        check_float("drift_bound", drift_bound, low=0.0, high=1.0, low_open=True)
     return Phased(
         SelectiveBackprop(
             selectivity,

@@ -35,6 +35,24 @@ def test_bad_arguments_name_the_parameter(kwargs, message):
         SelectiveBackprop(**kwargs)
 
 
+@pytest.mark.parametrize("has_store", [True, False])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"stale_cdf": "stroe"}, "stale_cdf should be one of .*got stale_cdf='stroe'"),
+        ({"drift_bound": 7.0}, r"drift_bound should be in \(0, 1\], but got drift_bound=7.0"),
+        ({"drift_bound": -1.0}, r"drift_bound should be in \(0, 1\], but got drift_bound=-1.0"),
+    ],
+)
+def test_default_policy_refuses_bad_store_options_with_or_without_a_store(
+    has_store, kwargs, message
+):
+    """Options that apply only with a store are checked without one too: a typo is refused,
+    not silently unused."""
+    with pytest.raises(ValueError, match=message):
+        default_policy(has_store=has_store, **kwargs)
+
+
 @pytest.mark.parametrize("bad", ["False", "True", 0, 1, None])
 def test_default_policy_refuses_a_has_store_that_is_no_bool(bad):
     """has_store picks Stale-SB (a per-example store) or a selection pass every epoch: read by its

@@ -1653,3 +1653,43 @@ def test_a_memory_mapped_store_restores_the_state_as_loaded_not_as_changed_after
     store.load_state_dict(state)
     state["loss"][4] = 99.0  # the caller reuses its tensors
     assert store.lookup(np.array([4]))[0].tolist() == [2.5]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: SelectiveBackprop(1 / 3, history=64),
+        lambda: SelectiveBackprop(1 / 3, history=64, staleness=3),
+        lambda: SelectiveBackprop(1 / 3, history=64, staleness=3, ramp_epochs=1),
+        lambda: Phased(SelectiveBackprop(1 / 3, history=64, staleness=2), warmup_epochs=1),
+    ],
+    ids=["sb", "stale-sb", "stale-sb-ramp", "phased"],
+)
+@pytest.mark.parametrize("size", [120, 96], ids=["same-size", "other-size"])
+def test_a_policy_reused_for_a_new_run_runs_as_a_new_one(make, size):
+    """A policy object given to a second loader (a second run, another seed or dataset) starts
+    that run afresh, as a policy just built does: its window, its pass schedule (Stale-SB's
+    first epoch is a selection pass) and its store (empty) are not the first run's."""
+
+    def run(policy, n, epochs):
+        torch.manual_seed(0)
+        loader = SelectiveLoader(
+            DataLoader(EncodedDataset(n), batch_size=24), Net(), policy=policy, batch_size=8
+        )
+        return [[b.indices.tolist() for b in loader] for _ in range(epochs)]
+
+    reused = make()
+    run(reused, 120, epochs=4)  # the first run: past its first pass and a stale epoch
+    assert run(reused, size, epochs=3) == run(make(), size, epochs=3)
+
+
+def test_a_kath18_policy_reused_for_a_new_run_starts_from_tau_zero():
+    policy = Kath18(1 / 3, tau_threshold=1.05)
+    loader = SelectiveLoader(
+        DataLoader(EncodedDataset(120), batch_size=24), Net(), policy=policy, batch_size=8
+    )
+    for _ in loader:
+        pass
+    assert policy.tau > 0
+    SelectiveLoader(DataLoader(EncodedDataset(120), batch_size=24), Net(), policy=policy)
+    assert policy.tau == 0.0 and not policy.importance_sampling
