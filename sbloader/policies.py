@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._checks import check_bool, check_float, check_indices, check_int
+from ._checks import check_bool, check_choice, check_float, check_indices, check_int
 from ._random import hashed_uniforms
 from .device_decisions import DeviceChoice, DeviceWindow
 from .store import ExampleStore
@@ -447,8 +447,6 @@ class SelectiveBackprop(Policy):
             beta = 1.0 / s - 1.0
         self.beta = check_float("beta", beta, low=0.0)
         self.window = LossWindow(check_int("history", history, minimum=1))
-        #: The window of ``decisions="device"`` (the host window is not used then).
-        self.device_window = DeviceWindow(self.window.size)
         self.staleness = check_int("staleness", staleness, minimum=1)
         self.fed_staleness = (
             self.staleness
@@ -463,7 +461,6 @@ class SelectiveBackprop(Policy):
                 f"epoch of Stale-SB makes a selection pass), but got ramp_epochs={ramp_epochs}; "
                 "use staleness=1 for a longer ramp"
             )
-        self._uniform_share = 1.0 if self.ramp_epochs > 0 else 0.0
         self.trim_top = check_float("trim_top", trim_top, low=0.0, high=1.0)
         if self.trim_top > 1.0 - self.selectivity or self.trim_top == 1.0:
             raise ValueError(
@@ -486,20 +483,9 @@ class SelectiveBackprop(Policy):
             if drift_bound is None
             else check_float("drift_bound", drift_bound, low=0.0, high=1.0, low_open=True)
         )
-        #: Selection passes run early because the stored losses drifted (see ``drift_bound``).
-        self.drift_passes = 0
-        # The stored losses (a sorted spread sample) as the last selection pass left them, which
-        # the stale epochs after it are judged against (see _drifted).
-        self._reference: np.ndarray | None = None
         # The CDF above which P is 0 and the exponent below it (see trim_top).
         self._cut = 1.0 - self.trim_top
         self._cut_beta = self.beta if self.trim_top == 0 else self._cut * (self.beta + 1.0) - 1.0
-        # The pass schedule (state): the last epoch with a pass, whether the losses of the
-        # epoch before the current one were reported, the epoch begun and its decision.
-        self._last_fresh: int | None = None
-        self._fed = False
-        self._begun: int | None = None
-        self._fresh = True
         if store_path is not None and not isinstance(store_path, (str, os.PathLike)):
             raise TypeError(
                 "store_path should be a folder to memory-map the per-example store in (a str or "
@@ -517,8 +503,28 @@ class SelectiveBackprop(Policy):
         # one loaded from a state saved before its first use).
         self._store_adopted = False
         self._clear_at_adoption = False
-        self._epoch = 0
         self._key = 0
+        self._start_run()
+
+    def _start_run(self) -> None:
+        """The run's state as it begins: an empty window, the pass schedule from epoch 0, the
+        ramp from its start (the store is the caller's: see :meth:`attach`)."""
+        self.window = LossWindow(self.window.size)
+        #: The window of ``decisions="device"`` (the host window is not used then).
+        self.device_window = DeviceWindow(self.window.size)
+        self._uniform_share = 1.0 if self.ramp_epochs > 0 else 0.0
+        #: Selection passes run early because the stored losses drifted (see ``drift_bound``).
+        self.drift_passes = 0
+        # The stored losses (a sorted spread sample) as the last selection pass left them, which
+        # the stale epochs after it are judged against (see _drifted).
+        self._reference: np.ndarray | None = None
+        # The pass schedule (state): the last epoch with a pass, whether the losses of the
+        # epoch before the current one were reported, the epoch begun and its decision.
+        self._last_fresh: int | None = None
+        self._fed = False
+        self._begun: int | None = None
+        self._fresh = True
+        self._epoch = 0
 
     @property
     def selectivity(self) -> float:
@@ -559,13 +565,7 @@ class SelectiveBackprop(Policy):
         epoch, kept against the old run's losses, or against an empty store of another size:
         every example kept, no selection pass)."""
         self._key = int(key)
-        self.window = LossWindow(self.window.size)
-        self.device_window = DeviceWindow(self.window.size)
-        self._uniform_share = 1.0 if self.ramp_epochs > 0 else 0.0
-        self.drift_passes = 0
-        self._reference = None
-        self._last_fresh, self._fed, self._begun, self._fresh = None, False, None, True
-        self._epoch = 0
+        self._start_run()
         if self.store is not None and self._store_adopted:
             # (the store an earlier run used: cleared at its first use, unless a state loads)
             self._store_adopted, self._clear_at_adoption = False, True
@@ -1327,10 +1327,7 @@ def default_policy(
         epochs = check_int("epochs", epochs, minimum=warmup + 1)
         anneal = _anneal_from(epochs, anneal_share, warmup)
     # (checked also where they go unused, without a store: a typo is never accepted silently)
-    if stale_cdf not in STALE_CDFS:
-        raise ValueError(
-            f"stale_cdf should be one of {list(STALE_CDFS)}, but got stale_cdf={stale_cdf!r}"
-        )
+    check_choice("stale_cdf", stale_cdf, STALE_CDFS)
     if drift_bound is not None:
         check_float("drift_bound", drift_bound, low=0.0, high=1.0, low_open=True)
     return Phased(

@@ -304,9 +304,10 @@ def drops_last(loader: Any) -> bool:
     return bool(getattr(getattr(loader, "batch_sampler", None), "drop_last", default))
 
 
-def unreplayable_sampler(loader: DataLoader) -> str | None:
-    """Why a DataLoader's order cannot be replayed from its generators' saved states, or None:
-    its sampler draws from torch's global RNG (which sbloader never touches).
+def unreplayable_sampler(sampler: Any) -> str | None:
+    """Why a DataLoader's order, drawn by ``sampler``, cannot be replayed from its generators'
+    saved states, or None: the sampler draws from torch's global RNG (which sbloader never
+    touches).
 
     NOTE: torch's random samplers (``RandomSampler``, ``SubsetRandomSampler``,
     ``WeightedRandomSampler``) and any sampler with a ``generator`` attribute draw from the
@@ -315,13 +316,11 @@ def unreplayable_sampler(loader: DataLoader) -> str | None:
 
     Example:
         >>> import torch
-        >>> from torch.utils.data import SubsetRandomSampler
-        >>> data = list(range(8))
-        >>> unreplayable_sampler(DataLoader(data, sampler=SubsetRandomSampler(range(4))))[:40]
+        >>> from torch.utils.data import RandomSampler, SubsetRandomSampler
+        >>> unreplayable_sampler(SubsetRandomSampler(range(4)))[:40]
         'its sampler (SubsetRandomSampler) draws '
-        >>> unreplayable_sampler(DataLoader(data, shuffle=True, generator=torch.Generator()))
+        >>> unreplayable_sampler(RandomSampler(range(4), generator=torch.Generator()))
     """
-    sampler = getattr(loader.batch_sampler, "sampler", None)
     if sampler is None or not hasattr(sampler, "generator") or sampler.generator is not None:
         return None
     name = type(sampler).__name__
@@ -335,6 +334,65 @@ def unreplayable_sampler(loader: DataLoader) -> str | None:
         f"its sampler ({name}) draws from torch's global RNG, so its order cannot be "
         f"replayed; {fix}"
     )
+
+
+class LoaderOrder:
+    """A DataLoader's order, as the states of the generators that draw it: now, and as the
+    current epoch started (:class:`DataLoaderSource`, and :class:`IterableSource` over a
+    DataLoader).
+
+    NOTE: an epoch-boundary resume restores the states as they are now (the next epoch's order
+    goes on as in the uninterrupted run); a mid-epoch one restores those of the epoch's start,
+    replays the interrupted epoch's order and skips what was consumed.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> order = LoaderOrder([g])
+        >>> order.begin(skip=0), torch.randint(9, (3,), generator=g).tolist()
+        (False, [8, 0, 2])
+        >>> order.begin(skip=1), torch.randint(9, (3,), generator=g).tolist()  # replayed
+        (True, [8, 0, 2])
+    """
+
+    def __init__(self, generators: list[torch.Generator]) -> None:
+        self.generators = generators
+        self.epoch_start: list[torch.Tensor] | None = None
+
+    def begin(self, skip: int) -> bool:
+        """As an epoch begins: a resumed one (``skip`` > 0, its start known) gets the states of
+        its start back (True); any other has its start recorded (False)."""
+        if skip and self.epoch_start is not None:
+            for g, state in zip(self.generators, self.epoch_start):
+                g.set_state(state)
+            return True
+        self.epoch_start = [g.get_state() for g in self.generators]
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "generators": [g.get_state() for g in self.generators],
+            "epoch_start": self.epoch_start,
+        }
+
+    def check(self, state: dict[str, Any] | None, sampler: Any, mid_epoch: bool) -> None:
+        """Refuse (``ValueError`` naming the fix) a state of another number of generators (None:
+        a state without them), or a mid-epoch one where ``sampler`` draws from torch's global
+        RNG."""
+        saved = self.generators if state is None else state["generators"]
+        if len(saved) != len(self.generators):
+            raise ValueError(
+                f"the saved source state has {len(saved)} generators but this DataLoader has "
+                f"{len(self.generators)}; build the DataLoader as the saved one was"
+            )
+        why = unreplayable_sampler(sampler) if mid_epoch else None
+        if why is not None:
+            raise ValueError(f"cannot resume this DataLoader in the middle of an epoch: {why}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (checked by :meth:`check`)."""
+        for g, saved in zip(self.generators, state["generators"]):
+            g.set_state(saved)
+        self.epoch_start = state["epoch_start"]
 
 
 def indexed_loader_kwargs(loader: DataLoader, batch_sampler: Any) -> dict[str, Any]:
@@ -413,8 +471,7 @@ class DataLoaderSource(Source):
         self.loader = loader
         assert loader.batch_sampler is not None  # a batching DataLoader (checked above)
         self._batch_sampler = _SkippingBatchSampler(loader.batch_sampler)
-        self._gens = _generators(loader)
-        self._epoch_start: list[torch.Tensor] | None = None
+        self._order = LoaderOrder(_generators(loader))
         # Persistent workers: the base seed the run drew for them from the generator (None: not
         # drawn yet), now and when the current epoch started (see the class's NOTE).
         self._base_seed: int | None = None
@@ -452,17 +509,14 @@ class DataLoaderSource(Source):
     @property
     def replayable(self) -> bool:
         """Whether the epoch order can be replayed from saved generator states."""
-        return unreplayable_sampler(self.loader) is None
+        return unreplayable_sampler(self.sampler) is None
 
     def epoch(
         self, skip: int = 0, keep: Callable[[np.ndarray], np.ndarray] | None = None
     ) -> Iterator[tuple[Any, np.ndarray]]:
-        if skip and self._epoch_start is not None:
-            for g, s in zip(self._gens, self._epoch_start):
-                g.set_state(s)
+        if self._order.begin(skip):
             self._base_seed = self._epoch_start_seed
         else:
-            self._epoch_start = [g.get_state() for g in self._gens]
             self._epoch_start_seed = self._base_seed
         self._batch_sampler.skip = skip
         self._batch_sampler.keep = keep
@@ -523,22 +577,14 @@ class DataLoaderSource(Source):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "generators": [g.get_state() for g in self._gens],
-            "epoch_start": self._epoch_start,
+            **self._order.state_dict(),
             "base_seed": self._base_seed,
             "epoch_start_seed": self._epoch_start_seed,
             "out_of_order": self.out_of_order,
         }
 
     def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
-        if len(state["generators"]) != len(self._gens):
-            raise ValueError(
-                f"the saved source state has {len(state['generators'])} generators but this "
-                f"DataLoader has {len(self._gens)}; build the DataLoader as the saved one was"
-            )
-        why = unreplayable_sampler(self.loader) if mid_epoch else None
-        if why is not None:
-            raise ValueError(f"cannot resume this DataLoader in the middle of an epoch: {why}")
+        self._order.check(state, self.sampler, mid_epoch)
         if mid_epoch and state.get("out_of_order", self.out_of_order):
             # NOTE: a resumed epoch skips the batches consumed, taken as the sampler's first
             # ones; out of order they were whichever the workers finished first, so the resumed
@@ -552,9 +598,7 @@ class DataLoaderSource(Source):
                 "ones; give the DataLoader in_order=True (the default) to save states that "
                 "resume mid-pass, or resume from a state saved at the end of a pass"
             )
-        for g, s in zip(self._gens, state["generators"]):
-            g.set_state(s)
-        self._epoch_start = state["epoch_start"]
+        self._order.load_state_dict(state)
         # (absent from states saved before persistent workers were followed)
         self._base_seed = state.get("base_seed")
         self._epoch_start_seed = state.get("epoch_start_seed")
@@ -639,8 +683,9 @@ class IterableSource(Source):
         # generators, whose states are saved (now, and as the epoch started), so that an
         # epoch-boundary resume goes on with the next epoch's order, and a mid-epoch one
         # replays the interrupted epoch's order and skips what was consumed.
-        self._gens = _generators(iterable) if isinstance(iterable, DataLoader) else []
-        self._epoch_start: list[torch.Tensor] | None = None
+        self._order = (
+            LoaderOrder(_generators(iterable)) if isinstance(iterable, DataLoader) else None
+        )
 
     def has_indices(self) -> bool:
         return self.index_key is not None
@@ -654,11 +699,8 @@ class IterableSource(Source):
         # NOTE: a generic iterable cannot skip without producing batches; resuming mid-epoch
         # replays and discards them, which is exact only if the iterable's order is fixed (or,
         # for a DataLoader, drawn from the generators restored here).
-        if skip and self._epoch_start is not None:
-            for g, state in zip(self._gens, self._epoch_start):
-                g.set_state(state)
-        else:
-            self._epoch_start = [g.get_state() for g in self._gens]
+        if self._order is not None:
+            self._order.begin(skip)
         for i, batch in enumerate(self.iterable):
             if i < skip:
                 continue
@@ -684,31 +726,17 @@ class IterableSource(Source):
             yield batch, indices
 
     def state_dict(self) -> dict[str, Any]:
-        if not self._gens:
-            return {}
-        return {
-            "generators": [g.get_state() for g in self._gens],
-            "epoch_start": self._epoch_start,
-        }
+        return {} if self._order is None else self._order.state_dict()
 
     def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
-        """A DataLoader's generators (see the NOTE in ``__init__``); nothing else: a mid-epoch
+        """A DataLoader's order (see the NOTE in ``__init__``); nothing else: a mid-epoch
         resume replays the iterable and skips batches."""
-        if mid_epoch and isinstance(self.iterable, DataLoader):
-            why = unreplayable_sampler(self.iterable)
-            if why is not None:
-                raise ValueError(f"cannot resume this DataLoader in the middle of an epoch: {why}")
-        saved = state.get("generators")
-        if saved is None:  # (an iterable without generators, or a state saved before them)
+        if self._order is None:
             return
-        if len(saved) != len(self._gens):
-            raise ValueError(
-                f"the saved source state has {len(saved)} generators but this DataLoader has "
-                f"{len(self._gens)}; build the DataLoader as the saved one was"
-            )
-        for g, s in zip(self._gens, saved):
-            g.set_state(s)
-        self._epoch_start = state["epoch_start"]
+        saved = state if "generators" in state else None  # (None: saved before they were)
+        self._order.check(saved, self.sampler, mid_epoch)
+        if saved is not None:
+            self._order.load_state_dict(saved)
 
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]
@@ -728,4 +756,6 @@ class IterableSource(Source):
 
     @property
     def sampler(self) -> Any:
-        return getattr(self.iterable, "sampler", None)
+        """The sampler that draws the order (a DataLoader's batch sampler's), or None."""
+        batches = getattr(self.iterable, "batch_sampler", None)
+        return getattr(batches, "sampler", getattr(self.iterable, "sampler", None))

@@ -37,6 +37,11 @@ def _no_release() -> None:
     return None
 
 
+def _column_file(folder: Path, name: str, dtype: type) -> Path:
+    """A column's file in a store's folder or in one of its snapshots: ``loss.float32``."""
+    return folder / f"{name}.{np.dtype(dtype).name}"
+
+
 def _sequence(name: str) -> int:
     """The sequence number a snapshot's folder name starts with (also an unfinished one's,
     ``.tmp-`` first), or 0 for any other name."""
@@ -159,8 +164,8 @@ class ExampleStore:
         del state["_restore_lock"], state["_release"]
         if self.path is not None:
             loss, seen, selected = (np.array(c) for c in self.columns)
-            state.update(path=None, _loss=loss, _seen=seen, _selected=selected)
-            state.update(_restore=None, _written=[], reopened=False)
+            state.update(path=None, _loss=loss, _seen=seen, _selected=selected, _restore=None)
+            state.update(_written=[], reopened=False)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -175,7 +180,7 @@ class ExampleStore:
 
     def _file(self, name: str, dtype: type) -> Path:
         assert self.path is not None
-        return self.path / f"{name}.{np.dtype(dtype).name}"
+        return _column_file(self.path, name, dtype)
 
     # NOTE (columns as properties): a loaded state's snapshot is applied at the columns' first
     # use after the load, not in load_state_dict itself, so that a load the loader refuses
@@ -421,17 +426,16 @@ class ExampleStore:
             "build it for the same dataset",
         )
         if "path" not in state:
-            # (copies: a memory-mapped store writes them at the columns' next use, and the
-            # caller's state may change until then)
             columns = tuple(
-                np.asarray(state[name], dtype=dtype).reshape(-1).copy() for name, dtype in COLUMNS
+                np.asarray(state[name], dtype=dtype).reshape(-1) for name, dtype in COLUMNS
             )
             if self.path is None:
                 self._restore = None
                 for column, values in zip((self._loss, self._seen, self._selected), columns):
                     column[:] = values
-            else:  # written into the files at their next use (NOTE (columns as properties))
-                self._restore = columns
+            else:  # written into the files at their next use (NOTE (columns as properties)):
+                # copies, since the caller's state may change until then
+                self._restore = tuple(c.copy() for c in columns)
             return
         if self.path is None:
             raise ValueError(
@@ -463,7 +467,7 @@ class ExampleStore:
             "build the store with path= that folder)"
         )
         for name, dtype in COLUMNS:
-            file = snapshot / self._file(name, dtype).name
+            file = _column_file(snapshot, name, dtype)
             want = self.size * np.dtype(dtype).itemsize
             if not snapshot.is_dir() or (
                 self.size and (not file.is_file() or file.stat().st_size != want)
@@ -535,12 +539,8 @@ def saved_column(state: dict[str, Any], name: str) -> np.ndarray | None:
         return np.asarray(state[name], dtype=dtypes[name]).reshape(-1).copy()
     if "snapshot" not in state:
         return None
-    file = (
-        Path(state["path"])
-        / SNAPSHOTS
-        / str(state["snapshot"])
-        / f"{name}.{np.dtype(dtypes[name]).name}"
-    )
+    snapshot = Path(state["path"]) / SNAPSHOTS / str(state["snapshot"])
+    file = _column_file(snapshot, name, dtypes[name])
     size = int(state["size"])
     if not size:
         return np.zeros(0, dtype=dtypes[name])

@@ -16,11 +16,12 @@ from collections.abc import Hashable
 from functools import cached_property
 from typing import Any
 
+import torch
 from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler, get_sampler
 from accelerate.utils import synchronize_rng_states
-from torch.utils.data import BatchSampler, IterableDataset, RandomSampler
+from torch.utils.data import BatchSampler, IterableDataset
 
-from ..sources import DataLoaderSource, Source
+from ..sources import DataLoaderSource, LoaderOrder, Source
 
 __all__ = ["AcceleratedShardSource", "shard_source"]
 
@@ -137,25 +138,23 @@ class AcceleratedShardSource(DataLoaderSource):
         sampler = get_sampler(loader)
         gens = [getattr(loader, "synchronized_generator", None), loader.generator]
         gens.append(getattr(sampler, "generator", None))
-        self._gens = []
+        unique: list[torch.Generator] = []
         for g in gens:
-            if g is not None and all(g is not h for h in self._gens):
-                self._gens.append(g)
+            if g is not None and all(g is not h for h in unique):
+                unique.append(g)
+        self._order = LoaderOrder(unique)
 
     @property
     def sampler(self) -> Any:
-        """The sampler inside the shard's batch sampler (e.g. the RandomSampler)."""
+        """The sampler inside the shard's batch sampler (e.g. the RandomSampler).
+
+        NOTE: on several processes Accelerate gives a shuffling sampler a generator; on one it
+        leaves the DataLoader's own (None: torch's global RNG, which cannot be replayed: see
+        ``replayable``)."""
         return get_sampler(self.shard)
 
     def drop_last(self) -> bool:
         return bool(getattr(self.shard.batch_sampler, "drop_last", False))
-
-    @property
-    def replayable(self) -> bool:
-        # NOTE: on several processes Accelerate gives a shuffling sampler a generator; on one
-        # it leaves the DataLoader's own (None: torch's global RNG, which cannot be replayed).
-        sampler = self.sampler
-        return not (isinstance(sampler, RandomSampler) and sampler.generator is None)
 
     @cached_property
     def epoch_size(self) -> int | None:
