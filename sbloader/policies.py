@@ -855,17 +855,38 @@ class SelectiveBackprop(Policy):
                 f"this policy has reweight={self.reweight}; construct the policy with "
                 f"reweight={bool(state['reweight'])}"
             )
-        self.window.load_state_dict(state["window"])
+        if "store" in state and self.store is None:
+            raise ValueError(
+                "the saved SelectiveBackprop state has a per-example store, but this policy "
+                "has none; construct it with the saved staleness and attach it to a loader"
+            )
+        # NOTE (a refused state changes nothing): every part is read into new objects and
+        # locals first; the store, whose own load is all-or-nothing, loads last, and only then
+        # does the policy take the rest.
+        window = LossWindow(self.window.size)
+        window.load_state_dict(state["window"])
+        window.frozen = self.window.frozen
+        device_window = DeviceWindow(self.history)
         if "device_window" in state:
-            self.device_window.load_state_dict(state["device_window"])
-        else:
-            self.device_window.load_state_dict(DeviceWindow(self.history).state_dict())
+            device_window.load_state_dict(state["device_window"])
+        device_window.to(self.device_window.device)
+        schedule = state.get("schedule")
+        if schedule is None:
+            # NOTE: saved before the schedule was state, when passes ran in epochs 0, n, 2n...:
+            # until the next pass, the schedule continues that way (see _due).
+            schedule = {"last_fresh": None, "fed": False, "begun": None, "fresh": True}
+        # NOTE: saved before drift_bound existed: no reference until the next stale phase.
+        reference = schedule.get("reference")
+        reference_array = (
+            None
+            if reference is None
+            else np.asarray(torch.as_tensor(reference, dtype=torch.float64).numpy()).copy()
+        )
+        drift_passes = int(schedule.get("drift_passes", 0))
+        last_fresh, begun = schedule["last_fresh"], schedule["begun"]
+        fed, fresh = bool(schedule["fed"]), bool(schedule["fresh"])
         if "store" in state:
-            if self.store is None:
-                raise ValueError(
-                    "the saved SelectiveBackprop state has a per-example store, but this policy "
-                    "has none; construct it with the saved staleness and attach it to a loader"
-                )
+            assert self.store is not None
             self.store.load_state_dict(state["store"])
             # NOTE: saved before store_adopted was state: adopted. A state saved before the
             # store's first use holds an earlier run's files (or nothing): the run resumed from
@@ -873,23 +894,10 @@ class SelectiveBackprop(Policy):
             # by now (see _adopt_store).
             self._store_adopted = bool(state.get("store_adopted", True))
             self._clear_at_adoption = not self._store_adopted
-        schedule = state.get("schedule")
-        if schedule is None:
-            # NOTE: saved before the schedule was state, when passes ran in epochs 0, n, 2n...:
-            # until the next pass, the schedule continues that way (see _due).
-            schedule = {"last_fresh": None, "fed": False, "begun": None, "fresh": True}
-        self._last_fresh = schedule["last_fresh"]
-        self._fed = bool(schedule["fed"])
-        self._begun = schedule["begun"]
-        self._fresh = bool(schedule["fresh"])
-        # NOTE: saved before drift_bound existed: no reference until the next stale phase.
-        reference = schedule.get("reference")
-        self._reference = (
-            None
-            if reference is None
-            else np.asarray(torch.as_tensor(reference, dtype=torch.float64).numpy()).copy()
-        )
-        self.drift_passes = int(schedule.get("drift_passes", 0))
+        self.window, self.device_window = window, device_window
+        self._last_fresh, self._fed, self._begun, self._fresh = last_fresh, fed, begun, fresh
+        self._reference = reference_array
+        self.drift_passes = drift_passes
 
     def __repr__(self) -> str:
         extra = f", staleness={self.staleness}" if self.staleness > 1 else ""

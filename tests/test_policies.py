@@ -238,3 +238,29 @@ def test_during_a_ramp_the_uniform_share_keeps_trimmed_losses_at_u_times_s():
     assert p[-1] == pytest.approx(0.75 / 3)
     sb.advance(1.0)  # ramp over: trimmed losses are never kept
     assert sb.choose(np.array([1e9]), None, rng, 1).probabilities[0] == 0.0
+
+
+def test_a_refused_sb_state_changes_nothing():
+    """A state refused for its store (none here, or one of another size) leaves the window,
+    the schedule and the store as they were: nothing half-loaded."""
+    rng = np.random.default_rng(5)
+    plain = SelectiveBackprop(beta=1.0, history=32)
+    plain.probabilities(rng.random(40))
+    before = plain.window.values().copy()
+    stale = SelectiveBackprop(beta=1.0, history=32, staleness=2)
+    stale.attach(10, 0)
+    stale.probabilities(rng.random(40))
+    with pytest.raises(ValueError, match="has a per-example store"):
+        plain.load_state_dict(stale.state_dict())
+    np.testing.assert_array_equal(plain.window.values(), before)
+
+    other = SelectiveBackprop(beta=1.0, history=32, staleness=2)
+    other.attach(20, 0)
+    other.probabilities(rng.random(40))
+    other.begin_epoch(0)
+    other_window = other.window.values().copy()
+    schedule = other.state_dict()["schedule"]
+    with pytest.raises(ValueError, match="size"):
+        other.load_state_dict(stale.state_dict())
+    np.testing.assert_array_equal(other.window.values(), other_window)
+    assert other.state_dict()["schedule"] == schedule
