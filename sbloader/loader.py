@@ -1221,6 +1221,9 @@ class SelectiveLoader(NotADataLoader):
         if bs and source.drop_last():
             return len(source) * bs  # the source's batches are all full
         if size is None:
+            last = source.last_batch_size()
+            if bs and last is not None:  # full batches but the last
+                return (len(source) - 1) * bs + last
             if bs == self.batch_size:
                 # Handed out as they are: as many batches as the source's (its last one's size
                 # unknown, so not checked against min_batch_size).

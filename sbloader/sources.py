@@ -214,6 +214,11 @@ class Source(abc.ABC):
         """Examples per epoch on this process (a DistributedSampler's share), or None."""
         return self.dataset_size
 
+    def last_batch_size(self) -> int | None:
+        """The number of examples of a pass's last batch where the source cannot tell its
+        examples per pass (:attr:`epoch_size` is None) but can tell this, else None."""
+        return None
+
     def set_epoch(self, epoch: int) -> None:  # noqa: B027 - optional hook
         """Forward the epoch to samplers that want it (DistributedSampler)."""
 
@@ -749,6 +754,27 @@ class IterableSource(Source):
     def dataset_size(self) -> int | None:
         """``dataset_size=`` as given (an iterable cannot tell its size), or None."""
         return self._size
+
+    def last_batch_size(self) -> int | None:
+        """A DataLoader's last batch over a sized ``IterableDataset`` read by at most one
+        worker: ``len(dataset)`` less its other batches. None for any other iterable.
+
+        NOTE: not ``dataset_size``, which would also size the store and bound the indices by
+        the dataset's own ``__len__``. With several workers each worker's stream ends in its
+        own short batch, so the last batch does not tell them all.
+        """
+        loader = self.iterable
+        if not isinstance(loader, DataLoader) or loader.num_workers > 1:
+            return None
+        bs, dataset = loader.batch_size, loader.dataset
+        if bs is None or loader.drop_last or not isinstance(dataset, IterableDataset):
+            return None
+        try:
+            examples, batches = len(dataset), len(loader)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+        last = examples - (batches - 1) * bs
+        return last if 0 < last <= bs else None
 
     @property
     def dataset(self) -> Any:

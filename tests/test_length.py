@@ -620,6 +620,7 @@ def test_traditional_with_batches_per_epoch_yields_full_batches(remainder, per_e
     assert flat == (one_pass * len(flat))[: len(flat)]
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # (2 workers on one core)
 def test_traditional_len_over_a_sized_iterable_source():
     """An iterable source whose size is unknown (its last batch may be short): len() counts its
     own batches when they are handed out as they are, names the fix when they are re-batched,
@@ -634,13 +635,41 @@ def test_traditional_len_over_a_sized_iterable_source():
             for i in range(100):
                 yield torch.full((6,), float(i)), torch.tensor(i % 3)
 
-    def loader(bs, batch_size, **kw):
-        dl = DataLoader(Stream(), batch_size=bs)
+    def loader(bs, batch_size, workers=0, **kw):
+        dl = DataLoader(Stream(), batch_size=bs, num_workers=workers)
         return SelectiveLoader(dl, IndexLoss(), policy=Traditional(), batch_size=batch_size, **kw)
 
     same = loader(16, 16)
     assert len(same) == 7 == len(list(same))
+    # Read by one process, the last batch holds len(dataset) less the other batches' examples.
+    rebatched = loader(16, 10)
+    assert len(rebatched) == 10 == len(list(rebatched))
+    # Several workers each end in a short batch: the examples per pass are unknown.
     with pytest.raises(TypeError, match="dataset_size="):
-        len(loader(16, 10))
+        len(loader(16, 10, workers=2))
+    assert len(loader(16, 16, workers=2)) == 7  # the source's own batches, handed out as they are
     sized = loader(16, 10, dataset_size=100)
     assert len(sized) == 10 == len(list(sized))
+
+
+@pytest.mark.parametrize("examples, expected", [(41, 5), (49, 6), (50, 7), (48, 6)])
+def test_traditional_len_drops_a_sized_iterables_last_batch_under_min_batch_size(
+    examples, expected
+):
+    """A sized IterableDataset read in batches of batch_size: a last batch under
+    min_batch_size is not handed out, and len() does not count it."""
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __len__(self):
+            return examples
+
+        def __iter__(self):
+            for i in range(examples):
+                yield torch.full((6,), float(i)), torch.tensor(i % 3)
+
+    dl = DataLoader(Stream(), batch_size=8)
+    loader = SelectiveLoader(dl, IndexLoss(), policy=Traditional(), batch_size=8, min_batch_size=2)
+    batches = list(loader)
+    assert len(loader) == expected == len(batches)
+    assert sum(len(b[1]) for b in batches) == examples - (examples % 8 == 1)
