@@ -67,6 +67,8 @@ class BatchCodec:
         # position, that every source batch of a re-batching epoch must share past dimension 0
         # (see check_shapes); None until that batch.
         self._shapes: dict[int, tuple[int, ...]] | None = None
+        # The same for tensors inside nested dict fields, by (field, path of keys).
+        self._nested: dict[tuple[int, tuple[Hashable, ...]], tuple[int, ...]] = {}
         self.format: B.BatchFormat | None = None
         # The source format it was made for, the yielded batches' format, the dropped position.
         self._yielded: tuple[B.BatchFormat, B.BatchFormat, int] | None = None
@@ -168,6 +170,11 @@ class BatchCodec:
             got = data[j].shape
             if got[1:] != shape[1:]:
                 raise self._ragged(j, shape, tuple(got), where)
+        for (j, path), shape in self._nested.items():
+            leaf = _entry(data[j], path)
+            if not isinstance(leaf, torch.Tensor) or leaf.shape[1:] != shape[1:]:
+                got = None if not isinstance(leaf, torch.Tensor) else tuple(leaf.shape)
+                raise self._ragged_nested(j, path, shape, got, where)
 
     def _first_shapes(self, data: list[Any]) -> None:
         """Record the shapes of the first source batch checked; check the pad values against
@@ -175,6 +182,13 @@ class BatchCodec:
         assert self.format is not None
         for j, value in self.pads.items():
             column = data[j]
+            if isinstance(column, Mapping):
+                key = self.format.keys[j]
+                raise ValueError(
+                    f"pad_values names the field {key!r}, a nested dict: its entries cannot be "
+                    "padded; pad every source batch to one length (e.g. padding='max_length') "
+                    "or make its entries top-level fields of the batches"
+                )
             if not isinstance(column, torch.Tensor):
                 continue
             if column.is_floating_point() or column.is_complex():
@@ -200,6 +214,12 @@ class BatchCodec:
             for j, c in enumerate(data)
             if isinstance(c, torch.Tensor) and j not in self.pads
         }
+        self._nested = {
+            (j, path): tuple(t.shape)
+            for j, c in enumerate(data)
+            if isinstance(c, Mapping)
+            for path, t in _leaves(c, ())
+        }
 
     def _ragged(
         self, j: int, first: tuple[int, ...], got: tuple[int, ...], where: str
@@ -216,6 +236,27 @@ class BatchCodec:
             "an attention mask, and for labels the loss's ignore index (-100 for "
             "nn.CrossEntropyLoss), not 0, which is a real class; or pad every source batch to "
             "one length (e.g. padding='max_length')"
+        )
+
+    def _ragged_nested(
+        self,
+        j: int,
+        path: tuple[Hashable, ...],
+        first: tuple[int, ...],
+        got: tuple[int, ...] | None,
+        where: str,
+    ) -> ValueError:
+        assert self.format is not None
+        key = self.format.keys[j]
+        entry = "".join(f"[{k!r}]" for k in path)
+        has = "no such tensor" if got is None else f"shape {got}"
+        return ValueError(
+            f"the entry {entry} of the nested field {key!r} of {where} has {has}, but an "
+            f"earlier source batch's has shape {first}: their kept rows cannot be joined into "
+            "one training batch, and entries inside a nested dict cannot be padded "
+            "(pad_values pads top-level fields). Pad every source batch to one length (e.g. "
+            "padding='max_length'), or make the entry a top-level field of the batches and "
+            "pass pad_values= for it"
         )
 
     def _yielded_format(self) -> tuple[B.BatchFormat, int] | None:
@@ -314,7 +355,8 @@ class BatchCodec:
             shapes = {j: list(shape) for j, shape in self._shapes.items()}
         # NOTE: "shapes" is optional within version 1 (older states have none): a resumed run
         # checks later source batches against the same first shapes as the run it continues.
-        return {"version": self.VERSION, "format": fmt, "shapes": shapes}
+        nested = [[j, list(path), list(shape)] for (j, path), shape in self._nested.items()]
+        return {"version": self.VERSION, "format": fmt, "shapes": shapes, "nested": nested}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the format, so that restored rows can be yielded before (or without) another
@@ -335,6 +377,33 @@ class BatchCodec:
                 for j, shape in shapes.items()
                 if int(j) not in self.pads
             }
+        # NOTE: optional within version 1 ("nested" came later): older states check no entry.
+        self._nested = {
+            (int(j), tuple(path)): tuple(int(x) for x in shape)
+            for j, path, shape in state.get("nested", [])
+        }
+
+
+def _leaves(
+    column: Mapping[Any, Any], path: tuple[Hashable, ...]
+) -> list[tuple[tuple[Hashable, ...], torch.Tensor]]:
+    """The tensors inside a nested dict field, each with its path of keys."""
+    out: list[tuple[tuple[Hashable, ...], torch.Tensor]] = []
+    for k, v in column.items():
+        if isinstance(v, torch.Tensor):
+            out.append(((*path, k), v))
+        elif isinstance(v, Mapping):
+            out.extend(_leaves(v, (*path, k)))
+    return out
+
+
+def _entry(column: Any, path: tuple[Hashable, ...]) -> Any:
+    """The entry at ``path`` of a nested dict field, or None where there is none."""
+    for k in path:
+        if not isinstance(column, Mapping) or k not in column:
+            return None
+        column = column[k]
+    return column
 
 
 def _check_not_collated_fields(keys: tuple[Hashable, ...], columns: list[Any]) -> None:

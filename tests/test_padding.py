@@ -416,3 +416,60 @@ def test_bool_mask_pads_with_a_bool() -> None:
 
 def test_public_name() -> None:
     assert "pad_values" in sbloader.SelectiveLoader.__init__.__code__.co_varnames
+
+
+class NestedCollator(Collator):
+    """The same batches with the model's inputs in a nested dict: ``{"inputs": {...}, ...}``."""
+
+    def __call__(self, items: list[dict[str, torch.Tensor]]) -> dict[str, Any]:  # type: ignore[override]
+        flat = super().__call__(items)
+        inputs = {"input_ids": flat["input_ids"], "attention_mask": flat["attention_mask"]}
+        return {"inputs": inputs, "labels": flat["labels"]}
+
+
+def make_nested(data: Sequences, batch: int, **kw: Any) -> SelectiveLoader:
+    return SelectiveLoader(
+        DataLoader(data, batch_size=batch, collate_fn=NestedCollator()),
+        Tagger(),
+        token_loss,
+        input_key="inputs",
+        target_key="labels",
+        forward=lambda model, b: model(b["inputs"]["input_ids"], b["inputs"]["attention_mask"]),
+        **{"batch_size": 2, "seed": 0, "prefetch": 0, "policy": SelectiveBackprop(1 / 3), **kw},
+    )
+
+
+def test_a_ragged_entry_of_a_nested_field_fails_on_the_first_batch_that_differs() -> None:
+    # Batches 1 and 2 are 8 wide, batch 3 is 10 wide: the error names the nested entry when
+    # batch 3 is loaded, not torch.cat's bare one at a later join.
+    data, _ = ragged_source([8, 3, 2, 5, 4, 8, 6, 2, 10, 3, 3, 3, 8, 2, 2, 2])
+    loader = make_nested(data, 4, pad_values={"labels": -100}, batch_size=32)
+    with pytest.raises(ValueError) as err:
+        list(loader)
+    message = str(err.value)
+    assert "entry ['input_ids'] of the nested field 'inputs' of source batch 3" in message
+    assert "(4, 10)" in message and "(4, 8)" in message
+    assert "padding='max_length'" in message
+
+
+def test_nested_fields_of_one_width_train_and_a_resume_checks_the_first_shapes() -> None:
+    data, _ = ragged_source([8] * 12 + [10] * 36)
+    same = make_nested(Sequences(lengths=[6] * 24), 4, pad_values={"labels": -100})
+    rows = [i for b in same for i in b.indices.tolist()]
+    assert sorted(rows) == sorted(set(rows)) and 0 < len(rows) < 24
+    first = make_nested(data, 12, pad_values={"labels": -100})
+    it = iter(first)
+    next(it)
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = make_nested(data, 12, pad_values={"labels": -100})
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    with pytest.raises(ValueError, match=r"nested field 'inputs' of source batch 2 .* \(12, 10\)"):
+        list(resumed)
+
+
+def test_pad_values_for_a_nested_field_is_refused_on_the_first_batch() -> None:
+    loader = make_nested(Sequences(), 8, pad_values={"inputs": 0, "labels": -100})
+    with pytest.raises(ValueError, match="'inputs', a nested dict: its entries cannot be padded"):
+        next(iter(loader))
