@@ -681,7 +681,10 @@ class SelectiveBackprop(Policy):
             self._begun = epoch
             if not self._fresh and self.stale_cdf == "store" and self.store is not None:
                 # NOTE: once, as the epoch begins (before the prefetch thread reads the window);
-                # a resumed epoch keeps the window its state saved.
+                # a resumed epoch keeps the window its state saved. The next selection pass then
+                # begins with this window, not the one the last pass left: its first ``history``
+                # losses are ranked against the stored losses (fed-back training losses among
+                # them), which are newer than that pass's, until its own losses replace them.
                 self.window.refill(self.store.spread_sample(self.window.size))
         # NOTE: the threading contract (see Policy): in a stale epoch prefilter reads the window
         # on the prefetch thread, so nothing may change it until the next fresh epoch.
