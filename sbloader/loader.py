@@ -1348,6 +1348,11 @@ class SelectiveLoader(NotADataLoader):
             else:
                 self._unfinished = None
                 self.epoch += 1
+                # NOTE: the source's state as it is now (its epoch closed), not the snapshot of
+                # the last batch consumed: a source with its own state (StatefulSource) then
+                # says its pass was left for good, and a state saved before the next epoch
+                # begins a new pass when loaded, as this run's next iter() does.
+                self._source_state = None
 
     def _end(self, it: EpochIterator) -> None:
         """``it`` finished its epoch."""

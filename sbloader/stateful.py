@@ -199,17 +199,26 @@ class StatefulSource(Source):
                 f"the saved {type(self).__name__} state ended its epoch, but the SelectiveLoader "
                 "state resumes one; load the two from one state_dict()"
             )
-        if not mid_epoch and state.get("abandoned"):
-            # NOTE: the loader's own state still describes the pass that was left part-way, and
-            # loading it would resume that pass, where the run it was saved from began a new one.
-            raise ValueError(
-                f"the saved {type(self).__name__} state was taken after an epoch was abandoned "
-                "part-way and before the next epoch's first batch, so it would resume the "
-                "abandoned pass; save the state after a batch of the new epoch instead"
-            )
         self._stateful.load_state_dict(self._resumable(copy.deepcopy(state["loader"]), state))
+        if not mid_epoch and state.get("abandoned"):
+            # NOTE: the loader's own state still describes the pass that was left part-way
+            # (Lightning's limit_train_batches or max_steps end epochs early), which its next
+            # iter() would resume, where the run it was saved from began a new pass. That pass
+            # is resumed here and dropped (one batch read), so that the next iter() begins a
+            # new one from the state the saved run's did.
+            self._drop_resumed_pass()
         self._resume_at = int(state["position"]) if mid_epoch else None
         self._loaded = state
+
+    def _drop_resumed_pass(self) -> None:
+        """Begin the pass a loaded state resumes, and leave it."""
+        passes = iter(self._stateful)
+        try:
+            next(passes)
+        except StopIteration:
+            pass
+        finally:
+            del passes
 
     def _resumable(self, loader_state: Any, state: dict[str, Any]) -> Any:
         """What to load into the loader for ``state`` (overridden where the loader's own state at

@@ -324,6 +324,35 @@ def test_resume_after_an_epoch_cut_short_by_limit_train_batches(tmp_path):
     assert module.trained[:5] + after == module.trained
 
 
+class StatefulClassifier(Classifier):
+    """The same over torchdata's StatefulDataLoader (a source with its own state)."""
+
+    def train_dataloader(self):
+        tdl = pytest.importorskip("torchdata.stateful_dataloader")
+        sampler = pytest.importorskip("torchdata.stateful_dataloader.sampler")
+        ds = data()
+        source = tdl.StatefulDataLoader(
+            ds,
+            batch_size=64,
+            sampler=sampler.RandomSampler(ds, generator=torch.Generator().manual_seed(1)),
+        )
+        return selective_loader(self, source, policy=self.policy(), batch_size=24, seed=0)
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+def test_a_stateful_source_resumes_after_an_epoch_cut_short_with_a_new_pass(tmp_path):
+    """With a source that keeps its own state, a checkpoint after an epoch that
+    limit_train_batches cut short resumes with the next epoch's new pass over the data, not
+    the rest of the pass left part-way (which loses examples silently)."""
+    module = StatefulClassifier(policy=Traditional)
+    trainer(callbacks=checkpoints(tmp_path, every=1000), limit_train_batches=2).fit(module)
+    assert len(module.trained) == 6
+    again = StatefulClassifier(policy=Traditional)
+    path = tmp_path / "epochs" / "epoch=0-step=2.ckpt"
+    trainer(limit_train_batches=2).fit(again, ckpt_path=path)
+    assert again.trained == module.trained[2:]
+
+
 def test_estimated_stepping_batches_is_epochs_times_len():
     module = Classifier(batches_per_epoch="expected")
     t = trainer(epochs=3)

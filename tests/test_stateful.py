@@ -159,18 +159,55 @@ def test_worker_processes_resume_exactly_too():
     assert before + run(resumed, 1) == reference
 
 
-def test_a_state_saved_after_an_abandoned_pass_and_before_the_next_batch_is_refused():
-    """The loader's own state then describes the abandoned pass, which loading would resume."""
+def test_a_source_state_of_a_pass_left_part_way_resumes_that_pass_only_mid_epoch():
+    """The source's own state after a pass was left part-way still describes that pass: loaded
+    mid-epoch it continues it; loaded at an epoch boundary the next pass is a new one."""
     loader = iterable_loader()
     it = iter(loader)
-    next(it)
+    first = next(it).indices.tolist()
     it.close()  # the epoch is abandoned part-way (as after `break`)
-    source = loader.source
-    state = source.state_dict()
+    state = loader.source.state_dict()
     assert state["abandoned"] and not state["finished"]
-    with pytest.raises(ValueError, match="abandoned"):
-        iterable_loader().source.load_state_dict(state, mid_epoch=False)
-    iterable_loader().source.load_state_dict(state, mid_epoch=True)  # resuming that pass is fine
+    rest = iterable_loader().source
+    rest.load_state_dict(state, mid_epoch=True)
+    resumed = [int(i) for _, idx in rest.epoch(skip=state["position"]) for i in idx]
+    boundary = iterable_loader().source
+    boundary.load_state_dict(state, mid_epoch=False)
+    new_pass = [int(i) for _, idx in boundary.epoch() for i in idx]
+    assert sorted(new_pass) == list(range(N))  # a whole pass, not the abandoned one's rest
+    assert len(resumed) == N - 24 and not set(resumed) & set(first)
+    stream = ShufflingStream()
+    orders = [[int(s[2]) for s in stream] for _ in range(2)]
+    assert new_pass == orders[1]  # the stream's second order, as the saved run's next pass
+
+
+@pytest.mark.parametrize(
+    "make",
+    [iterable_loader, map_loader, lambda **kw: map_loader(workers=2, **kw)],
+    ids=["iterable", "map", "map-workers"],
+)
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_an_epoch_ended_for_good_resumes_with_a_new_pass(make, prefetch):
+    """close(resumable=False) (Lightning's limit_train_batches, max_steps), then a checkpoint
+    before the next epoch: the resumed run's next epoch is the uninterrupted run's, a new pass
+    over the data, not the rest of the pass left part-way."""
+
+    def cut(loader):
+        it = iter(loader)
+        got = [next(it).indices.tolist() for _ in range(2)]
+        it.close(resumable=False)
+        return got
+
+    reference = make(prefetch=prefetch)
+    head = cut(reference)
+    reference_rest = run(reference, 2)
+    loader = make(prefetch=prefetch)
+    assert cut(loader) == head
+    state = checkpoint(loader.state_dict())
+    del loader
+    resumed = make(prefetch=prefetch)
+    resumed.load_state_dict(state)
+    assert run(resumed, 2) == reference_rest
 
 
 def test_the_saved_state_is_that_of_the_last_consumed_batch_not_the_ones_fetched_ahead():
