@@ -638,9 +638,22 @@ class DataLoaderSource(Source):
         return getattr(self.loader.batch_sampler, "sampler", None)
 
     def set_epoch(self, epoch: int) -> None:
-        set_epoch = getattr(self.sampler, "set_epoch", None)
-        if set_epoch is not None:
-            set_epoch(epoch)
+        set_loader_epoch(self.loader, epoch)
+
+
+def set_loader_epoch(loader: Any, epoch: int) -> None:
+    """Tell a DataLoader's batch sampler, its sampler and the loader's sampler the epoch, each
+    that takes one (``set_epoch``) once, as Lightning does: a ``DistributedSampler`` and a
+    batch sampler that shards and shuffles by epoch itself (bucketing samplers) both reshuffle
+    by it."""
+    batches = getattr(loader, "batch_sampler", None)
+    told: set[int] = set()
+    for obj in (batches, getattr(batches, "sampler", None), getattr(loader, "sampler", None)):
+        set_epoch = getattr(obj, "set_epoch", None)
+        if obj is None or id(obj) in told or not callable(set_epoch):
+            continue
+        told.add(id(obj))
+        set_epoch(epoch)
 
 
 class IterableSource(Source):
@@ -779,6 +792,11 @@ class IterableSource(Source):
     @property
     def dataset(self) -> Any:
         return getattr(self.iterable, "dataset", None)
+
+    def set_epoch(self, epoch: int) -> None:
+        """A DataLoader's samplers are told the epoch (see :func:`set_loader_epoch`)."""
+        if isinstance(self.iterable, DataLoader):
+            set_loader_epoch(self.iterable, epoch)
 
     @property
     def sampler(self) -> Any:

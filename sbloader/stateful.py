@@ -26,6 +26,7 @@ from .sources import (
     drops_last,
     indexed_loader_kwargs,
     loader_batch_size,
+    set_loader_epoch,
 )
 
 __all__ = ["StatefulSource"]
@@ -252,6 +253,4 @@ class StatefulSource(Source):
             return self.dataset_size
 
     def set_epoch(self, epoch: int) -> None:
-        set_epoch = getattr(self.sampler, "set_epoch", None)
-        if set_epoch is not None:
-            set_epoch(epoch)
+        set_loader_epoch(self.loader, epoch)

@@ -1,0 +1,102 @@
+"""Samplers that reshuffle by epoch are told each pass's epoch, whichever way the loader reads
+the DataLoader: indices recovered, an ``index_key=`` field, a ``batch_sampler=`` that shards
+and shuffles itself, or a StatefulDataLoader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import N_CLASSES, EncodedDataset, IndexLoss
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from sbloader import SelectiveLoader, Traditional
+
+N = 40
+
+
+class WithIndex(Dataset):
+    """EncodedDataset's examples with their index as a third field."""
+
+    def __init__(self) -> None:
+        self.base = EncodedDataset(N)
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int):
+        x, y = self.base[i]
+        return x, y, i
+
+
+class ShardingBatchSampler(Sampler[list[int]]):
+    """Batches of this rank's share of a permutation drawn from ``seed + epoch`` (as distributed
+    bucketing samplers do): the order changes only through ``set_epoch``."""
+
+    def __init__(self, n: int, batch_size: int, rank: int = 0, replicas: int = 2) -> None:
+        self.n, self.batch_size, self.rank, self.replicas = n, batch_size, rank, replicas
+        self.epoch = 0
+        self.told: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.told.append(epoch)
+
+    def order(self, epoch: int) -> list[int]:
+        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(7 + epoch)).tolist()
+        return perm[self.rank :: self.replicas]
+
+    def __iter__(self):
+        mine = self.order(self.epoch)
+        for start in range(0, len(mine), self.batch_size):
+            yield mine[start : start + self.batch_size]
+
+    def __len__(self) -> int:
+        return -(-len(range(self.rank, self.n, self.replicas)) // self.batch_size)
+
+
+def epochs_of(loader: SelectiveLoader, epochs: int) -> list[list[int]]:
+    out = []
+    for _ in range(epochs):
+        got = []
+        for b in loader:
+            assert torch.equal(b[1], b.indices % N_CLASSES)  # inputs, targets, indices paired
+            assert torch.equal(b[0][:, 0].long(), b.indices)
+            got += b.indices.tolist()
+        out.append(got)
+    return out
+
+
+def distributed(epoch: int) -> list[int]:
+    s = DistributedSampler(range(N), num_replicas=2, rank=0, shuffle=True, seed=0)
+    s.set_epoch(epoch)
+    return list(s)
+
+
+@pytest.mark.parametrize("index_key", [None, 2], ids=["recovered", "index_key"])
+def test_a_distributed_sampler_reshuffles_every_epoch(index_key):
+    sampler = DistributedSampler(WithIndex(), num_replicas=2, rank=0, shuffle=True, seed=0)
+    source = DataLoader(WithIndex(), batch_size=5, sampler=sampler)
+    loader = SelectiveLoader(
+        source, IndexLoss(), policy=Traditional(), batch_size=5, index_key=index_key, seed=0
+    )
+    assert epochs_of(loader, 3) == [distributed(e) for e in range(3)]
+
+
+def stateful(ds, **kw):
+    tdl = pytest.importorskip("torchdata.stateful_dataloader")
+    return tdl.StatefulDataLoader(ds, **kw)
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+@pytest.mark.parametrize("kind", [DataLoader, stateful], ids=["DataLoader", "Stateful"])
+@pytest.mark.parametrize("index_key", [None, 2], ids=["recovered", "index_key"])
+def test_a_batch_sampler_that_shuffles_by_epoch_is_told_the_epoch(kind, index_key):
+    batches = ShardingBatchSampler(N, 4)
+    source = kind(WithIndex(), batch_sampler=batches)
+    loader = SelectiveLoader(
+        source, IndexLoss(), policy=Traditional(), batch_size=4, index_key=index_key, seed=0
+    )
+    got = epochs_of(loader, 3)
+    assert got == [batches.order(e) for e in range(3)]
+    assert len(set(map(tuple, got))) == 3
+    assert sorted(set(batches.told)) == [0, 1, 2]
