@@ -1049,6 +1049,8 @@ class SelectiveLoader(NotADataLoader):
             except TypeError:
                 n = None
             if bs is None or n is None:
+                if self._source.dataset_size is not None:  # (a batch_sampler=: no fix by size)
+                    raise TypeError(_unknown_pass(self._source))
                 raise TypeError(
                     "the number of examples per epoch of this source is unknown (it has no "
                     f"{'length' if n is None else 'batch_size'}), so no batch count can be "
@@ -1228,11 +1230,7 @@ class SelectiveLoader(NotADataLoader):
                 # Handed out as they are: as many batches as the source's (its last one's size
                 # unknown, so not checked against min_batch_size).
                 return len(source) * bs
-            raise TypeError(
-                "the number of examples per pass of this source is unknown (its last batch may "
-                "be short), so the number of batches of another size cannot be counted; pass "
-                "dataset_size= (the number of examples), or batches_per_epoch= an int"
-            )
+            raise TypeError(_unknown_pass(source))
         return size
 
     def __iter__(self) -> EpochIterator | FixedEpochIterator:
@@ -1772,3 +1770,20 @@ class SelectiveLoader(NotADataLoader):
 def _digest(mask: np.ndarray) -> str:
     """A short fingerprint of a ``subset`` mask: how many it keeps, and a digest of which."""
     return f"{int(np.count_nonzero(mask))}:{batch_digest(np.asarray(mask, dtype=bool))}"
+
+
+def _unknown_pass(source: Source) -> str:
+    """Why the examples of a pass of ``source`` cannot be counted, and the fix."""
+    if source.dataset_size is not None:  # a DataLoader whose batch_sampler= draws its batches
+        return (
+            "the number of examples per pass of this source is unknown: its batch_sampler= "
+            "draws the batches itself (it may shard the data by rank), and only their number is "
+            "known; give the batch sampler a batch_size attribute and use that batch_size (its "
+            "batches are then handed out as they are, and counted), or pass batches_per_epoch= "
+            "an int"
+        )
+    return (
+        "the number of examples per pass of this source is unknown (its last batch may be "
+        "short), so the number of batches of another size cannot be counted; pass "
+        "dataset_size= (the number of examples), or batches_per_epoch= an int"
+    )

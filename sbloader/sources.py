@@ -293,6 +293,30 @@ def loader_batch_size(loader: Any) -> int | None:
     return bs
 
 
+def loader_epoch_size(loader: Any, dataset_size: int | None) -> int | None:
+    """A DataLoader's (or a loader like it) examples per pass on this process: its sampler's
+    length (a ``DistributedSampler`` gives this rank ``len(sampler)`` examples, not
+    ``len(dataset)``), else ``dataset_size``; None for a ``batch_sampler=`` with no
+    ``sampler`` of its own, which draws its batches itself and may shard by rank (only its
+    number of batches is known then).
+
+    Example:
+        >>> from torch.utils.data import DistributedSampler
+        >>> data = list(range(10))
+        >>> sharded = DataLoader(data, sampler=DistributedSampler(data, num_replicas=2, rank=0))
+        >>> own = DataLoader(data, batch_sampler=[[0, 1], [2, 3]])  # draws its own batches
+        >>> loader_epoch_size(sharded, 10), loader_epoch_size(own, 10)
+        (5, None)
+    """
+    batches = getattr(loader, "batch_sampler", None)
+    if batches is not None and not hasattr(batches, "sampler"):
+        return None
+    try:
+        return len(getattr(batches, "sampler", None))  # type: ignore[arg-type]
+    except TypeError:
+        return dataset_size
+
+
 def drops_last(loader: Any) -> bool:
     """Whether a DataLoader (or a loader like it) drops its last partial batch: its batch
     sampler's ``drop_last``, which a ``batch_sampler=`` given to the DataLoader decides (the
@@ -625,13 +649,7 @@ class DataLoaderSource(Source):
 
     @property
     def epoch_size(self) -> int | None:
-        # NOTE: under DDP a DistributedSampler gives this rank len(sampler) examples, not
-        # len(dataset): batch-count estimates must use the sampler's length.
-        sampler = getattr(self.loader.batch_sampler, "sampler", None)
-        try:
-            return len(sampler)  # type: ignore[arg-type]
-        except TypeError:
-            return self.dataset_size
+        return loader_epoch_size(self.loader, self.dataset_size)
 
     @property
     def sampler(self) -> Any:

@@ -26,6 +26,7 @@ from .sources import (
     drops_last,
     indexed_loader_kwargs,
     loader_batch_size,
+    loader_epoch_size,
     set_loader_epoch,
 )
 
@@ -247,10 +248,7 @@ class StatefulSource(Source):
 
     @property
     def epoch_size(self) -> int | None:
-        try:
-            return len(self.sampler)
-        except TypeError:
-            return self.dataset_size
+        return loader_epoch_size(self.loader, self.dataset_size)
 
     def set_epoch(self, epoch: int) -> None:
         set_loader_epoch(self.loader, epoch)

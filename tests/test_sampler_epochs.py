@@ -9,7 +9,7 @@ import torch
 from conftest import N_CLASSES, EncodedDataset, IndexLoss
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from sbloader import SelectiveLoader, Traditional
+from sbloader import SelectiveBackprop, SelectiveLoader, Traditional
 
 N = 40
 
@@ -100,3 +100,44 @@ def test_a_batch_sampler_that_shuffles_by_epoch_is_told_the_epoch(kind, index_ke
     assert got == [batches.order(e) for e in range(3)]
     assert len(set(map(tuple, got))) == 3
     assert sorted(set(batches.told)) == [0, 1, 2]
+
+
+def test_counts_of_a_batch_sampler_that_shards_are_this_ranks_share():
+    """A batch_sampler= that shards by rank (no sampler of its own): len(), progress and the
+    expected batches count this rank's batches, not the whole dataset's."""
+    source = DataLoader(WithIndex(), batch_sampler=ShardingBatchSampler(N, 4))
+    loader = SelectiveLoader(source, IndexLoss(), policy=Traditional(), batch_size=4, seed=0)
+    assert len(source) == 5
+    assert len(loader) == 5 == len(list(loader))
+    assert loader.progress == 1.0
+    it = iter(loader)
+    for _ in range(2):
+        next(it)
+    assert loader.progress == pytest.approx(1.4)
+    sb = SelectiveLoader(
+        DataLoader(WithIndex(), batch_sampler=ShardingBatchSampler(N, 4)),
+        IndexLoss(),
+        policy=SelectiveBackprop(0.5),
+        batch_size=2,
+        seed=0,
+    )
+    assert sb.expected_batches() == pytest.approx(20 * 0.5 / 2)
+
+
+def test_a_sharding_batch_sampler_without_a_batch_size_names_the_fix():
+    class Bare:  # batches of 4 without a batch_size attribute
+        def __init__(self) -> None:
+            self.inner = ShardingBatchSampler(N, 4)
+
+        def __iter__(self):
+            return iter(self.inner)
+
+        def __len__(self) -> int:
+            return len(self.inner)
+
+    source = DataLoader(WithIndex(), batch_sampler=Bare())
+    loader = SelectiveLoader(source, IndexLoss(), policy=Traditional(), batch_size=4, seed=0)
+    with pytest.raises(TypeError, match="batch_sampler= draws the batches itself"):
+        len(loader)
+    with pytest.raises(TypeError, match="batches_per_epoch= an int"):
+        loader.expected_batches()
