@@ -479,7 +479,9 @@ class EpochIterator:
         if skip or (resumed and loader._sync is not None):
             # Resuming mid-epoch: first the batches the saved round still owed, so that the next
             # selection pass runs after the caller's steps on them, as it would have.
-            self._owed = self._agree(loader._pending.full_batches(loader.batch_size))
+            # (made before any source batch is loaded: the first batches' comparison, which
+            # warns of an unsharded source, waits for the next agreement)
+            self._owed = self._agree(loader._pending.full_batches(loader.batch_size), digest=False)
 
     def _source_step(self) -> None:
         loader, stats = self._loader, self.stats
@@ -947,15 +949,16 @@ class EpochIterator:
             )
         return most - real
 
-    def _agree(self, ready: int, active: bool = True) -> int:
+    def _agree(self, ready: int, active: bool = True, digest: bool = True) -> int:
         """How many of ``ready`` batches to yield now: all of them on one process; on several
         ranks the fewest any rank has ready, so that every rank makes the same number of steps.
         On several ranks it raises, on every rank, where any rank met an error in the round
-        (see :meth:`_fail`)."""
+        (see :meth:`_fail`). ``digest=False`` for an agreement made before any source batch is
+        loaded (see :meth:`RankSync.agree <sbloader.distributed.RankSync.agree>`)."""
         sync = self._loader._sync
         if sync is None:
             return ready
-        count = sync.agree(ready, active, failed=self._failed_kind())[0]
+        count = sync.agree(ready, active, digest, failed=self._failed_kind())[0]
         self._raise_reported(sync)
         return count
 

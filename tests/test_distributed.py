@@ -824,6 +824,27 @@ def scenario_unsharded(rank: int, world_size: int) -> dict:
     res["unsharded_fixed"] = [
         str(w.message) for w in caught if "first source batch" in str(w.message)
     ]
+
+    # A run resumed mid-epoch (its first agreement is made before it loads a source batch).
+    def unsharded() -> SelectiveLoader:
+        source = DataLoader(EncodedDataset(80), batch_size=20)
+        return SelectiveLoader(source, IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=10)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = unsharded()
+        it = iter(first)
+        next(it)
+        state = first.state_dict()
+        it.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = unsharded()
+        resumed.load_state_dict(state)
+        list(resumed)
+    res["unsharded_resumed"] = [
+        str(w.message) for w in caught if "first source batch" in str(w.message)
+    ]
     # Each rank its own examples (a pre-sharded dataset), the same indices and the same order.
     own = torch.utils.data.TensorDataset(
         torch.randn(80, 6, generator=torch.Generator().manual_seed(rank)),
@@ -1047,6 +1068,7 @@ def test_a_source_that_is_not_sharded_is_reported_on_every_rank(two):
         assert len(r["unsharded"]) == 1, "an unsharded source was not reported exactly once"
         assert "DistributedSampler" in r["unsharded"][0]
         assert len(r["unsharded_fixed"]) == 1, "not reported with batches_per_epoch"
+        assert len(r["unsharded_resumed"]) == 1, "not reported after a mid-epoch resume"
         assert len(r["unsharded_batches"]) == len(two[0]["unsharded_batches"]) > 0  # lockstep
         assert r["per_rank"] and all(len(b) == 10 for b in r["per_rank"])
         assert not [m for m in r["per_rank_warnings"] if "first source batch" in m]
