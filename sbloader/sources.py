@@ -352,6 +352,8 @@ def unreplayable_sampler(sampler: Any) -> str | None:
     """
     if sampler is None or not hasattr(sampler, "generator") or sampler.generator is not None:
         return None
+    if self_seed(sampler) is not None:
+        return None  # its order comes from its seed and epoch (checked at load: LoaderOrder)
     name = type(sampler).__name__
     fix = f"build the {name} with generator=torch.Generator().manual_seed(seed)"
     if isinstance(sampler, RandomSampler):
@@ -363,6 +365,17 @@ def unreplayable_sampler(sampler: Any) -> str | None:
         f"its sampler ({name}) draws from torch's global RNG, so its order cannot be "
         f"replayed; {fix}"
     )
+
+
+def self_seed(sampler: Any) -> int | None:
+    """The seed of a sampler that seeds its own generator with ``seed + epoch`` at every
+    ``iter()`` (Accelerate's ``SeedableRandomSampler``, ``use_seedable_sampler=True``), or None
+    for any other: its order is replayed from its seed and epoch, not from a saved generator
+    state (it makes its generator at its first ``iter()``)."""
+    if not any(c.__name__ == "SeedableRandomSampler" for c in type(sampler).__mro__):
+        return None
+    seed = getattr(sampler, "initial_seed", None)
+    return None if seed is None else int(seed)
 
 
 class LoaderOrder:
@@ -397,16 +410,22 @@ class LoaderOrder:
         self.epoch_start = [g.get_state() for g in self.generators]
         return False
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
+    def state_dict(self, sampler: Any = None) -> dict[str, Any]:
+        """The generators' states now and at the epoch's start, and the seed of a ``sampler``
+        that seeds itself (:func:`self_seed`), where it is one."""
+        state: dict[str, Any] = {
             "generators": [g.get_state() for g in self.generators],
             "epoch_start": self.epoch_start,
         }
+        seed = self_seed(sampler)
+        if seed is not None:
+            state["sampler_seed"] = seed
+        return state
 
     def check(self, state: dict[str, Any] | None, sampler: Any, mid_epoch: bool) -> None:
         """Refuse (``ValueError`` naming the fix) a state of another number of generators (None:
         a state without them), or a mid-epoch one where ``sampler`` draws from torch's global
-        RNG."""
+        RNG, or seeds itself with another seed than the saved run's sampler."""
         saved = self.generators if state is None else state["generators"]
         if len(saved) != len(self.generators):
             raise ValueError(
@@ -416,6 +435,16 @@ class LoaderOrder:
         why = unreplayable_sampler(sampler) if mid_epoch else None
         if why is not None:
             raise ValueError(f"cannot resume this DataLoader in the middle of an epoch: {why}")
+        seed, saved_seed = self_seed(sampler), (state or {}).get("sampler_seed")
+        if mid_epoch and seed is not None and saved_seed is not None and seed != saved_seed:
+            raise ValueError(
+                "cannot resume this DataLoader in the middle of an epoch: its sampler "
+                f"({type(sampler).__name__}) draws each epoch's order from its seed, which is "
+                f"{seed} here but was {saved_seed} in the saved run (by default torch's initial "
+                "seed, which differs between processes unless set); call "
+                "accelerate.utils.set_seed(seed) before accelerator.prepare, or pass "
+                "DataLoaderConfiguration(data_seed=seed)"
+            )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (checked by :meth:`check`)."""
@@ -606,7 +635,7 @@ class DataLoaderSource(Source):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            **self._order.state_dict(),
+            **self._order.state_dict(self.sampler),
             "base_seed": self._base_seed,
             "epoch_start_seed": self._epoch_start_seed,
             "out_of_order": self.out_of_order,
@@ -762,7 +791,7 @@ class IterableSource(Source):
             yield batch, indices
 
     def state_dict(self) -> dict[str, Any]:
-        return {} if self._order is None else self._order.state_dict()
+        return {} if self._order is None else self._order.state_dict(self.sampler)
 
     def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
         """A DataLoader's order (see the NOTE in ``__init__``); nothing else: a mid-epoch

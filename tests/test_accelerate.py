@@ -411,6 +411,38 @@ def test_one_process_shuffling_with_the_global_rng_cannot_resume_mid_epoch(fresh
         sbloader.SelectiveLoader(source, nn.Linear(6, 3), batch_size=4).load_state_dict(state)
 
 
+def test_a_seedable_sampler_resumes_mid_epoch_and_another_seed_is_refused(fresh_accelerate):
+    """use_seedable_sampler=True: the sampler seeds its own generator with its seed + epoch at
+    each iter() (it has none before), so a mid-epoch state replays its order exactly; one saved
+    with another seed (torch's initial seed of another process) is refused naming data_seed."""
+    from accelerate.utils import DataLoaderConfiguration
+
+    config = DataLoaderConfiguration(use_seedable_sampler=True)
+    accelerator = Accelerator(cpu=True, dataloader_config=config)
+
+    def make() -> sbloader.SelectiveLoader:
+        source = accelerator.prepare(DataLoader(data(), batch_size=16, shuffle=True))
+        return sbloader.SelectiveLoader(
+            source, nn.Linear(6, 3), policy=sbloader.Traditional(), batch_size=8, seed=0
+        )
+
+    loader = make()
+    assert type(loader.sampler).__name__ == "SeedableRandomSampler"
+    assert loader.source.replayable
+    it = iter(loader)
+    head = [next(it).indices.tolist() for _ in range(3)]
+    state = loader.state_dict()
+    rest = [b.indices.tolist() for b in it]
+    assert sorted(i for b in head + rest for i in b) == list(range(96))
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [b.indices.tolist() for b in resumed] == rest
+    other = make()
+    other.sampler.initial_seed += 1
+    with pytest.raises(ValueError, match=r"data_seed=seed"):
+        other.load_state_dict(state)
+
+
 def test_the_modules_docstring_example_runs(fresh_accelerate):
     import doctest
 
