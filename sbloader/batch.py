@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -165,19 +167,142 @@ _LAZY = "_sbloader_lazy_meta"
 Column = Any  # a tensor with the batch in dimension 0, or a list with one entry per example
 
 
+def _is_namedtuple(cls: type) -> bool:
+    return issubclass(cls, tuple) and hasattr(cls, "_fields") and hasattr(cls, "_make")
+
+
+#: The yielded class made for each source batch class (None: it cannot be made; see
+#: selected_class), and the lock that makes each once.
+_SELECTED: dict[type, type | None] = {}
+_SELECTED_LOCK = threading.Lock()
+
+
+def selected_class(cls: type) -> type | None:
+    """A subclass of the source's own batch class ``cls`` (a namedtuple, or a mapping other
+    than ``dict``, such as transformers' ``BatchEncoding``) and of :class:`SelectedBatch`,
+    ``Selected<name>``, made once per class; None where Python refuses such a subclass.
+
+    NOTE (the source's own batch class): a yielded batch keeps it, so that code written for the
+    source's batches works on the loader's (``batch.label`` of a namedtuple, ``batch.to(device)``
+    and ``batch.input_ids`` of a ``BatchEncoding``). Attribute lookups that find nothing look
+    up the selection results first, then the class's own ``__getattr__``; the class pickles by
+    its base class (module-level, as the source's batches need to be for worker processes).
+
+    Example:
+        >>> from collections import namedtuple
+        >>> Pair = namedtuple("Pair", "image label")
+        >>> Selected = selected_class(Pair)
+        >>> batch = Selected(torch.zeros(2, 3), torch.tensor([0, 1]))
+        >>> Selected.__name__, isinstance(batch, Pair), isinstance(batch, SelectedBatch)
+        ('SelectedPair', True, True)
+    """
+    with _SELECTED_LOCK:
+        if cls in _SELECTED:
+            return _SELECTED[cls]
+        base_getattr = getattr(cls, "__getattr__", None)
+
+        def __getattr__(self: Any, name: str) -> Any:
+            if name in _META or base_getattr is None:
+                return SelectedBatch.__getattr__(self, name)
+            return base_getattr(self, name)
+
+        def __reduce__(self: Any) -> Any:
+            contents = tuple(self) if _is_namedtuple(cls) else dict(self.items())
+            return (_rebuild_selected, (cls, contents, self.__getstate__()))
+
+        namespace = {
+            "__getattr__": __getattr__,
+            "__reduce__": __reduce__,
+            "__module__": __name__,
+            "__qualname__": f"Selected{cls.__name__}",
+        }
+        try:
+            made: type | None = type(f"Selected{cls.__name__}", (cls, SelectedBatch), namespace)
+        except TypeError:  # e.g. a class that cannot be subclassed, or a layout conflict
+            made = None
+        _SELECTED[cls] = made
+        return made
+
+
+def _rebuild_selected(cls: type, contents: Any, state: dict[str, Any]) -> Any:
+    """Unpickle a batch of :func:`selected_class`'s class for ``cls``."""
+    made = selected_class(cls)
+    assert made is not None
+    batch = made(*contents) if _is_namedtuple(cls) else made(contents)
+    batch.__dict__.update(state)
+    return batch
+
+
+def like(structure: Any, values: Any) -> Any:
+    """``values`` in ``structure``'s class: a dict of them for a mapping, a sequence in order
+    otherwise (a namedtuple's fields by position); the plain dict where a mapping's class does
+    not take one.
+
+    Example:
+        >>> from collections import namedtuple
+        >>> Pair = namedtuple("Pair", "a b")
+        >>> like(Pair(1, 2), [3, 4]), like((1, 2), [3, 4]), like({"a": 1}, {"a": 2})
+        (Pair(a=3, b=4), (3, 4), {'a': 2})
+    """
+    cls = type(structure)
+    if isinstance(structure, Mapping):
+        if cls is dict:
+            return dict(values)
+        try:
+            return cls(dict(values))
+        except Exception:
+            return dict(values)
+    if _is_namedtuple(cls):
+        return cls(*values)
+    return cls(values)
+
+
+def class_name(cls: type | None) -> str | None:
+    """``module:qualname`` of a batch class, for a saved state (None for none)."""
+    return None if cls is None else f"{cls.__module__}:{cls.__qualname__}"
+
+
+def class_named(name: str | None) -> type | None:
+    """The class :func:`class_name` named, where it can be imported, else None."""
+    if not name or "<" in name:  # (a class defined in a function cannot be found again)
+        return None
+    module, _, qualname = name.partition(":")
+    try:
+        found: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return found if isinstance(found, type) else None
+
+
 @dataclass(frozen=True)
 class BatchFormat:
     """How a source batch maps to columns, and back.
 
     Tuple and list batches are addressed by position, dict batches by key. ``input_key`` and
     ``target_key`` name the model input and the loss target; every other field is carried along
-    and selected with them.
+    and selected with them. ``cls`` is the source's own batch class where it is a namedtuple
+    or a mapping other than ``dict`` (yielded batches keep it: see :func:`selected_class`),
+    else None.
     """
 
     kind: type
     keys: tuple[Hashable, ...]
     input_key: Hashable
     target_key: Hashable
+    cls: type | None = None
+
+    @staticmethod
+    def own_class(batch: Any) -> type | None:
+        """``type(batch)`` where batches of it keep their class (a namedtuple, or a mapping
+        other than ``dict``), else None."""
+        cls = type(batch)
+        if cls in (dict, list, tuple):
+            return None
+        if isinstance(batch, Mapping) or _is_namedtuple(cls):
+            return cls
+        return None
 
     @classmethod
     def infer(
@@ -194,7 +319,7 @@ class BatchFormat:
                         f"the source yields dict batches without the key {key!r}; pass "
                         f"{name}= naming one of {list(keys)!r}"
                     )
-            return cls(dict, keys, input_key, target_key)
+            return cls(dict, keys, input_key, target_key, cls.own_class(batch))
         if isinstance(batch, (tuple, list)):
             n = len(batch)
             input_key = 0 if input_key is None else input_key
@@ -210,6 +335,7 @@ class BatchFormat:
                 tuple(range(n)),
                 int(input_key) % n,  # type: ignore[call-overload]
                 int(target_key) % n,  # type: ignore[call-overload]
+                cls.own_class(batch),
             )
         raise TypeError(
             "SelectiveLoader needs batches that are tuples, lists or dicts of per-example fields "
@@ -236,18 +362,52 @@ class BatchFormat:
         return self.keys.index(key)
 
     def view(self, columns: Sequence[Column]) -> Any:
-        """The source batch's structure (a plain dict, tuple or list) over ``columns``."""
+        """The source batch's structure over ``columns`` (of its own class where it keeps it,
+        else a plain dict, tuple or list)."""
+        if self.cls is not None:
+            made = self._made(self.cls, columns)
+            if made is not None:
+                return made
         if self.kind is dict:
             return dict(zip(self.keys, columns))
         return self.kind(columns)
 
     def build(self, columns: Sequence[Column]) -> SelectedBatch:
-        """A yielded batch of the source's structure from columns."""
+        """A yielded batch of the source's structure from columns: of the source's own batch
+        class where it keeps it (:func:`selected_class`), else a :class:`SelectedDict`,
+        :class:`SelectedList` or :class:`SelectedTuple`."""
+        if self.cls is not None:
+            selected = selected_class(self.cls)
+            if selected is not None:
+                made = self._made(selected, columns)
+                if made is not None:
+                    return made
         if self.kind is dict:
             return SelectedDict(zip(self.keys, columns))
         if self.kind is list:
             return SelectedList(columns)
         return SelectedTuple(columns)
+
+    def _made(self, cls: type, columns: Sequence[Column]) -> Any:
+        """A batch of ``cls`` over ``columns``, or None where its constructor does not take
+        the fields (a mapping built from a dict of them, a namedtuple from them in order)."""
+        if cls in _UNBUILDABLE:
+            return None
+        try:
+            if self.kind is dict:
+                made = cls(dict(zip(self.keys, columns)))
+                if tuple(made.keys()) == self.keys:
+                    return made
+            elif len(columns) == len(self.keys):
+                return cls(*columns)
+        except Exception:  # (a constructor of another signature: the plain structure instead)
+            pass
+        _UNBUILDABLE.add(cls)
+        return None
+
+
+#: Batch classes whose constructor did not take their fields (see BatchFormat._made).
+_UNBUILDABLE: set[type] = set()
 
 
 def column_length(column: Column, field: Hashable) -> int:

@@ -3,8 +3,9 @@ build a yielded batch of the source's structure from :class:`~sbloader.rows.Rows
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, MutableMapping
 from functools import partial
 from typing import Any
 
@@ -18,6 +19,7 @@ from .rows import Rows, WholeBatch
 __all__ = ["BatchCodec"]
 
 _KINDS: dict[str, type] = {"dict": dict, "list": list, "tuple": tuple}
+_PLAIN = (dict, list, tuple)
 
 
 class BatchCodec:
@@ -98,6 +100,12 @@ class BatchCodec:
             self._check_drop_key()
             self._resolve_pads()
         fmt = self.format
+        if fmt.cls is None and type(raw) not in _PLAIN:
+            # (a format restored from a state whose batch class could not be imported: the
+            # source's own batches tell it)
+            own = B.BatchFormat.own_class(raw)
+            if own is not None:
+                fmt = self.format = dataclasses.replace(fmt, cls=own)
         in_pos = self.input_position
         columns = [
             B.to_column(v, device, self.memory_format if j == in_pos else None)
@@ -268,7 +276,9 @@ class BatchCodec:
         if self._yielded is None or self._yielded[0] is not fmt:
             pos = fmt.position(self.drop_key)
             keys = fmt.keys[:pos] + fmt.keys[pos + 1 :]
-            out = B.BatchFormat(fmt.kind, keys, fmt.input_key, fmt.target_key)
+            # (a mapping keeps its class without the field; a namedtuple cannot lose one)
+            cls = fmt.cls if fmt.kind is dict else None
+            out = B.BatchFormat(fmt.kind, keys, fmt.input_key, fmt.target_key, cls)
             self._yielded = (fmt, out, pos)
         return self._yielded[1], self._yielded[2]
 
@@ -316,7 +326,7 @@ class BatchCodec:
                 meta["features"] = rows.features
             if rows.logits is not None:
                 meta["logits"] = logits
-            if isinstance(batch, dict):
+            if isinstance(batch, MutableMapping):
                 batch[self.metadata_key] = meta
             else:
                 batch = (
@@ -350,6 +360,8 @@ class BatchCodec:
                 "input_key": f.input_key,
                 "target_key": f.target_key,
             }
+            if f.cls is not None:
+                fmt["class"] = B.class_name(f.cls)
         shapes = None
         if self._shapes is not None:
             shapes = {j: list(shape) for j, shape in self._shapes.items()}
@@ -366,7 +378,9 @@ class BatchCodec:
         if fmt is not None:
             keys = tuple(fmt["keys"])
             kind = _KINDS[fmt["kind"]]
-            self.format = B.BatchFormat(kind, keys, fmt["input_key"], fmt["target_key"])
+            # NOTE: "class" is optional within version 1 (older states have none).
+            cls = B.class_named(fmt.get("class"))
+            self.format = B.BatchFormat(kind, keys, fmt["input_key"], fmt["target_key"], cls)
             self._check_drop_key()
             self._resolve_pads()
         shapes = state.get("shapes")

@@ -604,7 +604,7 @@ def _owned(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {k: _owned(v) for k, v in value.items()}
     if isinstance(value, (tuple, list)):
-        return type(value)(_owned(v) for v in value)
+        return B.like(value, [_owned(v) for v in value])
     return value
 
 

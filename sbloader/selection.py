@@ -400,8 +400,8 @@ def restrict(batch: Any, start: int, stop: int) -> Any:
         {'x': tensor([1, 2]), 'meta': {'n': ['b', 'c']}}
     """
     if isinstance(batch, Mapping):
-        return {k: B.rows(v, start, stop) for k, v in batch.items()}
-    return type(batch)(B.rows(v, start, stop) for v in batch)
+        return B.like(batch, {k: B.rows(v, start, stop) for k, v in batch.items()})
+    return B.like(batch, [B.rows(v, start, stop) for v in batch])
 
 
 def selection_outputs(

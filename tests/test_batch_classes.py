@@ -1,0 +1,201 @@
+"""Yielded batches keep the source's own batch class (a namedtuple, a mapping such as
+transformers' ``BatchEncoding``), so that code written for the source's batches works."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import io
+import pickle
+from collections import UserDict, namedtuple
+from typing import Any
+
+import pytest
+import torch
+from conftest import N_CLASSES, EncodedDataset, IndexLoss
+from torch.utils.data import DataLoader, Dataset
+
+import sbloader
+from sbloader import SelectedBatch, SelectiveBackprop, SelectiveLoader, Traditional
+
+Sample = namedtuple("Sample", "image label")
+N = 48
+
+
+class Encoding(UserDict):
+    """As transformers' BatchEncoding: a UserDict with attribute access to its keys and an
+    in-place ``to(device)`` that returns itself."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.data[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def to(self, device: Any) -> Encoding:
+        self.data = {k: v.to(device) if torch.is_tensor(v) else v for k, v in self.data.items()}
+        return self
+
+
+class Samples(Dataset):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> Sample:
+        x, y = EncodedDataset(N)[i]
+        return Sample(x, y)
+
+
+def encodings(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> Encoding:
+    return Encoding(
+        {
+            "image": torch.stack([s[0] for s in samples]),
+            "label": torch.stack([s[1] for s in samples]),
+        }
+    )
+
+
+def namedtuple_loader(policy: Any, **kw: Any) -> SelectiveLoader:
+    return SelectiveLoader(
+        DataLoader(Samples(), batch_size=12), IndexLoss(), policy=policy, batch_size=6, seed=0, **kw
+    )
+
+
+def encoding_loader(policy: Any, **kw: Any) -> SelectiveLoader:
+    source = DataLoader(EncodedDataset(N), batch_size=12, collate_fn=encodings)
+    return SelectiveLoader(
+        source,
+        IndexLoss(),
+        policy=policy,
+        batch_size=6,
+        seed=0,
+        input_key="image",
+        target_key="label",
+        **kw,
+    )
+
+
+def paired(batch: Any) -> None:
+    assert torch.equal(batch.image[:, 0].long(), batch.indices)
+    assert torch.equal(batch.label, batch.indices % N_CLASSES)
+
+
+@pytest.mark.parametrize(
+    "policy", [Traditional, lambda: SelectiveBackprop(0.5)], ids=["trad", "sb"]
+)
+def test_namedtuple_batches_stay_namedtuples(policy):
+    batches = list(namedtuple_loader(policy()))
+    assert batches
+    for b in batches:
+        assert isinstance(b, Sample) and isinstance(b, SelectedBatch)
+        assert type(b).__name__ == "SelectedSample" and b._fields == ("image", "label")
+        paired(b)  # attribute access, and the selection results
+        image, label = b  # still a tuple
+        assert image is b.image and label is b.label
+    assert sorted(i for b in batches for i in b.indices.tolist()) == sorted(
+        set(i for b in batches for i in b.indices.tolist())
+    )
+
+
+@pytest.mark.parametrize(
+    "policy", [Traditional, lambda: SelectiveBackprop(0.5)], ids=["trad", "sb"]
+)
+def test_a_mapping_batch_class_keeps_its_methods_and_attribute_access(policy):
+    batches = list(encoding_loader(policy()))
+    assert batches
+    for b in batches:
+        assert isinstance(b, Encoding) and type(b).__name__ == "SelectedEncoding"
+        assert b.to("cpu") is b  # the class's own method
+        paired(b)  # its attribute access (image, label) and the selection results
+        assert list(b.keys()) == ["image", "label"]
+        with pytest.raises(AttributeError):
+            b.nothing  # noqa: B018
+
+
+def test_forward_hooks_get_the_source_class_too():
+    seen: list[type] = []
+
+    def forward(model, batch):
+        seen.append(type(batch))
+        return model(batch.image)
+
+    list(namedtuple_loader(SelectiveBackprop(0.5), forward=forward))
+    assert seen and all(t is Sample for t in seen)
+
+
+def test_metadata_key_goes_into_a_mapping_and_after_a_namedtuples_fields():
+    b = next(iter(encoding_loader(SelectiveBackprop(0.5), metadata_key="sb")))
+    assert isinstance(b, Encoding) and torch.equal(b["sb"]["indices"], b.indices)
+    t = next(iter(namedtuple_loader(SelectiveBackprop(0.5), metadata_key="sb")))
+    image, label, meta = t  # a namedtuple cannot take a field: a plain tuple with the results
+    assert type(t) is sbloader.SelectedTuple and torch.equal(meta["indices"], t.indices)
+    assert torch.equal(image[:, 0].long(), t.indices) and torch.equal(label, t.indices % N_CLASSES)
+
+
+@pytest.mark.parametrize(
+    "make", [namedtuple_loader, encoding_loader], ids=["namedtuple", "mapping"]
+)
+def test_pickle_and_deepcopy_keep_the_class_and_the_results(make):
+    for policy in (Traditional(), SelectiveBackprop(0.5)):
+        b = next(iter(make(policy)))
+        for copied in (pickle.loads(pickle.dumps(b)), copy.deepcopy(b)):
+            assert type(copied) is type(b)
+            assert torch.equal(copied.indices, b.indices)
+            assert torch.equal(copied.weights, b.weights)
+            paired(copied)
+
+
+@pytest.mark.parametrize(
+    "make", [namedtuple_loader, encoding_loader], ids=["namedtuple", "mapping"]
+)
+def test_a_resumed_run_yields_the_class_and_the_same_batches(make):
+    reference = [b.indices.tolist() for b in make(SelectiveBackprop(0.5))]
+    loader = make(SelectiveBackprop(0.5))
+    it = iter(loader)
+    head = [next(it).indices.tolist() for _ in range(2)]
+    buffer = io.BytesIO()
+    torch.save(loader.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = make(SelectiveBackprop(0.5))
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    rest = list(resumed)
+    assert all(
+        type(b).__name__.startswith("Selected") and type(b).__bases__[0] in (Sample, Encoding)
+        for b in rest
+    )
+    assert head + [b.indices.tolist() for b in rest] == reference
+
+
+def test_a_mapping_whose_constructor_takes_no_dict_falls_back_to_a_plain_dict():
+    def collate(samples):
+        out = collections.defaultdict(list)  # defaultdict(dict) would take a factory
+        out["image"] = torch.stack([s[0] for s in samples])
+        out["label"] = torch.stack([s[1] for s in samples])
+        return out
+
+    source = DataLoader(EncodedDataset(N), batch_size=12, collate_fn=collate)
+    loader = SelectiveLoader(
+        source, IndexLoss(), policy=Traditional(), input_key="image", target_key="label"
+    )
+    batches = list(loader)
+    assert batches and all(type(b) is sbloader.SelectedDict for b in batches)
+    assert sorted(i for b in batches for i in b.indices.tolist()) == list(range(N))
+
+
+def test_an_ordered_dict_source_yields_ordered_dicts():
+    def collate(samples):
+        return collections.OrderedDict(encodings(samples).data)
+
+    source = DataLoader(EncodedDataset(N), batch_size=12, collate_fn=collate)
+    loader = SelectiveLoader(
+        source,
+        IndexLoss(),
+        policy=SelectiveBackprop(0.5),
+        batch_size=6,
+        seed=0,
+        input_key="image",
+        target_key="label",
+    )
+    for b in loader:
+        assert isinstance(b, collections.OrderedDict) and isinstance(b, SelectedBatch)
+        assert torch.equal(b["image"][:, 0].long(), b.indices)
