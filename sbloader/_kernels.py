@@ -455,7 +455,8 @@ def sb_choose_stale(
     """Stale-SB's decision for one batch without a selection pass, in one call.
 
     Each candidate's P comes from its stored loss ranked against the window without changing it,
-    as :func:`cdf_power` (with its ``cut``; P = 1 for an example never scored); it is kept when
+    as :func:`cdf_power` (with its ``cut``; P = 1 for an example never scored, 0 for one whose
+    stored loss is not finite); it is kept when
     ``uniforms[i] < P`` and counts one selection. Outputs and the return value as in
     :func:`sb_choose_fresh`.
     """
@@ -465,10 +466,12 @@ def sb_choose_stale(
     k = 0
     for i in range(indices.shape[0]):
         j = indices[i]
+        x = np.float64(store_loss[j])
         if store_seen[j] == 0:
             p = 1.0
+        elif not np.isfinite(x):  # scored non-finite and skipped then (ExampleStore.mark_nonfinite)
+            p = 0.0
         else:
-            x = np.float64(store_loss[j])
             p = cut_power((count_le(sorted_values, n, x) + 1) / (n + 1), beta, cut)
         out_p[i] = p
         if uniforms[i] < p:

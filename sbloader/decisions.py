@@ -64,6 +64,8 @@ def choose_finite(
     if nonfinite == "raise":
         where = indices[bad[:5]].tolist() if indices is not None else bad[:5].tolist()
         raise nonfinite_losses(len(bad), where, positions=indices is None)
+    if nonfinite == "skip" and indices is not None:
+        policy.count_skipped(indices[bad])
     good = np.flatnonzero(finite)
     sub = policy.choose(values[good], None if indices is None else indices[good], rng, len(good))
     probabilities = np.zeros(n, dtype=np.float64)

@@ -1096,6 +1096,8 @@ class EpochIterator:
             if finite.any():
                 idx = None if indices is None else indices[finite]
                 loader.policy.observe(values[finite], idx, cdf=loader.cdf == "global")
+            if indices is not None and loader.nonfinite == "skip" and not finite.all():
+                loader.policy.count_skipped(indices[~finite])  # (every rank's store alike)
 
     def _count_unloaded(self, now: tuple[int, int, Any]) -> None:
         """Add the candidates left out before loading since the last count to the stats."""

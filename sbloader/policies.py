@@ -230,6 +230,12 @@ class Policy(abc.ABC):
         selection loss under ``nonfinite="select"`` (int64 dataset indices). A policy with
         per-example records counts them as selected, as it counts those it chooses."""
 
+    def count_skipped(self, indices: np.ndarray) -> None:  # noqa: B027 - optional hook
+        """Examples left out because their selection loss was not finite, under
+        ``nonfinite="skip"`` (int64 dataset indices). A policy with per-example records marks
+        them, so that the epochs deciding from stored losses skip them too, instead of taking
+        them for never scored (kept with P = 1)."""
+
     def feedback(  # noqa: B027 - optional hook
         self, indices: np.ndarray, losses: np.ndarray, epoch: int
     ) -> None:
@@ -717,6 +723,11 @@ class SelectiveBackprop(Policy):
         if self.store is not None and len(indices):
             self.store.count_selected(indices)
 
+    def count_skipped(self, indices: np.ndarray) -> None:
+        self._adopt_store()
+        if self.store is not None and len(indices):
+            self.store.mark_nonfinite(indices, self._epoch)
+
     def feedback(self, indices: np.ndarray, losses: np.ndarray, epoch: int) -> None:
         """Training losses enter the store (by index; the window is left alone: it ranks
         selection-pass losses, which training losses of the hardest examples would skew)."""
@@ -747,6 +758,7 @@ class SelectiveBackprop(Policy):
         stored, measured = self._stale_store().lookup(indices)
         p = self.window.rank(stored, self._cut_beta, self._cut)
         p[measured < 0] = 1.0
+        p[np.isnan(p)] = 0.0  # a non-finite loss, skipped where it was measured (count_skipped)
         return p
 
     def _stale_store(self) -> ExampleStore:
@@ -1220,6 +1232,10 @@ class Phased(Policy):
         # NOTE: like choose: only the policy deciding from losses (the wrapped one) gets them.
         if self.active(self._epoch):
             self.policy.count_forced(indices)
+
+    def count_skipped(self, indices: np.ndarray) -> None:
+        if self.active(self._epoch):
+            self.policy.count_skipped(indices)
 
     def feedback(self, indices: np.ndarray, losses: np.ndarray, epoch: int) -> None:
         # NOTE: also from warm-up epochs (recorded as the wrapped policy's epoch 0): the store

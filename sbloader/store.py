@@ -284,6 +284,24 @@ class ExampleStore:
         out = _kernels.store_record(self.loss, self.seen, idx, values, epoch)
         self.check_outside(out, idx)
 
+    def mark_nonfinite(self, indices: np.ndarray, epoch: int) -> None:
+        """Record that each index's selection loss, measured in ``epoch``, was not finite: its
+        stored loss becomes NaN, scored in ``epoch`` (not "never scored", which a stale epoch
+        keeps with P = 1). A later finite loss replaces it.
+
+        Example:
+            >>> s = ExampleStore(4)
+            >>> s.mark_nonfinite(np.array([2]), epoch=0)
+            >>> s.lookup(np.array([1, 2]))
+            (array([nan, nan]), array([-1,  0]))
+        """
+        epoch = check_int("epoch", epoch, minimum=0)
+        idx = self._indices(indices)
+        self.check_outside(int(np.count_nonzero((idx < 0) | (idx >= self.size))), idx)
+        loss, seen = self.loss, self.seen
+        loss[idx] = np.nan
+        seen[idx] = epoch + 1
+
     def lookup(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The stored loss (float64, NaN if never scored) and epoch (-1 if never) of each index."""
         idx = self._indices(indices)

@@ -794,6 +794,47 @@ def test_nonfinite_skip_select_raise():
         list(raising)
 
 
+@pytest.mark.parametrize("nonfinite", ["skip", "select"])
+@pytest.mark.parametrize("source", ["dataloader", "iterable"])
+def test_stale_epochs_treat_a_nonfinite_loss_as_its_selection_pass_did(nonfinite, source):
+    """A non-finite selection loss skipped under "skip" stays skipped in Stale-SB's stale
+    epochs (decided from the store: at the source before loading, or per batch), instead of
+    being taken for never scored and kept with P = 1; under "select" it is kept there too."""
+    bad = {i for i in range(200) if bad_index(i)}
+    policy = SelectiveBackprop(beta=0.0, staleness=3)  # P = 1 for every finite loss
+    kw: dict = dict(model=NanFor(), policy=policy, nonfinite=nonfinite, remainder="drop")
+    if source == "iterable":
+        batches = [
+            {
+                "x": torch.arange(s, s + 20).float()[:, None].expand(20, 6).clone(),
+                "y": torch.arange(s, s + 20) % N_CLASSES,
+                "i": torch.arange(s, s + 20),
+            }
+            for s in range(0, 200, 20)
+        ]
+        loader = SelectiveLoader(
+            batches,
+            NanFor(),
+            policy=policy,
+            nonfinite=nonfinite,
+            remainder="drop",
+            batch_size=10,
+            seed=0,
+            input_key="x",
+            target_key="y",
+            index_key="i",
+            dataset_size=200,
+        )
+    else:
+        loader = make_loader(**kw)
+    for epoch in range(3):
+        got = [i for b in loader for i in b.indices.tolist()]
+        assert policy.needs_losses(epoch) == (epoch == 0)
+        kept_bad = bad & set(got)
+        assert kept_bad == (set() if nonfinite == "skip" else bad), epoch
+        assert len(got) == len(set(got)) and len(got) >= 190 - len(bad)
+
+
 # ------------------------------------------------------------------ bad input
 @pytest.mark.parametrize(
     "kwargs, exc, message",
