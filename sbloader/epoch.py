@@ -212,6 +212,7 @@ class EpochIterator:
         self._handed_out: float | None = None
         self._start = 0.0
         self._fresh = self._passthrough = self._filtering = self._joins = False
+        self._committed = False  # whether the source batch being taken took effect
         self._remainder = "carry"  # this epoch's remainder (set as it begins)
         self._paused = False  # paused between training epochs (see pause())
         # Whether the caller runs ahead (see runs_ahead()) of a source that reuses its buffers:
@@ -495,6 +496,41 @@ class EpochIterator:
             loader._source_state = tally[2]
             self._phase = _Phase.DRAIN if loader._sync is not None else _Phase.REMAINDER
             return
+        # NOTE (a batch not taken is not consumed): where scoring the batch raises before its
+        # decision took effect (a model that raises, a transient out-of-memory error,
+        # nonfinite="raise"), the position, the source's snapshot and the counts go back to
+        # before it, so that a state saved afterwards, or the next iter(loader), reads it again
+        # instead of skipping its examples. On one process only: under DDP the ranks stop
+        # together and another rank may have taken its batch of the round.
+        undo = (
+            self.position,
+            loader._source_state,
+            self._counted,
+            stats.source_s,
+            stats.examples_seen,
+            stats.prefiltered,
+            stats.excluded,
+        )
+        self._committed = False
+        try:
+            self._take(loaded)
+        except BaseException:
+            if not self._committed and loader._sync is None:
+                (
+                    self.position,
+                    loader._source_state,
+                    self._counted,
+                    stats.source_s,
+                    stats.examples_seen,
+                    stats.prefiltered,
+                    stats.excluded,
+                ) = undo
+            raise
+
+    def _take(self, loaded: _Loaded) -> None:
+        """Score, decide and keep the rows of the source batch ``loaded`` (see _source_step)."""
+        loader, stats = self._loader, self.stats
+        assert stats is not None and self.epoch is not None
         stats.source_s += loaded.waited
         self._count_unloaded(loaded.tally)  # examples left out before loading, up to this batch
         loader._source_state = loaded.tally[2]
@@ -533,10 +569,11 @@ class EpochIterator:
             scorer.pad(pad)
         targets = data[loader._codec.target_position]
         if self._passthrough:
-            stats.count_classes(targets, None)
             inputs = data[loader._codec.input_position]
             features = scorer.features(inputs, None, None, indices, self.epoch, stats)
             logits = scorer.logits(None, None, n, device)
+            self._committed = True
+            stats.count_classes(targets, None)
             stats.examples_selected += n
             # The source's batch is a training batch: handed out as it is (the fast path).
             # NOTE: a source batch of another size (a source batched otherwise, rows left out by
@@ -572,6 +609,7 @@ class EpochIterator:
             scorer.pad(pad)
             loader.policy.advance(self.epoch + self.fraction())
             if loader._decider is not None:
+                self._committed = True
                 self._decide_on_device(scored, data, indices, n, t0)
                 self._score_ahead()
                 return
@@ -579,6 +617,7 @@ class EpochIterator:
             choice = self._decide(scored, indices, n)
         except NonFiniteLoss as e:
             self._stop_round(_NONFINITE, e)
+        self._committed = True
         stats.selection_s += perf_counter() - t0
         positions = choice.positions
         k = len(positions)

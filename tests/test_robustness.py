@@ -874,7 +874,9 @@ def test_nan_and_infinite_losses_never_reach_window_or_store(mode):
     window = loader.policy.window.values()
     assert np.isfinite(window).all() and len(window) == 120 - len(bad)
     losses, epochs = store.lookup(np.arange(120))
-    assert np.isnan(losses[sorted(bad)]).all() and (epochs[sorted(bad)] == -1).all()
+    # skipped: marked scored non-finite (so stale epochs skip them too); selected: never scored
+    marked = 0 if mode == "skip" else -1
+    assert np.isnan(losses[sorted(bad)]).all() and (epochs[sorted(bad)] == marked).all()
     good = np.setdiff1d(np.arange(120), sorted(bad))
     assert np.isfinite(losses[good]).all() and (epochs[good] == 0).all()
     if mode == "skip":
@@ -1693,3 +1695,52 @@ def test_a_kath18_policy_reused_for_a_new_run_starts_from_tau_zero():
     assert policy.tau > 0
     SelectiveLoader(DataLoader(EncodedDataset(120), batch_size=24), Net(), policy=policy)
     assert policy.tau == 0.0 and not policy.importance_sampling
+
+
+class FlakyLoss(IndexLoss):
+    """IndexLoss whose forward number ``fail_at`` (counted from 0) raises, or returns NaN."""
+
+    def __init__(self, fail_at: int | None = None, nan: bool = False) -> None:
+        super().__init__()
+        self.fail_at, self.nan, self.forwards = fail_at, nan, 0
+
+    def forward(self, x):
+        call, self.forwards = self.forwards, self.forwards + 1
+        if call == self.fail_at and not self.nan:
+            raise RuntimeError("transient failure")
+        out = super().forward(x)
+        return out * float("nan") if call == self.fail_at else out
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"prefetch": 1}, {"overlap_selection": True}, {"nonfinite": "raise", "nan": True}],
+    ids=["plain", "prefetch", "overlap", "nonfinite-raise"],
+)
+def test_a_selection_pass_that_raises_loses_no_example_from_a_state_saved_after(options):
+    """The source batch whose scoring raised is not consumed: a state saved after the error
+    resumes with it, and the run yields what an uninterrupted one does (nothing skipped)."""
+    options = dict(options)
+    nan = options.pop("nan", False)
+
+    def make(model):
+        source = DataLoader(
+            EncodedDataset(40),
+            batch_size=8,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(0),
+        )
+        return SelectiveLoader(
+            source, model, policy=SelectiveBackprop(0.5), batch_size=4, seed=0, **options
+        )
+
+    reference = [b.indices.tolist() for b in make(FlakyLoss())]
+    failing = make(FlakyLoss(fail_at=2, nan=nan))
+    head = []
+    with pytest.raises((RuntimeError, FloatingPointError)):
+        for b in failing:
+            head.append(b.indices.tolist())
+    state = copy.deepcopy(failing.state_dict())
+    resumed = make(FlakyLoss())
+    resumed.load_state_dict(state)
+    assert head + [b.indices.tolist() for b in resumed] == reference
