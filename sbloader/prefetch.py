@@ -71,7 +71,11 @@ class Prefetcher(Generic[T]):
                     return
             self._put((_END, None, self._tally()))
         except BaseException as e:  # handed to the caller, re-raised there
-            self._put((_ERROR, e, self._tally()))
+            try:
+                tally = self._tally()
+            except BaseException:  # (the tally itself failed: the error is still handed over)
+                tally = None
+            self._put((_ERROR, e, tally))
         finally:
             close = getattr(it, "close", None)
             if close is not None:
@@ -82,7 +86,21 @@ class Prefetcher(Generic[T]):
         exception where it failed)."""
         if self._done:
             raise StopIteration
-        kind, payload, count = self._queue.get()
+        while True:
+            try:
+                kind, payload, count = self._queue.get(timeout=0.5)
+                break
+            except queue.Empty:
+                # NOTE: the producer always hands over an end or an error before it stops; one
+                # that died without (an error while handing one over) must not leave the caller
+                # waiting for ever.
+                if not self._thread.is_alive() and self._queue.empty():
+                    self._done = True
+                    raise RuntimeError(
+                        "the prefetch thread stopped without handing over the end of the source "
+                        "or its error (see the thread's traceback above); build the loader with "
+                        "prefetch=0 to get the error in this thread"
+                    ) from None
         if kind == _ITEM:
             return payload, count
         self._done = True

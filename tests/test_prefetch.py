@@ -172,6 +172,43 @@ def test_prefetcher_hands_over_errors_in_order_and_closes_its_iterator():
     assert closed == ["sbloader-prefetch"]  # closed by the thread that ran it
 
 
+def test_a_tally_that_raises_is_handed_over_not_a_hang():
+    """The source's state (the tally) failing after an item: its error reaches the caller."""
+    calls = []
+
+    def tally():
+        calls.append(1)
+        if len(calls) >= 2:
+            raise RuntimeError("state_dict failed")
+        return 0
+
+    p = Prefetcher(lambda: iter(range(5)), depth=1, tally=tally)
+    assert p.next()[0] == 0
+    with pytest.raises(RuntimeError, match="state_dict failed"):
+        p.next()
+    p.close()
+
+
+class _Dying(Prefetcher):
+    """A producer that dies without handing over its error."""
+
+    def _put(self, message):
+        if message[0] != 0:  # (not an item: the end or an error)
+            raise SystemExit
+        return super()._put(message)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_producer_that_dies_without_a_message_raises_instead_of_waiting_for_ever():
+    p = _Dying(lambda: iter(range(2)), depth=4, tally=lambda: 0)
+    assert [p.next()[0], p.next()[0]] == [0, 1]
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="prefetch thread stopped"):
+        p.next()
+    assert time.monotonic() - started < 30
+    p.close()
+
+
 def test_closing_the_prefetcher_fetches_nothing_more():
     """close() makes room in the queue for the item the producer is waiting to put; it must
     not then fetch another (past the end of the data a DataLoader would draw its next order from
