@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from . import batch as B
+from ._state import taking_rollback
 
 __all__ = ["PendingRows", "Rows", "WholeBatch", "metadata_rows"]
 
@@ -146,6 +147,12 @@ class Rows:
         """The rows as CPU tensors, lists and dicts of them (nested fields), loadable with
         ``torch.load(weights_only=True)``."""
         cpu = self.to(torch.device("cpu"))
+        if not taking_rollback():
+            # NOTE: copies of tensors already on the CPU: the state must not share memory with
+            # batches still to be handed out, which a training step may change in place
+            # (``x.mul_(...)``) while the state is held (an in-memory rollback, an asynchronous
+            # checkpoint writer). A rollback backup taken by load_state_dict may share them.
+            cpu = cpu.owned(self)
         return {
             "data": [B.plain(c) for c in cpu.data],
             "indices": cpu.indices,
@@ -156,9 +163,32 @@ class Rows:
             "logits": cpu.logits,
         }
 
+    def owned(self, original: Rows) -> Rows:
+        """These rows with copies of every tensor that is still ``original``'s (the same
+        object: :meth:`to` moves nothing already on its device)."""
+
+        def own(c: Any, o: Any) -> Any:
+            if isinstance(c, torch.Tensor):
+                return c.clone() if c is o else c
+            if isinstance(c, Mapping) and isinstance(o, Mapping):
+                return {k: own(v, o.get(k)) for k, v in c.items()}
+            return c
+
+        return replace(
+            self,
+            data=[own(c, o) for c, o in zip(self.data, original.data)],
+            indices=own(self.indices, original.indices),
+            losses=own(self.losses, original.losses),
+            probabilities=own(self.probabilities, original.probabilities),
+            weights=own(self.weights, original.weights),
+            features=own(self.features, original.features),
+            logits=own(self.logits, original.logits),
+        )
+
     @classmethod
     def from_state(cls, state: dict[str, Any], device: torch.device) -> Rows:
-        """Rows saved by :meth:`state_dict`, moved to ``device``."""
+        """Rows saved by :meth:`state_dict`, moved to ``device`` (copies where they are there
+        already, so that the caller's state shares no memory with the batches handed out)."""
         rows = cls(
             data=list(state["data"]),
             indices=state["indices"],
@@ -168,7 +198,8 @@ class Rows:
             features=state.get("features"),
             logits=state.get("logits"),
         )
-        return rows.to(device)
+        moved = rows.to(device)
+        return moved if taking_rollback() else moved.owned(rows)
 
 
 def _cat_optional(chunks: list[torch.Tensor | None], widen: bool = False) -> torch.Tensor | None:

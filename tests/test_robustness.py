@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import errno
 import gc
+import io
 import json
 import os
 import re
@@ -1744,3 +1745,51 @@ def test_a_selection_pass_that_raises_loses_no_example_from_a_state_saved_after(
     resumed = make(FlakyLoss())
     resumed.load_state_dict(state)
     assert head + [b.indices.tolist() for b in resumed] == reference
+
+
+def test_a_state_held_in_memory_is_not_changed_by_training_steps_that_change_batches_in_place():
+    """A state saved mid-epoch with pending rows shares no memory with the batches handed out
+    later, nor (once loaded) with those handed out from it: a step that normalises its inputs
+    in place changes neither, and the state rolls back to the same batches every time."""
+
+    def make() -> SelectiveLoader:
+        source = DataLoader(
+            EncodedDataset(60),
+            batch_size=16,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(1),
+        )
+        return SelectiveLoader(
+            source, IndexLoss(), policy=RandomBackprop(0.7), batch_size=5, seed=3
+        )
+
+    def record(batches) -> list[tuple[list[int], list[float]]]:
+        out = []
+        for b in batches:
+            out.append((b.indices.tolist(), b[0][:, 0].tolist()))
+            b[0].mul_(2)  # the training step changes its inputs in place
+            b.weights.mul_(0)
+        return out
+
+    loader = make()
+    it = iter(loader)
+    next(it)
+    while loader.pending_examples == 0:
+        next(it)
+    state = loader.state_dict()
+    record(it)  # the run goes on, changing its batches
+    expected = [
+        (i, [float(v) for v in i]) for i in ([b.indices.tolist() for b in _resumed(make, state)])
+    ]
+    for _ in range(2):  # the same state object, loaded twice, after batches changed in place
+        loader.load_state_dict(state)
+        assert record(loader) == expected
+
+
+def _resumed(make, state):
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    fresh = make()
+    fresh.load_state_dict(torch.load(buffer, weights_only=True))
+    return list(fresh)
