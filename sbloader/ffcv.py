@@ -50,6 +50,7 @@ import os
 import queue
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -275,6 +276,16 @@ def _infer_field(name: str, value: Any) -> Any:
     if scalar.ndim == 0 and scalar.dtype.kind in "iub":
         return fields.IntField()
     if scalar.ndim == 0 and scalar.dtype.kind == "f":
+        if scalar.dtype != np.float64:
+            warnings.warn(
+                f"field {name!r} holds {scalar.dtype} scalars, which ffcv's FloatField stores as "
+                "float64: they are read back as float64 (convert them, e.g. y.float(), before a "
+                "loss that wants float32, such as binary_cross_entropy), or pass fields="
+                f"{{{name!r}: ffcv.fields.NDArrayField(np.dtype('{scalar.dtype}'), (1,))}} to "
+                "keep the dtype (read back with shape (B, 1))",
+                UserWarning,
+                stacklevel=3,
+            )
         return fields.FloatField()
     raise TypeError(
         f"cannot infer an ffcv field for {name!r} from a {type(value).__name__}; pass fields= "
@@ -395,8 +406,9 @@ def write_beton(
             ``("image",)`` for one, else required.
         fields: an ordered mapping from name to ffcv ``Field`` (overrides ``names``). Default:
             inferred from the first sample: arrays and tensors of one or more dimensions give an
-            ``NDArrayField`` of their dtype and shape, integers an ``IntField``, floats a
-            ``FloatField``.
+            ``NDArrayField`` of their dtype and shape, integers an ``IntField`` (read back as
+            int64), floats a ``FloatField`` (read back as float64; a warning says so for other
+            float dtypes).
         index_field: the name of the index field appended to every sample.
         num_workers: writer processes.
         chunksize: samples per writer work item.
@@ -763,8 +775,9 @@ class FFCVSource(Source):
                 raise ValueError(
                     f"index_field={index_field!r} names no output of this FFCV loader (outputs: "
                     f"{self.outputs}); write the .beton with sbloader.ffcv.write_beton, which "
-                    "adds an index field, or pass index_field=None to recover indices from the "
-                    "traversal order"
+                    "adds an index field, or pass SelectiveLoader the source "
+                    "sbloader.ffcv.FFCVSource(loader, index_field=None), which recovers indices "
+                    "from the traversal order (SEQUENTIAL and RANDOM orders)"
                 )
             self.index_pos = self.outputs.index(index_field)
         self.index_field = index_field

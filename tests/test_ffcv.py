@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -874,3 +875,44 @@ def test_import_sbloader_ffcv_and_a_dataloader_source_never_import_ffcv():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_scalar_fields_read_back_as_ffcv_stores_them_and_float32_is_warned_of(tmp_path):
+    """ffcv stores per-example scalars as int64 or float64: integer labels (uint8 here) come back
+    int64, and float32 scalars float64, of which write_beton warns naming the fix."""
+    images, _ = encoded_arrays(12)
+    small = (np.arange(12) % N_CLASSES).astype(np.uint8)
+    target = (np.arange(12) / 12).astype(np.float32)
+    with pytest.warns(UserWarning, match=r"'target' holds float32 scalars.*NDArrayField"):
+        path = sbffcv.write_beton(
+            tmp_path / "dtypes.beton", (images, small, target), names=("image", "label", "target")
+        )
+    _, label, got, index = next(iter(sbffcv.open_beton(path, 4)))
+    assert label.dtype == torch.int64 and got.dtype == torch.float64
+    assert torch.equal(label, index % N_CLASSES)
+    assert torch.allclose(got, torch.as_tensor(target[index.numpy()], dtype=torch.float64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # float64 and integer scalars: nothing to warn of
+        sbffcv.write_beton(
+            tmp_path / "plain.beton",
+            (images, small, target.astype(np.float64)),
+            names=("image", "label", "target"),
+        )
+
+
+def test_a_missing_index_field_names_the_source_that_reads_without_one(tmp_path):
+    fields_mod = pytest.importorskip("ffcv.fields")
+    images, labels = encoded_arrays(20)
+    fields = {
+        "image": fields_mod.NDArrayField(np.dtype("float32"), (1, 4, 4)),
+        "label": fields_mod.IntField(),
+    }
+    path = sbffcv.write_beton(tmp_path / "noindex.beton", (images, labels), fields=fields)
+    loader = sbffcv.open_beton(path, 8, order="random", seed=0)
+    loader_without = sbffcv.open_beton(path, 8, order="random", seed=0)
+    with pytest.raises(ValueError, match=r"FFCVSource\(loader, index_field=None\)"):
+        sbffcv.FFCVSource(loader_without, index_field="idx")
+    source = sbffcv.FFCVSource(loader, index_field=None)
+    batches = list(SelectiveLoader(source, model(), policy=Traditional(), batch_size=8))
+    for b in batches:
+        check_pairing(b[0], b[1], b.indices)
