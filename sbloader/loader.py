@@ -638,6 +638,8 @@ class SelectiveLoader(NotADataLoader):
         )
         key = np.random.SeedSequence(self.seed, spawn_key=(self.rank, 1)).generate_state(1)[0]
         self.policy.attach(self._source.dataset_size, int(key))
+        for part in self.policy.parts():
+            _OWNERS[part] = weakref.ref(self)
         if subset is not None and not self._source.has_indices():
             raise indices_needed("subset=")
         self._subset = None if subset is None else subset_mask(subset, self._source.dataset_size)
@@ -1234,13 +1236,35 @@ class SelectiveLoader(NotADataLoader):
         return size
 
     def __iter__(self) -> EpochIterator | FixedEpochIterator:
+        self._check_owner()
         if self._fixed is not None:
             return self._fixed.iterate(self)
         return self._new_pass()
 
+    def _check_owner(self) -> None:
+        """Refuse to go on where this loader's policy (or a policy it runs) was attached to
+        another SelectiveLoader since: attaching starts the policy's run afresh (its window,
+        store and pass schedule), so this loader's run state is gone.
+
+        NOTE: checked when the loader is used, not when the second loader is built: building a
+        loader again with the same policy object (a notebook cell run twice) is fine as long
+        as the first one is not used again.
+        """
+        for part in self.policy.parts():
+            owner = _OWNERS.get(part)
+            if owner is not None and owner() is not self:
+                raise RuntimeError(
+                    f"this SelectiveLoader's policy {part!r} was given to another "
+                    "SelectiveLoader since, which started the policy's run afresh (its loss "
+                    "window, per-example store and pass schedule), so this loader cannot go on "
+                    "with it; give each loader its own policy object (e.g. "
+                    "policy=copy.deepcopy(policy)), or build this loader again"
+                )
+
     def _new_pass(self) -> EpochIterator:
         """The iterator of the next pass over the data (one epoch without
         ``batches_per_epoch``)."""
+        self._check_owner()
         live = self._live_iterator()
         if live is not None:
             live.close()  # a started epoch it had not finished counts as abandoned
@@ -1311,6 +1335,7 @@ class SelectiveLoader(NotADataLoader):
             >>> loader.stats.total.feedback == loader.stats.total.examples_yielded
             True
         """
+        self._check_owner()
         size = self._source.dataset_size
         if self.policy.takes_feedback():
             n = self._feedback.add(indices, losses, size)
@@ -1471,6 +1496,7 @@ class SelectiveLoader(NotADataLoader):
         leaving the loop resumes it; one closed with ``close(resumable=False)`` is saved as the
         start of the next epoch.
         """
+        self._check_owner()
         if unconsumed not in (0, 1):
             raise ValueError(
                 "unconsumed should be 0 or 1 (the batches fetched from the loader and not trained "
@@ -1770,6 +1796,12 @@ class SelectiveLoader(NotADataLoader):
 def _digest(mask: np.ndarray) -> str:
     """A short fingerprint of a ``subset`` mask: how many it keeps, and a digest of which."""
     return f"{int(np.count_nonzero(mask))}:{batch_digest(np.asarray(mask, dtype=bool))}"
+
+
+#: The loader each policy object was last attached to (see SelectiveLoader._check_owner).
+_OWNERS: weakref.WeakKeyDictionary[Policy, weakref.ref[SelectiveLoader]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _unknown_pass(source: Source) -> str:

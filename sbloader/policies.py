@@ -230,6 +230,11 @@ class Policy(abc.ABC):
         selection loss under ``nonfinite="select"`` (int64 dataset indices). A policy with
         per-example records counts them as selected, as it counts those it chooses."""
 
+    def parts(self) -> list[Policy]:
+        """This policy and the policies it runs (a :class:`Phased`'s), each holding run state
+        that belongs to one loader."""
+        return [self]
+
     def count_skipped(self, indices: np.ndarray) -> None:  # noqa: B027 - optional hook
         """Examples left out because their selection loss was not finite, under
         ``nonfinite="skip"`` (int64 dataset indices). A policy with per-example records marks
@@ -1227,6 +1232,9 @@ class Phased(Policy):
 
     def takes_feedback(self) -> bool:
         return self.policy.takes_feedback()
+
+    def parts(self) -> list[Policy]:
+        return [self, *self.policy.parts(), *self.warmup_policy.parts()]
 
     def count_forced(self, indices: np.ndarray) -> None:
         # NOTE: like choose: only the policy deciding from losses (the wrapped one) gets them.

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import sbloader
-from sbloader import RandomBackprop, SelectiveBackprop, SelectiveLoader, Traditional
+from sbloader import Phased, RandomBackprop, SelectiveBackprop, SelectiveLoader, Traditional
 from sbloader.datasets import ArrayDataset
 from sbloader.selection import eval_mode
 
@@ -1350,3 +1350,24 @@ def test_len_follows_a_batch_samplers_drop_last(kind, drop_last):
     yielded = [len(b.indices) for b in loader]
     assert len(loader) == len(yielded) == (3 if drop_last else 4)
     assert yielded[:3] == [32, 32, 32]
+
+
+def test_a_policy_given_to_a_second_loader_stops_the_first_instead_of_corrupting_it():
+    """Attaching a policy starts its run afresh (window, store, pass schedule): the first loader
+    is refused once the policy went to another one (naming the fix), while building a loader
+    again with the same policy and using only the new one works (a notebook cell run twice)."""
+    shared = SelectiveBackprop(0.5, staleness=3)
+    first = make_loader(policy=shared)
+    list(first)
+    second = make_loader(policy=shared)
+    for call in (lambda: iter(first), first.state_dict, lambda: first.feedback([0], [1.0])):
+        with pytest.raises(RuntimeError, match=r"copy\.deepcopy\(policy\)"):
+            call()
+    assert len(list(second)) > 0  # the newest loader goes on
+    inner = SelectiveBackprop(0.5)
+    wrapped = make_loader(policy=Phased(inner, warmup_epochs=1))
+    make_loader(policy=inner)  # the wrapped policy, given on its own to another loader
+    with pytest.raises(RuntimeError, match="was given to another SelectiveLoader"):
+        iter(wrapped)
+    own = make_loader(policy=copy.deepcopy(shared))
+    assert len(list(own)) > 0 and len(list(second)) > 0
