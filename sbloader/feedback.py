@@ -86,6 +86,11 @@ def checked(indices: Any, losses: Any, size: int | None) -> tuple[torch.Tensor, 
             f"indices should hold whole dataset indices (an integer tensor such as "
             f"batch.indices), but got dtype {idx.dtype}"
         )
+    if val.is_complex() or val.dtype == torch.bool:
+        raise TypeError(
+            "losses should hold real per-example losses (a float tensor such as "
+            f"F.cross_entropy(..., reduction='none')), but got dtype {val.dtype}"
+        )
     if idx.device.type == "cpu":
         check_range(check_indices("indices", idx.numpy()), size)
     return idx, val

@@ -539,6 +539,14 @@ def selection_outputs(
                         "(y != -100).sum(1).clamp(min=1); for (batch, 1) regression outputs: "
                         "lambda out, y: F.mse_loss(out, y, reduction='none').flatten(1).mean(1)"
                     )
+                if isinstance(out, torch.Tensor) and out.numel() == m and out.dim() > 1:
+                    # One loss per example, laid out otherwise (e.g. (1, m)): reduction is not
+                    # the fix, the layout is.
+                    raise ValueError(
+                        f"loss_fn should return one loss per example (shape ({m},)), but "
+                        f"returned {shape}: as many losses, laid out otherwise; return them "
+                        "as a 1-d tensor, e.g. loss_fn=lambda out, y: my_loss(out, y).reshape(-1)"
+                    )
                 raise ValueError(
                     f"loss_fn should return one loss per example (shape ({m},)), but "
                     f"returned {shape}; pass reduction='none', e.g. "

@@ -184,6 +184,10 @@ def test_bad_reports_are_refused_at_once_naming_the_fix():
         loader.feedback(torch.tensor([5, 300]), torch.zeros(2))
     with pytest.raises(IndexError, match=r"batch\.indices"):
         loader.feedback(torch.tensor([-1]), torch.zeros(1))
+    n = len(batch.indices)
+    for dtype in (torch.bool, torch.complex64):
+        with pytest.raises(TypeError, match=f"real per-example losses.*{dtype}"):
+            loader.feedback(batch.indices, torch.zeros(n, dtype=dtype))
     assert len(loader._feedback) == 0  # nothing half-added
 
 

@@ -606,6 +606,16 @@ def test_scalar_loss_function_is_rejected_with_the_fix():
         next(iter(loader))
 
 
+def test_one_loss_per_example_laid_out_otherwise_names_the_layout_not_the_reduction():
+    def row(out, y):
+        return nn.functional.cross_entropy(out, y, reduction="none")[None, :]
+
+    loader = make_loader(loss_fn=row)
+    with pytest.raises(ValueError, match=r"returned \(1, 20\): as many losses, laid out") as err:
+        next(iter(loader))
+    assert "reduction='none'" not in str(err.value)
+
+
 def test_labels_out_of_range_surface_and_the_loader_recovers():
     model = bn_model().train()
     ds = EncodedDataset(40)
