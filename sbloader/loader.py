@@ -762,6 +762,8 @@ class SelectiveLoader(NotADataLoader):
         if policy is None and planned_epochs is not None and per_epoch is not None:
             self._plan_passes(store, int(key), planned_epochs, int(per_epoch))
         self._fixed = None if per_epoch is None else FixedEpochs(int(per_epoch))
+        if self._fixed is not None and self.remainder == "drop" and self.policy.passthrough():
+            self._check_fills_a_batch()
         self._backlog_warned = False  # see _warn_backlog
         size = self._source.dataset_size
         checkable = self._source.disjoint_across_ranks()
@@ -1240,6 +1242,23 @@ class SelectiveLoader(NotADataLoader):
         if self._fixed is not None:
             return self._fixed.iterate(self)
         return self._new_pass()
+
+    def _check_fills_a_batch(self) -> None:
+        """Refuse, as the loader is built, fixed-length epochs that a passthrough policy with
+        ``remainder="drop"`` can never fill: a pass of fewer examples than ``batch_size``
+        yields no batch (otherwise found only after ``BARREN_PASSES`` passes)."""
+        try:
+            examples = self._pass_examples()
+        except TypeError:
+            return  # unknown: left to the passes themselves
+        if examples < self.batch_size:
+            raise ValueError(
+                f"batches_per_epoch={self._fixed.count if self._fixed else None} cannot be "
+                f"filled: a pass over the source has {examples} examples, fewer than "
+                f"batch_size={self.batch_size}, and remainder='drop' drops each pass's rest; "
+                "use remainder='carry' (the rest goes on into the next pass) or a smaller "
+                "batch_size"
+            )
 
     def _check_owner(self) -> None:
         """Refuse to go on where this loader's policy (or a policy it runs) was attached to

@@ -368,6 +368,15 @@ def test_passes_that_never_fill_a_batch_raise_instead_of_looping():
         next(iter(loader))
 
 
+def test_traditional_that_drops_a_pass_smaller_than_a_batch_is_refused_when_built():
+    """Certain from the start (a pass of 20 examples, batches of 32, the rest dropped): refused
+    as the loader is built, not after BARREN_PASSES passes; carrying the rest works."""
+    with pytest.raises(ValueError, match=r"20 examples, fewer than batch_size=32.*carry"):
+        make("traditional", n=20, per_epoch=2, batch_size=32, remainder="drop")
+    carried = make("traditional", n=20, per_epoch=2, batch_size=32, remainder="carry")
+    assert [len(b[0]) for b in carried] == [32, 32]
+
+
 # ---------------------------------------------------------------------- iterable sources
 class ExampleStream(torch.utils.data.IterableDataset):
     """Batches of (inputs, targets, indices) with no length, as a streaming source yields."""
