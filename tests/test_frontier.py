@@ -15,7 +15,14 @@ from benchmarks.core import strategies
 from benchmarks.core.config import PRESETS, Config, preset
 from benchmarks.core.frontier import Reached, Record, family_time, first_time, frontier_table
 from benchmarks.core.machine import machine_info, tree_changes
-from benchmarks.core.report import _isa, pairwise_lines, speedup_cell, summary_markdown
+from benchmarks.core.records import Run
+from benchmarks.core.report import (
+    _isa,
+    pairwise_lines,
+    sitting_lines,
+    speedup_cell,
+    summary_markdown,
+)
 from benchmarks.core.train import Trainer, train_interleaved
 from sbloader.datasets import load_fashion_mnist
 
@@ -163,6 +170,9 @@ def test_families_and_the_frontier_preset_name_registered_runs():
         "recipe_fb_int8_e5",
         "recipe_anneal_fb_int8",
     } <= set(quick.run_names())
+    # The controls at the frontier preset's budgets (a weaker grid overstated the speedups).
+    assert dict(quick.families)["traditional"] == dict(cfg.families)["traditional"]
+    assert dict(quick.families)["random_0.33"] == dict(cfg.families)["random_0.33"]
     recipe, default = strategies.get("recipe_fb"), strategies.get("default")
     assert recipe.feedback and recipe.pooled and not recipe.as_user
     assert default.as_user and not default.pooled and not default.feedback
@@ -211,7 +221,8 @@ def test_interleaved_runs_make_the_same_selections_as_runs_trained_alone():
     order = []
     runs = train_interleaved(trainers, on_epoch=lambda t: order.append(t.run.strategy))
     names = [name for name, _, _ in jobs]
-    assert order == names + names + ["random_0.33_e3"]  # one epoch each in turn
+    # one epoch each in turn, each round starting one run further on
+    assert order == names + names[1:] + names[:1] + ["random_0.33_e3"]
     assert all(r.interleaved for r in runs)
     for (name, _, _), before, run, t in zip(jobs, alone, runs, trainers):
         after = _selections(run, t.model)
@@ -221,6 +232,43 @@ def test_interleaved_runs_make_the_same_selections_as_runs_trained_alone():
             assert torch.equal(after[2][k], before[2][k]), (name, k)
     assert [e["examples_yielded"] for e in runs[0].epochs] == [160, 160]
     assert runs[1].epochs[0]["selection_forwards"] == 0 < runs[1].epochs[1]["selection_forwards"]
+
+
+@pytest.mark.parametrize("name", ["sb_0.33", "random_0.33", "traditional"])
+def test_the_final_evaluation_sees_every_training_step(name):
+    """A pooled loader reaches the planned position when its last source batch is drawn,
+    before the batches kept from it are trained: the final error is taken after them."""
+    cfg = Config(batch_size=8, pool_batch_size=80, epochs=2, eval_every=1.0)
+    t = Trainer(cfg, strategies.get(name), 0, 0.0, _tiny_data())
+    run = t.train()
+    last = run.points[-1]
+    assert last["position"] == 2.0 and last["backprops"] == t.backprops
+    assert run.final_error == last["error"] == t.evaluate()
+    assert [p["position"] for p in run.points] == [0.0, 1.0, 2.0] or name != "traditional"
+
+
+def test_an_evaluation_at_exactly_a_float_products_target_reaches_it():
+    from benchmarks.core.analysis import time_to
+    from benchmarks.core.frontier import first_time
+
+    target = 0.071 * 1.2  # 0.08519999999999998
+    assert first_time([(5.0, 0.09), (9.0, 0.0852)], target) == 9.0
+    assert time_to([{"time_s": 9.0, "error": 0.0852}], target) == 9.0
+
+
+def test_the_sitting_check_flags_traditional_runs_slowed_unevenly():
+    def trad(budget: int, seed: int, seconds: float) -> Run:
+        run = Run("traditional" if budget == 10 else f"traditional_e{budget}", seed, 0.0, budget)
+        run.points = [{"position": float(budget), "backprops": 1000 * budget, "error": 0.1}]
+        run.train_s = seconds
+        return run
+
+    even = [trad(2, 0, 2.0), trad(10, 0, 10.5)]  # 1.00 and 1.05 ms per example
+    uneven = [trad(2, 1, 2.0), trad(4, 1, 6.0)]  # 1.00 and 1.50
+    lines = sitting_lines([*even, *uneven, Run("random_0.33", 0, 0.0, 3)])
+    assert "- seed 0: 2 ep 1.000, 10 ep 1.050 (spread 1.05x)" in lines
+    assert "- seed 1: 2 ep 1.000, 4 ep 1.500 (spread 1.50x) **uneven**" in lines
+    assert sitting_lines([Run("random_0.33", 0, 0.0, 3)]) == []
 
 
 def test_the_machine_record_says_whether_the_tree_was_dirty(tmp_path):

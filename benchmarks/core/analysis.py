@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .frontier import TIE
 from .records import Run
 
 MULTIPLIERS = (1.0, 1.1, 1.2, 1.4)
@@ -17,7 +18,7 @@ MULTIPLIERS = (1.0, 1.1, 1.2, 1.4)
 def time_to(points: list[dict[str, float]], target: float) -> float | None:
     """Wall-clock of the first evaluation at or below ``target`` error (None if never)."""
     for p in points:
-        if p["error"] <= target:
+        if p["error"] <= target + TIE:  # (a float product's target: see frontier.TIE)
             return p["time_s"]
     return None
 

@@ -76,7 +76,7 @@ def speedup_cell(sm: Summary) -> str:
         speed = _ratio(sm.mean)
     if sm.seeds > 1 and sm.mean is not None:
         speed += f" ({_ratio(sm.low)} to {_ratio(sm.high)})"
-    if sm.never:
+    if sm.never and not (sm.mean is None and sm.low is None):  # ("never" says it already)
         speed += f", never in {sm.never}/{sm.seeds}"
     return speed
 
@@ -178,6 +178,42 @@ def frontier_section(cfg: Config, runs: Sequence[Run]) -> list[str]:
         lines.append(f"| {_times(m)} | " + " | ".join(cells) + " |")
     lines.append("")
     lines += pairwise_lines(table)
+    lines += sitting_lines(runs, cfg.noise)
+    return lines
+
+
+#: The spread of Traditional's training time per backpropagated example across its runs of a
+#: seed above which the sitting is flagged as uneven.
+UNEVEN = 1.2
+
+
+def sitting_lines(runs: Sequence[Run], noise: float = 0.0) -> list[str]:
+    """A check of the sitting: every Traditional run of a seed does the same work per example,
+    so their training milliseconds per backpropagated example should agree; a spread above
+    ``UNEVEN`` means the machine's load fell unevenly on the runs compared, and the targets
+    decided by short runs measure the load as much as the strategies."""
+    per_seed: dict[int, list[tuple[int, float]]] = {}
+    for r in runs:
+        if r.noise != noise or get(r.strategy).family != "traditional" or not r.train_s:
+            continue
+        backprops = r.points[-1].get("backprops") if r.points else None
+        if backprops:
+            per_seed.setdefault(r.seed, []).append((r.planned_epochs, 1e3 * r.train_s / backprops))
+    if not per_seed:
+        return []
+    lines = [
+        "Sitting check (Traditional's training ms per backpropagated example, per run; the "
+        f"same work, so a spread above {UNEVEN:g}x flags a sitting whose load fell unevenly):",
+        "",
+    ]
+    for seed, got in sorted(per_seed.items()):
+        got.sort()
+        values = [ms for _, ms in got]
+        spread = max(values) / min(values)
+        flag = " **uneven**" if spread > UNEVEN else ""
+        runs_text = ", ".join(f"{b} ep {ms:.3f}" for b, ms in got)
+        lines.append(f"- seed {seed}: {runs_text} (spread {spread:.2f}x){flag}")
+    lines.append("")
     return lines
 
 
