@@ -92,7 +92,9 @@ def main() -> None:
             steps += 1
             updates += int(last_sync)
         stats = loader.loader.stats.epochs[-1]
-        backprop = accelerator.gather(torch.tensor([stats.examples_yielded])).tolist()
+        backprop = accelerator.gather(
+            torch.tensor([stats.examples_yielded], device=accelerator.device)
+        ).tolist()
         row = {
             "epoch": epoch,
             "test_error": round(error_rate(accelerator.unwrap_model(model), x_test, y_test), 4),

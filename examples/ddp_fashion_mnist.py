@@ -110,6 +110,10 @@ def main() -> None:
         "--train-examples", type=int, help="train on the first N examples only (a quick try)"
     )
     args = p.parse_args()
+    if args.epochs < 1:
+        p.error(f"--epochs should be >= 1, but got {args.epochs}")
+    if args.train_examples is not None and args.train_examples < 1:
+        p.error(f"--train-examples should be >= 1, but got {args.train_examples}")
 
     rank, world, device = setup()
     bs = per_rank(args.batch_size, world, "batch-size")
@@ -124,7 +128,7 @@ def main() -> None:
             flush=True,
         )
     x_train, y_train = fashion_mnist_tensors("train")
-    if args.train_examples:
+    if args.train_examples is not None:
         x_train, y_train = x_train[: args.train_examples], y_train[: args.train_examples]
     x_test, y_test = fashion_mnist_tensors("test")
 

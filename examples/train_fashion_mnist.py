@@ -173,13 +173,17 @@ def main() -> None:
         "--train-examples", type=int, help="train on the first N examples only (a quick try)"
     )
     args = p.parse_args()
+    if args.epochs < 1:
+        p.error(f"--epochs should be >= 1, but got {args.epochs}")
+    if args.train_examples is not None and args.train_examples < 1:
+        p.error(f"--train-examples should be >= 1, but got {args.train_examples}")
 
     print(
         f"# torch {torch.__version__}, sbloader {sbloader.__version__}, "
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     )
     x, y = fashion_mnist_tensors("train")
-    if args.train_examples:
+    if args.train_examples is not None:
         x, y = x[: args.train_examples], y[: args.train_examples]
     data = (x, y, *fashion_mnist_tensors("test"))
     results = {s: train(s, args, data) for s in args.strategies}
