@@ -42,8 +42,21 @@ def loader_state_v1_to_v2(
         "pending": {"count": state["pending"]["count"], "parts": parts},
         "codec": {"version": 1, "format": fmt},
         "scorer": {"version": 1, "logits_shape": state.get("logits_shape")},
-        "stats": state["stats"],
+        # NOTE: version 1 counted no classes: None ("unknown"), not the zeros an absent field
+        # would be read as (counts of the rest of a resumed epoch passed off as the epoch's).
+        "stats": _without_class_counts(state["stats"]),
     }
+
+
+def _without_class_counts(stats: Any) -> Any:
+    """Version-1 loader stats with each epoch's class counts marked unknown (None)."""
+    if not isinstance(stats, dict) or not isinstance(stats.get("epochs"), list):
+        return stats
+    epochs = [
+        {**e, "class_seen": None, "class_selected": None} if isinstance(e, dict) else e
+        for e in stats["epochs"]
+    ]
+    return {**stats, "epochs": epochs}
 
 
 def ffcv_state_v0_to_v1(state: dict[str, Any]) -> dict[str, Any]:

@@ -342,6 +342,14 @@ def confidence_percentiles(
     )
     if values.size == 0:
         return np.full(grid.shape, np.nan, dtype=np.float64)
+    if method == "inverted_cdf":
+        # NOTE: numpy computes p / 100 * n in floating point (7 / 100 * 100 is
+        # 7.000000000000001) and takes its ceiling, one example too far; rounded to 9 decimals
+        # first, as _top_sizes does, p of n is the smallest value with at least p% at or below.
+        ordered = np.sort(values.reshape(-1))
+        n = ordered.size
+        k = np.clip(np.ceil(np.round(grid * n / 100.0, 9)), 1, n).astype(np.int64)
+        return np.asarray(ordered[k - 1], dtype=np.float64)
     return np.asarray(np.percentile(values, grid, method=method), dtype=np.float64)  # type: ignore[call-overload]
 
 
@@ -626,6 +634,14 @@ def selection_stability(selections: Any) -> np.ndarray:
                 f"selections should be a matrix (epochs, examples) or a list of per-epoch "
                 f"selections, but has shape {array.shape}"
             )
+        if array.dtype != np.bool_:
+            # NOTE: a row of another dtype would be read as dataset indices: a 0/1 mask or a
+            # count matrix (a run's "selected" array) would compare its values, not its members.
+            raise TypeError(
+                f"a selections matrix should be boolean (epochs, examples), but has dtype "
+                f"{array.dtype}; pass selections > 0 (a 0/1 mask or per-epoch counts), or a list "
+                "of per-epoch index arrays"
+            )
         rows: Sequence[Any] = list(array)
     elif isinstance(selections, Sequence) and not isinstance(selections, str):
         rows = selections
@@ -895,7 +911,10 @@ def flipped_share(flipped: Any, selection: Any, k: int, *, ties: str = "index") 
     """
     values = _vector("selection", selection, nan=True)
     n = values.size
-    indices = np.unique(check_indices("flipped", _numpy(flipped)))
+    raw = _numpy(flipped)
+    if raw.size == 0:
+        raw = raw.astype(np.int64)  # (an empty list is float64: no flipped labels)
+    indices = np.unique(check_indices("flipped", raw))
     if indices.size and (indices[0] < 0 or indices[-1] >= n):
         bad = indices[(indices < 0) | (indices >= n)][0]
         raise ValueError(

@@ -348,7 +348,7 @@ def load_local_dataset(
         ((10000, 3, 32, 32), dtype('uint8'), [3, 8, 8])
     """
     _check_name_split(name, split)
-    folder = Path(root)
+    folder = Path(root).expanduser()  # ("~/data", as torchvision takes it)
     paths = _local_files(name, split, folder)
     missing = [p for p in paths if not p.is_file()]
     if missing:

@@ -146,6 +146,16 @@ def el2n_scores(
     size = src.dataset_size
     if not src.has_indices() or size is None:
         raise indices_needed("el2n_scores", "pass a DataLoader over a map-style dataset")
+    if src.drop_last():
+        raise ValueError(
+            "el2n_scores scores every example in one pass over source, but its last partial "
+            "batch is dropped (drop_last=True), so some examples would go unscored (NaN) or be "
+            "averaged over fewer copies; pass a DataLoader with drop_last=False"
+        )
+    # NOTE: the source's own generators (a DataLoader's generator=, which a resumable run
+    # shuffles with) are put back as they were: scoring must not change the order of the
+    # training that follows, nor make two calls with one seed score differently.
+    source_state = src.state_dict()
     step = train_step or _default_step
     sums = np.zeros(size, dtype=np.float64)
     counts = np.zeros(size, dtype=np.int64)
@@ -154,42 +164,48 @@ def el2n_scores(
     # The parameters of the copies made so far, while they are alive (see _check_fresh).
     earlier: dict[int, weakref.ref[torch.Tensor]] = {}
     start = time.perf_counter()
-    for k in range(models):
-        t0 = time.perf_counter()
-        dev = given
-        devices = _cuda_devices(dev)
-        with torch.random.fork_rng(devices=devices):
-            # NOTE: not torch.manual_seed, which also reseeds every CUDA device's generator,
-            # including those fork_rng does not restore: only the forked ones are seeded.
-            torch.default_generator.manual_seed(seed + k)
-            for d in devices:
-                with torch.cuda.device(d):
-                    torch.cuda.manual_seed(seed + k)
-            model = make_model()
-            _check_fresh(model, earlier, k)
-            if dev is None:
-                dev = next(model.parameters()).device
-            model.to(dev)
-            optimizer = make_optimizer(model)
-            model.train()
-            for _ in range(epochs):
-                for batch, _idx in src.epoch():
-                    inputs, targets = _to(batch[0], dev), _to(batch[1], dev)
-                    step(model, optimizer, inputs, targets)
-                    train_examples += len(targets)
-            # NOTE: the scoring pass inside the fork too: every iter() of a DataLoader draws
-            # its base seed (and a shuffling one its order) from torch's global RNG.
-            with eval_mode(model), torch.inference_mode():
-                for batch, idx in src.epoch():
-                    inputs, targets = _to(batch[0], dev), _to(batch[1], dev)
-                    probs = torch.softmax(model(inputs).float(), dim=1)
-                    onehot = nn.functional.one_hot(targets, probs.shape[1]).to(probs.dtype)
-                    err = torch.linalg.vector_norm(probs - onehot, dim=1)
-                    values = err.cpu().numpy().astype(np.float64)
-                    index = np.ascontiguousarray(idx, np.int64)
-                    _kernels.accumulate(sums, counts, index, values)
-                    score_forwards += len(targets)
-        per_model.append(time.perf_counter() - t0)
+    try:
+        for k in range(models):
+            t0 = time.perf_counter()
+            dev = given
+            devices = _cuda_devices(dev)
+            with torch.random.fork_rng(devices=devices):
+                # NOTE: not torch.manual_seed, which also reseeds every CUDA device's generator,
+                # including those fork_rng does not restore: only the forked ones are seeded.
+                torch.default_generator.manual_seed(seed + k)
+                for d in devices:
+                    with torch.cuda.device(d):
+                        torch.cuda.manual_seed(seed + k)
+                model = make_model()
+                _check_fresh(model, earlier, k)
+                if dev is None:
+                    dev = next(model.parameters()).device
+                model.to(dev)
+                optimizer = make_optimizer(model)
+                model.train()
+                for _ in range(epochs):
+                    for batch, _idx in src.epoch():
+                        inputs, targets = _to(batch[0], dev), _to(batch[1], dev)
+                        step(model, optimizer, inputs, targets)
+                        train_examples += len(targets)
+                # NOTE: the scoring pass inside the fork too: every iter() of a DataLoader draws
+                # its base seed (and a shuffling one its order) from torch's global RNG.
+                with eval_mode(model), torch.inference_mode():
+                    for batch, idx in src.epoch():
+                        inputs, targets = _to(batch[0], dev), _to(batch[1], dev)
+                        probs = torch.softmax(model(inputs).float(), dim=1)
+                        # (any integer dtype: cross-entropy takes uint8 labels, one_hot not)
+                        onehot = nn.functional.one_hot(targets.long(), probs.shape[1]).to(
+                            probs.dtype
+                        )
+                        err = torch.linalg.vector_norm(probs - onehot, dim=1)
+                        values = err.cpu().numpy().astype(np.float64)
+                        index = np.ascontiguousarray(idx, np.int64)
+                        _kernels.accumulate(sums, counts, index, values)
+                        score_forwards += len(targets)
+            per_model.append(time.perf_counter() - t0)
+    finally:
+        src.load_state_dict(source_state)
     with np.errstate(invalid="ignore", divide="ignore"):
         scores = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
     return EL2NResult(
@@ -220,7 +236,9 @@ def _check_fresh(model: Any, earlier: dict[int, weakref.ref[torch.Tensor]], k: i
             f"make_model()={type(model).__name__}; pass a function that builds the model, e.g. "
             "make_model=lambda: MyNet()"
         )
-    params = list(model.parameters())
+    # NOTE: trainable parameters only: a frozen backbone shared by every copy (a head trained
+    # on fixed features) is not trained by el2n_scores, so sharing it changes nothing.
+    params = [p for p in model.parameters() if p.requires_grad]
     if any(p is _alive(earlier.get(id(p))) for p in params):
         raise ValueError(
             f"make_model should return a new model on each call, but copy {k} shares parameters "
@@ -254,7 +272,8 @@ def _cuda_devices(device: torch.device | None) -> list[int]:
 
 
 def prune(scores: Any, fraction: float, keep: str = "hardest") -> np.ndarray:
-    """The dataset indices to keep: exactly ``round(fraction * len(scores))`` of them.
+    """The dataset indices to keep: exactly ``fraction * len(scores)`` of them, rounded to the
+    nearest integer (halves up).
 
     Args:
         scores: one score per dataset index (e.g. ``el2n_scores(...).scores``); no NaN.
@@ -272,6 +291,8 @@ def prune(scores: Any, fraction: float, keep: str = "hardest") -> np.ndarray:
     """
     fraction = check_float("fraction", fraction, low=0.0, high=1.0, low_open=True)
     keep = check_choice("keep", keep, ("hardest", "easiest"))
+    if isinstance(scores, torch.Tensor):
+        scores = scores.detach().cpu()
     try:
         s = np.asarray(scores, dtype=np.float64)
     except (TypeError, ValueError) as e:
@@ -298,7 +319,10 @@ def prune(scores: Any, fraction: float, keep: str = "hardest") -> np.ndarray:
             f"scores has {int(np.isnan(s).sum())} NaN entries (examples never scored); score "
             "every example, or fill them before pruning"
         )
-    k = round(fraction * s.shape[0])
+    # NOTE: halves up, as the analysis functions count the top fraction (analysis._top_sizes),
+    # so that pruning to f and the overlap at f keep the same number (Python's round() takes
+    # 2.5 to 2, and 0.145 * 100 = 14.499999999999998 to 14).
+    k = int(np.floor(np.round(fraction * s.shape[0], 9) + 0.5))
     if k == 0:
         raise ValueError(
             f"prune keeps round(fraction * len(scores)) examples, but fraction={fraction:g} of "

@@ -147,7 +147,9 @@ def error_rate(
         for i in range(0, len(inputs), batch_size):
             x = inputs[i : i + batch_size].to(device, non_blocking=True)
             y = targets[i : i + batch_size].to(device, non_blocking=True)
-            wrong += (model(x.contiguous(memory_format=memory_format)).argmax(1) != y).sum()
+            if x.dim() == 4:  # (a memory format is a layout of images: batch, C, H, W)
+                x = x.contiguous(memory_format=memory_format)
+            wrong += (model(x).argmax(1) != y).sum()
     return int(wrong) / len(inputs)
 
 

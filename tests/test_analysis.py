@@ -457,3 +457,24 @@ def test_flipped_share_refuses_bad_input():
         flipped_share([1.0], [1, 2, 3, 4], k=1)
     with pytest.raises(ValueError, match="k should be >= 1"):
         flipped_share([1], [1, 2, 3, 4], k=0)
+
+
+def test_selection_stability_refuses_a_matrix_that_is_not_boolean():
+    """A 0/1 or count matrix read row by row as dataset indices compared values, not members
+    (two disjoint selections gave 1.0)."""
+    disjoint = np.array([[1, 0, 1, 0], [0, 1, 0, 1]])
+    assert selection_stability(disjoint > 0).tolist() == [0.0]
+    for matrix in (disjoint, torch.tensor(disjoint, dtype=torch.uint8), disjoint * 3):
+        with pytest.raises(TypeError, match=r"boolean.*selections > 0"):
+            selection_stability(matrix)
+
+
+def test_inverted_cdf_percentiles_are_the_smallest_value_with_p_percent_at_or_below():
+    values = np.arange(1.0, 101.0)  # 1..100: the p-th percentile is p
+    same(confidence_percentiles(values, [7, 14, 28, 56]), [7, 14, 28, 56])
+    big = np.arange(1.0, 10001.0)
+    same(confidence_percentiles(big, [7, 17, 81]), [700, 1700, 8100])
+
+
+def test_flipped_share_takes_an_empty_list_of_flipped_labels():
+    assert flipped_share([], [0.5, 0.2, 0.9, 0.1], k=2).share == 0.0

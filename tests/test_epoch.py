@@ -486,6 +486,9 @@ def test_a_version_1_state_migrates_and_resumes_exactly():
     it = iter(loader)
     rest = epoch_indices(it) + epoch_indices(loader)
     assert rest == saved["rest"]
+    # Version 1 counted no classes: unknown (None), not the counts of the epoch's rest alone.
+    assert loader.stats.epochs[0].class_seen is None and loader.stats.total.class_seen is None
+    assert loader.stats.epochs[-1].class_seen is not None  # the epoch begun after the resume
     with pytest.raises(ValueError, match="seed=5, but this SelectiveLoader has seed=6"):
         build(seed=6).load_state_dict(saved["state"])
 

@@ -89,6 +89,13 @@ def test_cifar10_train_concatenates_batches_in_order(tmp_path):
     np.testing.assert_array_equal(images.reshape(n, -1), expected)
 
 
+def test_a_root_under_the_home_folder_is_expanded(tmp_path, monkeypatch):
+    write_cifar10(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path.parent))
+    images, _ = load_local_dataset("cifar10", "test", f"~/{tmp_path.name}")
+    assert images.shape[1:] == (3, 32, 32)
+
+
 def test_cifar10_pixels_land_at_the_right_index_and_channel(tmp_path):
     root = tmp_path
     rng = np.random.default_rng(3)

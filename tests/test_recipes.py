@@ -39,6 +39,14 @@ def test_error_rate_counts_mistakes_and_restores_training_flags():
     assert 0.0 <= error_rate(model, x, y, autocast=torch.bfloat16) <= 1.0
 
 
+def test_error_rate_of_models_whose_inputs_are_not_images():
+    torch.manual_seed(0)
+    model = nn.Linear(5, 2)
+    x, y = torch.randn(12, 5), torch.randint(0, 2, (12,))
+    expected = (model(x).argmax(1) != y).float().mean().item()
+    assert error_rate(model, x, y) == pytest.approx(expected)
+
+
 def test_error_rate_refuses_arguments_it_would_count_wrongly():
     """batch_size=-1 counted no batch and returned 0.0 error; one target broadcast against
     every prediction; no examples divided by zero."""

@@ -132,9 +132,13 @@ def test_never_scored_examples_are_selected_not_skipped():
             out[x[:, 0] < 30] = float("nan")  # examples 0..29 never get a finite loss
             return out
 
+    # Under nonfinite="select" the selection pass stores no loss for them (they are never
+    # scored); under the default "skip" they are marked scored non-finite and stay skipped
+    # (test_loader.py::test_stale_epochs_treat_a_nonfinite_loss_as_its_selection_pass_did).
     policy = SelectiveBackprop(0.2, staleness=2)
-    loader = loader_for(policy, model=NanFirst(), remainder="short")
+    loader = loader_for(policy, model=NanFirst(), remainder="short", nonfinite="select")
     list(loader)
+    assert not policy.needs_losses(1)  # the next epoch is stale
     got = {i for b in loader for i in b.indices.tolist()}
     assert set(range(30)) <= got
 
@@ -355,7 +359,7 @@ def test_el2n_refuses_a_make_model_that_returns_the_same_model_again():
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="make_model should return a new model on each call"):
         el2n_scores(lambda: model, dl, make_optimizer=opt, models=2, epochs=1)
-    backbone = nn.Linear(2, 4)
+    backbone = nn.Linear(2, 4)  # trainable, so trained by every copy in turn
     with pytest.raises(ValueError, match="copy 1 shares parameters"):
         el2n_scores(
             lambda: nn.Sequential(backbone, nn.Linear(4, 2)), dl, make_optimizer=opt, models=2
@@ -364,6 +368,43 @@ def test_el2n_refuses_a_make_model_that_returns_the_same_model_again():
         el2n_scores(lambda: None, dl, make_optimizer=opt, models=1)
     r = el2n_scores(lambda: nn.Linear(2, 2), dl, make_optimizer=opt, models=3, epochs=1)
     assert r.models == 3 and not np.isnan(r.scores).any()
+
+
+def test_el2n_with_a_frozen_shared_backbone_uint8_labels_and_its_own_generator():
+    """A frozen backbone shared by fresh heads is not trained, so it is allowed; uint8 labels
+    (which cross-entropy takes) are scored; the source's generator= is put back, so the order
+    of the training that follows is unchanged and the same call scores the same; drop_last is
+    refused (examples would go unscored)."""
+    ds = Blobs(64)
+    labels8 = [(x, y.to(torch.uint8)) for x, y in (ds[i] for i in range(len(ds)))]
+    opt = lambda m: torch.optim.SGD((p for p in m.parameters() if p.requires_grad), lr=0.1)  # noqa: E731
+    frozen = nn.Linear(2, 4).requires_grad_(False)
+
+    def step(model, optimizer, x, y):
+        loss = nn.functional.cross_entropy(model(x), y.long())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    gen = torch.Generator().manual_seed(5)
+    dl = DataLoader(labels8, batch_size=16, shuffle=True, generator=gen)
+    before = gen.get_state()
+    make = lambda: nn.Sequential(frozen, nn.Linear(4, 2))  # noqa: E731
+    first = el2n_scores(make, dl, make_optimizer=opt, train_step=step, models=2, epochs=1)
+    assert torch.equal(gen.get_state(), before)
+    again = el2n_scores(make, dl, make_optimizer=opt, train_step=step, models=2, epochs=1)
+    np.testing.assert_array_equal(first.scores, again.scores)
+    assert not np.isnan(first.scores).any()
+    dropping = DataLoader(ds, batch_size=24, drop_last=True)
+    with pytest.raises(ValueError, match="drop_last=False"):
+        el2n_scores(lambda: nn.Linear(2, 2), dropping, make_optimizer=opt, models=1)
+
+
+def test_prune_rounds_halves_up_as_the_overlap_does_and_takes_tensors_that_need_grad():
+    assert len(prune(np.arange(5.0), 0.5)) == 3  # 2.5 -> 3 (Python's round gives 2)
+    assert len(prune(np.arange(100.0), 0.145)) == 15  # 14.499999999999998 -> 15
+    scores = torch.tensor([0.1, 0.9, 0.5], requires_grad=True)
+    assert prune(scores, 2 / 3).tolist() == [1, 2]
 
 
 def test_el2n_never_reseeds_cuda_generators_it_does_not_restore(monkeypatch):
