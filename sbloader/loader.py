@@ -639,7 +639,7 @@ class SelectiveLoader(NotADataLoader):
         key = np.random.SeedSequence(self.seed, spawn_key=(self.rank, 1)).generate_state(1)[0]
         self.policy.attach(self._source.dataset_size, int(key))
         for part in self.policy.parts():
-            _OWNERS[part] = weakref.ref(self)
+            _claim(part, self)
         if subset is not None and not self._source.has_indices():
             raise indices_needed("subset=")
         self._subset = None if subset is None else subset_mask(subset, self._source.dataset_size)
@@ -1270,7 +1270,7 @@ class SelectiveLoader(NotADataLoader):
         as the first one is not used again.
         """
         for part in self.policy.parts():
-            owner = _OWNERS.get(part)
+            owner = _owner(part)
             if owner is not None and owner() is not self:
                 raise RuntimeError(
                     f"this SelectiveLoader's policy {part!r} was given to another "
@@ -1817,10 +1817,30 @@ def _digest(mask: np.ndarray) -> str:
     return f"{int(np.count_nonzero(mask))}:{batch_digest(np.asarray(mask, dtype=bool))}"
 
 
-#: The loader each policy object was last attached to (see SelectiveLoader._check_owner).
-_OWNERS: weakref.WeakKeyDictionary[Policy, weakref.ref[SelectiveLoader]] = (
-    weakref.WeakKeyDictionary()
-)
+#: The loader each policy object was last attached to (see SelectiveLoader._check_owner), by
+#: the policy's id, with a weak reference to the policy (an entry goes when the policy does).
+#: NOTE: not a WeakKeyDictionary, which needs hashable keys: a policy written as a dataclass
+#: with eq=True has no hash.
+_OWNERS: dict[int, tuple[weakref.ref[Policy], weakref.ref[SelectiveLoader]]] = {}
+
+
+def _claim(policy: Policy, loader: SelectiveLoader) -> None:
+    """Record ``loader`` as the one ``policy`` is attached to (not for a policy that cannot be
+    weakly referenced, e.g. with ``__slots__`` and no ``__weakref__``: it is not checked)."""
+    key = id(policy)
+    try:
+        ref = weakref.ref(policy, lambda _, key=key: _OWNERS.pop(key, None))
+    except TypeError:
+        return
+    _OWNERS[key] = (ref, weakref.ref(loader))
+
+
+def _owner(policy: Policy) -> weakref.ref[SelectiveLoader] | None:
+    """The loader ``policy`` was last attached to (a weak reference), or None."""
+    entry = _OWNERS.get(id(policy))
+    if entry is None or entry[0]() is not policy:
+        return None
+    return entry[1]
 
 
 def _unknown_pass(source: Source) -> str:

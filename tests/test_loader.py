@@ -1381,3 +1381,24 @@ def test_a_policy_given_to_a_second_loader_stops_the_first_instead_of_corrupting
         iter(wrapped)
     own = make_loader(policy=copy.deepcopy(shared))
     assert len(list(own)) > 0 and len(list(second)) > 0
+
+
+def test_unhashable_and_slotted_custom_policies_still_build_loaders():
+    """The one-loader-per-policy check keys on the policy's identity: a policy written as a
+    dataclass (eq=True: no hash) is checked too, and one that cannot be weakly referenced is
+    simply not checked."""
+    import dataclasses
+
+    @dataclasses.dataclass(eq=True)
+    class Half(RandomBackprop):
+        rate: float = 0.5
+
+        def __post_init__(self) -> None:
+            RandomBackprop.__init__(self, self.rate)
+
+    policy = Half()
+    first = make_loader(policy=policy)
+    assert len(list(first)) > 0
+    make_loader(policy=policy)
+    with pytest.raises(RuntimeError, match="was given to another SelectiveLoader"):
+        iter(first)
