@@ -1828,8 +1828,12 @@ def _claim(policy: Policy, loader: SelectiveLoader) -> None:
     """Record ``loader`` as the one ``policy`` is attached to (not for a policy that cannot be
     weakly referenced, e.g. with ``__slots__`` and no ``__weakref__``: it is not checked)."""
     key = id(policy)
+
+    def forget(_: weakref.ref[Policy]) -> None:
+        _OWNERS.pop(key, None)
+
     try:
-        ref = weakref.ref(policy, lambda _, key=key: _OWNERS.pop(key, None))
+        ref = weakref.ref(policy, forget)
     except TypeError:
         return
     _OWNERS[key] = (ref, weakref.ref(loader))
