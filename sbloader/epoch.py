@@ -502,30 +502,30 @@ class EpochIterator:
         # before it, so that a state saved afterwards, or the next iter(loader), reads it again
         # instead of skipping its examples. On one process only: under DDP the ranks stop
         # together and another rank may have taken its batch of the round.
-        undo = (
-            self.position,
-            loader._source_state,
-            self._counted,
-            stats.source_s,
-            stats.examples_seen,
-            stats.prefiltered,
-            stats.excluded,
-        )
+        undo = self._counts()
         self._committed = False
         try:
             self._take(loaded)
         except BaseException:
             if not self._committed and loader._sync is None:
-                (
-                    self.position,
-                    loader._source_state,
-                    self._counted,
-                    stats.source_s,
-                    stats.examples_seen,
-                    stats.prefiltered,
-                    stats.excluded,
-                ) = undo
+                self._restore_counts(undo)
             raise
+
+    #: The epoch's stats that taking a source batch adds to (see _source_step).
+    _TAKEN_STATS = ("source_s", "examples_seen", "prefiltered", "excluded")
+
+    def _counts(self) -> tuple[Any, ...]:
+        """The position, the source's snapshot and the counts that taking a batch changes."""
+        stats = self.stats
+        assert stats is not None
+        taken = tuple(getattr(stats, name) for name in self._TAKEN_STATS)
+        return (self.position, self._loader._source_state, self._counted, taken)
+
+    def _restore_counts(self, counts: tuple[Any, ...]) -> None:
+        """Put back what :meth:`_counts` took."""
+        self.position, self._loader._source_state, self._counted, taken = counts
+        for name, value in zip(self._TAKEN_STATS, taken):
+            setattr(self.stats, name, value)
 
     def _take(self, loaded: _Loaded) -> None:
         """Score, decide and keep the rows of the source batch ``loaded`` (see _source_step)."""

@@ -1283,7 +1283,6 @@ class SelectiveLoader(NotADataLoader):
     def _new_pass(self) -> EpochIterator:
         """The iterator of the next pass over the data (one epoch without
         ``batches_per_epoch``)."""
-        self._check_owner()
         live = self._live_iterator()
         if live is not None:
             live.close()  # a started epoch it had not finished counts as abandoned

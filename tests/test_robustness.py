@@ -1698,6 +1698,17 @@ def test_a_kath18_policy_reused_for_a_new_run_starts_from_tau_zero():
     assert policy.tau == 0.0 and not policy.importance_sampling
 
 
+def shuffled_loader(n, source_bs, order_seed, model, policy, **kw) -> SelectiveLoader:
+    """A SelectiveLoader over a shuffling DataLoader of EncodedDataset(n) with its own order."""
+    source = DataLoader(
+        EncodedDataset(n),
+        batch_size=source_bs,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(order_seed),
+    )
+    return SelectiveLoader(source, model, policy=policy, **{"seed": 0, **kw})
+
+
 class FlakyLoss(IndexLoss):
     """IndexLoss whose forward number ``fail_at`` (counted from 0) raises, or returns NaN."""
 
@@ -1725,15 +1736,7 @@ def test_a_selection_pass_that_raises_loses_no_example_from_a_state_saved_after(
     nan = options.pop("nan", False)
 
     def make(model):
-        source = DataLoader(
-            EncodedDataset(40),
-            batch_size=8,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(0),
-        )
-        return SelectiveLoader(
-            source, model, policy=SelectiveBackprop(0.5), batch_size=4, seed=0, **options
-        )
+        return shuffled_loader(40, 8, 0, model, SelectiveBackprop(0.5), batch_size=4, **options)
 
     reference = [b.indices.tolist() for b in make(FlakyLoss())]
     failing = make(FlakyLoss(fail_at=2, nan=nan))
@@ -1753,15 +1756,7 @@ def test_a_state_held_in_memory_is_not_changed_by_training_steps_that_change_bat
     in place changes neither, and the state rolls back to the same batches every time."""
 
     def make() -> SelectiveLoader:
-        source = DataLoader(
-            EncodedDataset(60),
-            batch_size=16,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(1),
-        )
-        return SelectiveLoader(
-            source, IndexLoss(), policy=RandomBackprop(0.7), batch_size=5, seed=3
-        )
+        return shuffled_loader(60, 16, 1, IndexLoss(), RandomBackprop(0.7), batch_size=5, seed=3)
 
     def record(batches) -> list[tuple[list[int], list[float]]]:
         out = []
