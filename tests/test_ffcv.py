@@ -887,7 +887,8 @@ def test_scalar_fields_read_back_as_ffcv_stores_them_and_float32_is_warned_of(tm
         path = sbffcv.write_beton(
             tmp_path / "dtypes.beton", (images, small, target), names=("image", "label", "target")
         )
-    _, label, got, index = next(iter(sbffcv.open_beton(path, 4)))
+    with sbffcv.preserved_threads():  # (a bare ffcv Loader's iteration sets torch's threads)
+        _, label, got, index = next(iter(sbffcv.open_beton(path, 4)))
     assert label.dtype == torch.int64 and got.dtype == torch.float64
     assert torch.equal(label, index % N_CLASSES)
     assert torch.allclose(got, torch.as_tensor(target[index.numpy()], dtype=torch.float64))
