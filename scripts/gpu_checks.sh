@@ -9,8 +9,8 @@
 # the GPU machine has no registry and no Debian dataset). Each step gets what is left of
 # SECONDS (default 585), so the call ends inside the device tool's 600 s limit; results are
 # packed into at most six files under OUT (the tool returns eight at most). On an H200 the three
-# steps took 6 minutes (2026-11-26); the other seeds of the frontier then fit a second call on
-# the still-warm machine: `python3 benchmarks/run.py --preset gpu_frontier --seeds 1 2` (5 min),
+# steps took 6 minutes, on an H100 6 min 50 s (2026-11-26); the other seeds of the frontier then
+# fit a second call on the still-warm machine: `python3 benchmarks/run.py --preset gpu_frontier --seeds 1 2` (5 min),
 # merged afterwards with `--report-only --seeds 0 1 2` over the runs of both.
 set -u
 out=${1:?usage: gpu_checks.sh OUT [SECONDS] [SEED]}
