@@ -575,9 +575,11 @@ class SelectiveLoader(NotADataLoader):
         #: ``planned_epochs``, or with ``batches_per_epoch`` the passes that many training epochs
         #: are expected to make; None without ``planned_epochs``.
         self.planned_passes: int | None = planned_epochs if batches_per_epoch is None else None
-        self.policy: Policy = (
-            default_policy(store, epochs=self.planned_passes) if policy is None else policy
-        )
+        if policy is None:
+            with warnings.catch_warnings():  # (planned_epochs=2 is warned of below, by name)
+                warnings.simplefilter("ignore", UserWarning)
+                policy_made: Policy = default_policy(store, epochs=self.planned_passes)
+        self.policy: Policy = policy_made if policy is None else policy
         if not isinstance(self.policy, Policy):
             raise TypeError(
                 "policy should be an sbloader policy such as sbloader.SelectiveBackprop(...), but "
@@ -615,7 +617,12 @@ class SelectiveLoader(NotADataLoader):
         autocast, why = selection_dtype(
             autocast,
             model_device(selecting),
-            feeds_training=frozen_prefix is not None,
+            # (kept logits feed training too, e.g. distillation targets: float32 for "auto")
+            feeds_training="the frozen prefix's features"
+            if frozen_prefix is not None
+            else "the kept logits"
+            if keep_logits
+            else False,
             model_dtype=next(
                 (p.dtype for p in selecting.parameters() if p.is_floating_point()), None
             ),
@@ -892,6 +899,9 @@ class SelectiveLoader(NotADataLoader):
             "overlap_selection=True (its selection thread scores with a float copy)": (
                 self._overlap_requested
             ),
+            "keep_logits=True (kept logits feed training, which int8 would change)": bool(
+                self.keep_logits
+            ),
         }
         return resolve_quantized(option, model, conflicts, where, self._autocast_requested)
 
@@ -1097,6 +1107,7 @@ class SelectiveLoader(NotADataLoader):
         policy for the passes over the data that ``planned_epochs`` training epochs of
         ``per_epoch`` batches are expected to make (:func:`~sbloader.policies.passes_within`),
         attached as the constructor attaches it."""
+        warned = False
         try:
             steady = self._batches_at(self.policy.steady_rate)
             full = self._batches_at(1.0)
@@ -1114,6 +1125,7 @@ class SelectiveLoader(NotADataLoader):
             fitted = passes_within(planned_epochs * per_epoch, steady, full)
             passes = 2 if fitted is None else fitted
             if fitted is None:
+                warned = True
                 needed = math.ceil(((steady + full) / per_epoch) * (1 - 1e-9))
                 warnings.warn(
                     f"planned_epochs={planned_epochs} training epochs of batches_per_epoch="
@@ -1127,7 +1139,10 @@ class SelectiveLoader(NotADataLoader):
                     stacklevel=3,
                 )
         self.planned_passes = passes
-        self.policy = default_policy(store, epochs=passes)
+        with warnings.catch_warnings():
+            if warned:  # (that it plans 2 passes, above)
+                warnings.simplefilter("ignore", UserWarning)
+            self.policy = default_policy(store, epochs=passes)
         self.policy.attach(self._source.dataset_size, key)
         logger.info(
             "policy: %r (the default recipe, chosen for this source and %d planned epochs of "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,7 +209,7 @@ class Policy(abc.ABC):
         """Raise ``ValueError`` for finite selection losses this policy cannot decide from
         (default: none). The loader calls it on the losses of the check it runs once, on its
         first source batch, where that batch's epoch has no selection pass (a warm-up), so that
-        such a loss (among the first two candidates) fails before the warm-up, not after it; a
+        such a loss (among the first three candidates) fails before the warm-up, not after it; a
         policy checks the losses of its selection passes in its own :meth:`choose` (as
         :class:`Kath18` does, calling this)."""
 
@@ -473,7 +474,8 @@ class SelectiveBackprop(Policy):
                 "use staleness=1 for a longer ramp"
             )
         self.trim_top = check_float("trim_top", trim_top, low=0.0, high=1.0)
-        if self.trim_top > 1.0 - self.selectivity or self.trim_top == 1.0:
+        # (1 - selectivity as typed, e.g. trim_top=0.2 for 0.8, is 1e-16 off in float)
+        if self.trim_top > 1.0 - self.selectivity + 1e-12 or self.trim_top == 1.0:
             raise ValueError(
                 f"trim_top should be at most 1 - selectivity = {1.0 - self.selectivity:g} (the "
                 "share of losses this policy can leave out and still keep its selectivity), but "
@@ -496,7 +498,9 @@ class SelectiveBackprop(Policy):
         )
         # The CDF above which P is 0 and the exponent below it (see trim_top).
         self._cut = 1.0 - self.trim_top
-        self._cut_beta = self.beta if self.trim_top == 0 else self._cut * (self.beta + 1.0) - 1.0
+        cut_beta = self._cut * (self.beta + 1.0) - 1.0
+        # (at trim_top = 1 - selectivity the exponent is 0, give or take float's 1e-16)
+        self._cut_beta = self.beta if self.trim_top == 0 else 0.0 if cut_beta < 1e-12 else cut_beta
         if store_path is not None and not isinstance(store_path, (str, os.PathLike)):
             raise TypeError(
                 "store_path should be a folder to memory-map the per-example store in (a str or "
@@ -1154,6 +1158,15 @@ class Phased(Policy):
             if anneal_from_epoch is None
             else check_int("anneal_from_epoch", anneal_from_epoch, minimum=self.warmup_epochs)
         )
+        if self.anneal_from_epoch == self.warmup_epochs:
+            warnings.warn(
+                f"Phased with anneal_from_epoch={self.anneal_from_epoch} right after its "
+                f"warmup_epochs={self.warmup_epochs} never runs {policy!r}: the warm-up's "
+                "epochs are followed by Traditional training; pass anneal_from_epoch > "
+                "warmup_epochs (or None)",
+                UserWarning,
+                stacklevel=2,
+            )
         self._epoch = 0
 
     def active(self, epoch: int) -> bool:
@@ -1361,26 +1374,37 @@ def default_policy(
     if epochs is not None:
         epochs = check_int("epochs", epochs, minimum=warmup + 1)
         anneal = _anneal_from(epochs, anneal_share, warmup)
+        if anneal == warmup:
+            warnings.warn(
+                f"default_policy(epochs={epochs}, anneal_share={anneal_share:g}) leaves no "
+                f"selective epoch: epoch 0 is the Random-Backprop warm-up and epochs {warmup} to "
+                f"{epochs - 1}, the annealed end (at least one epoch), train on all the data; "
+                "plan more epochs or a smaller anneal_share",
+                UserWarning,
+                stacklevel=2,
+            )
     # (checked also where they go unused, without a store: a typo is never accepted silently)
     check_choice("stale_cdf", stale_cdf, STALE_CDFS)
     if drift_bound is not None:
         check_float("drift_bound", drift_bound, low=0.0, high=1.0, low_open=True)
-    return Phased(
-        SelectiveBackprop(
-            selectivity,
-            staleness=3,
-            fed_staleness=10,
-            ramp_epochs=ramp_epochs,
-            trim_top=trim_top,
-            stale_cdf=stale_cdf,
-            drift_bound=drift_bound,
+    with warnings.catch_warnings():  # (warned above, naming default_policy's arguments)
+        warnings.simplefilter("ignore", UserWarning)
+        return Phased(
+            SelectiveBackprop(
+                selectivity,
+                staleness=3,
+                fed_staleness=10,
+                ramp_epochs=ramp_epochs,
+                trim_top=trim_top,
+                stale_cdf=stale_cdf,
+                drift_bound=drift_bound,
+            )
+            if has_store
+            else SelectiveBackprop(selectivity, ramp_epochs=ramp_epochs, trim_top=trim_top),
+            warmup_epochs=warmup,
+            warmup_policy=RandomBackprop(selectivity),
+            anneal_from_epoch=anneal,
         )
-        if has_store
-        else SelectiveBackprop(selectivity, ramp_epochs=ramp_epochs, trim_top=trim_top),
-        warmup_epochs=warmup,
-        warmup_policy=RandomBackprop(selectivity),
-        anneal_from_epoch=anneal,
-    )
 
 
 def _anneal_from(epochs: int, anneal_share: float, warmup: int = 1) -> int:

@@ -35,7 +35,7 @@ from torch import nn
 from ._checks import check_int
 from ._state import check_version
 from .precision import native_int8
-from .selection import model_device
+from .selection import model_device, selection_autocast
 
 __all__ = [
     "AUTO",
@@ -393,7 +393,10 @@ def _int8_copy(model: nn.Module, calib: torch.Tensor, engine: str) -> nn.Module:
     work = copy.deepcopy(model, memo).eval()
     work.requires_grad_(False)
     prepared = prepare_fx(work, qconfig_mapping(engine), (calib[:1],))
-    with torch.inference_mode():
+    # NOTE: calibrated and checked in float32 also inside a caller's torch.autocast region
+    # (selection_autocast): ranges observed in bf16 would change the copy's scales, and with
+    # them the selections, with where the loader was iterated.
+    with torch.inference_mode(), selection_autocast(calib.device.type, None):
         prepared(calib)
     # NOTE: converted outside inference mode: its parameters must take a saved copy's values
     # (load_state_dict) on a resume. convert_fx makes float reference modules whose constructors
@@ -406,7 +409,7 @@ def _int8_copy(model: nn.Module, calib: torch.Tensor, engine: str) -> nn.Module:
     # warning about quantized tensors; every int8 forward in a process follows a build, so the
     # selection passes need no warning filters of their own (catch_warnings swaps the
     # interpreter's global filter list and is not thread-safe).
-    with torch.inference_mode():
+    with torch.inference_mode(), selection_autocast(calib.device.type, None):
         quantized(calib[:2])  # an op without int8 kernels fails here, not mid-epoch
     _check_plain(quantized)
     return quantized

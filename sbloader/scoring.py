@@ -290,38 +290,45 @@ class Scorer:
         return _to_host(losses) if self.host_values else None
 
     def probe(self, inputs: Any, targets: Any, batch: Any = None) -> np.ndarray:
-        """Run the selection forward on the first two candidates, so that a ``loss_fn`` without
-        one loss per example or an unselectable model fails at once; returns their finite
-        losses (float64), for the policy's :meth:`~sbloader.Policy.check_losses`.
+        """Run the selection forward on the first two and the first three candidates, so that a
+        ``loss_fn`` without one loss per example or an unselectable model fails at once; returns
+        the finite losses (float64) of the larger probe, for the policy's
+        :meth:`~sbloader.Policy.check_losses`.
 
         NOTE: used where an epoch has no selection pass (a warm-up) but later ones will: without
         it, such a mistake would surface only after the whole warm-up. It changes nothing: eval
-        mode and inference mode as in a selection pass, no stats, no cache, and the outputs'
-        shape is not recorded. ``batch`` is the source batch's structure, as in :meth:`score`
-        (a ``forward=`` hook takes its first two rows).
+        mode (also with ``eval_selection=False``: a train-mode forward would update BatchNorm's
+        running statistics, and a run resumed in the warm-up, which probes again, would then
+        differ from the uninterrupted one) and inference mode, no stats, no cache, and the
+        outputs' shape is not recorded. ``batch`` is the source batch's structure, as in
+        :meth:`score` (a ``forward=`` hook takes its first rows).
+
+        NOTE (two sizes): a loss reduced over the wrong axis, e.g. ``(B, C) -> (C,)``, has one
+        value per example on a probe of C rows; no C equals both 2 and 3.
         """
         if not self._fields_checked:
             self._fields_checked = True
             self.check_fields(batch, inputs, targets)
-        k = min(B.column_length(inputs, "input"), 2)
+        n = B.column_length(inputs, "input")
         model = unwrap(self.selector if self.selector is not None else self.model)
         if self.quantized is not None:  # the fp32 model is probed; the int8 copy is tried
             try:
-                self.quantized.trial(model, B.rows(inputs, 0, k), self._prepare)
+                self.quantized.trial(model, B.rows(inputs, 0, min(n, 2)), self._prepare)
             except (Int8Unavailable, TypeError) as e:
                 self._int8_failed(e, model, inputs, targets)
-        losses, _, _ = self.forward(
-            model,
-            B.rows(inputs, 0, k),
-            B.rows(targets, 0, k),
-            self.loss_fn,
-            batch_size=None,
-            autocast_dtype=self.autocast,
-            eval=self.eval_selection,
-            keep_outputs=self.keep_logits,
-            batch=None if batch is None else restrict(batch, 0, k),
-            inference=not self.collective,
-        )
+        for k in sorted({min(n, 2), min(n, 3)}):
+            losses, _, _ = self.forward(
+                model,
+                B.rows(inputs, 0, k),
+                B.rows(targets, 0, k),
+                self.loss_fn,
+                batch_size=None,
+                autocast_dtype=self.autocast,
+                eval=True,
+                keep_outputs=self.keep_logits,
+                batch=None if batch is None else restrict(batch, 0, k),
+                inference=not self.collective,
+            )
         self._keep_template(inputs, targets, batch)
         values = _to_host(losses)
         # Only finite ones, as a selection pass hands the policy (nonfinite= decides the rest).

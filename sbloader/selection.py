@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import numbers
 import sys
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
@@ -32,6 +33,7 @@ __all__ = [
     "model_output",
     "prefix_features",
     "restrict",
+    "selection_autocast",
     "selection_outputs",
     "unused_fields",
     "unwrap",
@@ -154,7 +156,8 @@ def check_loss_fn(loss_fn: Callable[..., torch.Tensor]) -> None:
     that reduce over the batch.
 
     Raises:
-        TypeError: ``loss_fn`` is not callable (e.g. the name of a loss).
+        TypeError: ``loss_fn`` is not callable (e.g. the name of a loss), or is a class (e.g.
+            ``nn.CrossEntropyLoss`` without parentheses).
         ValueError: ``loss_fn`` is a loss module whose ``reduction`` is not ``"none"``.
 
     Example:
@@ -174,6 +177,11 @@ def check_loss_fn(loss_fn: Callable[..., torch.Tensor]) -> None:
         raise TypeError(
             "loss_fn should be a callable loss_fn(outputs, targets) returning one loss per "
             f"example, e.g. nn.CrossEntropyLoss(reduction='none'), but got loss_fn={loss_fn!r}"
+        )
+    if isinstance(loss_fn, type):
+        raise TypeError(
+            f"loss_fn should be a loss function or module instance, but got the class "
+            f"{loss_fn.__name__}; create it, e.g. loss_fn={loss_fn.__name__}(reduction='none')"
         )
     reduction = getattr(loss_fn, "reduction", "none")
     if reduction != "none":
@@ -474,16 +482,7 @@ def selection_outputs(
     if first is None and batch is not None:
         first = _first_tensor(batch)
     device_type = first.device.type if first is not None else "cpu"
-    # NOTE: autocast=None is float32 even inside a caller's torch.autocast region: autocast is
-    # thread-local, so an overlapped pass (on the selection thread) never sees the caller's,
-    # and passes in the caller's thread would otherwise run in another precision than those.
-    autocast = (
-        torch.autocast(device_type, dtype=autocast_dtype)
-        if autocast_dtype is not None
-        else torch.autocast(device_type, enabled=False)
-        if _autocast_enabled(device_type)
-        else contextlib.nullcontext()
-    )
+    autocast = selection_autocast(device_type, autocast_dtype)
     custom = forward is not None and not isinstance(forward, FieldsForward)
     source = f"output={output!r}" if output is not None else "forward=" if custom else "the model"
     grad_free = torch.inference_mode() if inference else torch.no_grad()
@@ -546,6 +545,21 @@ def selection_outputs(
                         f"loss_fn should return one loss per example (shape ({m},)), but "
                         f"returned {shape}: as many losses, laid out otherwise; return them "
                         "as a 1-d tensor, e.g. loss_fn=lambda out, y: my_loss(out, y).reshape(-1)"
+                    )
+                if (
+                    isinstance(out, torch.Tensor)
+                    and out.dim() == 1
+                    and out.numel() > m
+                    and out.numel() % m == 0
+                ):
+                    # Unreduced already, but several values per example flattened together
+                    # (per-token losses of (B * T, C) logits): reduction='none' is given.
+                    raise ValueError(
+                        f"loss_fn should return one loss per example (shape ({m},)), but "
+                        f"returned {shape}: {out.numel() // m} values per example, flattened "
+                        "(e.g. per-token losses); reduce them per example, e.g. loss_fn=lambda "
+                        "out, y: F.cross_entropy(out.flatten(0, 1), y.flatten(), "
+                        f"reduction='none').view({m}, -1).mean(1)"
                     )
                 raise ValueError(
                     f"loss_fn should return one loss per example (shape ({m},)), but "
@@ -624,13 +638,7 @@ def prefix_features(
     """
     n = inputs.shape[0]
     step = n if not batch_size else batch_size
-    device_type = inputs.device.type
-    autocast = (
-        torch.autocast(device_type, dtype=autocast_dtype)
-        if autocast_dtype is not None
-        else contextlib.nullcontext()
-    )
-    with eval_mode(prefix), torch.no_grad(), autocast:
+    with eval_mode(prefix), torch.no_grad(), selection_autocast(inputs.device.type, autocast_dtype):
         chunks = [prefix(inputs[start : start + step]) for start in range(0, n, step)]
     out = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
     if autocast_dtype is not None and out.dtype == autocast_dtype:
@@ -694,7 +702,7 @@ class SelectionForward:
                     "forward= (e.g. F.interpolate(batch['image'], scale_factor=0.5))"
                 )
         if isinstance(compile, Mapping):
-            self.compile_kwargs: dict[str, Any] | None = dict(compile)
+            self.compile_kwargs: dict[str, Any] | None = check_compile_kwargs(dict(compile))
         elif isinstance(compile, (bool, np.bool_)):
             self.compile_kwargs = {} if compile else None
         else:
@@ -918,6 +926,81 @@ def _first_line(error: BaseException) -> str:
     """The first line of an error's message, at most 200 characters."""
     text = str(error)
     return text.splitlines()[0][:200] if text else ""
+
+
+#: torch.compile's modes (``mode=``), as its documentation lists them.
+_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def check_compile_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``compile_selection``'s ``torch.compile`` arguments, checked when the loader is built:
+    names ``torch.compile`` takes, a known ``mode`` and a registered ``backend`` name (the
+    compilation itself runs at the first selection pass, where torch's own error would not name
+    ``compile_selection``).
+
+    Example:
+        >>> check_compile_kwargs({"mode": "reduce-overhead"})
+        {'mode': 'reduce-overhead'}
+        >>> check_compile_kwargs({"mdoe": "default"})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+            ...
+        ValueError: compile_selection={'mdoe': 'default'} names an argument ... ('mdoe'); ...
+    """
+    taken = sorted(set(inspect.signature(torch.compile).parameters) - {"model"})
+    unknown = [k for k in kwargs if k not in taken]
+    if unknown:
+        raise ValueError(
+            f"compile_selection={kwargs!r} names an argument torch.compile does not take "
+            f"({', '.join(map(repr, unknown))}); it takes {', '.join(taken)}"
+        )
+    mode = kwargs.get("mode")
+    if mode is not None and mode not in _COMPILE_MODES:
+        raise ValueError(
+            f"compile_selection's mode should be one of {', '.join(map(repr, _COMPILE_MODES))} "
+            f"or None, but got mode={mode!r}"
+        )
+    if mode is not None and kwargs.get("options") is not None:
+        raise ValueError(
+            "compile_selection's mode and options cannot both be given (torch.compile takes "
+            "one of them); pass mode= or options="
+        )
+    backend = kwargs.get("backend")
+    if isinstance(backend, str):
+        from torch._dynamo import list_backends
+
+        known = list_backends(exclude_tags=())
+        if backend not in known:
+            raise ValueError(
+                f"compile_selection's backend should be a registered torch.compile backend "
+                f"such as 'inductor' or 'eager', but got backend={backend!r}; registered: "
+                f"{', '.join(known)}"
+            )
+    return kwargs
+
+
+def selection_autocast(
+    device_type: str, dtype: torch.dtype | None
+) -> contextlib.AbstractContextManager[Any]:
+    """The precision region of a selection-side forward (the selection pass, a frozen prefix,
+    an int8 copy's calibration): ``dtype``'s autocast, or with None float32, also inside a
+    caller's ``torch.autocast`` region.
+
+    NOTE: autocast is thread-local, so an overlapped pass (on the selection thread) never sees
+    the caller's region; passes in the caller's thread must not either, or they would run in
+    another precision than those, and a frozen prefix's features would reach a float32 head in
+    bf16.
+
+    Example:
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     with selection_autocast("cpu", None):
+        ...         (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+        torch.float32
+    """
+    if dtype is not None:
+        return torch.autocast(device_type, dtype=dtype)
+    if _autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _autocast_enabled(device_type: str) -> bool:

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sbloader import Choice, RandomBackprop, SelectiveBackprop, Traditional, default_policy
+from sbloader import (
+    Choice,
+    Phased,
+    RandomBackprop,
+    SelectiveBackprop,
+    Traditional,
+    default_policy,
+)
 
 
 def test_selectivity_gives_beta():
@@ -51,6 +59,22 @@ def test_default_policy_refuses_bad_store_options_with_or_without_a_store(
     not silently unused."""
     with pytest.raises(ValueError, match=message):
         default_policy(has_store=has_store, **kwargs)
+
+
+@pytest.mark.parametrize(("epochs", "share"), [(2, 0.125), (3, 0.5), (4, 0.8), (10, 0.95)])
+def test_a_schedule_without_a_selective_epoch_is_warned_of_naming_its_arguments(epochs, share):
+    """default_policy(epochs=, anneal_share=) whose annealed end starts right after the warm-up
+    never selects: warned of, naming both (and Phased itself, when given such epochs), while a
+    schedule with a selective epoch is built silently."""
+    with pytest.warns(UserWarning, match=rf"default_policy\(epochs={epochs}, anneal_share="):
+        p = default_policy(epochs=epochs, anneal_share=share)
+    assert not [e for e in range(epochs) if p.active(e)]
+    with pytest.warns(UserWarning, match="anneal_from_epoch=1 right after its warmup_epochs=1"):
+        Phased(SelectiveBackprop(0.5), warmup_epochs=1, anneal_from_epoch=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert default_policy(epochs=epochs + 10, anneal_share=0.1).active(1)
+        Phased(SelectiveBackprop(0.5), warmup_epochs=1, anneal_from_epoch=2)
 
 
 @pytest.mark.parametrize("bad", ["False", "True", 0, 1, None])

@@ -30,7 +30,8 @@ def build(seed: int = 0, **kw) -> SelectiveLoader:
         ArrayDataset(x, y), batch_size=40, shuffle=True, generator=torch.Generator().manual_seed(1)
     )
     kw.setdefault("quantize_selection", False)  # the float precisions (int8: its own tests)
-    return SelectiveLoader(dl, model, policy=SelectiveBackprop(0.5), batch_size=10, seed=seed, **kw)
+    kw.setdefault("policy", SelectiveBackprop(0.5))
+    return SelectiveLoader(dl, kw.pop("model", model), batch_size=10, seed=seed, **kw)
 
 
 def test_auto_follows_the_devices_native_bf16(monkeypatch):
@@ -118,6 +119,20 @@ def test_a_frozen_prefix_keeps_float32_since_its_features_feed_training(monkeypa
     assert build().autocast is torch.bfloat16
 
 
+def test_kept_logits_keep_float32_since_they_feed_training(monkeypatch):
+    """Kept logits are training inputs (distillation targets): "auto" keeps float32 for them,
+    and says why, so that they are the model's float32 outputs on every machine."""
+    no_native_bf16(monkeypatch, native=True)
+    loader = build(keep_logits=True)
+    assert loader.autocast is None
+    assert "the kept logits feed training" in loader.selection_precision
+    batch = next(b for b in loader if b.logits is not None)
+    with torch.no_grad():
+        exact = loader.model(loader.dataset.tensors[0][torch.as_tensor(batch.indices)])
+    # (float32 up to the batch's summation order; bf16 is about 1e-2 off)
+    torch.testing.assert_close(batch.logits, exact, rtol=1e-5, atol=1e-6)
+
+
 def test_a_resumed_auto_loader_selects_in_the_saved_runs_precision(monkeypatch):
     """Saved on a machine with native bf16, resumed on one without: the resumed run continues
     in bf16, exactly as the uninterrupted run; an explicit choice is kept as given, with a
@@ -140,3 +155,28 @@ def test_a_resumed_auto_loader_selects_in_the_saved_runs_precision(monkeypatch):
         explicit.load_state_dict(state)  # allowed, and said
     assert explicit.autocast is None
     assert state["autocast"] == "bfloat16" and build(autocast=None).state_dict()["autocast"] is None
+
+
+def test_a_frozen_prefix_stays_float32_inside_a_callers_autocast_region():
+    """A caller's ``torch.autocast`` region around the loop reaches neither the prefix's features
+    (which feed a float32 head) nor the selection pass: the same features and selections as
+    outside it, in SB epochs and in Traditional ones (whose prefix runs alone)."""
+    from sbloader import Traditional
+
+    backbone = nn.Sequential(nn.Linear(16, 8), nn.ReLU()).requires_grad_(False)
+    head = nn.Linear(8, 3)
+
+    def batches(policy, region):
+        loader = build(policy=policy, model=head, autocast=None, frozen_prefix=backbone)
+        out = []
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=region):
+            for b in loader:
+                out.append((b.indices.tolist(), b.features.clone()))
+        return out
+
+    for make in (lambda: SelectiveBackprop(0.5), Traditional):
+        inside, outside = batches(make(), True), batches(make(), False)
+        assert [i for i, _ in inside] == [i for i, _ in outside]
+        for (_, a), (_, b) in zip(inside, outside, strict=True):
+            assert a.dtype == torch.float32
+            assert torch.equal(a, b)

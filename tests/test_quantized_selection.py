@@ -247,6 +247,7 @@ class Branchy(nn.Module):
         ({"input_key": (0,)}, "cannot be combined with forward= or a tuple input_key"),
         ({"eval_selection": False}, "cannot be combined with eval_selection=False"),
         ({"frozen_prefix": nn.Identity()}, "cannot be combined with frozen_prefix="),
+        ({"keep_logits": True}, "cannot be combined with keep_logits=True"),
         ({"device": "meta"}, "int8 kernels on the CPU, but device is on meta"),
     ],
 )
@@ -511,6 +512,7 @@ def test_auto_is_int8_where_the_cpu_has_native_int8_and_the_default_is_off(monke
         ({"forward": lambda m, b: m(b[0])}, "forward="),
         ({"eval_selection": False}, "eval_selection=False"),
         ({"frozen_prefix": nn.Identity()}, "frozen_prefix="),
+        ({"keep_logits": True}, "keep_logits=True"),
         ({"overlap_selection": True}, "overlap_selection=True"),
         ({"device": "meta"}, "device is on meta"),
     ],
@@ -621,3 +623,21 @@ def test_a_fresh_process_sees_no_int8_notice_and_torch_spends_its_own() -> None:
     out = proc.stdout
     assert "NOTICES 0 []" in out, out
     assert "LATER 0" in out, out
+
+
+def test_the_copy_is_calibrated_in_float32_inside_a_callers_autocast_region() -> None:
+    """A caller's ``torch.autocast`` region around the loop does not reach the int8 copy's
+    calibration: the same scales, and so the same selections, as outside it."""
+
+    def scales_and_batches(region: bool) -> tuple[dict[str, Any], list[Any]]:
+        loader = make(cnn(), True, autocast=None)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=region):
+            batches = epoch_batches(loader, stop=3)
+        copy = loader.scorer.quantized.model.state_dict()
+        return {k: v for k, v in copy.items() if k.endswith(("scale", "zero_point"))}, batches
+
+    (inside, b_in), (outside, b_out) = scales_and_batches(True), scales_and_batches(False)
+    assert inside.keys() == outside.keys() and inside
+    for k in inside:
+        assert torch.equal(torch.as_tensor(inside[k]), torch.as_tensor(outside[k])), k
+    assert b_in == b_out

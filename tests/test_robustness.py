@@ -38,7 +38,9 @@ from sbloader import (
     SelectiveBackprop,
     SelectiveLoader,
     Traditional,
+    default_policy,
 )
+from sbloader.datasets import ArrayDataset
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest)
 
@@ -1525,6 +1527,47 @@ def test_kath18_negative_losses_fail_on_the_first_batch_of_a_warm_up():
         dl, Net(), loss_fn=minus_inf_first, policy=policy, batch_size=5, nonfinite="skip"
     )
     assert all(sum(len(y) for _, y in loader) > 0 for _ in range(2))
+
+
+def test_a_loss_reduced_over_the_wrong_axis_fails_before_the_warm_up_whatever_the_classes():
+    """A loss reduced over the batch axis, ``(B, C) -> (C,)``, has one value per example on a
+    check of C rows: the check on the first source batch tries two sizes, so it fails there for
+    2 and 3 classes too, not after the whole warm-up."""
+    for classes in (2, 3, 10):
+        x = torch.randn(40, 6)
+        y = torch.arange(40) % classes
+        dl = DataLoader(ArrayDataset(x, y), batch_size=10)
+
+        def wrong_axis(out, t):
+            return (
+                nn.functional.cross_entropy(out, t, reduction="none")[:, None]
+                .expand(-1, out.shape[1])
+                .mean(0)
+            )
+
+        loader = SelectiveLoader(
+            dl, nn.Linear(6, classes), loss_fn=wrong_axis, policy=default_policy(), batch_size=5
+        )
+        with pytest.raises(ValueError, match="one loss per example"):
+            next(iter(loader))
+        assert loader.stats.current.examples_yielded == 0, classes
+
+
+def test_the_first_batch_check_runs_in_eval_mode_with_eval_selection_false():
+    """The check of a warm-up's first source batch changes nothing, also with
+    ``eval_selection=False``: no BatchNorm statistics updated (a resume in the warm-up checks
+    again, and would then differ from the uninterrupted run)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    bn = model[1]
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    dl = DataLoader(ArrayDataset(torch.randn(40, 6), torch.arange(40) % 3), batch_size=10)
+    policy = Phased(SelectiveBackprop(0.5), warmup_epochs=1, warmup_policy=RandomBackprop(0.5))
+    loader = SelectiveLoader(dl, model, eval_selection=False, policy=policy, batch_size=5)
+    next(iter(loader))
+    assert model.training
+    for k, v in bn.state_dict().items():
+        assert torch.equal(v, before[k]), k
 
 
 def test_a_nonfinite_loss_without_dataset_indices_is_named_by_its_position():

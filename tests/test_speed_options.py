@@ -249,6 +249,23 @@ def test_bad_compile_selection_is_named():
         run(compile_selection="yes")
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"mode": "bogus"}, r"compile_selection's mode should be one of .* got mode='bogus'"),
+        ({"bogus_kw": 1}, r"names an argument torch.compile does not take \('bogus_kw'\)"),
+        ({"backend": "nope"}, r"compile_selection's backend should be a registered"),
+        ({"mode": "default", "options": {}}, "mode and options cannot both be given"),
+    ],
+)
+def test_bad_compile_arguments_are_refused_when_the_loader_is_built(kwargs, match):
+    """torch.compile runs at the first selection pass, where its own error would not name
+    compile_selection: its arguments are checked when the loader is built, before any data."""
+    dl = DataLoader(images(), batch_size=40)
+    with pytest.raises(ValueError, match=match):
+        SelectiveLoader(dl, cnn(), compile_selection=kwargs, batch_size=10)
+
+
 # ------------------------------------------------------------------ neutral existing options
 def test_channels_last_and_a_copied_selector_keep_the_choices():
     _, plain = run()

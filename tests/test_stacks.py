@@ -46,6 +46,25 @@ def test_a_loss_without_one_value_per_example_fails_before_the_warmup_trains():
     assert loader.stats.current.examples_yielded == 0
 
 
+def test_a_loss_class_and_flattened_per_token_losses_are_named_with_their_fix():
+    """``loss_fn=nn.CrossEntropyLoss`` (the class, parentheses forgotten) is refused when the
+    loader is built; losses already unreduced but flattened, several per example (per-token
+    losses of ``(B * T, C)`` logits), are not told to pass ``reduction='none'``."""
+    dl = DataLoader(EncodedDataset(90), batch_size=30)
+    with pytest.raises(TypeError, match=r"got the class CrossEntropyLoss; create it, e\.g\. "):
+        SelectiveLoader(dl, IndexLoss(), loss_fn=nn.CrossEntropyLoss, batch_size=10)
+
+    def per_token(out, y):  # 4 "tokens" per example, flattened
+        return F.cross_entropy(out, y, reduction="none").repeat_interleave(4)
+
+    loader = SelectiveLoader(
+        dl, IndexLoss(), loss_fn=per_token, policy=warmup_policy(), batch_size=10
+    )
+    with pytest.raises(ValueError, match=r"4 values per example, flattened") as info:
+        next(iter(loader))
+    assert "pass reduction='none'" not in str(info.value)
+
+
 def test_an_unselectable_model_fails_before_the_warmup_trains():
     class TupleOut(IndexLoss):
         def forward(self, x):

@@ -125,6 +125,9 @@ def test_bad_trims_are_refused_naming_the_parameter_and_the_fix():
     with pytest.raises(TypeError, match="trim_top"):
         SelectiveBackprop(1 / 3, trim_top="top")  # type: ignore[arg-type]
     assert SelectiveBackprop(0.25, trim_top=0.75)._cut_beta == 0.0  # keep all below the cut
+    # trim_top = 1 - selectivity as typed (1e-16 off in float): accepted, exponent exactly 0
+    for s in (0.1, 0.2, 0.3, 0.7, 0.8, 0.9):
+        assert SelectiveBackprop(s, trim_top=float(f"{1 - s:.10g}"))._cut_beta == 0.0, s
 
 
 # ---------------------------------------------------------------------- through the loader
