@@ -1737,6 +1737,11 @@ class SelectiveLoader(NotADataLoader):
         self._adopt_autocast(state.get(K_AUTOCAST, self.autocast))
         mid_epoch = active and position > 0 and not rollback
         self._source.load_state_dict(state[K_SOURCE], mid_epoch=mid_epoch)
+        if active and position == 0 and not rollback:
+            # NOTE: an epoch begun (its order drawn) whose first source batch raised (e.g. a
+            # transient out-of-memory error in the selection pass): nothing was consumed, but
+            # the source's generators are past the epoch's draw; it starts again with its order.
+            self._source.restart_epoch()
         self._source_state = state[K_SOURCE]
         self.epoch = int(state[K_EPOCH])
         self._unfinished = (position, True) if active else None

@@ -188,6 +188,11 @@ class Source(abc.ABC):
                 "loader's state at an epoch boundary"
             )
 
+    def restart_epoch(self) -> None:  # noqa: B027 - optional hook
+        """After :meth:`load_state_dict` of a state saved in an epoch none of whose batches was
+        consumed (its first source batch raised): the next :meth:`epoch` draws the order that
+        epoch drew, not the next one. Nothing to do for a source whose state is its position."""
+
     def __len__(self) -> int:
         raise TypeError(f"{type(self).__name__} has no length")
 
@@ -399,16 +404,25 @@ class LoaderOrder:
     def __init__(self, generators: list[torch.Generator]) -> None:
         self.generators = generators
         self.epoch_start: list[torch.Tensor] | None = None
+        self._restart = False
 
     def begin(self, skip: int) -> bool:
-        """As an epoch begins: a resumed one (``skip`` > 0, its start known) gets the states of
-        its start back (True); any other has its start recorded (False)."""
-        if skip and self.epoch_start is not None:
+        """As an epoch begins: a resumed one (``skip`` > 0, or :meth:`restart` called; its start
+        known) gets the states of its start back (True); any other has its start recorded
+        (False)."""
+        restart, self._restart = self._restart, False
+        if (skip or restart) and self.epoch_start is not None:
             for g, state in zip(self.generators, self.epoch_start):
                 g.set_state(state)
             return True
         self.epoch_start = [g.get_state() for g in self.generators]
         return False
+
+    def restart(self) -> None:
+        """The next :meth:`begin` replays the start of the epoch last begun, even at ``skip=0``:
+        for a state saved after that epoch's order was drawn but before any of its batches was
+        consumed (its first source batch raised)."""
+        self._restart = True
 
     def state_dict(self, sampler: Any = None) -> dict[str, Any]:
         """The generators' states now and at the epoch's start, and the seed of a ``sampler``
@@ -661,6 +675,9 @@ class DataLoaderSource(Source):
         self._base_seed = state.get("base_seed")
         self._epoch_start_seed = state.get("epoch_start_seed")
 
+    def restart_epoch(self) -> None:
+        self._order.restart()
+
     def __len__(self) -> int:
         return len(self.loader)
 
@@ -802,6 +819,10 @@ class IterableSource(Source):
         self._order.check(saved, self.sampler, mid_epoch)
         if saved is not None:
             self._order.load_state_dict(saved)
+
+    def restart_epoch(self) -> None:
+        if self._order is not None:
+            self._order.restart()
 
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]

@@ -1793,6 +1793,33 @@ def test_a_selection_pass_that_raises_loses_no_example_from_a_state_saved_after(
     assert head + [b.indices.tolist() for b in resumed] == reference
 
 
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("fail_at", [0, 5], ids=["run-start", "epoch-1-start"])
+def test_a_pass_raising_on_an_epochs_first_batch_resumes_with_that_epochs_order(fail_at, prefetch):
+    """The first source batch of an epoch raises (its order already drawn, nothing consumed):
+    the state saved after it resumes that epoch in its own order, and every later epoch as the
+    uninterrupted run has them (the source's generators are past the epoch's draw)."""
+
+    def make(model):
+        return shuffled_loader(
+            40, 8, 0, model, SelectiveBackprop(0.5), batch_size=4, prefetch=prefetch
+        )
+
+    def epochs(loader, n):
+        return [b.indices.tolist() for _ in range(n) for b in loader]
+
+    reference = epochs(make(FlakyLoss()), 3)
+    failing = make(FlakyLoss(fail_at=fail_at))
+    head = []
+    with pytest.raises(RuntimeError, match="transient failure"):
+        for _ in range(3):
+            head += [b.indices.tolist() for b in failing]
+    state = copy.deepcopy(failing.state_dict())
+    resumed = make(FlakyLoss())
+    resumed.load_state_dict(state)
+    assert head + epochs(resumed, 3 - fail_at // 5) == reference
+
+
 def test_a_state_held_in_memory_is_not_changed_by_training_steps_that_change_batches_in_place():
     """A state saved mid-epoch with pending rows shares no memory with the batches handed out
     later, nor (once loaded) with those handed out from it: a step that normalises its inputs
