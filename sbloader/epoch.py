@@ -923,18 +923,9 @@ class EpochIterator:
         epoch, or source batches against the source's length where its size is unknown; 0 for a
         source of neither (see :attr:`SelectiveLoader.progress
         <sbloader.SelectiveLoader.progress>`)."""
-        stats = self.stats
-        if stats is None:
+        if self.stats is None:
             return 0.0
-        source = self._loader._source
-        size = source.epoch_size
-        if size:
-            return min((stats.examples_seen + stats.excluded) / size, 1.0)
-        try:
-            n = len(source)
-        except TypeError:
-            return 0.0
-        return min(self.position / n, 1.0) if n else 0.0
+        return pass_fraction(self._loader._source, self.stats, self.position)
 
     def _not_trained(self, unconsumed: int) -> list[Rows]:
         """The batches a state saved now must hand out first when resumed: the last one handed
@@ -1198,3 +1189,16 @@ def _gather(
         pos_t = torch.from_numpy(positions).to(device, non_blocking=True)
     pos_list = positions.tolist() if any(not isinstance(c, torch.Tensor) for c in data) else None
     return [B.take(c, pos_t, pos_list) for c in data]
+
+
+def pass_fraction(source: Any, stats: EpochStats, position: int) -> float:
+    """The share of a pass over ``source`` drawn after ``position`` source batches with the
+    epoch's ``stats``, in [0, 1] (see :meth:`EpochIterator.fraction`)."""
+    size = source.epoch_size
+    if size:
+        return min((stats.examples_seen + stats.excluded) / size, 1.0)
+    try:
+        n = len(source)
+    except TypeError:
+        return 0.0
+    return min(position / n, 1.0) if n else 0.0

@@ -35,7 +35,7 @@ from .codec import BatchCodec
 from .decisions import NONFINITE, subset_mask
 from .device_decisions import DecisionGenerator
 from .distributed import RankSync, batch_digest, check_unsynced, is_distributed, make_sync
-from .epoch import EpochIterator
+from .epoch import EpochIterator, pass_fraction
 from .features import make_feature_cache
 from .feedback import FeedbackBuffer, check_range, checked
 from .length import FixedEpochIterator, FixedEpochs, check_batches_per_epoch
@@ -1039,9 +1039,15 @@ class SelectiveLoader(NotADataLoader):
         on them would lag within the epoch and jump at its end.
         """
         it = self._live_iterator()
-        if it is None or not it.running:
-            return float(self.epoch)
-        return float(self.epoch + it.fraction())
+        if it is not None and it.running:
+            return float(self.epoch + it.fraction())
+        current = self.stats.current
+        if self._unfinished is not None and current is not None and current.epoch == self.epoch:
+            # NOTE: an epoch left part-way (``break``) or restored mid-way: the data its pass
+            # drew, so that a schedule set now (e.g. on resume, before the first batch) reads
+            # where the run is, and progress never goes back.
+            return float(self.epoch + pass_fraction(self._source, current, self._unfinished[0]))
+        return float(self.epoch)
 
     def expected_batches(self) -> float:
         """The expected number of training batches per pass over the data (an estimate when

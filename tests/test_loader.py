@@ -764,6 +764,28 @@ def test_progress_counts_source_batches():
     assert loader.progress == 1.0
 
 
+def test_progress_holds_where_an_epoch_was_left_or_restored_part_way():
+    """After ``break`` and after loading a mid-epoch state (before the first batch, where a
+    resumed run sets its schedule), progress reads where the pass got to, never going back."""
+    make = lambda: make_loader(EncodedDataset(100), bs=10, policy=SelectiveBackprop(0.5))  # noqa: E731
+    loader = make()
+    readings = []
+    for i, _ in enumerate(loader):
+        readings.append(loader.progress)
+        if i == 2:
+            break
+    assert loader.progress == readings[-1] == 0.6
+    fresh = make()
+    fresh.load_state_dict(copy.deepcopy(loader.state_dict()))
+    assert fresh.progress == readings[-1]
+    readings += [fresh.progress for _ in fresh]
+    readings.append(loader.progress)  # (still where its pass stopped)
+    readings += [loader.progress for _ in loader] + [loader.progress]  # its next epoch
+    assert readings[-1] == 2.0
+    resumed = readings[: readings.index(1.0) + 1]
+    assert resumed == sorted(resumed) and resumed[-1] == 1.0
+
+
 # ------------------------------------------------------------------ non-finite losses
 class NanFor(nn.Module):
     """Loss NaN for examples whose index is a multiple of 7, +inf for multiples of 11."""
