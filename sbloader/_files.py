@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import threading
 import weakref
@@ -17,7 +18,7 @@ try:
 except ImportError:  # (no flock here: folders are not held)
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["copy_sparse", "hold_folder", "sync_folder"]
+__all__ = ["claim_newest", "copy_sparse", "hold_folder", "sync_folder"]
 
 
 def copy_sparse(src: Path, dst: Path, sync: bool = False) -> None:
@@ -167,6 +168,25 @@ def hold_folder(owner: object, folder: Path, size: int) -> Callable[[], Any]:
             _release_queued()
     _drain()  # (releases queued while the lock was held here, after the call above)
     return weakref.finalize(owner, _queue_release, key)
+
+
+# NOTE (the newest store of a folder, in this process): a second store of the same size in one
+# process may take a folder (a notebook cell run again builds a new loader while the old one
+# still lives), but the two would write the same files: the older one's losses overwritten by
+# the newer run's, each run's stale epochs deciding from the other's losses. So the newest
+# store of a folder is the one that may use it; an older one refuses at its next use.
+_NEWEST: dict[tuple[int, int], int] = {}
+_TOKENS = itertools.count(1)
+
+
+def claim_newest(folder: Path) -> Callable[[], bool]:
+    """Make the caller the newest store of ``folder`` in this process; returns whether it still
+    is (False once another store has claimed the folder since)."""
+    info = folder.stat()
+    key, token = (info.st_dev, info.st_ino), next(_TOKENS)
+    with _HELD_LOCK:
+        _NEWEST[key] = token
+    return lambda: _NEWEST.get(key) == token
 
 
 def _take(folder: Path, size: int) -> list[int] | None:

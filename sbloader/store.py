@@ -16,7 +16,7 @@ import torch
 
 from . import _kernels
 from ._checks import check_indices, check_int
-from ._files import copy_sparse, hold_folder, sync_folder
+from ._files import claim_newest, copy_sparse, hold_folder, sync_folder
 from ._state import check_identity, check_version, taking_rollback
 
 __all__ = ["ExampleStore"]
@@ -35,6 +35,10 @@ class _Closed:
 
 def _no_release() -> None:
     return None
+
+
+def _always() -> bool:
+    return True
 
 
 def _column_file(folder: Path, name: str, dtype: type) -> Path:
@@ -111,6 +115,8 @@ class ExampleStore:
         self._restore_lock = threading.Lock()
         # Lets go of the folder (see close); called by itself when the store is collected.
         self._release: Callable[[], Any] = _no_release
+        # Whether this is still the newest store of its folder in this process (see _files).
+        self._newest: Callable[[], bool] = _always
         # This store's snapshots, oldest first, and how many it has written (see state_dict).
         self._written: list[Path] = []
         self._count = 0
@@ -125,6 +131,7 @@ class ExampleStore:
         else:
             self.path.mkdir(parents=True, exist_ok=True)
             self._release = hold_folder(self, self.path, self.size)
+            self._newest = claim_newest(self.path)
             try:
                 self._open_columns(fresh=False)
             except BaseException:
@@ -161,7 +168,7 @@ class ExampleStore:
     # must not change as the run goes on.
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        del state["_restore_lock"], state["_release"]
+        del state["_restore_lock"], state["_release"], state["_newest"]
         if self.path is not None:
             loss, seen, selected = (np.array(c) for c in self.columns)
             state.update(path=None, _loss=loss, _seen=seen, _selected=selected, _restore=None)
@@ -172,6 +179,7 @@ class ExampleStore:
         self.__dict__.update(state)
         self._restore_lock = threading.Lock()
         self._release = _no_release
+        self._newest = _always
 
     def _open_columns(self, fresh: bool) -> None:
         self._loss = self._memmap("loss", np.float32, fresh)
@@ -259,7 +267,19 @@ class ExampleStore:
     @property
     def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The ``(loss, seen, selected)`` columns, for the kernels that update them."""
+        self._check_newest()
         return self.loss, self.seen, self.selected
+
+    def _check_newest(self) -> None:
+        """Refuse use by a memory-mapped store whose folder a newer store of this process has
+        taken since (see ``_files.claim_newest``)."""
+        if not self._newest():
+            raise ValueError(
+                f"the store folder {self.path} was taken by a newer store in this process "
+                "(another loader or policy given the same store_path): both would write the "
+                "same files, each run's losses overwriting the other's; give each run its own "
+                "store_path (or close() the store of the run that is over)"
+            )
 
     def check_outside(self, outside: int, indices: np.ndarray) -> None:
         """Raise ``IndexError`` naming some of ``indices`` if ``outside`` of them are outside."""
@@ -506,6 +526,7 @@ class ExampleStore:
     def _check_open(self) -> None:
         if isinstance(self._restore, _Closed):
             self._apply_restore()  # (raises)
+        self._check_newest()
 
     def _apply_restore(self) -> None:
         """Write the loaded state into the column files: its snapshot copied over them (and

@@ -73,6 +73,7 @@ class Config:
             and self.autocast not in ("auto", None),
             "quantize with prefix": self.quantize and self.prefix,
             "quantize with compile": self.quantize and self.compile,
+            "quantize with keep_logits": self.quantize and self.keep_logits,
             "scale with prefix": self.scale is not None and self.prefix,
             "selector with prefix": self.selector and self.prefix,
             "device decisions need staleness 1": self.decisions == "device" and stale,

@@ -697,6 +697,25 @@ def test_a_store_folder_is_held_by_one_process(tmp_path):
     assert other_process() == "taken"
 
 
+def test_two_live_runs_given_one_store_path_do_not_share_its_files(tmp_path):
+    """Two loaders of one process given the same store_path (two models side by side, a sweep
+    in one process, a notebook cell run again): the newer one's store takes the folder and the
+    older run refuses to go on, naming the fix, instead of deciding from the other's losses."""
+
+    def make():
+        policy = SelectiveBackprop(0.5, staleness=2, store_path=tmp_path)
+        return shuffled_loader(40, 8, 0, IndexLoss(), policy, batch_size=4)
+
+    older = make()
+    list(older)
+    newer = make()
+    list(newer)
+    with pytest.raises(ValueError, match="was taken by a newer store in this process") as info:
+        list(older)
+    assert "give each run its own store_path" in str(info.value)
+    list(newer)  # the newest goes on
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_does_not_inherit_its_parents_hold_on_a_store_folder(tmp_path):
     """A forked child (a DataLoader worker, or the user's own) is another process: a store it
