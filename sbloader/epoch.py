@@ -13,6 +13,7 @@ epoch, process one source batch, one distributed drain round, the end-of-epoch r
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -568,6 +569,8 @@ class EpochIterator:
         if not self._fresh:
             scorer.pad(pad)
         targets = data[loader._codec.target_position]
+        if loader._counted_full and n != loader.batch_size:
+            self._check_counted_full(n)
         if self._passthrough:
             inputs = data[loader._codec.input_position]
             features = scorer.features(inputs, None, None, indices, self.epoch, stats)
@@ -642,6 +645,29 @@ class EpochIterator:
             loader._pending.add(rows)
         self._score_ahead()
         self._owed = self._agree(loader._pending.full_batches(loader.batch_size))
+
+    def _check_counted_full(self, n: int) -> None:
+        """Warn (once per loader) where ``len()`` counted the source's batches as full batches
+        of ``batch_size`` and a source batch before the last has ``n`` examples: the count is
+        off (a bucketing ``batch_sampler=``), and a scheduler sized from it is too."""
+        loader = self._loader
+        try:
+            last = self.position >= len(loader._source)
+        except TypeError:
+            last = False
+        if last or loader._counted_full_warned:
+            return
+        loader._counted_full_warned = True
+        warnings.warn(
+            f"len(loader) counted the source's batches as full batches of batch_size="
+            f"{loader.batch_size} (a batch_sampler= with no sampler of its own), but source "
+            f"batch {self.position} of epoch {self.epoch} has {n} examples: batches of other "
+            "sizes are re-batched, so the epoch yields another number of batches than len() "
+            'said; pass batches_per_epoch="expected" (or an int) for a fixed count, or key '
+            "schedules on loader.progress",
+            UserWarning,
+            stacklevel=4,
+        )
 
     def _load(self) -> _Loaded | None:
         """The next source batch, on the loader's device and within ``subset``, or None at the

@@ -797,6 +797,11 @@ class SelectiveLoader(NotADataLoader):
         # An epoch that no live iterator owns but that did not end: (position, resume). A
         # restored mid-epoch state resumes it; an abandoned one is skipped by the next iterator.
         self._unfinished: tuple[int, bool] | None = None
+        # Whether len() counted the source's batches as full batches of batch_size (a
+        # batch_sampler= with no sampler of its own), and whether a batch of another size was
+        # warned of since.
+        self._counted_full = False
+        self._counted_full_warned = False
         # Batches handed out but not trained when a state was saved (``state_dict(unconsumed=)``):
         # the next epoch iterator hands them out first, as they were.
         self._returned: list[Rows] = []
@@ -1235,26 +1240,36 @@ class SelectiveLoader(NotADataLoader):
         source = self._source
         size, bs = source.epoch_size, source.batch_size
         if self._subset is not None:
-            # NOTE: exact only where this process's pass covers the whole dataset: under a
-            # DistributedSampler the subset's share of a rank changes from epoch to epoch.
-            if source.drop_last() or size is None or size != source.dataset_size:
+            # NOTE: exact only where this process's pass draws each example once: under a
+            # DistributedSampler the subset's share of a rank changes from epoch to epoch, and
+            # a sampler drawing with replacement draws the subset's examples a varying number
+            # of times.
+            if not source.draws_each_once():
                 raise TypeError(
                     "the number of batches of a pass is not fixed with subset= and a source that "
-                    "does not pass over the whole dataset on this process (a DistributedSampler, "
-                    'or drop_last); pass batches_per_epoch="expected" (or an int) for epochs of '
-                    "a fixed number of batches, or schedule by loader.progress"
+                    "does not draw each example of the dataset once on this process (a "
+                    "DistributedSampler, a sampler drawing with replacement, or drop_last); pass "
+                    'batches_per_epoch="expected" (or an int) for epochs of a fixed number of '
+                    "batches, or schedule by loader.progress"
                 )
             return int(np.count_nonzero(self._subset))
         if bs and source.drop_last():
-            return len(source) * bs  # the source's batches are all full
+            full = source.full_batches()  # the source's batches are all full
+            if full is None:
+                raise TypeError(_unknown_pass(source))
+            return full * bs
         if size is None:
             last = source.last_batch_size()
             if bs and last is not None:  # full batches but the last
                 return (len(source) - 1) * bs + last
             if bs == self.batch_size:
                 # Handed out as they are: as many batches as the source's (its last one's size
-                # unknown, so not checked against min_batch_size).
-                return len(source) * bs
+                # unknown, so not checked against min_batch_size), where they are full; a
+                # source batch of another size before the last is warned of (see
+                # EpochIterator._check_counted_full).
+                examples = len(source) * bs
+                self._counted_full = True
+                return examples
             raise TypeError(_unknown_pass(source))
         return size
 

@@ -224,6 +224,27 @@ class Source(abc.ABC):
         examples per pass (:attr:`epoch_size` is None) but can tell this, else None."""
         return None
 
+    def draws_each_once(self) -> bool:
+        """Whether a pass draws every example of the dataset exactly once on this process: as
+        many as the dataset holds, none dropped, and no sampler drawing with replacement (a
+        ``RandomSampler(replacement=True)`` of ``len(dataset)`` draws some twice, others
+        never)."""
+        size = self.epoch_size
+        return (
+            size is not None
+            and size == self.dataset_size
+            and not self.drop_last()
+            and not getattr(self.sampler, "replacement", False)
+        )
+
+    def full_batches(self) -> int | None:
+        """The batches of a pass of a source that drops its last partial batch (all full), or
+        None where unknown: its length."""
+        try:
+            return len(self)
+        except TypeError:
+            return None
+
     def set_epoch(self, epoch: int) -> None:  # noqa: B027 - optional hook
         """Forward the epoch to samplers that want it (DistributedSampler)."""
 
@@ -835,6 +856,32 @@ class IterableSource(Source):
     def dataset_size(self) -> int | None:
         """``dataset_size=`` as given (an iterable cannot tell its size), or None."""
         return self._size
+
+    @property
+    def epoch_size(self) -> int | None:
+        """``dataset_size``; for a DataLoader over a map-style dataset (read with
+        ``index_key=``), what its sampler draws in a pass, as for any DataLoader
+        (:func:`loader_epoch_size`: a DistributedSampler's share, a sampler's ``num_samples``).
+        """
+        loader = self.iterable
+        if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset):
+            return loader_epoch_size(loader, self._size)
+        return self._size
+
+    def drop_last(self) -> bool:
+        """A DataLoader's (:func:`drops_last`); False for any other iterable."""
+        return drops_last(self.iterable) if isinstance(self.iterable, DataLoader) else False
+
+    def full_batches(self) -> int | None:
+        """Its length; for a DataLoader over an ``IterableDataset`` without one, read by at
+        most one worker, ``dataset_size // batch_size`` (with several, each worker's stream
+        drops its own short batch: unknown)."""
+        full = super().full_batches()
+        loader = self.iterable
+        if full is not None or not isinstance(loader, DataLoader) or loader.num_workers > 1:
+            return full
+        bs = loader.batch_size
+        return None if self._size is None or not bs else self._size // bs
 
     def last_batch_size(self) -> int | None:
         """A DataLoader's last batch over a sized ``IterableDataset`` read by at most one

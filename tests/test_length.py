@@ -11,6 +11,7 @@ import copy
 import gc
 import io
 import multiprocessing
+import warnings
 import weakref
 
 import pytest
@@ -682,3 +683,108 @@ def test_traditional_len_drops_a_sized_iterables_last_batch_under_min_batch_size
     batches = list(loader)
     assert len(loader) == expected == len(batches)
     assert sum(len(b[1]) for b in batches) == examples - (examples % 8 == 1)
+
+
+# ---------------------------------------------------------------------- review of 2026-11-26
+class _Identified(torch.utils.data.Dataset):
+    """A map-style dataset whose items carry their own index (read with ``index_key=2``)."""
+
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, i: int):
+        return torch.full((6,), float(i)), torch.tensor(i % 4), i
+
+
+@pytest.mark.parametrize("batch_size", [7, 10])
+def test_a_dataloader_read_with_index_key_is_counted_by_what_its_sampler_draws(batch_size):
+    """A DataLoader read with ``index_key=`` is counted as one whose indices are recovered: its
+    sampler's share (DistributedSampler), its ``num_samples`` (a WeightedRandomSampler drawing
+    twice the dataset, where a OneCycleLR sized by len() was stepped past its total), not
+    ``dataset_size``."""
+    from torch.utils.data import DistributedSampler, WeightedRandomSampler
+
+    ds = _Identified()
+    samplers = {
+        "share": lambda: DistributedSampler(ds, num_replicas=2, rank=0, seed=0),
+        "upsampled": lambda: WeightedRandomSampler(
+            [1.0] * 100, 200, generator=torch.Generator().manual_seed(0)
+        ),
+    }
+    for kind, sampler in samplers.items():
+        loader = SelectiveLoader(
+            DataLoader(ds, batch_size=10, sampler=sampler()),
+            IndexLoss(),
+            policy=Traditional(),
+            batch_size=batch_size,
+            index_key=2,
+            dataset_size=100,
+        )
+        assert [sum(1 for _ in loader) for _ in range(2)] == [len(loader)] * 2, kind
+
+
+def test_an_unsized_stream_that_drops_its_last_batch_is_counted_without_it():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            for i in range(100):
+                yield torch.full((6,), float(i)), torch.tensor(i % 4), i
+
+    for batch_size in (16, 8):
+        loader = SelectiveLoader(
+            DataLoader(Stream(), batch_size=16, drop_last=True),
+            IndexLoss(),
+            policy=Traditional(),
+            batch_size=batch_size,
+            index_key=2,
+            dataset_size=100,
+        )
+        assert len(loader) == sum(1 for _ in loader) == 96 // batch_size
+
+
+def test_subset_over_a_sampler_drawing_with_replacement_has_no_len():
+    """With replacement, the subset's examples are drawn a varying number of times: len() is
+    refused naming the fix (it counted the subset once, and Lightning failed after epoch 0)."""
+    from torch.utils.data import RandomSampler
+
+    ds = EncodedDataset(100)
+    sampler = RandomSampler(ds, replacement=True, generator=torch.Generator().manual_seed(0))
+    loader = SelectiveLoader(
+        DataLoader(ds, batch_size=10, sampler=sampler),
+        IndexLoss(),
+        policy=Traditional(),
+        subset=list(range(50)),
+    )
+    with pytest.raises(TypeError, match="a sampler drawing with replacement") as info:
+        len(loader)
+    assert 'batches_per_epoch="expected"' in str(info.value)
+
+
+def test_a_bucketing_batch_sampler_whose_count_len_cannot_know_is_warned_of():
+    """A batch_sampler= with no sampler of its own is counted as full batches; one whose
+    batches vary in size makes another number: the first such batch (not the last) is warned
+    of, once, naming the fix."""
+
+    class Buckets:
+        batch_size = 8
+
+        def __iter__(self):
+            for b in range(4):
+                yield list(range(9 * b, 9 * b + 8))
+                yield [9 * b + 8]
+
+        def __len__(self):
+            return 8
+
+    loader = SelectiveLoader(
+        DataLoader(EncodedDataset(36), batch_sampler=Buckets()),
+        IndexLoss(),
+        policy=Traditional(),
+        batch_size=8,
+    )
+    assert len(loader) == 8
+    with pytest.warns(UserWarning, match="counted the source's batches as full batches") as rec:
+        got = sum(1 for _ in loader)
+    assert got != 8 and len(rec) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(loader)  # (once)
