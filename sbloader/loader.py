@@ -104,6 +104,10 @@ K_AHEAD = "ahead"  # optional: a source batch scored ahead (overlap_selection) a
 # NOTE: optional (absent from states saved before it): the speed options the state was saved
 # with (see SelectiveLoader._speed), compared, not enforced, when it is loaded.
 K_SPEED = "speed"
+# NOTE: optional (absent from states saved before it): whether the epoch a state was saved in
+# loaded only what the policy kept of the source (a Stale-SB stale epoch's prefilter), which
+# decides what its position counts (filtered source batches, or all of them).
+K_PREFILTER = "prefilter"
 
 
 def _stable_repr(value: Any) -> str:
@@ -802,6 +806,10 @@ class SelectiveLoader(NotADataLoader):
         # warned of since.
         self._counted_full = False
         self._counted_full_warned = False
+        # Whether the current epoch's source prefilters by the policy (see K_PREFILTER), and
+        # what a loaded mid-epoch state says its epoch did (checked as it resumes).
+        self._epoch_prefilter = False
+        self._resume_prefilter: bool | None = None
         # Batches handed out but not trained when a state was saved (``state_dict(unconsumed=)``):
         # the next epoch iterator hands them out first, as they were.
         self._returned: list[Rows] = []
@@ -1349,6 +1357,21 @@ class SelectiveLoader(NotADataLoader):
         if not resumed:
             self._apply_feedback()
         self.policy.begin_epoch(self.epoch)
+        self._epoch_prefilter = self._source.can_filter() and self.policy.can_prefilter()
+        saved, self._resume_prefilter = self._resume_prefilter, None
+        if resumed and saved is not None and saved != self._epoch_prefilter:
+            self._unfinished = (skip, True)  # (still resumable once the cause is mended)
+            raise ValueError(
+                f"the state was saved {skip} source batches into epoch {self.epoch}, which its "
+                f"run {'prefiltered' if saved else 'loaded whole'} (a Stale-SB stale epoch loads "
+                "only the examples it keeps), but here the policy "
+                f"{'prefilters' if self._epoch_prefilter else 'loads'} that epoch "
+                f"{'' if self._epoch_prefilter else 'whole '}(e.g. planned for another number "
+                "of epochs, so that it anneals from another one): the position would count other "
+                "batches, skipping or repeating examples. Resume with the saved run's policy "
+                "and planned epochs until the epoch ends, or from a state saved at an epoch "
+                "boundary"
+            )
         current = self.stats.current
         if not (resumed and current is not None and current.epoch == self.epoch):
             current = self.stats.begin_epoch(self.epoch, self.policy.target_rate)
@@ -1511,8 +1534,10 @@ class SelectiveLoader(NotADataLoader):
         another, the epoch would silently skip or repeat examples. The carried rows hold the
         selection's logits (``keep_logits``) and a frozen prefix's features, or not, so those two
         are part of it too: loaded into a loader that keeps the other, a later batch's join
-        raised or its ``logits``/``features`` came back None. (Keys added later are absent from
-        older states, which are then not checked for them.)
+        raised or its ``logits``/``features`` came back None. So are what makes the batches
+        handed out (``remainder``, ``min_batch_size``, ``nonfinite``) and the source's order
+        (its sampler's class, e.g. shuffled or not) and ``drop_last``. (Keys added later are
+        absent from older states, which are then not checked for them.)
         """
         return {
             "seed": self.seed,
@@ -1529,6 +1554,16 @@ class SelectiveLoader(NotADataLoader):
             "decisions": self.decisions,
             "keep_logits": self.keep_logits,
             "frozen_prefix": self._scorer.has_prefix,
+            # What the batches handed out are made of: a state loaded with other ones would
+            # yield another run's batches (and, with another order or drop_last, resume a
+            # mid-epoch position over other examples).
+            "remainder": self.remainder,
+            "min_batch_size": self.min_batch_size,
+            "nonfinite": self.nonfinite,
+            "source_drop_last": self._source.drop_last(),
+            "sampler": None
+            if self._source.sampler is None
+            else type(self._source.sampler).__name__,
         }
 
     def state_dict(self, unconsumed: int = 0) -> dict[str, Any]:
@@ -1591,6 +1626,7 @@ class SelectiveLoader(NotADataLoader):
             K_EPOCH: self.epoch,
             K_POSITION: position,
             K_ACTIVE: active,
+            K_PREFILTER: self._epoch_prefilter if active else None,
             K_RNG: self._rng.bit_generator.state,
             K_SOURCE: (
                 self._source.state_dict() if self._source_state is None else self._source_state
@@ -1766,6 +1802,8 @@ class SelectiveLoader(NotADataLoader):
         self._source_state = state[K_SOURCE]
         self.epoch = int(state[K_EPOCH])
         self._unfinished = (position, True) if active else None
+        prefilter = state.get(K_PREFILTER)
+        self._resume_prefilter = None if prefilter is None or not active else bool(prefilter)
         self._rng.bit_generator.state = state[K_RNG]
         self.policy.load_state_dict(state[K_POLICY])
         self._codec.load_state_dict(state[K_CODEC])

@@ -34,7 +34,11 @@ CPU = torch.device("cpu")
 
 def make(n=120, policy=None, seed=0, model=None, source_batch=30, batch_size=10, **kw):
     dl = DataLoader(
-        EncodedDataset(n), batch_size=source_batch, generator=torch.Generator().manual_seed(1)
+        EncodedDataset(n),
+        batch_size=source_batch,
+        generator=torch.Generator().manual_seed(1),
+        shuffle=kw.pop("shuffle", False),
+        drop_last=kw.pop("drop_last", False),
     )
     return SelectiveLoader(
         dl,
@@ -169,6 +173,13 @@ def test_close_is_idempotent_and_an_error_closes_the_iterator():
             {"model": nn.Linear(6, 4), "frozen_prefix": nn.Linear(6, 6).requires_grad_(False)},
             "frozen_prefix",
         ),
+        # What the batches are made of, and the source's order: loaded silently, a mid-epoch
+        # state skipped the first batches of another order, or yielded another run's batches.
+        ({"remainder": "carry"}, {"remainder": "drop"}, "remainder"),
+        ({"min_batch_size": 1}, {"min_batch_size": 3}, "min_batch_size"),
+        ({"nonfinite": "skip"}, {"nonfinite": "select"}, "nonfinite"),
+        ({"shuffle": True}, {}, "sampler"),
+        ({"drop_last": True}, {}, "source_drop_last"),
     ],
 )
 def test_a_state_of_another_run_is_refused_naming_the_field_and_both_values(
@@ -193,6 +204,36 @@ def test_a_longer_planned_run_still_resumes():
     longer = make(policy=Phased(RandomBackprop(0.5), warmup_epochs=1, anneal_from_epoch=9))
     longer.load_state_dict(state)
     assert longer.epoch == 1
+
+
+def test_a_mid_epoch_state_resumed_with_a_plan_that_loads_its_epoch_otherwise_is_refused():
+    """Mid-way through an epoch the saved run loaded whole (annealed) and the new plan
+    prefilters (a stale epoch), or the other way round, the position counts other source
+    batches: refused as the epoch resumes, naming the fix, where it skipped or repeated up to
+    half an epoch; an epoch loaded alike by both plans resumes exactly."""
+
+    def phased(anneal):
+        stale = SelectiveBackprop(0.5, staleness=2, history=64)
+        return Phased(stale, warmup_epochs=1, anneal_from_epoch=anneal)
+
+    def state_in_epoch_2(anneal):
+        saved = make(policy=phased(anneal))
+        list(saved)
+        list(saved)
+        it = iter(saved)
+        next(it)
+        return copy.deepcopy(saved.state_dict()), it
+
+    for saved_plan, new_plan in ((2, 6), (6, 2)):
+        state, _ = state_in_epoch_2(saved_plan)
+        other = make(policy=phased(new_plan))
+        other.load_state_dict(state)
+        with pytest.raises(ValueError, match="Resume with the saved run's policy and planned"):
+            list(other)
+    state, rest = state_in_epoch_2(6)
+    alike = make(policy=phased(8))  # epoch 2 stale in both
+    alike.load_state_dict(state)
+    assert epoch_indices(alike) == epoch_indices(rest)
 
 
 def test_a_state_refused_part_way_through_restoring_changes_nothing():
