@@ -213,6 +213,7 @@ class EpochIterator:
         self._handed_out: float | None = None
         self._start = 0.0
         self._fresh = self._passthrough = self._filtering = self._joins = False
+        self._prefiltering = False  # (whether the source loads only what a Keep keeps)
         self._committed = False  # whether the source batch being taken took effect
         self._remainder = "carry"  # this epoch's remainder (set as it begins)
         self._paused = False  # paused between training epochs (see pause())
@@ -452,6 +453,7 @@ class EpochIterator:
         source = loader.source
         self._filtering = source.can_filter()
         keep = keep_function(policy, loader._subset, source.replaying) if self._filtering else None
+        self._prefiltering = keep is not None
         snapshot = source.snapshot
 
         def make_iter() -> Any:
@@ -951,7 +953,9 @@ class EpochIterator:
         <sbloader.SelectiveLoader.progress>`)."""
         if self.stats is None:
             return 0.0
-        return pass_fraction(self._loader._source, self.stats, self.position)
+        return pass_fraction(
+            self._loader._source, self.stats, self.position, filtered=self._prefiltering
+        )
 
     def _not_trained(self, unconsumed: int) -> list[Rows]:
         """The batches a state saved now must hand out first when resumed: the last one handed
@@ -1217,9 +1221,15 @@ def _gather(
     return [B.take(c, pos_t, pos_list) for c in data]
 
 
-def pass_fraction(source: Any, stats: EpochStats, position: int) -> float:
+def pass_fraction(source: Any, stats: EpochStats, position: int, filtered: bool = False) -> float:
     """The share of a pass over ``source`` drawn after ``position`` source batches with the
-    epoch's ``stats``, in [0, 1] (see :meth:`EpochIterator.fraction`)."""
+    epoch's ``stats``, in [0, 1] (see :meth:`EpochIterator.fraction`).
+
+    NOTE (``filtered``): a source of unknown size whose pass is filtered before loading (a
+    stale epoch's prefilter, ``subset``) makes fewer source batches than its length says; its
+    candidates drawn are counted against its length in full batches instead, so that the
+    fraction does not lag and then jump at the pass's end.
+    """
     size = source.epoch_size
     if size:
         return min((stats.examples_seen + stats.excluded) / size, 1.0)
@@ -1227,4 +1237,7 @@ def pass_fraction(source: Any, stats: EpochStats, position: int) -> float:
         n = len(source)
     except TypeError:
         return 0.0
+    bs = source.batch_size
+    if filtered and n and bs:
+        return min((stats.examples_seen + stats.excluded) / (n * bs), 1.0)
     return min(position / n, 1.0) if n else 0.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import gc
 import io
+import itertools
 import multiprocessing
 import warnings
 import weakref
@@ -788,3 +789,38 @@ def test_a_bucketing_batch_sampler_whose_count_len_cannot_know_is_warned_of():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         list(loader)  # (once)
+
+
+def test_progress_of_a_source_of_unknown_size_does_not_lag_in_prefiltered_passes():
+    """A batch_sampler= with no sampler (epoch size unknown: progress counts its batches) in
+    Stale-SB's stale passes, which load only the examples kept: the candidates drawn count
+    against its length in full batches, so progress advances evenly instead of lagging at a
+    third and jumping to the next whole number."""
+
+    class Batches:
+        batch_size = 10
+
+        def __init__(self):
+            self.g = torch.Generator().manual_seed(0)
+
+        def __iter__(self):
+            p = torch.randperm(300, generator=self.g).tolist()
+            for s in range(0, 300, 10):
+                yield p[s : s + 10]
+
+        def __len__(self):
+            return 30
+
+    loader = SelectiveLoader(
+        DataLoader(EncodedDataset(300), batch_sampler=Batches()),
+        IndexLoss(),
+        policy=SelectiveBackprop(1 / 3, history=64, staleness=3),
+        batch_size=10,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for epoch in range(3):
+            readings = [epoch] + [loader.progress for _ in loader] + [loader.progress]
+            steps = [b - a for a, b in itertools.pairwise(readings)]
+            assert readings[-1] == epoch + 1 and min(steps) >= 0, readings
+            assert max(steps) < 0.25, (epoch, readings)
