@@ -8,6 +8,7 @@ The loader holds configuration and cross-epoch state; an :class:`~sbloader.epoch
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import warnings
@@ -1336,6 +1337,29 @@ class SelectiveLoader(NotADataLoader):
 
     def _live_iterator(self) -> EpochIterator | None:
         return None if self._live is None else self._live()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SelectiveLoader:
+        """A copy between epochs (its own model, policy and source, no live iterator); refused
+        while an epoch is running, whose iterator the copy would share.
+
+        NOTE: the epoch's iterator is referenced weakly, and ``copy.deepcopy`` keeps a weak
+        reference as it is: a copy made mid-epoch still pointed at the original's iterator, so
+        that ``iter(copy)`` closed the original's epoch and ``copy.state_dict()`` read its
+        position beside the copy's own policy and generators.
+        """
+        it = self._live_iterator()
+        if it is not None and it.running:
+            raise TypeError(
+                "a SelectiveLoader cannot be copied while an epoch is running (the copy would "
+                "share its iterator); copy it between epochs, or build a new loader and "
+                "load_state_dict(loader.state_dict()) into it"
+            )
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            object.__setattr__(new, name, copy.deepcopy(value, memo))
+        object.__setattr__(new, "_live", None)
+        return new
 
     # ------------------------------------------------------------------ the epoch handover
     def _begin(self, it: EpochIterator) -> tuple[int, int, bool, EpochStats, list[Rows]]:

@@ -870,3 +870,20 @@ def test_a_dataloader_read_through_index_key_resumes_exactly(generator):
     for cut in (3, 8):  # mid-epoch, and after the epoch's last batch
         full, resumed = _resumed_indices(build, cut=cut)
         assert resumed == full and full[1] != full[2]
+
+
+def test_a_copy_is_made_between_epochs_and_refused_while_one_runs():
+    """copy.deepcopy of a loader mid-epoch shared the original's iterator (its weak reference
+    is copied as it is): iter(copy) closed the original's epoch, and copy.state_dict() read the
+    original's position. Refused while an epoch runs; between epochs the copy is a run of its
+    own that goes on as the original does."""
+    loader = make(policy=SelectiveBackprop(0.5, staleness=2, history=64))
+    list(loader)
+    it = iter(loader)
+    first = next(it)
+    with pytest.raises(TypeError, match="cannot be copied while an epoch is running"):
+        copy.deepcopy(loader)
+    rest = [first.indices.tolist()] + epoch_indices(it)  # the original's epoch, unharmed
+    assert len(rest) > 1
+    twin = copy.deepcopy(loader)
+    assert epoch_indices(twin) == epoch_indices(loader)
