@@ -1127,7 +1127,6 @@ class SelectiveLoader(NotADataLoader):
         policy for the passes over the data that ``planned_epochs`` training epochs of
         ``per_epoch`` batches are expected to make (:func:`~sbloader.policies.passes_within`),
         attached as the constructor attaches it."""
-        warned = False
         try:
             steady = self._batches_at(self.policy.steady_rate)
             full = self._batches_at(1.0)
@@ -1145,7 +1144,6 @@ class SelectiveLoader(NotADataLoader):
             fitted = passes_within(planned_epochs * per_epoch, steady, full)
             passes = 2 if fitted is None else fitted
             if fitted is None:
-                warned = True
                 needed = math.ceil(((steady + full) / per_epoch) * (1 - 1e-9))
                 warnings.warn(
                     f"planned_epochs={planned_epochs} training epochs of batches_per_epoch="
@@ -1159,9 +1157,8 @@ class SelectiveLoader(NotADataLoader):
                     stacklevel=3,
                 )
         self.planned_passes = passes
-        with warnings.catch_warnings():
-            if warned:  # (that it plans 2 passes, above)
-                warnings.simplefilter("ignore", UserWarning)
+        with warnings.catch_warnings():  # (the plan's own warnings are the loader's, above)
+            warnings.simplefilter("ignore", UserWarning)
             self.policy = default_policy(store, epochs=passes)
         self.policy.attach(self._source.dataset_size, key)
         logger.info(

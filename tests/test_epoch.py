@@ -883,7 +883,7 @@ def test_a_copy_is_made_between_epochs_and_refused_while_one_runs():
     first = next(it)
     with pytest.raises(TypeError, match="cannot be copied while an epoch is running"):
         copy.deepcopy(loader)
-    rest = [first.indices.tolist()] + epoch_indices(it)  # the original's epoch, unharmed
+    rest = [first.indices.tolist(), *epoch_indices(it)]  # the original's epoch, unharmed
     assert len(rest) > 1
     twin = copy.deepcopy(loader)
     assert epoch_indices(twin) == epoch_indices(loader)
