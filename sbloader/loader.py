@@ -1825,6 +1825,8 @@ class SelectiveLoader(NotADataLoader):
         self._unfinished = (position, True) if active else None
         prefilter = state.get(K_PREFILTER)
         self._resume_prefilter = None if prefilter is None or not active else bool(prefilter)
+        if self._resume_prefilter is not None:  # (what a state saved before resuming says)
+            self._epoch_prefilter = self._resume_prefilter
         self._rng.bit_generator.state = state[K_RNG]
         self.policy.load_state_dict(state[K_POLICY])
         self._codec.load_state_dict(state[K_CODEC])
