@@ -213,7 +213,6 @@ class EpochIterator:
         self._handed_out: float | None = None
         self._start = 0.0
         self._fresh = self._passthrough = self._filtering = self._joins = False
-        self._prefiltering = False  # (whether the source loads only what a Keep keeps)
         self._committed = False  # whether the source batch being taken took effect
         self._remainder = "carry"  # this epoch's remainder (set as it begins)
         self._paused = False  # paused between training epochs (see pause())
@@ -453,7 +452,7 @@ class EpochIterator:
         source = loader.source
         self._filtering = source.can_filter()
         keep = keep_function(policy, loader._subset, source.replaying) if self._filtering else None
-        self._prefiltering = keep is not None
+        assert (keep is not None) == loader._epoch_prefilter
         snapshot = source.snapshot
 
         def make_iter() -> Any:
@@ -653,11 +652,13 @@ class EpochIterator:
         of ``batch_size`` and a source batch before the last has ``n`` examples: the count is
         off (a bucketing ``batch_sampler=``), and a scheduler sized from it is too."""
         loader = self._loader
+        if loader._counted_full_warned:
+            return
         try:
             last = self.position >= len(loader._source)
         except TypeError:
             last = False
-        if last or loader._counted_full_warned:
+        if last:
             return
         loader._counted_full_warned = True
         warnings.warn(
@@ -953,9 +954,8 @@ class EpochIterator:
         <sbloader.SelectiveLoader.progress>`)."""
         if self.stats is None:
             return 0.0
-        return pass_fraction(
-            self._loader._source, self.stats, self.position, filtered=self._prefiltering
-        )
+        loader = self._loader
+        return pass_fraction(loader._source, self.stats, self.position, loader._epoch_prefilter)
 
     def _not_trained(self, unconsumed: int) -> list[Rows]:
         """The batches a state saved now must hand out first when resumed: the last one handed

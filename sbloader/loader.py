@@ -627,7 +627,7 @@ class SelectiveLoader(NotADataLoader):
             if frozen_prefix is not None
             else "the kept logits"
             if keep_logits
-            else False,
+            else None,
             model_dtype=next(
                 (p.dtype for p in selecting.parameters() if p.is_floating_point()), None
             ),
@@ -807,8 +807,9 @@ class SelectiveLoader(NotADataLoader):
         # warned of since.
         self._counted_full = False
         self._counted_full_warned = False
-        # Whether the current epoch's source prefilters by the policy (see K_PREFILTER), and
-        # what a loaded mid-epoch state says its epoch did (checked as it resumes).
+        # Whether the current epoch's source loads only what a Keep keeps (the policy's
+        # prefilter or ``subset``; see K_PREFILTER), and what a loaded mid-epoch state says its
+        # epoch did (checked as it resumes).
         self._epoch_prefilter = False
         self._resume_prefilter: bool | None = None
         # Batches handed out but not trained when a state was saved (``state_dict(unconsumed=)``):
@@ -1060,7 +1061,8 @@ class SelectiveLoader(NotADataLoader):
             # NOTE: an epoch left part-way (``break``) or restored mid-way: the data its pass
             # drew, so that a schedule set now (e.g. on resume, before the first batch) reads
             # where the run is, and progress never goes back.
-            return float(self.epoch + pass_fraction(self._source, current, self._unfinished[0]))
+            position, filtered = self._unfinished[0], self._epoch_prefilter
+            return float(self.epoch + pass_fraction(self._source, current, position, filtered))
         return float(self.epoch)
 
     def expected_batches(self) -> float:
@@ -1378,7 +1380,10 @@ class SelectiveLoader(NotADataLoader):
         if not resumed:
             self._apply_feedback()
         self.policy.begin_epoch(self.epoch)
-        self._epoch_prefilter = self._source.can_filter() and self.policy.can_prefilter()
+        # (as keep_function decides, the epoch iterator's Keep: see decisions.py)
+        self._epoch_prefilter = self._source.can_filter() and (
+            self._subset is not None or self.policy.can_prefilter()
+        )
         saved, self._resume_prefilter = self._resume_prefilter, None
         if resumed and saved is not None and saved != self._epoch_prefilter:
             self._unfinished = (skip, True)  # (still resumable once the cause is mended)

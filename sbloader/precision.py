@@ -201,7 +201,7 @@ def _cpu_has(*queries: str) -> bool:
 def selection_dtype(
     autocast: Any,
     device: torch.device,
-    feeds_training: bool | str = False,
+    feeds_training: str | None = None,
     model_dtype: torch.dtype | None = None,
 ) -> tuple[torch.dtype | None, str]:
     """The autocast dtype of selection passes on ``device`` (None: float32), and why.
@@ -210,9 +210,9 @@ def selection_dtype(
         autocast: a dtype (used as given), None (float32) or ``"auto"``: bf16 where
             :func:`native_bf16` and the pass's outputs do not feed training, else float32.
         device: where selection passes run (the selecting model's device).
-        feeds_training: whether the pass computes what training consumes (a frozen prefix's
-            features, kept logits): ``"auto"`` then keeps float32, so that training is never
-            changed; a string names what feeds it (default: the frozen prefix's features).
+        feeds_training: what of the pass's outputs training consumes, named for the reason
+            given (``"the frozen prefix's features"``, ``"the kept logits"``), or None:
+            ``"auto"`` then keeps float32, so that training is never changed.
         model_dtype: the selecting model's floating-point dtype, if known: a float64 model
             gets no autocast from ``"auto"`` (autocast never casts float64 tensors, so it would
             change nothing but the reported precision).
@@ -228,9 +228,8 @@ def selection_dtype(
         return autocast, f"autocast={autocast}"
     if model_dtype == torch.float64:
         return None, "autocast='auto': none (the model is float64, which autocast leaves as it is)"
-    if feeds_training:
-        what = feeds_training if isinstance(feeds_training, str) else "the frozen prefix's features"
-        return None, f"autocast='auto': float32 ({what} feed training)"
+    if feeds_training is not None:
+        return None, f"autocast='auto': float32 ({feeds_training} feed training)"
     if native_bf16(device):
         return torch.bfloat16, f"autocast='auto': bfloat16 (native on {device.type})"
     return None, f"autocast='auto': float32 (no native bf16 on {device.type})"

@@ -824,3 +824,10 @@ def test_progress_of_a_source_of_unknown_size_does_not_lag_in_prefiltered_passes
             steps = [b - a for a, b in itertools.pairwise(readings)]
             assert readings[-1] == epoch + 1 and min(steps) >= 0, readings
             assert max(steps) < 0.25, (epoch, readings)
+        list(loader)  # epoch 3: a fresh pass
+        # left part-way through stale pass 4 (break): progress holds where the pass got to
+        for i, _ in enumerate(loader):
+            last = loader.progress
+            if i == 3:
+                break
+        assert loader.progress == last > 4.2
