@@ -1812,16 +1812,50 @@ def test_a_selection_pass_that_raises_loses_no_example_from_a_state_saved_after(
     assert head + [b.indices.tolist() for b in resumed] == reference
 
 
+class _WithIndex(Dataset):
+    """EncodedDataset(n) whose examples also carry their index (a third field)."""
+
+    def __init__(self, n: int) -> None:
+        self.inner = EncodedDataset(n)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        return (*self.inner[i], i)
+
+
 @pytest.mark.parametrize("prefetch", [0, 1])
 @pytest.mark.parametrize("fail_at", [0, 5], ids=["run-start", "epoch-1-start"])
-def test_a_pass_raising_on_an_epochs_first_batch_resumes_with_that_epochs_order(fail_at, prefetch):
+@pytest.mark.parametrize("index_key", [None, 2], ids=["sampler", "index_key"])
+def test_a_pass_raising_on_an_epochs_first_batch_resumes_with_that_epochs_order(
+    fail_at, prefetch, index_key
+):
     """The first source batch of an epoch raises (its order already drawn, nothing consumed):
     the state saved after it resumes that epoch in its own order, and every later epoch as the
-    uninterrupted run has them (the source's generators are past the epoch's draw)."""
+    uninterrupted run has them (the source's generators are past the epoch's draw). Also for a
+    DataLoader read as an iterable with its indices in a field (``index_key=``), whose order
+    the loader follows through the DataLoader's generator."""
 
     def make(model):
-        return shuffled_loader(
-            40, 8, 0, model, SelectiveBackprop(0.5), batch_size=4, prefetch=prefetch
+        if index_key is None:
+            return shuffled_loader(
+                40, 8, 0, model, SelectiveBackprop(0.5), batch_size=4, prefetch=prefetch
+            )
+        source = DataLoader(
+            _WithIndex(40),
+            batch_size=8,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(0),
+        )
+        return SelectiveLoader(
+            source,
+            model,
+            policy=SelectiveBackprop(0.5),
+            batch_size=4,
+            prefetch=prefetch,
+            index_key=index_key,
+            seed=0,
         )
 
     def epochs(loader, n):
