@@ -39,8 +39,9 @@ def choose_finite(
         rng: the loader's generator.
         n: the number of candidates.
         nonfinite: ``"skip"`` (non-finite candidates get P = 0 and are not chosen),
-            ``"select"`` (P = 1, chosen with weight 1, in position order among the others, and
-            counted through :meth:`~sbloader.Policy.count_forced`) or
+            ``"select"`` (P = 1, chosen with weight 1, each before the first chosen candidate
+            of a higher position, the policy's own order kept, and counted through
+            :meth:`~sbloader.Policy.count_forced`) or
             ``"raise"`` (:class:`~sbloader._checks.NonFiniteLoss`, a ``FloatingPointError``
             naming the first dataset indices).
         finite: ``np.isfinite(values)`` when the caller has it already (computed otherwise).
@@ -76,10 +77,16 @@ def choose_finite(
             # NOTE: backpropagated, so counted as selected in a per-example store's records.
             policy.count_forced(indices[bad])
         probabilities[bad] = 1.0
-        positions = np.concatenate([positions, bad])
-        weights = np.concatenate([weights, np.ones(len(bad))])
-        order = np.argsort(positions, kind="stable")
-        positions, weights = positions[order], weights[order]
+        # NOTE: each forced candidate goes before the first chosen one of a higher position,
+        # so that choices in position order stay in position order, and the order a policy
+        # asked for (Choice.positions: "in the order they should be yielded") is kept.
+        at = (
+            np.searchsorted(np.maximum.accumulate(positions), bad, side="right")
+            if len(positions)
+            else np.zeros(len(bad), dtype=np.int64)
+        )
+        positions = np.insert(positions, at, bad)
+        weights = np.insert(weights, at, np.ones(len(bad)))
     return Choice(positions, probabilities, weights), len(bad)
 
 

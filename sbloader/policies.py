@@ -10,6 +10,7 @@ state protocol saves and restores.
 from __future__ import annotations
 
 import abc
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -457,6 +458,12 @@ class SelectiveBackprop(Policy):
             s = 1 / 3 if selectivity is None else selectivity
             s = check_float("selectivity", s, low=0.0, high=1.0, low_open=True)
             beta = 1.0 / s - 1.0
+            if not math.isfinite(beta):  # (1 / s overflows for a subnormal s)
+                raise ValueError(
+                    "selectivity should be large enough that 1 / selectivity - 1 (the exponent "
+                    f"beta) is finite, but got selectivity={selectivity!r}, whose beta overflows "
+                    "to inf; pass a selectivity of at least 1e-300"
+                )
         self.beta = check_float("beta", beta, low=0.0)
         self.window = LossWindow(check_int("history", history, minimum=1))
         self.staleness = check_int("staleness", staleness, minimum=1)
@@ -755,8 +762,14 @@ class SelectiveBackprop(Policy):
             self.store.record(indices, losses, self._epoch)
 
     def probabilities(self, losses: np.ndarray) -> np.ndarray:
-        """Add the losses to the window in order and return each one's P (NaN if not finite)."""
-        return self.window.push_and_rank(losses, self._cut_beta, self._cut)
+        """Add the losses to the window in order and return each one's P (NaN if not finite),
+        as :meth:`choose` would keep them with: during a ramp (``ramp_epochs``), blended with
+        uniform keeping at the same rate (see :attr:`uniform_share`)."""
+        p = self.window.push_and_rank(losses, self._cut_beta, self._cut)
+        u = self._uniform_share
+        if u > 0.0:  # (the kernel's arithmetic, in its order: the same P as choose's)
+            p = u * self._cut / (self._cut_beta + 1.0) + (1.0 - u) * p
+        return p
 
     def stale_probabilities(self, indices: np.ndarray) -> np.ndarray:
         """P of each example from its stored loss, without changing the window.
@@ -1349,9 +1362,10 @@ def default_policy(
     without a store, where every active epoch makes a selection pass).
     ``selectivity`` is the share kept, by the Stale-SB and by the Random-Backprop warm-up alike
     (1/3 by default; a larger share trades speed for final accuracy). ``anneal_share`` is the
-    share of the planned ``epochs`` (rounded, at least one) annealed on all the data (1/8 by
-    default, InfoBatch's; unused without ``epochs``). ``drift_bound`` is the Stale-SB's
-    ``drift_bound`` (unused without a store).
+    share of the planned ``epochs`` annealed on all the data (1/8 by default, InfoBatch's;
+    unused without ``epochs``): ``round(epochs * anneal_share)`` epochs, at least one, rounded
+    as Python's ``round`` does (a half to the even number: 2 of 20 epochs, 6 of 44).
+    ``drift_bound`` is the Stale-SB's ``drift_bound`` (unused without a store).
 
     The paper's plain SB is ``SelectiveBackprop(1 / 3)``.
 
@@ -1409,7 +1423,12 @@ def default_policy(
 
 def _anneal_from(epochs: int, anneal_share: float, warmup: int = 1) -> int:
     """:func:`default_policy`'s first annealed epoch of ``epochs``: the last ``anneal_share`` of
-    them (rounded, at least one) anneal, none of the ``warmup`` epochs."""
+    them (Python's ``round``, a half to even; at least one) anneal, none of the ``warmup``
+    epochs.
+
+    NOTE: kept as Python rounds (halves to even, unlike ``prune``'s halves up): runs measured
+    with 20 planned epochs annealed 2, and a state saved before must resume with the same plan.
+    """
     return max(warmup, epochs - max(1, round(epochs * anneal_share)))
 
 

@@ -33,6 +33,7 @@ def test_selectivity_gives_beta():
         ({"selectivity": 0.0}, r"selectivity should be in \(0, 1\], but got selectivity=0.0"),
         ({"selectivity": 1.5}, r"selectivity should be in \(0, 1\], but got selectivity=1.5"),
         ({"selectivity": float("nan")}, "selectivity should be finite"),
+        ({"selectivity": 1e-320}, r"selectivity should be large enough .*selectivity=1e-320"),
         ({"beta": -1}, r"beta should be >= 0, but got beta=-1.0"),
         ({"selectivity": 0.5, "beta": 1.0}, "give either selectivity or beta"),
         ({"history": 0}, "history should be >= 1, but got history=0"),
@@ -122,6 +123,24 @@ def test_probabilities_follow_the_formula_exactly():
     for i in (0, 1, 50, 99, 100, 1234, 2999):
         window = losses[max(0, i - 99) : i + 1]
         assert p[i] == pytest.approx((np.sum(window <= losses[i]) / len(window)) ** 2.0)
+
+
+@pytest.mark.parametrize("trim_top", [0.0, 0.2])
+@pytest.mark.parametrize("position", [0.0, 0.25, 1.0])
+def test_probabilities_during_a_ramp_are_those_choose_keeps_with(position, trim_top):
+    """With ``ramp_epochs``, P blends uniform keeping at the same rate into CDF^beta; the public
+    ``probabilities`` gives the P that ``choose`` keeps with, not the ramp-less one."""
+    rng = np.random.default_rng(3)
+    losses = rng.gamma(2.0, size=300)
+    a = SelectiveBackprop(1 / 3, history=64, ramp_epochs=0.5, trim_top=trim_top)
+    b = SelectiveBackprop(1 / 3, history=64, ramp_epochs=0.5, trim_top=trim_top)
+    a.advance(position)
+    b.advance(position)
+    p = a.probabilities(losses)
+    chosen = b.choose(losses, None, np.random.default_rng(0), len(losses))
+    np.testing.assert_array_equal(p, chosen.probabilities)
+    if position == 0.0:  # all uniform: every candidate at the policy's rate
+        np.testing.assert_allclose(p, 1 / 3)
 
 
 def test_examples_are_chosen_in_the_predicted_proportions():

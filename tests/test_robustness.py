@@ -1589,6 +1589,32 @@ def test_the_first_batch_check_runs_in_eval_mode_with_eval_selection_false():
         assert torch.equal(v, before[k]), k
 
 
+def test_nonfinite_select_keeps_the_order_a_policy_chose_in():
+    """``nonfinite="select"`` adds the non-finite candidates to the policy's choice, each before
+    the first chosen candidate of a higher position, and keeps the order the policy asked for
+    (``Choice.positions``: the order to yield them in); a policy choosing in position order
+    still gets position order."""
+    from sbloader.decisions import choose_finite
+    from sbloader.policies import Choice, Policy
+
+    class HardestFirst(Policy):
+        def choose(self, losses, indices, rng, n):
+            positions = np.argsort(-losses, kind="stable")[: n // 2].astype(np.int64)
+            return Choice(positions, np.full(n, 0.5), np.arange(1.0, len(positions) + 1))
+
+    losses = np.array([np.nan, 1.0, 2.0, 9.0, 3.0, 10.0, np.inf])
+    rng = np.random.default_rng(0)
+    c, bad = choose_finite(HardestFirst(), losses, None, rng, 7, "select")
+    assert bad == 2
+    # the policy chose [5, 3] (losses 10 and 9) from the finite ones, in that order; 0 goes
+    # before 5, and 6 after every chosen position below it
+    assert c.positions.tolist() == [0, 5, 3, 6]
+    assert c.weights.tolist() == [1.0, 1.0, 2.0, 1.0]
+    assert c.probabilities[[0, 6]].tolist() == [1.0, 1.0]
+    sorted_choice, _ = choose_finite(Traditional(), losses, None, rng, 7, "select")
+    assert sorted_choice.positions.tolist() == list(range(7))
+
+
 def test_a_nonfinite_loss_without_dataset_indices_is_named_by_its_position():
     """Under nonfinite="raise" the error names the first dataset indices, or, for a source
     without them, the positions in the source batch (it called those "dataset indices")."""
