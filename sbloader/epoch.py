@@ -329,10 +329,12 @@ class EpochIterator:
     def finishing(self) -> bool:
         """Whether the epoch has no batch left after those handed out so far.
 
-        To know, the iterator runs ahead until its next batch is ready or the epoch ends: it may
-        process source batches (their selection passes then run before the caller's step on the
-        last batch handed out, one step staler) and end the epoch (``loader.epoch`` then counts
-        it). The batch it runs ahead to stays owed, so a state saved now still yields it.
+        To know, the iterator runs ahead until its next batch is ready or the source's batches
+        are all taken: it may process source batches (their selection passes then run before
+        the caller's step on the last batch handed out, one step staler), but leaves the
+        epoch's end to the caller's next step (``loader.epoch`` counts it when the caller's
+        loop ends). The batch it runs ahead to stays owed, so a state saved now still yields
+        it.
         Used by :class:`sbloader.integrations.accelerate.AcceleratedLoader` to mark an epoch's
         last batch as Accelerate's own loaders do.
 
@@ -347,8 +349,17 @@ class EpochIterator:
             self.runs_ahead()
             if self._lent:
                 return not self._more_after_lent()
-            while self._direct is None and not self._owed and not self._short:
-                if self._phase in (_Phase.DONE, _Phase.CLOSED):
+            # NOTE (the epoch ends when its caller sees it end): the run-ahead stops short of
+            # the epoch's end (FINISH: the rows it drops, the source's stop, loader.epoch's
+            # count), which the caller's next step makes, as it does without running ahead. A
+            # state saved at the epoch's last step is then the same either way (the epoch
+            # running, at its end), and a loop resumed from it, keyed on its own epoch counter
+            # or on loader.epoch, first ends that epoch; once ended ahead, the state said the
+            # next one, and a resumed run trained one epoch more (Accelerate under gradient
+            # accumulation, checkpointing at an epoch's last step).
+            # (batches taken back by a state, handed out first, are batches left too)
+            while self._direct is None and not self._owed and not self._short and not self._replay:
+                if self._phase in (_Phase.FINISH, _Phase.DONE, _Phase.CLOSED):
                     return True
                 self._advance()
             return False

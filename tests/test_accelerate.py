@@ -12,6 +12,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -183,6 +184,63 @@ def test_one_process_checkpoint_resumes_exactly(fresh_accelerate, tmp_path):
     reset_accelerate()
     resumed, _ = one_process_run(accumulate=2, ckpt=tmp_path / "ckpt", load=True)
     assert [s for e in resumed for s in e] == [s for e in ref for s in e][4:]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_checkpoint_at_an_epochs_last_step_resumes_with_that_epochs_end(
+    fresh_accelerate, tmp_path, accumulate
+):
+    """A checkpoint saved at an epoch's last step resumes, with or without gradient
+    accumulation, where the run stood: the loop's first epoch is the rest of the saved one
+    (nothing), then the next ones as the uninterrupted run had them, whether the loop counts
+    its own epochs or reads loader.epoch. Under accumulation the loader runs ahead to learn
+    that the batch is the last (end_of_dataloader); it once ended the epoch then, so the
+    checkpoint said epoch 1, and a loop resumed at the caller's own epoch 0 trained one epoch
+    more."""
+
+    def run(save_at: int | None = None, load: bool = False) -> tuple[list[Any], int]:
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
+        torch.manual_seed(0)
+        model = nn.Linear(6, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        source = DataLoader(data(), batch_size=16, shuffle=True, generator=g)
+        model, opt, source = accelerator.prepare(model, opt, source)
+        sb = sbloader.SelectiveLoader(
+            source, model, policy=sbloader.SelectiveBackprop(0.5), batch_size=4, seed=2
+        )
+        loader = AcceleratedLoader(sb)
+        accelerator.register_for_checkpointing(loader)
+        if load:
+            accelerator.load_state(str(tmp_path))
+            assert sb.epoch == 0
+        epochs = []
+        for user_epoch in range(3):  # the caller's own counter (the checkpoint's: 0)
+            steps = []
+            for batch in loader:
+                x, y = batch
+                with accelerator.accumulate(model):
+                    accelerator.backward(F.cross_entropy(model(x), y))
+                    opt.step()
+                    opt.zero_grad()
+                steps.append(batch.indices.tolist())
+                if user_epoch == 0 and len(steps) == save_at:
+                    # the last step: Accelerate syncs there under accumulation
+                    assert accelerator.gradient_state.end_of_dataloader == (accumulate > 1)
+                    assert sb.epoch == 0
+                    accelerator.save_state(str(tmp_path))
+            epochs.append(steps)
+        return epochs, sb.epoch
+
+    full, _ = run()
+    reset_accelerate()
+    saving, _ = run(save_at=len(full[0]))
+    assert saving == full
+    reset_accelerate()
+    resumed, end_epoch = run(load=True)
+    assert resumed[0] == []  # the rest of epoch 0
+    assert resumed[1:] == full[1:]
+    assert end_epoch == 3
 
 
 def test_without_accumulation_nothing_runs_ahead(fresh_accelerate):

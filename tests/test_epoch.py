@@ -452,6 +452,29 @@ def test_a_state_saved_after_finishing_keeps_the_batch_it_ran_ahead_to(batch_siz
     assert [b.indices.tolist() for b in first][:1] == expected[2:3]
 
 
+def test_finishing_counts_batches_a_state_took_back_and_leaves_the_end_to_the_caller():
+    """finishing() after a resume whose state took back the epoch's last batch
+    (``unconsumed=1``): that batch is still to come (it answered True, having run the epoch to
+    its end past it). After the last batch it answers True, and the epoch ends (loader.epoch
+    counts it) only at the caller's next step, as without running ahead."""
+
+    def build():
+        return make(n=30, policy=Traditional(), source_batch=10, batch_size=10)
+
+    expected = epoch_indices(build())
+    first = build()
+    it = iter(first)
+    head = [next(it).indices.tolist() for _ in range(3)]
+    state = first.state_dict(unconsumed=1)
+    resumed = build()
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    assert not it.finishing()
+    assert next(it).indices.tolist() == head[2] == expected[2]
+    assert it.finishing() and resumed.epoch == 0
+    assert next(it, None) is None and resumed.epoch == 1
+
+
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_rolling_back_a_running_loader_replays_the_saved_epoch(prefetch):
     """Loading an epoch-boundary state into a loader whose next epoch is running (a rollback

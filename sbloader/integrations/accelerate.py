@@ -63,10 +63,11 @@ class AcceleratedLoader(DataLoaderStateMixin, NotADataLoader):
     ``indices``, ``losses``, ``probabilities`` and ``weights``) and:
 
     - registers with Accelerate's ``GradientState`` while an epoch runs, as
-      ``DataLoaderShard`` does, and sets ``end_of_dataloader`` on the epoch's last batch, so
-      that ``accelerator.accumulate(model)`` synchronises the gradients and lets the optimizer
-      step there: with gradient accumulation no half-accumulated gradient crosses into the next
-      epoch;
+      ``DataLoaderShard`` does, and under gradient accumulation sets ``end_of_dataloader`` on
+      the epoch's last batch, so that ``accelerator.accumulate(model)`` synchronises the
+      gradients and lets the optimizer step there: no half-accumulated gradient crosses into
+      the next epoch (without accumulation every step synchronises, nothing runs ahead to
+      learn which batch is the last, and ``end_of_dataloader`` stays False: see the NOTE);
     - saves and restores every process's loader state: register it with
       ``accelerator.register_for_checkpointing(loader)`` (not the SelectiveLoader itself:
       Accelerate writes a registered object's state from the main process only, which on
