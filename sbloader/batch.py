@@ -424,7 +424,9 @@ def column_length(column: Column, field: Hashable) -> int:
         if column.dim() == 0:
             raise ValueError(
                 f"field {field!r} of the batch is a 0-d tensor; SelectiveLoader selects examples "
-                "along dimension 0, so every field needs one entry per example"
+                "along dimension 0, so every field needs one entry per example: repeat a "
+                "batch-level value per example in the DataLoader's collate_fn (e.g. "
+                "value.expand(len(batch))), or leave it out of the batch"
             )
         return column.shape[0]
     if isinstance(column, Mapping):
@@ -444,7 +446,9 @@ def column_length(column: Column, field: Hashable) -> int:
         return len(column)
     raise TypeError(
         f"field {field!r} of the batch is a {type(column).__name__}; SelectiveLoader can select "
-        "tensors, numpy arrays, lists and dicts of them with one entry per example"
+        "tensors, numpy arrays, lists and dicts of them with one entry per example: give a "
+        "batch-level value one entry per example in the DataLoader's collate_fn (e.g. "
+        "[value] * len(batch)), or leave it out of the batch"
     )
 
 

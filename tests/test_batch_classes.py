@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 from conftest import N_CLASSES, EncodedDataset, IndexLoss
-from torch.utils.data import DataLoader, Dataset
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import sbloader
 from sbloader import SelectedBatch, SelectiveBackprop, SelectiveLoader, Traditional
@@ -199,3 +200,37 @@ def test_an_ordered_dict_source_yields_ordered_dicts():
     for b in loader:
         assert isinstance(b, collections.OrderedDict) and isinstance(b, SelectedBatch)
         assert torch.equal(b["image"][:, 0].long(), b.indices)
+
+
+@pytest.mark.parametrize(
+    "value, error, fix",
+    [
+        (torch.tensor(2.0), ValueError, r"0-d tensor.*value\.expand\(len\(batch\)\)"),
+        ("train", TypeError, r"str.*\[value\] \* len\(batch\)"),
+    ],
+    ids=["0-d-tensor", "str"],
+)
+def test_a_batch_level_field_is_refused_naming_the_field_and_the_fix(value, error, fix):
+    """A collate_fn adding one value for the whole batch (a scale, a split's name) cannot be
+    selected along dimension 0: refused on the first batch, for every policy, naming the field
+    and how to give it one entry per example."""
+    data = TensorDataset(torch.randn(24, 4), torch.arange(24) % 3)
+
+    def collate(items):
+        return {
+            "x": torch.stack([a for a, _ in items]),
+            "y": torch.stack([b for _, b in items]),
+            "extra": value,
+        }
+
+    for policy, bs in ((sbloader.SelectiveBackprop(0.5), 4), (sbloader.Traditional(), 8)):
+        loader = sbloader.SelectiveLoader(
+            DataLoader(data, batch_size=8, collate_fn=collate),
+            nn.Linear(4, 3),
+            policy=policy,
+            batch_size=bs,
+            input_key="x",
+            target_key="y",
+        )
+        with pytest.raises(error, match=r"field 'extra' of the batch is a " + fix):
+            next(iter(loader))

@@ -138,6 +138,17 @@ def test_without_the_callback_the_fix_is_named():
         trainer(epochs=1, naive=True).fit(Classifier())
 
 
+def test_a_loader_built_before_fit_names_train_dataloader():
+    """selective_loader called before fit (to pass as train_dataloaders=) met Lightning's own
+    "not attached to a Trainer" error, which names no fix; it says where to build it."""
+    with pytest.raises(
+        RuntimeError,
+        match=r"not attached to one yet; call it inside the "
+        r"module's train_dataloader",
+    ):
+        selective_loader(Classifier(), DataLoader(data(), batch_size=64), batch_size=24)
+
+
 def test_a_lightning_loader_around_no_selective_loader_is_refused():
     """LightningLoader(DataLoader) was taken and failed at the first batch on a missing
     attribute; like AcceleratedLoader, it names what to pass as it is built."""
@@ -633,3 +644,38 @@ def test_under_ddp_a_source_that_does_not_split_the_data_is_refused_and_others_a
             return iter((d[i][0], d[i][1], i) for i in range(0, 64, 2))
 
     build(DataLoader(Stream(), batch_size=8))
+
+
+@pytest.mark.parametrize("val_every, warns", [(3, True), (4, False)])
+def test_a_checkpoint_between_accumulated_steps_warns(tmp_path, val_every, warns):
+    """With accumulate_grad_batches, a checkpoint saved where the optimizer has not stepped
+    (validation every 3 batches, accumulating 2) holds no accumulated gradients, so a run
+    resumed from it differs: the callback warns, as AcceleratedLoader does; saving at every
+    step (every 4 batches) does not."""
+
+    class Validated(Classifier):
+        def val_dataloader(self):
+            return DataLoader(data(), batch_size=256)
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", F.cross_entropy(self(x), y))
+
+    on_validation = pl.callbacks.ModelCheckpoint(
+        dirpath=tmp_path, monitor="val_loss", save_top_k=-1, save_on_train_epoch_end=False
+    )
+    t = trainer(
+        epochs=1,
+        callbacks=[on_validation],
+        accumulate_grad_batches=2,
+        val_check_interval=val_every,
+        check_val_every_n_epoch=None,
+        limit_train_batches=8,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(Validated())
+    ours = [w for w in caught if "saved between optimizer steps" in str(w.message)]
+    assert bool(ours) == warns
+    if warns:
+        assert "accumulate_grad_batches=2, 1 batches accumulated" in str(ours[0].message)

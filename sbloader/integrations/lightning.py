@@ -61,6 +61,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -300,6 +301,32 @@ class SelectiveLoaderCallback(pl.Callback):
         if self._loader is not None:
             self._loader.end_epoch()
 
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Warn where the checkpoint is saved between optimizer steps of gradient accumulation
+        (``accumulate_grad_batches``), as :class:`~sbloader.integrations.accelerate.
+        AcceleratedLoader` does: the gradients accumulated since the last step are in no
+        checkpoint, so a run resumed from it trains the same batches with other weights and
+        soon selects other examples."""
+        n = trainer.accumulate_grad_batches
+        # (while fitting: a checkpoint saved as validation ends comes in the validation stage)
+        if self._loader is None or n <= 1 or trainer.state.fn != "fit":
+            return
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        # (Lightning's own rule: the optimizer steps after every n-th batch and the last one)
+        if progress.current.ready % n and not progress.is_last_batch:
+            warnings.warn(
+                "the SelectiveLoaderCallback's state is saved between optimizer steps "
+                f"(accumulate_grad_batches={n}, {progress.current.ready % n} batches accumulated "
+                "since the last step): those gradients are in no checkpoint, so a run resumed "
+                "from it will not train as the uninterrupted one does; save where the optimizer "
+                "steps (ModelCheckpoint(every_n_train_steps=...) does; a val_check_interval "
+                "that is a multiple of accumulate_grad_batches too)",
+                UserWarning,
+                stacklevel=2,
+            )
+
     def state_dict(self) -> dict[str, Any]:
         if self._loader is None:
             if self._restored is None:
@@ -395,7 +422,15 @@ def selective_loader(
             "module should be the LightningModule being trained, but got "
             f"module={type(module).__name__}; {fix}"
         )
-    trainer = module.trainer
+    try:
+        trainer = module.trainer
+    except RuntimeError as e:  # (Lightning: "... is not attached to a `Trainer`")
+        raise RuntimeError(
+            f"selective_loader needs the Trainer that trains {type(module).__name__}, but the "
+            "module is not attached to one yet; call it inside the module's train_dataloader "
+            "(or a LightningDataModule's), which Lightning calls from fit, not before fit to "
+            "pass as train_dataloaders="
+        ) from e
     callbacks = trainer.callbacks  # type: ignore[attr-defined]  # (set outside Trainer's body)
     found = [cb for cb in callbacks if isinstance(cb, SelectiveLoaderCallback)]
     if len(found) != 1:
