@@ -156,7 +156,9 @@ def test_families_and_the_frontier_preset_name_registered_runs():
     names = cfg.run_names()
     assert cfg.interleave and names[0] == "traditional" and "traditional_e10" not in names
     assert "traditional_e4" in names and "random_0.33_e20" in names
-    assert {"recipe_fb_int8_e3", "recipe_s0.5_anneal_fb_int8_e15"} <= set(names)
+    assert {"recipe_fb_int8_e2", "recipe_fb_int8_e3", "recipe_s0.5_anneal_fb_int8_e15"} <= set(
+        names
+    )
     assert "recipe_s0.5_anneal_fb_int8" in preset("frontier_mlp").run_names()
     assert len(names) == len(set(names))
     noisy = preset("frontier_noise").run_names()
@@ -170,7 +172,9 @@ def test_families_and_the_frontier_preset_name_registered_runs():
         "recipe_fb_int8_e5",
         "recipe_anneal_fb_int8",
     } <= set(quick.run_names())
-    # The controls at the frontier preset's budgets (a weaker grid overstated the speedups).
+    # The controls at the frontier preset's budgets (a weaker grid overstated the speedups),
+    # and the short recipe at the same budgets as there.
+    assert dict(quick.families)["recipe_fb_int8"] == dict(cfg.families)["recipe_fb_int8"]
     assert dict(quick.families)["traditional"] == dict(cfg.families)["traditional"]
     assert dict(quick.families)["random_0.33"] == dict(cfg.families)["random_0.33"]
     recipe, default = strategies.get("recipe_fb"), strategies.get("default")

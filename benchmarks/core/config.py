@@ -174,7 +174,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         families=(
             ("traditional", (2, 3, 4, 6, 10)),
             ("random_0.33", (3, 5, 10, 20)),
-            ("recipe_fb_int8", (3, 5)),
+            ("recipe_fb_int8", (2, 3, 5)),
             ("recipe_anneal_fb_int8", (10,)),
         ),
         interleave=True,

@@ -324,7 +324,7 @@ def get(name: str) -> Strategy:
 FAMILIES: dict[str, tuple[int, ...]] = {
     "traditional": (2, 3, 4, 6, 10),
     "random_0.33": (3, 5, 10, 20),
-    "recipe_fb_int8": (3, 5),
+    "recipe_fb_int8": (2, 3, 5),
     "recipe_anneal_fb_int8": (10, 15),
     "recipe_s0.4_anneal_fb_int8": (10, 15),
     "recipe_s0.5_anneal_fb_int8": (15,),
@@ -332,8 +332,10 @@ FAMILIES: dict[str, tuple[int, ...]] = {
 """The frontier preset's families and their budgets [planned epochs]: the controls over budgets
 wide enough that their frontiers are reached (issue 12: 2-10 epochs for Traditional, 3-20 for
 Random-Backprop), and sbloader's recipes with int8 selection passes: with feedback at short
-budgets for the loose targets, annealed over 10 and 15 epochs keeping 1/3 or 0.4 and over 15
-keeping 0.5 for the tight ones (README, Measured: three seeds, 2026-11-25)."""
+budgets for the loose targets (2, 3 and 5 epochs, as Traditional's grid starts at 2: the 2-epoch
+run was the best at x1.4 in one seed of three, ``benchmarks/results/frontier_x14_amx_1126/``),
+annealed over 10 and 15 epochs keeping 1/3 or 0.4 and over 15 keeping 0.5 for the tight ones
+(README, Measured: three seeds, 2026-11-25)."""
 
 GPU_FAMILIES: dict[str, tuple[int, ...]] = {
     "traditional": (2, 3, 4, 6, 10),
