@@ -80,6 +80,40 @@ def _family(text: str) -> tuple[str, tuple[int, ...]]:
     return name, parsed
 
 
+def _reference_error(text: str) -> tuple[int | None, float]:
+    """``--reference-error``'s entries: ``ERROR`` (every seed) or ``SEED:ERROR``."""
+    seed, sep, error = text.rpartition(":")
+    try:
+        value = float(error)
+        key = int(seed) if sep else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--reference-error takes ERROR or SEED:ERROR (a fraction, e.g. 0.076 or 0:0.076), "
+            f"but got {text!r}"
+        ) from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(
+            f"--reference-error's error should be a fraction in (0, 1), but got {text!r}"
+        )
+    return key, value
+
+
+def _reference_errors(
+    entries: list[tuple[int | None, float]],
+) -> tuple[float | None, tuple[tuple[int, float], ...]]:
+    """(reference_error, seed_reference_errors) from ``--reference-error``'s entries."""
+    common = [e for seed, e in entries if seed is None]
+    if len(common) > 1:
+        raise SystemExit(
+            "--reference-error takes at most one ERROR for every seed (then SEED:ERROR entries), "
+            f"but got {len(common)}"
+        )
+    per_seed = tuple(sorted((seed, e) for seed, e in entries if seed is not None))
+    if len({seed for seed, _ in per_seed}) < len(per_seed):
+        raise SystemExit("--reference-error names a seed twice; give each seed once")
+    return (common[0] if common else None), per_seed
+
+
 def configure(args: argparse.Namespace) -> Config:
     """The preset's configuration with the command line's overrides."""
     cfg = Config(preset=args.preset, **PRESETS[args.preset])
@@ -92,8 +126,8 @@ def configure(args: argparse.Namespace) -> Config:
         cfg.seeds = tuple(args.seeds)
     if args.epochs:
         cfg.epochs = args.epochs
-    if args.reference_error is not None:
-        cfg.reference_error = args.reference_error
+    if args.reference_error:
+        cfg.reference_error, cfg.seed_reference_errors = args.reference_error
     if args.threads:
         cfg.threads = args.threads
     if args.device:
@@ -220,9 +254,17 @@ def execute(
                 print(f"EL2N scores of {model}, seed {seed}: {result.seconds:.1f}s", flush=True)
 
 
-def report(cfg: Config, machine: dict, out: Path) -> str:
-    """Summary, curves and plots of the runs in ``out/runs``; returns the summary."""
+def report(cfg: Config, machine: dict, out: Path, seeds: tuple[int, ...] | None = None) -> str:
+    """Summary, curves and plots of the runs in ``out/runs`` (those of ``seeds`` only, where
+    given); returns the summary, whose seeds are those of the runs it reports."""
     runs = load_runs(out / "runs")
+    if seeds is not None:
+        runs = [r for r in runs if r.seed in seeds]
+    present = tuple(sorted({r.seed for r in runs}))
+    if present:
+        # NOTE: a folder merged from several sittings' processes (or a resumed one) holds
+        # the runs of other seeds than its config.json's; the summary names the seeds it shows.
+        cfg = dataclasses.replace(cfg, seeds=present)
     if (out / "warmup.json").exists():
         machine = {**machine, "warmup_s": json.loads((out / "warmup.json").read_text())["seconds"]}
     text = summary_markdown(cfg, runs, machine)
@@ -255,8 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, help="override the planned epochs")
     p.add_argument(
         "--reference-error",
-        type=float,
-        help="the frontier's reference error (a fraction) for seeds without a Traditional run",
+        nargs="+",
+        type=_reference_error,
+        metavar="[SEED:]ERROR",
+        help="the frontier's reference error (a fraction) for seeds without a Traditional run: "
+        "one for all of them, or SEED:ERROR for each (e.g. 0:0.076 1:0.0729)",
     )
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--device", help="cpu, cuda or auto (default: the preset's)")
@@ -282,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         help="rebuild the summary and plots from the runs in --out",
     )
     args = p.parse_args(argv)
+    if args.reference_error:
+        args.reference_error = _reference_errors(args.reference_error)
 
     cfg = configure(args)
     if cfg.threads:
@@ -294,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     # the runs, as recorded next to them, not the command line or the machine reporting.
     if args.report_only and (out / "config.json").exists():
         cfg = Config.from_dict(json.loads((out / "config.json").read_text()))
+        # (what the command line asks of the report itself: the targets and the seeds)
+        if args.reference_error:
+            cfg.reference_error, cfg.seed_reference_errors = args.reference_error
     else:
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     if args.report_only and (out / "machine.json").exists():
@@ -306,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "machine.json").write_text(json.dumps(machine, indent=1))
     if not args.report_only:
         execute(cfg, out, machine, resume=args.resume)
-    report(cfg, machine, out)
+    report(cfg, machine, out, tuple(args.seeds) if args.seeds else None)
     if cfg.keep_outputs:
         from benchmarks.analysis import write_analysis
 

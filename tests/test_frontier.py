@@ -270,8 +270,8 @@ def test_the_sitting_check_flags_traditional_runs_slowed_unevenly():
     even = [trad(2, 0, 2.0), trad(10, 0, 10.5)]  # 1.00 and 1.05 ms per example
     uneven = [trad(2, 1, 2.0), trad(4, 1, 6.0)]  # 1.00 and 1.50
     lines = sitting_lines([*even, *uneven, Run("random_0.33", 0, 0.0, 3)])
-    assert "- seed 0: 2 ep 1.000, 10 ep 1.050 (spread 1.05x)" in lines
-    assert "- seed 1: 2 ep 1.000, 4 ep 1.500 (spread 1.50x) **uneven**" in lines
+    assert "- seed 0: 2 ep 1.000, 10 ep 1.050 (spread 1.050x)" in lines
+    assert "- seed 1: 2 ep 1.000, 4 ep 1.500 (spread 1.500x) **uneven**" in lines
     assert sitting_lines([Run("random_0.33", 0, 0.0, 3)]) == []
 
 
@@ -426,7 +426,7 @@ def test_a_seed_where_only_a_control_reaches_the_target_leaves_the_mean_undefine
         reference_error=0.1,
     )
     s = neither.summary(1.0)
-    assert s.mean == 2.0 and speedup_cell(s) == "2.00x (2.00x to 2.00x), never in 1/2"
+    assert s.mean == 2.0 and speedup_cell(s) == "2.00x, neither in 1/2"
 
 
 def test_the_pairwise_table_says_in_how_many_seeds_only_the_family_got_there():
@@ -465,3 +465,100 @@ def test_a_resumed_sitting_keeps_the_machine_record_of_the_runs_there(tmp_path, 
     assert json.loads(resumed[0].read_text())["git_commit"] == machine_info()["git_commit"]
     assert bench.main(["--preset", "quick", "--out", str(tmp_path / "fresh")]) == 0
     assert (tmp_path / "fresh" / "machine.json").exists()  # a new folder records its machine
+
+
+def test_per_seed_reference_errors_set_each_seeds_targets():
+    """A mapping of seeds to reference errors (each seed's Traditional final error from another
+    sitting) sets each seed's own targets; seeds it does not name are left out, and a seed with
+    a reference run keeps that run's."""
+    records = [
+        rec("traditional", 4, [(8, 0.25), (16, 0.115)], seed=0),
+        rec("sb", 5, [(5, 0.18), (10, 0.13)], seed=0),
+        rec("traditional", 4, [(8, 0.25), (16, 0.115)], seed=1),
+        rec("sb", 5, [(5, 0.18), (10, 0.13)], seed=1),
+        rec("sb", 5, [(5, 0.18)], seed=2),
+    ]
+    table = frontier_table(
+        records, {"traditional"}, ("traditional", 10), (1.0,), {0: 0.13, 1: 0.115}
+    )
+    assert table.seeds == (0, 1)
+    assert table.cells[0, 1.0].target == 0.13 and table.cells[0, 1.0].ratio == 16 / 10
+    assert table.cells[1, 1.0].target == 0.115 and table.cells[1, 1.0].sbloader is None
+    with_ref = frontier_table([TRAD_10, *records], {"traditional"}, ("traditional", 10), (1.0,), {})
+    assert with_ref.seeds == (0,) and with_ref.cells[0, 1.0].target == 0.10
+
+
+def test_a_target_no_run_reached_reads_neither_not_never():
+    """Where neither a control nor sbloader reached a target (a sitting of short budgets with
+    a given reference error), the report says "neither", apart from "never" (a control got
+    there and sbloader did not), and leaves such seeds out of the mean."""
+    records = [
+        rec("traditional", 2, [(10, 0.2), (20, 0.12)], seed=0),
+        rec("sb", 2, [(5, 0.2), (10, 0.125)], seed=0),
+        rec("traditional", 2, [(10, 0.2), (20, 0.14)], seed=1),
+        rec("sb", 2, [(5, 0.2), (10, 0.15)], seed=1),
+    ]
+    table = frontier_table(records, {"traditional"}, ("traditional", 10), (1.0, 1.2, 1.3), 0.1)
+    assert speedup_cell(table.summary(1.0)) == "neither"
+    # x1.2 (0.12): seed 0 Traditional at 20 s, sb never: a loss; seed 1: neither
+    assert speedup_cell(table.summary(1.2)) == "never (neither in 1/2)"
+    # x1.3 (0.13): seed 0 sb at 10 s, Traditional at 20 s; seed 1 neither
+    s = table.summary(1.3)
+    assert (s.mean, s.lost, s.neither) == (2.0, 0, 1)
+    assert speedup_cell(s) == "2.00x, neither in 1/2"
+    text = "\n".join(pairwise_lines(table))
+    assert "neither" in text
+
+
+def test_report_only_takes_the_targets_and_seeds_asked_for(tmp_path):
+    """``--report-only`` reports a folder with the saved configuration, but the reference
+    errors and the seeds given on its command line (it ignored both: a merged folder's
+    targets were the first process's, and its header named that process's seeds only)."""
+
+    def run(seed, strategy, planned, curve):
+        points = [{"position": 0.0, "time_s": 0.0, "error": 1.0, "backprops": 0, "selections": 0}]
+        points += [
+            {
+                "position": i + 1.0,
+                "time_s": t,
+                "error": e,
+                "backprops": 100 * (i + 1),
+                "selections": 0,
+            }
+            for i, (t, e) in enumerate(curve)
+        ]
+        return Run(
+            strategy,
+            seed,
+            0.0,
+            planned,
+            points=points,
+            final_error=curve[-1][1],
+            train_s=curve[-1][0],
+            interleaved=True,
+        )
+
+    from benchmarks.core.records import save_run
+
+    (tmp_path / "runs").mkdir()
+    for seed, ref in ((0, 0.10), (1, 0.20)):
+        for r in (
+            run(seed, "traditional_e2", 2, [(10, 2 * ref), (20, 1.2 * ref)]),
+            run(seed, "recipe_fb_int8_e2", 2, [(5, 1.3 * ref), (10, 1.15 * ref)]),
+        ):
+            save_run(r, tmp_path / "runs")
+    cfg = dataclasses.replace(preset("frontier"), seeds=(0,), families=(), strategies=())
+    (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    (tmp_path / "machine.json").write_text(json.dumps(machine_info()))
+    argv = ["--report-only", "--out", str(tmp_path), "--reference-error", "0:0.10", "1:0.20"]
+    assert bench.main([*argv, "--seeds", "0", "1"]) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "seed 0 10.00%, seed 1 20.00%" in summary
+    assert "seeds [0, 1]" in summary
+    # x1.2: Traditional-2 at 20 s, the recipe at 10 s, in both seeds (each its own target)
+    assert "| x1.2 | 18.00% | 2.00x (2.00x to 2.00x) |" in summary
+    assert bench.main([*argv, "--seeds", "1"]) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "seeds [1]" in summary and "| x1.2 | 24.00% | 2.00x |" in summary
+    with pytest.raises(SystemExit):
+        bench.main([*argv[:4], "0:0.1", "0:0.2"])

@@ -4,6 +4,7 @@ what the timing benchmarks measure (:class:`Measurement`)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,10 @@ class Config:
     reference_error: float | None = None
     """The frontier's targets in seeds without a Traditional run at ``epochs`` are this error
     times each multiplier (None: such seeds are left out) [1]."""
+    seed_reference_errors: tuple[tuple[int, float], ...] = ()
+    """Per-seed reference errors, (seed, error) pairs, for seeds without a Traditional run at
+    ``epochs`` (e.g. each seed's Traditional final error from another sitting, which
+    deterministic runs repeat); ``reference_error`` covers the seeds not named [seed, 1]."""
     noise: float = 0.0
     """Fraction of training labels flipped in every run of ``strategies`` and ``families``
     (the frontier under label noise) [1]."""
@@ -133,7 +138,21 @@ class Config:
         if "selection_bf16" in d and "selection_precision" not in d:  # saved before 2026-11-25
             kw["selection_precision"] = "bf16" if d["selection_bf16"] else "fp32"
         kw["families"] = tuple((f, tuple(b)) for f, b in kw.get("families", ()))
+        kw["seed_reference_errors"] = tuple(
+            (int(seed), float(error)) for seed, error in kw.get("seed_reference_errors", ())
+        )
         return cls(**kw)
+
+    def given_reference_errors(self, seeds: Iterable[int]) -> dict[int, float]:
+        """The reference error given for each of ``seeds`` (``seed_reference_errors``, else
+        ``reference_error``); seeds with none are left out."""
+        per_seed = dict(self.seed_reference_errors)
+        out = {}
+        for seed in seeds:
+            error = per_seed.get(seed, self.reference_error)
+            if error is not None:
+                out[seed] = error
+        return out
 
     def run_names(self) -> tuple[str, ...]:
         """``strategies`` followed by every member of ``families`` (each name once)."""

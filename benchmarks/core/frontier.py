@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 TARGETS = (1.0, 1.05, 1.1, 1.2, 1.4)
@@ -120,9 +120,12 @@ class Summary:
     low: float | None
     high: float | None
     never: int
+    """Seeds where no sbloader family reached the target (``lost`` and ``neither``)."""
     seeds: int
     lost: int = 0
     """Seeds where a control reached the target and no sbloader family did."""
+    neither: int = 0
+    """Seeds where neither a control nor an sbloader family reached it (no loss)."""
 
 
 @dataclass
@@ -143,6 +146,7 @@ class FrontierTable:
         cells = [self.cells[s, multiplier] for s in self.seeds]
         ratios = [c.ratio for c in cells if c.ratio is not None]
         lost = sum(c.sbloader is None and c.control is not None for c in cells)
+        neither = sum(c.sbloader is None and c.control is None for c in cells)
         return Summary(
             multiplier=multiplier,
             mean_target=statistics.fmean(c.target for c in cells) if cells else math.nan,
@@ -152,6 +156,7 @@ class FrontierTable:
             never=len(cells) - len(ratios),
             seeds=len(cells),
             lost=lost,
+            neither=neither,
         )
 
 
@@ -160,7 +165,7 @@ def frontier_table(
     controls: Collection[str],
     reference: tuple[str, int],
     multipliers: Sequence[float] = TARGETS,
-    reference_error: float | None = None,
+    reference_error: float | Mapping[int, float] | None = None,
 ) -> FrontierTable:
     """Family frontiers and the ratio of the best control's to the best sbloader family's time,
     per seed and target.
@@ -169,7 +174,9 @@ def frontier_table(
     in ``records`` is an sbloader family. ``reference`` is the (family, budget) whose final error
     in each seed, times each multiplier, is that seed's target. Seeds without a reference run
     are left out, unless ``reference_error`` is given: their targets are then that error times
-    each multiplier (e.g. the mean reference error of another sitting's seeds).
+    each multiplier (e.g. the mean reference error of another sitting's seeds), or, where it
+    maps seeds to errors, their own seed's (e.g. that seed's Traditional final error from
+    another sitting, which deterministic runs repeat); seeds it does not map are left out.
     """
     families = list(dict.fromkeys(r.family for r in records))
     table = FrontierTable(
@@ -185,11 +192,14 @@ def frontier_table(
             if r.seed in refs:
                 raise ValueError(f"two reference runs {reference} in seed {r.seed}")
             refs[r.seed] = r
-    seeds = set(refs) if reference_error is None else {r.seed for r in records}
-    table.seeds = tuple(sorted(seeds))
+    given: dict[int, float] = {}
+    if isinstance(reference_error, Mapping):
+        given = {int(k): float(v) for k, v in reference_error.items()}
+    elif reference_error is not None:
+        given = {r.seed: float(reference_error) for r in records}
+    table.seeds = tuple(sorted(set(refs) | (given.keys() & {r.seed for r in records})))
     for seed in table.seeds:
-        base = refs[seed].final_error if seed in refs else reference_error
-        assert base is not None
+        base = refs[seed].final_error if seed in refs else given[seed]
         for m in table.multipliers:
             target = base * m
             for f in families:

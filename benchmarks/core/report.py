@@ -65,24 +65,64 @@ def _ratio(x: float | None) -> str:
     return "∞" if math.isinf(x) else f"{x:.2f}x"
 
 
+def _seed_ratio(cell: Cell) -> str:
+    """One seed's speedup: ``neither`` where no control reached the target either (no loss:
+    e.g. a sitting of short budgets only), else as :func:`_ratio`."""
+    if cell.sbloader is None and cell.control is None:
+        return "neither"
+    return _ratio(cell.ratio)
+
+
 def speedup_cell(sm: Summary) -> str:
     """The headline's speedup at one target: the mean over seeds and the range; where sbloader
-    lost some seed by never getting there (no mean), the range over the seeds it reached."""
-    if sm.mean is None and sm.low is not None:
+    lost some seed by never getting there (no mean), the range over the seeds it reached.
+    Seeds where neither a control nor sbloader got there are no loss, and are counted apart
+    ("neither in k/n"; "neither" alone where that is every seed)."""
+    if sm.low is None:  # no sbloader family reached it in any seed
+        if sm.lost:
+            speed = "never"
+            if sm.neither:
+                speed += f" (neither in {sm.neither}/{sm.seeds})"
+            return speed
+        return "neither"
+    if sm.mean is None:
         reached = sm.seeds - sm.never
         span = _ratio(sm.low) if sm.low == sm.high else f"{_ratio(sm.low)} to {_ratio(sm.high)}"
         speed = f"{span} in {reached} of {sm.seeds} seeds"
     else:
         speed = _ratio(sm.mean)
-    if sm.seeds > 1 and sm.mean is not None:
+    if sm.seeds - sm.never > 1 and sm.mean is not None:
         speed += f" ({_ratio(sm.low)} to {_ratio(sm.high)})"
-    if sm.never and not (sm.mean is None and sm.low is None):  # ("never" says it already)
-        speed += f", never in {sm.never}/{sm.seeds}"
+    if sm.lost:
+        speed += f", never in {sm.lost}/{sm.seeds}"
+    if sm.neither:
+        speed += f", neither in {sm.neither}/{sm.seeds}"
     return speed
 
 
 def _where(r: Reached | None) -> str:
     return "never" if r is None else f"{r.family}, {r.budget} ep ({r.time_s:.0f} s)"
+
+
+def _reference_seeds(records: Sequence[Record], cfg: Config) -> set[int]:
+    """Seeds with a Traditional run at the configuration's planned epochs (their targets)."""
+    return {r.seed for r in records if (r.family, r.budget) == ("traditional", cfg.epochs)}
+
+
+def _targets_text(cfg: Config, seeds: Sequence[int]) -> str:
+    """How the frontier's targets were set (see ``Config.reference_error``)."""
+    given = cfg.given_reference_errors(seeds)
+    if not given:
+        return f"Target = Traditional-{cfg.epochs}'s final error in each seed x k"
+    if len(set(given.values())) == 1 and not cfg.seed_reference_errors:
+        return (
+            f"Target = {100 * next(iter(given.values())):.2f}% (the reference_error given) x k "
+            "in seeds without a Traditional run"
+        )
+    each = ", ".join(f"seed {s} {100 * e:.2f}%" for s, e in sorted(given.items()))
+    return (
+        f"Target = the reference error given for each seed without a Traditional run ({each}) x k"
+    )
 
 
 def frontier_section(cfg: Config, runs: Sequence[Run]) -> list[str]:
@@ -92,7 +132,11 @@ def frontier_section(cfg: Config, runs: Sequence[Run]) -> list[str]:
     records = frontier_records(runs, cfg.noise)
     controls = {get(r.strategy).family for r in runs if not get(r.strategy).selective}
     table = frontier_table(
-        records, controls, ("traditional", cfg.epochs), TARGETS, cfg.reference_error
+        records,
+        controls,
+        ("traditional", cfg.epochs),
+        TARGETS,
+        cfg.given_reference_errors(sorted({r.seed for r in records})) or None,
     )
     if not table.seeds:
         return []
@@ -107,19 +151,15 @@ def frontier_section(cfg: Config, runs: Sequence[Run]) -> list[str]:
     lines = [
         "## Frontier: the best sbloader family against the best control, at each target",
         "",
-        (
-            f"Target = Traditional-{cfg.epochs}'s final error in each seed x k"
-            if cfg.reference_error is None
-            else f"Target = {100 * cfg.reference_error:.2f}% (the reference_error given) x k in "
-            "seeds without a Traditional run"
-        )
+        _targets_text(cfg, sorted({r.seed for r in records} - _reference_seeds(records, cfg)))
         + ". A family is one "
         "strategy at several planned budgets; its frontier time is the least training "
         "wall-clock at which any of its runs is evaluated at or below the target. Speedup = "
         "the best control's frontier time ÷ the best sbloader family's (above 1: sbloader "
         "gets there sooner than every control at every budget tried); mean over seeds, range "
-        "in parentheses; never: no sbloader family reached it (no mean where a control did: "
-        "the range over the seeds sbloader reached instead); ∞: only sbloader did. "
+        "in parentheses; never: no sbloader family reached it though a control did (no mean "
+        "then: the range over the seeds sbloader reached instead); neither: no control nor "
+        "sbloader family reached it (no loss, left out); ∞: only sbloader did. "
         f"Controls: {', '.join(map(family, table.controls)) or 'none'}. sbloader: "
         f"{', '.join(map(family, table.selective)) or 'none'}.",
         "",
@@ -149,7 +189,7 @@ def frontier_section(cfg: Config, runs: Sequence[Run]) -> list[str]:
         for s in table.seeds:
             lines.append(
                 f"| {s} | "
-                + " | ".join(_ratio(table.cells[s, m].ratio) for m in table.multipliers)
+                + " | ".join(_seed_ratio(table.cells[s, m]) for m in table.multipliers)
                 + " |"
             )
         lines.append("")
@@ -212,7 +252,8 @@ def sitting_lines(runs: Sequence[Run], noise: float = 0.0) -> list[str]:
         spread = max(values) / min(values)
         flag = " **uneven**" if spread > UNEVEN else ""
         runs_text = ", ".join(f"{b} ep {ms:.3f}" for b, ms in got)
-        lines.append(f"- seed {seed}: {runs_text} (spread {spread:.2f}x){flag}")
+        # (three decimals: a spread of 1.2023 read "1.20x **uneven**" against "above 1.2x")
+        lines.append(f"- seed {seed}: {runs_text} (spread {spread:.3f}x){flag}")
     lines.append("")
     return lines
 
