@@ -574,6 +574,16 @@ def open_beton(
     check_int("num_workers", num_workers)
     check_int("batches_ahead", batches_ahead, minimum=1)
     order = check_choice("order", order, _ORDERS)
+    if kwargs.get("distributed"):
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                "open_beton(..., distributed=True) reads this process's share of the file, which "
+                "needs torch.distributed initialised first; call "
+                "torch.distributed.init_process_group(...) before open_beton (as torchrun's "
+                "scripts do), or pass distributed=False on one process"
+            )
     import_ffcv()
     _check_workers(num_workers)
     loader_mod = sys.modules["ffcv.loader"]

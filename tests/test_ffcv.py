@@ -173,6 +173,16 @@ def test_a_loader_with_batches_ahead_0_is_refused_naming_it(beton):
         SelectiveLoader(loader, model(), batch_size=16)
 
 
+def test_distributed_before_init_process_group_names_the_fix(beton):
+    """open_beton(..., distributed=True) on a process without torch.distributed initialised
+    failed inside FFCV on torch's "default process group" error; it names the call to make."""
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(
+        ValueError, match=r"distributed=True.*init_process_group.*distributed=False"
+    ):
+        sbffcv.open_beton(beton, 32, distributed=True)
+
+
 def test_mid_epoch_resume_is_refused_for_quasi_random(beton):
     source = sbffcv.FFCVSource(sbffcv.open_beton(beton, 32, order="quasi_random"))
     state = source.state_dict()
