@@ -164,7 +164,8 @@ class SelectiveLoader(NotADataLoader):
         policy: the selection policy. Default :func:`~sbloader.policies.default_policy`: one
             Random-Backprop epoch at 1/3, then Stale-SB at 1/3 with a selection pass every
             third epoch (every tenth while the training loop reports its losses with
-            :meth:`feedback`; every epoch where the source gives no dataset indices), and with
+            :meth:`feedback`; every epoch where the source gives no dataset indices, or an
+            iterable source no ``dataset_size=``: no per-example store then), and with
             ``planned_epochs`` all the data in the last eighth of the run's passes; logged. The
             paper's plain SB is
             ``SelectiveBackprop(1 / 3)``.
@@ -367,7 +368,9 @@ class SelectiveLoader(NotADataLoader):
             ``planned_epochs * batches_per_epoch`` batches, an annealed pass yielding all the
             data (:func:`~sbloader.policies.passes_within`), so that its anneal ends within the
             run. For example, 8 training epochs of ``"expected"`` batches (a pass at 1/3) make
-            6 passes: 5 at 1/3 and one annealed pass of about 3 training epochs. A run too short
+            5 or 6 passes as whole batches round (5 for Fashion-MNIST's 60,000 examples in
+            source batches of 512 and batches of 128), the last one annealed (about 3 training
+            epochs). A run too short
             for a selective pass and an annealed one plans 2 passes and warns; where the
             source's size is unknown (no estimate), ``planned_epochs`` is taken as passes, with
             a warning. The passes planned are :attr:`planned_passes`; logged. Refused together
@@ -387,8 +390,8 @@ class SelectiveLoader(NotADataLoader):
             copy's int8 values are part of :meth:`state_dict` (a resume scores with the same
             copy). Refused (``ValueError``) with a model torch.fx cannot trace, on a GPU, and
             with an ``autocast`` dtype, ``compile_selection``, ``forward=`` (or a tuple
-            ``input_key``), ``frozen_prefix``, ``eval_selection=False``, ``overlap_selection``
-            or an FSDP-sharded model; a model with layers that have no int8 kernels fails on
+            ``input_key``), ``frozen_prefix``, ``eval_selection=False``, ``overlap_selection``,
+            ``keep_logits=True`` or an FSDP-sharded model; a model with layers that have no int8 kernels fails on
             the first source batch (``RuntimeError``). Refreshes are counted in
             ``loader.scorer.quantized.refreshes``; their time is part of the epochs'
             ``selection_forward_s``. Under DDP each rank builds its own copy on its own
