@@ -391,8 +391,8 @@ class SelectiveLoader(NotADataLoader):
             copy). Refused (``ValueError``) with a model torch.fx cannot trace, on a GPU, and
             with an ``autocast`` dtype, ``compile_selection``, ``forward=`` (or a tuple
             ``input_key``), ``frozen_prefix``, ``eval_selection=False``, ``overlap_selection``,
-            ``keep_logits=True`` or an FSDP-sharded model; a model with layers that have no int8 kernels fails on
-            the first source batch (``RuntimeError``). Refreshes are counted in
+            ``keep_logits=True`` or an FSDP-sharded model; a model with layers that have no int8
+            kernels fails on the first source batch (``RuntimeError``). Refreshes are counted in
             ``loader.scorer.quantized.refreshes``; their time is part of the epochs'
             ``selection_forward_s``. Under DDP each rank builds its own copy on its own
             candidates, with no collective. ``"auto"``: the copy where the CPU computes int8
