@@ -15,7 +15,7 @@ import numpy as np
 from ._checks import check_indices, nonfinite_losses
 from .policies import Choice, Policy
 
-__all__ = ["Keep", "choose_finite", "in_subset", "keep_function", "subset_mask"]
+__all__ = ["Keep", "choose_finite", "in_subset", "keep_function", "prefilters", "subset_mask"]
 
 #: What ``choose_finite`` does with a non-finite loss.
 NONFINITE = ("skip", "select", "raise")
@@ -242,6 +242,18 @@ def keep_function(
         >>> keep(np.array([0, 1, 2])).tolist(), keep.tally
         ([True, False, True], [0, 1])
     """
-    if mask is None and not policy.can_prefilter():
+    if not prefilters(policy, mask):
         return None
     return Keep(policy, mask, replaying)
+
+
+def prefilters(policy: Policy, mask: np.ndarray | None) -> bool:
+    """Whether a filtering source loads only part of this epoch (what :func:`keep_function`
+    keeps): where the policy prefilters (a Stale-SB stale epoch) or a ``subset`` mask is set.
+
+    Example:
+        >>> from sbloader import Traditional
+        >>> prefilters(Traditional(), None), prefilters(Traditional(), np.array([True]))
+        (False, True)
+    """
+    return mask is not None or policy.can_prefilter()

@@ -26,7 +26,7 @@ import torch
 
 from . import batch as B
 from ._checks import NonFiniteLoss
-from .decisions import choose_finite, in_subset, keep_function
+from .decisions import Keep, choose_finite, in_subset
 from .device_decisions import device_rows
 from .overlap import AheadScores, SelectionThread
 from .prefetch import Prefetcher, Synchronous
@@ -462,8 +462,8 @@ class EpochIterator:
         )
         source = loader.source
         self._filtering = source.can_filter()
-        keep = keep_function(policy, loader._subset, source.replaying) if self._filtering else None
-        assert (keep is not None) == loader._epoch_prefilter
+        # (whether it loads part of the epoch is the loader's decision, made as it began)
+        keep = Keep(policy, loader._subset, source.replaying) if loader._epoch_prefilter else None
         snapshot = source.snapshot
 
         def make_iter() -> Any:

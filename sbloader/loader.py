@@ -33,7 +33,7 @@ from ._migrations import loader_state_v1_to_v2
 from ._state import check_identity, check_version, rollback_state
 from .adapt import make_source
 from .codec import BatchCodec
-from .decisions import NONFINITE, subset_mask
+from .decisions import NONFINITE, prefilters, subset_mask
 from .device_decisions import DecisionGenerator
 from .distributed import RankSync, batch_digest, check_unsynced, is_distributed, make_sync
 from .epoch import EpochIterator, pass_fraction
@@ -1383,10 +1383,8 @@ class SelectiveLoader(NotADataLoader):
         if not resumed:
             self._apply_feedback()
         self.policy.begin_epoch(self.epoch)
-        # (as keep_function decides, the epoch iterator's Keep: see decisions.py)
-        self._epoch_prefilter = self._source.can_filter() and (
-            self._subset is not None or self.policy.can_prefilter()
-        )
+        # (the one decision: the epoch iterator builds its Keep from this flag)
+        self._epoch_prefilter = self._source.can_filter() and prefilters(self.policy, self._subset)
         saved, self._resume_prefilter = self._resume_prefilter, None
         if resumed and saved is not None and saved != self._epoch_prefilter:
             self._unfinished = (skip, True)  # (still resumable once the cause is mended)

@@ -117,13 +117,9 @@ def data(n: int = 96) -> TensorDataset:
     return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
 
 
-def one_process_run(
-    accumulate: int, ckpt: Path | None = None, load: bool = False, wrap: bool = True
-) -> tuple[list[list[tuple[list[int], bool]]], sbloader.SelectiveLoader]:
-    """Two epochs on one process: per epoch, per step, the indices and sync_gradients.
-
-    ``ckpt``: save there after the 4th step (or, with ``load``, resume from it); ``wrap=False``
-    iterates the SelectiveLoader itself instead of an AcceleratedLoader."""
+def one_process_setup(accumulate: int) -> tuple[Any, nn.Module, Any, sbloader.SelectiveLoader]:
+    """One process's Accelerator, prepared model and optimizer, and a SelectiveLoader (SB at
+    1/2, batches of 4) over a prepared shuffling DataLoader of :func:`data`."""
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
     torch.manual_seed(0)
     model = nn.Linear(6, 3)
@@ -134,6 +130,17 @@ def one_process_run(
     sb = sbloader.SelectiveLoader(
         source, model, policy=sbloader.SelectiveBackprop(selectivity=0.5), batch_size=4, seed=2
     )
+    return accelerator, model, opt, sb
+
+
+def one_process_run(
+    accumulate: int, ckpt: Path | None = None, load: bool = False, wrap: bool = True
+) -> tuple[list[list[tuple[list[int], bool]]], sbloader.SelectiveLoader]:
+    """Two epochs on one process: per epoch, per step, the indices and sync_gradients.
+
+    ``ckpt``: save there after the 4th step (or, with ``load``, resume from it); ``wrap=False``
+    iterates the SelectiveLoader itself instead of an AcceleratedLoader."""
+    accelerator, model, opt, sb = one_process_setup(accumulate)
     loader = AcceleratedLoader(sb) if wrap else sb
     if wrap:
         accelerator.register_for_checkpointing(loader)
@@ -199,16 +206,7 @@ def test_a_checkpoint_at_an_epochs_last_step_resumes_with_that_epochs_end(
     more."""
 
     def run(save_at: int | None = None, load: bool = False) -> tuple[list[Any], int]:
-        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
-        torch.manual_seed(0)
-        model = nn.Linear(6, 3)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        g = torch.Generator().manual_seed(1)
-        source = DataLoader(data(), batch_size=16, shuffle=True, generator=g)
-        model, opt, source = accelerator.prepare(model, opt, source)
-        sb = sbloader.SelectiveLoader(
-            source, model, policy=sbloader.SelectiveBackprop(0.5), batch_size=4, seed=2
-        )
+        accelerator, model, opt, sb = one_process_setup(accumulate)
         loader = AcceleratedLoader(sb)
         accelerator.register_for_checkpointing(loader)
         if load:

@@ -74,6 +74,17 @@ class Classifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.2)
 
 
+class Validated(Classifier):
+    """A Classifier with a validation loop logging ``val_loss`` (for checkpoints on it)."""
+
+    def val_dataloader(self):
+        return DataLoader(data(), batch_size=128)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+
 def trainer(epochs: int = 3, callbacks=(), naive: bool = False, **kwargs):
     extra = [] if naive else [SelectiveLoaderCallback()]
     return pl.Trainer(
@@ -519,14 +530,6 @@ def test_resume_from_a_validation_checkpoint_on_the_last_batch_of_an_epoch(tmp_p
     handed out again in the next epoch (it used to be abandoned with a new pass, so the resumed
     run skipped it)."""
 
-    class Validated(Classifier):
-        def val_dataloader(self):
-            return DataLoader(data(), batch_size=128)
-
-        def validation_step(self, batch, batch_idx):
-            x, y = batch
-            self.log("val_loss", F.cross_entropy(self(x), y))
-
     def run(ckpt_path=None, callbacks=()):
         module = Validated()
         trainer(callbacks=callbacks, val_check_interval=2, check_val_every_n_epoch=None).fit(
@@ -652,14 +655,6 @@ def test_a_checkpoint_between_accumulated_steps_warns(tmp_path, val_every, warns
     (validation every 3 batches, accumulating 2) holds no accumulated gradients, so a run
     resumed from it differs: the callback warns, as AcceleratedLoader does; saving at every
     step (every 4 batches) does not."""
-
-    class Validated(Classifier):
-        def val_dataloader(self):
-            return DataLoader(data(), batch_size=256)
-
-        def validation_step(self, batch, batch_idx):
-            x, y = batch
-            self.log("val_loss", F.cross_entropy(self(x), y))
 
     on_validation = pl.callbacks.ModelCheckpoint(
         dirpath=tmp_path, monitor="val_loss", save_top_k=-1, save_on_train_epoch_end=False
