@@ -61,7 +61,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -79,16 +79,31 @@ from benchmarks.core.train import train_step
 from sbloader.datasets import ArrayDataset
 from sbloader.selection import SelectionForward, unwrap
 
-#: Breakdown rows measured on a GPU beside the three: the policy kind, the loader's options and
-#: whether each phase ends with a CUDA synchronisation. The ``_async`` rows do not synchronise
+
+class Variant(NamedTuple):
+    """A breakdown row beside the three: the policy kind, the loader's options, whether each
+    phase ends with a CUDA synchronisation, and the source batch (None: the config's)."""
+
+    policy: str
+    options: dict[str, Any]
+    synchronise: bool
+    source_batch: int | None = None
+
+
+#: Breakdown rows measured on a GPU beside the three. The ``_async`` rows do not synchronise
 #: (a synchronisation of the device would wait for the selection stream too, undoing the
 #: overlap): their epoch is what an ordinary training loop takes, their split into categories
-#: GPU times from CUDA events (and ``other`` what is left, at least 0).
-GPU_VARIANTS: dict[str, tuple[str, dict[str, Any], bool]] = {
-    "sb_device": ("sb", {"decisions": "device"}, True),
-    "traditional_async": ("traditional", {}, False),
-    "sb_async": ("sb", {}, False),
-    "sb_overlap_async": ("sb", {"overlap_selection": True}, False),
+#: GPU times from CUDA events (and ``other`` what is left, at least 0). The ``_pool4096`` rows
+#: take source batches of 4,096 instead of the config's 1,024: the loader's own work is mostly
+#: per pool (a host round trip, the window's insertion, the model's mode toggles), so four times
+#: fewer pools is the lever its share has on a GPU.
+GPU_VARIANTS: dict[str, Variant] = {
+    "sb_device": Variant("sb", {"decisions": "device"}, True),
+    "traditional_async": Variant("traditional", {}, False),
+    "sb_async": Variant("sb", {}, False),
+    "sb_overlap_async": Variant("sb", {"overlap_selection": True}, False),
+    "sb_pool4096": Variant("sb", {}, True, 4096),
+    "stale_sb_pool4096": Variant("stale_sb", {}, True, 4096),
 }
 SECTIONS = ("breakdown", "selection", "throughput", "frozen", "profile")
 #: The sections measured without ``--sections``: the profile runs only when asked for.
@@ -162,15 +177,23 @@ def train_epoch(
         "selection_forwards": st.selection_forwards,
         "backprop": st.examples_yielded,
         "selection_hidden": st.selection_hidden_s,
+        "selection_calls": st.selection_calls,
     }
 
 
 def breakdown(
-    cfg: Config, m: Measurement, sources: Sources, log: Callable[[str], None]
+    cfg: Config,
+    m: Measurement,
+    sources: Sources,
+    log: Callable[[str], None],
+    variants: dict[str, Variant] | None = None,
 ) -> list[dict[str, Any]]:
+    """Section 1: Traditional, SB and Stale-SB, then ``variants`` (default: ``GPU_VARIANTS`` on
+    a GPU, none on a CPU), each a row of medians over ``m.repeats``."""
+    if variants is None:
+        variants = GPU_VARIANTS if str(cfg.device).startswith("cuda") else {}
     strategies = ["traditional", "sb"] + (["stale_sb"] if stale_sb_available() else [])
-    if str(cfg.device).startswith("cuda"):
-        strategies += list(GPU_VARIANTS)
+    strategies += list(variants)
     if not stale_sb_available():
         log("# Stale-SB skipped: this sbloader's SelectiveBackprop has no staleness=")
     configs = [(kind, strategy) for kind in sources.kinds() for strategy in strategies]
@@ -179,9 +202,13 @@ def breakdown(
     # all configurations instead of falling on one.
     for rep in range(m.repeats):
         for kind, strategy in configs:
-            kind_of_policy, options, synchronise = GPU_VARIANTS.get(strategy, (strategy, {}, True))
-            epochs = m.staleness if strategy == "stale_sb" else 1
-            source_bs = cfg.batch_size if kind_of_policy == "traditional" else cfg.pool_batch_size
+            kind_of_policy, options, synchronise, pool = variants.get(
+                strategy, Variant(strategy, {}, True)
+            )
+            epochs = m.staleness if kind_of_policy == "stale_sb" else 1
+            source_bs = (
+                cfg.batch_size if kind_of_policy == "traditional" else (pool or cfg.pool_batch_size)
+            )
             model = seeded_model(cfg, m.seed)
             opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
             source = sources.make(kind, source_bs, m.seed + rep)
@@ -205,10 +232,16 @@ def breakdown(
             )
     rows = []
     for (kind, strategy), rs in runs.items():
+        variant = variants.get(strategy, Variant(strategy, {}, True))
         row: dict[str, Any] = {
             "source": kind,
             "strategy": strategy,
-            "measured_epochs": m.staleness if strategy == "stale_sb" else 1,
+            "measured_epochs": m.staleness if variant.policy == "stale_sb" else 1,
+            "source_batch": (
+                cfg.batch_size
+                if variant.policy == "traditional"
+                else (variant.source_batch or cfg.pool_batch_size)
+            ),
         }
         keys = ("wall", *CATEGORIES, "loader_own", "examples_seen", "backprop", "selection_hidden")
         for k in keys:
@@ -723,7 +756,9 @@ def _breakdown_lines(rows: list[dict[str, Any]]) -> list[str]:
         '`sb_device`: SB with `decisions="device"` (the window, the draws and the gathers on '
         "the GPU). `_async` rows: no synchronisation between phases (the epoch an ordinary loop "
         "takes; categories from CUDA events); `sb_overlap_async`: SB with "
-        "`overlap_selection=True` (passes on the selection thread's CUDA stream); selection "
+        "`overlap_selection=True` (passes on the selection thread's CUDA stream); `_pool4096`: "
+        "source batches of 4,096 (four times fewer selection passes, host round trips and "
+        "window insertions an epoch); selection "
         "seconds hidden by the overlap (`selection_hidden_s`): "
         + (
             ", ".join(

@@ -290,3 +290,35 @@ def test_the_profile_counts_the_benchmark_models_as_the_model_s_time():
         data.__getitems__([0, 3, 5])
     profiler.disable()
     assert bd._sbloader_seconds(pstats.Stats(profiler).stats) == (0.0, 0.0)
+
+
+def test_a_breakdown_variant_with_its_own_source_batch_makes_that_many_fewer_passes():
+    """breakdown.py's ``_pool4096`` rows (the GPU's lever on the loader's own share): a variant
+    with its own source batch draws pools of that size, so the same epoch makes proportionally
+    fewer selection calls, and a Stale-SB variant is measured over its staleness cycle as the
+    Stale-SB row is."""
+    import torch
+
+    import benchmarks.breakdown as bd
+    from benchmarks.core.config import measurement
+    from benchmarks.core.sources import Sources
+
+    cfg, m = measurement(True, examples=512, warmup_batches=1, repeats=1, pool_batch_size=32)
+    x = torch.randn(512, 1, cfg.image_size, cfg.image_size)
+    sources = Sources(x, torch.randint(0, 10, (512,)), "cpu", ffcv=False)
+    variants = {
+        "sb_pool128": bd.Variant("sb", {}, True, 128),
+        "stale_sb_pool128": bd.Variant("stale_sb", {}, True, 128),
+    }
+    try:
+        measured = bd.breakdown(cfg, m, sources, lambda line: None, variants)
+        rows = {r["strategy"]: r for r in measured}
+    finally:
+        sources.close()
+    assert list(rows) == ["traditional", "sb", "stale_sb", "sb_pool128", "stale_sb_pool128"]
+    assert rows["sb"]["source_batch"] == 32 and rows["sb_pool128"]["source_batch"] == 128
+    assert rows["traditional"]["source_batch"] == cfg.batch_size
+    calls = {k: r["runs"][0]["epochs"][0]["selection_calls"] for k, r in rows.items()}
+    assert calls["sb"] == 512 // 32 and calls["sb_pool128"] == 512 // 128
+    assert rows["stale_sb_pool128"]["measured_epochs"] == m.staleness > 1
+    assert rows["sb_pool128"]["examples_seen"] == rows["sb"]["examples_seen"] == 512
