@@ -46,7 +46,13 @@ def check_float(
     """Return ``value`` as a finite float within the given bounds, or raise naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} should be a number, but got {name}={value!r}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond float's range (10**400)
+        raise ValueError(
+            f"{name} should be finite, but got an integer of {len(str(abs(value)))} digits, "
+            f"beyond a float's range; pass a number below 1.8e308"
+        ) from None
     if math.isnan(value) or math.isinf(value):
         raise ValueError(f"{name} should be finite, but got {name}={value!r}")
     too_low = low is not None and (value <= low if low_open else value < low)

@@ -83,13 +83,22 @@ def window_push(ring: np.ndarray, sorted_values: np.ndarray, meta: np.ndarray, x
     meta[1] = (head + 1) % cap
 
 
+#: ``cut_power``'s relative tolerance at the cut (see its NOTE).
+CUT_TOLERANCE = 1.0 + 1e-12
+
+
 @_jit
 def cut_power(cdf: float, beta: float, cut: float) -> float:
     """``(cdf / cut) ** beta`` up to ``cut``, 0 above it: Selective-Backprop's P with the losses
-    above the window's ``cut`` quantile never kept (``cut = 1``: exactly ``cdf ** beta``)."""
-    if cdf > cut:
+    above the window's ``cut`` quantile never kept (``cut = 1``: exactly ``cdf ** beta``).
+
+    NOTE (the cut itself): ``cut = 1 - trim_top`` is rounded in float (1 - 0.07 is
+    0.92999...), so the loss at exactly the ``cut`` quantile (CDF 93/100) would compare above
+    it and be trimmed with the ones above; a relative tolerance of 1e-12 (far below any CDF
+    step 1/R) keeps it, with P = 1 at most."""
+    if cdf > cut * CUT_TOLERANCE:
         return 0.0
-    return (cdf / cut) ** beta
+    return min(1.0, (cdf / cut) ** beta)
 
 
 @_jit

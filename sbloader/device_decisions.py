@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _kernels
 from . import batch as B
 from ._checks import check_int, nonfinite_losses
 from ._state import check_identity, check_version
@@ -197,7 +198,10 @@ class DeviceWindow:
         count, size, finite = self.ranks(losses)
         cdf = count.to(torch.float64) / size.clamp(min=1).to(torch.float64)
         if cut < 1.0:
-            p = torch.where(cdf > cut, 0.0, (cdf / cut) ** beta)
+            # (the cut's relative tolerance as _kernels.cut_power's: see its NOTE)
+            p = torch.where(
+                cdf > cut * _kernels.CUT_TOLERANCE, 0.0, ((cdf / cut) ** beta).clamp(max=1.0)
+            )
         else:
             p = cdf**beta
         if uniform_share > 0.0:

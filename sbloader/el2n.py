@@ -141,6 +141,12 @@ def el2n_scores(
     models = check_int("models", models, minimum=1)
     epochs = check_int("epochs", epochs, minimum=0)
     seed = check_int("seed", seed, minimum=0)
+    if seed + models - 1 >= 2**64:  # copy k is seeded with seed + k, and torch's seeds are uint64
+        raise ValueError(
+            f"seed should be at most 2**64 - models = {2**64 - models} (copy k is seeded with "
+            f"seed + k, and torch's seeds are 64-bit), but got seed={seed} with models={models}; "
+            "pass a smaller seed"
+        )
     given = None if device is None else check_device_name("device", device)
     src = make_source(source)
     size = src.dataset_size

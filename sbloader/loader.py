@@ -652,9 +652,6 @@ class SelectiveLoader(NotADataLoader):
             np.random.PCG64(np.random.SeedSequence(self.seed, spawn_key=(self.rank,)))
         )
         key = np.random.SeedSequence(self.seed, spawn_key=(self.rank, 1)).generate_state(1)[0]
-        self.policy.attach(self._source.dataset_size, int(key))
-        for part in self.policy.parts():
-            _claim(part, self)
         if subset is not None and not self._source.has_indices():
             raise indices_needed("subset=")
         self._subset = None if subset is None else subset_mask(subset, self._source.dataset_size)
@@ -775,7 +772,7 @@ class SelectiveLoader(NotADataLoader):
         if per_epoch == "expected":
             per_epoch = self._expected_count()
         if policy is None and planned_epochs is not None and per_epoch is not None:
-            self._plan_passes(store, int(key), planned_epochs, int(per_epoch))
+            self._plan_passes(store, planned_epochs, int(per_epoch))
         self._fixed = None if per_epoch is None else FixedEpochs(int(per_epoch))
         if self._fixed is not None and self.remainder == "drop" and self.policy.passthrough():
             self._check_fills_a_batch()
@@ -826,6 +823,12 @@ class SelectiveLoader(NotADataLoader):
         # A source batch scored ahead and not consumed (overlap_selection), held for a state and
         # for the iterator that resumes its epoch.
         self._ahead: AheadScores | None = None
+        # NOTE: last, after every check: attaching starts the policy's run afresh and claims it
+        # for this loader, so a constructor that refuses an argument must not have done it (a
+        # policy already running in another loader would lose its window and its owner).
+        self.policy.attach(self._source.dataset_size, int(key))
+        for part in self.policy.parts():
+            _claim(part, self)
 
     def _selection_copy(
         self, option: Any, device: Any, frozen_prefix: nn.Module | None
@@ -1127,11 +1130,11 @@ class SelectiveLoader(NotADataLoader):
             )
         return count
 
-    def _plan_passes(self, store: bool, key: int, planned_epochs: int, per_epoch: int) -> None:
+    def _plan_passes(self, store: bool, planned_epochs: int, per_epoch: int) -> None:
         """``planned_epochs`` with ``batches_per_epoch`` and the default policy: rebuild that
         policy for the passes over the data that ``planned_epochs`` training epochs of
         ``per_epoch`` batches are expected to make (:func:`~sbloader.policies.passes_within`),
-        attached as the constructor attaches it."""
+        attached at the constructor's end as any policy is."""
         try:
             steady = self._batches_at(self.policy.steady_rate)
             full = self._batches_at(1.0)
@@ -1165,7 +1168,6 @@ class SelectiveLoader(NotADataLoader):
         with warnings.catch_warnings():  # (the plan's own warnings are the loader's, above)
             warnings.simplefilter("ignore", UserWarning)
             self.policy = default_policy(store, epochs=passes)
-        self.policy.attach(self._source.dataset_size, key)
         logger.info(
             "policy: %r (the default recipe, chosen for this source and %d planned epochs of "
             "%d batches: %d passes over the data)",

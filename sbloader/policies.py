@@ -488,6 +488,15 @@ class SelectiveBackprop(Policy):
                 "share of losses this policy can leave out and still keep its selectivity), but "
                 f"got trim_top={trim_top}; lower trim_top or the selectivity"
             )
+        if self.trim_top > 0 and self.trim_top * self.window.size < 1 - 1e-9:
+            # NOTE: the window's CDF takes the values k / R, and the top step alone (the window's
+            # highest loss, CDF 1) is 1 / R of the losses: with trim_top * R < 1 the trim would
+            # leave out more than trim_top (everything at R = 1) and the kept share would fall.
+            raise ValueError(
+                f"trim_top={trim_top} needs history >= 1 / trim_top = "
+                f"{math.ceil(1 / self.trim_top - 1e-9)} (the window's highest loss alone is "
+                f"1 / history of it), but got history={history}; raise history or lower trim_top"
+            )
         if stale_cdf not in STALE_CDFS:
             raise ValueError(
                 f"stale_cdf should be one of {list(STALE_CDFS)}, but got stale_cdf={stale_cdf!r}"
@@ -496,6 +505,20 @@ class SelectiveBackprop(Policy):
             raise ValueError(
                 "stale_cdf='store' ranks the stale epochs' stored losses, and staleness=1 has no "
                 "stale epochs; give staleness > 1 (Stale-SB) or leave stale_cdf='window'"
+            )
+        # Stale-SB's own options do nothing with staleness=1: refused rather than ignored.
+        if self.staleness == 1 and self.fed_staleness > 1:
+            raise ValueError(
+                "fed_staleness spaces Stale-SB's selection passes while the training step reports "
+                "its losses, and staleness=1 runs a pass every epoch (it keeps no stored losses); "
+                f"give staleness > 1 (Stale-SB) or leave fed_staleness out, but got "
+                f"fed_staleness={fed_staleness!r} with staleness=1"
+            )
+        if self.staleness == 1 and store_path is not None:
+            raise ValueError(
+                "store_path is where Stale-SB memory-maps its per-example store, and "
+                "staleness=1 keeps no store; give staleness > 1 (Stale-SB) or leave store_path "
+                f"out, but got store_path={store_path!r} with staleness=1"
             )
         self.stale_cdf = stale_cdf
         self.drift_bound = (
@@ -1151,21 +1174,33 @@ class Phased(Policy):
     ) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy should be an sbloader policy, but got {type(policy).__name__}")
+        given_warmup = warmup_policy is not None
         warmup_policy = Traditional() if warmup_policy is None else warmup_policy
         if not isinstance(warmup_policy, Policy):
             raise TypeError(
                 "warmup_policy should be an sbloader policy such as sbloader.RandomBackprop(1/3), "
                 f"but got {type(warmup_policy).__name__}"
             )
-        if warmup_policy.needs_losses(0) or warmup_policy.records_examples():
+        # NOTE: uses_losses (any epoch), not needs_losses(0): Phased makes no selection pass in
+        # its warm-up, so a warm-up policy that needs losses only later (itself a Phased, say)
+        # would fail after the first epoch instead of here.
+        if warmup_policy.uses_losses() or warmup_policy.records_examples():
             raise ValueError(
-                "warmup_policy should need no selection pass (e.g. Traditional() or "
+                "warmup_policy should need no selection pass in any epoch (e.g. Traditional() or "
                 f"RandomBackprop(s)), but got warmup_policy={warmup_policy!r}; put a loss-based "
-                "policy in policy= instead"
+                "policy in policy= instead (a policy of your own that needs no losses says so "
+                "by returning False from uses_losses())"
             )
         self.policy = policy
         self.warmup_policy = warmup_policy
         self.warmup_epochs = check_int("warmup_epochs", warmup_epochs, minimum=0)
+        if given_warmup and self.warmup_epochs == 0:
+            raise ValueError(
+                f"warmup_policy={warmup_policy!r} decides only the first warmup_epochs epochs, "
+                "but got warmup_epochs=0, so it would never run (and the wrapped policy would "
+                "select by loss from a random initialisation); pass warmup_epochs >= 1 or leave "
+                "warmup_policy out"
+            )
         self.anneal_from_epoch = (
             None
             if anneal_from_epoch is None

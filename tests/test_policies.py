@@ -307,3 +307,42 @@ def test_a_refused_sb_state_changes_nothing():
         other.load_state_dict(stale.state_dict())
     np.testing.assert_array_equal(other.window.values(), other_window)
     assert other.state_dict()["schedule"] == schedule
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [(dict(fed_staleness=5), "fed_staleness"), (dict(store_path="/tmp/sb_store"), "store_path")],
+)
+def test_stale_sb_options_with_staleness_1_are_refused_not_ignored(kwargs, name):
+    """fed_staleness and store_path belong to Stale-SB: with staleness=1 (a pass every epoch, no
+    store) they would do nothing, so they are refused naming the option and the fix."""
+    with pytest.raises(ValueError, match=rf"{name}.*give staleness > 1 .* or leave {name} out"):
+        SelectiveBackprop(1 / 3, staleness=1, **kwargs)
+    assert SelectiveBackprop(1 / 3, staleness=2, **kwargs).staleness == 2
+    assert SelectiveBackprop(1 / 3, staleness=1, fed_staleness=1).fed_staleness == 1
+
+
+def test_a_warmup_policy_that_needs_losses_in_a_later_epoch_is_refused_at_construction():
+    """Phased makes no selection pass in its warm-up: a warm-up policy that needs losses in any
+    epoch (not only its first) is refused when Phased is built, not after an epoch."""
+    inner = Phased(SelectiveBackprop(0.5), warmup_epochs=1, warmup_policy=RandomBackprop(0.5))
+    assert not inner.needs_losses(0) and inner.uses_losses()
+    with pytest.raises(ValueError, match=r"warmup_policy should need no selection pass in any"):
+        Phased(SelectiveBackprop(0.5), warmup_epochs=3, warmup_policy=inner)
+    # a warm-up of Random-Backprop after Traditional is fine
+    ok = Phased(RandomBackprop(0.5), warmup_epochs=1)
+    Phased(SelectiveBackprop(0.5), warmup_epochs=2, warmup_policy=ok)
+
+
+def test_a_warmup_policy_with_no_warmup_epochs_is_refused():
+    """warmup_policy= with the default warmup_epochs=0 never runs: refused with the fix, while a
+    Phased without a warm-up policy (e.g. annealing only) still takes warmup_epochs=0."""
+    with pytest.raises(ValueError, match=r"warmup_epochs=0.*pass warmup_epochs >= 1"):
+        Phased(SelectiveBackprop(1 / 3), warmup_policy=RandomBackprop(1 / 3))
+    assert Phased(SelectiveBackprop(1 / 3), anneal_from_epoch=3).warmup_epochs == 0
+
+
+@pytest.mark.parametrize("name", ["beta", "selectivity"])
+def test_an_integer_beyond_floats_range_is_refused_naming_the_parameter(name):
+    with pytest.raises(ValueError, match=rf"^{name} should be finite, but got an integer of 401"):
+        SelectiveBackprop(**{name: 10**400})

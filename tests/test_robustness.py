@@ -1937,3 +1937,52 @@ def _resumed(make, state):
     fresh = make()
     fresh.load_state_dict(torch.load(buffer, weights_only=True))
     return list(fresh)
+
+
+def test_a_refused_constructor_leaves_the_policy_and_its_running_loader_alone():
+    """A SelectiveLoader constructor that refuses an argument (a typo fixed in a second call, in
+    a notebook) must not have attached the policy: the loader already running on it keeps its
+    window and goes on."""
+    data = EncodedDataset(60)
+    policy = SelectiveBackprop(1 / 3, staleness=3)
+    first = SelectiveLoader(
+        DataLoader(data, batch_size=20), IndexLoss(), policy=policy, batch_size=10
+    )
+    list(first)
+    held = len(policy.window)
+    assert held == 60
+    with pytest.raises(ValueError, match="remainder should be one of"):
+        SelectiveLoader(
+            DataLoader(data, batch_size=20),
+            IndexLoss(),
+            policy=policy,
+            batch_size=10,
+            remainder="keep",
+        )
+    assert len(policy.window) == held
+    list(first)  # the first loader goes on (it would raise "given to another SelectiveLoader")
+    assert first.epoch == 2
+
+
+def test_el2n_refuses_a_seed_whose_copies_overflow_torchs_seeds_before_training():
+    from torch.utils.data import TensorDataset
+
+    from sbloader import el2n_scores
+
+    built = []
+
+    def make_model():
+        built.append(1)
+        return torch.nn.Linear(5, 3)
+
+    source = DataLoader(TensorDataset(torch.randn(40, 5), torch.randint(0, 3, (40,))), 8)
+    with pytest.raises(ValueError, match=r"seed should be at most 2\*\*64 - models"):
+        el2n_scores(
+            make_model,
+            source,
+            make_optimizer=lambda m: torch.optim.SGD(m.parameters(), 0.1),
+            models=2,
+            epochs=1,
+            seed=2**64 - 1,
+        )
+    assert built == []

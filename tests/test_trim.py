@@ -212,3 +212,47 @@ def test_the_default_policy_takes_the_trim_and_a_state_from_another_trim_is_refu
     )
     with pytest.raises(ValueError, match="trim_top"):
         b.load_state_dict(a.state_dict())
+
+
+@pytest.mark.parametrize("q", [0.07, 0.1, 0.32, 0.33])
+def test_the_loss_at_exactly_the_cut_quantile_is_kept_and_only_the_top_q_trimmed(q):
+    """1 - q is rounded in float (1 - 0.07 = 0.92999...): the loss whose CDF is exactly the
+    cut (93/100 in a window of 100) is still kept for sure, and exactly q of the window's CDF
+    values are trimmed, on the host kernels and on the device window alike."""
+    import copy
+
+    base = SelectiveBackprop(1 / 3, history=100, trim_top=q)
+    base.probabilities(np.arange(1.0, 101.0))  # the window: losses 1..100
+    # each probe evicts loss 1 and enters at CDF j / 100
+    ps = np.array(
+        [copy.deepcopy(base).probabilities(np.array([j + 0.5]))[0] for j in range(1, 101)]
+    )
+    k = round(100 * (1 - q))
+    assert ps[k - 1] == 1.0 and (ps[:k] > 0).all()
+    assert (ps == 0).sum() == 100 - k
+    assert K.cut_power(k / 100, 1.7, 1 - q) == 1.0
+    # the device window: the same window, the same probe CDFs
+    dev = DeviceWindow(100)
+    dev.push_rank_and_draw(
+        torch.arange(1.0, 101.0, dtype=torch.float64), torch.ones(100, dtype=torch.float64), 1.0
+    )
+    for j in (k - 1, k, k + 1):
+        probe = copy.deepcopy(dev)
+        c = probe.push_rank_and_draw(
+            torch.tensor([j + 0.5], dtype=torch.float64),
+            torch.zeros(1, dtype=torch.float64),
+            base._cut_beta,
+            cut=base._cut,
+        )
+        assert float(c.probabilities[0]) == ps[j - 1]
+
+
+@pytest.mark.parametrize("history, q", [(1, 0.1), (2, 0.1), (9, 0.1), (19, 0.05), (3, 0.3)])
+def test_a_trim_finer_than_the_windows_steps_is_refused_naming_history(history, q):
+    """The window's highest loss alone is 1 / history of its CDF: a trim_top below that would
+    trim more than q (history=1: everything, a loader that silently yields nothing)."""
+    with pytest.raises(ValueError, match=rf"trim_top={q} needs history >= .*history={history}"):
+        SelectiveBackprop(1 / 3, history=history, trim_top=q)
+    # the smallest window that can hold the trim is accepted, and keeps about the selectivity
+    SelectiveBackprop(1 / 3, history=10, trim_top=0.1)
+    SelectiveBackprop(1 / 3, history=4, trim_top=0.25)
