@@ -91,14 +91,7 @@ class BatchCodec:
         """The source batch's fields as columns on ``device``, checked for consistent lengths."""
         if self.format is None:
             self.format = B.BatchFormat.infer(raw, self.input_key, self.target_key)
-            meta_key = self.metadata_key
-            if meta_key is not None and self.format.kind is dict and meta_key in self.format.keys:
-                raise ValueError(
-                    f"metadata_key={meta_key!r} is already a key of the source's dict batches; "
-                    "pass another metadata_key"
-                )
-            self._check_drop_key()
-            self._resolve_pads()
+            self._check_format()
         fmt = self.format
         if fmt.cls is None and type(raw) not in _PLAIN:
             # (a format restored from a state whose batch class could not be imported: the
@@ -125,6 +118,19 @@ class BatchCodec:
                 f"the source batch has {n} examples but {indices.shape[0]} dataset indices"
             )
         return columns, n
+
+    def _check_format(self) -> None:
+        """The checks of a format, whether inferred from the first source batch or restored from
+        a state: ``metadata_key`` not one of its keys, ``drop_key`` one, the pads resolved."""
+        assert self.format is not None
+        meta_key = self.metadata_key
+        if meta_key is not None and self.format.kind is dict and meta_key in self.format.keys:
+            raise ValueError(
+                f"metadata_key={meta_key!r} is already a key of the source's dict batches; "
+                "pass another metadata_key"
+            )
+        self._check_drop_key()
+        self._resolve_pads()
 
     def _check_drop_key(self) -> None:
         fmt, key = self.format, self.drop_key
@@ -378,11 +384,22 @@ class BatchCodec:
         if fmt is not None:
             keys = tuple(fmt["keys"])
             kind = _KINDS[fmt["kind"]]
+            # NOTE: the saved run's fields are what its passes scored: a loader given other
+            # fields explicitly would score the saved ones while saying it scores its own.
+            for name, mine, saved in (
+                ("input_key", self.input_key, fmt["input_key"]),
+                ("target_key", self.target_key, fmt["target_key"]),
+            ):
+                if mine is not None and _as_key(mine) != _as_key(saved):
+                    raise ValueError(
+                        f"the saved run's selection passes scored {name}={_as_key(saved)!r}, but "
+                        f"this loader has {name}={mine!r}; build the loader with the saved run's "
+                        f"{name} (another field is another run: start it afresh)"
+                    )
             # NOTE: "class" is optional within version 1 (older states have none).
             cls = B.class_named(fmt.get("class"))
             self.format = B.BatchFormat(kind, keys, fmt["input_key"], fmt["target_key"], cls)
-            self._check_drop_key()
-            self._resolve_pads()
+            self._check_format()
         shapes = state.get("shapes")
         self._shapes = None
         if shapes is not None:
@@ -396,6 +413,12 @@ class BatchCodec:
             (int(j), tuple(path)): tuple(int(x) for x in shape)
             for j, path, shape in state.get("nested", [])
         }
+
+
+def _as_key(key: Any) -> Any:
+    """A field key as saved and as given alike (a tuple of keys comes back from a state as a
+    list)."""
+    return tuple(_as_key(k) for k in key) if isinstance(key, (list, tuple)) else key
 
 
 def _leaves(

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import hashlib
 import logging
 import math
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Hashable
@@ -133,6 +136,50 @@ def _stable_repr(value: Any) -> str:
         kind = type(value)
         return f"<{kind.__module__}.{kind.__qualname__} object>"
     return text
+
+
+def describe_callable(fn: Any) -> str:
+    """A description of a loss function that is the same in every process for the same loss:
+    a function by its module and qualified name, a ``functools.partial`` by its function and
+    arguments, a loss module (or any callable object) by its class and its public settings
+    (tensors by shape and a digest of their values), for :meth:`SelectiveLoader._speed`.
+
+    NOTE: not ``repr``: ``nn.CrossEntropyLoss(label_smoothing=0.5)``'s repr omits the
+    smoothing, so a resume with another smoothing went unnoticed.
+
+    Example:
+        >>> from torch import nn
+        >>> describe_callable(nn.CrossEntropyLoss(reduction="none", label_smoothing=0.1))[22:]
+        "CrossEntropyLoss(ignore_index=-100, label_smoothing=0.1, reduction='none')"
+    """
+    if isinstance(fn, functools.partial):
+        args = [describe_callable(a) if callable(a) else _setting(a) for a in fn.args]
+        args += [f"{k}={_setting(v)}" for k, v in sorted(fn.keywords.items())]
+        return f"partial({describe_callable(fn.func)}, {', '.join(args)})"
+    if isinstance(fn, types.MethodType):  # a bound method: its function (and its object's class)
+        return f"{describe_callable(fn.__func__)} of {type(fn.__self__).__qualname__}"
+    if isinstance(fn, (types.FunctionType, types.BuiltinFunctionType, type)):
+        return _stable_repr(fn)
+    kind = type(fn)
+    settings = ", ".join(
+        f"{k}={_setting(v)}"
+        for k, v in sorted(vars(fn).items() if hasattr(fn, "__dict__") else ())
+        if not k.startswith("_") and k != "training"
+    )
+    buffers = ""
+    if isinstance(fn, nn.Module):
+        named = [*fn.named_buffers(), *fn.named_parameters()]
+        buffers = "".join(f", {k}={_setting(v)}" for k, v in sorted(named, key=lambda kv: kv[0]))
+    return f"{kind.__module__}.{kind.__qualname__}({settings}{buffers})"
+
+
+def _setting(value: Any) -> str:
+    """A setting of :func:`describe_callable`: a tensor by its shape and a digest of its values,
+    anything else as :func:`_stable_repr` gives it."""
+    if isinstance(value, torch.Tensor):
+        data = value.detach().to("cpu", torch.float64).contiguous().numpy().tobytes()
+        return f"tensor{tuple(value.shape)}#{hashlib.sha1(data).hexdigest()[:12]}"
+    return _stable_repr(value)
 
 
 class SelectiveLoader(NotADataLoader):
@@ -1565,8 +1612,11 @@ class SelectiveLoader(NotADataLoader):
         are part of it too: loaded into a loader that keeps the other, a later batch's join
         raised or its ``logits``/``features`` came back None. So are what makes the batches
         handed out (``remainder``, ``min_batch_size``, ``nonfinite``) and the source's order
-        (its sampler's class, e.g. shuffled or not) and ``drop_last``. (Keys added later are
-        absent from older states, which are then not checked for them.)
+        (its sampler's class, e.g. shuffled or not) and ``drop_last``, and what the selection
+        passes score and rank against (``eval_selection``, ``cdf``). The fields of the source's
+        batches that the passes score (``input_key``, ``target_key``) are checked by the batch
+        codec's state. (Keys added later are absent from older states, which are then not
+        checked for them.)
         """
         return {
             "seed": self.seed,
@@ -1593,6 +1643,11 @@ class SelectiveLoader(NotADataLoader):
             "sampler": None
             if self._source.sampler is None
             else type(self._source.sampler).__name__,
+            # What the selection passes score and rank against: in train mode (dropout on) or
+            # not, and each rank's own losses or every rank's (cdf): resumed with the other,
+            # the run would select otherwise than the one it continues.
+            "eval_selection": self.eval_selection,
+            "cdf": self.cdf,
         }
 
     def state_dict(self, unconsumed: int = 0) -> dict[str, Any]:
@@ -1731,8 +1786,9 @@ class SelectiveLoader(NotADataLoader):
         """The options that change how selection passes score, as shown in messages: the
         effective ``autocast`` (an ``"auto"`` loader's after adopting a saved run's),
         ``overlap_selection``, ``selection_scale``, ``compile_selection``, ``memory_format``,
-        ``selection_batch_size``, ``quantize_selection``'s settings and whether there is a
-        ``selector`` (by its class's name).
+        ``selection_batch_size``, ``quantize_selection``'s settings, whether there is a
+        ``selector`` (by its class's name) and the ``loss_fn`` (:func:`describe_callable`: a
+        loss module's class and settings, e.g. its ``label_smoothing``, which its repr omits).
 
         NOTE: not part of the identity: a run may resume with other speed options (another
         machine: its cores, its native precisions), and then selects as they do from the resume
@@ -1753,6 +1809,7 @@ class SelectiveLoader(NotADataLoader):
             "selection_batch_size": repr(self.selection_batch_size),
             "quantize_selection": repr(None if quantized is None else quantized.config),
             "selector": "None" if self.selector is None else type(self.selector).__name__,
+            "loss_fn": describe_callable(self._scorer.loss_fn),
         }
 
     def _warn_other_speed(self, saved: dict[str, str] | None) -> None:

@@ -315,3 +315,100 @@ def test_a_checkpoint_the_run_went_past_resumes_exactly(make, prefetch):
     resumed = make(prefetch=prefetch)
     resumed.load_state_dict(state)
     assert before + run(resumed, epochs - 1) == reference
+
+
+# ---------------------------------------------------------------------- what a state belongs to
+class _Pairs(torch.utils.data.Dataset):
+    """Dict examples with two candidate input fields and two candidate target fields."""
+
+    def __init__(self, n: int = 96) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(n, 6, generator=g), torch.randint(0, 2, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"a": self.x[i], "b": self.x[i].flip(0), "y": self.y[i], "z": 1 - self.y[i]}
+
+
+def _pairs_loader(**kw) -> SelectiveLoader:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Linear(16, 2))
+    dl = torch.utils.data.DataLoader(
+        _Pairs(), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(5)
+    )
+    kw.setdefault("input_key", "a")
+    kw.setdefault("target_key", "y")
+    return SelectiveLoader(
+        dl, model, policy=SelectiveBackprop(1 / 3), batch_size=8, autocast=None, **kw
+    )
+
+
+def _mid_epoch_state(loader: SelectiveLoader) -> dict:
+    it = iter(loader)
+    next(it)
+    buf = io.BytesIO()
+    torch.save(loader.state_dict(), buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.filterwarnings("ignore:the source's dict batches have tensor fields")
+@pytest.mark.parametrize(
+    "other, match",
+    [
+        (dict(input_key="b"), r"scored input_key='a', but this loader has input_key='b'"),
+        (dict(target_key="z"), r"scored target_key='y', but this loader has target_key='z'"),
+        (dict(eval_selection=False), r"eval_selection=True, but this SelectiveLoader has "),
+    ],
+)
+def test_a_state_is_refused_by_a_loader_scoring_other_fields_or_in_another_mode(other, match):
+    """The fields the selection passes score and the mode they run in decide what is selected:
+    a state saved with others is refused naming the option (it loaded silently, and the resumed
+    loader scored the saved run's fields while reporting its own)."""
+    state = _mid_epoch_state(_pairs_loader())
+    loader = _pairs_loader(**other)
+    with pytest.raises(ValueError, match=match):
+        loader.load_state_dict(state)
+    # the same configuration resumes
+    _pairs_loader().load_state_dict(state)
+
+
+@pytest.mark.filterwarnings("ignore:the source's dict batches have tensor fields")
+def test_a_resumed_state_checks_the_metadata_key_against_the_saved_fields():
+    """A metadata_key that is a field of the source's batches is refused by a fresh loader on
+    its first batch, and by a resumed one when the state is loaded (it overwrote the targets)."""
+    with pytest.raises(ValueError, match="metadata_key='y' is already a key"):
+        next(iter(_pairs_loader(metadata_key="y")))
+    state = _mid_epoch_state(_pairs_loader())
+    with pytest.raises(ValueError, match="metadata_key='y' is already a key"):
+        _pairs_loader(metadata_key="y").load_state_dict(state)
+
+
+@pytest.mark.filterwarnings("ignore:the source's dict batches have tensor fields")
+def test_a_state_saved_with_another_loss_fn_warns_naming_it():
+    """loss_fn changes what is selected; it is a speed-like option (allowed, warned of), and
+    described by its settings, which its repr omits (label smoothing)."""
+    state = _mid_epoch_state(_pairs_loader(loss_fn=nn.CrossEntropyLoss(reduction="none")))
+    smoothed = _pairs_loader(loss_fn=nn.CrossEntropyLoss(reduction="none", label_smoothing=0.5))
+    with pytest.warns(UserWarning, match=r"loss_fn=.*label_smoothing=0\.0.*label_smoothing=0\.5"):
+        smoothed.load_state_dict(state)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _pairs_loader(loss_fn=nn.CrossEntropyLoss(reduction="none")).load_state_dict(state)
+
+
+@pytest.mark.filterwarnings("ignore:the source's dict batches have tensor fields")
+def test_a_state_ranked_against_every_ranks_losses_is_refused_by_a_local_cdf_loader():
+    """cdf ('local' or 'global') decides what each rank ranks its losses against: a state that
+    says it was saved with the other is refused naming cdf (it resumed silently under DDP)."""
+    from sbloader.loader import K_IDENTITY
+
+    state = _mid_epoch_state(_pairs_loader())
+    assert state[K_IDENTITY]["cdf"] == "local"
+    state[K_IDENTITY]["cdf"] = "global"
+    with pytest.raises(ValueError, match=r"cdf='global', but this SelectiveLoader has cdf='local'"):
+        _pairs_loader().load_state_dict(state)
