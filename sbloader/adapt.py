@@ -79,6 +79,18 @@ def _adapt(source: Any, index_key: Hashable | None, dataset_size: int | None) ->
     if isinstance(source, DataLoader) and not isinstance(source.dataset, IterableDataset):
         if index_key is not None:
             return IterableSource(source, index_key, dataset_size)
+        if type(source).__iter__ is not DataLoader.__iter__:
+            # NOTE: DataLoaderSource iterates a DataLoader of the same arguments over the
+            # dataset (to recover the indices): a subclass's own __iter__ (normalising or moving
+            # its batches) would be skipped without a word.
+            raise TypeError(
+                f"SelectiveLoader cannot recover dataset indices through "
+                f"{type(source).__name__}'s own __iter__ (it iterates a plain DataLoader of the "
+                "same arguments over the dataset, which would skip what that __iter__ does to "
+                "the batches); move that work into the DataLoader's collate_fn, or give the "
+                "examples a field holding their index and pass index_key= naming it (the loader "
+                "is then iterated as it is)"
+            )
         return DataLoaderSource(source)
     if is_ffcv_loader(source):
         if index_key is not None and not isinstance(index_key, (str, int)):

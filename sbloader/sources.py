@@ -34,10 +34,38 @@ class _IndexedSamples:
 
 
 class IndexedDataset(Dataset):
-    """Wraps a map-style dataset so that each fetched batch of samples knows its indices."""
+    """Wraps a map-style dataset so that each fetched batch of samples knows its indices.
+
+    Attributes it does not have are the dataset's, read and written (a worker's
+    ``get_worker_info().dataset`` is the dataset itself: see :class:`WorkerInit`).
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import TensorDataset
+        >>> data = TensorDataset(torch.arange(4))
+        >>> wrapped = IndexedDataset(data)
+        >>> wrapped.tensors is data.tensors, len(wrapped)
+        (True, 4)
+    """
+
+    dataset: Dataset
 
     def __init__(self, dataset: Dataset) -> None:
-        self.dataset = dataset
+        self.__dict__["dataset"] = dataset
+
+    def __getattr__(self, name: str) -> Any:
+        # (only for names not found on the wrapper; "dataset" itself is absent while a worker
+        # unpickles the wrapper, and dunders are looked up on the class)
+        dataset = self.__dict__.get("dataset")
+        if dataset is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(dataset, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "dataset":
+            self.__dict__["dataset"] = value
+        else:
+            setattr(self.__dict__["dataset"], name, value)
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -51,6 +79,28 @@ class IndexedDataset(Dataset):
         return _IndexedSamples(list(indices), samples)
 
 
+class WorkerInit:
+    """The user's ``worker_init_fn`` for a DataLoader over :class:`IndexedDataset`, run after the
+    worker's ``get_worker_info().dataset`` is set to the user's dataset.
+
+    NOTE (why): the usual per-worker setup reads that field (opening a file handle, seeding
+    per-worker augmentation, sharding): given the wrapper, it failed or, writing an attribute,
+    changed nothing the dataset reads. Only this worker's info object is changed (torch's
+    ``WorkerInfo`` refuses assignments once built, so the field is set past that guard); the
+    worker's fetcher keeps the wrapper it was given, which wraps the same dataset object.
+    """
+
+    def __init__(self, worker_init_fn: Any) -> None:
+        self.worker_init_fn = worker_init_fn
+
+    def __call__(self, worker_id: int) -> None:
+        info = torch.utils.data.get_worker_info()
+        if info is not None and isinstance(info.dataset, IndexedDataset):
+            object.__setattr__(info, "dataset", info.dataset.__dict__["dataset"])
+        if self.worker_init_fn is not None:
+            self.worker_init_fn(worker_id)
+
+
 class IndexedCollate:
     """Collates the samples with the user's collate function and returns (indices, batch)."""
 
@@ -59,7 +109,16 @@ class IndexedCollate:
 
     def __call__(self, fetched: _IndexedSamples) -> tuple[torch.Tensor, Any]:
         # NOTE: through numpy: several times faster than torch.as_tensor on a list of ints.
-        indices = torch.from_numpy(np.asarray(fetched.indices, dtype=np.int64))
+        keys = np.asarray(fetched.indices)
+        if keys.ndim != 1 or keys.dtype.kind not in "iu":
+            raise TypeError(
+                "the DataLoader's sampler yields keys that are not integer dataset indices (the "
+                f"first: {fetched.indices[0]!r}), and sbloader keeps each example's index from "
+                "them (its per-example losses, feedback and resume); give the dataset's "
+                "examples a field holding their index and pass index_key= naming it (the "
+                "DataLoader is then iterated as it is), or sample integer indices"
+            )
+        indices = torch.from_numpy(keys.astype(np.int64, copy=False))
         return indices, self.collate_fn(fetched.samples)
 
 
@@ -497,7 +556,7 @@ def indexed_loader_kwargs(loader: DataLoader, batch_sampler: Any) -> dict[str, A
         collate_fn=IndexedCollate(loader.collate_fn or default_collate),
         pin_memory=loader.pin_memory,
         timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
+        worker_init_fn=WorkerInit(loader.worker_init_fn) if loader.num_workers > 0 else None,
         multiprocessing_context=loader.multiprocessing_context,
         generator=loader.generator,
         persistent_workers=loader.persistent_workers,

@@ -50,18 +50,32 @@ SAMPLE_ID = "sample_id"
 _READS = 100
 
 
+#: MDS's encodings of numeric scalars, by numpy dtype name.
+_SCALAR_ENCODINGS = frozenset(
+    {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
+    | {"float16", "float32", "float64"}
+)
+
+
 def _column(value: Any) -> tuple[str, Any]:
     """An MDS encoding for one field, from its first value, and a converter for every value."""
     if isinstance(value, torch.Tensor):
         value = value.numpy()
     if isinstance(value, (bool, np.bool_)):
         raise TypeError("write_mds cannot store booleans; convert them to integers first")
-    if isinstance(value, (int, np.integer)) or (isinstance(value, np.ndarray) and value.ndim == 0):
-        kind = np.asarray(value).dtype.kind
-        if kind in "iu":
-            return "int64", lambda v: np.int64(v)
-        return "float64", lambda v: np.float64(v)
-    if isinstance(value, (float, np.floating)):
+    if isinstance(value, (np.integer, np.floating)) or (
+        isinstance(value, np.ndarray) and value.ndim == 0
+    ):
+        # NOTE: a numpy (or tensor) scalar keeps its dtype, as arrays do: a float32 target read
+        # back as float64 made a float32 model's loss fail in backward().
+        dtype = np.asarray(value).dtype
+        if dtype.name in _SCALAR_ENCODINGS:
+            return dtype.name, lambda v: dtype.type(v)
+        kind = "int64" if dtype.kind in "iu" else "float64"
+        return kind, lambda v: np.dtype(kind).type(v)
+    if isinstance(value, int):  # a Python int or float: 64 bits, as Python holds them
+        return "int64", lambda v: np.int64(v)
+    if isinstance(value, float):
         return "float64", lambda v: np.float64(v)
     if isinstance(value, np.ndarray):
         shape = ",".join(str(d) for d in value.shape)

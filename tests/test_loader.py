@@ -1424,3 +1424,96 @@ def test_unhashable_and_slotted_custom_policies_still_build_loaders():
     make_loader(policy=policy)
     with pytest.raises(RuntimeError, match="was given to another SelectiveLoader"):
         iter(first)
+
+
+# ---------------------------------------------------------------------- what the source sees
+class _OpenedInWorkers(torch.utils.data.Dataset):
+    """h5py/lmdb style: a handle opened by worker_init_fn through get_worker_info().dataset,
+    and a per-worker offset set the same way."""
+
+    def __init__(self) -> None:
+        self.handle: str | None = None
+        self.offset = 0
+
+    def open(self) -> None:
+        info = torch.utils.data.get_worker_info()
+        self.handle, self.offset = f"worker {info.id}", 1000 * (info.id + 1)
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int):
+        if self.handle is None:
+            raise RuntimeError("dataset not opened")
+        return torch.full((4,), float(i + self.offset)), i % 3
+
+
+def _open_in_worker(worker_id: int) -> None:
+    info = torch.utils.data.get_worker_info()
+    assert isinstance(info.dataset, _OpenedInWorkers), type(info.dataset)
+    info.dataset.open()
+
+
+def test_worker_init_fn_sees_the_users_dataset_in_each_worker():
+    """A worker_init_fn that opens a handle or sets an attribute on get_worker_info().dataset
+    works as with the plain DataLoader (it got sbloader's index wrapper: AttributeError, or an
+    attribute set that the dataset never read)."""
+    source = DataLoader(
+        _OpenedInWorkers(), batch_size=6, num_workers=2, worker_init_fn=_open_in_worker
+    )
+    plain = sorted(float(x[0]) for b in source for x in b[0])
+    loader = SelectiveLoader(source, nn.Linear(4, 3), policy=Traditional(), batch_size=6)
+    got = sorted(float(x[0]) for b in loader for x in b[0])
+    assert got == plain and min(got) >= 1000  # every example came through an opened worker
+    # attributes of the dataset read through sbloader's wrapper are the dataset's
+    from sbloader.sources import IndexedDataset
+
+    data = _OpenedInWorkers()
+    wrapped = IndexedDataset(data)
+    wrapped.offset = 7
+    assert data.offset == 7 and wrapped.offset == 7 and wrapped.dataset is data
+
+
+class _Normalising(DataLoader):
+    def __iter__(self):
+        for x, y in super().__iter__():
+            yield (x - 100.0) / 10.0, y
+
+
+def test_a_dataloader_subclass_with_its_own_iter_is_refused_with_the_fix():
+    """sbloader iterates a plain DataLoader of the same arguments to recover indices: a
+    subclass's own __iter__ would be skipped silently (its batches came back unnormalised)."""
+    data = torch.utils.data.TensorDataset(torch.full((20, 4), 100.0), torch.zeros(20).long())
+    with pytest.raises(TypeError, match=r"_Normalising's own __iter__.*collate_fn.*index_key="):
+        SelectiveLoader(_Normalising(data, batch_size=5), nn.Linear(4, 3))
+
+
+class _ScaledKeys(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, key):
+        i, scale = key
+        return torch.full((4,), float(i)) * scale, i % 3
+
+
+class _ScaleSampler(torch.utils.data.Sampler):
+    def __iter__(self):
+        return iter([(i, 1 + i % 2) for i in range(20)])
+
+    def __len__(self) -> int:
+        return 20
+
+
+@pytest.mark.parametrize("kind", ["tuples", "strings"])
+def test_a_sampler_of_non_integer_keys_is_refused_on_the_first_batch_naming_index_key(kind):
+    """Keys that are not integer dataset indices (multi-scale (index, scale) pairs, string
+    keys) gave 2-d batch.indices silently, or errors that named no sampler."""
+    if kind == "tuples":
+        source = DataLoader(_ScaledKeys(), batch_size=5, sampler=_ScaleSampler())
+    else:
+        keyed = {f"img{i}": (torch.full((4,), float(i)), i % 3) for i in range(20)}
+        source = DataLoader(keyed, batch_size=5, sampler=list(keyed))  # a dict is map-style
+    loader = SelectiveLoader(source, nn.Linear(4, 3), policy=SelectiveBackprop(0.5), batch_size=5)
+    with pytest.raises(TypeError, match=r"not integer dataset indices .*index_key="):
+        next(iter(loader))

@@ -386,3 +386,37 @@ def test_without_torchvision_the_import_names_the_fix():
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120
     ).stdout
     assert out.startswith("torchvision |") and "PYTHONPATH=tests/placeholders" in out
+
+
+def test_write_mds_keeps_each_scalar_fields_dtype(tmp_path):
+    """A float32 (or int32, uint8) scalar field comes back in its own dtype, as array fields do;
+    Python numbers as 64-bit ones (a float32 target read back as float64 made a float32
+    model's Huber loss fail in backward)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((40, 4)).astype(np.float32)
+    columns = (
+        x,
+        x.sum(1).astype(np.float32),
+        np.arange(40, dtype=np.int32),
+        np.arange(40, dtype=np.uint8),
+        [float(i) for i in range(40)],
+        list(range(40)),
+    )
+    names = ("x", "f32", "i32", "u8", "py_float", "py_int")
+    out = sbs.write_mds(tmp_path / "mds", columns, names=names)
+    loader = sbs.open_mds(out, 10, shuffle=False)
+    batch = next(iter(loader))
+    dtypes = {k: batch[k].dtype for k in names}
+    assert dtypes == {
+        "x": torch.float32,
+        "f32": torch.float32,
+        "i32": torch.int32,
+        "u8": torch.uint8,
+        "py_float": torch.float64,
+        "py_int": torch.int64,
+    }
+    assert torch.equal(batch["f32"], torch.from_numpy(columns[1][:10]))
+    model = nn.Linear(4, 1)
+    nn.functional.huber_loss(model(batch["x"]).squeeze(1), batch["f32"]).backward()
+    del batch
+    released(loader)
