@@ -674,3 +674,42 @@ def test_a_checkpoint_between_accumulated_steps_warns(tmp_path, val_every, warns
     assert bool(ours) == warns
     if warns:
         assert "accumulate_grad_batches=2, 1 batches accumulated" in str(ours[0].message)
+
+
+class Tunable(Classifier):
+    """The README's way to tune: a plain DataLoader while Lightning's Tuner runs."""
+
+    tuning = False
+
+    def train_dataloader(self):
+        if self.tuning:
+            return DataLoader(data(), batch_size=64, shuffle=True)
+        return super().train_dataloader()
+
+    def training_step(self, batch, batch_idx):
+        if self.tuning:
+            x, y = batch
+            return F.cross_entropy(self(x), y)
+        return super().training_step(batch, batch_idx)
+
+
+def test_lightnings_tuner_is_named_as_the_cause_and_tuning_on_a_plain_loader_then_fitting_works(
+    tmp_path,
+):
+    """Lightning's Tuner swaps the Trainer's callbacks for its own while it tunes: the refusal
+    names it (it told a user who had passed the callback to pass it), and the documented way,
+    a plain DataLoader while tuning, then fit with selective_loader, works."""
+    from lightning.pytorch.tuner import Tuner
+
+    with pytest.raises(ValueError, match=r"found 0.*Lightning's Tuner \(lr_find, scale_batch_size"):
+        Tuner(trainer(epochs=1, default_root_dir=tmp_path)).lr_find(
+            Classifier(), num_training=4, update_attr=False
+        )
+    t = trainer(epochs=1, default_root_dir=tmp_path)
+    module = Tunable()
+    module.tuning = True
+    found = Tuner(t).lr_find(module, num_training=4, update_attr=False, early_stop_threshold=None)
+    assert found is not None and len(found.results["lr"]) == 4
+    module.tuning = False
+    t.fit(module)
+    assert module.trained and all(len(b) == 24 for b in module.trained)

@@ -434,11 +434,22 @@ def selective_loader(
     callbacks = trainer.callbacks  # type: ignore[attr-defined]  # (set outside Trainer's body)
     found = [cb for cb in callbacks if isinstance(cb, SelectiveLoaderCallback)]
     if len(found) != 1:
+        # NOTE: Lightning's Tuner (lr_find, scale_batch_size, and the LearningRateFinder and
+        # BatchSizeFinder callbacks) swaps the Trainer's callbacks for its own while it tunes,
+        # so a user who passed the callback meets this too: said, with what to do.
+        tuner = (
+            " Lightning's Tuner (lr_find, scale_batch_size, LearningRateFinder, "
+            "BatchSizeFinder) replaces the Trainer's callbacks while it tunes: tune before fit "
+            "with a plain DataLoader (e.g. a flag on your module that train_dataloader reads to "
+            "return the source itself), then fit with selective_loader"
+            if not found
+            else ""
+        )
         raise ValueError(
             f"selective_loader needs one SelectiveLoaderCallback in the Trainer's callbacks, but "
             f"found {len(found)}: pass Trainer(callbacks=[SelectiveLoaderCallback()]) (or return "
             "it from the module's configure_callbacks), so that checkpoints save and restore "
-            "the loader"
+            f"the loader.{tuner}"
         )
     if "dataloader_iter" in inspect.signature(module.training_step).parameters:
         raise ValueError(
