@@ -33,7 +33,7 @@ from ._checks import (
     indices_needed,
 )
 from ._migrations import loader_state_v1_to_v2
-from ._state import check_identity, check_version, rollback_state
+from ._state import check_identity, check_version, rollback_state, taking_rollback
 from .adapt import make_source
 from .codec import BatchCodec
 from .decisions import NONFINITE, prefilters, subset_mask
@@ -864,6 +864,8 @@ class SelectiveLoader(NotADataLoader):
         self._returned: list[Rows] = []
         # Whether the model and loss_fn were checked on a source batch (see EpochIterator).
         self._probed = False
+        # Whether a state saved mid-epoch that could not resume there was warned of.
+        self._mid_epoch_warned = False
         # The source's state as of the last source batch consumed (see Source.snapshot); None:
         # ask the source.
         self._source_state: dict[str, Any] | None = None
@@ -1699,6 +1701,19 @@ class SelectiveLoader(NotADataLoader):
             active, position = True, self._unfinished[0]
         else:
             active, position = False, 0
+        if active and position > 0 and not self._mid_epoch_warned and not taking_rollback():
+            # NOTE: said when the state is taken, not only when a resume refuses it: every step
+            # checkpoint of a long run would otherwise turn out unusable only at the resume.
+            why = self._source.mid_epoch_refusal()
+            if why is not None:
+                self._mid_epoch_warned = True
+                warnings.warn(
+                    "this state is saved in the middle of an epoch, where it cannot be resumed: "
+                    f"{why} (load_state_dict refuses it; a state saved at an epoch's end "
+                    "resumes)",
+                    UserWarning,
+                    stacklevel=2,
+                )
         stats = self.stats.state_dict()
         if unconsumed:
             current = stats["epochs"][-1]  # the taken-back batch is counted when handed out again

@@ -127,7 +127,7 @@ class Source(abc.ABC):
 
     A source declares what it can do through plain methods (:meth:`has_indices`,
     :meth:`can_filter`, :meth:`drop_last`, :meth:`replaying`, :meth:`default_prefetch`,
-    :meth:`check_prefetch`, :meth:`reuses_buffers`), never
+    :meth:`check_prefetch`, :meth:`reuses_buffers`, :meth:`mid_epoch_refusal`), never
     through attributes the loader has to probe, and implements :meth:`epoch` and the state
     protocol. :func:`sbloader.adapt.make_source` turns what a user passes into a source.
 
@@ -176,6 +176,12 @@ class Source(abc.ABC):
         """True while a resumed epoch filters the batches it skips again (``keep`` is then called
         for examples already counted before the checkpoint)."""
         return False
+
+    def mid_epoch_refusal(self) -> str | None:
+        """Why a state saved in the middle of an epoch of this source would be refused when
+        loaded (its order cannot be replayed), with the fix, or None. The loader warns when it
+        takes such a state, not only when it is loaded."""
+        return None
 
     def default_prefetch(self) -> int:
         """Source batches worth fetching ahead on a thread by default (see ``prefetch=``)."""
@@ -662,6 +668,15 @@ class DataLoaderSource(Source):
     def replayable(self) -> bool:
         """Whether the epoch order can be replayed from saved generator states."""
         return unreplayable_sampler(self.sampler) is None
+
+    def mid_epoch_refusal(self) -> str | None:
+        if self.out_of_order:
+            return (
+                "the DataLoader hands out batches as its workers finish them (in_order=False), "
+                "so the batches consumed are not the first ones of its order; give it "
+                "in_order=True"
+            )
+        return unreplayable_sampler(self.sampler)
 
     def epoch(
         self, skip: int = 0, keep: Callable[[np.ndarray], np.ndarray] | None = None

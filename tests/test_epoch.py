@@ -914,3 +914,39 @@ def test_a_copy_is_made_between_epochs_and_refused_while_one_runs():
     assert len(rest) > 1
     twin = copy.deepcopy(loader)
     assert epoch_indices(twin) == epoch_indices(loader)
+
+
+def test_a_mid_epoch_state_that_cannot_resume_is_warned_of_when_taken_once():
+    """A shuffling DataLoader on torch's global RNG cannot resume mid-epoch: the refusal came
+    only at load_state_dict, so every step checkpoint of a long run turned out unusable at the
+    resume. Taking such a state warns (once per loader, naming the fix); an end-of-epoch state
+    and a replayable source's mid-epoch state do not."""
+    import warnings
+
+    def build(generator):
+        g = torch.Generator().manual_seed(1) if generator else None
+        dl = DataLoader(EncodedDataset(64), batch_size=8, shuffle=True, generator=g)
+        return SelectiveLoader(dl, IndexLoss(), policy=Traditional(), batch_size=8, seed=0)
+
+    loader = build(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader.state_dict()  # before any epoch
+        epoch_indices(loader)
+        loader.state_dict()  # at an epoch's end
+    it = iter(loader)
+    next(it)
+    with pytest.warns(UserWarning, match=r"middle of an epoch.*RandomSampler.*generator="):
+        state = loader.state_dict()
+    next(it)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader.state_dict()  # said once
+    with pytest.raises(ValueError, match="cannot resume this DataLoader in the middle"):
+        build(False).load_state_dict(state)
+    seeded = build(True)
+    it = iter(seeded)
+    next(it)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build(True).load_state_dict(seeded.state_dict())
