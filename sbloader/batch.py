@@ -53,8 +53,10 @@ class SelectedBatch:
     losses: torch.Tensor | None
     probabilities: torch.Tensor
     weights: torch.Tensor
-    features: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
+    # NOTE: no class-level defaults: a batch a framework rebuilt (a new instance of the same
+    # class, without the results) must not read None, which means "no selection pass yet".
+    features: torch.Tensor | None
+    logits: torch.Tensor | None
 
     def _set_meta(self, indices, losses, probabilities, weights) -> None:
         self.indices = indices
@@ -93,6 +95,16 @@ class SelectedBatch:
                 attributes.pop(_LAZY, None)
             if name in attributes:
                 return attributes[name]
+        if name in _CARRIED:
+            kind = type(self).__name__
+            raise AttributeError(
+                f"{kind!r} object has no attribute {name!r}: this batch carries no selection "
+                f"results, as when a framework rebuilds a yielded batch (a move to the device "
+                f"that makes a new {kind} of the same items, as Lightning's does); pass "
+                "metadata_key= to SelectiveLoader to carry them inside the batch "
+                "(sbloader.integrations.lightning.selective_loader does), or read them before "
+                "the transfer"
+            )
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __dir__(self) -> list[str]:
@@ -162,6 +174,8 @@ class SelectedDict(dict, SelectedBatch):
 #: them when they are made on first access (see SelectedBatch._set_lazy_meta).
 _META_ORDER = ("indices", "losses", "probabilities", "weights")  # as _set_meta takes them
 _META = frozenset(_META_ORDER)
+#: Every selection result a yielded batch carries as an attribute.
+_CARRIED = _META | {"features", "logits"}
 _LAZY = "_sbloader_lazy_meta"
 
 Column = Any  # a tensor with the batch in dimension 0, or a list with one entry per example

@@ -713,3 +713,35 @@ def test_lightnings_tuner_is_named_as_the_cause_and_tuning_on_a_plain_loader_the
     module.tuning = False
     t.fit(module)
     assert module.trained and all(len(b) == 24 for b in module.trained)
+
+
+def test_a_batch_rebuilt_by_lightnings_transfer_names_metadata_key_instead_of_reading_none():
+    """Lightning's move_data_to_device rebuilds a yielded batch as a new instance of its class,
+    without the selection results: reading them names metadata_key= (a bare AttributeError
+    before), and logits/features raise too instead of reading None ("no pass yet")."""
+    from lightning.pytorch.utilities import move_data_to_device
+
+    loader = SelectiveLoader(
+        DataLoader(data(), batch_size=32),
+        nn.Linear(8, 4),
+        policy=SelectiveBackprop(0.5),
+        batch_size=8,
+        keep_logits=True,
+    )
+    batch = next(iter(loader))
+    assert batch.logits.shape == (8, 4) and batch.features is None
+    moved = move_data_to_device(batch, "cpu")
+    assert type(moved) is type(batch) and torch.equal(moved[0], batch[0])
+    for name in ("weights", "indices", "logits", "features"):
+        with pytest.raises(AttributeError, match=rf"no attribute '{name}'.*pass metadata_key="):
+            getattr(moved, name)
+    # with metadata_key the results travel inside the batch, through the transfer
+    keyed = SelectiveLoader(
+        DataLoader(data(), batch_size=32),
+        nn.Linear(8, 4),
+        policy=SelectiveBackprop(0.5),
+        batch_size=8,
+        metadata_key="sb",
+    )
+    _, _, sb = move_data_to_device(next(iter(keyed)), "cpu")
+    assert sb["weights"].shape == (8,)
