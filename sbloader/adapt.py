@@ -7,6 +7,7 @@ protocol.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Hashable, Iterable
 from typing import Any
 
@@ -81,15 +82,19 @@ def _adapt(source: Any, index_key: Hashable | None, dataset_size: int | None) ->
             return IterableSource(source, index_key, dataset_size)
         if type(source).__iter__ is not DataLoader.__iter__:
             # NOTE: DataLoaderSource iterates a DataLoader of the same arguments over the
-            # dataset (to recover the indices): a subclass's own __iter__ (normalising or moving
-            # its batches) would be skipped without a word.
-            raise TypeError(
-                f"SelectiveLoader cannot recover dataset indices through "
-                f"{type(source).__name__}'s own __iter__ (it iterates a plain DataLoader of the "
-                "same arguments over the dataset, which would skip what that __iter__ does to "
-                "the batches); move that work into the DataLoader's collate_fn, or give the "
-                "examples a field holding their index and pass index_key= naming it (the loader "
-                "is then iterated as it is)"
+            # dataset (to recover the indices): a subclass's own __iter__ is not run. Warned,
+            # not refused: many only keep the iterator (SpeechBrain's SaveableDataLoader), but
+            # one that changes the batches (normalising, moving them) would be skipped unsaid.
+            warnings.warn(
+                f"SelectiveLoader recovers dataset indices through a plain DataLoader of "
+                f"{type(source).__name__}'s arguments, so {type(source).__name__}'s own "
+                "__iter__ is not run: what it does to the batches is skipped. If it changes "
+                "them, move that work into the DataLoader's collate_fn, or give the examples a "
+                "field holding their index and pass index_key= naming it (the loader is then "
+                "iterated as it is); pass a plain DataLoader of the same arguments to silence "
+                "this warning",
+                UserWarning,
+                stacklevel=3,
             )
         return DataLoaderSource(source)
     if is_ffcv_loader(source):

@@ -390,7 +390,7 @@ class BatchCodec:
                 ("input_key", self.input_key, fmt["input_key"]),
                 ("target_key", self.target_key, fmt["target_key"]),
             ):
-                if mine is not None and _as_key(mine) != _as_key(saved):
+                if mine is not None and _as_key(mine, kind, len(keys)) != _as_key(saved):
                     raise ValueError(
                         f"the saved run's selection passes scored {name}={_as_key(saved)!r}, but "
                         f"this loader has {name}={mine!r}; build the loader with the saved run's "
@@ -415,10 +415,15 @@ class BatchCodec:
         }
 
 
-def _as_key(key: Any) -> Any:
-    """A field key as saved and as given alike (a tuple of keys comes back from a state as a
-    list)."""
-    return tuple(_as_key(k) for k in key) if isinstance(key, (list, tuple)) else key
+def _as_key(key: Any, kind: type | None = None, fields: int = 0) -> Any:
+    """A field key as saved and as given alike: a tuple of keys (which comes back from a state
+    as a list) as a tuple, and, given a tuple or list format (``kind``) of ``fields`` fields, a
+    position as the format holds it (``-1`` is the last field's, as :meth:`BatchFormat.infer`
+    stores it)."""
+    if isinstance(key, (list, tuple)):
+        return tuple(_as_key(k, kind, fields) for k in key)
+    positional = kind in (tuple, list) and fields and isinstance(key, int)
+    return int(key) % fields if positional and not isinstance(key, bool) else key
 
 
 def _leaves(

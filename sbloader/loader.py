@@ -124,6 +124,9 @@ def _stable_repr(value: Any) -> str:
     """
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k!r}: {_stable_repr(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (set, frozenset)):
+        # (a set of strings iterates in an order of the process's hash seed)
+        return "{" + ", ".join(sorted(_stable_repr(v) for v in value)) + "}"
     if isinstance(value, (list, tuple)):
         inner = ", ".join(_stable_repr(v) for v in value)
         if isinstance(value, list):
@@ -173,10 +176,18 @@ def describe_callable(fn: Any) -> str:
     return f"{kind.__module__}.{kind.__qualname__}({settings}{buffers})"
 
 
+#: Tensors of a loss module up to this many elements are described by a digest of their
+#: values (class weights, say); larger ones (a frozen teacher's weights) by shape and dtype alone,
+#: so that ``state_dict()`` does not copy and hash them at every checkpoint.
+_DIGESTED_ELEMENTS = 65_536
+
+
 def _setting(value: Any) -> str:
-    """A setting of :func:`describe_callable`: a tensor by its shape and a digest of its values,
-    anything else as :func:`_stable_repr` gives it."""
+    """A setting of :func:`describe_callable`: a tensor by its shape and a digest of its values
+    (up to :data:`_DIGESTED_ELEMENTS`), anything else as :func:`_stable_repr` gives it."""
     if isinstance(value, torch.Tensor):
+        if value.numel() > _DIGESTED_ELEMENTS:
+            return f"tensor{tuple(value.shape)}:{value.dtype}"
         data = value.detach().to("cpu", torch.float64).contiguous().numpy().tobytes()
         return f"tensor{tuple(value.shape)}#{hashlib.sha1(data).hexdigest()[:12]}"
     return _stable_repr(value)
@@ -1707,9 +1718,15 @@ class SelectiveLoader(NotADataLoader):
             why = self._source.mid_epoch_refusal()
             if why is not None:
                 self._mid_epoch_warned = True
+                end = (
+                    "the end of a pass over the data (with batches_per_epoch, not every "
+                    "training epoch's end)"
+                    if self._fixed is not None
+                    else "an epoch's end"
+                )
                 warnings.warn(
-                    "this state is saved in the middle of an epoch, where it cannot be resumed: "
-                    f"{why} (load_state_dict refuses it; a state saved at an epoch's end "
+                    "this state is saved in the middle of a pass over the data, where it cannot "
+                    f"be resumed: {why} (load_state_dict refuses it; a state saved at {end} "
                     "resumes)",
                     UserWarning,
                     stacklevel=2,

@@ -905,6 +905,11 @@ class IterableSource(Source):
     def state_dict(self) -> dict[str, Any]:
         return {} if self._order is None else self._order.state_dict(self.sampler)
 
+    def mid_epoch_refusal(self) -> str | None:
+        """A DataLoader iterated as it is: refused mid-epoch where its sampler draws from torch's
+        global RNG (as at :meth:`load_state_dict`)."""
+        return None if self._order is None else unreplayable_sampler(self.sampler)
+
     def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
         """A DataLoader's order (see the NOTE in ``__init__``); nothing else: a mid-epoch
         resume replays the iterable and skips batches."""

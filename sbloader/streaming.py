@@ -50,11 +50,8 @@ SAMPLE_ID = "sample_id"
 _READS = 100
 
 
-#: MDS's encodings of numeric scalars, by numpy dtype name.
-_SCALAR_ENCODINGS = frozenset(
-    {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
-    | {"float16", "float32", "float64"}
-)
+#: MDS's encodings of float scalars, by numpy dtype name.
+_FLOAT_ENCODINGS = frozenset({"float16", "float32", "float64"})
 
 
 def _column(value: Any) -> tuple[str, Any]:
@@ -66,13 +63,16 @@ def _column(value: Any) -> tuple[str, Any]:
     if isinstance(value, (np.integer, np.floating)) or (
         isinstance(value, np.ndarray) and value.ndim == 0
     ):
-        # NOTE: a numpy (or tensor) scalar keeps its dtype, as arrays do: a float32 target read
-        # back as float64 made a float32 model's loss fail in backward().
+        # NOTE: a float scalar keeps its dtype, as arrays do (a float32 target read back as
+        # float64 made a float32 model's loss fail in backward()); an integer one comes back
+        # int64 whatever it was written as, as losses want class labels (cross_entropy refuses
+        # int32 targets), as write_beton's do.
         dtype = np.asarray(value).dtype
-        if dtype.name in _SCALAR_ENCODINGS:
+        if dtype.kind in "iu":
+            return "int64", lambda v: np.int64(v)
+        if dtype.name in _FLOAT_ENCODINGS:
             return dtype.name, lambda v: dtype.type(v)
-        kind = "int64" if dtype.kind in "iu" else "float64"
-        return kind, lambda v: np.dtype(kind).type(v)
+        return "float64", lambda v: np.float64(v)
     if isinstance(value, int):  # a Python int or float: 64 bits, as Python holds them
         return "int64", lambda v: np.int64(v)
     if isinstance(value, float):

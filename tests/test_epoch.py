@@ -936,7 +936,7 @@ def test_a_mid_epoch_state_that_cannot_resume_is_warned_of_when_taken_once():
         loader.state_dict()  # at an epoch's end
     it = iter(loader)
     next(it)
-    with pytest.warns(UserWarning, match=r"middle of an epoch.*RandomSampler.*generator="):
+    with pytest.warns(UserWarning, match=r"middle of a pass.*RandomSampler.*generator="):
         state = loader.state_dict()
     next(it)
     with warnings.catch_warnings():
@@ -950,3 +950,34 @@ def test_a_mid_epoch_state_that_cannot_resume_is_warned_of_when_taken_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         build(True).load_state_dict(seeded.state_dict())
+
+
+def test_the_mid_epoch_warning_covers_a_dataloader_read_through_index_key_and_passes():
+    """A DataLoader read through index_key= on torch's global RNG is refused mid-epoch too: it
+    is warned of when taken; with batches_per_epoch, a training epoch's end is not a pass's,
+    and the warning says which end resumes."""
+
+    class Indexed(torch.utils.data.Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            return {"x": torch.full((6,), float(i)), "y": i % 3, "i": i}
+
+    def build(**kw):
+        dl = DataLoader(Indexed(), batch_size=8, shuffle=True)
+        return SelectiveLoader(
+            dl, nn.Linear(6, 3), policy=Traditional(), batch_size=8, seed=0, **kw
+        )
+
+    loader = build(index_key="i", input_key="x", target_key="y")
+    it = iter(loader)
+    next(it)
+    with pytest.warns(UserWarning, match=r"middle of a pass.*RandomSampler.*at an epoch's end"):
+        state = loader.state_dict()
+    with pytest.raises(ValueError, match="cannot resume this DataLoader in the middle"):
+        build(index_key="i", input_key="x", target_key="y").load_state_dict(state)
+    fixed = build(input_key="x", target_key="y", batches_per_epoch=2)
+    list(fixed)  # a training epoch's end, in the middle of a pass over the data
+    with pytest.warns(UserWarning, match=r"at the end of a pass over the data \(with batches_per"):
+        fixed.state_dict()

@@ -1480,12 +1480,26 @@ class _Normalising(DataLoader):
             yield (x - 100.0) / 10.0, y
 
 
-def test_a_dataloader_subclass_with_its_own_iter_is_refused_with_the_fix():
+class _KeepsIterator(DataLoader):
+    """As SpeechBrain's SaveableDataLoader: its __iter__ only keeps the iterator."""
+
+    def __iter__(self):
+        self.last = super().__iter__()
+        return self.last
+
+
+def test_a_dataloader_subclass_with_its_own_iter_is_warned_of_with_the_fix():
     """sbloader iterates a plain DataLoader of the same arguments to recover indices: a
-    subclass's own __iter__ would be skipped silently (its batches came back unnormalised)."""
+    subclass's own __iter__ is not run (its batch processing was skipped silently: the batches
+    came back unnormalised), so it is warned of, naming the fixes; one whose __iter__ changes
+    nothing trains as the plain DataLoader does."""
     data = torch.utils.data.TensorDataset(torch.full((20, 4), 100.0), torch.zeros(20).long())
-    with pytest.raises(TypeError, match=r"_Normalising's own __iter__.*collate_fn.*index_key="):
+    with pytest.warns(UserWarning, match=r"_Normalising's own __iter__ is not run.*collate_fn"):
         SelectiveLoader(_Normalising(data, batch_size=5), nn.Linear(4, 3))
+    with pytest.warns(UserWarning, match=r"_KeepsIterator's own __iter__ is not run"):
+        kept = SelectiveLoader(_KeepsIterator(data, batch_size=5), nn.Linear(4, 3))
+    plain = SelectiveLoader(DataLoader(data, batch_size=5), nn.Linear(4, 3))
+    assert [b.indices.tolist() for b in kept] == [b.indices.tolist() for b in plain]
 
 
 class _ScaledKeys(torch.utils.data.Dataset):

@@ -412,3 +412,70 @@ def test_a_state_ranked_against_every_ranks_losses_is_refused_by_a_local_cdf_loa
     state[K_IDENTITY]["cdf"] = "global"
     with pytest.raises(ValueError, match=r"cdf='global', but this SelectiveLoader has cdf='local'"):
         _pairs_loader().load_state_dict(state)
+
+
+def test_a_state_saved_with_a_negative_field_position_resumes_with_the_same_one():
+    """target_key=-1 is stored as the last field's position: the run's own checkpoint resumes
+    (it was refused, comparing -1 with 1), and another position is still refused."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,)))
+
+    def build(target_key):
+        torch.manual_seed(0)
+        return SelectiveLoader(
+            DataLoader(data, batch_size=8),
+            nn.Linear(4, 3),
+            policy=sbloader.RandomBackprop(0.5),
+            batch_size=8,
+            input_key=0,
+            target_key=target_key,
+        )
+
+    saved = build(-1)
+    list(saved)
+    state = saved.state_dict()
+    build(-1).load_state_dict(state)
+    build(1).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"scored input_key=0, but this loader has input_key=1"):
+        SelectiveLoader(
+            DataLoader(data, batch_size=8),
+            nn.Linear(4, 3),
+            policy=sbloader.RandomBackprop(0.5),
+            batch_size=8,
+            input_key=1,
+            target_key=0,
+        ).load_state_dict(state)
+
+
+def test_a_loss_fn_is_described_alike_in_every_process_and_large_tensors_are_not_hashed():
+    """A set-valued setting is described in sorted order (a set of strings iterates in the
+    order of the process's hash seed, so every resume warned of another loss_fn), and a loss
+    module's large tensors by shape and dtype alone (hashed at every state_dict())."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from sbloader.loader import describe_callable as d\n"
+        "class L(torch.nn.Module):\n"
+        "    def __init__(s):\n"
+        "        super().__init__(); s.names = {'background', 'void', 'other', 'unlabeled'}\n"
+        "print(d(L()))"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)},
+            check=True,
+        ).stdout
+        for seed in (1, 2, 3)
+    }
+    assert len(outs) == 1 and "'background', 'other', 'unlabeled', 'void'" in outs.pop()
+    from sbloader.loader import describe_callable
+
+    teacher = nn.Linear(1000, 1000)
+    described = describe_callable(teacher)
+    assert "weight=tensor(1000, 1000):torch.float32" in described and "#" in described  # bias

@@ -388,10 +388,11 @@ def test_without_torchvision_the_import_names_the_fix():
     assert out.startswith("torchvision |") and "PYTHONPATH=tests/placeholders" in out
 
 
-def test_write_mds_keeps_each_scalar_fields_dtype(tmp_path):
-    """A float32 (or int32, uint8) scalar field comes back in its own dtype, as array fields do;
-    Python numbers as 64-bit ones (a float32 target read back as float64 made a float32
-    model's Huber loss fail in backward)."""
+def test_write_mds_keeps_float_scalars_dtype_and_gives_integer_scalars_as_int64(tmp_path):
+    """A float32 scalar field comes back float32, as array fields keep theirs (read back as
+    float64 it made a float32 model's Huber loss fail in backward); integer scalars come back
+    int64 whatever they were written as (cross_entropy refuses int32 class labels), Python
+    floats as float64."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((40, 4)).astype(np.float32)
     columns = (
@@ -410,13 +411,14 @@ def test_write_mds_keeps_each_scalar_fields_dtype(tmp_path):
     assert dtypes == {
         "x": torch.float32,
         "f32": torch.float32,
-        "i32": torch.int32,
-        "u8": torch.uint8,
+        "i32": torch.int64,
+        "u8": torch.int64,
         "py_float": torch.float64,
         "py_int": torch.int64,
     }
     assert torch.equal(batch["f32"], torch.from_numpy(columns[1][:10]))
     model = nn.Linear(4, 1)
     nn.functional.huber_loss(model(batch["x"]).squeeze(1), batch["f32"]).backward()
+    nn.functional.cross_entropy(nn.Linear(4, 3)(batch["x"]), batch["i32"] % 3).backward()
     del batch
     released(loader)
