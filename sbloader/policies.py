@@ -350,7 +350,8 @@ class SelectiveBackprop(Policy):
             (:meth:`SelectiveLoader.feedback <sbloader.SelectiveLoader.feedback>`): those
             reports keep the stored losses fresh, so a pass is needed less often. An epoch runs
             a pass when at least m epochs have passed since the last one and the previous epoch's
-            losses were reported, or n epochs and they were not. Default: n.
+            losses were reported, or n epochs and they were not. Default: n. Refused above 1
+            with ``staleness=1`` (a pass every epoch: it would change nothing).
         reweight: weight each kept example by 1/P, normalised to mean 1 per yielded batch (off
             by default, as in the paper). NOTE: the normalisation makes the weighted batch mean
             a self-normalised (ratio) estimate, not an unbiased one: most batches hold none of
@@ -359,7 +360,8 @@ class SelectiveBackprop(Policy):
             against 1.02). For an unbiased
             estimate of the data's mean loss, weight with ``selectivity / batch.probabilities``
             instead (the batch mean of those weighted losses).
-        store_path: a folder to memory-map the per-example store in (Stale-SB on huge datasets).
+        store_path: a folder to memory-map the per-example store in (Stale-SB on huge datasets;
+            refused with ``staleness=1``, which keeps no store).
             A run that begins without loading a state starts with an empty store (the files an
             earlier run left there are cleared). Each saved state copies the files into a
             snapshot in the folder's ``snapshots/`` (sparse: about the scored examples' 12
@@ -387,7 +389,9 @@ class SelectiveBackprop(Policy):
             selection otherwise trains on the most. Applies to every decision with losses,
             stored or fresh; an example never scored keeps P = 1. NOTE: during a ramp
             (``ramp_epochs``) the uniform share u keeps every loss at ``u * selectivity``, the
-            trimmed ones included: only ``(1 - u)`` of P is trimmed.
+            trimmed ones included: only ``(1 - u)`` of P is trimmed. Needs
+            ``history >= 1 / trim_top`` (the window's highest loss alone is ``1 / history`` of
+            it; refused otherwise), and the loss exactly at the ``1 - q`` quantile is kept.
         stale_cdf: what a stale epoch ranks each stored loss against. ``"window"`` (default):
             the window as the last selection pass left it. ``"store"``: at the start of each
             stale epoch the window is refilled with the stored losses of ``history`` examples
