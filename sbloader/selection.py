@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 import numbers
 import sys
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
@@ -596,6 +597,42 @@ def _scalar_fix(output: Output, custom: bool) -> str:
     return "have the model return its per-example outputs, or pass output= to pick them"
 
 
+def check_materialised(name: str, module: nn.Module | None) -> None:
+    """Refuse a module with lazy parameters or buffers still to be made (``nn.LazyLinear``
+    before its first forward), naming ``name`` and the fix.
+
+    NOTE (why): the loader's first selection pass would be the module's first forward, under
+    ``torch.inference_mode()``: the parameters it makes there are inference tensors, which
+    report ``requires_grad=True`` but never get a gradient, so those layers never train.
+
+    Example:
+        >>> check_materialised("model", nn.Linear(2, 2))
+        >>> check_materialised("model", nn.LazyLinear(2))
+        Traceback (most recent call last):
+            ...
+        ValueError: model has lazy parameters not made yet (LazyLinear): ...
+    """
+    if not isinstance(module, nn.Module):
+        return  # (None, or not a module: refused elsewhere with its own message)
+    lazy = sorted(
+        {
+            type(m).__name__
+            for m in module.modules()
+            if any(
+                nn.parameter.is_lazy(t)
+                for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))
+            )
+        }
+    )
+    if lazy:
+        raise ValueError(
+            f"{name} has lazy parameters not made yet ({', '.join(lazy)}): the loader's first "
+            "selection pass would make them under torch.inference_mode(), and parameters made "
+            f"there never train; run one forward of the {name} on a batch of the source before "
+            "building the SelectiveLoader"
+        )
+
+
 def downsample(inputs: torch.Tensor, scale: float) -> torch.Tensor:
     """Bilinearly resize a 4-d image batch by ``scale`` (Composer's ``scale_factor``).
 
@@ -616,6 +653,14 @@ def downsample(inputs: torch.Tensor, scale: float) -> torch.Tensor:
         )
     if scale == 1.0:
         return inputs
+    h, w = (math.floor(d * scale) for d in inputs.shape[2:])
+    if h < 1 or w < 1:
+        raise ValueError(
+            f"selection_scale={scale:g} resizes the inputs' height and width "
+            f"{tuple(inputs.shape[2:])} to ({h}, {w}), with no pixels left; pass a "
+            f"selection_scale of at least {1 / min(inputs.shape[2:]):.3g}, or "
+            "selection_scale=None"
+        )
     return F.interpolate(inputs, scale_factor=scale, mode="bilinear", align_corners=False)
 
 

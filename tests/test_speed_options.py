@@ -454,10 +454,10 @@ def test_cached_features_run_the_prefix_once_per_example_and_change_nothing(poli
         torch.testing.assert_close(a.features, b.features)
         torch.testing.assert_close(a.losses, b.losses, equal_nan=True)
     # Each example once (at most N), plus a few recomputed per later epoch to check the cache.
-    assert counting.examples <= N + 2 * 4
+    assert counting.examples <= N + 2 * FeatureCache.CHECKED
     assert sum(e.prefix_forwards for e in loader.stats.epochs) == counting.examples
     if loader.policy.needs_losses(2):  # every candidate scored: all cached after epoch 0
-        assert loader.stats.epochs[-1].prefix_forwards <= 4
+        assert loader.stats.epochs[-1].prefix_forwards <= FeatureCache.CHECKED
 
 
 @pytest.mark.parametrize("where", ["cpu", torch.device("cpu")])
@@ -612,3 +612,91 @@ def test_save_feature_cache_without_a_cache_is_refused_naming_the_value(cache):
     backbone, head = backbone_and_head()
     with pytest.raises(ValueError, match=rf"save_feature_cache=True .* got cache_features={cache}"):
         run(model=head, frozen_prefix=backbone, cache_features=cache, save_feature_cache=True)
+
+
+@pytest.mark.parametrize("where", ["model", "selector", "frozen_prefix"])
+def test_a_module_with_lazy_parameters_is_refused_at_construction_naming_the_fix(where):
+    """The first selection pass would make a lazy module's parameters under inference mode,
+    where they never train (they reported requires_grad=True and never changed): refused when
+    the loader is built, naming the module and the fix; after one forward, accepted."""
+    from torch.utils.data import TensorDataset
+
+    data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 3, (32,))), batch_size=8)
+    lazy = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 3))
+    kw = {"model": nn.Linear(4, 3)}
+    if where == "frozen_prefix":
+        lazy = nn.Sequential(nn.LazyLinear(4))  # (requires_grad_ cannot reach lazy parameters)
+        kw["frozen_prefix"] = lazy
+    else:
+        kw[where] = lazy
+    with pytest.raises(ValueError, match=rf"^{where} has lazy parameters not made yet \(Lazy"):
+        SelectiveLoader(data, **kw, policy=SelectiveBackprop(0.5), batch_size=8)
+    lazy(torch.randn(2, 4))  # the fix: one forward first
+    if where == "frozen_prefix":
+        lazy.requires_grad_(False)
+    loader = SelectiveLoader(data, **kw, policy=SelectiveBackprop(0.5), batch_size=8)
+    next(iter(loader))
+    assert not any(p.is_inference() for p in lazy.parameters())
+
+
+def test_a_selection_scale_that_leaves_no_pixels_is_refused_naming_it():
+    from torch.utils.data import TensorDataset
+
+    data = DataLoader(
+        TensorDataset(torch.randn(32, 2, 16, 1), torch.randint(0, 4, (32,))), batch_size=16
+    )
+    net = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2, 4))
+    loader = SelectiveLoader(
+        data,
+        net,
+        policy=SelectiveBackprop(0.5),
+        batch_size=8,
+        selection_scale=0.5,
+        quantize_selection=False,
+    )
+    with pytest.raises(ValueError, match=r"selection_scale=0.5 resizes .* \(16, 1\) to \(8, 0\)"):
+        next(iter(loader))
+
+
+def test_cached_float32_features_refuse_a_random_horizontal_flip():
+    """A horizontal flip through a globally pooled backbone can change its features by 1-2%,
+    under the 5% a bf16 cache must allow: float32 features are held to 1e-3 (another batch's
+    kernels differ by about 1e-7), and 16 examples are checked (half of them flipped anew each
+    epoch), so a flip is refused as the README says (it trained on epoch 0's flips all run)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(N, 3, 16, 16, generator=g)  # non-negative images, as pixels are
+    y = torch.randint(0, CLASSES, (N,), generator=g)
+    flips = torch.Generator().manual_seed(1)
+
+    class Flipped(TensorDataset):
+        def __getitem__(self, i):
+            x, y = super().__getitem__(i)
+            return (x.flip(-1) if torch.rand((), generator=flips) < 0.5 else x), y
+
+    backbone = seeded(
+        lambda: nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
+    )
+    backbone.requires_grad_(False).eval()
+    with torch.no_grad():
+        a, b = backbone(x[:32]), backbone(x[:32].flip(-1))
+        change = ((a - b).norm(dim=1) / a.norm(dim=1)).max()
+    assert FeatureCache.TOLERANCE_FP32 < change < FeatureCache.TOLERANCE  # the case 5% missed
+    loader = SelectiveLoader(
+        DataLoader(Flipped(x, y), batch_size=60, shuffle=True, generator=g),
+        nn.Linear(32, CLASSES),
+        policy=SelectiveBackprop(1 / 3, history=64),
+        batch_size=20,
+        frozen_prefix=backbone,
+        cache_features=True,
+    )
+    list(loader)
+    with pytest.raises(ValueError, match="input changed between epochs"):
+        list(loader)
