@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -213,6 +214,23 @@ def selected_class(cls: type) -> type | None:
     with _SELECTED_LOCK:
         if cls in _SELECTED:
             return _SELECTED[cls]
+        clash = sorted(name for name in _CARRIED if hasattr(cls, name))
+        if clash:
+            # NOTE: a field named like a selection result (a namedtuple's ``features``) is a
+            # read-only property of the class: the results could not be set (a bare "can't set
+            # attribute"), or ``batch.weights`` read the field. The batch falls back to a plain
+            # tuple or dict, whose attributes are the selection's, and says so once.
+            warnings.warn(
+                f"the source's batch class {cls.__name__} has {', '.join(map(repr, clash))}, "
+                "named like the selection results yielded batches carry as attributes, so "
+                f"yielded batches are plain {'tuples' if _is_namedtuple(cls) else 'dicts'} "
+                f"instead of {cls.__name__} (its fields by position or key); rename the field "
+                "to keep the class",
+                UserWarning,
+                stacklevel=2,
+            )
+            _SELECTED[cls] = None
+            return None
         base_getattr = getattr(cls, "__getattr__", None)
 
         def __getattr__(self: Any, name: str) -> Any:

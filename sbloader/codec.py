@@ -189,6 +189,22 @@ class BatchCodec:
             if not isinstance(leaf, torch.Tensor) or leaf.shape[1:] != shape[1:]:
                 got = None if not isinstance(leaf, torch.Tensor) else tuple(leaf.shape)
                 raise self._ragged_nested(j, path, shape, got, where)
+        # An entry the first batch did not have: its rows would be dropped when joined with
+        # rows of a batch without it (the joined dict takes the first part's entries).
+        for j in {j for j, _ in self._nested}:
+            column = data[j]
+            if isinstance(column, Mapping):
+                for path, leaf in _leaves(column, ()):
+                    if (j, path) not in self._nested:
+                        assert self.format is not None
+                        entry = "".join(f"[{k!r}]" for k in path)
+                        raise ValueError(
+                            f"the nested field {self.format.keys[j]!r} of {where} has an entry "
+                            f"{entry} (shape {tuple(leaf.shape)}) that an earlier source "
+                            "batch's has not: their kept rows cannot be joined into one "
+                            "training batch without dropping it; give every source batch the "
+                            "same entries (e.g. fill the missing one with a default)"
+                        )
 
     def _first_shapes(self, data: list[Any]) -> None:
         """Record the shapes of the first source batch checked; check the pad values against
@@ -334,6 +350,10 @@ class BatchCodec:
                 meta["logits"] = logits
             if isinstance(batch, MutableMapping):
                 batch[self.metadata_key] = meta
+            elif isinstance(batch, Mapping):
+                # (a read-only mapping class: a plain dict of its items and the results, not a
+                # tuple of its values, which lost its keys)
+                batch = B.SelectedDict({**batch, self.metadata_key: meta})
             else:
                 batch = (
                     B.SelectedList([*data, meta])

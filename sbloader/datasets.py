@@ -40,7 +40,9 @@ def _read_idx(path: Path) -> np.ndarray:
         raise ValueError(f"{path} is not an unsigned-byte IDX file (magic {magic:#x})")
     ndim = magic & 0xFF
     shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+    # (over a bytearray: writable, as the labels are; over the bytes object a tensor made from
+    # it warned of undefined behaviour and wrote into immutable memory)
+    return np.frombuffer(bytearray(data), dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
 
 
 def load_fashion_mnist(

@@ -293,6 +293,18 @@ def _infer_field(name: str, value: Any) -> Any:
     )
 
 
+def _check_readable(name: str, field: Any) -> None:
+    """Refuse, before anything is written, a field that ffcv writes but cannot read back: an
+    ``NDArrayField`` of float16 (its loader's numba code has no float16; the file was written
+    whole and the first batch failed inside ffcv's thread)."""
+    if type(field).__name__ == "NDArrayField" and np.dtype(field.dtype) == np.float16:
+        raise ValueError(
+            f"field {name!r} is a float16 NDArrayField, which ffcv writes but cannot read back "
+            "(its loader has no float16); write it as float32 (e.g. images.astype(np.float32)), "
+            "or as its bits (images.view(np.int16)) and view them as float16 after loading"
+        )
+
+
 def _encode(field: Any, value: Any) -> Any:
     """A sample value in the form ``field.encode`` expects, or raise ValueError."""
     value = _as_numpy(value)
@@ -400,8 +412,9 @@ def write_beton(
 
     Args:
         path: the ``.beton`` file to write (overwritten).
-        data: a map-style dataset whose items are tuples (or single values), or a tuple/list of
-            arrays or tensors of equal length (e.g. ``(images, labels)``).
+        data: a map-style dataset whose items are tuples (or single values; a list of tuples is
+            one), or a tuple/list of arrays or tensors of equal length (e.g.
+            ``(images, labels)``).
         names: field names, one per sample entry. Default ``("image", "label")`` for two entries,
             ``("image",)`` for one, else required.
         fields: an ordered mapping from name to ffcv ``Field`` (overrides ``names``). Default:
@@ -435,7 +448,10 @@ def write_beton(
     import_ffcv()
     writer_mod = sys.modules["ffcv.writer"]
     fields_mod = sys.modules["ffcv.fields"]
-    dataset = _Arrays(data) if isinstance(data, (tuple, list)) else data
+    # (a tuple or list of arrays is columns, (images, labels); a list of samples, each a tuple
+    # or list, is a map-style dataset as it is)
+    samples = isinstance(data, list) and len(data) > 0 and isinstance(data[0], (tuple, list))
+    dataset = _Arrays(data) if isinstance(data, (tuple, list)) and not samples else data
     try:
         n = len(dataset)
     except TypeError:
@@ -464,6 +480,8 @@ def write_beton(
             )
         fields = {name: _infer_field(name, v) for name, v in zip(names, first)}
     fields = dict(fields)
+    for name, field in fields.items():
+        _check_readable(name, field)
     if index_field in fields:
         raise ValueError(
             f"index_field={index_field!r} is also a data field name; pass another index_field="

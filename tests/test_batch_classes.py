@@ -234,3 +234,98 @@ def test_a_batch_level_field_is_refused_naming_the_field_and_the_fix(value, erro
         )
         with pytest.raises(error, match=r"field 'extra' of the batch is a " + fix):
             next(iter(loader))
+
+
+Row = namedtuple("Row", "features label")
+
+
+class _Table(Dataset):
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int):
+        return Row(torch.full((4,), float(i)), i % 3)
+
+
+@pytest.mark.parametrize("policy, bs", [(Traditional, 16), (lambda: SelectiveBackprop(0.5), 8)])
+def test_a_namedtuple_with_a_field_named_like_a_selection_result_falls_back_with_a_warning(
+    policy, bs
+):
+    """Row(features, label): the field is a read-only property, so the selection results could
+    not be set ("can't set attribute" on the first batch) or batch.weights read the field. The
+    batch falls back to a plain tuple whose attributes are the selection's, said once."""
+    import warnings
+
+    from sbloader import batch as B
+
+    B._SELECTED.pop(Row, None)  # (the class's fallback is decided, and said, once a process)
+    source = DataLoader(_Table(), batch_size=16)
+    with pytest.warns(UserWarning, match=r"Row has 'features', named like the selection results"):
+        loader = SelectiveLoader(source, nn.Linear(4, 3), policy=policy(), batch_size=bs, seed=0)
+        batches = list(loader)
+    b = batches[0]
+    assert type(b).__name__ == "SelectedTuple" and not isinstance(b, Row)
+    x, _ = b
+    assert x.shape == (bs, 4) and torch.equal(x[:, 0].long(), b.indices)
+    assert b.features is None and b.weights.shape == (bs,)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per class
+        list(SelectiveLoader(source, nn.Linear(4, 3), policy=policy(), batch_size=bs, seed=0))
+
+
+def test_a_read_only_mapping_batch_with_metadata_key_stays_a_dict_with_its_keys():
+    """A read-only Mapping batch class cannot take the metadata key: it became a tuple of its
+    values (keys lost, batch['sb'] a TypeError); now a plain dict of its items and 'sb'."""
+    from collections.abc import Mapping
+
+    class Frozen(Mapping):
+        def __init__(self, d):
+            self._d = dict(d)
+
+        def __getitem__(self, k):
+            return self._d[k]
+
+        def __iter__(self):
+            return iter(self._d)
+
+        def __len__(self):
+            return len(self._d)
+
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        Frozen({"input": torch.randn(8, 4, generator=g), "target": torch.arange(8) % 3})
+        for _ in range(4)
+    ]
+    loader = SelectiveLoader(
+        batches,
+        nn.Linear(4, 3),
+        policy=sbloader.RandomBackprop(0.5),
+        batch_size=4,
+        seed=0,
+        metadata_key="sb",
+    )
+    b = next(iter(loader))
+    assert isinstance(b, dict) and list(b) == ["input", "target", "sb"]
+    assert b["input"].shape == (4, 4) and b["sb"]["weights"].shape == (4,)
+
+
+def test_a_nested_entry_that_the_first_source_batch_lacks_is_refused_naming_it():
+    """Rows of a batch with an extra nested entry were joined with rows of one without it, and
+    the entry was dropped silently; the first batch that has it is refused."""
+
+    def batch(i, extra):
+        meta = {"id": torch.arange(8) + 8 * i}
+        if extra:
+            meta["weight"] = torch.full((8,), 2.0)
+        return {"input": torch.randn(8, 4), "target": torch.arange(8) % 3, "meta": meta}
+
+    loader = SelectiveLoader(
+        [batch(0, False), batch(1, True), batch(2, True)],
+        nn.Linear(4, 3),
+        policy=sbloader.RandomBackprop(0.5),
+        batch_size=6,
+        seed=0,
+        forward=lambda m, b: m(b["input"]),
+    )
+    with pytest.raises(ValueError, match=r"nested field 'meta' of source batch 2 .*\['weight'\]"):
+        list(loader)

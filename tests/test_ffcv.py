@@ -927,3 +927,35 @@ def test_a_missing_index_field_names_the_source_that_reads_without_one(tmp_path)
     batches = list(SelectiveLoader(source, model(), policy=Traditional(), batch_size=8))
     for b in batches:
         check_pairing(b[0], b[1], b.indices)
+
+
+def test_write_beton_refuses_float16_arrays_before_writing(tmp_path):
+    """ffcv writes float16 NDArrayFields but cannot read them back (the first batch failed in
+    its thread, after the whole file was written): refused first, naming the field and the fix,
+    also through fields=; nothing is written."""
+    images = np.random.default_rng(0).random((16, 1, 4, 4)).astype(np.float16)
+    path = tmp_path / "half.beton"
+    with pytest.raises(ValueError, match=r"field 'image' is a float16 NDArrayField.*float32"):
+        sbffcv.write_beton(path, (images, np.arange(16)))
+    fields_mod = __import__("ffcv.fields", fromlist=["NDArrayField"])
+    with pytest.raises(ValueError, match=r"field 'x' is a float16 NDArrayField"):
+        sbffcv.write_beton(
+            path,
+            (images,),
+            fields={"x": fields_mod.NDArrayField(np.dtype("float16"), (1, 4, 4))},
+        )
+    assert not path.exists()
+
+
+def test_write_beton_takes_a_list_of_samples_as_a_dataset(tmp_path):
+    """A list of (image, label) samples is a map-style dataset: written as 300 samples (it was
+    read as 300 columns and refused asking for 300 names)."""
+    samples = [(np.full((1, 4, 4), i, np.float32), i % 10) for i in range(40)]
+    path = sbffcv.write_beton(tmp_path / "list.beton", samples)
+    loader = SelectiveLoader(
+        sbffcv.open_beton(path, 8), nn.Flatten(), policy=Traditional(), batch_size=8
+    )
+    seen = sorted(int(i) for b in loader for i in b.indices)
+    assert seen == list(range(40))
+    x, y = next(iter(loader))[:2]
+    assert torch.equal(y, x[:, 0, 0, 0].long() % 10)

@@ -327,3 +327,20 @@ def test_svhn_file_with_wrong_contents_is_named(tmp_path):
     savemat(path, {"X": np.zeros((32, 32, 3, 2), np.uint8), "y": np.zeros((2, 1))})
     with pytest.raises(ValueError, match=r"1\.\.10"):
         load_local_dataset("svhn", "test", tmp_path)
+
+
+def test_idx_files_are_read_into_writable_arrays(tmp_path):
+    """The images array was a view of an immutable bytes object: a tensor made from it warned
+    of undefined behaviour, and writes went into Python's bytes."""
+    import gzip
+    import warnings
+
+    header = (0x0803).to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in (2, 3, 3))
+    path = tmp_path / "images.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(header + bytes(range(18)))
+    array = datasets._read_idx(path)
+    assert array.shape == (2, 3, 3) and array.flags.writeable and array[1, 2, 2] == 17
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.from_numpy(array)
