@@ -336,7 +336,16 @@ class BatchCodec:
         weights = rows.weights / rows.weights.mean() if normalize_weights else rows.weights
         indices = rows.indices if has_indices else None
         logits = _known_logits(rows.logits)
-        batch = self._structure(data)
+        assert self.format is not None
+        structure: Any
+        if self.metadata_key is not None and self.format.kind is not dict:
+            # (a tuple or list batch gets the results as one more entry: a plain one, whatever
+            # the source's class, which is not built only to be dropped)
+            self._drop_field(data)
+            structure = [] if self.format.kind is list else ()
+        else:
+            structure = self._structure(data)
+        batch = structure
         if self.metadata_key is not None:
             meta: dict[str, Any] = {
                 "indices": indices,
@@ -368,13 +377,17 @@ class BatchCodec:
     def _structure(self, data: list[Any]) -> B.SelectedBatch:
         """The yielded batch's structure over the columns ``data`` (``drop_key``'s field
         removed from ``data``)."""
+        return self._drop_field(data).build(data)
+
+    def _drop_field(self, data: list[Any]) -> B.BatchFormat:
+        """Remove ``drop_key``'s field from the columns ``data``; the yielded batches' format."""
         assert self.format is not None
         fmt = self.format
         dropped = self._yielded_format()
         if dropped is not None:
             fmt, pos = dropped
             del data[pos]
-        return fmt.build(data)
+        return fmt
 
     def state_dict(self) -> dict[str, Any]:
         f = self.format

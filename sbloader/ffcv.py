@@ -413,7 +413,7 @@ def write_beton(
     Args:
         path: the ``.beton`` file to write (overwritten).
         data: a map-style dataset whose items are tuples (or single values; a list of tuples is
-            one), or a tuple/list of arrays or tensors of equal length (e.g.
+            one), or a tuple/list of arrays, tensors or lists of equal length (e.g.
             ``(images, labels)``).
         names: field names, one per sample entry. Default ``("image", "label")`` for two entries,
             ``("image",)`` for one, else required.
@@ -448,9 +448,9 @@ def write_beton(
     import_ffcv()
     writer_mod = sys.modules["ffcv.writer"]
     fields_mod = sys.modules["ffcv.fields"]
-    # (a tuple or list of arrays is columns, (images, labels); a list of samples, each a tuple
-    # or list, is a map-style dataset as it is)
-    samples = isinstance(data, list) and len(data) > 0 and isinstance(data[0], (tuple, list))
+    # (a tuple or list of arrays is columns, (images, labels), also where a column is a list;
+    # a list of samples, each a tuple as a Dataset's items are, is a map-style dataset as it is)
+    samples = isinstance(data, list) and len(data) > 0 and isinstance(data[0], tuple)
     dataset = _Arrays(data) if isinstance(data, (tuple, list)) and not samples else data
     try:
         n = len(dataset)

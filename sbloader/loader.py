@@ -61,7 +61,6 @@ from .selection import (
     Output,
     SelectionForward,
     check_loss_fn,
-    check_materialised,
     concrete_device,
     input_fields,
     is_fsdp,
@@ -669,12 +668,6 @@ class SelectiveLoader(NotADataLoader):
             )
         loss_fn = nn.CrossEntropyLoss(reduction="none") if loss_fn is None else loss_fn
         check_loss_fn(loss_fn)
-        for name, module in (
-            ("model", model),
-            ("selector", selector),
-            ("frozen_prefix", frozen_prefix),
-        ):
-            check_materialised(name, module)
         keep_logits = check_bool("keep_logits", keep_logits)
         if memory_format is not None and not isinstance(memory_format, torch.memory_format):
             raise TypeError(

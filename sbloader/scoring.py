@@ -27,6 +27,7 @@ from .quantize import Int8Unavailable, QuantizedSelector
 from .selection import (
     SelectionForward,
     downsample,
+    has_lazy,
     is_fsdp,
     model_device,
     restrict,
@@ -148,6 +149,8 @@ class Scorer:
         #: Whether a selection forward is a collective (an FSDP-sharded selection model): every
         #: rank must then run as many as the others, in the same rounds (see :meth:`pad`).
         self.collective = is_fsdp(selector if selector is not None else model)
+        # Whether a selection model may still hold lazy parameters (see _inference).
+        self._maybe_lazy = True
         if self.collective and forward.frozen_prefix is not None:
             raise ValueError(
                 "frozen_prefix cannot be combined with an FSDP-sharded model (the prefix runs on "
@@ -263,7 +266,7 @@ class Scorer:
             features=features,
             keep_outputs=self.keep_logits,
             batch=batch,
-            inference=not self.collective,
+            inference=self._inference(model),
         )
         self._keep_template(inputs, targets, batch)
         if logits is not None:
@@ -327,12 +330,26 @@ class Scorer:
                 eval=True,
                 keep_outputs=self.keep_logits,
                 batch=None if batch is None else restrict(batch, 0, k),
-                inference=not self.collective,
+                inference=self._inference(model),
             )
         self._keep_template(inputs, targets, batch)
         values = _to_host(losses)
         # Only finite ones, as a selection pass hands the policy (nonfinite= decides the rest).
         return values[np.isfinite(values)]
+
+    def _inference(self, model: nn.Module) -> bool:
+        """Whether a pass over ``model`` runs under ``torch.inference_mode()``: not for an FSDP
+        model (see :func:`~sbloader.selection.selection_outputs`), nor while the model holds
+        lazy parameters still to be made (:func:`~sbloader.selection.has_lazy`): that pass runs
+        under ``torch.no_grad()``, so that what it makes trains. Checked until a pass finds
+        none."""
+        if self.collective:
+            return False
+        if self._maybe_lazy:
+            if has_lazy(model):
+                return False
+            self._maybe_lazy = False
+        return True
 
     def _int8_failed(self, error: Exception, model: nn.Module, inputs: Any, targets: Any) -> None:
         """The int8 copy could not be built on ``inputs`` (``error``): refused naming
@@ -347,7 +364,7 @@ class Scorer:
             error,
             autocast_dtype=self.autocast,
             keep_outputs=self.keep_logits,
-            inference=not self.collective,
+            inference=self._inference(model),
         )
         self.fall_back(error)
 

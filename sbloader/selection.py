@@ -597,40 +597,20 @@ def _scalar_fix(output: Output, custom: bool) -> str:
     return "have the model return its per-example outputs, or pass output= to pick them"
 
 
-def check_materialised(name: str, module: nn.Module | None) -> None:
-    """Refuse a module with lazy parameters or buffers still to be made (``nn.LazyLinear``
-    before its first forward), naming ``name`` and the fix.
+def has_lazy(module: nn.Module) -> bool:
+    """Whether ``module`` holds lazy parameters or buffers still to be made (``nn.LazyLinear``
+    before its first forward).
 
-    NOTE (why): the loader's first selection pass would be the module's first forward, under
-    ``torch.inference_mode()``: the parameters it makes there are inference tensors, which
-    report ``requires_grad=True`` but never get a gradient, so those layers never train.
+    NOTE (why it matters): made by a forward under ``torch.inference_mode()`` they would be
+    inference tensors, which report ``requires_grad=True`` but never get a gradient: a
+    selection pass over such a module runs under ``torch.no_grad()`` instead (see
+    :class:`~sbloader.scoring.Scorer`).
 
     Example:
-        >>> check_materialised("model", nn.Linear(2, 2))
-        >>> check_materialised("model", nn.LazyLinear(2))
-        Traceback (most recent call last):
-            ...
-        ValueError: model has lazy parameters not made yet (LazyLinear): ...
+        >>> has_lazy(nn.Linear(2, 2)), has_lazy(nn.Sequential(nn.LazyLinear(2)))
+        (False, True)
     """
-    if not isinstance(module, nn.Module):
-        return  # (None, or not a module: refused elsewhere with its own message)
-    lazy = sorted(
-        {
-            type(m).__name__
-            for m in module.modules()
-            if any(
-                nn.parameter.is_lazy(t)
-                for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))
-            )
-        }
-    )
-    if lazy:
-        raise ValueError(
-            f"{name} has lazy parameters not made yet ({', '.join(lazy)}): the loader's first "
-            "selection pass would make them under torch.inference_mode(), and parameters made "
-            f"there never train; run one forward of the {name} on a batch of the source before "
-            "building the SelectiveLoader"
-        )
+    return any(nn.parameter.is_lazy(t) for t in (*module.parameters(), *module.buffers()))
 
 
 def downsample(inputs: torch.Tensor, scale: float) -> torch.Tensor:
@@ -655,11 +635,12 @@ def downsample(inputs: torch.Tensor, scale: float) -> torch.Tensor:
         return inputs
     h, w = (math.floor(d * scale) for d in inputs.shape[2:])
     if h < 1 or w < 1:
+        # (the smallest scale that leaves a pixel, rounded up to 3 decimals: one accepted)
+        least = math.ceil(1000 / min(inputs.shape[2:])) / 1000
         raise ValueError(
             f"selection_scale={scale:g} resizes the inputs' height and width "
             f"{tuple(inputs.shape[2:])} to ({h}, {w}), with no pixels left; pass a "
-            f"selection_scale of at least {1 / min(inputs.shape[2:]):.3g}, or "
-            "selection_scale=None"
+            f"selection_scale of at least {least:g}, or selection_scale=None"
         )
     return F.interpolate(inputs, scale_factor=scale, mode="bilinear", align_corners=False)
 

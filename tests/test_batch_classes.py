@@ -329,3 +329,34 @@ def test_a_nested_entry_that_the_first_source_batch_lacks_is_refused_naming_it()
     )
     with pytest.raises(ValueError, match=r"nested field 'meta' of source batch 2 .*\['weight'\]"):
         list(loader)
+
+
+def test_a_namedtuple_with_a_clashing_field_and_a_metadata_key_is_a_plain_tuple_unwarned():
+    """With metadata_key a namedtuple batch is yielded as a plain tuple anyway (the results are
+    one more entry): its class is not built, so a field named like a result is not warned of."""
+    import warnings
+
+    from sbloader import batch as B
+
+    Keyed = namedtuple("Keyed", "image label indices")
+
+    class Data(Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            return Keyed(torch.randn(4), i % 3, i)
+
+    B._SELECTED.pop(Keyed, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader = SelectiveLoader(
+            DataLoader(Data(), batch_size=8),
+            nn.Linear(4, 3),
+            policy=SelectiveBackprop(0.5),
+            batch_size=4,
+            metadata_key="sb",
+        )
+        b = next(iter(loader))
+    assert type(b).__name__ == "SelectedTuple" and len(b) == 4
+    assert torch.equal(b[2], b.indices) and torch.equal(b[3]["indices"], b.indices)

@@ -948,8 +948,9 @@ def test_write_beton_refuses_float16_arrays_before_writing(tmp_path):
 
 
 def test_write_beton_takes_a_list_of_samples_as_a_dataset(tmp_path):
-    """A list of (image, label) samples is a map-style dataset: written as 300 samples (it was
-    read as 300 columns and refused asking for 300 names)."""
+    """A list of (image, label) samples is a map-style dataset: written as its 40 samples (it
+    was read as 40 columns and refused asking for 40 names); a list of columns whose first is a
+    Python list, [images, labels], is still columns."""
     samples = [(np.full((1, 4, 4), i, np.float32), i % 10) for i in range(40)]
     path = sbffcv.write_beton(tmp_path / "list.beton", samples)
     loader = SelectiveLoader(
@@ -959,3 +960,6 @@ def test_write_beton_takes_a_list_of_samples_as_a_dataset(tmp_path):
     assert seen == list(range(40))
     x, y = next(iter(loader))[:2]
     assert torch.equal(y, x[:, 0, 0, 0].long() % 10)
+    images = [np.full((1, 4, 4), i, np.uint8) for i in range(5)]
+    columns = sbffcv.write_beton(tmp_path / "columns.beton", [images, np.arange(5)])
+    assert sbffcv.FFCVSource(sbffcv.open_beton(columns, 5)).outputs == ["image", "label", "index"]
