@@ -348,15 +348,11 @@ def test_a_namedtuple_with_a_clashing_field_and_a_metadata_key_is_a_plain_tuple_
             return Keyed(torch.randn(4), i % 3, i)
 
     B._SELECTED.pop(Keyed, None)
+    options = dict(policy=SelectiveBackprop(0.5), batch_size=4, metadata_key="sb")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        loader = SelectiveLoader(
-            DataLoader(Data(), batch_size=8),
-            nn.Linear(4, 3),
-            policy=SelectiveBackprop(0.5),
-            batch_size=4,
-            metadata_key="sb",
+        b = next(
+            iter(SelectiveLoader(DataLoader(Data(), batch_size=8), nn.Linear(4, 3), **options))
         )
-        b = next(iter(loader))
     assert type(b).__name__ == "SelectedTuple" and len(b) == 4
     assert torch.equal(b[2], b.indices) and torch.equal(b[3]["indices"], b.indices)
