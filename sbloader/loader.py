@@ -141,6 +141,11 @@ def _stable_repr(value: Any) -> str:
     return text
 
 
+def digest(text: str) -> int:
+    """A 63-bit digest of ``text``, the same in every process (for a collective's int64)."""
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "big") >> 1
+
+
 def describe_callable(fn: Any) -> str:
     """A description of a loss function that is the same in every process for the same loss:
     a function by its module and qualified name, a ``functools.partial`` by its function and
@@ -782,6 +787,8 @@ class SelectiveLoader(NotADataLoader):
         self.cdf = check_choice("cdf", cdf, _CDFS)
         self.prefetch = self._source.default_prefetch() if prefetch is None else prefetch
         self._sync: RankSync | None = make_sync(distributed, process_group)
+        # (checked in _agree_configuration, alike on every rank)
+        self._rank_given = rank is not None
         if self._sync is None:
             check_unsynced(distributed, process_group, self.cdf)
         if self._scorer.collective and self._sync is None and is_distributed(process_group):
@@ -845,6 +852,7 @@ class SelectiveLoader(NotADataLoader):
                 self._sync.arm_overlap_check(size)
         # The fewest and the most batches of a pass on any rank, for a passthrough policy on
         # several ranks (every rank yields the fewest: len(loader) says so); None otherwise.
+        self._agree_configuration(decisions)
         self._pass_span = self._agree_pass_length()
         #: Training batches per epoch (``len(loader)``), or None (one pass per epoch).
         self.batches_per_epoch: int | None = None if self._fixed is None else self._fixed.count
@@ -1195,15 +1203,29 @@ class SelectiveLoader(NotADataLoader):
         policy for the passes over the data that ``planned_epochs`` training epochs of
         ``per_epoch`` batches are expected to make (:func:`~sbloader.policies.passes_within`),
         attached at the constructor's end as any policy is."""
+        unknown: TypeError | None = None
         try:
             steady = self._batches_at(self.policy.steady_rate)
             full = self._batches_at(1.0)
         except TypeError as e:
+            unknown, steady, full = e, -1.0, -1.0
+        sync = self._sync
+        if sync is not None and sync.world_size > 1:
+            # NOTE: every rank yields as many batches a round as the fewest any rank has, so the
+            # plan is the fewest's, and the same on every rank (each rank planned from its own
+            # share, and with uneven shares the ranks annealed from different passes).
+            low_steady = sync.span(round(steady * 1000), self.device)[0]
+            low_full = sync.span(round(full * 1000), self.device)[0]
+            if min(low_steady, low_full) < 0:
+                unknown = unknown or TypeError("another rank's source cannot tell its length")
+            else:
+                steady, full = low_steady / 1000, low_full / 1000
+        if unknown is not None:
             warnings.warn(
                 f"planned_epochs={planned_epochs} with batches_per_epoch={per_epoch} counts "
                 "training epochs, but the passes over the data they make cannot be estimated, "
                 f"so it is taken as {planned_epochs} passes (the last eighth of them annealed on "
-                f"all the data, which may fall after the run ends): {e}",
+                f"all the data, which may fall after the run ends): {unknown}",
                 UserWarning,
                 stacklevel=3,
             )
@@ -1259,6 +1281,66 @@ class SelectiveLoader(NotADataLoader):
                 "int"
             )
         return span[0]
+
+    def _agree_configuration(self, decisions: Any) -> None:
+        """On several ranks: refuse, on every rank alike, options that must be the same on
+        every rank and are not (one ``all_reduce`` of a digest of them as the loader is built;
+        on a difference, one more per option, to name it).
+
+        NOTE (why): each rank's collectives follow from these options (a policy with or
+        without selection passes, a shared CDF or not, short batches or not, how many batches
+        an epoch has): ranks built with different ones fell out of step, hanging in a
+        collective or aborting the process group, or trained batches of different sizes."""
+        sync = self._sync
+        if sync is None:
+            return
+        # rank=LOCAL_RANK on two nodes: 0 on both; their draws would be the same, and each
+        # would accept the other's state
+        wrong_rank = self._rank_given and self.rank != sync.rank
+        if sync.world_size < 2:
+            options: dict[str, str] = {}
+        else:
+            options = self._shared_options(decisions)
+            options["rank"] = repr(wrong_rank)
+            low, high = sync.span(digest("\n".join(options.values())), self.device)
+            for name, value in options.items() if low != high else ():
+                low, high = sync.span(digest(value), self.device)  # (alike on every rank)
+                if low != high and name == "rank":
+                    wrong_rank = True  # (said alike on every rank, below)
+                    break
+                if low != high:
+                    raise ValueError(
+                        f"{name} should be the same on every rank, but the ranks differ; this "
+                        f"rank ({sync.rank}) has {name}={value}; build the SelectiveLoader with "
+                        f"the same {name} on every rank"
+                    )
+        if wrong_rank:
+            raise ValueError(
+                "rank= should be each process's rank in the process group, but "
+                + (
+                    f"rank={self.rank} is not this process's ({sync.rank})"
+                    if self._rank_given and self.rank != sync.rank
+                    else "another process's is not"
+                )
+                + ": the loader derives its draws from (seed, rank) and checks a loaded "
+                "state's rank against it; leave rank= out under torch.distributed (the group's "
+                "rank is used), or pass distributed=False"
+            )
+
+    def _shared_options(self, decisions: Any) -> dict[str, str]:
+        """The options of :meth:`_agree_configuration`, as they are compared."""
+        return {
+            # (its kind: what decides the collectives; settings such as a selectivity may
+            # differ between ranks, which stay in step whatever each keeps)
+            "policy": self.policy.kind(),
+            "cdf": repr(self.cdf),
+            "remainder": repr(self.remainder),
+            "batch_size": repr(self.batch_size),
+            "batches_per_epoch": repr(None if self._fixed is None else self._fixed.count),
+            "min_batch_size": repr(self.min_batch_size),
+            "nonfinite": repr(self.nonfinite),
+            "decisions": repr(decisions),
+        }
 
     def _agree_pass_length(self) -> tuple[int, int] | None:
         """On several ranks, for a passthrough policy with epochs of one pass: the fewest and

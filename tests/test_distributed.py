@@ -957,14 +957,11 @@ def scenario_fixed(rank: int, world_size: int) -> dict:
     split[-1] += [b.indices.tolist() for b in loader]
     split += [[b.indices.tolist() for b in loader] for _ in range(2)]
     res["fixed_split"] = split
-    mismatched = fixed([3, 4, 3][rank])
-    res["fixed_mismatch"] = []
-    for _ in range(2):  # refused again by the same loader: never trained on unchecked
-        try:
-            next(iter(mismatched))
-            res["fixed_mismatch"].append(None)
-        except ValueError as e:
-            res["fixed_mismatch"].append(str(e))
+    try:  # refused on every rank as the loaders are built
+        fixed([3, 4, 3][rank])
+        res["fixed_mismatch"] = None
+    except ValueError as e:
+        res["fixed_mismatch"] = str(e)
     return res
 
 
@@ -978,7 +975,44 @@ def scenario_three(rank: int, world_size: int) -> dict:
 
 # NOTE: one spawned group per world size, running every scenario in sequence: each process
 # pays the imports (torch, DDP's torch._dynamo, numba's cached kernels) once.
+def scenario_mismatches(rank: int, world_size: int) -> dict:
+    """Options that must be the same on every rank, built differently on each (each refused at
+    construction on every rank, naming the option); rank= other than the group's; and the
+    default policy planned from uneven shares (the same plan on every rank)."""
+    res: dict = {}
+    data = EncodedDataset(64)
+    cases = {
+        "cdf": dict(policy=SelectiveBackprop(0.5), cdf=["global", "local"][rank]),
+        "policy": dict(policy=[sbloader.Traditional(), RandomBackprop(0.5)][rank]),
+        "remainder": dict(policy=RandomBackprop(0.5), remainder=["carry", "short"][rank]),
+        "batch_size": dict(policy=RandomBackprop(0.5), batch_size=[4, 8][rank]),
+        "rank": dict(policy=RandomBackprop(0.5), rank=0),  # rank=LOCAL_RANK on two nodes
+    }
+    for name, options in cases.items():
+        source = DataLoader(data, batch_size=16, sampler=DistributedSampler(data, world_size, rank))
+        options = {"batch_size": 4, **options}
+        try:
+            SelectiveLoader(source, IndexLoss(), **options)
+            res[name] = "built"
+        except ValueError as e:
+            res[name] = str(e)
+    shares = [range(0, 48), range(48, 64)][rank]  # uneven: 48 and 16 examples
+    sampler = torch.utils.data.SubsetRandomSampler(
+        list(shares), generator=torch.Generator().manual_seed(rank)
+    )
+    loader = SelectiveLoader(
+        DataLoader(data, batch_size=8, sampler=sampler),
+        IndexLoss(),
+        batches_per_epoch=2,
+        planned_epochs=8,
+        batch_size=4,
+    )
+    res["planned"] = (loader.planned_passes, loader.policy.anneal_from_epoch)
+    return res
+
+
 SCENARIOS = {
+    "mismatches": scenario_mismatches,
     "two": scenario_two,
     "three": scenario_three,
     "nonfinite": scenario_nonfinite,
@@ -1170,10 +1204,12 @@ def test_batches_per_epoch_holds_on_every_rank_and_resumes_exactly(rounds):
         assert all(len(b) == 4 for e in r["fixed_whole"] for b in e)
         assert r["fixed_split"] == r["fixed_whole"]
     assert len({r["fixed_passes"] for r in rounds}) == 1 and rounds[0]["fixed_passes"] > 1
-    for r in rounds:  # different counts are refused on every rank alike (no hang), every time
-        assert len(r["fixed_mismatch"]) == 2
-        for message in r["fixed_mismatch"]:
-            assert message is not None and "the ranks have from 3 to 4" in message
+    for rank, r in enumerate(rounds):  # different counts: refused on every rank as it is built
+        message = r["fixed_mismatch"]
+        assert message is not None and message.startswith(
+            "batches_per_epoch should be the same on every rank"
+        )
+        assert f"has batches_per_epoch={[3, 4, 3][rank]}" in message
 
 
 def test_traditional_with_uneven_sources_drops_the_extra_batches(rounds):
@@ -1769,3 +1805,21 @@ def test_an_error_whose_message_cannot_be_made_is_still_described():
 
     assert _describe(IndexError("target 99")) == "IndexError: target 99"
     assert _describe(Unprintable()) == "Unprintable (its message could not be made)"
+
+
+def test_options_that_must_match_across_ranks_are_refused_at_construction_naming_them(tmp_path):
+    """A policy (of another kind), cdf, remainder or batch size that differs between ranks made
+    the ranks fall
+    out of step (a collective hang, a gloo abort, or batches of different sizes); rank= other
+    than the group's made both ranks draw alike and accept each other's states; and the default
+    policy planned from uneven shares annealed from different passes on each rank. Each is
+    refused on every rank as the loader is built, or planned alike."""
+    results = run_ranks("mismatches", 2, tmp_path)
+    for rank, res in enumerate(results):
+        for name in ("cdf", "policy", "remainder", "batch_size"):
+            assert res[name].startswith(f"{name} should be the same on every rank"), res[name]
+            assert f"this rank ({rank}) has {name}=" in res[name]
+        assert res["rank"].startswith("rank= should be each process's rank in the process group")
+        mine = "rank=0 is not this process's (1)" if rank else "another process's is not"
+        assert mine in res["rank"]
+    assert results[0]["planned"] == results[1]["planned"]
