@@ -89,6 +89,17 @@ class Variant(NamedTuple):
     synchronise: bool
     source_batch: int | None = None
 
+    def batch_of_source(self, cfg: Config) -> int:
+        """The source batch it is measured with: Traditional's training batch, else its own
+        or the config's pool."""
+        if self.policy == "traditional":
+            return cfg.batch_size
+        return self.source_batch or cfg.pool_batch_size
+
+    def epochs(self, m: Measurement) -> int:
+        """The epochs one measurement averages: Stale-SB's staleness cycle, else one."""
+        return m.staleness if self.policy == "stale_sb" else 1
+
 
 #: Breakdown rows measured on a GPU beside the three. The ``_async`` rows do not synchronise
 #: (a synchronisation of the device would wait for the selection stream too, undoing the
@@ -202,26 +213,21 @@ def breakdown(
     # all configurations instead of falling on one.
     for rep in range(m.repeats):
         for kind, strategy in configs:
-            kind_of_policy, options, synchronise, pool = variants.get(
-                strategy, Variant(strategy, {}, True)
-            )
-            epochs = m.staleness if kind_of_policy == "stale_sb" else 1
-            source_bs = (
-                cfg.batch_size if kind_of_policy == "traditional" else (pool or cfg.pool_batch_size)
-            )
+            variant = variants.get(strategy, Variant(strategy, {}, True))
             model = seeded_model(cfg, m.seed)
             opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
-            source = sources.make(kind, source_bs, m.seed + rep)
+            source = sources.make(kind, variant.batch_of_source(cfg), m.seed + rep)
             warm_up(source, model, cfg, m)
             with warnings.catch_warnings():
                 # plain SB overlapped from its first epoch is warned about (a collapse measured
                 # in training); here it is timed only
                 warnings.filterwarnings("ignore", message="overlap_selection=True with")
                 loader = make_loader(
-                    cfg, source, model, m.policy(kind_of_policy), m.seed, **options
+                    cfg, source, model, m.policy(variant.policy), m.seed, **variant.options
                 )
             per_epoch = [
-                train_epoch(loader, model, opt, cfg, synchronise=synchronise) for _ in range(epochs)
+                train_epoch(loader, model, opt, cfg, synchronise=variant.synchronise)
+                for _ in range(variant.epochs(m))
             ]
             run = {k: float(np.mean([e[k] for e in per_epoch])) for k in per_epoch[0]}
             runs[kind, strategy].append(run | {"epochs": per_epoch})
@@ -236,12 +242,8 @@ def breakdown(
         row: dict[str, Any] = {
             "source": kind,
             "strategy": strategy,
-            "measured_epochs": m.staleness if variant.policy == "stale_sb" else 1,
-            "source_batch": (
-                cfg.batch_size
-                if variant.policy == "traditional"
-                else (variant.source_batch or cfg.pool_batch_size)
-            ),
+            "measured_epochs": variant.epochs(m),
+            "source_batch": variant.batch_of_source(cfg),
         }
         keys = ("wall", *CATEGORIES, "loader_own", "examples_seen", "backprop", "selection_hidden")
         for k in keys:

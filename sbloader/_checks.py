@@ -50,8 +50,8 @@ def check_float(
         value = float(value)
     except OverflowError:  # an int beyond float's range (10**400)
         raise ValueError(
-            f"{name} should be finite, but got an integer of {len(str(abs(value)))} digits, "
-            f"beyond a float's range; pass a number below 1.8e308"
+            f"{name} should be a finite number, but got an integer of {len(str(abs(value)))} "
+            "digits, beyond a float's range (about 1.8e308)"
         ) from None
     if math.isnan(value) or math.isinf(value):
         raise ValueError(f"{name} should be finite, but got {name}={value!r}")

@@ -362,11 +362,12 @@ class BatchFormat:
                         f"{name} should be a position in the source's {n}-field "
                         f"{type(batch).__name__} batches, but got {name}={key!r}"
                     )
+            kind = list if isinstance(batch, list) else tuple
             return cls(
-                list if isinstance(batch, list) else tuple,
+                kind,
                 tuple(range(n)),
-                int(input_key) % n,  # type: ignore[call-overload]
-                int(target_key) % n,  # type: ignore[call-overload]
+                cls.stored_key(kind, n, input_key),
+                cls.stored_key(kind, n, target_key),
                 cls.own_class(batch),
             )
         raise TypeError(
@@ -389,6 +390,19 @@ class BatchFormat:
                 f"{self.kind.__name__}, got {type(batch).__name__}"
             )
         return list(batch)
+
+    @staticmethod
+    def stored_key(kind: type, fields: int, key: Hashable) -> Hashable:
+        """``key`` as a format of ``kind`` with ``fields`` fields holds it: a position in a
+        tuple or list batch counted from 0 (``-1``: the last field's), any other key as it is.
+
+        Example:
+            >>> BatchFormat.stored_key(tuple, 3, -1), BatchFormat.stored_key(dict, 3, "x")
+            (2, 'x')
+        """
+        if kind in (tuple, list) and isinstance(key, int) and not isinstance(key, bool):
+            return key % fields
+        return key
 
     def position(self, key: Hashable) -> int:
         return self.keys.index(key)

@@ -337,16 +337,9 @@ class BatchCodec:
         indices = rows.indices if has_indices else None
         logits = _known_logits(rows.logits)
         assert self.format is not None
-        structure: Any
-        if self.metadata_key is not None and self.format.kind is not dict:
-            # (a tuple or list batch gets the results as one more entry: a plain one, whatever
-            # the source's class, which is not built only to be dropped)
-            self._drop_field(data)
-            structure = [] if self.format.kind is list else ()
+        if self.metadata_key is None:
+            batch = self._structure(data)
         else:
-            structure = self._structure(data)
-        batch = structure
-        if self.metadata_key is not None:
             meta: dict[str, Any] = {
                 "indices": indices,
                 "losses": rows.losses,
@@ -357,17 +350,20 @@ class BatchCodec:
                 meta["features"] = rows.features
             if rows.logits is not None:
                 meta["logits"] = logits
-            if isinstance(batch, MutableMapping):
-                batch[self.metadata_key] = meta
-            elif isinstance(batch, Mapping):
-                # (a read-only mapping class: a plain dict of its items and the results, not a
-                # tuple of its values, which lost its keys)
-                batch = B.SelectedDict({**batch, self.metadata_key: meta})
+            if self.format.kind is dict:
+                batch = self._structure(data)
+                if isinstance(batch, MutableMapping):
+                    batch[self.metadata_key] = meta
+                else:  # (a read-only mapping class: a plain dict of its items and the results)
+                    batch = B.SelectedDict({**batch, self.metadata_key: meta})
             else:
+                # (a tuple or list batch gets the results as one more entry: a plain one,
+                # whatever the source's class, which is not built only to be dropped)
+                fmt = self._drop_field(data)
                 batch = (
                     B.SelectedList([*data, meta])
-                    if isinstance(batch, list)
-                    else (B.SelectedTuple((*data, meta)))
+                    if fmt.kind is list
+                    else B.SelectedTuple((*data, meta))
                 )
         batch._set_meta(indices, rows.losses, rows.probabilities, weights)
         batch.features = rows.features
@@ -448,15 +444,13 @@ class BatchCodec:
         }
 
 
-def _as_key(key: Any, kind: type | None = None, fields: int = 0) -> Any:
+def _as_key(key: Any, kind: type = dict, fields: int = 0) -> Any:
     """A field key as saved and as given alike: a tuple of keys (which comes back from a state
-    as a list) as a tuple, and, given a tuple or list format (``kind``) of ``fields`` fields, a
-    position as the format holds it (``-1`` is the last field's, as :meth:`BatchFormat.infer`
-    stores it)."""
+    as a list) as a tuple, each as a format of ``kind`` with ``fields`` fields holds it
+    (:meth:`BatchFormat.stored_key <sbloader.batch.BatchFormat.stored_key>`)."""
     if isinstance(key, (list, tuple)):
         return tuple(_as_key(k, kind, fields) for k in key)
-    positional = kind in (tuple, list) and fields and isinstance(key, int)
-    return int(key) % fields if positional and not isinstance(key, bool) else key
+    return B.BatchFormat.stored_key(kind, fields, key)
 
 
 def _leaves(

@@ -295,6 +295,29 @@ class RankSync:
         low, high = t.tolist()
         return int(low), -int(high)
 
+    def differing(self, options: dict[str, str], device: torch.device | None = None) -> str | None:
+        """The first of ``options`` (a name and its value as text) whose value is not the same
+        on every rank, or None: one :meth:`span` of a digest of them all, and where the ranks
+        differ one more per option, every rank taking the same path.
+
+        Example:
+            Two ranks built with another ``cdf`` each: ``sync.differing({"cdf": "'global'"})``
+            returns ``"cdf"`` on both (one process: always None).
+        """
+
+        def digest(text: str) -> int:
+            raw = np.frombuffer(text.encode(), dtype=np.uint8)
+            return batch_digest(raw) or 0  # (a uint8 array always has one)
+
+        low, high = self.span(digest("\n".join(f"{k}={v}" for k, v in options.items())), device)
+        if low == high:
+            return None
+        for name, value in options.items():
+            low, high = self.span(digest(value), device)
+            if low != high:
+                return name
+        return None  # (only where the joined texts' digests collided)
+
     def agree(
         self,
         ready: int,

@@ -132,21 +132,17 @@ class FeatureCache:
         out = self.values.index_select(0, rows).to(self.out_dtype)
         return out if device is None else out.to(device, non_blocking=True)
 
-    @property
-    def tolerance(self) -> float:
-        """:attr:`TOLERANCE_FP32` for outputs kept in float32 (or float64), else
-        :attr:`TOLERANCE`."""
+    def tolerance(self, device: torch.device) -> float:
+        """:attr:`TOLERANCE_FP32` for outputs kept in float32 (or float64) and computed on
+        ``device`` without TF32 kernels, else :attr:`TOLERANCE` (a CUDA device while torch
+        allows TF32 convolutions or matmuls: recomputed in another batch, outputs may differ by
+        about 1e-3, wherever the cache is kept)."""
         kept = self.values.dtype if self.values is not None else self.store_dtype
-        full = kept in (None, torch.float32, torch.float64)
+        tf32 = device.type == "cuda" and (
+            torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
+        )
+        full = kept in (None, torch.float32, torch.float64) and not tf32
         return self.TOLERANCE_FP32 if full else self.TOLERANCE
-
-    @staticmethod
-    def _tf32(device: torch.device) -> bool:
-        """Whether outputs computed on ``device`` may come from TF32 kernels (CUDA, while torch
-        allows TF32 convolutions or matmuls): recomputed in another batch, they may differ by
-        about 1e-3, so they get :attr:`TOLERANCE` (wherever the cache is kept)."""
-        allowed = torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
-        return device.type == "cuda" and allowed
 
     def check(
         self,
@@ -166,7 +162,7 @@ class FeatureCache:
 
         Raises:
             ValueError: when an output differs from the cached one by more than
-                :attr:`tolerance` (relative L2): the example's input changed since it was cached.
+                :meth:`tolerance` (relative L2): the example's input changed since it was cached.
         """
         if self._checked_epoch == epoch:
             return 0
@@ -177,7 +173,7 @@ class FeatureCache:
         pos = torch.from_numpy(hits).to(inputs.device)
         fresh = compute(inputs.index_select(0, pos)).float().flatten(1)
         forwards = len(hits)
-        tolerance = self.TOLERANCE if self._tf32(fresh.device) else self.tolerance
+        tolerance = self.tolerance(fresh.device)
         if tolerance < self.TOLERANCE and len(hits) >= 2:
             # NOTE (calibration): the same inputs in two halves, against the whole: what another
             # batch alone changes. A prefix whose outputs depend on the rest of the batch

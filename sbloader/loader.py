@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import hashlib
 import logging
 import math
 import types
@@ -141,11 +140,6 @@ def _stable_repr(value: Any) -> str:
     return text
 
 
-def digest(text: str) -> int:
-    """A 63-bit digest of ``text``, the same in every process (for a collective's int64)."""
-    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "big") >> 1
-
-
 def describe_callable(fn: Any) -> str:
     """A description of a loss function that is the same in every process for the same loss:
     a function by its module and qualified name, a ``functools.partial`` by its function and
@@ -193,8 +187,7 @@ def _setting(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         if value.numel() > _DIGESTED_ELEMENTS:
             return f"tensor{tuple(value.shape)}:{value.dtype}"
-        data = value.detach().to("cpu", torch.float64).contiguous().numpy().tobytes()
-        return f"tensor{tuple(value.shape)}#{hashlib.sha1(data).hexdigest()[:12]}"
+        return f"tensor{tuple(value.shape)}#{batch_digest(value):x}"
     return _stable_repr(value)
 
 
@@ -850,9 +843,9 @@ class SelectiveLoader(NotADataLoader):
             # collective, overlap after the first pass).
             if size is not None:
                 self._sync.arm_overlap_check(size)
+        self._agree_configuration(decisions)
         # The fewest and the most batches of a pass on any rank, for a passthrough policy on
         # several ranks (every rank yields the fewest: len(loader) says so); None otherwise.
-        self._agree_configuration(decisions)
         self._pass_span = self._agree_pass_length()
         #: Training batches per epoch (``len(loader)``), or None (one pass per epoch).
         self.batches_per_epoch: int | None = None if self._fixed is None else self._fixed.count
@@ -1284,47 +1277,38 @@ class SelectiveLoader(NotADataLoader):
 
     def _agree_configuration(self, decisions: Any) -> None:
         """On several ranks: refuse, on every rank alike, options that must be the same on
-        every rank and are not (one ``all_reduce`` of a digest of them as the loader is built;
-        on a difference, one more per option, to name it).
+        every rank and are not (``RankSync.differing``: one ``all_reduce`` as the loader is
+        built), and an explicit ``rank=`` other than the process's rank in the group.
 
         NOTE (why): each rank's collectives follow from these options (a policy with or
         without selection passes, a shared CDF or not, short batches or not, how many batches
         an epoch has): ranks built with different ones fell out of step, hanging in a
-        collective or aborting the process group, or trained batches of different sizes."""
+        collective or aborting the process group, or trained batches of different sizes. A
+        ``rank=LOCAL_RANK`` on two nodes (0 on both) drew alike and accepted the other's
+        state."""
         sync = self._sync
         if sync is None:
             return
-        # rank=LOCAL_RANK on two nodes: 0 on both; their draws would be the same, and each
-        # would accept the other's state
-        wrong_rank = self._rank_given and self.rank != sync.rank
-        if sync.world_size < 2:
-            options: dict[str, str] = {}
-        else:
-            options = self._shared_options(decisions)
-            options["rank"] = repr(wrong_rank)
-            low, high = sync.span(digest("\n".join(options.values())), self.device)
-            for name, value in options.items() if low != high else ():
-                low, high = sync.span(digest(value), self.device)  # (alike on every rank)
-                if low != high and name == "rank":
-                    wrong_rank = True  # (said alike on every rank, below)
-                    break
-                if low != high:
-                    raise ValueError(
-                        f"{name} should be the same on every rank, but the ranks differ; this "
-                        f"rank ({sync.rank}) has {name}={value}; build the SelectiveLoader with "
-                        f"the same {name} on every rank"
-                    )
-        if wrong_rank:
+        own_wrong = self._rank_given and self.rank != sync.rank
+        options: dict[str, str] = {}
+        differing = None
+        if sync.world_size > 1:  # ("rank": whether this rank's is wrong, compared like the rest)
+            options = {**self._shared_options(decisions), "rank": repr(own_wrong)}
+            differing = sync.differing(options, self.device)
+        if own_wrong or differing == "rank":
+            whose = f"rank={self.rank} is not this process's ({sync.rank})"
             raise ValueError(
                 "rank= should be each process's rank in the process group, but "
-                + (
-                    f"rank={self.rank} is not this process's ({sync.rank})"
-                    if self._rank_given and self.rank != sync.rank
-                    else "another process's is not"
-                )
+                + (whose if own_wrong else "another process's is not")
                 + ": the loader derives its draws from (seed, rank) and checks a loaded "
                 "state's rank against it; leave rank= out under torch.distributed (the group's "
                 "rank is used), or pass distributed=False"
+            )
+        if differing is not None:
+            raise ValueError(
+                f"{differing} should be the same on every rank, but the ranks differ; this rank "
+                f"({sync.rank}) has {differing}={options[differing]}; build the SelectiveLoader "
+                f"with the same {differing} on every rank"
             )
 
     def _shared_options(self, decisions: Any) -> dict[str, str]:

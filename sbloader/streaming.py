@@ -60,22 +60,18 @@ def _column(value: Any) -> tuple[str, Any]:
         value = value.numpy()
     if isinstance(value, (bool, np.bool_)):
         raise TypeError("write_mds cannot store booleans; convert them to integers first")
-    if isinstance(value, (np.integer, np.floating)) or (
+    if isinstance(value, (int, float, np.integer, np.floating)) or (
         isinstance(value, np.ndarray) and value.ndim == 0
     ):
         # NOTE: a float scalar keeps its dtype, as arrays do (a float32 target read back as
-        # float64 made a float32 model's loss fail in backward()); an integer one comes back
-        # int64 whatever it was written as, as losses want class labels (cross_entropy refuses
-        # int32 targets), as write_beton's do.
+        # float64 made a float32 model's loss fail in backward(); a Python float is float64);
+        # an integer one comes back int64 whatever it was written as, as losses want class
+        # labels (cross_entropy refuses int32 targets), as write_beton's do.
         dtype = np.asarray(value).dtype
         if dtype.kind in "iu":
             return "int64", lambda v: np.int64(v)
         if dtype.name in _FLOAT_ENCODINGS:
             return dtype.name, lambda v: dtype.type(v)
-        return "float64", lambda v: np.float64(v)
-    if isinstance(value, int):  # a Python int or float: 64 bits, as Python holds them
-        return "int64", lambda v: np.int64(v)
-    if isinstance(value, float):
         return "float64", lambda v: np.float64(v)
     if isinstance(value, np.ndarray):
         shape = ",".join(str(d) for d in value.shape)

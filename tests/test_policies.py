@@ -344,5 +344,7 @@ def test_a_warmup_policy_with_no_warmup_epochs_is_refused():
 
 @pytest.mark.parametrize("name", ["beta", "selectivity"])
 def test_an_integer_beyond_floats_range_is_refused_naming_the_parameter(name):
-    with pytest.raises(ValueError, match=rf"^{name} should be finite, but got an integer of 401"):
+    with pytest.raises(
+        ValueError, match=rf"^{name} should be a finite number, but got an integer of 401"
+    ):
         SelectiveBackprop(**{name: 10**400})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -736,3 +737,24 @@ def test_a_prefix_whose_outputs_depend_on_its_batch_is_calibrated_not_refused():
     for _ in range(3):
         list(loader)
     assert [e.prefix_forwards for e in loader.stats.epochs][1:] == [32, 32]
+
+
+def test_features_computed_with_tf32_kernels_get_the_loose_tolerance_wherever_kept():
+    """Features computed on a CUDA device while torch allows TF32 may differ by about 1e-3 in
+    another batch: they get the 5%, also when the cache is kept on the CPU; float32 features
+    computed on a CPU (or with TF32 off) the 1e-3, and bf16-kept ones the 5%."""
+    cache = FeatureCache(8, "cpu")
+    cache.put(np.arange(2), torch.randn(2, 4))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert cache.tolerance(cpu) == FeatureCache.TOLERANCE_FP32
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        assert cache.tolerance(cuda) == FeatureCache.TOLERANCE
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+        assert cache.tolerance(cuda) == FeatureCache.TOLERANCE_FP32
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+    half = FeatureCache(8, "cpu", torch.bfloat16)
+    half.put(np.arange(2), torch.randn(2, 4))
+    assert half.tolerance(cpu) == FeatureCache.TOLERANCE
