@@ -14,7 +14,7 @@ from torch import nn
 
 from ._checks import check_float, check_int
 
-__all__ = ["cosine_lr", "error_rate", "mlp", "resnet18", "small_cnn"]
+__all__ = ["cosine_lr", "error_rate", "eval_batch_size", "mlp", "resnet18", "small_cnn"]
 
 
 def mlp(num_classes: int = 10, in_features: int = 28 * 28, hidden: int = 1024) -> nn.Module:
@@ -108,18 +108,34 @@ def resnet18(num_classes: int = 10, in_channels: int = 3) -> nn.Sequential:
 
 
 @torch.inference_mode()
+def eval_batch_size(device: torch.device | str) -> int:
+    """Examples per evaluation forward on ``device``: 128 on a CPU, 1000 elsewhere.
+
+    NOTE: on a CPU a large evaluation batch is slower per example, not faster: its activations
+    leave the core's caches. The small CNN on 10,000 Fashion-MNIST test images, one thread, the
+    Intel Xeon with AMX: 1.26 s in batches of 128, 1.6 s of 256, 3.2 s of 1000 (two threads: 0.67,
+    0.82, 1.12 s), with identical outputs. An accelerator wants large batches instead.
+
+    Example:
+        >>> eval_batch_size("cpu"), eval_batch_size(torch.device("cuda", 0))
+        (128, 1000)
+    """
+    return 128 if torch.device(device).type == "cpu" else 1000
+
+
 def error_rate(
     model: nn.Module,
     inputs: torch.Tensor,
     targets: torch.Tensor,
     *,
-    batch_size: int = 1000,
+    batch_size: int | None = None,
     memory_format: torch.memory_format = torch.channels_last,
     autocast: torch.dtype | None = None,
 ) -> float:
     """Top-1 error of ``model`` in eval mode, on the model's device (optionally under autocast);
     restores every module's training flag. ``inputs`` and ``targets`` hold the same examples (at
-    least one), evaluated ``batch_size`` (>= 1) at a time.
+    least one), evaluated ``batch_size`` (>= 1) at a time; None: :func:`eval_batch_size` of the
+    model's device.
 
     Example:
         >>> m = small_cnn()
@@ -128,7 +144,12 @@ def error_rate(
     """
     from .selection import eval_mode
 
-    batch_size = check_int("batch_size", batch_size, minimum=1)
+    device = next(model.parameters()).device
+    batch_size = (
+        eval_batch_size(device)
+        if batch_size is None
+        else check_int("batch_size", batch_size, minimum=1)
+    )
     if len(inputs) != len(targets):
         raise ValueError(
             f"error_rate needs one target per input, but got {len(inputs)} inputs and "
@@ -136,7 +157,6 @@ def error_rate(
         )
     if not len(inputs):
         raise ValueError("error_rate needs at least one example, but got 0 inputs")
-    device = next(model.parameters()).device
     amp = (
         torch.autocast(device.type, dtype=autocast)
         if autocast is not None

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from benchmarks.core.data import augment
-from sbloader.recipes import cosine_lr, error_rate, resnet18, small_cnn
+from sbloader.recipes import cosine_lr, error_rate, eval_batch_size, resnet18, small_cnn
 
 
 def test_resnet18_shapes_backbone_split_and_any_resolution():
@@ -37,6 +37,21 @@ def test_error_rate_counts_mistakes_and_restores_training_flags():
     assert error_rate(model, x, y, batch_size=4) == 0.3
     assert model.training and not model[1].training
     assert 0.0 <= error_rate(model, x, y, autocast=torch.bfloat16) <= 1.0
+
+
+def test_error_rate_by_default_evaluates_in_the_devices_batch_size():
+    """On a CPU the default is 128 examples a forward (1000 took 2.5x as long here), and the
+    result does not depend on the batch size."""
+    assert eval_batch_size("cpu") == 128 and eval_batch_size(torch.device("cpu")) == 128
+    assert eval_batch_size("meta") == 1000
+    seen = []
+    model = nn.Linear(5, 3)
+    model.register_forward_hook(lambda m, i, o: seen.append(len(i[0])))
+    torch.manual_seed(1)
+    x, y = torch.randn(300, 5), torch.randint(0, 3, (300,))
+    err = error_rate(model, x, y)
+    assert seen == [128, 128, 44]
+    assert error_rate(model, x, y, batch_size=1000) == err
 
 
 def test_error_rate_of_models_whose_inputs_are_not_images():

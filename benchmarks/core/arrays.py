@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import sbloader
+from sbloader.recipes import eval_batch_size
 from sbloader.selection import eval_mode
 
 FORMAT = 1
@@ -62,13 +63,14 @@ def predict(
     model: nn.Module,
     inputs: torch.Tensor,
     *,
-    batch_size: int = 1000,
+    batch_size: int | None = None,
     memory_format: torch.memory_format | None = torch.channels_last,
     autocast: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The model's float32 outputs for ``inputs`` in eval mode, on the CPU (every module's
     training flag restored), evaluated as :func:`sbloader.recipes.error_rate` evaluates."""
     device = next(model.parameters()).device
+    batch_size = eval_batch_size(device) if batch_size is None else batch_size
     amp = (
         torch.autocast(device.type, dtype=autocast)
         if autocast is not None
