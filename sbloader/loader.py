@@ -1499,14 +1499,19 @@ class SelectiveLoader(NotADataLoader):
         self._scorer.check()  # a frozen prefix may have been unfrozen
         self._follow_forward_autocast()  # the model may have been prepared by Accelerate since
         check_device(self.device, self._device is not None)
-        skip, resumed = 0, False
+        epoch, skip, resumed = self.epoch, 0, False
         if self._unfinished is not None:
             position, resume = self._unfinished
-            self._unfinished = None
             if resume:
                 skip, resumed = position, True
             else:
-                self.epoch += 1  # the previous epoch was abandoned part-way (e.g. ``break``)
+                epoch += 1  # the previous epoch was abandoned part-way (e.g. ``break``)
+        current = self.stats.current
+        if not (resumed and current is not None and current.epoch == epoch):
+            current = None  # (a new epoch's stats, begun below)
+        yielded = 0 if current is None else current.batches_yielded
+        self._agree_position(epoch, yielded)  # (before anything changes: a refusal loses nothing)
+        self._unfinished, self.epoch = None, epoch
         self._source.set_epoch(self.epoch)
         if not resumed:
             self._apply_feedback()
@@ -1527,11 +1532,36 @@ class SelectiveLoader(NotADataLoader):
                 "and planned epochs until the epoch ends, or from a state saved at an epoch "
                 "boundary"
             )
-        current = self.stats.current
-        if not (resumed and current is not None and current.epoch == self.epoch):
+        if current is None:
             current = self.stats.begin_epoch(self.epoch, self.policy.target_rate)
         returned, self._returned = self._returned, []
         return self.epoch, skip, resumed, current, returned
+
+    def _agree_position(self, epoch: int, yielded: int) -> None:
+        """On several ranks, refuse (on every rank) to begin where the ranks' positions differ:
+        the epoch, and the batches already yielded in it where a saved state resumes it.
+
+        NOTE: each rank restores its own state, and nothing compared them: a state loaded on one
+        rank only (under ``if rank == 0:``), or states of different checkpoints, put the ranks in
+        different epochs or at different batches of one, and the next collectives then hung,
+        aborted the process group with a collective mismatch, or paired batches of different
+        positions (overlapping shards). One ``all_reduce`` as each epoch begins, every rank
+        alike, before the loader changes anything: the refusal leaves each rank's state as it
+        was, to be mended by loading the right one.
+        """
+        sync = self._sync
+        if sync is None or sync.world_size < 2:
+            return
+        position = {"epoch": str(epoch), "batches yielded": str(yielded)}
+        differing = sync.differing(position, self.device)
+        if differing is not None:
+            where = f"epoch {epoch}" + (f" after {yielded} batches" if yielded else "")
+            raise ValueError(
+                f"the ranks would begin at different positions ({differing} differs): this rank "
+                f"({sync.rank}) begins {where}. Every rank must resume from its own state of the "
+                "same checkpoint: call load_state_dict on every rank (not under `if rank == 0:`), "
+                "each with the state its rank saved at the same step"
+            )
 
     def feedback(self, indices: Any, losses: Any) -> None:
         """Report the training step's per-example losses, to keep the policy's scores fresh.

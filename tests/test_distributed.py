@@ -1008,6 +1008,47 @@ def scenario_mismatches(rank: int, world_size: int) -> dict:
         batch_size=4,
     )
     res["planned"] = (loader.planned_passes, loader.policy.anneal_from_epoch)
+    res.update(resumed_apart(rank, world_size, data))
+    return res
+
+
+def resumed_apart(rank: int, world_size: int, data: Dataset) -> dict:
+    """States loaded on one rank only, or of different positions: refused on every rank as the
+    epoch begins, naming what differs, with nothing lost (loading the right states then resumes
+    exactly)."""
+
+    def build() -> SelectiveLoader:
+        sampler = DistributedSampler(data, world_size, rank, seed=1)
+        source = DataLoader(data, batch_size=16, sampler=sampler)
+        return SelectiveLoader(
+            source, IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=4, seed=3
+        )
+
+    def attempt(loader: SelectiveLoader) -> str:
+        try:
+            next(iter(loader))
+        except ValueError as e:
+            return str(e)
+        return "began"
+
+    res: dict = {}
+    run = build()
+    for _ in run:  # epoch 0
+        pass
+    boundary = run.state_dict()
+    it = iter(run)
+    after_boundary = [next(it).indices.tolist()]
+    mid = run.state_dict()
+    after_boundary += [b.indices.tolist() for b in it]
+    lone = build()
+    if rank == 0:  # the forgotten load on the other ranks
+        lone.load_state_dict(boundary)
+    res["lone"] = attempt(lone)
+    lone.load_state_dict(boundary)  # mended on every rank
+    res["mended"] = [b.indices.tolist() for b in lone] == after_boundary
+    mixed = build()
+    mixed.load_state_dict(mid if rank == 0 else boundary)
+    res["mixed"] = attempt(mixed)
     return res
 
 
@@ -1823,3 +1864,20 @@ def test_options_that_must_match_across_ranks_are_refused_at_construction_naming
         mine = "rank=0 is not this process's (1)" if rank else "another process's is not"
         assert mine in res["rank"]
     assert results[0]["planned"] == results[1]["planned"]
+
+
+def test_ranks_resuming_from_different_positions_are_refused_on_every_rank(tmp_path):
+    """A state loaded on rank 0 only (under `if rank == 0:`) put the ranks in different epochs,
+    and states of different steps at different batches of one: the next collectives hung,
+    aborted the group, or paired batches of different positions. Refused as the epoch begins,
+    on every rank, naming what differs; loading the right states afterwards resumes exactly."""
+    results = run_ranks("mismatches", 2, tmp_path)
+    for rank, res in enumerate(results):
+        lone, mixed = res["lone"], res["mixed"]
+        assert lone.startswith("the ranks would begin at different positions (epoch differs)")
+        assert f"this rank ({rank}) begins epoch {1 if rank == 0 else 0}." in lone
+        assert "call load_state_dict on every rank" in lone
+        assert "(batches yielded differs)" in mixed
+        where = "epoch 1 after 1 batches" if rank == 0 else "epoch 1."
+        assert f"this rank ({rank}) begins {where}" in mixed, mixed
+        assert res["mended"] is True
