@@ -1226,16 +1226,32 @@ class SelectiveLoader(NotADataLoader):
         else:
             fitted = passes_within(planned_epochs * per_epoch, steady, full)
             passes = 2 if fitted is None else fitted
+            # NOTE: 2 passes are the Random-Backprop warm-up and the annealed pass, with no
+            # selective pass between them (as planned_epochs=2 without batches_per_epoch, which
+            # is warned of too): the training epochs that 3 passes need (the warm-up, one
+            # selective pass, the annealed one) are named as the fix.
+            needed = math.ceil(((2 * steady + full) / per_epoch) * (1 - 1e-9))
             if fitted is None:
-                needed = math.ceil(((steady + full) / per_epoch) * (1 - 1e-9))
                 warnings.warn(
                     f"planned_epochs={planned_epochs} training epochs of batches_per_epoch="
                     f"{per_epoch} batches ({planned_epochs * per_epoch} in all) cannot complete "
                     "the default policy's anneal (a pass over all the data, "
-                    f"{full:.3g} batches, after at least one selective pass of {steady:.3g}): it "
-                    "plans 2 passes, and the run ends before the annealed one does. Train for at "
-                    f"least planned_epochs={needed} epochs of that length, or pass a policy "
-                    "without annealing (e.g. policy=sbloader.default_policy())",
+                    f"{full:.3g} batches, after its warm-up pass of {steady:.3g}): it plans 2 "
+                    "passes, and the run ends before the annealed one does. Train for at least "
+                    f"planned_epochs={needed} epochs of that length, or pass a policy without "
+                    "annealing (e.g. policy=sbloader.default_policy())",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            elif passes == 2:
+                warnings.warn(
+                    f"planned_epochs={planned_epochs} training epochs of batches_per_epoch="
+                    f"{per_epoch} batches ({planned_epochs * per_epoch} in all) make 2 passes "
+                    "over the data, which leave the default policy no selective pass: pass 0 is "
+                    f"its Random-Backprop warm-up ({steady:.3g} batches) and pass 1, the annealed "
+                    f"end, trains on all the data ({full:.3g} batches). Train for at least "
+                    f"planned_epochs={needed} epochs of that length (3 passes), or pass a policy "
+                    "(e.g. policy=sbloader.default_policy() anneals nothing)",
                     UserWarning,
                     stacklevel=3,
                 )

@@ -76,15 +76,31 @@ def test_planned_epochs_count_training_epochs_of_an_int_length():
 
 
 def test_too_short_a_run_for_the_anneal_warns_with_the_fix():
-    """3 training epochs of 11 batches (33) cannot hold a selective pass and an annealed one
-    (42.7): two passes are planned, and the warning names the planned_epochs that would do."""
+    """3 training epochs of 11 batches (33) cannot hold the warm-up pass and an annealed one
+    (42.7): two passes are planned, and the warning names the planned_epochs that hold a
+    selective pass between them (53.3 batches: 5 epochs)."""
     with pytest.warns(UserWarning, match=r"planned_epochs=3 .*batches_per_epoch=11") as w:
         loader = loader_for(planned_epochs=3, batches_per_epoch="expected")
-    assert "planned_epochs=4" in str(w[0].message)
+    assert "planned_epochs=5" in str(w[0].message)
     assert loader.planned_passes == 2 and loader.policy.anneal_from_epoch == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert loader_for(planned_epochs=4, batches_per_epoch="expected").planned_passes == 2
+        assert loader_for(planned_epochs=5, batches_per_epoch="expected").planned_passes == 3
+
+
+def test_a_plan_of_two_passes_warns_that_nothing_is_selected():
+    """4 training epochs of 11 batches (44) fit the warm-up pass and the annealed one (42.7)
+    but no selective pass between them: the policy never selects by loss, which is warned of
+    (as planned_epochs=2 without batches_per_epoch), naming the fix."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = loader_for(planned_epochs=4, batches_per_epoch="expected")
+    assert loader.planned_passes == 2 and loader.policy.anneal_from_epoch == 1
+    (warning,) = caught
+    assert "make 2 passes over the data, which leave the default policy no selective pass" in (
+        str(warning.message)
+    )
+    assert "planned_epochs=5" in str(warning.message)
 
 
 def test_without_batches_per_epoch_planned_epochs_are_passes():
