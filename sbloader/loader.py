@@ -245,14 +245,15 @@ class SelectiveLoader(NotADataLoader):
             Lightning's ``estimated_stepping_batches``): an int, or ``"expected"``, the expected
             number of batches per pass over the data, rounded (examples per epoch x the policy's
             :attr:`~sbloader.Policy.steady_rate`, its rate after any warm-up / ``batch_size``;
-            for ``Traditional`` the exact count; refused when the source's size is unknown: pass
-            ``dataset_size=``). Every epoch then yields exactly that many full batches, cut from
-            the same stream of batches as without the option: an epoch that needs more goes on
-            into the next pass over the data, and a pass's surplus is carried into the next
-            epoch (nothing lost, nothing twice). ``epoch``, ``progress``, ``stats`` and policies
-            keyed on epochs (Phased, Stale-SB) count passes over the data, ``training_epoch``
-            counts these epochs (see :mod:`sbloader.length`). Default None: an epoch is one pass,
-            of a random number of batches.
+            rounded down with ``remainder="drop"``, which drops each pass's rest; for
+            ``Traditional`` the exact count; refused when it rounds to 0, and when the source's
+            size is unknown: pass ``dataset_size=``). Every epoch then yields exactly that many
+            full batches, cut from the same stream of batches as without the option: an epoch
+            that needs more goes on into the next pass over the data, and a pass's surplus is
+            carried into the next epoch (nothing lost, nothing twice). ``epoch``, ``progress``,
+            ``stats`` and policies keyed on epochs (Phased, Stale-SB) count passes over the data,
+            ``training_epoch`` counts these epochs (see :mod:`sbloader.length`). Default None: an
+            epoch is one pass, of a random number of batches.
         min_batch_size: smaller batches are never yielded (dropped and counted). Default 2 when
             the model has BatchNorm layers (a batch of one makes BatchNorm raise in training),
             else 1.
@@ -1167,10 +1168,14 @@ class SelectiveLoader(NotADataLoader):
         return examples * rate / self.batch_size
 
     def _expected_count(self) -> int:
-        """``batches_per_epoch="expected"``: the expected batches per pass, rounded."""
+        """``batches_per_epoch="expected"``: the expected batches per pass, rounded (rounded
+        down under ``remainder="drop"``)."""
         # NOTE: a passthrough policy's pass has a known number of examples; its rest is carried
         # or dropped as for any policy (never a short batch), so it counts as a fraction of a
-        # batch: rounded, or left out where it is dropped.
+        # batch: rounded, or left out where it is dropped. Under "drop" a selective pass yields
+        # its whole batches only too (10 of 10.7 expected, pass after pass): rounded up, the
+        # training epochs outran the passes, and a pass expected to fill 0.5 to 1 batch (most
+        # passes none) made training epochs of tens of passes each instead of a refusal.
         passthrough = self.policy.passthrough()
         expected: float | None = None
         if passthrough:
@@ -1181,13 +1186,15 @@ class SelectiveLoader(NotADataLoader):
                 expected = self._batches_at(self.policy.steady_rate)
             except TypeError as e:
                 raise ValueError(f'batches_per_epoch="expected" cannot be computed: {e}') from None
-        dropped = passthrough and self.remainder == "drop"
+        dropped = self.remainder == "drop"
         count = math.floor(expected) if dropped else math.floor(expected + 0.5)
         if count < 1:
             raise ValueError(
                 f'batches_per_epoch="expected": {expected:.3g} batches are expected per pass '
-                "over the data, which rounds to 0; pass batches_per_epoch= an int, or a smaller "
-                "batch_size"
+                "over the data, which rounds to 0"
+                + (" (remainder='drop' drops each pass's rest)" if dropped else "")
+                + "; pass batches_per_epoch= an int, or a smaller batch_size"
+                + (", or remainder='carry'" if dropped else "")
             )
         return count
 

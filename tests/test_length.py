@@ -364,6 +364,28 @@ def test_expected_rounding_to_no_batch_is_refused():
         make("random", n=20, per_epoch="expected", batch_size=16)
 
 
+def test_expected_under_drop_counts_the_whole_batches_of_a_pass():
+    """remainder="drop" drops each pass's rest, so a pass expected to select 40 examples (2.5
+    batches of 16) yields 2 batches (3 only where it selects 48 or more): "expected" is 2, a
+    training epoch about a pass (it was 3, about 1.5 passes); with "carry" it rounds to 3."""
+    unfixed = make(per_epoch=None, batch_size=16, remainder="drop")
+    for _ in range(10):
+        list(unfixed)
+    per_pass = [e.batches_yielded for e in unfixed.stats.epochs]
+    assert sum(per_pass) / len(per_pass) < 2.5
+    assert len(make(batch_size=16, remainder="drop")) == 2
+    assert len(make(batch_size=16, remainder="carry")) == 3
+
+
+def test_expected_under_drop_of_less_than_a_batch_is_refused():
+    """5 examples expected per pass in batches of 8 (0.625 batches): under "drop" most passes
+    yield nothing, and one batch a training epoch took tens of passes; refused, naming
+    "carry" (which rounds it to 1)."""
+    with pytest.raises(ValueError, match=r"rounds to 0 \(remainder='drop'.*remainder='carry'"):
+        make("random", n=20, per_epoch="expected", remainder="drop")
+    assert len(make("random", n=20, per_epoch="expected", remainder="carry")) == 1
+
+
 def test_passes_that_never_fill_a_batch_raise_instead_of_looping():
     loader = make("random", n=20, per_epoch=1, batch_size=16, remainder="drop")
     with pytest.raises(ValueError, match=f"{BARREN_PASSES} passes over the source"):
