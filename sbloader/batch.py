@@ -378,10 +378,25 @@ class BatchFormat:
     def columns(self, batch: Any) -> list[Column]:
         """The batch's fields as a list of columns, in key order."""
         if self.kind is dict:
-            if not isinstance(batch, Mapping) or tuple(batch.keys()) != self.keys:
+            if not isinstance(batch, Mapping):
                 raise ValueError(
                     f"the source changed its batch format: expected a dict with keys "
-                    f"{list(self.keys)!r}, got {batch!r:.200}"
+                    f"{list(self.keys)!r}, got a {type(batch).__name__}"
+                )
+            # NOTE: the same keys in another order are the same fields (the default collate
+            # function orders a batch's keys as its first example's, which a dataset of JSON
+            # records may order differently): read by key, in the first batch's order.
+            if tuple(batch.keys()) != self.keys and (
+                len(batch) != len(self.keys) or any(k not in batch for k in self.keys)
+            ):
+                missing = [k for k in self.keys if k not in batch]
+                extra = [k for k in batch.keys() if k not in self.keys]
+                raise ValueError(
+                    f"the source changed its batch format: expected a dict with keys "
+                    f"{list(self.keys)!r} (as its first batch had), got one with keys "
+                    f"{list(batch.keys())!r} (missing {missing!r}, new {extra!r}); give every "
+                    "batch the same fields (e.g. fill a missing one with a default in the "
+                    "collate_fn), or leave the field out of every batch"
                 )
             return [batch[k] for k in self.keys]
         if not isinstance(batch, (tuple, list)) or len(batch) != len(self.keys):

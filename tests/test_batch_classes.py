@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import N_CLASSES, EncodedDataset, IndexLoss
+from conftest import ENCODED_KEYS, N_CLASSES, EncodedDataset, IndexLoss, encoded_batches
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -356,3 +356,31 @@ def test_a_namedtuple_with_a_clashing_field_and_a_metadata_key_is_a_plain_tuple_
         )
     assert type(b).__name__ == "SelectedTuple" and len(b) == 4
     assert torch.equal(b[2], b.indices) and torch.equal(b[3]["indices"], b.indices)
+
+
+def test_dict_batches_with_their_keys_in_another_order_are_read_by_key():
+    """A source batch with the first batch's keys in another order (the default collate
+    function orders them as the batch's first example, e.g. JSON records) was refused as a
+    changed format mid-epoch; its fields are read by key, and yielded in the first's order."""
+    batches = encoded_batches([8, 8, 8])
+    batches[1] = {"i": batches[1]["i"], "y": batches[1]["y"], "x": batches[1]["x"]}
+    loader = SelectiveLoader(
+        batches, IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=4, seed=0, **ENCODED_KEYS
+    )
+    yielded = [b for _ in range(2) for b in loader]
+    assert len(yielded) > 1
+    for b in yielded:
+        assert list(b) == ["x", "y", "i"]
+        assert torch.equal(b["x"][:, 0].long(), b.indices) and torch.equal(b["i"], b.indices)
+        assert torch.equal(b["y"], b.indices % N_CLASSES)
+
+
+def test_a_dict_batch_with_other_keys_is_refused_naming_the_missing_and_new_ones():
+    batches = encoded_batches([8, 8])
+    batches[1]["z"] = batches[1].pop("y")
+    loader = SelectiveLoader(
+        batches, IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=4, seed=0, **ENCODED_KEYS
+    )
+    missing = r"keys \['x', 'i', 'z'\] \(missing \['y'\], new \['z'\]\)"
+    with pytest.raises(ValueError, match=missing):
+        list(loader)
