@@ -10,7 +10,7 @@ sampler and collate function are used unchanged.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -800,6 +800,21 @@ class DataLoaderSource(Source):
         set_loader_epoch(self.loader, epoch)
 
 
+def _fields(batch: Any) -> str:
+    """The fields of a source batch in a few words, for an error naming a field it lacks.
+
+    Example:
+        >>> _fields({"x": 0, "i": 1}), _fields((0, 1, 2)), _fields(7)
+        ("its keys: ['x', 'i']", 'positions 0 to 2 of its 3-field tuple', 'batches of type int')
+    """
+    if isinstance(batch, Mapping):
+        return f"its keys: {list(batch.keys())!r}"
+    if isinstance(batch, (tuple, list)):
+        kind = type(batch).__name__
+        return f"positions 0 to {len(batch) - 1} of its {len(batch)}-field {kind}"
+    return f"batches of type {type(batch).__name__}"
+
+
 def set_loader_epoch(loader: Any, epoch: int) -> None:
     """Tell a DataLoader's batch sampler, its sampler and the loader's sampler the epoch, each
     that takes one (``set_epoch``) once, as Lightning does: a ``DistributedSampler`` and a
@@ -888,8 +903,9 @@ class IterableSource(Source):
                 raw = batch[self.index_key]
             except (KeyError, IndexError, TypeError):
                 raise FieldError(
-                    f"index_key={self.index_key!r} names no field of the source's batches; pass "
-                    "index_key= the key or position of the field that holds dataset indices"
+                    f"index_key={self.index_key!r} names no field of the source's batches "
+                    f"({_fields(batch)}); pass index_key= the key or position of the field that "
+                    "holds dataset indices"
                 ) from None
             indices = check_indices(f"the index field {self.index_key!r}", raw)
             if self._size is not None and indices.size:

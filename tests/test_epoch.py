@@ -732,6 +732,22 @@ def test_a_bad_field_is_one_kind_of_error_for_dicts_and_positions():
         assert isinstance(err.value, KeyError) and isinstance(err.value, ValueError)
 
 
+def test_an_index_key_that_names_no_field_is_refused_naming_the_fields_there_are():
+    """The message named the key alone; a user who misspelt it had to print a batch."""
+    dict_batches = encoded_batches([4])
+    tuple_batches = [tuple(b.values()) for b in dict_batches]
+    for batches, key, fields in (
+        (dict_batches, "idx", r"its keys: \['x', 'y', 'i'\]"),
+        (tuple_batches, 3, "positions 0 to 2 of its 3-field tuple"),
+        (tuple_batches, "i", "positions 0 to 2 of its 3-field tuple"),
+    ):
+        loader = SelectiveLoader(
+            batches, IndexLoss(), policy=Traditional(), batch_size=4, index_key=key
+        )
+        with pytest.raises(FieldError, match=rf"index_key={key!r} names no field .*{fields}"):
+            next(iter(loader))
+
+
 @pytest.mark.parametrize(
     "policy",
     [
