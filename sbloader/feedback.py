@@ -69,6 +69,10 @@ def checked(indices: Any, losses: Any, size: int | None) -> tuple[torch.Tensor, 
         Traceback (most recent call last):
             ...
         ValueError: feedback needs one loss per example, but got 2 indices and 1 losses; ...
+        >>> checked([4, 7], torch.zeros(2, 5), 10)
+        Traceback (most recent call last):
+            ...
+        ValueError: feedback needs one loss per example, but got 2 indices and losses of shape ...
         >>> checked(torch.tensor([1.0]), [0.5], 10)
         Traceback (most recent call last):
             ...
@@ -76,6 +80,15 @@ def checked(indices: Any, losses: Any, size: int | None) -> tuple[torch.Tensor, 
     """
     idx, val = _as_tensor("indices", indices), _as_tensor("losses", losses)
     if idx.shape[0] != val.shape[0]:
+        shape = tuple(getattr(losses, "shape", ()))
+        if len(shape) > 1 and shape[0] == idx.shape[0]:
+            # Unreduced already, but per token (or per output): reduction='none' is given.
+            raise ValueError(
+                f"feedback needs one loss per example, but got {idx.shape[0]} indices and "
+                f"losses of shape {shape}, several per example (e.g. per-token losses); reduce "
+                "them over every dimension but the first, as the training loss is, e.g. "
+                "token_losses.sum(1) / (labels != -100).sum(1).clamp(min=1)"
+            )
         raise ValueError(
             f"feedback needs one loss per example, but got {idx.shape[0]} indices and "
             f"{val.shape[0]} losses; pass the per-example losses (reduction='none') of the "

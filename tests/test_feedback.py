@@ -191,6 +191,18 @@ def test_bad_reports_are_refused_at_once_naming_the_fix():
     assert len(loader._feedback) == 0  # nothing half-added
 
 
+def test_per_token_reports_are_refused_naming_the_reduction_over_tokens():
+    """Losses of shape (batch, seq) were refused telling a user who had reduction='none' to
+    pass reduction='none'; the message names the shape and the per-example reduction."""
+    loader = loader_for(SelectiveBackprop(1 / 3, staleness=2))
+    batch = next(iter(loader))
+    n = len(batch.indices)
+    with pytest.raises(ValueError, match=rf"losses of shape \({n}, 7\).*over every dimension"):
+        loader.feedback(batch.indices, torch.zeros(n, 7))
+    loader.feedback(batch.indices, torch.zeros(n, 1))  # one per example, laid out as a column
+    assert len(loader._feedback) == n
+
+
 def test_feedback_buffer_round_trips_and_takes_everything_once():
     buf = FeedbackBuffer()
     buf.add(torch.tensor([3, 1]), torch.tensor([0.5, 1.5]))
