@@ -393,10 +393,10 @@ class BatchFormat:
                 extra = [k for k in batch.keys() if k not in self.keys]
                 raise ValueError(
                     f"the source changed its batch format: expected a dict with keys "
-                    f"{list(self.keys)!r} (as its first batch had), got one with keys "
-                    f"{list(batch.keys())!r} (missing {missing!r}, new {extra!r}); give every "
-                    "batch the same fields (e.g. fill a missing one with a default in the "
-                    "collate_fn), or leave the field out of every batch"
+                    f"{list(self.keys)!r} (as its first batch had, or a saved run's), got one "
+                    f"with keys {list(batch.keys())!r} (missing {missing!r}, new {extra!r}); "
+                    "give every batch the same fields (e.g. fill a missing one with a default "
+                    "in the collate_fn), or leave the field out of every batch"
                 )
             return [batch[k] for k in self.keys]
         if not isinstance(batch, (tuple, list)) or len(batch) != len(self.keys):
