@@ -516,6 +516,26 @@ def selection_outputs(
                 )
             try:
                 out = loss_fn(loss_input, y)
+            except (RuntimeError, ValueError) as e:
+                if not _per_token(loss_input, y):
+                    raise
+                # NOTE: torch's own error ("Expected target size [8, 10], got [8, 5]") says
+                # nothing of the selection pass nor of the outputs being per token.
+                raise ValueError(
+                    f"loss_fn(outputs, targets) raised {type(e).__name__} ({_first_line(e)}) on "
+                    f"the outputs of {source}, of shape {tuple(loss_input.shape)}, and targets of "
+                    f"shape {tuple(y.shape)}: outputs per token (or per position), which a loss "
+                    "of one value per example (such as the default "
+                    "nn.CrossEntropyLoss(reduction='none')) does not take as they are; pass a "
+                    "loss_fn that returns one loss per example, e.g. for token losses with "
+                    f"ignore_index=-100: {_TOKEN_LOSS}"
+                    + (
+                        # (a loss_fn of the user's own takes non-tensor outputs whole)
+                        f", with output='logits' (the model returns {describe(raw)})"
+                        if output is None and raw is not loss_input
+                        else ""
+                    )
+                ) from e
             except (TypeError, AttributeError) as e:
                 if isinstance(loss_input, torch.Tensor):
                     raise
@@ -534,9 +554,7 @@ def selection_outputs(
                         f"loss_fn should return one loss per example (shape ({m},)), but "
                         f"returned {shape}, with dimensions besides the examples'; reduce it "
                         "over every dimension but the first, e.g. for token losses with "
-                        "ignore_index=-100: loss_fn=lambda out, y: "
-                        "F.cross_entropy(out.transpose(1, 2), y, reduction='none').sum(1) / "
-                        "(y != -100).sum(1).clamp(min=1); for (batch, 1) regression outputs: "
+                        f"ignore_index=-100: {_TOKEN_LOSS}; for (batch, 1) regression outputs: "
                         "lambda out, y: F.mse_loss(out, y, reduction='none').flatten(1).mean(1)"
                     )
                 if isinstance(out, torch.Tensor) and out.numel() == m and out.dim() > 1:
@@ -584,6 +602,30 @@ def selection_outputs(
             kept = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     # Cloning outside inference mode turns the inference tensor into an ordinary one.
     return losses.clone(), None if kept is None else kept.clone()
+
+
+#: A loss_fn of one loss per example for outputs per token, for error messages.
+_TOKEN_LOSS = (
+    "loss_fn=lambda out, y: F.cross_entropy(out.transpose(1, 2), y, reduction='none').sum(1) / "
+    "(y != -100).sum(1).clamp(min=1)"
+)
+
+
+def _per_token(outputs: Any, targets: Any) -> bool:
+    """Whether ``outputs`` and ``targets`` look like outputs per token and their targets: tensors
+    that agree in their first two sizes (examples, tokens), the outputs with one more dimension.
+
+    Example:
+        >>> _per_token(torch.zeros(8, 5, 10), torch.zeros(8, 5)), _per_token(torch.zeros(8, 3), 0)
+        (True, False)
+    """
+    return (
+        isinstance(outputs, torch.Tensor)
+        and isinstance(targets, torch.Tensor)
+        and outputs.dim() >= 3
+        and targets.dim() >= 2
+        and outputs.shape[:2] == targets.shape[:2]
+    )
 
 
 def _scalar_fix(output: Output, custom: bool) -> str:

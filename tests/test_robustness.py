@@ -941,6 +941,46 @@ def test_loss_fn_without_one_loss_per_example_names_the_fix(loss_fn, shape, fix)
     assert model.training and model[1].training
 
 
+def test_per_token_outputs_with_a_per_example_loss_are_refused_naming_the_token_loss():
+    """Language-model outputs (batch, seq, vocab) with the default nn.CrossEntropyLoss raised
+    torch's "Expected target size [8, 10], got [8, 5]" from the first selection pass; refused
+    naming the shapes and a per-example loss_fn over tokens, which then runs."""
+
+    class TokenModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 10)
+
+        def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"logits": self.embed(ids)}
+
+    torch.manual_seed(0)
+    batches = [
+        {"input_ids": torch.randint(0, 10, (8, 5)), "labels": torch.randint(0, 10, (8, 5))}
+        for _ in range(3)
+    ]
+    options = dict(input_key="input_ids", target_key="labels", batch_size=4, seed=0)
+    loader = SelectiveLoader(batches, TokenModel(), policy=SelectiveBackprop(0.5), **options)
+    shapes = r"of shape \(8, 5, 10\), and targets of shape \(8, 5\): outputs per token"
+    fix = r"transpose\(1, 2\).*, with output='logits' \(the model returns a dict"
+    with pytest.raises(ValueError, match=rf"Expected target size.*{shapes}.*{fix}"):
+        next(iter(loader))
+
+    def token_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # the fix it names
+        losses = nn.functional.cross_entropy(out.transpose(1, 2), y, reduction="none")
+        return losses.sum(1) / (y != -100).sum(1).clamp(min=1)
+
+    loader = SelectiveLoader(
+        batches,
+        TokenModel(),
+        loss_fn=token_loss,
+        output="logits",
+        policy=SelectiveBackprop(0.5),
+        **options,
+    )
+    assert next(iter(loader))["labels"].shape == (4, 5)
+
+
 class Relabel(EncodedDataset):
     """EncodedDataset whose label for example 13 is out of range while ``broken``."""
 
