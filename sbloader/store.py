@@ -194,9 +194,15 @@ class ExampleStore:
     # use after the load, not in load_state_dict itself, so that a load the loader refuses
     # after the policy's part (all or nothing: see SelectiveLoader.load_state_dict) leaves the
     # files untouched; its rollback cancels the restore.
+    # NOTE (every use checked): each use of a column refuses a store whose folder a newer store
+    # of this process has taken (see _check_newest), reads and writes alike: only the kernels'
+    # columns were checked, so an older run still wrote its reported losses into the newer
+    # one's files (record) and saved states that were snapshots of them (state_dict), pruning
+    # the newer run's own snapshots.
     @property
     def loss(self) -> np.ndarray:
         """Each example's last finite selection loss (float32)."""
+        self._check_open()
         if self._restore is not None:
             self._apply_restore()
         return self._loss
@@ -204,6 +210,7 @@ class ExampleStore:
     @property
     def seen(self) -> np.ndarray:
         """The epoch each loss was measured in, plus one (int32; 0: never scored)."""
+        self._check_open()
         if self._restore is not None:
             self._apply_restore()
         return self._seen
@@ -211,6 +218,7 @@ class ExampleStore:
     @property
     def selected(self) -> np.ndarray:
         """How many times each example was chosen for backprop (int32)."""
+        self._check_open()
         if self._restore is not None:
             self._apply_restore()
         return self._selected
@@ -267,7 +275,6 @@ class ExampleStore:
     @property
     def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The ``(loss, seen, selected)`` columns, for the kernels that update them."""
-        self._check_newest()
         return self.loss, self.seen, self.selected
 
     def _check_newest(self) -> None:

@@ -331,9 +331,10 @@ def test_memory_mapped_store_state_names_a_snapshot_of_its_files(tmp_path):
     for column in ("loss.float32", "seen.int32", "selected.int32"):  # the files as they were
         assert (snapshot / column).read_bytes() == (tmp_path / "store" / column).read_bytes()
     json.dumps(scalars(state))
+    losses = loader.policy.store.loss.copy()  # (the older store is refused once again is built)
     again = build()
     again.load_state_dict(state)
-    np.testing.assert_array_equal(again.policy.store.loss, loader.policy.store.loss)
+    np.testing.assert_array_equal(again.policy.store.loss, losses)
     assert (again.policy.store.seen == 1).all()
 
 
@@ -716,6 +717,32 @@ def test_two_live_runs_given_one_store_path_do_not_share_its_files(tmp_path):
     list(newer)  # the newest goes on
 
 
+def test_an_older_run_neither_writes_its_reports_into_nor_saves_a_newer_runs_store(tmp_path):
+    """The older run of a shared store_path is refused before it touches the newer one's files:
+    its pending reports were written into them as its next epoch began (only the kernels'
+    columns were checked), and its state_dict saved a snapshot of the newer run's losses as its
+    own and pruned the newer run's snapshots, so the newer run's checkpoint no longer loaded."""
+
+    def make():
+        policy = SelectiveBackprop(0.5, staleness=2, store_path=tmp_path)
+        return shuffled_loader(40, 8, 0, IndexLoss(), policy, batch_size=4)
+
+    older = make()
+    for batch in older:
+        older.feedback(batch.indices, torch.full((len(batch.indices),), 123.0))
+    newer = make()
+    list(newer)
+    states = [newer.state_dict(), newer.state_dict()]  # (the 2 snapshots kept)
+    losses = newer.policy.store.loss.copy()
+    with pytest.raises(ValueError, match="was taken by a newer store in this process"):
+        list(older)  # its reports are not applied to the newer store's files
+    with pytest.raises(ValueError, match="was taken by a newer store in this process"):
+        older.state_dict()
+    np.testing.assert_array_equal(newer.policy.store.loss, losses)
+    for state in states:
+        make().load_state_dict(state)  # the newer run's snapshots are all there
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_does_not_inherit_its_parents_hold_on_a_store_folder(tmp_path):
     """A forked child (a DataLoader worker, or the user's own) is another process: a store it
@@ -754,8 +781,8 @@ def test_a_store_snapshot_stays_sparse(tmp_path):
     if sum((tmp_path / f.name).stat().st_blocks * 512 for f in snapshot.iterdir()) > 1 << 20:
         pytest.skip("this file system does not keep files sparse")
     assert used < 1 << 20
+    store.record(np.array([5]), np.array([7.0]), epoch=1)  # the run goes on
     again = ExampleStore(10_000_000, path=tmp_path)
-    store.record(np.array([5]), np.array([7.0]), epoch=1)
     again.load_state_dict(state)
     losses, epochs = again.lookup(np.array([5, 6, 9_999_999]))
     assert losses[[0, 2]].tolist() == [1.0, 2.0] and epochs.tolist() == [0, -1, 0]
