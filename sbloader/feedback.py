@@ -144,7 +144,8 @@ class FeedbackBuffer:
 
         Args:
             indices: dataset indices, one per loss.
-            losses: the training step's per-example losses.
+            losses: the training step's per-example losses (copied, on their device: the
+                caller may change or reuse its tensor or array after the report).
             size: the dataset's size, to check host-side indices against at once (device-side
                 ones are checked by :func:`check_range` when taken, to avoid a synchronisation).
 
@@ -153,8 +154,12 @@ class FeedbackBuffer:
             IndexError: a host-side index outside ``0 .. size - 1``.
         """
         idx, val = checked(indices, losses, size)
-        self._indices.append(idx)
-        self._losses.append(val)
+        # NOTE (copies): held until the next epoch starts, so held as copies (made on their
+        # device, without a synchronisation): a view of the caller's tensor or array took every
+        # later change to it (a buffer reused for each step's losses, losses weighted in place
+        # after the report), and the store then got those values instead of the ones reported.
+        self._indices.append(idx.clone())
+        self._losses.append(val.clone())
         self._count += int(idx.shape[0])
         return int(idx.shape[0])
 

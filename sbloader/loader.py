@@ -1600,7 +1600,8 @@ class SelectiveLoader(NotADataLoader):
             indices: the batch's dataset indices (``batch.indices``, or ``batch[key]["indices"]``
                 with ``metadata_key=``).
             losses: one loss per example of the batch, as computed by the training step
-                (``reduction="none"``; detached here, left on its device until the epoch ends).
+                (``reduction="none"``; detached and copied here, on its device, where the copy
+                stays until the epoch ends: the tensor may be changed or reused after the call).
 
         Example:
             >>> import torch

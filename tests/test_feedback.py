@@ -203,6 +203,30 @@ def test_per_token_reports_are_refused_naming_the_reduction_over_tokens():
     assert len(loader._feedback) == n
 
 
+def test_reports_are_the_values_reported_whatever_the_caller_does_with_them_after():
+    """A report is held until the next epoch starts: a buffer reused for each step's losses, or
+    losses changed in place after the report (weighted, zeroed), must not change what the store
+    gets (held as views, every example got the last step's values, or the changed ones)."""
+    policy = SelectiveBackprop(1 / 3, staleness=3)
+    loader = loader_for(policy)
+    buffer = np.zeros(10)
+    indices = torch.zeros(10, dtype=torch.int64)
+    trained = []
+    for batch in loader:
+        n = len(batch.indices)
+        buffer[:n] = reported(batch.indices).numpy()
+        indices[:n] = batch.indices
+        loader.feedback(indices[:n], buffer[:n])  # the same buffers every step
+        losses = reported(batch.indices)
+        loader.feedback(batch.indices, losses)
+        losses.mul_(0.0)  # e.g. weighted in place after the report
+        trained += batch.indices.tolist()
+    next(iter(loader))  # the reports reach the store
+    t = np.array(sorted(set(trained)))
+    stored, _ = policy.store.lookup(t)
+    np.testing.assert_array_equal(stored, (N - t).astype(np.float32))
+
+
 def test_feedback_buffer_round_trips_and_takes_everything_once():
     buf = FeedbackBuffer()
     buf.add(torch.tensor([3, 1]), torch.tensor([0.5, 1.5]))
