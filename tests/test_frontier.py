@@ -238,6 +238,21 @@ def test_interleaved_runs_make_the_same_selections_as_runs_trained_alone():
     assert runs[1].epochs[0]["selection_forwards"] == 0 < runs[1].epochs[1]["selection_forwards"]
 
 
+def test_a_pooled_variant_reads_source_batches_of_its_own_size():
+    """``<recipe>_pool4096`` (the GPU's larger pools) draws candidates in source batches of its
+    own size, whatever the configuration's; Traditional keeps the training batch."""
+    big = strategies.get("recipe_anneal_fb_pool4096_e10")
+    assert big.family == "recipe_anneal_fb_pool4096" and big.pool == 4096 and big.epochs == 10
+    assert big.source_batch(1024, 256) == 4096
+    assert strategies.get("recipe_anneal_fb").source_batch(1024, 256) == 1024
+    assert strategies.get("traditional").source_batch(1024, 256) == 256
+    assert repr(big.policy(10)) == repr(strategies.get("recipe_anneal_fb").policy(10))
+    cfg = Config(batch_size=8, pool_batch_size=16, epochs=1, eval_every=1.0)
+    wide = dataclasses.replace(strategies.get("random_0.33"), pool=48)
+    t = Trainer(cfg, wide, 0, 0.0, _tiny_data())
+    assert t.loader.source.batch_size == 48
+
+
 @pytest.mark.parametrize("name", ["sb_0.33", "random_0.33", "traditional"])
 def test_the_final_evaluation_sees_every_training_step(name):
     """A pooled loader reaches the planned position when its last source batch is drawn,

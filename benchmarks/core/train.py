@@ -129,7 +129,7 @@ class Trainer:
             cfg,
             shuffled(
                 dataset,
-                cfg.pool_batch_size if strat.pooled else cfg.batch_size,
+                strat.source_batch(cfg.pool_batch_size, cfg.batch_size),
                 seed,
                 cfg.array_collate,
             ),
