@@ -49,7 +49,7 @@ before ``init_process_group`` under a launcher of several processes, ``cdf="glob
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import hashlib
 import os
 import warnings
@@ -635,7 +635,10 @@ def reduce_stats(
             f"{type(stats).__name__}"
         )
     epochs = [stats] if isinstance(stats, EpochStats) else stats.epochs
-    reduced = [copy.copy(e) for e in epochs]
+    # NOTE: dataclasses.replace, not copy.copy: its __post_init__ copies the per-class count
+    # arrays, which the running epoch adds to in place (a shallow copy taken mid-epoch went on
+    # counting classes while its other counts stood still).
+    reduced = [dataclasses.replace(e) for e in epochs]
     if dist.is_available() and dist.is_initialized():
         if device is None:
             device = collective_device(str(dist.get_backend(group)), torch.device("cpu"))

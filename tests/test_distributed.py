@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from conftest import ENCODED_KEYS, N_CLASSES, EncodedDataset, IndexLoss, bn_model, encoded_batches
 from launch import end_process_group, free_port, gloo_threads, leave, spawn_ranks
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 import sbloader
 from sbloader import Phased, Policy, RandomBackprop, SelectiveBackprop, SelectiveLoader
@@ -1823,6 +1823,25 @@ def test_reduce_stats_on_one_process_is_a_copy():
     assert reduced.epochs[0] is not loader.stats.epochs[0]
     with pytest.raises(TypeError, match="stats should be a LoaderStats"):
         reduce_stats({"examples_seen": 1})
+
+
+def test_reduce_stats_mid_epoch_copies_the_class_counts():
+    """The copy taken mid-epoch keeps its class counts as they were, with its other counts: its
+    shallow copy shared the arrays that the running epoch adds to in place."""
+    loader = SelectiveLoader(
+        DataLoader(TensorDataset(torch.randn(40, 2), torch.arange(40) % 3), batch_size=10),
+        torch.nn.Linear(2, 3),
+        policy=RandomBackprop(0.5),
+        batch_size=5,
+    )
+    epoch = iter(loader)
+    next(epoch)
+    reduced = reduce_stats(loader.stats.current)
+    seen = reduced.examples_seen
+    assert reduced.class_seen.sum() == seen
+    list(epoch)
+    assert loader.stats.current.class_seen.sum() == 40
+    assert reduced.examples_seen == seen and reduced.class_seen.sum() == seen
 
 
 def test_batch_counts_use_the_distributed_samplers_share():
