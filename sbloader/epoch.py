@@ -399,12 +399,12 @@ class EpochIterator:
         # A direct batch made ready but not handed out (finishing() ran ahead to it) is handed
         # out next too, after those taken back: its source batch was consumed.
         ready = [] if self._direct is None else [self._direct.rows()]
-        self._direct = self._last = None
+        last, self._direct, self._last = self._last, None, None
         self._lent = False
         self._loader._returned[:0], self._replay = [*self._replay, *ready], []
         self._stop_fetch()
         if running:
-            self._loader._abandon(self, resumable)
+            self._loader._abandon(self, resumable, last)
 
     def __del__(self) -> None:
         # NOTE: a `for` loop left with `break` drops its iterator; closing it here stops the

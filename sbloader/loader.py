@@ -53,7 +53,7 @@ from .precision import (
 )
 from .quantize import QuantizedSelection, QuantizedSelector
 from .quantize import resolve as resolve_quantized
-from .rows import PendingRows, Rows
+from .rows import PendingRows, Rows, WholeBatch
 from .scoring import Scorer
 from .selection import (
     Forward,
@@ -875,6 +875,10 @@ class SelectiveLoader(NotADataLoader):
         # Batches handed out but not trained when a state was saved (``state_dict(unconsumed=)``):
         # the next epoch iterator hands them out first, as they were.
         self._returned: list[Rows] = []
+        # The batch handed out last by an epoch left part-way and resumable (the loop left by
+        # an exception in the training step, or ``break``), while that epoch is unfinished:
+        # what ``state_dict(unconsumed=1)`` takes back then (see _abandon).
+        self._left: Rows | WholeBatch | None = None
         # Whether the model and loss_fn were checked on a source batch (see EpochIterator).
         self._probed = False
         # Whether a state saved mid-epoch that could not resume there was warned of.
@@ -1534,7 +1538,7 @@ class SelectiveLoader(NotADataLoader):
             current = None  # (a new epoch's stats, begun below)
         yielded = 0 if current is None else current.batches_yielded
         self._agree_position(epoch, yielded)  # (before anything changes: a refusal loses nothing)
-        self._unfinished, self.epoch = None, epoch
+        self._unfinished, self.epoch, self._left = None, epoch, None
         self._source.set_epoch(self.epoch)
         if not resumed:
             self._apply_feedback()
@@ -1647,11 +1651,23 @@ class SelectiveLoader(NotADataLoader):
         else:
             self.policy.feedback(indices, losses, epoch)
 
-    def _abandon(self, it: EpochIterator, resumable: bool) -> None:
+    def _abandon(
+        self, it: EpochIterator, resumable: bool, last: Rows | WholeBatch | None = None
+    ) -> None:
         """``it`` ended part-way: the next iterator starts the next epoch (and a state saved
-        before then resumes ``it``'s epoch where it stopped if ``resumable``)."""
+        before then resumes ``it``'s epoch where it stopped if ``resumable``); ``last``: the
+        batch it handed out last.
+
+        NOTE (``last``): a training step that raises (an out-of-memory error) leaves the loop,
+        which drops and closes the iterator before the caller's ``except`` can save a state; the
+        batch it was training on is kept, so that ``state_dict(unconsumed=1)`` still takes it
+        back, as it does inside the loop. Before, the state had to count it as trained (its
+        examples lost in the resumed run), and ``unconsumed=1`` was refused, saying the epoch
+        had ended.
+        """
         live = self._live_iterator()
         if live is None or live is it:  # (a dropped iterator's weak reference may be dead)
+            self._left = last if resumable else None
             if resumable:
                 self._unfinished = (it.position, False)
             else:
@@ -1796,7 +1812,9 @@ class SelectiveLoader(NotADataLoader):
                 the one that batch was handed out from, and a resumed run hands that same batch
                 out first (no selection pass is made again for it), then goes on as the
                 uninterrupted run did. Only while an epoch is running (with
-                ``batches_per_epoch``, a training epoch). Default 0.
+                ``batches_per_epoch``, a training epoch), or after its loop was left part-way
+                without ``batches_per_epoch`` (a training step that raised, in the caller's
+                ``except``), until the next ``iter(loader)``. Default 0.
 
         An epoch left part-way (``break``) is saved where it stopped, so that saving after
         leaving the loop resumes it; one closed with ``close(resumable=False)`` is saved as the
@@ -1823,13 +1841,17 @@ class SelectiveLoader(NotADataLoader):
             active, position = True, it.position
             returned = it._not_trained(unconsumed)
             ahead = it.ahead_scores()
-        elif unconsumed:
+        elif unconsumed and (self._left is None or self._unfinished is None):
             raise ValueError(
                 "unconsumed=1, but no epoch is running: the batches handed out were all part of "
-                "an epoch that has ended; pass unconsumed=0"
+                "an epoch that has ended (or was closed with resumable=False, or none was handed "
+                "out yet); pass unconsumed=0"
             )
         elif self._unfinished is not None:
             active, position = True, self._unfinished[0]
+            if unconsumed:  # the loop was left part-way (see _abandon)
+                assert self._left is not None
+                returned = [self._left.copy(), *returned]
         else:
             active, position = False, 0
         if active and position > 0 and not self._mid_epoch_warned and not taking_rollback():
@@ -1926,6 +1948,7 @@ class SelectiveLoader(NotADataLoader):
         try:
             checked = self._checked(state)
             self._restore(checked)
+            self._left = None
         except BaseException:
             self._restore(backup, rollback=True)
             if not running:  # a running epoch was closed: the next iter() resumes it

@@ -103,9 +103,53 @@ def test_unconsumed_is_checked():
     it = iter(loader)
     next(it)
     loader.state_dict(unconsumed=1)
-    it.close()
+    it.close()  # (resumable: the batch handed out last can still be taken back)
+    loader.state_dict(unconsumed=1)
+    it = iter(loader)
+    next(it)
+    it.close(resumable=False)
     with pytest.raises(ValueError, match="no epoch is running"):
         loader.state_dict(unconsumed=1)
+
+
+@pytest.mark.filterwarnings("ignore:overlap_selection=True with")
+@pytest.mark.parametrize(
+    "options", [{}, {"prefetch": 2, "overlap_selection": True}], ids=["plain", "threads"]
+)
+def test_a_training_step_that_raises_can_give_its_batch_back_after_leaving_the_loop(options):
+    """The training step raises on its batch (an out-of-memory error): leaving the ``for``
+    loop drops and closes the epoch's iterator, and ``state_dict(unconsumed=1)`` in the
+    ``except`` still takes that batch back, so that the resumed run trains on it and on
+    everything after it as the uninterrupted run does."""
+
+    def make():
+        loader, model, _ = setup()
+        return SelectiveLoader(
+            loader.source.loader,
+            model,
+            policy=SelectiveBackprop(0.5),
+            batch_size=12,
+            seed=0,
+            **options,
+        )
+
+    def run(loader, fail_at=None):
+        trained = []
+        while loader.epoch < EPOCHS:
+            for batch in loader:
+                if len(trained) == fail_at:
+                    raise RuntimeError("CUDA out of memory (in the training step)")
+                trained.append(batch.indices.tolist())
+        return trained
+
+    reference = run(make())
+    failing = make()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run(failing, fail_at=4)
+    state = copy.deepcopy(failing.state_dict(unconsumed=1))
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert reference[:4] + run(resumed) == reference
 
 
 def test_an_epoch_closed_for_good_is_saved_as_the_start_of_the_next():
