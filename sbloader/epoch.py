@@ -512,9 +512,11 @@ class EpochIterator:
         # NOTE (a batch not taken is not consumed): where scoring the batch raises before its
         # decision took effect (a model that raises, a transient out-of-memory error,
         # nonfinite="raise"), the position, the source's snapshot and the counts go back to
-        # before it, so that a state saved afterwards, or the next iter(loader), reads it again
-        # instead of skipping its examples. On one process only: under DDP the ranks stop
-        # together and another rank may have taken its batch of the round.
+        # before it, so that a state saved afterwards reads it again instead of skipping its
+        # examples (the next iter(loader) starts the next epoch, as after ``break``;
+        # ``loader.load_state_dict(loader.state_dict())`` goes on with this one). On one process
+        # only: under DDP the ranks stop together and another rank may have taken its batch of
+        # the round.
         undo = self._counts()
         self._committed = False
         try:
