@@ -511,11 +511,13 @@ class LoaderOrder:
         self._restart = True
 
     def state_dict(self, sampler: Any = None) -> dict[str, Any]:
-        """The generators' states now and at the epoch's start, and the seed of a ``sampler``
-        that seeds itself (:func:`self_seed`), where it is one."""
+        """The generators' states now and at the epoch's start, the seed of a ``sampler``
+        that seeds itself (:func:`self_seed`), where it is one, and why ``sampler``'s order
+        cannot be replayed (:func:`unreplayable_sampler`; None where it can)."""
         state: dict[str, Any] = {
             "generators": [g.get_state() for g in self.generators],
             "epoch_start": self.epoch_start,
+            "unreplayable": unreplayable_sampler(sampler),
         }
         seed = self_seed(sampler)
         if seed is not None:
@@ -535,6 +537,18 @@ class LoaderOrder:
         why = unreplayable_sampler(sampler) if mid_epoch else None
         if why is not None:
             raise ValueError(f"cannot resume this DataLoader in the middle of an epoch: {why}")
+        # NOTE: what counts is how the state was saved too: the order of a pass drawn from
+        # torch's global RNG was not saved, so a loader rebuilt with a generator (as the
+        # warning at state_dict() advises) would skip the consumed batches of another order,
+        # repeating some examples and never yielding others. (Absent from older states.)
+        saved_why = (state or {}).get("unreplayable")
+        if mid_epoch and saved_why is not None:
+            raise ValueError(
+                "cannot resume this state in the middle of a pass over the data: it was saved "
+                f"from a DataLoader whose order cannot be replayed ({saved_why}); a DataLoader "
+                "rebuilt with a generator cannot replay the saved run's order either, so resume "
+                "from a state saved at the end of a pass"
+            )
         seed, saved_seed = self_seed(sampler), (state or {}).get("sampler_seed")
         if mid_epoch and seed is not None and saved_seed is not None and seed != saved_seed:
             raise ValueError(

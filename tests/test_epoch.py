@@ -968,6 +968,42 @@ def test_a_mid_epoch_state_that_cannot_resume_is_warned_of_when_taken_once():
         build(True).load_state_dict(seeded.state_dict())
 
 
+def test_a_mid_epoch_state_of_an_unreplayable_order_is_refused_by_a_fixed_loader_too():
+    """A mid-epoch state saved from a sampler on torch's global RNG (warned of as it is taken:
+    "load_state_dict refuses it") was accepted by a loader rebuilt with a generator as the
+    warning advises, and its resumed epoch skipped the consumed batches of another order,
+    repeating some examples and never yielding others. What counts is how the state was saved:
+    refused; an end-of-epoch state of that run resumes."""
+    import warnings
+
+    data = EncodedDataset(96)
+
+    def build(sampler_generator):
+        # the DataLoader's generator= seeds its workers, not a sampler built by the user
+        dl = DataLoader(
+            data,
+            batch_size=24,
+            sampler=torch.utils.data.RandomSampler(data, generator=sampler_generator),
+            generator=None if sampler_generator else torch.Generator().manual_seed(1),
+        )
+        return SelectiveLoader(dl, IndexLoss(), policy=Traditional(), seed=0)
+
+    saved = build(None)
+    it = iter(saved)
+    next(it)
+    with pytest.warns(UserWarning, match=r"middle of a pass.*RandomSampler"):
+        state = saved.state_dict()
+    fixed = build(torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=r"saved from a DataLoader whose order cannot be replayed"):
+        fixed.load_state_dict(state)
+    it.close()
+    epoch_indices(saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed.load_state_dict(saved.state_dict())  # at an epoch's end
+    assert sorted(i for b in epoch_indices(fixed) for i in b) == list(range(96))
+
+
 def test_the_mid_epoch_warning_covers_a_dataloader_read_through_index_key_and_passes():
     """A DataLoader read through index_key= on torch's global RNG is refused mid-epoch too: it
     is warned of when taken; with batches_per_epoch, a training epoch's end is not a pass's,
