@@ -376,6 +376,15 @@ def _generators(loader: DataLoader) -> list[torch.Generator]:
     return gens
 
 
+def _generator_roles(loader: DataLoader) -> list[str]:
+    """What each of :func:`_generators`'s generators draws for ``loader``: its worker seeds
+    (``"DataLoader"``), its sampler's order (``"sampler"``), or both (``shuffle=True`` with
+    ``generator=``, whose sampler draws from the DataLoader's generator)."""
+    sampler = getattr(loader.batch_sampler, "sampler", None)
+    owners = (("DataLoader", loader.generator), ("sampler", getattr(sampler, "generator", None)))
+    return [" and ".join(name for name, h in owners if h is g) for g in _generators(loader)]
+
+
 def loader_batch_size(loader: Any) -> int | None:
     """A DataLoader's (or a loader like it) batch size: its own, or its ``batch_sampler=``'s."""
     bs = getattr(loader, "batch_size", None)
@@ -487,8 +496,9 @@ class LoaderOrder:
         (True, [8, 0, 2])
     """
 
-    def __init__(self, generators: list[torch.Generator]) -> None:
+    def __init__(self, generators: list[torch.Generator], roles: list[str] | None = None) -> None:
         self.generators = generators
+        self.roles = roles
         self.epoch_start: list[torch.Tensor] | None = None
         self._restart = False
 
@@ -519,6 +529,8 @@ class LoaderOrder:
             "epoch_start": self.epoch_start,
             "unreplayable": unreplayable_sampler(sampler),
         }
+        if self.roles is not None:
+            state["roles"] = list(self.roles)
         seed = self_seed(sampler)
         if seed is not None:
             state["sampler_seed"] = seed
@@ -527,7 +539,9 @@ class LoaderOrder:
     def check(self, state: dict[str, Any] | None, sampler: Any, mid_epoch: bool) -> None:
         """Refuse (``ValueError`` naming the fix) a state of another number of generators (None:
         a state without them), or a mid-epoch one where ``sampler`` draws from torch's global
-        RNG, or seeds itself with another seed than the saved run's sampler."""
+        RNG (or the saved run's did), where the generators draw for other parts of the
+        DataLoader than the saved run's did, or where ``sampler`` seeds itself with another seed
+        than the saved run's sampler."""
         saved = self.generators if state is None else state["generators"]
         if len(saved) != len(self.generators):
             raise ValueError(
@@ -548,6 +562,25 @@ class LoaderOrder:
                 f"from a DataLoader whose order cannot be replayed ({saved_why}); a DataLoader "
                 "rebuilt with a generator cannot replay the saved run's order either, so resume "
                 "from a state saved at the end of a pass"
+            )
+        # NOTE: the same number of generators may draw otherwise: shuffle=True with the
+        # DataLoader's generator= draws its worker seeds and its order from one generator, a
+        # RandomSampler built with its own generator= only the order. Restored into the other,
+        # the saved generator states replay another order (a mid-epoch resume then skips the
+        # consumed batches of that other order, repeating some examples and never yielding
+        # others); at an epoch's end the next order is drawn afresh, as after a sampler's
+        # generator is added (the fix for a sampler on the global RNG). (Absent from older
+        # states, which are not checked for them.)
+        saved_roles = (state or {}).get("roles")
+        roles = self.roles
+        if mid_epoch and saved_roles is not None and roles is not None and saved_roles != roles:
+            raise ValueError(
+                "cannot resume this state in the middle of a pass over the data: the saved "
+                "source state's generators drew for: "
+                f"{'; '.join(saved_roles)}, but this DataLoader's draw for: "
+                f"{'; '.join(roles)}; build the DataLoader as the saved one was "
+                "(shuffle=True with its generator=, or a sampler with a generator= of its own), "
+                "or resume from a state saved at the end of a pass"
             )
         seed, saved_seed = self_seed(sampler), (state or {}).get("sampler_seed")
         if mid_epoch and seed is not None and saved_seed is not None and seed != saved_seed:
@@ -643,7 +676,7 @@ class DataLoaderSource(Source):
         self.loader = loader
         assert loader.batch_sampler is not None  # a batching DataLoader (checked above)
         self._batch_sampler = _SkippingBatchSampler(loader.batch_sampler)
-        self._order = LoaderOrder(_generators(loader))
+        self._order = LoaderOrder(_generators(loader), _generator_roles(loader))
         # Persistent workers: the base seed the run drew for them from the generator (None: not
         # drawn yet), now and when the current epoch started (see the class's NOTE).
         self._base_seed: int | None = None
@@ -890,7 +923,9 @@ class IterableSource(Source):
         # epoch-boundary resume goes on with the next epoch's order, and a mid-epoch one
         # replays the interrupted epoch's order and skips what was consumed.
         self._order = (
-            LoaderOrder(_generators(iterable)) if isinstance(iterable, DataLoader) else None
+            LoaderOrder(_generators(iterable), _generator_roles(iterable))
+            if isinstance(iterable, DataLoader)
+            else None
         )
 
     def has_indices(self) -> bool:

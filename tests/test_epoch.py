@@ -1004,6 +1004,39 @@ def test_a_mid_epoch_state_of_an_unreplayable_order_is_refused_by_a_fixed_loader
     assert sorted(i for b in epoch_indices(fixed) for i in b) == list(range(96))
 
 
+def test_a_state_is_refused_by_a_dataloader_whose_generator_draws_otherwise():
+    """shuffle=True with the DataLoader's generator= draws its workers' seed and its order from
+    one generator; a RandomSampler built with a generator= of its own draws only the order. A
+    state of one was loaded into the other (one generator each, the same sampler class), and
+    its resumed epoch replayed another order: the consumed batches skipped were not the ones
+    consumed (96 examples, 75 distinct). Refused mid-epoch, naming both; the same build
+    resumes, and so does the other from an epoch's end."""
+    data = EncodedDataset(96)
+
+    def build(own_sampler):
+        g = torch.Generator().manual_seed(1)
+        if own_sampler:
+            sampler = torch.utils.data.RandomSampler(data, generator=g)
+            dl = DataLoader(data, batch_size=24, sampler=sampler)
+        else:
+            dl = DataLoader(data, batch_size=24, shuffle=True, generator=g)
+        return SelectiveLoader(dl, IndexLoss(), policy=Traditional(), seed=0)
+
+    for own in (False, True):
+        saved = build(own)
+        it = iter(saved)
+        head = next(it).indices.tolist()
+        state = saved.state_dict()
+        with pytest.raises(ValueError, match=r"drew for: (DataLoader and )?sampler, but this "):
+            build(not own).load_state_dict(state)
+        resumed = build(own)
+        resumed.load_state_dict(state)
+        assert sorted(head + [i for b in epoch_indices(resumed) for i in b]) == list(range(96))
+        other = build(not own)
+        other.load_state_dict(resumed.state_dict())  # at an epoch's end: its next order afresh
+        assert sorted(i for b in epoch_indices(other) for i in b) == list(range(96))
+
+
 def test_the_mid_epoch_warning_covers_a_dataloader_read_through_index_key_and_passes():
     """A DataLoader read through index_key= on torch's global RNG is refused mid-epoch too: it
     is warned of when taken; with batches_per_epoch, a training epoch's end is not a pass's,
