@@ -645,13 +645,14 @@ def test_store_handles_indices_above_2_31_exactly(tmp_path):
     assert losses.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0] and (epochs == 7).all()
     assert s.selected[2**31] == 1 and s.selected[2**31 - 1] == 0
     assert np.isnan(s.lookup(np.array([2**31 + 1]))[0][0])
+    json.dumps(s.state_dict())
+    s.close()  # (a newer store on the same folder takes it: the older one is refused after)
     again = ExampleStore(n, path=tmp_path)  # reopening the files keeps the contents
     assert again.lookup(np.array([2**31 + 9]))[0].tolist() == [5.0]
-    json.dumps(s.state_dict())
     with pytest.raises(IndexError, match="outside the store"):
-        s.record(np.array([n]), np.array([1.0]), epoch=0)
+        again.record(np.array([n]), np.array([1.0]), epoch=0)
     with pytest.raises(TypeError, match="integers"):
-        s.lookup(np.array([1.0]))
+        again.lookup(np.array([1.0]))
 
 
 @pytest.mark.parametrize("epoch", [-1, -3])
