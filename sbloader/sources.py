@@ -542,19 +542,16 @@ class LoaderOrder:
         RNG (or the saved run's did), where the generators draw for other parts of the
         DataLoader than the saved run's did, or where ``sampler`` seeds itself with another seed
         than the saved run's sampler."""
-        saved = self.generators if state is None else state["generators"]
-        if len(saved) != len(self.generators):
-            raise ValueError(
-                f"the saved source state has {len(saved)} generators but this DataLoader has "
-                f"{len(self.generators)}; build the DataLoader as the saved one was"
-            )
         why = unreplayable_sampler(sampler) if mid_epoch else None
         if why is not None:
             raise ValueError(f"cannot resume this DataLoader in the middle of an epoch: {why}")
         # NOTE: what counts is how the state was saved too: the order of a pass drawn from
         # torch's global RNG was not saved, so a loader rebuilt with a generator (as the
         # warning at state_dict() advises) would skip the consumed batches of another order,
-        # repeating some examples and never yielding others. (Absent from older states.)
+        # repeating some examples and never yielding others. (Absent from older states.) Checked
+        # before the generators' count: such a state also has fewer generators than the rebuilt
+        # DataLoader (shuffle=True without one, then with one), and "build the DataLoader as the
+        # saved one was" would send the user back to the configuration that cannot resume.
         saved_why = (state or {}).get("unreplayable")
         if mid_epoch and saved_why is not None:
             raise ValueError(
@@ -562,6 +559,12 @@ class LoaderOrder:
                 f"from a DataLoader whose order cannot be replayed ({saved_why}); a DataLoader "
                 "rebuilt with a generator cannot replay the saved run's order either, so resume "
                 "from a state saved at the end of a pass"
+            )
+        saved = self.generators if state is None else state["generators"]
+        if len(saved) != len(self.generators):
+            raise ValueError(
+                f"the saved source state has {len(saved)} generators but this DataLoader has "
+                f"{len(self.generators)}; build the DataLoader as the saved one was"
             )
         # NOTE: the same number of generators may draw otherwise: shuffle=True with the
         # DataLoader's generator= draws its worker seeds and its order from one generator, a

@@ -1004,6 +1004,29 @@ def test_a_mid_epoch_state_of_an_unreplayable_order_is_refused_by_a_fixed_loader
     assert sorted(i for b in epoch_indices(fixed) for i in b) == list(range(96))
 
 
+def test_a_global_rng_state_loaded_where_a_generator_was_added_names_the_order():
+    """shuffle=True without a generator (its order drawn from torch's global RNG), saved
+    mid-epoch, then loaded into shuffle=True with generator= (the fix its warning gives): refused
+    naming the unreplayable order and a state from the end of a pass, not "0 generators but this
+    DataLoader has 1; build the DataLoader as the saved one was" (the configuration that cannot
+    resume)."""
+    data = EncodedDataset(96)
+
+    def build(generator):
+        dl = DataLoader(data, batch_size=24, shuffle=True, generator=generator)
+        return SelectiveLoader(dl, IndexLoss(), policy=Traditional(), seed=0)
+
+    saved = build(None)
+    it = iter(saved)
+    next(it)
+    with pytest.warns(UserWarning, match="middle of a pass"):
+        state = saved.state_dict()
+    with pytest.raises(ValueError, match=r"order cannot be replayed.*end of a pass") as caught:
+        build(torch.Generator().manual_seed(1)).load_state_dict(state)
+    assert "generators but this DataLoader" not in str(caught.value)
+    it.close()
+
+
 def test_a_state_is_refused_by_a_dataloader_whose_generator_draws_otherwise():
     """shuffle=True with the DataLoader's generator= draws its workers' seed and its order from
     one generator; a RandomSampler built with a generator= of its own draws only the order. A
