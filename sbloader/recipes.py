@@ -107,7 +107,6 @@ def resnet18(num_classes: int = 10, in_channels: int = 3) -> nn.Sequential:
     )
 
 
-@torch.inference_mode()
 def eval_batch_size(device: torch.device | str) -> int:
     """Examples per evaluation forward on ``device``: 128 on a CPU, 1000 elsewhere.
 
@@ -123,6 +122,7 @@ def eval_batch_size(device: torch.device | str) -> int:
     return 128 if torch.device(device).type == "cpu" else 1000
 
 
+@torch.inference_mode()
 def error_rate(
     model: nn.Module,
     inputs: torch.Tensor,

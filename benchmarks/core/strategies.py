@@ -52,7 +52,7 @@ class Strategy:
     """Candidates come in source batches of ``pool_batch_size`` (else ``batch_size``)."""
     pool: int | None = None
     """Source batches of this many candidates instead of the configuration's
-    ``pool_batch_size`` [examples] (where ``pooled``; see :func:`pooled`)."""
+    ``pool_batch_size`` [examples] (where ``pooled``; see :func:`with_pool`)."""
     prune: bool = False
     """EL2N pre-pruning first, its cost charged to the run."""
     selectivity: float | None = None
@@ -237,7 +237,7 @@ def int8(strategy: Strategy) -> Strategy:
     return dataclasses.replace(strategy, name=name, family=name, quantized=True)
 
 
-def pooled(strategy: Strategy, size: int) -> Strategy:
+def with_pool(strategy: Strategy, size: int) -> Strategy:
     """``strategy`` with source batches of ``size`` candidates whatever the configuration's
     ``pool_batch_size``, named ``<name>_pool<size>`` (on a GPU, pools of 4096 cut the loader's
     own share of an SB epoch from 4.9% to 2.5%: ``benchmarks/results/gpu_h200_1126b/``)."""
@@ -315,7 +315,7 @@ def _build_registry() -> dict[str, Strategy]:
     entries += [int8(recipe(True, anneal=True, scdf=True, selectivity=0.5))]
     entries += [overlapped(selective_backprop(0.33)), overlapped(recipe(True, anneal=True))]
     entries += [int8(recipe(True, anneal=True, drift_bound=0.75))]
-    entries += [pooled(recipe(True, anneal=True, selectivity=s), 4096) for s in (1 / 3, 0.5)]
+    entries += [with_pool(recipe(True, anneal=True, selectivity=s), 4096) for s in (1 / 3, 0.5)]
     registry = {}
     for e in entries:
         assert e.name not in registry, e.name
