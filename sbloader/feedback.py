@@ -171,23 +171,37 @@ class FeedbackBuffer:
         val = torch.cat([t.to("cpu", torch.float64) for t in self._losses]).numpy()
         return idx, val
 
-    def take(self) -> tuple[np.ndarray, np.ndarray]:
-        """Everything held, as int64 indices and float64 losses on the host; then empty."""
+    def take(self, size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Everything held, as int64 indices and float64 losses on the host; then empty.
+
+        Args:
+            size: the dataset's size: an index outside ``0 .. size - 1`` (a device-side report,
+                not checked when made) raises an ``IndexError`` and leaves everything held.
+        """
         joined = self._joined()
+        check_range(joined[0], size)
         self._indices, self._losses, self._count = [], [], 0
         return joined
 
-    def state_dict(self) -> dict[str, Any]:
-        """What is held, as CPU tensors (loads with ``torch.load(weights_only=True)``)."""
+    def state_dict(self, size: int | None = None) -> dict[str, Any]:
+        """What is held, as CPU tensors (loads with ``torch.load(weights_only=True)``).
+
+        Args:
+            size: the dataset's size: an index outside ``0 .. size - 1`` raises an
+                ``IndexError`` instead of saving a report that every resumed run would fail on.
+        """
         idx, val = self._joined()
+        check_range(idx, size)
         return {
             "version": self.VERSION,
             "indices": torch.from_numpy(idx.copy()),
             "losses": torch.from_numpy(val.copy()),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], size: int | None = None) -> None:
+        """Hold what ``state`` holds (checked first: a refused state changes nothing)."""
         state = check_version(state, "FeedbackBuffer", self.VERSION)
+        idx, val = checked(state["indices"], state["losses"], size)
         self._indices, self._losses, self._count = [], [], 0
-        if len(state["indices"]):
-            self.add(state["indices"], state["losses"])
+        if len(idx):
+            self.add(idx, val)

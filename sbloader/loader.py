@@ -40,7 +40,7 @@ from .device_decisions import DecisionGenerator
 from .distributed import RankSync, batch_digest, check_unsynced, is_distributed, make_sync
 from .epoch import EpochIterator, pass_fraction
 from .features import make_feature_cache
-from .feedback import FeedbackBuffer, check_range, checked
+from .feedback import FeedbackBuffer, checked
 from .length import FixedEpochIterator, FixedEpochs, check_batches_per_epoch
 from .overlap import AheadScores, SelectionCopy
 from .policies import Policy, default_policy, passes_within
@@ -1538,10 +1538,13 @@ class SelectiveLoader(NotADataLoader):
             current = None  # (a new epoch's stats, begun below)
         yielded = 0 if current is None else current.batches_yielded
         self._agree_position(epoch, yielded)  # (before anything changes: a refusal loses nothing)
+        # (taken before anything changes too: an index outside the data refuses the epoch, and
+        # the reports stay held)
+        reports = None if resumed else self._feedback.take(self._source.dataset_size)
         self._unfinished, self.epoch, self._left = None, epoch, None
         self._source.set_epoch(self.epoch)
-        if not resumed:
-            self._apply_feedback()
+        if reports is not None:
+            self._apply_feedback(*reports)
         self.policy.begin_epoch(self.epoch)
         # (the one decision: the epoch iterator builds its Keep from this flag)
         self._epoch_prefilter = self._source.can_filter() and prefilters(self.policy, self._subset)
@@ -1607,6 +1610,16 @@ class SelectiveLoader(NotADataLoader):
                 (``reduction="none"``; detached and copied here, on its device, where the copy
                 stays until the epoch ends: the tensor may be changed or reused after the call).
 
+        Raises:
+            ValueError, TypeError: counts that differ, indices that are not integers, losses
+                that are not real numbers (at once).
+            IndexError: an index outside the dataset: at once for host-side indices; for
+                device-side ones (checked without a synchronisation per step) when the next
+                epoch starts or a state is saved, whichever is first; every report stays held.
+
+        A report of a NaN or infinite loss leaves the example's stored loss as it was and is
+        said (a warning in the ``sbloader`` log when the next epoch starts).
+
         Example:
             >>> import torch
             >>> from torch import nn
@@ -1635,14 +1648,26 @@ class SelectiveLoader(NotADataLoader):
         if current is not None:
             current.feedback += n
 
-    def _apply_feedback(self) -> None:
-        """Hand the reports since the last epoch start to the policy (every rank's, when the
-        ranks share per-example records)."""
-        indices, losses = self._feedback.take()
+    def _apply_feedback(self, indices: np.ndarray, losses: np.ndarray) -> None:
+        """Hand the reports since the last epoch start (``indices``, ``losses``: taken from the
+        buffer, checked) to the policy (every rank's, when the ranks share per-example
+        records); warn where some were not finite."""
         if not self.policy.takes_feedback():
             return
-        check_range(indices, self._source.dataset_size)  # device-side reports are checked here
         epoch = max(self.epoch - 1, 0)
+        bad = int(np.count_nonzero(~np.isfinite(losses)))
+        if bad:
+            # NOTE: not silent. A non-finite report leaves the example's stored loss as it was
+            # (store.record), so a run whose training losses turned NaN would otherwise go on
+            # deciding from ever older scores, with nothing said.
+            logger.warning(
+                "epoch %d: %d of %d training losses reported through loader.feedback were NaN "
+                "or infinite; those examples keep their earlier scores (a non-finite training "
+                "loss usually means the run diverged: check the learning rate and the loss)",
+                epoch,
+                bad,
+                losses.shape[0],
+            )
         if self._sync is not None and self.policy.records_examples():
             self._sync.bind(self.device)
             for values, idx in self._sync.exchange(losses, indices):
@@ -1895,7 +1920,11 @@ class SelectiveLoader(NotADataLoader):
             K_CODEC: self._codec.state_dict(),
             K_SCORER: self._scorer.state_dict(),
             K_STATS: stats,
-            K_FEEDBACK: self._feedback.state_dict(),
+            # (device-side reports' indices are checked here, unless for a rollback backup:
+            # a checkpoint never holds a report that every resumed run would fail on)
+            K_FEEDBACK: self._feedback.state_dict(
+                None if taking_rollback() else self._source.dataset_size
+            ),
             K_TRAINING: None if self._fixed is None else self._fixed.state_dict(unconsumed),
             K_AUTOCAST: None
             if self.autocast is None
@@ -2076,7 +2105,9 @@ class SelectiveLoader(NotADataLoader):
         self._returned = [Rows.from_state(r, self.device) for r in state.get(K_RETURNED, [])]
         self.stats.load_state_dict(state[K_STATS])
         if K_FEEDBACK in state:
-            self._feedback.load_state_dict(state[K_FEEDBACK])
+            self._feedback.load_state_dict(
+                state[K_FEEDBACK], None if rollback else self._source.dataset_size
+            )
         else:
             self._feedback = FeedbackBuffer()
         if self._fixed is not None and training is not None:

@@ -779,7 +779,9 @@ class SelectiveBackprop(Policy):
             if self._reference is None and self._last_fresh is not None:
                 self._take_reference()  # before the first reports since the pass
             self.store.record(indices, losses, epoch)
-            self._fed = True
+            # (only a finite loss is stored: reports that were all NaN fed nothing, and the
+            # epochs between passes stay those of an unfed policy)
+            self._fed = self._fed or bool(np.isfinite(losses).any())
 
     def observe(self, losses: np.ndarray, indices: np.ndarray | None, *, cdf: bool = True) -> None:
         """Another rank's losses enter the window (if ``cdf``) and the store (by index)."""

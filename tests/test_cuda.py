@@ -295,3 +295,19 @@ def test_overlapped_selection_on_the_gpu_runs_on_its_own_stream_exactly_and_dete
     default = torch.cuda.current_stream()
     assert streams and all(s != default for s in streams)
     assert loader.stats.total.selection_hidden_s > 0
+
+
+def test_a_cuda_report_outside_the_data_refuses_the_checkpoint_and_the_next_epoch():
+    """CUDA reports are held unchecked (a check would synchronise every step); a checkpoint
+    saved while one is held, and the next epoch, refuse an index outside the data and keep
+    every report (the same as the CPU path's test in test_feedback.py, on the device)."""
+    loader = cuda_loader(sbloader.SelectiveBackprop(1 / 3, staleness=2, history=64))
+    batch = next(iter(loader))
+    loader.feedback(batch.indices.cuda(), torch.zeros(len(batch.indices), device="cuda"))
+    loader.feedback(torch.tensor([3, 600], device="cuda"), torch.zeros(2, device="cuda"))
+    held = len(loader._feedback)
+    with pytest.raises(IndexError, match=r"outside 0\.\.599 \(e\.g\. \[600\]\)"):
+        loader.state_dict()
+    with pytest.raises(IndexError, match=r"outside 0\.\.599"):
+        next(iter(loader))
+    assert len(loader._feedback) == held

@@ -432,3 +432,74 @@ def test_the_drift_bound_is_checked_and_reaches_the_default_recipe():
         with pytest.raises(ValueError, match="drift_bound"):
             SelectiveBackprop(1 / 3, staleness=3, drift_bound=bad)
     assert "drift_bound=0.75" in repr(SelectiveBackprop(1 / 3, staleness=3, drift_bound=0.75))
+
+
+def test_a_report_outside_the_data_refuses_the_checkpoint_and_the_epoch_keeping_everything():
+    """A device-side report is held unchecked (checking it would synchronise): its indices are
+    checked when the next epoch starts. Before, an index outside the data was taken out of the
+    buffer and then refused (the epoch half begun, the other reports lost), and a checkpoint
+    saved meanwhile held it, so every run resumed from that checkpoint failed at the same
+    point."""
+    policy = SelectiveBackprop(1 / 3, staleness=2)
+    loader = loader_for(policy)
+    batches = list(loader)
+    good = loader.state_dict()
+    for batch in batches[:2]:
+        loader.feedback(batch.indices, reported(batch.indices))
+    held = len(loader._feedback)
+    loader._feedback.add(torch.tensor([7, 300]), torch.zeros(2))  # as a CUDA report is held
+    with pytest.raises(IndexError, match=r"outside 0\.\.299 \(e\.g\. \[300\]\).*batch\.indices"):
+        loader.state_dict()
+    with pytest.raises(IndexError, match=r"outside 0\.\.299"):
+        next(iter(loader))
+    assert len(loader._feedback) == held + 2  # nothing taken
+    assert loader.epoch == 1 and loader.stats.current.epoch == 0  # the epoch not begun
+    assert policy.store.lookup(batches[0].indices.numpy())[1].max() == 0  # nothing stored
+    loader.load_state_dict(good)  # a checkpoint from before loads, the bad report gone
+    assert len(loader._feedback) == 0
+    assert len(list(loader)) > 0
+
+
+def test_a_saved_report_outside_the_data_is_refused_at_load_changing_nothing():
+    loader = loader_for(SelectiveBackprop(1 / 3, staleness=2))
+    list(loader)
+    state = loader.state_dict()
+    bad = {"indices": torch.tensor([3, 301]), "losses": torch.tensor([1.0, 2.0])}
+    state["feedback"] = {**state["feedback"], **bad}
+    fresh = loader_for(SelectiveBackprop(1 / 3, staleness=2))
+    before = fresh.state_dict()
+    with pytest.raises(IndexError, match=r"outside 0\.\.299 \(e\.g\. \[301\]\)"):
+        fresh.load_state_dict(state)
+    after = fresh.state_dict()
+    assert after["epoch"] == before["epoch"] == 0 and len(fresh._feedback) == 0
+
+
+def test_non_finite_reports_are_said_and_do_not_count_as_fed(caplog):
+    """A run whose training losses turned NaN reported them; the store keeps each example's
+    earlier loss (record skips non-finite ones). Before, nothing was said, and the policy took
+    the reports as fed, spacing its selection passes by fed_staleness as if the scores were
+    fresh."""
+
+    def run(losses_of):
+        policy = SelectiveBackprop(1 / 3, staleness=2, fed_staleness=5)
+        loader = loader_for(policy)
+        fresh = []
+        for _ in range(3):
+            for batch in loader:
+                loader.feedback(batch.indices, losses_of(batch.indices))
+            fresh.append(loader.stats.current.selection_forwards > 0)
+        return fresh, policy, loader
+
+    with caplog.at_level("WARNING", logger="sbloader"):
+        finite, _, _ = run(reported)
+    assert not [r for r in caplog.records if "NaN or infinite" in r.getMessage()]
+    assert finite == [True, False, False]  # fed: the next pass is 5 epochs on
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sbloader"):
+        nan, policy, loader = run(lambda idx: torch.full((len(idx),), float("nan")))
+    assert nan == [True, False, True]  # unfed: a pass every 2 epochs, as without reports
+    said = [r.getMessage() for r in caplog.records if "NaN or infinite" in r.getMessage()]
+    n = loader.stats.epochs[0].examples_yielded  # every report of epoch 0, all NaN
+    assert said[0].startswith(f"epoch 0: {n} of {n} training losses") and "diverged" in said[0]
+    stored, _ = policy.store.lookup(np.arange(N))
+    assert np.isfinite(stored).all()  # the selection passes' losses, kept
