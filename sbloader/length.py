@@ -42,7 +42,13 @@ if TYPE_CHECKING:
     from .epoch import EpochIterator
     from .loader import SelectiveLoader
 
-__all__ = ["BARREN_PASSES", "FixedEpochIterator", "FixedEpochs", "check_batches_per_epoch"]
+__all__ = [
+    "BARREN_PASSES",
+    "FixedEpochIterator",
+    "FixedEpochs",
+    "check_batches_per_epoch",
+    "fills_a_batch",
+]
 
 #: Passes over the data in a row that may yield no batch before a training epoch gives up (a
 #: policy that keeps (almost) nothing, or ``remainder="drop"`` with fewer selected examples per
@@ -304,6 +310,8 @@ class FixedEpochIterator:
             except StopIteration:
                 clock._pass = None
                 clock._barren = clock._barren + 1 if _barren(it) else 0
+                if clock._barren and loader.remainder == "drop":
+                    fills_a_batch(it, loader.batch_size, clock.count)
                 if clock._barren >= BARREN_PASSES:
                     raise ValueError(
                         f"{BARREN_PASSES} passes over the source in a row yielded no batch, so "
@@ -317,6 +325,29 @@ class FixedEpochIterator:
                 clock._pass = None  # the pass closed itself: the next one begins a new pass
                 raise
             return batch
+
+
+def fills_a_batch(it: EpochIterator, batch_size: int, count: int) -> None:
+    """Refuse, after a pass that yielded no batch under ``remainder="drop"``, a policy expected
+    to keep less than ``batch_size`` examples per pass (its rate times the pass's candidates):
+    most of its passes would yield nothing. The loader refuses this as it is built where the
+    pass's size is known; here for sources of unknown length.
+
+    NOTE: only where the expectation itself falls short. A pass expected to fill a batch that
+    yields none by chance goes on (up to ``BARREN_PASSES`` in a row).
+    """
+    stats = it.stats
+    if stats is None or not stats.examples_seen:
+        return
+    expected = stats.target_rate * stats.examples_seen
+    if expected < batch_size:
+        raise ValueError(
+            f"batches_per_epoch={count} can hardly be filled: a pass over the source had "
+            f"{stats.examples_seen} examples, of which the policy keeps about {expected:.3g}, "
+            f"less than batch_size={batch_size}, and remainder='drop' drops each pass's rest, "
+            "so most passes yield no batch; use remainder='carry' (the rest goes on into the "
+            "next pass) or a smaller batch_size"
+        )
 
 
 def _barren(it: EpochIterator) -> bool:

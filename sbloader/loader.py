@@ -252,8 +252,11 @@ class SelectiveLoader(NotADataLoader):
             that needs more goes on into the next pass over the data, and a pass's surplus is
             carried into the next epoch (nothing lost, nothing twice). ``epoch``, ``progress``,
             ``stats`` and policies keyed on epochs (Phased, Stale-SB) count passes over the data,
-            ``training_epoch`` counts these epochs (see :mod:`sbloader.length`). Default None: an
-            epoch is one pass, of a random number of batches.
+            ``training_epoch`` counts these epochs (see :mod:`sbloader.length`). With
+            ``remainder="drop"``, a policy expected to keep less than ``batch_size`` examples
+            per pass is refused (most passes would yield nothing): as the loader is built, or
+            after the first pass that yields nothing where the source's size is unknown. Default
+            None: an epoch is one pass, of a random number of batches.
         min_batch_size: smaller batches are never yielded (dropped and counted). Default 2 when
             the model has BatchNorm layers (a batch of one makes BatchNorm raise in training),
             else 1.
@@ -833,7 +836,7 @@ class SelectiveLoader(NotADataLoader):
         if policy is None and planned_epochs is not None and per_epoch is not None:
             self._plan_passes(store, planned_epochs, int(per_epoch))
         self._fixed = None if per_epoch is None else FixedEpochs(int(per_epoch))
-        if self._fixed is not None and self.remainder == "drop" and self.policy.passthrough():
+        if self._fixed is not None and self.remainder == "drop":
             self._check_fills_a_batch()
         self._backlog_warned = False  # see _warn_backlog
         size = self._source.dataset_size
@@ -1446,9 +1449,28 @@ class SelectiveLoader(NotADataLoader):
         return self._new_pass()
 
     def _check_fills_a_batch(self) -> None:
-        """Refuse, as the loader is built, fixed-length epochs that a passthrough policy with
-        ``remainder="drop"`` can never fill: a pass of fewer examples than ``batch_size``
-        yields no batch (otherwise found only after ``BARREN_PASSES`` passes)."""
+        """Refuse, as the loader is built, fixed-length epochs that ``remainder="drop"`` can
+        never fill, or fills one pass in several: a passthrough policy's pass of fewer examples
+        than ``batch_size`` yields no batch, and a selective policy's pass expected to keep less
+        than a batch yields none in most passes (otherwise found only after ``BARREN_PASSES``
+        passes of selection forwards over the whole data, or never: a training epoch of tens
+        of passes). Where the pass's size is unknown, the first pass that yields nothing
+        checks it (:func:`sbloader.length.fills_a_batch`)."""
+        if not self.policy.passthrough():
+            try:
+                expected = self._batches_at(self.policy.steady_rate)
+            except TypeError:
+                return  # unknown: left to the passes themselves
+            if expected < 1.0:
+                raise ValueError(
+                    f"batches_per_epoch={self._fixed.count if self._fixed else None} can "
+                    f"hardly be filled: the policy keeps about {expected * self.batch_size:.3g} "
+                    f"examples per pass over the source, less than batch_size={self.batch_size}, "
+                    "and remainder='drop' drops each pass's rest, so most passes yield no "
+                    "batch; use remainder='carry' (the rest goes on into the next pass) or a "
+                    "smaller batch_size"
+                )
+            return
         try:
             examples = self._pass_examples()
         except TypeError:

@@ -386,8 +386,55 @@ def test_expected_under_drop_of_less_than_a_batch_is_refused():
     assert len(make("random", n=20, per_epoch="expected", remainder="carry")) == 1
 
 
+def test_an_int_under_drop_of_less_than_a_batch_per_pass_is_refused_when_built():
+    """5 examples kept per pass of 20 in batches of 16, the rest dropped: most passes yield
+    nothing. Refused as the loader is built (before, after BARREN_PASSES passes of selection
+    forwards over the whole data); "carry" works."""
+    with pytest.raises(ValueError, match=r"keeps about 5 examples per pass.*batch_size=16.*carry"):
+        make("random", n=20, per_epoch=1, batch_size=16, remainder="drop")
+    for policy in ("sb-third", "phased", "stale", "kath18"):  # 6.7 to 10 of 20, batches of 16
+        with pytest.raises(ValueError, match="can hardly be filled"):
+            make(policy, n=20, per_epoch=1, batch_size=16, remainder="drop")
+    carried = make("random", n=20, per_epoch=1, batch_size=16, remainder="carry")
+    assert [len(b[0]) for b in carried] == [16]
+    assert len(list(make("random", n=80, per_epoch=1, batch_size=16, remainder="drop"))) == 1
+
+
+def test_a_source_of_unknown_length_is_refused_after_its_first_barren_pass_under_drop():
+    """With no length known when built, the first pass that yields nothing tells: 120 examples,
+    about 30 kept, batches of 40, the rest dropped (one pass's forwards, not a hundred)."""
+    model = IndexLoss()
+    loader = SelectiveLoader(
+        ExampleStream(n=120, bs=20),
+        model,
+        policy=RandomBackprop(0.25),
+        batch_size=40,
+        index_key=2,
+        batches_per_epoch=1,
+        remainder="drop",
+    )
+    with pytest.raises(ValueError, match=r"had 120 examples, of which the policy keeps about 30"):
+        next(iter(loader))
+    assert model.calls == 0  # Random-Backprop forwards nothing: refused after the one pass
+    assert loader.stats.total.examples_seen == 120
+
+
 def test_passes_that_never_fill_a_batch_raise_instead_of_looping():
-    loader = make("random", n=20, per_epoch=1, batch_size=16, remainder="drop")
+    """Expected to fill a batch, but every loss is NaN (skipped): nothing is ever kept, and the
+    loader raises after BARREN_PASSES passes instead of looping over the data forever."""
+
+    class NaNLoss(IndexLoss):
+        def forward(self, x):
+            return super().forward(x) * float("nan")
+
+    loader = SelectiveLoader(
+        source(40),
+        NaNLoss(),
+        policy=SelectiveBackprop(0.5, history=64),
+        batch_size=8,
+        batches_per_epoch=1,
+        remainder="drop",
+    )
     with pytest.raises(ValueError, match=f"{BARREN_PASSES} passes over the source"):
         next(iter(loader))
 
