@@ -391,7 +391,9 @@ class SelectiveBackprop(Policy):
             (``ramp_epochs``) the uniform share u keeps every loss at ``u * selectivity``, the
             trimmed ones included: only ``(1 - u)`` of P is trimmed. Needs
             ``history >= 1 / trim_top`` (the window's highest loss alone is ``1 / history`` of
-            it; refused otherwise), and the loss exactly at the ``1 - q`` quantile is kept.
+            it; refused otherwise), and the loss exactly at the ``1 - q`` quantile is kept,
+            as are equal losses that reach down to it (all-equal losses, as plain SB keeps
+            them: every one).
         stale_cdf: what a stale epoch ranks each stored loss against. ``"window"`` (default):
             the window as the last selection pass left it. ``"store"``: at the start of each
             stale epoch the window is refilled with the stored losses of ``history`` examples
