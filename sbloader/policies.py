@@ -498,9 +498,11 @@ class SelectiveBackprop(Policy):
             # NOTE: the window's CDF takes the values k / R, and the top step alone (the window's
             # highest loss, CDF 1) is 1 / R of the losses: with trim_top * R < 1 the trim would
             # leave out more than trim_top (everything at R = 1) and the kept share would fall.
+            needed = 1 / self.trim_top  # (inf for a subnormal trim_top: no int to round up)
             raise ValueError(
                 f"trim_top={trim_top} needs history >= 1 / trim_top = "
-                f"{math.ceil(1 / self.trim_top - 1e-9)} (the window's highest loss alone is "
+                f"{math.ceil(needed - 1e-9) if math.isfinite(needed) else needed} (the window's "
+                "highest loss alone is "
                 f"1 / history of it), but got history={history}; raise history or lower trim_top"
             )
         if stale_cdf not in STALE_CDFS:

@@ -258,6 +258,13 @@ def test_a_trim_finer_than_the_windows_steps_is_refused_naming_history(history, 
     SelectiveBackprop(1 / 3, history=4, trim_top=0.25)
 
 
+def test_a_subnormal_trim_is_refused_naming_history_not_overflowing():
+    """1 / trim_top overflows to inf for a subnormal trim_top: the refusal said OverflowError
+    ("cannot convert float infinity to integer"), naming nothing."""
+    with pytest.raises(ValueError, match=r"trim_top=1e-320 needs history >= 1 / trim_top = inf"):
+        SelectiveBackprop(1 / 3, trim_top=1e-320)
+
+
 @pytest.mark.parametrize("n", [8, 200])  # (fewer than 32 losses and more: both kernel paths)
 def test_tied_losses_at_the_cut_are_kept_not_all_trimmed(n):
     """A group of equal losses that reaches down to the 1 - q quantile is at the quantile, not
