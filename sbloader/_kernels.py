@@ -96,7 +96,22 @@ def cut_power(cdf: float, beta: float, cut: float) -> float:
     0.92999...), so the loss at exactly the ``cut`` quantile (CDF 93/100) would compare above
     it and be trimmed with the ones above; a relative tolerance of 1e-12 (far below any CDF
     step 1/R) keeps it, with P = 1 at most."""
-    if cdf > cut * CUT_TOLERANCE:
+    return tied_cut_power(cdf, cdf, beta, cut)
+
+
+@_jit
+def tied_cut_power(cdf: float, first: float, beta: float, cut: float) -> float:
+    """:func:`cut_power` of a loss that equal losses may share: ``cdf`` is the CDF of the
+    highest rank of its group of equal values, ``first`` that of the lowest (``(#{w < loss} +
+    1) / n``; ``first == cdf`` for a loss no other equals). The loss is left out only where the
+    whole group is above the cut (``first`` > ``cut``).
+
+    NOTE (ties): judged by ``cdf`` alone, a group of equal losses that reaches down to the cut
+    (all-equal losses: fp16 losses underflowing to 0, a clipped loss at its clip) was above it
+    whole: every loss got P = 0, and a loader kept nothing, where plain SB keeps such losses
+    with P = 1. A group at the cut is at the ``1 - trim_top`` quantile, which is kept: P =
+    ``min(1, (cdf / cut) ** beta)``, 1 where it reaches above the cut."""
+    if first > cut * CUT_TOLERANCE:
         return 0.0
     return min(1.0, (cdf / cut) ** beta)
 
@@ -121,7 +136,8 @@ def push_and_cdf_power(
     at least 1/len(window) because the loss itself is in the window, gives the largest loss P = 1,
     and gives all-equal losses P = 1: when losses carry no ranking information (e.g. fp16
     underflow to 0) Selective-Backprop degrades to Traditional rather than to selecting nothing.
-    With ``cut`` < 1, P is :func:`cut_power` of the CDF (the losses above the cut never kept).
+    With ``cut`` < 1, P is :func:`tied_cut_power` of the CDF (the losses above the cut never
+    kept; equal losses reaching down to it are).
     """
     for i in range(losses.shape[0]):
         x = losses[i]
@@ -130,7 +146,10 @@ def push_and_cdf_power(
             continue
         window_push(ring, sorted_values, meta, x)
         n = meta[0]
-        out[i] = cut_power(count_le(sorted_values, n, x) / n, beta, cut)
+        cdf = count_le(sorted_values, n, x) / n
+        # (the lowest rank of the loss's equals only where a cut can leave it out)
+        first = (count_lt(sorted_values, n, x) + 1) / n if cut < 1.0 else cdf
+        out[i] = tied_cut_power(cdf, first, beta, cut)
 
 
 @_jit
@@ -153,7 +172,26 @@ def cdf_power(
         if not np.isfinite(x):
             out[i] = np.nan
         else:
-            out[i] = cut_power((count_le(sorted_values, n, x) + 1) / (n + 1), beta, cut)
+            out[i] = _ranked_cut_power(sorted_values, n, x, beta, cut)
+
+
+@_jit
+def _ranked_cut_power(
+    sorted_values: np.ndarray, n: int, x: float, beta: float, cut: float
+) -> float:
+    """:func:`tied_cut_power` of the finite ``x`` ranked as if added to ``sorted_values[:n]``
+    (as :func:`cdf_power`).
+
+    NOTE: a stored loss is mostly ranked against the window that its own selection pass
+    filled, which holds it already: one equal value may be the loss itself, so equals count as
+    a group (``first`` below ``cdf``) only from two on, and a loss equal to one value only is
+    ranked as before."""
+    le = count_le(sorted_values, n, x)
+    cdf = (le + 1) / (n + 1)
+    if cut >= 1.0:
+        return tied_cut_power(cdf, cdf, beta, cut)
+    lt = count_lt(sorted_values, n, x)
+    return tied_cut_power(cdf, (lt + 1 + min(le - lt, 1)) / (n + 1), beta, cut)
 
 
 @_jit
@@ -209,10 +247,12 @@ def push_all(
     losses: np.ndarray,
     counts: np.ndarray,
     sizes: np.ndarray,
+    lows: np.ndarray,
 ) -> None:
     """Push each finite loss in turn into the window (as :func:`window_push`) and record, right
-    after it entered, ``counts[i] = #{w in window : w <= losses[i]}`` and ``sizes[i]`` = the
-    window's length (both left unset for non-finite losses, which never enter).
+    after it entered, ``counts[i] = #{w in window : w <= losses[i]}``, ``lows[i] = #{w in
+    window : w < losses[i]}`` and ``sizes[i]`` = the window's length (all left unset for
+    non-finite losses, which never enter).
 
     NOTE: the counts are those of :func:`push_and_cdf_power`, exactly. Pushing one value shifts
     up to the whole sorted window (a third of it on average); for a batch of many losses the
@@ -235,6 +275,7 @@ def push_all(
                 window_push(ring, sorted_values, meta, x)
                 sizes[i] = meta[0]
                 counts[i] = count_le(sorted_values, sizes[i], x)
+                lows[i] = count_lt(sorted_values, sizes[i], x)
         return
     cap = ring.shape[0]
     n = meta[0]
@@ -314,6 +355,7 @@ def push_all(
         i = where[j]
         sizes[i] = n
         counts[i] = _tree_prefix(tree, rank)
+        lows[i] = counts[i] - held[rank]  # (held[rank]: the window's values equal to x)
     pos = 0
     for r in range(u):
         for _ in range(held[r]):
@@ -420,14 +462,15 @@ def sb_choose_fresh(
     m = losses.shape[0]
     counts = np.empty(m, dtype=np.int64)
     sizes = np.empty(m, dtype=np.int64)
-    push_all(ring, sorted_values, meta, losses, counts, sizes)
+    lows = np.empty(m, dtype=np.int64)
+    push_all(ring, sorted_values, meta, losses, counts, sizes, lows)
     k = 0
     for i in range(m):
         x = losses[i]
         if not np.isfinite(x):
             out_p[i] = np.nan
             continue
-        p = cut_power(counts[i] / sizes[i], beta, cut)
+        p = tied_cut_power(counts[i] / sizes[i], (lows[i] + 1) / sizes[i], beta, cut)
         if uniform_share > 0.0:
             # cut / (beta + 1): the kept fraction of cut_power's P (1 / (beta + 1) at cut = 1)
             p = uniform_share * cut / (beta + 1.0) + (1.0 - uniform_share) * p
@@ -481,7 +524,7 @@ def sb_choose_stale(
         elif not np.isfinite(x):  # scored non-finite and skipped then (ExampleStore.mark_nonfinite)
             p = 0.0
         else:
-            p = cut_power((count_le(sorted_values, n, x) + 1) / (n + 1), beta, cut)
+            p = _ranked_cut_power(sorted_values, n, x, beta, cut)
         out_p[i] = p
         if uniforms[i] < p:
             out_positions[k] = i

@@ -15,7 +15,15 @@ import numpy as np
 from ._checks import check_indices, nonfinite_losses
 from .policies import Choice, Policy
 
-__all__ = ["Keep", "choose_finite", "in_subset", "keep_function", "prefilters", "subset_mask"]
+__all__ = [
+    "Keep",
+    "checked_choice",
+    "choose_finite",
+    "in_subset",
+    "keep_function",
+    "prefilters",
+    "subset_mask",
+]
 
 #: What ``choose_finite`` does with a non-finite loss.
 NONFINITE = ("skip", "select", "raise")
@@ -57,10 +65,10 @@ def choose_finite(
         ([0, 2], [1.0, 0.0, 1.0], 1)
     """
     if values is None:
-        return policy.choose(None, indices, rng, n), 0
+        return checked_choice(policy, policy.choose(None, indices, rng, n), n), 0
     finite = np.isfinite(values) if finite is None else finite
     if finite.all():
-        return policy.choose(values, indices, rng, n), 0
+        return checked_choice(policy, policy.choose(values, indices, rng, n), n), 0
     bad = np.flatnonzero(~finite)
     if nonfinite == "raise":
         where = indices[bad[:5]].tolist() if indices is not None else bad[:5].tolist()
@@ -68,7 +76,11 @@ def choose_finite(
     if nonfinite == "skip" and indices is not None:
         policy.count_skipped(indices[bad])
     good = np.flatnonzero(finite)
-    sub = policy.choose(values[good], None if indices is None else indices[good], rng, len(good))
+    sub = checked_choice(
+        policy,
+        policy.choose(values[good], None if indices is None else indices[good], rng, len(good)),
+        len(good),
+    )
     probabilities = np.zeros(n, dtype=np.float64)
     probabilities[good] = sub.probabilities
     positions, weights = good[sub.positions], sub.weights
@@ -88,6 +100,59 @@ def choose_finite(
         positions = np.insert(positions, at, bad)
         weights = np.insert(weights, at, np.ones(len(bad)))
     return Choice(positions, probabilities, weights), len(bad)
+
+
+def checked_choice(policy: Policy, choice: Any, n: int) -> Choice:
+    """``choice``, what ``policy.choose`` returned for ``n`` candidates, or raise naming what
+    is wrong with it and the fix.
+
+    NOTE: a policy of the user's own (see :class:`~sbloader.Policy`) whose Choice did not fit
+    its candidates failed in torch or numpy with messages that name neither the policy nor the
+    field ("index out of range in self", "could not broadcast input array from shape (3,)"),
+    and probabilities of another length than the candidates' went into ``batch.probabilities``
+    unsaid. Checks of lengths and dtypes, and one min and max of the positions.
+
+    Example:
+        >>> from sbloader import Traditional
+        >>> checked_choice(Traditional(), Choice.everything(3), 3).positions.tolist()
+        [0, 1, 2]
+        >>> checked_choice(Traditional(), Choice.everything(3), 4)
+        Traceback (most recent call last):
+            ...
+        ValueError: Traditional().choose(...) should return a Choice whose probabilities hold ...
+    """
+    what = f"{policy!r}.choose(...) should return a Choice"
+    if not isinstance(choice, Choice):
+        raise TypeError(f"{what}, but got {type(choice).__name__}")
+    fields = {"positions": choice.positions, "probabilities": choice.probabilities}
+    fields["weights"] = choice.weights
+    for name, array in fields.items():
+        if not isinstance(array, np.ndarray) or array.ndim != 1:
+            raise TypeError(
+                f"{what} whose {name} field is a 1-d numpy array, but got "
+                f"{type(array).__name__} of shape {getattr(array, 'shape', None)}"
+            )
+    positions = choice.positions
+    if positions.dtype.kind not in "iu":
+        raise TypeError(
+            f"{what} whose positions are integers (np.int64), but got dtype {positions.dtype}"
+        )
+    if choice.probabilities.shape[0] != n:
+        raise ValueError(
+            f"{what} whose probabilities hold one entry per candidate ({n}), but got "
+            f"{choice.probabilities.shape[0]}"
+        )
+    if choice.weights.shape[0] != positions.shape[0]:
+        raise ValueError(
+            f"{what} whose weights hold one entry per position ({positions.shape[0]}), but got "
+            f"{choice.weights.shape[0]}"
+        )
+    if positions.shape[0] and (positions.min() < 0 or positions.max() >= n):
+        raise ValueError(
+            f"{what} whose positions are in [0, {n}) (positions into the candidate batch), "
+            f"but got values from {positions.min()} to {positions.max()}"
+        )
+    return choice
 
 
 def subset_mask(subset: Any, size: int | None) -> np.ndarray:

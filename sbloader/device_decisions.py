@@ -105,11 +105,14 @@ class DeviceWindow:
         """The held losses in ascending order."""
         return self._sorted.clone()
 
-    def ranks(self, losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def ranks(
+        self, losses: torch.Tensor, strict: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For each loss, the count and window size of the empirical CDF it gets when the
         batch's finite losses are pushed one at a time, and which losses are finite.
 
-        Returns ``(count, size, finite)``: ``CDF = count / size`` where ``finite``.
+        Returns ``(count, size, finite)``: ``CDF = count / size`` where ``finite``. With
+        ``strict``, ``count`` counts the values below the loss instead (``<``, not ``<=``).
         """
         x = losses.to(torch.float64).reshape(-1)
         n, n0, cap = x.shape[0], len(self), self.size
@@ -118,7 +121,8 @@ class DeviceWindow:
         pushed = n0 + order + 1  # values pushed so far, the loss included
         size = pushed.clamp(max=cap)
         evicted = pushed - size  # of the whole stream (old values first, then the batch's)
-        count = torch.searchsorted(self._sorted, x, right=True)
+        below = torch.lt if strict else torch.le
+        count = torch.searchsorted(self._sorted, x, right=not strict)
         span = min(n, n0)  # old values the batch can evict (one per push)
         arange = torch.arange(max(span, n), device=x.device)
         first_held = (evicted - n0).clamp(min=0)  # place of the batch's oldest value still held
@@ -130,7 +134,7 @@ class DeviceWindow:
             xi = x[a:b].unsqueeze(1)
             # The batch's own finite values up to each loss (j <= i), less those evicted.
             held = (
-                (x[:b].unsqueeze(0) <= xi)
+                below(x[:b].unsqueeze(0), xi)
                 & finite[:b].unsqueeze(0)
                 & (arange[:b].unsqueeze(0) <= arange[a:b].unsqueeze(1))
                 & (order[:b].unsqueeze(0) >= first_held[a:b].unsqueeze(1))
@@ -138,7 +142,7 @@ class DeviceWindow:
             if n0 + n > cap and span:
                 # Old values evicted before each loss.
                 held -= (
-                    (self._values[:span].unsqueeze(0) <= xi)
+                    below(self._values[:span].unsqueeze(0), xi)
                     & (arange[:span].unsqueeze(0) < evicted[a:b].unsqueeze(1))
                 ).sum(1)
             parts.append(held)
@@ -198,9 +202,13 @@ class DeviceWindow:
         count, size, finite = self.ranks(losses)
         cdf = count.to(torch.float64) / size.clamp(min=1).to(torch.float64)
         if cut < 1.0:
-            # (the cut's relative tolerance as _kernels.cut_power's: see its NOTE)
+            # (the cut's relative tolerance as _kernels.cut_power's: see its NOTE; a loss is
+            # left out only where its equals' lowest rank is above the cut, as in
+            # _kernels.tied_cut_power)
+            lows = self.ranks(losses, strict=True)[0]
+            first = (lows + 1).to(torch.float64) / size.clamp(min=1).to(torch.float64)
             p = torch.where(
-                cdf > cut * _kernels.CUT_TOLERANCE, 0.0, ((cdf / cut) ** beta).clamp(max=1.0)
+                first > cut * _kernels.CUT_TOLERANCE, 0.0, ((cdf / cut) ** beta).clamp(max=1.0)
             )
         else:
             p = cdf**beta

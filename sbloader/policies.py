@@ -391,7 +391,9 @@ class SelectiveBackprop(Policy):
             (``ramp_epochs``) the uniform share u keeps every loss at ``u * selectivity``, the
             trimmed ones included: only ``(1 - u)`` of P is trimmed. Needs
             ``history >= 1 / trim_top`` (the window's highest loss alone is ``1 / history`` of
-            it; refused otherwise), and the loss exactly at the ``1 - q`` quantile is kept.
+            it; refused otherwise), and the loss exactly at the ``1 - q`` quantile is kept,
+            as are equal losses that reach down to it (all-equal losses, as plain SB keeps
+            them: every one).
         stale_cdf: what a stale epoch ranks each stored loss against. ``"window"`` (default):
             the window as the last selection pass left it. ``"store"``: at the start of each
             stale epoch the window is refilled with the stored losses of ``history`` examples
@@ -496,9 +498,11 @@ class SelectiveBackprop(Policy):
             # NOTE: the window's CDF takes the values k / R, and the top step alone (the window's
             # highest loss, CDF 1) is 1 / R of the losses: with trim_top * R < 1 the trim would
             # leave out more than trim_top (everything at R = 1) and the kept share would fall.
+            needed = 1 / self.trim_top  # (inf for a subnormal trim_top: no int to round up)
             raise ValueError(
                 f"trim_top={trim_top} needs history >= 1 / trim_top = "
-                f"{math.ceil(1 / self.trim_top - 1e-9)} (the window's highest loss alone is "
+                f"{math.ceil(needed - 1e-9) if math.isfinite(needed) else needed} (the window's "
+                "highest loss alone is "
                 f"1 / history of it), but got history={history}; raise history or lower trim_top"
             )
         if stale_cdf not in STALE_CDFS:

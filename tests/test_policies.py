@@ -348,3 +348,59 @@ def test_an_integer_beyond_floats_range_is_refused_naming_the_parameter(name):
         ValueError, match=rf"^{name} should be a finite number, but got an integer of 401"
     ):
         SelectiveBackprop(**{name: 10**400})
+
+
+def _returning(make):
+    """A policy of the user's own whose choose returns ``make(n)``."""
+    from sbloader import Policy
+
+    class Mine(Policy):
+        def choose(self, losses, indices, rng, n):
+            return make(n)
+
+    return Mine()
+
+
+@pytest.mark.parametrize(
+    "make, error, says",
+    [
+        (
+            lambda n: Choice(np.array([-1, 0]), np.full(n, 0.5), np.ones(2)),
+            ValueError,
+            "in \\[0, 8\\)",
+        ),
+        (
+            lambda n: Choice(np.array([n, 0]), np.full(n, 0.5), np.ones(2)),
+            ValueError,
+            "in \\[0, 8\\)",
+        ),
+        (lambda n: Choice(np.array([1.0]), np.full(n, 0.5), np.ones(1)), TypeError, "integers"),
+        (lambda n: Choice([1, 0], np.full(n, 0.5), np.ones(2)), TypeError, "positions field"),
+        (lambda n: Choice(np.array([1, 0]), np.full(n, 0.5), np.ones(3)), ValueError, "weights"),
+        (lambda n: Choice(np.array([1, 0]), np.full(2, 0.5), np.ones(2)), ValueError, "probabil"),
+        (lambda n: np.array([1, 0]), TypeError, ", but got ndarray"),
+    ],
+)
+def test_a_choice_that_does_not_fit_its_candidates_is_refused_naming_the_policy(make, error, says):
+    """A policy of one's own whose Choice did not fit the candidates failed in torch or numpy
+    ("index out of range in self", "could not broadcast"), naming neither the policy nor the
+    field; probabilities of another length went into batch.probabilities unsaid."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from sbloader import SelectiveLoader
+
+    data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+    loader = SelectiveLoader(
+        DataLoader(data, batch_size=8), torch.nn.Linear(4, 2), policy=_returning(make), batch_size=4
+    )
+    with pytest.raises(
+        error, match="Mine\\(\\)\\.choose\\(\\.\\.\\.\\) should return a Choice.*" + says
+    ):
+        list(loader)
+    # a Choice that fits, int32 positions included, is taken as it is
+    fits = _returning(lambda n: Choice(np.array([1, 0], np.int32), np.full(n, 0.5), np.ones(2)))
+    loader = SelectiveLoader(
+        DataLoader(data, batch_size=8), torch.nn.Linear(4, 2), policy=fits, batch_size=4
+    )
+    assert [b.indices.tolist() for b in loader] == [[1, 0, 9, 8]]

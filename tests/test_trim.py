@@ -256,3 +256,44 @@ def test_a_trim_finer_than_the_windows_steps_is_refused_naming_history(history, 
     # the smallest window that can hold the trim is accepted, and keeps about the selectivity
     SelectiveBackprop(1 / 3, history=10, trim_top=0.1)
     SelectiveBackprop(1 / 3, history=4, trim_top=0.25)
+
+
+def test_a_subnormal_trim_is_refused_naming_history_not_overflowing():
+    """1 / trim_top overflows to inf for a subnormal trim_top: the refusal said OverflowError
+    ("cannot convert float infinity to integer"), naming nothing."""
+    with pytest.raises(ValueError, match=r"trim_top=1e-320 needs history >= 1 / trim_top = inf"):
+        SelectiveBackprop(1 / 3, trim_top=1e-320)
+
+
+@pytest.mark.parametrize("n", [8, 200])  # (fewer than 32 losses and more: both kernel paths)
+def test_tied_losses_at_the_cut_are_kept_not_all_trimmed(n):
+    """A group of equal losses that reaches down to the 1 - q quantile is at the quantile, not
+    above it: kept (P = 1), as plain SB keeps all-equal losses. Trimmed by their CDF (that of
+    the group's highest rank), all-equal losses (fp16 losses underflowing to 0, a clipped loss)
+    got P = 0: a loader that kept nothing, on every path."""
+    zeros = np.zeros(n)
+    sb = SelectiveBackprop(1 / 3, history=64, trim_top=0.1)
+    p = sb.probabilities(zeros)
+    assert (p[1:] == 1.0).all()  # (the first loss ever is the whole window: its top step)
+    c = SelectiveBackprop(1 / 3, history=64, trim_top=0.1).choose(
+        zeros, None, np.random.default_rng(0), n
+    )
+    assert len(c.positions) >= n - 1
+    # stored losses ranked against the window (stale epochs), and the device window
+    assert (sb.window.rank(zeros, sb._cut_beta, sb._cut) == 1.0).all()
+    dev = DeviceWindow(64)
+    c = dev.push_rank_and_draw(
+        torch.zeros(n, dtype=torch.float64),
+        torch.full((n,), 0.5, dtype=torch.float64),
+        sb._cut_beta,
+        cut=sb._cut,
+    )
+    np.testing.assert_array_equal(c.probabilities.numpy(), p)
+    # a group of 60% at the top reaches below the cut: kept for sure, the rest ranked below it
+    losses = np.where(np.random.default_rng(1).random(n) < 0.6, 1.0, 0.5)
+    p = SelectiveBackprop(1 / 3, history=64, trim_top=0.1).probabilities(losses)
+    assert (p[losses == 1.0][1:] == 1.0).all()
+    # a group wholly above the cut is still trimmed: 5 equal top losses of 100, q = 0.1
+    sb = SelectiveBackprop(1 / 3, history=100, trim_top=0.1)
+    sb.probabilities(np.arange(95.0))
+    assert (sb.probabilities(np.full(5, 99.0)) == 0.0).all()
