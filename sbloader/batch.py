@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import threading
 import warnings
@@ -372,7 +373,8 @@ class BatchFormat:
             )
         raise TypeError(
             "SelectiveLoader needs batches that are tuples, lists or dicts of per-example fields "
-            f"(e.g. (inputs, targets)), but the source yielded a {type(batch).__name__}"
+            f"(e.g. (inputs, targets)), but the source yielded a {type(batch).__name__}; "
+            + _batch_fix(batch)
         )
 
     def columns(self, batch: Any) -> list[Column]:
@@ -465,6 +467,31 @@ class BatchFormat:
             pass
         _UNBUILDABLE.add(cls)
         return None
+
+
+def _batch_fix(batch: Any) -> str:
+    """The fix for a source batch of no structure :meth:`BatchFormat.infer` reads, for its
+    message: the conversion that gives one, for a dataclass, a tensor or any other batch."""
+    # NOTE: a dataclass's fields are read by name into a dict: dataclasses.asdict would copy
+    # every tensor (it deep-copies), and vars() fails for a class with __slots__.
+    if dataclasses.is_dataclass(batch):
+        return (
+            "make the source yield dicts of the batch's fields (e.g. a DataLoader's collate_fn "
+            "returning {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)} of "
+            "the batch it makes now), and pass input_key= and target_key= naming the fields "
+            "(yielded batches are then dicts of them)"
+        )
+    if isinstance(batch, torch.Tensor):
+        return (
+            "a single tensor has no target: make the source yield (inputs, targets) (e.g. from "
+            "the dataset or a DataLoader's collate_fn), or a dict such as {'input_ids': ids} "
+            "with input_key='input_ids', target_key='input_ids' where the input is its own "
+            "target"
+        )
+    return (
+        "make the source yield a tuple, list or dict of the batch's fields, each with one "
+        "entry per example (e.g. from a DataLoader's collate_fn)"
+    )
 
 
 #: Batch classes whose constructor did not take their fields (see BatchFormat._made).
