@@ -114,8 +114,17 @@ class BatchCodec:
                     "example"
                 )
         if indices is not None and indices.shape[0] != n:
+            # NOTE: a DataLoader's indices are its sampler's, paired with the collated
+            # examples by position: a collate_fn that leaves samples out (e.g. those a dataset
+            # returned as None) or adds some (several crops of each) cannot be paired, nor one
+            # that reorders them (e.g. sorts them by length), which goes unseen.
             raise ValueError(
-                f"the source batch has {n} examples but {indices.shape[0]} dataset indices"
+                f"the source batch has {n} examples but {indices.shape[0]} dataset indices: a "
+                "DataLoader's collate_fn must return one example for each sample it is given, "
+                "in their order (each is paired with its dataset index by position), but this "
+                f"one returned {n} for {indices.shape[0]}; give each example a field holding its "
+                "dataset index and pass index_key= naming it (the batches then carry their own "
+                "indices), or return one example per sample"
             )
         return columns, n
 

@@ -674,7 +674,9 @@ class DataLoaderSource(Source):
         if loader.batch_size is None and loader.batch_sampler is None:
             raise ValueError(
                 "SelectiveLoader needs a batching DataLoader, but got one with batch_size=None "
-                "(automatic batching disabled); give the DataLoader a batch_size"
+                "(automatic batching disabled); give the DataLoader a batch_size, or, where its "
+                "dataset yields whole batches, give them a field holding each example's dataset "
+                "index and pass index_key= naming it (the DataLoader is then iterated as it is)"
             )
         self.loader = loader
         assert loader.batch_sampler is not None  # a batching DataLoader (checked above)

@@ -47,7 +47,9 @@ def _indexed_twin(loader: DataLoader) -> DataLoader:
     if loader.batch_sampler is None:
         raise ValueError(
             "SelectiveLoader needs a batching DataLoader, but got one with batch_size=None "
-            "(automatic batching disabled); give the DataLoader a batch_size"
+            "(automatic batching disabled); give the DataLoader a batch_size, or, where its "
+            "dataset yields whole batches, give them a field holding each example's dataset "
+            "index and pass index_key= naming it (the DataLoader is then iterated as it is)"
         )
     kwargs = indexed_loader_kwargs(loader, loader.batch_sampler)
     # NOTE: StatefulDataLoader's one argument beyond DataLoader's; copied where the loader has

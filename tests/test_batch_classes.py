@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import io
 import pickle
 from collections import UserDict, namedtuple
@@ -384,3 +385,116 @@ def test_a_dict_batch_with_other_keys_is_refused_naming_the_missing_and_new_ones
     missing = r"keys \['x', 'i', 'z'\] \(missing \['y'\], new \['z'\]\)"
     with pytest.raises(ValueError, match=missing):
         list(loader)
+
+
+@dataclasses.dataclass
+class _Pair:
+    image: torch.Tensor
+    label: torch.Tensor
+
+
+def _stack(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+
+
+@pytest.mark.parametrize(
+    "collate, fix",
+    [
+        (lambda items: _Pair(*_stack(items)), r"_Pair; .*dataclasses\.fields\(batch\)"),
+        (lambda items: _stack(items)[0], r"Tensor; a single tensor has no target.*targets\)"),
+    ],
+    ids=["dataclass", "tensor"],
+)
+def test_a_dataclass_or_tensor_batch_is_refused_naming_the_fix(collate, fix):
+    """A collate_fn returning a dataclass or a bare tensor is refused on the first batch with
+    the conversion that makes it a batch the loader reads; the dataclass's is one that works."""
+    data = EncodedDataset(N)
+    loader = SelectiveLoader(
+        DataLoader(data, batch_size=12, collate_fn=collate), IndexLoss(), batch_size=6
+    )
+    with pytest.raises(TypeError, match=r"the source yielded a " + fix):
+        next(iter(loader))
+
+    def as_dict(items):
+        batch = _Pair(*_stack(items))
+        return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+
+    loader = SelectiveLoader(
+        DataLoader(data, batch_size=12, collate_fn=as_dict),
+        IndexLoss(),
+        policy=SelectiveBackprop(0.5),
+        batch_size=6,
+        input_key="image",
+        target_key="label",
+    )
+    for b in loader:
+        assert torch.equal(b["image"][:, 0].long(), b.indices)
+
+
+def test_a_collate_fn_that_leaves_samples_out_is_refused_naming_index_key():
+    """The recovered indices are paired with the collated examples by position: a collate_fn
+    that drops samples (the dataset's Nones) is refused on that batch naming index_key=, and
+    with an index field (also sorted by the collate_fn, as for pack_padded_sequence) each
+    example keeps its own index."""
+
+    class Gappy(Dataset):
+        def __len__(self) -> int:
+            return N
+
+        def __getitem__(self, i: int) -> Any:
+            x, y = EncodedDataset(N)[i]
+            return None if i % 5 == 3 else {"image": x, "label": y, "i": i}
+
+    def kept(items):
+        return torch.utils.data.default_collate([s for s in items if s is not None])
+
+    def kept_sorted(items):
+        return kept(sorted((s for s in items if s is not None), key=lambda s: -s["i"]))
+
+    def loader(collate, **kw: Any) -> SelectiveLoader:
+        return SelectiveLoader(
+            DataLoader(Gappy(), batch_size=12, collate_fn=collate),
+            IndexLoss(),
+            policy=SelectiveBackprop(0.5),
+            batch_size=6,
+            input_key="image",
+            target_key="label",
+            **kw,
+        )
+
+    with pytest.raises(ValueError, match=r"has 10 examples but 12 dataset indices.*index_key="):
+        next(iter(loader(kept)))
+    fixed = loader(kept_sorted, index_key="i", dataset_size=N)
+    seen = 0
+    for b in fixed:
+        assert torch.equal(b["image"][:, 0].long(), b.indices)
+        assert torch.equal(b["label"], b.indices % N_CLASSES)
+        seen += len(b)
+    assert seen > 0
+
+
+def test_a_dataloader_of_whole_batches_is_refused_naming_index_key_which_reads_it():
+    """A DataLoader with batch_size=None over a dataset of whole batches cannot have its
+    indices recovered: refused naming index_key=, with which it is read as it is."""
+
+    class Batches(Dataset):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, k: int) -> Any:
+            i = torch.arange(12 * k, 12 * k + 12)
+            return torch.stack([EncodedDataset(N)[int(j)][0] for j in i]), i % N_CLASSES, i
+
+    with pytest.raises(ValueError, match=r"batch_size=None.*whole batches.*index_key="):
+        SelectiveLoader(DataLoader(Batches(), batch_size=None), IndexLoss())
+    loader = SelectiveLoader(
+        DataLoader(Batches(), batch_size=None),
+        IndexLoss(),
+        policy=SelectiveBackprop(0.5),
+        batch_size=6,
+        index_key=2,
+        drop_index=True,
+        dataset_size=N,
+    )
+    for image, label in loader:
+        assert torch.equal(label, image[:, 0].long() % N_CLASSES)
