@@ -487,15 +487,35 @@ def _entry(column: Any, path: tuple[Hashable, ...]) -> Any:
 def _check_not_collated_fields(keys: tuple[Hashable, ...], columns: list[Any]) -> None:
     """Raise naming the fix when a field is a list of tensors that all have the row count of
     another field: the default collate function's batch of a tuple or list of fields inside each
-    example (``((ids, mask), label)``), which is no column of one entry per example.
+    example (``((ids, mask), label)``), which is no column of one entry per example; or a list
+    of sequences that all have that count: its batch of a list inside each example (several
+    captions of an image).
 
     Called only when the fields' lengths disagree: a list of per-example tensors whose row
-    counts happen to agree (e.g. 5 boxes per image) is a column like any other.
+    counts happen to agree (e.g. 5 boxes per image) is a column like any other (so is a list of
+    per-example lists, and a transposed one where the batch has as many examples as each
+    example's list has entries goes unseen).
     """
     lengths = [B.column_length(c, k) for k, c in zip(keys, columns)]
     for key, column, length in zip(keys, columns, lengths):
         if not (isinstance(column, list) and column):
             continue
+        if all(isinstance(v, (list, tuple)) for v in column):
+            # (the default collate function's batch of a list inside each example, e.g. five
+            # captions an image: one tuple per position in the lists, of one entry per example)
+            sizes = {len(v) for v in column}
+            if len(sizes) != 1 or (m := sizes.pop()) == length or m not in lengths:
+                continue
+            raise ValueError(
+                f"field {key!r} of a source batch is a list of {length} sequences of {m} "
+                "entries each: a list inside each example (e.g. several captions of an "
+                "image), which the default collate function batches as one tuple per position "
+                "in the lists, each of one entry per example, so SelectiveLoader, which selects "
+                "one entry per example, cannot select it; collate the field as a list of each "
+                "example's own list (e.g. [sample[k] for sample in samples] in the DataLoader's "
+                "collate_fn, the other fields by torch.utils.data.default_collate), or as a "
+                "tensor of the examples' rows"
+            )
         if not all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in column):
             continue
         rows = {v.shape[0] for v in column}

@@ -498,3 +498,36 @@ def test_a_dataloader_of_whole_batches_is_refused_naming_index_key_which_reads_i
     )
     for image, label in loader:
         assert torch.equal(label, image[:, 0].long() % N_CLASSES)
+
+
+def test_a_list_inside_each_example_collated_by_position_is_refused_naming_the_fix():
+    """The default collate function batches a list inside each example (captions of an image)
+    as one tuple per position in the lists: refused on the first batch naming the collate_fn
+    that keeps each example's list, with which every example keeps its own captions."""
+
+    class Captioned(Dataset):
+        def __len__(self) -> int:
+            return N
+
+        def __getitem__(self, i: int) -> Any:
+            x, y = EncodedDataset(N)[i]
+            return x, y, [f"{i}a", f"{i}b", f"{i}c"]
+
+    def loader(collate: Any) -> SelectiveLoader:
+        return SelectiveLoader(
+            DataLoader(Captioned(), batch_size=12, collate_fn=collate),
+            IndexLoss(),
+            policy=SelectiveBackprop(0.5),
+            batch_size=6,
+        )
+
+    with pytest.raises(ValueError, match=r"field 2 .* list of 3 sequences of 12 entries.*\[sample"):
+        next(iter(loader(torch.utils.data.default_collate)))
+
+    def own_lists(samples):
+        x, y = torch.utils.data.default_collate([s[:2] for s in samples])
+        return x, y, [s[2] for s in samples]
+
+    for x, y, captions in loader(own_lists):
+        assert torch.equal(y, x[:, 0].long() % N_CLASSES)
+        assert captions == [[f"{i}a", f"{i}b", f"{i}c"] for i in x[:, 0].long().tolist()]
