@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ._checks import check_choice, check_float, check_indices, check_int
+from ._checks import check_bool, check_choice, check_float, check_indices, check_int
 from .store import ExampleStore, saved_column
 
 __all__ = [
@@ -296,6 +296,7 @@ def target_confidence(outputs: Any, targets: Any, *, logits: bool = False) -> np
         >>> target_confidence(np.log(probs), np.array([0, 1]), logits=True).round(6).tolist()
         [0.7, 0.1]
     """
+    logits = check_bool("logits", logits)
     values = _outputs(outputs, logits)
     n, classes = values.shape
     rows = np.arange(n)
@@ -384,6 +385,7 @@ def accuracy_by_percentile(
         ([0.3333333333333333, 1.0], [3, 2])
     """
     bins = check_int("bins", bins, minimum=1)
+    logits = check_bool("logits", logits)
     values = _outputs(outputs, logits)
     tgt = _targets(targets, *values.shape)
     confidence = target_confidence(values, tgt, logits=logits)

@@ -78,6 +78,16 @@ def test_target_confidence_refuses_bad_input(outputs, targets, logits, error, ma
         target_confidence(np.array(outputs), np.array(targets), logits=logits)
 
 
+@pytest.mark.parametrize("logits", ["False", "no", 1, None])
+def test_logits_flag_that_is_not_a_bool_is_refused(logits):
+    # "False" is truthy: probabilities were read as logits and softmaxed again (0.9 -> 0.69).
+    probs = np.array([[0.9, 0.1], [0.2, 0.8]])
+    with pytest.raises(TypeError, match="logits should be True or False"):
+        target_confidence(probs, [0, 1], logits=logits)
+    with pytest.raises(TypeError, match="logits should be True or False"):
+        accuracy_by_percentile(probs, [0, 1], logits=logits)
+
+
 def test_confidence_percentiles_are_the_inverse_cdf_with_ties():
     # Sorted: 0.1 0.1 0.3 0.5 0.9 (N = 5): percentile p gives the ceil(p/100 * 5)-th value.
     confidence = [0.5, 0.1, 0.1, 0.9, 0.3]
