@@ -886,6 +886,32 @@ def combined_rank(scores_a: Any, scores_b: Any) -> np.ndarray:
 # --- label noise ----------------------------------------------------------------------------------
 
 
+def _flipped_indices(flipped: Any, n: int) -> np.ndarray:
+    """The flipped examples, given as dataset indices or as a boolean mask of ``n``, as sorted
+    unique int64 indices (not yet checked against ``n``)."""
+    raw = _numpy(flipped)
+    if raw.dtype == np.bool_:
+        if raw.shape != (n,):
+            raise ValueError(
+                f"flipped as a boolean mask should have one flag per example ({n},), but has "
+                f"shape {raw.shape}; or pass the dataset indices of the flipped examples"
+            )
+        return np.flatnonzero(raw).astype(np.int64)
+    if raw.size == 0:
+        raw = raw.astype(np.int64)  # (an empty list is float64: no flipped labels)
+    given = check_indices("flipped", raw)
+    indices = np.unique(given)
+    # NOTE: a 0/1 integer mask ((noisy != clean).astype(int)) read as indices names examples 0
+    # and 1 only, a silently wrong share; real indices of flipped labels do not repeat 0 and 1.
+    if indices.size < given.size and indices[0] >= 0 and indices[-1] <= 1:
+        raise ValueError(
+            f"flipped should hold the dataset indices of the flipped examples, but holds only 0 "
+            f"and 1, repeated ({given.size} values): a 0/1 mask? Pass it as booleans "
+            "(flipped.astype(bool)), or its indices (np.flatnonzero(flipped))"
+        )
+    return indices
+
+
 def flipped_share(flipped: Any, selection: Any, k: int, *, ties: str = "index") -> NoiseShare:
     """How many of the flipped labels are among the k most selected examples.
 
@@ -893,7 +919,8 @@ def flipped_share(flipped: Any, selection: Any, k: int, *, ties: str = "index") 
     noise rate; one that chases noisy labels (their loss stays high) raises it.
 
     Args:
-        flipped: dataset indices of the examples whose label was flipped (repeats count once).
+        flipped: dataset indices of the examples whose label was flipped (repeats count once),
+            or a boolean mask with one flag per example (``noisy_labels != clean_labels``).
         selection: (N,) selection counts or frequencies (:func:`selection_frequency`); NaN
             (never seen) examples are left out of the ranking and of the noise rate.
         k: how many of the most selected examples to look at (1 to the examples with a count).
@@ -913,10 +940,7 @@ def flipped_share(flipped: Any, selection: Any, k: int, *, ties: str = "index") 
     """
     values = _vector("selection", selection, nan=True)
     n = values.size
-    raw = _numpy(flipped)
-    if raw.size == 0:
-        raw = raw.astype(np.int64)  # (an empty list is float64: no flipped labels)
-    indices = np.unique(check_indices("flipped", raw))
+    indices = _flipped_indices(flipped, n)
     if indices.size and (indices[0] < 0 or indices[-1] >= n):
         bad = indices[(indices < 0) | (indices >= n)][0]
         raise ValueError(

@@ -488,3 +488,17 @@ def test_inverted_cdf_percentiles_are_the_smallest_value_with_p_percent_at_or_be
 
 def test_flipped_share_takes_an_empty_list_of_flipped_labels():
     assert flipped_share([], [0.5, 0.2, 0.9, 0.1], k=2).share == 0.0
+
+
+def test_flipped_share_takes_a_boolean_mask_and_refuses_a_0_1_integer_mask():
+    selection = [5, 9, 1, 2, 4, 0]  # the 2 most selected: 1 and 0
+    mask = np.array([False, True, False, False, True, False])  # flipped: 1 and 4
+    assert flipped_share(mask, selection, k=2) == flipped_share([1, 4], selection, k=2)
+    assert flipped_share(torch.from_numpy(mask), selection, k=2).share == 0.5
+    # As indices, a 0/1 integer mask named examples 0 and 1: share 1.0 instead of 0.5.
+    with pytest.raises(ValueError, match=r"0/1 mask\? Pass it as booleans"):
+        flipped_share(mask.astype(np.int64), selection, k=2)
+    with pytest.raises(ValueError, match=r"one flag per example \(6,\), but has shape \(5,\)"):
+        flipped_share(mask[:5], selection, k=2)
+    # Indices 0 and 1, each once, are indices.
+    assert flipped_share([0, 1], selection, k=2).share == 1.0
