@@ -604,6 +604,14 @@ def _selected_set(epoch: int, value: Any) -> np.ndarray:
         raise ValueError(
             f"selections[{epoch}] should hold dataset indices >= 0, but holds {indices[0]}"
         )
+    # NOTE: as for a matrix (see selection_stability): a 0/1 integer row read as indices is the
+    # set {0, 1}, whatever it marks (two disjoint masks gave 1.0); indices do not repeat 0 and 1.
+    if indices.size < array.size and indices[-1] <= 1:
+        raise ValueError(
+            f"selections[{epoch}] should be a boolean mask or dataset indices, but holds only 0 "
+            f"and 1, repeated ({array.size} values): a 0/1 mask? Pass it as booleans (row > 0, "
+            "also for per-epoch counts), or its indices (np.flatnonzero(row))"
+        )
     return indices
 
 
@@ -611,7 +619,8 @@ def selection_stability(selections: Any) -> np.ndarray:
     """The Jaccard index of consecutive epochs' selected sets A and B: |A & B| / |A | B|.
 
     1 when an epoch selects exactly the examples the previous one did, 0 when none of them.
-    Repeated indices count once (a set). Two empty sets have no overlap to measure: their
+    Repeated indices count once (a set), but an integer row of only 0s and 1s with repeats is
+    refused as a 0/1 mask (pass masks as booleans). Two empty sets have no overlap to measure: their
     Jaccard index is NaN (a gap in a plot, not a perfect score); one empty set against a
     non-empty one gives 0.
 

@@ -502,3 +502,15 @@ def test_flipped_share_takes_a_boolean_mask_and_refuses_a_0_1_integer_mask():
         flipped_share(mask[:5], selection, k=2)
     # Indices 0 and 1, each once, are indices.
     assert flipped_share([0, 1], selection, k=2).share == 1.0
+
+
+def test_selection_stability_refuses_0_1_integer_rows_in_a_list():
+    # Read as indices, both rows were the set {0, 1}: Jaccard 1.0 for disjoint masks (0.0).
+    rows = [np.array([1, 0, 0]), np.array([0, 1, 0])]
+    with pytest.raises(ValueError, match=r"selections\[0\] .*0/1 mask\? Pass it as booleans"):
+        selection_stability(rows)
+    with pytest.raises(ValueError, match="0/1 mask"):
+        selection_stability(list(np.array([[1, 0, 1], [0, 1, 1]])))
+    assert selection_stability([row > 0 for row in rows]).tolist() == [0.0]
+    # Indices 0 and 1 each once, or repeated indices above 1, are indices.
+    assert selection_stability([[0, 1], [1, 2, 2]]).tolist() == [1 / 3]
