@@ -123,9 +123,10 @@ def _vector(name: str, value: Any, *, nan: bool) -> np.ndarray:
     vector = np.array(array, dtype=np.float64)
     if not nan and np.isnan(vector).any():
         where = np.flatnonzero(np.isnan(vector))
+        keep = "scored in both inputs" if name.startswith("scores_") else f"with a {name}"
         raise ValueError(
             f"{name} has {where.size} NaN values (e.g. at indices {where[:5].tolist()}); keep only "
-            "the examples scored in both inputs, or fill the NaN values, before ranking"
+            f"the examples {keep}, or fill the NaN values, first"
         )
     return vector
 
