@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ._checks import check_choice, check_float, check_indices, check_int
+from ._checks import check_bool, check_choice, check_float, check_indices, check_int
 from .store import ExampleStore, saved_column
 
 __all__ = [
@@ -123,9 +123,10 @@ def _vector(name: str, value: Any, *, nan: bool) -> np.ndarray:
     vector = np.array(array, dtype=np.float64)
     if not nan and np.isnan(vector).any():
         where = np.flatnonzero(np.isnan(vector))
+        keep = "scored in both inputs" if name.startswith("scores_") else f"with a {name}"
         raise ValueError(
             f"{name} has {where.size} NaN values (e.g. at indices {where[:5].tolist()}); keep only "
-            "the examples scored in both inputs, or fill the NaN values, before ranking"
+            f"the examples {keep}, or fill the NaN values, first"
         )
     return vector
 
@@ -296,6 +297,7 @@ def target_confidence(outputs: Any, targets: Any, *, logits: bool = False) -> np
         >>> target_confidence(np.log(probs), np.array([0, 1]), logits=True).round(6).tolist()
         [0.7, 0.1]
     """
+    logits = check_bool("logits", logits)
     values = _outputs(outputs, logits)
     n, classes = values.shape
     rows = np.arange(n)
@@ -384,6 +386,7 @@ def accuracy_by_percentile(
         ([0.3333333333333333, 1.0], [3, 2])
     """
     bins = check_int("bins", bins, minimum=1)
+    logits = check_bool("logits", logits)
     values = _outputs(outputs, logits)
     tgt = _targets(targets, *values.shape)
     confidence = target_confidence(values, tgt, logits=logits)
@@ -602,6 +605,14 @@ def _selected_set(epoch: int, value: Any) -> np.ndarray:
         raise ValueError(
             f"selections[{epoch}] should hold dataset indices >= 0, but holds {indices[0]}"
         )
+    # NOTE: as for a matrix (see selection_stability): a 0/1 integer row read as indices is the
+    # set {0, 1}, whatever it marks (two disjoint masks gave 1.0); indices do not repeat 0 and 1.
+    if indices.size < array.size and indices[-1] <= 1:
+        raise ValueError(
+            f"selections[{epoch}] should be a boolean mask or dataset indices, but holds only 0 "
+            f"and 1, repeated ({array.size} values): a 0/1 mask? Pass it as booleans (row > 0, "
+            "also for per-epoch counts), or its indices (np.flatnonzero(row))"
+        )
     return indices
 
 
@@ -609,7 +620,8 @@ def selection_stability(selections: Any) -> np.ndarray:
     """The Jaccard index of consecutive epochs' selected sets A and B: |A & B| / |A | B|.
 
     1 when an epoch selects exactly the examples the previous one did, 0 when none of them.
-    Repeated indices count once (a set). Two empty sets have no overlap to measure: their
+    Repeated indices count once (a set), but an integer row of only 0s and 1s with repeats is
+    refused as a 0/1 mask (pass masks as booleans). Two empty sets have no overlap to measure: their
     Jaccard index is NaN (a gap in a plot, not a perfect score); one empty set against a
     non-empty one gives 0.
 
@@ -884,6 +896,32 @@ def combined_rank(scores_a: Any, scores_b: Any) -> np.ndarray:
 # --- label noise ----------------------------------------------------------------------------------
 
 
+def _flipped_indices(flipped: Any, n: int) -> np.ndarray:
+    """The flipped examples, given as dataset indices or as a boolean mask of ``n``, as sorted
+    unique int64 indices (not yet checked against ``n``)."""
+    raw = _numpy(flipped)
+    if raw.dtype == np.bool_:
+        if raw.shape != (n,):
+            raise ValueError(
+                f"flipped as a boolean mask should have one flag per example ({n},), but has "
+                f"shape {raw.shape}; or pass the dataset indices of the flipped examples"
+            )
+        return np.flatnonzero(raw).astype(np.int64)
+    if raw.size == 0:
+        raw = raw.astype(np.int64)  # (an empty list is float64: no flipped labels)
+    given = check_indices("flipped", raw)
+    indices = np.unique(given)
+    # NOTE: a 0/1 integer mask ((noisy != clean).astype(int)) read as indices names examples 0
+    # and 1 only, a silently wrong share; real indices of flipped labels do not repeat 0 and 1.
+    if indices.size < given.size and indices[0] >= 0 and indices[-1] <= 1:
+        raise ValueError(
+            f"flipped should hold the dataset indices of the flipped examples, but holds only 0 "
+            f"and 1, repeated ({given.size} values): a 0/1 mask? Pass it as booleans "
+            "(flipped.astype(bool)), or its indices (np.flatnonzero(flipped))"
+        )
+    return indices
+
+
 def flipped_share(flipped: Any, selection: Any, k: int, *, ties: str = "index") -> NoiseShare:
     """How many of the flipped labels are among the k most selected examples.
 
@@ -891,7 +929,8 @@ def flipped_share(flipped: Any, selection: Any, k: int, *, ties: str = "index") 
     noise rate; one that chases noisy labels (their loss stays high) raises it.
 
     Args:
-        flipped: dataset indices of the examples whose label was flipped (repeats count once).
+        flipped: dataset indices of the examples whose label was flipped (repeats count once),
+            or a boolean mask with one flag per example (``noisy_labels != clean_labels``).
         selection: (N,) selection counts or frequencies (:func:`selection_frequency`); NaN
             (never seen) examples are left out of the ranking and of the noise rate.
         k: how many of the most selected examples to look at (1 to the examples with a count).
@@ -911,10 +950,7 @@ def flipped_share(flipped: Any, selection: Any, k: int, *, ties: str = "index") 
     """
     values = _vector("selection", selection, nan=True)
     n = values.size
-    raw = _numpy(flipped)
-    if raw.size == 0:
-        raw = raw.astype(np.int64)  # (an empty list is float64: no flipped labels)
-    indices = np.unique(check_indices("flipped", raw))
+    indices = _flipped_indices(flipped, n)
     if indices.size and (indices[0] < 0 or indices[-1] >= n):
         bad = indices[(indices < 0) | (indices >= n)][0]
         raise ValueError(

@@ -1,7 +1,8 @@
 """EL2N pre-pruning (Paul et al., 2021): score examples by the error of briefly trained models.
 
 EL2N(x, y) = ||softmax(f(x)) - onehot(y)||_2, averaged over ``models`` copies of the user's model,
-each trained for ``epochs`` epochs with the user's recipe and scored in eval mode. Its cost (time,
+each trained for ``epochs`` epochs with the user's recipe and scored in eval mode (with targets
+given as class probabilities, (batch, classes), ``y`` is subtracted as it is). Its cost (time,
 forwards and backwards) is reported, because a fair comparison must charge it.
 """
 
@@ -94,6 +95,7 @@ def el2n_scores(
         make_model: returns a freshly initialised model (called once per copy).
         source: a DataLoader over a map-style dataset yielding ``(inputs, targets)`` batches; used
             to train each copy and then, in one more pass, to score every example by index.
+            Targets are class indices (batch,), or class probabilities (batch, classes).
         make_optimizer: builds the optimizer for a model (the user's recipe).
         models: K, the number of independently initialised copies (the paper: 10).
         epochs: E, epochs of training per copy (short: the paper scores early in training).
@@ -192,6 +194,7 @@ def el2n_scores(
                 for _ in range(epochs):
                     for batch, _idx in src.epoch():
                         inputs, targets = _to(batch[0], dev), _to(batch[1], dev)
+                        _check_targets(targets)
                         step(model, optimizer, inputs, targets)
                         train_examples += len(targets)
                 # NOTE: the scoring pass inside the fork too: every iter() of a DataLoader draws
@@ -199,12 +202,9 @@ def el2n_scores(
                 with eval_mode(model), torch.inference_mode():
                     for batch, idx in src.epoch():
                         inputs, targets = _to(batch[0], dev), _to(batch[1], dev)
+                        _check_targets(targets)
                         probs = torch.softmax(model(inputs).float(), dim=1)
-                        # (any integer dtype: cross-entropy takes uint8 labels, one_hot not)
-                        onehot = nn.functional.one_hot(targets.long(), probs.shape[1]).to(
-                            probs.dtype
-                        )
-                        err = torch.linalg.vector_norm(probs - onehot, dim=1)
+                        err = torch.linalg.vector_norm(probs - _target_rows(targets, probs), dim=1)
                         values = err.cpu().numpy().astype(np.float64)
                         index = np.ascontiguousarray(idx, np.int64)
                         _kernels.accumulate(sums, counts, index, values)
@@ -223,6 +223,41 @@ def el2n_scores(
         epochs,
         per_model,
     )
+
+
+def _check_targets(targets: Any) -> None:
+    """Refuse targets that EL2N cannot score, at the first batch (of training, not after it).
+
+    NOTE: (batch, 1) targets, or any other shape, failed in one_hot or in the score's
+    accumulation only in the scoring pass, after a whole copy had trained (with a train_step
+    that takes them), with a message naming neither the targets nor the fix.
+    """
+    if not isinstance(targets, torch.Tensor):
+        return  # (the train_step's business; scoring reports it)
+    if targets.ndim == 1 or (targets.ndim == 2 and targets.is_floating_point()):
+        return
+    raise ValueError(
+        "el2n_scores scores targets that are class indices, shape (batch,), or class "
+        f"probabilities, shape (batch, classes), but a batch's targets have shape "
+        f"{tuple(targets.shape)} and dtype {targets.dtype}; have the dataset return class "
+        "indices (e.g. int(target) or target.squeeze(0) per example)"
+    )
+
+
+def _target_rows(targets: Any, probs: torch.Tensor) -> torch.Tensor:
+    """The rows to subtract from ``probs``: one-hot rows of class indices, or (batch, classes)
+    class probabilities (soft labels, e.g. one-hot float labels) as they are.
+    """
+    if isinstance(targets, torch.Tensor) and targets.ndim == 2:
+        if targets.shape != probs.shape:
+            raise ValueError(
+                f"el2n_scores takes (batch, classes) targets as class probabilities, but a "
+                f"batch's targets have shape {tuple(targets.shape)} and the model's outputs "
+                f"{tuple(probs.shape)}; pass one probability per class, or class indices"
+            )
+        return targets.to(probs.dtype)
+    # (any integer dtype: cross-entropy takes uint8 labels, one_hot not)
+    return nn.functional.one_hot(targets.long(), probs.shape[1]).to(probs.dtype)
 
 
 def _check_fresh(model: Any, earlier: dict[int, weakref.ref[torch.Tensor]], k: int) -> None:

@@ -78,6 +78,16 @@ def test_target_confidence_refuses_bad_input(outputs, targets, logits, error, ma
         target_confidence(np.array(outputs), np.array(targets), logits=logits)
 
 
+@pytest.mark.parametrize("logits", ["False", "no", 1, None])
+def test_logits_flag_that_is_not_a_bool_is_refused(logits):
+    # "False" is truthy: probabilities were read as logits and softmaxed again (0.9 -> 0.69).
+    probs = np.array([[0.9, 0.1], [0.2, 0.8]])
+    with pytest.raises(TypeError, match="logits should be True or False"):
+        target_confidence(probs, [0, 1], logits=logits)
+    with pytest.raises(TypeError, match="logits should be True or False"):
+        accuracy_by_percentile(probs, [0, 1], logits=logits)
+
+
 def test_confidence_percentiles_are_the_inverse_cdf_with_ties():
     # Sorted: 0.1 0.1 0.3 0.5 0.9 (N = 5): percentile p gives the ceil(p/100 * 5)-th value.
     confidence = [0.5, 0.1, 0.1, 0.9, 0.3]
@@ -99,7 +109,7 @@ def test_confidence_percentiles_of_no_examples_are_nan():
 def test_confidence_percentiles_refuse_bad_input():
     with pytest.raises(ValueError, match=r"percentiles should be in \[0, 100\], but got 150"):
         confidence_percentiles([0.5], [150])
-    with pytest.raises(ValueError, match="confidence has 1 NaN values"):
+    with pytest.raises(ValueError, match=r"confidence has 1 NaN .*with a confidence"):
         confidence_percentiles([0.5, nan])
     with pytest.raises(ValueError, match="method should be one of"):
         confidence_percentiles([0.5], method="median")
@@ -368,7 +378,7 @@ def test_overlap_curve_refuses_bad_fractions(fractions, match):
 
 
 def test_overlap_curve_refuses_bad_scores():
-    with pytest.raises(ValueError, match=r"scores_b has 1 NaN values \(e\.g\. at indices \[2\]\)"):
+    with pytest.raises(ValueError, match=r"scores_b has 1 NaN .*indices \[2\]\).*both inputs"):
         overlap_curve([1, 2, 3], [1, 2, nan], 0.5)
     with pytest.raises(ValueError, match="same examples, but have 3 and 2 values"):
         overlap_curve([1, 2, 3], [1, 2], 0.5)
@@ -478,3 +488,29 @@ def test_inverted_cdf_percentiles_are_the_smallest_value_with_p_percent_at_or_be
 
 def test_flipped_share_takes_an_empty_list_of_flipped_labels():
     assert flipped_share([], [0.5, 0.2, 0.9, 0.1], k=2).share == 0.0
+
+
+def test_flipped_share_takes_a_boolean_mask_and_refuses_a_0_1_integer_mask():
+    selection = [5, 9, 1, 2, 4, 0]  # the 2 most selected: 1 and 0
+    mask = np.array([False, True, False, False, True, False])  # flipped: 1 and 4
+    assert flipped_share(mask, selection, k=2) == flipped_share([1, 4], selection, k=2)
+    assert flipped_share(torch.from_numpy(mask), selection, k=2).share == 0.5
+    # As indices, a 0/1 integer mask named examples 0 and 1: share 1.0 instead of 0.5.
+    with pytest.raises(ValueError, match=r"0/1 mask\? Pass it as booleans"):
+        flipped_share(mask.astype(np.int64), selection, k=2)
+    with pytest.raises(ValueError, match=r"one flag per example \(6,\), but has shape \(5,\)"):
+        flipped_share(mask[:5], selection, k=2)
+    # Indices 0 and 1, each once, are indices.
+    assert flipped_share([0, 1], selection, k=2).share == 1.0
+
+
+def test_selection_stability_refuses_0_1_integer_rows_in_a_list():
+    # Read as indices, both rows were the set {0, 1}: Jaccard 1.0 for disjoint masks (0.0).
+    rows = [np.array([1, 0, 0]), np.array([0, 1, 0])]
+    with pytest.raises(ValueError, match=r"selections\[0\] .*0/1 mask\? Pass it as booleans"):
+        selection_stability(rows)
+    with pytest.raises(ValueError, match="0/1 mask"):
+        selection_stability(list(np.array([[1, 0, 1], [0, 1, 1]])))
+    assert selection_stability([row > 0 for row in rows]).tolist() == [0.0]
+    # Indices 0 and 1 each once, or repeated indices above 1, are indices.
+    assert selection_stability([[0, 1], [1, 2, 2]]).tolist() == [1 / 3]

@@ -400,6 +400,46 @@ def test_el2n_with_a_frozen_shared_backbone_uint8_labels_and_its_own_generator()
         el2n_scores(lambda: nn.Linear(2, 2), dropping, make_optimizer=opt, models=1)
 
 
+def test_el2n_scores_soft_labels_and_refuses_other_target_shapes_before_training():
+    """EL2N by hand, ||softmax(W x) - y||_2 averaged over copies: class indices and the same
+    labels one-hot as floats (soft labels, which cross-entropy trains on) score alike; (batch, 1)
+    targets are refused at the first training batch (scoring failed in torch or numba only after
+    a whole copy had trained)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(10, 3), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
+    weights = [torch.randn(3, 3) for _ in range(2)]
+    made = []
+
+    def make():
+        model = nn.Linear(3, 3, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(weights[len(made) % 2])
+        made.append(model)
+        return model
+
+    hand = np.mean(
+        [
+            (torch.softmax(x @ w.T, 1) - nn.functional.one_hot(y, 3)).norm(dim=1).numpy()
+            for w in weights
+        ],
+        axis=0,
+    )
+    opt = lambda m: torch.optim.SGD(m.parameters(), lr=0.0)  # noqa: E731
+    for labels in (y, nn.functional.one_hot(y, 3).float()):
+        loader = DataLoader(list(zip(x, labels)), batch_size=4, shuffle=True)
+        result = el2n_scores(make, loader, make_optimizer=opt, models=2, epochs=1)
+        np.testing.assert_allclose(result.scores, hand, rtol=0, atol=1e-6)
+    steps = []
+    step = lambda model, optimizer, x, y: steps.append(1)  # noqa: E731
+    column = DataLoader(list(zip(x, y.view(-1, 1))), batch_size=4)
+    with pytest.raises(ValueError, match=r"class indices.*shape \(4, 1\) and dtype torch.int64"):
+        el2n_scores(make, column, make_optimizer=opt, train_step=step, models=2, epochs=1)
+    assert steps == []
+    wrong = DataLoader(list(zip(x, torch.rand(10, 4))), batch_size=4)
+    with pytest.raises(ValueError, match=r"shape \(4, 4\) and the model's outputs \(4, 3\)"):
+        el2n_scores(make, wrong, make_optimizer=opt, models=1, epochs=0)
+
+
 def test_prune_rounds_halves_up_as_the_overlap_does_and_takes_tensors_that_need_grad():
     assert len(prune(np.arange(5.0), 0.5)) == 3  # 2.5 -> 3 (Python's round gives 2)
     assert len(prune(np.arange(100.0), 0.145)) == 15  # 14.499999999999998 -> 15
