@@ -936,9 +936,19 @@ class EpochIterator:
         ``lent``: ``rows`` are the source's own reused buffers."""
         loader, stats = self._loader, self.stats
         assert stats is not None
-        batch = loader._codec.build(
-            rows, loader.policy.normalize_weights(), loader.source.has_indices()
-        )
+        try:
+            batch = loader._codec.build(
+                rows, loader.policy.normalize_weights(), loader.source.has_indices()
+            )
+        except BaseException:
+            # NOTE: rows not handed out (an out-of-memory error in joining them, an interrupt)
+            # are handed out first when the epoch goes on, and a state saved now keeps them
+            # (close() takes them back with the others); before, they were lost.
+            if isinstance(rows, WholeBatch):
+                self._direct = rows
+            else:
+                self._replay.insert(0, rows)
+            raise
         stats.examples_yielded += len(rows)
         stats.batches_yielded += 1
         self._last, self._lent = rows, lent

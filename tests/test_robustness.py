@@ -1960,6 +1960,61 @@ def test_a_source_batch_whose_decision_or_gather_raises_loses_no_example(
     assert head + [b.indices.tolist() for b in resumed] == reference
 
 
+@pytest.mark.parametrize(
+    ("policy", "batch_size", "options", "fails"),
+    [
+        (SelectiveBackprop(beta=0), 4, {}, "join"),
+        (SelectiveBackprop(beta=0), 4, {}, "build"),
+        (SelectiveBackprop(beta=0), 4, {"prefetch": 1}, "join"),
+        (Traditional(), 8, {}, "build"),  # (source batches handed out whole: nothing joined)
+    ],
+    ids=["join", "build", "prefetch-join", "whole-source-batch-build"],
+)
+def test_a_batch_whose_making_raises_is_handed_out_again_from_a_state_saved_after(
+    monkeypatch, policy, batch_size, options, fails
+):
+    """Making the next training batch raises (an out-of-memory error in joining its rows, an
+    interrupt): its rows are not lost; a state saved after the error hands them out first.
+    Before, they were taken from the pending rows and gone."""
+    import sbloader.codec as codec_module
+    import sbloader.rows as rows_module
+
+    def make():
+        loader = shuffled_loader(
+            40, 8, 0, IndexLoss(), copy.deepcopy(policy), batch_size=batch_size, **options
+        )
+        return loader
+
+    reference = [b.indices.tolist() for b in make()]
+    calls = []
+
+    def flaky(function):
+        def once_failing(*args, **kwargs):
+            calls.append(None)
+            if len(calls) == 2:
+                raise torch.OutOfMemoryError("out of memory (simulated)")
+            return function(*args, **kwargs)
+
+        return once_failing
+
+    if fails == "join":
+        monkeypatch.setattr(
+            rows_module.Rows, "concat", staticmethod(flaky(rows_module.Rows.concat))
+        )
+    else:
+        monkeypatch.setattr(codec_module.BatchCodec, "build", flaky(codec_module.BatchCodec.build))
+    failing = make()
+    head = []
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        for b in failing:
+            head.append(b.indices.tolist())
+    monkeypatch.undo()
+    state = copy.deepcopy(failing.state_dict())
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + [b.indices.tolist() for b in resumed] == reference
+
+
 class _WithIndex(Dataset):
     """EncodedDataset(n) whose examples also carry their index (a third field)."""
 
