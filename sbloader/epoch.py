@@ -509,14 +509,17 @@ class EpochIterator:
             loader._source_state = tally[2]
             self._phase = _Phase.DRAIN if loader._sync is not None else _Phase.REMAINDER
             return
-        # NOTE (a batch not taken is not consumed): where scoring the batch raises before its
-        # decision took effect (a model that raises, a transient out-of-memory error,
-        # nonfinite="raise"), the position, the source's snapshot and the counts go back to
-        # before it, so that a state saved afterwards reads it again instead of skipping its
-        # examples (the next iter(loader) starts the next epoch, as after ``break``;
-        # ``loader.load_state_dict(loader.state_dict())`` goes on with this one). On one process
-        # only: under DDP the ranks stop together and another rank may have taken its batch of
-        # the round.
+        # NOTE (a batch not taken is not consumed): where taking the batch raises before its
+        # chosen rows are kept (a model that raises, a transient out-of-memory error in its
+        # selection pass or in gathering the rows it keeps, nonfinite="raise"), the position,
+        # the source's snapshot and the counts go back to before it, so that a state saved
+        # afterwards reads it again instead of skipping its examples (the next iter(loader)
+        # starts the next epoch, as after ``break``; ``loader.load_state_dict(
+        # loader.state_dict())`` goes on with this one). Where the policy had already decided
+        # (the error came while gathering), the resumed run decides that batch again, having
+        # seen its losses once more: not the uninterrupted run's choice, but nothing skipped.
+        # On one process only: under DDP the ranks stop together and another rank may have
+        # taken its batch of the round.
         undo = self._counts()
         self._committed = False
         try:
@@ -525,6 +528,15 @@ class EpochIterator:
             if not self._committed and loader._sync is None:
                 self._restore_counts(undo)
             raise
+
+    def _kept(self, targets: Any, positions: np.ndarray | None, k: int) -> None:
+        """The source batch's ``k`` chosen rows (at ``positions``; all if None) are kept: its
+        taking took effect (see :meth:`_source_step`), and they are counted."""
+        stats = self.stats
+        assert stats is not None
+        self._committed = True
+        stats.count_classes(targets, positions)
+        stats.examples_selected += k
 
     #: The epoch's stats that taking a source batch adds to (see _source_step).
     _TAKEN_STATS = ("source_s", "examples_seen", "prefiltered", "excluded")
@@ -589,9 +601,6 @@ class EpochIterator:
             inputs = data[loader._codec.input_position]
             features = scorer.features(inputs, None, None, indices, self.epoch, stats)
             logits = scorer.logits(None, None, n, device)
-            self._committed = True
-            stats.count_classes(targets, None)
-            stats.examples_selected += n
             # The source's batch is a training batch: handed out as it is (the fast path).
             # NOTE: a source batch of another size (a source batched otherwise, rows left out by
             # ``subset``, or its short last batch) is re-batched, and what is left when the pass
@@ -602,6 +611,7 @@ class EpochIterator:
             direct = n == loader.batch_size and not len(loader._pending) and not self._copy_direct
             if direct and self._agree(1):
                 self._direct = WholeBatch(data, indices, n, device, features, logits)
+                self._kept(targets, None, n)
                 return
             copied = _gather(data, np.arange(n, dtype=np.int64), device)
             loader._pending.add(
@@ -609,6 +619,7 @@ class EpochIterator:
                     copied, None, None, indices, n, device, features=features, logits=logits
                 )
             )
+            self._kept(targets, None, n)
             if not direct:  # (a direct batch another rank had no batch for waits for the next)
                 self._owed = self._agree(loader._pending.full_batches(loader.batch_size))
             return
@@ -626,7 +637,6 @@ class EpochIterator:
             scorer.pad(pad)
             loader.policy.advance(self.epoch + self.fraction())
             if loader._decider is not None:
-                self._committed = True
                 self._decide_on_device(scored, data, indices, n, t0)
                 self._score_ahead()
                 return
@@ -634,12 +644,9 @@ class EpochIterator:
             choice = self._decide(scored, indices, n)
         except NonFiniteLoss as e:
             self._stop_round(_NONFINITE, e)
-        self._committed = True
         stats.selection_s += perf_counter() - t0
         positions = choice.positions
         k = len(positions)
-        stats.examples_selected += k
-        stats.count_classes(targets, positions)
         if k:
             inputs = data[loader._codec.input_position]
             # NOTE (one copy of the positions): the data's gather and the losses' share it.
@@ -657,6 +664,7 @@ class EpochIterator:
                 positions_t=pos_t,
             )
             loader._pending.add(rows)
+        self._kept(targets, positions, k)
         self._score_ahead()
         self._owed = self._agree(loader._pending.full_batches(loader.batch_size))
 
@@ -830,15 +838,16 @@ class EpochIterator:
         except NonFiniteLoss as e:
             self._stop_round(_NONFINITE, e)
         loader._scorer.settle_forward_time(stats)
-        stats.nonfinite += choice.nonfinite
         stats.selection_s += perf_counter() - t0
+        k = len(choice)
+        if k:
+            loader._pending.add(device_rows(data, choice, indices, self._device, scored.losses))
+        self._committed = True
+        stats.nonfinite += choice.nonfinite
         # NOTE: the kept positions stay on the device: class counts would need them on the host
         # every source batch, so they are unknown (None), never partial.
         stats.class_seen = stats.class_selected = None
-        k = len(choice)
         stats.examples_selected += k
-        if k:
-            loader._pending.add(device_rows(data, choice, indices, self._device, scored.losses))
         self._owed = self._agree(loader._pending.full_batches(loader.batch_size))
 
     def _batchless_collectives(self) -> None:
@@ -927,9 +936,19 @@ class EpochIterator:
         ``lent``: ``rows`` are the source's own reused buffers."""
         loader, stats = self._loader, self.stats
         assert stats is not None
-        batch = loader._codec.build(
-            rows, loader.policy.normalize_weights(), loader.source.has_indices()
-        )
+        try:
+            batch = loader._codec.build(
+                rows, loader.policy.normalize_weights(), loader.source.has_indices()
+            )
+        except BaseException:
+            # NOTE: rows not handed out (an out-of-memory error in joining them, an interrupt)
+            # are handed out first when the epoch goes on, and a state saved now keeps them
+            # (close() takes them back with the others); before, they were lost.
+            if isinstance(rows, WholeBatch):
+                self._direct = rows
+            else:
+                self._replay.insert(0, rows)
+            raise
         stats.examples_yielded += len(rows)
         stats.batches_yielded += 1
         self._last, self._lent = rows, lent

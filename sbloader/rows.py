@@ -420,9 +420,11 @@ class PendingRows:
             parts, rest = [*parts[: used - 1], last], [tail, *rest]
         else:
             parts = parts[:used]
-        self._parts = rest
-        self._count -= k
-        return Rows.concat(parts, pads)
+        # (joined before the rows are removed: where joining fails, e.g. out of memory, they
+        # stay pending)
+        out = Rows.concat(parts, pads)
+        self._parts, self._count = rest, self._count - k
+        return out
 
     def clear(self) -> int:
         """Drop every pending row; returns how many there were."""

@@ -762,8 +762,17 @@ class DataLoaderSource(Source):
         loader = self._indexed
         if not (loader.persistent_workers and loader.num_workers > 0):
             return iter(loader)
-        if loader._iterator is not None:  # the workers of an earlier epoch: only the order
-            return iter(loader)
+        workers = loader._iterator
+        if workers is not None:
+            if self._base_seed is not None and int(workers._base_seed) == self._base_seed:
+                return iter(loader)  # the workers of an earlier epoch: only the order
+            # NOTE: workers whose base seed is not the one this epoch's order follows: a state
+            # restored into this loader (a rollback, or a retry after an error) whose epoch
+            # began before the run drew its base seed (its first), or drew another. Reused,
+            # they drew only the order, from where the uninterrupted run had drawn the seed
+            # first: another order, whose first batches the resumed epoch skipped (examples
+            # repeated and others never yielded). Made again, as the uninterrupted run did.
+            self._drop_workers(only_dead=False)
         if self._base_seed is None:  # the run's first: drawn from the generator, as torch does
             it = iter(loader)
             self._base_seed = int(it._base_seed)

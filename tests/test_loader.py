@@ -1073,6 +1073,46 @@ def test_persistent_workers_resume_in_the_uninterrupted_runs_order(stop):
     assert got == full
 
 
+@pytest.mark.parametrize("stop", [(0, 2), (1, 3)])
+@pytest.mark.parametrize("running", [False, True], ids=["after-break", "while-running"])
+def test_persistent_workers_rolled_back_in_the_same_loader_replay_the_runs_order(stop, running):
+    """A state loaded into the loader that saved it, whose persistent workers are still up
+    (a retry after an error, after ``break``, or a rollback while the epoch runs): the resumed
+    epoch comes in the uninterrupted run's order. In the first epoch the reused workers drew
+    only the order, from where the run had first drawn their base seed: another order, whose
+    first batches the resumed epoch skipped (examples repeated, others never yielded)."""
+    epochs, (stop_epoch, stop_batch) = 3, stop
+
+    def build() -> SelectiveLoader:
+        dl = DataLoader(
+            EncodedDataset(120),
+            batch_size=24,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=True,
+            generator=torch.Generator().manual_seed(1),
+        )
+        return SelectiveLoader(dl, IndexLoss(), policy=Traditional(), batch_size=24, seed=0)
+
+    whole = build()
+    full = [b.indices.tolist() for _ in range(epochs) for b in whole]
+    del whole
+    loader, got = build(), []
+    for _ in range(stop_epoch):
+        got += [b.indices.tolist() for b in loader]
+    it = iter(loader)
+    got += [next(it).indices.tolist() for _ in range(stop_batch)]
+    state = copy.deepcopy(loader.state_dict())
+    if running:
+        next(it)  # (a batch of the rolled-back stretch: handed out again)
+    else:
+        del it
+    loader.load_state_dict(state)
+    for _ in range(loader.epoch, epochs):
+        got += [b.indices.tolist() for b in loader]
+    assert got == full
+
+
 class Augmented(torch.utils.data.Dataset):
     """Example i is i + a random augmentation in [0, 1) from torch's RNG, label i % 3."""
 

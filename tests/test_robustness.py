@@ -1905,6 +1905,116 @@ def test_a_selection_pass_that_raises_loses_no_example_from_a_state_saved_after(
     assert head + [b.indices.tolist() for b in resumed] == reference
 
 
+@pytest.mark.parametrize(
+    ("policy", "options"),
+    [
+        (SelectiveBackprop(beta=0), {}),
+        (SelectiveBackprop(beta=0), {"prefetch": 1}),
+        (SelectiveBackprop(beta=0), {"decisions": "device"}),
+        (SelectiveBackprop(beta=0), {"decisions": "device", "nonfinite": "raise"}),
+        (Traditional(), {}),  # (re-batched: batch_size 4 of source batches of 8)
+    ],
+    ids=["selection", "prefetch", "device-decisions", "device-nonfinite-raise", "passthrough"],
+)
+def test_a_source_batch_whose_decision_or_gather_raises_loses_no_example(
+    monkeypatch, policy, options
+):
+    """The rows a source batch keeps are gathered after the policy decided; where that raises
+    (a transient out-of-memory error), or where the decision on the device raises
+    (``nonfinite="raise"``), the batch is not consumed: a state saved after the error resumes
+    with it. Before, its examples were skipped by the resumed run. (Keeping every candidate,
+    the resumed run yields what an uninterrupted one does; otherwise the batch is decided again
+    with other draws.)"""
+    import sbloader.device_decisions as device_decisions
+    import sbloader.epoch as epoch_module
+
+    nan = options.get("nonfinite") == "raise"
+
+    def make(model):
+        return shuffled_loader(40, 8, 0, model, copy.deepcopy(policy), batch_size=4, **options)
+
+    reference = [b.indices.tolist() for b in make(FlakyLoss())]
+    calls = []
+
+    def flaky(gather):
+        def gather_once_failing(*args, **kwargs):
+            calls.append(None)
+            if len(calls) == 3:
+                raise torch.OutOfMemoryError("out of memory (simulated)")
+            return gather(*args, **kwargs)
+
+        return gather_once_failing
+
+    if not nan:
+        monkeypatch.setattr(epoch_module, "_gather", flaky(epoch_module._gather))
+        monkeypatch.setattr(epoch_module, "device_rows", flaky(device_decisions.device_rows))
+    failing = make(FlakyLoss(fail_at=2 if nan else None, nan=nan))
+    head = []
+    with pytest.raises((torch.OutOfMemoryError, FloatingPointError), match=r"simulated|finite"):
+        for b in failing:
+            head.append(b.indices.tolist())
+    monkeypatch.undo()
+    state = copy.deepcopy(failing.state_dict())
+    resumed = make(FlakyLoss())
+    resumed.load_state_dict(state)
+    assert head + [b.indices.tolist() for b in resumed] == reference
+
+
+@pytest.mark.parametrize(
+    ("policy", "batch_size", "options", "fails"),
+    [
+        (SelectiveBackprop(beta=0), 4, {}, "join"),
+        (SelectiveBackprop(beta=0), 4, {}, "build"),
+        (SelectiveBackprop(beta=0), 4, {"prefetch": 1}, "join"),
+        (Traditional(), 8, {}, "build"),  # (source batches handed out whole: nothing joined)
+    ],
+    ids=["join", "build", "prefetch-join", "whole-source-batch-build"],
+)
+def test_a_batch_whose_making_raises_is_handed_out_again_from_a_state_saved_after(
+    monkeypatch, policy, batch_size, options, fails
+):
+    """Making the next training batch raises (an out-of-memory error in joining its rows, an
+    interrupt): its rows are not lost; a state saved after the error hands them out first.
+    Before, they were taken from the pending rows and gone."""
+    import sbloader.codec as codec_module
+    import sbloader.rows as rows_module
+
+    def make():
+        loader = shuffled_loader(
+            40, 8, 0, IndexLoss(), copy.deepcopy(policy), batch_size=batch_size, **options
+        )
+        return loader
+
+    reference = [b.indices.tolist() for b in make()]
+    calls = []
+
+    def flaky(function):
+        def once_failing(*args, **kwargs):
+            calls.append(None)
+            if len(calls) == 2:
+                raise torch.OutOfMemoryError("out of memory (simulated)")
+            return function(*args, **kwargs)
+
+        return once_failing
+
+    if fails == "join":
+        monkeypatch.setattr(
+            rows_module.Rows, "concat", staticmethod(flaky(rows_module.Rows.concat))
+        )
+    else:
+        monkeypatch.setattr(codec_module.BatchCodec, "build", flaky(codec_module.BatchCodec.build))
+    failing = make()
+    head = []
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        for b in failing:
+            head.append(b.indices.tolist())
+    monkeypatch.undo()
+    state = copy.deepcopy(failing.state_dict())
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + [b.indices.tolist() for b in resumed] == reference
+
+
 class _WithIndex(Dataset):
     """EncodedDataset(n) whose examples also carry their index (a third field)."""
 
