@@ -78,7 +78,13 @@ def main() -> None:
     parser.add_argument("--selection-batch-size", type=int, default=256)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dir", type=Path, default=None, help="where the MDS shards go")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where the MDS shards go, in DIR/fashion-mnist (new or empty: write_mds does not "
+        "overwrite), and the checkpoint",
+    )
     args = parser.parse_args()
 
     x, y = fashion_mnist_tensors("train")

@@ -150,7 +150,12 @@ def main() -> None:
         choices=["traditional", "recipe", "sb"],
     )
     p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--selectivity", type=float, default=1 / 3)
+    p.add_argument(
+        "--selectivity",
+        type=float,
+        default=1 / 3,
+        help="sb's selectivity (and its warm-up's); the recipe keeps its own 1/3",
+    )
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--selection-batch-size", type=int, default=512)
     p.add_argument("--lr", type=float, default=0.05)

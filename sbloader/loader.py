@@ -1627,7 +1627,8 @@ class SelectiveLoader(NotADataLoader):
 
         Args:
             indices: the batch's dataset indices (``batch.indices``, or ``batch[key]["indices"]``
-                with ``metadata_key=``).
+                with ``metadata_key=``); None where the source gives none (then nothing
+                takes the report, which is only checked and counted).
             losses: one loss per example of the batch, as computed by the training step
                 (``reduction="none"``; detached and copied here, on its device, where the copy
                 stays until the epoch ends: the tensor may be changed or reused after the call).
@@ -1662,6 +1663,13 @@ class SelectiveLoader(NotADataLoader):
         """
         self._check_owner()
         size = self._source.dataset_size
+        if indices is None and not self._source.has_indices() and not self.policy.takes_feedback():
+            # NOTE: a source with no dataset indices yields batches whose ``batch.indices`` is
+            # None, and no policy takes feedback there (there is no per-example store): the
+            # losses are checked and counted, so the drop-in loop runs over such a source too.
+            shape = getattr(losses, "shape", None)
+            rows = np.shape(losses) if shape is None else tuple(shape)
+            indices = torch.arange(rows[0] if rows else 1)
         if self.policy.takes_feedback():
             n = self._feedback.add(indices, losses, size)
         else:  # checked and counted, but neither held nor copied to the host: nothing uses it

@@ -173,6 +173,31 @@ def test_policies_without_a_store_count_and_ignore_reports(policy):
         loader.feedback(torch.tensor([1, 2]), torch.zeros(3))
 
 
+def test_the_drop_in_loop_runs_over_a_source_without_indices():
+    """The README's drop-in loop reports ``loader.feedback(batch.indices, losses)``; over a
+    source with no dataset indices (a list of batches) ``batch.indices`` is None, and feedback
+    raised TypeError on the first step although it "changes nothing" there."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(12, 4, generator=g), torch.randint(0, 2, (12,), generator=g))] * 3
+    model = torch.nn.Linear(4, 2)
+    loader = SelectiveLoader(batches, model, batch_size=4, seed=0)  # the default recipe
+    for _ in range(2):  # the warm-up, then a selective epoch
+        for batch in loader:
+            x, y = batch
+            assert batch.indices is None
+            losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+            loader.feedback(batch.indices, losses)
+    assert [e.feedback for e in loader.stats.epochs] == [
+        e.examples_yielded for e in loader.stats.epochs
+    ]
+    with pytest.raises(ValueError, match="losses of shape"):  # still checked
+        loader.feedback(None, torch.zeros(4, 7))
+    stale = loader_for(SelectiveBackprop(1 / 3, staleness=2))  # a source with indices
+    next(iter(stale))
+    with pytest.raises(TypeError, match="indices should be a tensor"):
+        stale.feedback(None, torch.zeros(3))
+
+
 def test_bad_reports_are_refused_at_once_naming_the_fix():
     loader = loader_for(SelectiveBackprop(1 / 3, staleness=2))
     batch = next(iter(loader))

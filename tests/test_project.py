@@ -108,6 +108,18 @@ def test_docstring_examples_run(module):
     assert result.failed == 0
 
 
+def test_pytest_doctest_modules_uses_the_flags_the_docstrings_are_written_for():
+    """``python3 -m pytest --doctest-modules sbloader/selection.py`` failed six modules'
+    examples: their expected errors are wrapped over several lines, which only
+    NORMALIZE_WHITESPACE (the flag test_docstring_examples_run passes) accepts."""
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    flags = set(config["tool:pytest"]["doctest_optionflags"].split())
+    assert {"ELLIPSIS", "NORMALIZE_WHITESPACE"} <= flags
+
+
 @pytest.mark.realdata
 def test_fashion_mnist_from_debian_files():
     from sbloader.datasets import FASHION_MNIST_DIR, load_fashion_mnist
