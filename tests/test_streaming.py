@@ -12,6 +12,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -269,6 +270,33 @@ def test_the_sample_id_beside_an_index_field_is_no_unused_model_input(tmp_path):
     with pytest.warns(UserWarning, match=r"tensor fields \['gid'\] besides"):
         next(iter(loader))
     released(loader)
+
+
+def test_ranks_the_environment_does_not_name_are_refused(mds, monkeypatch):
+    """streaming reads the ranks from RANK, WORLD_SIZE, ... (torchrun sets them), never from
+    torch.distributed. A job started with mp.spawn and init_process_group(rank=, world_size=)
+    built its datasets as one rank of one on every process: on one machine all but one rank
+    failed with a bare FileExistsError naming streaming's shared memory, on machines of their
+    own every rank read the whole dataset. open_mds and StreamingSource say what to set."""
+    built = sbs.open_mds(mds, 8)
+    job = SimpleNamespace(
+        is_available=lambda: True,
+        is_initialized=lambda: True,
+        get_rank=lambda: 1,
+        get_world_size=lambda: 2,
+    )
+    monkeypatch.setattr(sbs, "dist", job, raising=False)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    match = r"runs rank 1 of 2, but streaming reads rank 0 of 1 .* set RANK, WORLD_SIZE"
+    with pytest.raises(ValueError, match=match):
+        sbs.StreamingSource(built)
+    with pytest.raises(ValueError, match=match):
+        SelectiveLoader(built, IndexLoss(), input_key="image", target_key="label")
+    del built
+    gc.collect()
+    with pytest.raises(ValueError, match=match):
+        sbs.open_mds(mds, 8)
 
 
 # ------------------------------------------------------------------ two gloo ranks
