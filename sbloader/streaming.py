@@ -81,6 +81,13 @@ def _check_ranks(rank: int, world_size: int) -> None:
 _FLOAT_ENCODINGS = frozenset({"float16", "float32", "float64"})
 
 
+def _kind(value: Any) -> str:
+    """The numpy dtype kind of a field's value ("i", "u", "f", ...)."""
+    if isinstance(value, torch.Tensor):
+        return "f" if value.dtype.is_floating_point else "c" if value.dtype.is_complex else "i"
+    return np.asarray(value).dtype.kind
+
+
 def _column(value: Any) -> tuple[str, Any]:
     """An MDS encoding for one field, from its first value, and a converter for every value."""
     if isinstance(value, torch.Tensor):
@@ -129,7 +136,10 @@ def write_mds(
     Args:
         path: the output directory (must be empty or not exist).
         data: a map-style dataset whose items are tuples (or single values), or a tuple/list of
-            arrays or tensors of equal length (e.g. ``(images, labels)``).
+            arrays or tensors of equal length (e.g. ``(images, labels)``). Each field is
+            written in sample 0's encoding (integer scalars as int64); a later floating-point
+            value in a field that sample 0 holds as integers is refused (``TypeError``), not
+            truncated.
         names: field names, one per sample entry. Default ``("image", "label")`` for two entries,
             ``("image",)`` for one, else required.
         size_limit: bytes per shard (streaming's default, 64 MiB).
@@ -181,9 +191,20 @@ def write_mds(
         )
     encodings = [_column(v) for v in first]
     columns_spec = {name: enc for name, (enc, _) in zip(names, encodings)}
+    integral = [_kind(v) in "iu" for v in first]
     with MDSWriter(out=str(path), columns=columns_spec, size_limit=size_limit) as writer:
         for i in range(n):
             values = sample(i)
+            for name, whole, v in zip(names, integral, values):
+                # NOTE: a field's encoding comes from sample 0; a later float value in an integer
+                # field (a map-style dataset's label 0, then 0.5) was truncated without a word.
+                if whole and _kind(v) in "fc":
+                    raise TypeError(
+                        f"write_mds writes field {name!r} as integers (as sample 0 holds it), "
+                        f"but sample {i} holds floating-point values there ({type(v).__name__}), "
+                        f"which would be truncated; make sample 0's {name!r} a float too (or "
+                        "every sample's an integer)"
+                    )
             writer.write({name: conv(v) for name, (_, conv), v in zip(names, encodings, values)})
     return path
 

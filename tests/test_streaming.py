@@ -450,3 +450,30 @@ def test_write_mds_keeps_float_scalars_dtype_and_gives_integer_scalars_as_int64(
     nn.functional.cross_entropy(nn.Linear(4, 3)(batch["x"]), batch["i32"] % 3).backward()
     del batch
     released(loader)
+
+
+def test_a_float_after_an_integer_in_a_field_is_refused_not_truncated(tmp_path):
+    """write_mds takes each field's encoding from sample 0: a map-style dataset whose first
+    label was the integer 0 and whose later ones were 0.5, 1.5 wrote them as 0, 1 without a
+    word (arrays likewise: an integer array first, float arrays after). Such a value is refused,
+    naming the field and the sample; a float field taking integers later is written as floats."""
+
+    class Mixed(torch.utils.data.Dataset):
+        def __init__(self, targets) -> None:
+            self.targets = targets
+
+        def __len__(self) -> int:
+            return len(self.targets)
+
+        def __getitem__(self, i):
+            return np.zeros(2, np.float32), self.targets[i]
+
+    with pytest.raises(TypeError, match=r"field 'label' as integers .* sample 1 holds floating"):
+        sbs.write_mds(tmp_path / "scalars", Mixed([0, 0.5, 1.5]))
+    arrays = Mixed([np.arange(2), np.arange(2) / 4])
+    with pytest.raises(TypeError, match=r"field 'label' as integers .* sample 1 holds floating"):
+        sbs.write_mds(tmp_path / "arrays", arrays)
+    out = sbs.write_mds(tmp_path / "floats", Mixed([0.5, 1, torch.tensor(2)]))
+    loader = sbs.open_mds(out, 3, shuffle=False)
+    assert next(iter(loader))["label"].tolist() == [0.5, 1.0, 2.0]
+    released(loader)
