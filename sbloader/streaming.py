@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 try:
     from streaming import MDSWriter, StreamingDataLoader, StreamingDataset
@@ -38,6 +39,8 @@ except ModuleNotFoundError as e:  # streaming imports torchvision at its top lev
         name="torchvision",
     ) from e
 
+from streaming.base import distributed as streaming_ranks
+
 from ._checks import check_int
 from .stateful import StatefulSource
 
@@ -50,8 +53,39 @@ SAMPLE_ID = "sample_id"
 _READS = 100
 
 
+def _check_ranks(rank: int, world_size: int) -> None:
+    """Refuse a streaming rank layout that is not the ``torch.distributed`` job's.
+
+    NOTE: streaming reads the ranks from ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` (torchrun sets them), never from ``torch.distributed``. A job whose
+    process group was initialised with ``rank=`` and ``world_size=`` (``mp.spawn``) and without
+    them is one rank of one to streaming on every process: on one machine the ranks then all
+    register the same shared memory and all but one fail with a bare ``FileExistsError`` naming
+    it; on machines of their own, every rank silently read the whole dataset every epoch.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    job = (dist.get_rank(), dist.get_world_size())
+    if job == (rank, world_size):
+        return
+    raise ValueError(
+        f"torch.distributed runs rank {job[0]} of {job[1]}, but streaming reads rank {rank} of "
+        f"{world_size} from the environment (RANK={os.environ.get('RANK')!r}, "
+        f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r}), so the ranks would not read disjoint "
+        "shares of the data; set RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE in each "
+        "process before building the dataset (torchrun sets them)"
+    )
+
+
 #: MDS's encodings of float scalars, by numpy dtype name.
 _FLOAT_ENCODINGS = frozenset({"float16", "float32", "float64"})
+
+
+def _kind(value: Any) -> str:
+    """The numpy dtype kind of a field's value ("i", "u", "f", ...)."""
+    if isinstance(value, torch.Tensor):
+        return "f" if value.dtype.is_floating_point else "c" if value.dtype.is_complex else "i"
+    return np.asarray(value).dtype.kind
 
 
 def _column(value: Any) -> tuple[str, Any]:
@@ -102,7 +136,10 @@ def write_mds(
     Args:
         path: the output directory (must be empty or not exist).
         data: a map-style dataset whose items are tuples (or single values), or a tuple/list of
-            arrays or tensors of equal length (e.g. ``(images, labels)``).
+            arrays or tensors of equal length (e.g. ``(images, labels)``). Each field is
+            written in sample 0's encoding (integer scalars as int64); a later floating-point
+            value in a field that sample 0 holds as integers is refused (``TypeError``), not
+            truncated.
         names: field names, one per sample entry. Default ``("image", "label")`` for two entries,
             ``("image",)`` for one, else required.
         size_limit: bytes per shard (streaming's default, 64 MiB).
@@ -154,9 +191,20 @@ def write_mds(
         )
     encodings = [_column(v) for v in first]
     columns_spec = {name: enc for name, (enc, _) in zip(names, encodings)}
+    integral = [_kind(v) in "iu" for v in first]
     with MDSWriter(out=str(path), columns=columns_spec, size_limit=size_limit) as writer:
         for i in range(n):
             values = sample(i)
+            for name, whole, v in zip(names, integral, values):
+                # NOTE: a field's encoding comes from sample 0; a later float value in an integer
+                # field (a map-style dataset's label 0, then 0.5) was truncated without a word.
+                if whole and _kind(v) in "fc":
+                    raise TypeError(
+                        f"write_mds writes field {name!r} as integers (as sample 0 holds it), "
+                        f"but sample {i} holds floating-point values there ({type(v).__name__}), "
+                        f"which would be truncated; make sample 0's {name!r} a float too (or "
+                        "every sample's an integer)"
+                    )
             writer.write({name: conv(v) for name, (_, conv), v in zip(names, encodings, values)})
     return path
 
@@ -201,8 +249,10 @@ def open_mds(
 ) -> StreamingDataLoader:
     """A ``StreamingDataLoader`` over the MDS directory ``local``, with sample ids.
 
-    Each rank (of an initialised ``torch.distributed`` job, or ``RANK``/``WORLD_SIZE`` in the
-    environment) reads a disjoint share of every epoch.
+    Each rank reads a disjoint share of every epoch: streaming reads the ranks from ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (torchrun sets them), not from
+    ``torch.distributed``; where a process group is initialised and ``RANK`` or ``WORLD_SIZE``
+    disagree with it (unset, as under ``mp.spawn``), ``ValueError``.
 
     Args:
         local: the MDS directory (read where it lies; no remote).
@@ -222,6 +272,7 @@ def open_mds(
         >>> del loader  # releases streaming's shared memory for this directory
     """
     batch_size = check_int("batch_size", batch_size, minimum=1)
+    _check_ranks(streaming_ranks.get_rank(), streaming_ranks.get_world_size())
     dataset = IndexedStreamingDataset(
         local=str(local),
         batch_size=batch_size,
@@ -277,6 +328,9 @@ class StreamingSource(StatefulSource):
                 "StreamingSource needs a StreamingDataLoader over a StreamingDataset, but its "
                 f"dataset is {type(dataset).__name__}; build it with sbloader.streaming.open_mds"
             )
+        world = getattr(dataset, "_unique_rank_world", None)  # (streaming's, from the environment)
+        if world is not None:
+            _check_ranks(int(world.rank), int(world.num_ranks))
         if index_key is None and not isinstance(dataset, IndexedStreamingDataset):
             raise TypeError(
                 f"a {type(dataset).__name__}'s samples carry no sample id; build it as "

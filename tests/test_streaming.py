@@ -12,6 +12,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -271,6 +272,33 @@ def test_the_sample_id_beside_an_index_field_is_no_unused_model_input(tmp_path):
     released(loader)
 
 
+def test_ranks_the_environment_does_not_name_are_refused(mds, monkeypatch):
+    """streaming reads the ranks from RANK, WORLD_SIZE, ... (torchrun sets them), never from
+    torch.distributed. A job started with mp.spawn and init_process_group(rank=, world_size=)
+    built its datasets as one rank of one on every process: on one machine all but one rank
+    failed with a bare FileExistsError naming streaming's shared memory, on machines of their
+    own every rank read the whole dataset. open_mds and StreamingSource say what to set."""
+    built = sbs.open_mds(mds, 8)
+    job = SimpleNamespace(
+        is_available=lambda: True,
+        is_initialized=lambda: True,
+        get_rank=lambda: 1,
+        get_world_size=lambda: 2,
+    )
+    monkeypatch.setattr(sbs, "dist", job, raising=False)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    match = r"runs rank 1 of 2, but streaming reads rank 0 of 1 .* set RANK, WORLD_SIZE"
+    with pytest.raises(ValueError, match=match):
+        sbs.StreamingSource(built)
+    with pytest.raises(ValueError, match=match):
+        SelectiveLoader(built, IndexLoss(), input_key="image", target_key="label")
+    del built
+    gc.collect()
+    with pytest.raises(ValueError, match=match):
+        sbs.open_mds(mds, 8)
+
+
 # ------------------------------------------------------------------ two gloo ranks
 DEADLINE_S = 240
 
@@ -421,4 +449,31 @@ def test_write_mds_keeps_float_scalars_dtype_and_gives_integer_scalars_as_int64(
     nn.functional.huber_loss(model(batch["x"]).squeeze(1), batch["f32"]).backward()
     nn.functional.cross_entropy(nn.Linear(4, 3)(batch["x"]), batch["i32"] % 3).backward()
     del batch
+    released(loader)
+
+
+def test_a_float_after_an_integer_in_a_field_is_refused_not_truncated(tmp_path):
+    """write_mds takes each field's encoding from sample 0: a map-style dataset whose first
+    label was the integer 0 and whose later ones were 0.5, 1.5 wrote them as 0, 1 without a
+    word (arrays likewise: an integer array first, float arrays after). Such a value is refused,
+    naming the field and the sample; a float field taking integers later is written as floats."""
+
+    class Mixed(torch.utils.data.Dataset):
+        def __init__(self, targets) -> None:
+            self.targets = targets
+
+        def __len__(self) -> int:
+            return len(self.targets)
+
+        def __getitem__(self, i):
+            return np.zeros(2, np.float32), self.targets[i]
+
+    with pytest.raises(TypeError, match=r"field 'label' as integers .* sample 1 holds floating"):
+        sbs.write_mds(tmp_path / "scalars", Mixed([0, 0.5, 1.5]))
+    arrays = Mixed([np.arange(2), np.arange(2) / 4])
+    with pytest.raises(TypeError, match=r"field 'label' as integers .* sample 1 holds floating"):
+        sbs.write_mds(tmp_path / "arrays", arrays)
+    out = sbs.write_mds(tmp_path / "floats", Mixed([0.5, 1, torch.tensor(2)]))
+    loader = sbs.open_mds(out, 3, shuffle=False)
+    assert next(iter(loader))["label"].tolist() == [0.5, 1.0, 2.0]
     released(loader)
