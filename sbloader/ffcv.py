@@ -572,7 +572,8 @@ def open_beton(
         drop_last: drop the last partial batch of each epoch.
         batches_ahead: batches FFCV prepares in advance (>= 1; ffcv's 0 is broken).
         pipelines: per-field pipelines, overriding the defaults (``None`` disables a field).
-        indices: a subset of the file's examples to load.
+        indices: a subset of the file's examples to load (dataset indices, each in
+            ``[0, N)`` for a file of ``N`` examples; checked, as FFCV reads past its tables).
         **kwargs: passed to ``ffcv.loader.Loader``.
 
     Example:
@@ -606,7 +607,10 @@ def open_beton(
     _check_workers(num_workers)
     loader_mod = sys.modules["ffcv.loader"]
     reader_mod = importlib.import_module("ffcv.reader")
-    handlers = reader_mod.Reader(str(path)).handlers
+    reader = reader_mod.Reader(str(path))
+    handlers = reader.handlers
+    if indices is not None:
+        indices = _check_subset(indices, int(reader.num_samples))
     specs: dict[str, Any] = {}
     for name, field in handlers.items():
         pipe = _default_pipeline(field)
@@ -623,9 +627,42 @@ def open_beton(
             drop_last=drop_last,
             batches_ahead=batches_ahead,
             pipelines=specs,
-            indices=None if indices is None else np.asarray(indices),
+            indices=indices,
             **kwargs,
         )
+
+
+def _check_subset(indices: Any, num_samples: int, name: str = "indices=") -> np.ndarray:
+    """An FFCV Loader's ``indices=``, checked: 1-d integers in ``[0, num_samples)``.
+
+    NOTE: FFCV reads an example's data and fields at whatever position it is given, without a
+    bounds check: an index past the end read memory beyond the file's tables (garbage images
+    and index field, or a crash), a negative one wrapped around to the end, and a float one
+    failed only in FFCV's batch thread, at the first batch.
+
+    Example:
+        >>> _check_subset([2, 0], 3).tolist()
+        [2, 0]
+        >>> _check_subset([0, 3], 3)
+        Traceback (most recent call last):
+            ...
+        ValueError: indices= should be dataset indices in [0, 3) (the .beton has 3 ...), but holds 3
+    """
+    idx = np.asarray(indices)
+    if idx.size == 0 and idx.ndim == 1:
+        return idx.astype(np.int64)  # (an empty list reads as float64)
+    if idx.ndim != 1 or idx.dtype.kind not in "iu":
+        raise TypeError(
+            f"{name} should be a 1-d sequence of integer dataset indices, but got a "
+            f"{idx.ndim}-d array of {idx.dtype}"
+        )
+    low, high = int(idx.min()), int(idx.max())
+    if low < 0 or high >= num_samples:
+        raise ValueError(
+            f"{name} should be dataset indices in [0, {num_samples}) (the .beton has "
+            f"{num_samples} examples), but holds {low if low < 0 else high}"
+        )
+    return idx
 
 
 def _field_kind(loader: Any, name: str) -> str | None:
@@ -738,9 +775,10 @@ class FFCVSource(Source):
             from the loader's traversal order (``SEQUENTIAL`` and ``RANDOM`` orders only).
 
     Raises:
-        TypeError: when ``loader`` is no FFCV ``Loader``.
+        TypeError: when ``loader`` is no FFCV ``Loader``, or its ``indices`` are no integers.
         ValueError: for an ``index_field`` that names no output, ``index_field=None`` with an
-            order indices cannot be recovered from, or ``batches_ahead`` < 1.
+            order indices cannot be recovered from, ``batches_ahead`` < 1, or ``indices``
+            outside the file's examples.
 
     Thread counts: FFCV's ``iter(loader)`` and its batch thread set torch's and numba's thread
     counts to ``num_workers``; the source restores them as soon as the first batch of each epoch
@@ -779,6 +817,8 @@ class FFCVSource(Source):
                 "each batch while it is being used (its queue of batches is then unbounded); "
                 "build the Loader with batches_ahead=1 or more (open_beton's default is 3)"
             )
+        # (also for a Loader built without open_beton, which checks them first)
+        _check_subset(loader.indices, int(loader.reader.num_samples), "the FFCV Loader's indices=")
         self.loader = loader
         self.outputs: list[str] = list(loader.pipeline_specs)
         if isinstance(index_field, int) and not isinstance(index_field, bool):

@@ -306,6 +306,32 @@ def test_subsets_by_loader_indices_and_by_the_loaders_subset(beton):
         check_pairing(b[0], b[1], b.indices)
 
 
+@pytest.mark.parametrize(
+    "indices, error, match",
+    [
+        ([0, 5, N], ValueError, rf"in \[0, {N}\).*but holds {N}"),
+        ([0, -1], ValueError, "but holds -1"),
+        ([0.0, 1.0], TypeError, "integer dataset indices.*float64"),
+    ],
+    ids=["past the end", "negative", "floats"],
+)
+def test_loader_indices_outside_the_file_are_refused_before_reading(beton, indices, error, match):
+    """FFCV reads an example at whatever position indices= gives, unchecked: one past the file's
+    end yielded garbage images with a garbage index field (Traditional handed them out without
+    a word), a negative one wrapped around, and floats failed in FFCV's batch thread at the first
+    batch, blamed on a pipeline step. Now open_beton refuses them before building the Loader, and
+    SelectiveLoader refuses a Loader built with them directly, naming indices=."""
+    with pytest.raises(error, match="^indices= should be .*" + match):
+        sbffcv.open_beton(beton, 2, indices=indices)
+    from ffcv.loader import Loader
+
+    with sbffcv.preserved_threads():
+        raw = Loader(str(beton), 2, num_workers=1, indices=np.array(indices))
+    with pytest.raises(error, match="^the FFCV Loader's indices= should be .*" + match):
+        SelectiveLoader(raw, model(), policy=Traditional())
+    assert sbffcv.open_beton(beton, 2, indices=[N - 1, 0]).indices.tolist() == [N - 1, 0]
+
+
 def test_kept_batches_survive_ffcvs_buffer_reuse(beton):
     """Yielded batches (built from pending and carried examples) are copies: kept for many more
     than batches_ahead + 2 iterations, their contents stay exact."""
