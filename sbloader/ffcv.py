@@ -898,6 +898,18 @@ class FFCVSource(Source):
                 "let FFCV fetch ahead itself (open_beton(..., batches_ahead=...))"
             )
 
+    def mid_epoch_refusal(self) -> str | None:
+        # NOTE: the loader warns with this when it takes a state mid-epoch: a run checkpointing
+        # every few steps over a QUASI_RANDOM order learned only at its resume that none of its
+        # mid-epoch checkpoints could be loaded (load_state_dict refuses them, see below).
+        if self.order_name in _PURE_ORDERS:
+            return None
+        return (
+            f"FFCV's {self.order_name} order is not a pure function of seed and epoch, so the "
+            "batches consumed cannot be replayed; use order SEQUENTIAL or RANDOM to resume "
+            "mid-epoch"
+        )
+
     def _order_batches(self, epoch: int) -> list[np.ndarray]:
         """The epoch's dataset indices batch by batch, as FFCV's EpochIterator chunks them."""
         loader = self.loader

@@ -195,6 +195,41 @@ def test_mid_epoch_resume_is_refused_for_quasi_random(beton):
         other_seed.load_state_dict(state, mid_epoch=True)
 
 
+def test_a_quasi_random_state_saved_mid_epoch_is_warned_of_when_saved(beton):
+    """A QUASI_RANDOM order cannot be replayed, so load_state_dict refuses a mid-epoch state;
+    a run checkpointing every few steps learned so only when it resumed. Now saving one warns,
+    naming the order and the fix, once; a state saved at an epoch boundary does not warn and
+    loads."""
+
+    def build(order: str = "quasi_random") -> SelectiveLoader:
+        loader = sbffcv.open_beton(beton, 32, order=order, seed=1)
+        return SelectiveLoader(loader, model(), policy=SelectiveBackprop(1 / 3), batch_size=16)
+
+    sl = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(sl)
+        boundary = sl.state_dict()
+    it = iter(sl)
+    next(it)
+    with pytest.warns(UserWarning, match="QuasiRandom order is not a pure function.*RANDOM"):
+        state = sl.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sl.state_dict()  # (said once per loader)
+    del it
+    with pytest.raises(ValueError, match="epoch boundary"):
+        build().load_state_dict(state)
+    build().load_state_dict(boundary)
+    replayable = build("random")
+    it = iter(replayable)
+    next(it)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        replayable.state_dict()
+    del it
+
+
 def test_mid_epoch_resume_is_refused_for_other_indices_drop_last_or_distributed(beton):
     """The FFCV Loader's indices=, drop_last and distributed decide which examples an epoch's
     batches hold, but a mid-epoch state did not record them: resumed with other indices of the
