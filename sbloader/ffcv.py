@@ -347,14 +347,19 @@ class _Indexed:
     and removes the file.
     """
 
-    def __init__(self, dataset: Any, fields: Sequence[Any], failed: Any) -> None:
+    def __init__(
+        self, dataset: Any, fields: Sequence[Any], failed: Any, keys: Sequence[Any] | None = None
+    ) -> None:
         self.dataset, self.fields, self.failed = dataset, list(fields), failed
+        self.keys = keys  # the entries of dict samples, in field order (None: tuple samples)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def sample(self, i: int) -> tuple[Any, ...]:
         values = self.dataset[i]
+        if self.keys is not None:
+            values = _entries(values, self.keys)
         if not isinstance(values, (tuple, list)):
             values = (values,)
         if len(values) != len(self.fields) - 1:
@@ -374,10 +379,22 @@ class _Indexed:
             return (*self.sample(0)[:-1], int(i))
 
 
+def _entries(sample: Any, keys: Sequence[Any]) -> tuple[Any, ...]:
+    """A dict sample's entries ``keys``, in that order (raise ValueError naming a missing one)."""
+    if not isinstance(sample, Mapping):
+        raise ValueError(f"is a {type(sample).__name__}, but sample 0 is a dict")
+    missing = [k for k in keys if k not in sample]
+    if missing:
+        raise ValueError(f"has no entry {missing[0]!r} (the entries written: {list(keys)})")
+    return tuple(sample[k] for k in keys)
+
+
 class _Arrays:
     """Equal-length arrays as a map-style dataset of tuples."""
 
     def __init__(self, arrays: Sequence[Any]) -> None:
+        if not len(arrays):
+            raise ValueError("data holds no arrays; pass (images, labels) or a dataset")
         self.arrays = [_as_numpy(a) for a in arrays]
         n = len(self.arrays[0])
         for j, a in enumerate(self.arrays):
@@ -412,11 +429,13 @@ def write_beton(
 
     Args:
         path: the ``.beton`` file to write (overwritten).
-        data: a map-style dataset whose items are tuples (or single values; a list of tuples is
-            one), or a tuple/list of arrays, tensors or lists of equal length (e.g.
-            ``(images, labels)``).
-        names: field names, one per sample entry. Default ``("image", "label")`` for two entries,
-            ``("image",)`` for one, else required.
+        data: a map-style dataset whose items are tuples, dicts (their keys name the fields) or
+            single values (a list of tuples or dicts is one), a tuple/list of arrays, tensors or
+            lists of equal length (e.g. ``(images, labels)``), or a dict of them (its keys name
+            the fields, e.g. ``{"image": images, "label": labels}``). Of dicts, the entries
+            ``fields=`` or ``names=`` name are written, in that order (default: all, in order).
+        names: field names, one per sample entry. Default: a dict's keys, else
+            ``("image", "label")`` for two entries, ``("image",)`` for one, else required.
         fields: an ordered mapping from name to ffcv ``Field`` (overrides ``names``). Default:
             inferred from the first sample: arrays and tensors of one or more dimensions give an
             ``NDArrayField`` of their dtype and shape, integers an ``IntField`` (read back as
@@ -449,9 +468,25 @@ def write_beton(
     writer_mod = sys.modules["ffcv.writer"]
     fields_mod = sys.modules["ffcv.fields"]
     # (a tuple or list of arrays is columns, (images, labels), also where a column is a list;
-    # a list of samples, each a tuple as a Dataset's items are, is a map-style dataset as it is)
-    samples = isinstance(data, list) and len(data) > 0 and isinstance(data[0], tuple)
-    dataset = _Arrays(data) if isinstance(data, (tuple, list)) and not samples else data
+    # a list of samples, each a tuple or dict as a Dataset's items are, is a map-style dataset
+    # as it is)
+    samples = isinstance(data, list) and len(data) > 0 and isinstance(data[0], (tuple, Mapping))
+    # (the entries of dicts, as named by fields=, else by names=, else by the dict's keys)
+    chosen = list(fields) if fields is not None else None if names is None else list(names)
+    keys: list[Any] | None = None
+    if isinstance(data, Mapping):  # NOTE: read as a dataset, {"image": x} failed: KeyError: 0
+        keys = list(data) if chosen is None else chosen
+        missing = [k for k in keys if k not in data]
+        if missing:
+            raise ValueError(
+                f"data has no entry {missing[0]!r} (its keys: {list(data)}); name its entries "
+                "in names= or fields="
+            )
+        dataset: Any = _Arrays([data[k] for k in keys])
+    elif isinstance(data, (tuple, list)) and not samples:
+        dataset = _Arrays(data)
+    else:
+        dataset = data
     try:
         n = len(dataset)
     except TypeError:
@@ -462,8 +497,17 @@ def write_beton(
     if n == 0:
         raise ValueError("data is empty; a .beton needs at least one example")
     first = dataset[0]
+    dicts = isinstance(first, Mapping)  # a dataset of dict samples
+    if dicts:
+        keys = list(first) if chosen is None else chosen
+        try:
+            first = _entries(first, keys)
+        except ValueError as e:
+            raise ValueError(f"sample 0 {e}; name its entries in names= or fields=") from None
     first = tuple(first) if isinstance(first, (tuple, list)) else (first,)
     if fields is None:
+        if names is None and keys is not None:
+            names = [str(k) for k in keys]
         if names is None:
             defaults = {1: ("image",), 2: ("image", "label")}
             if len(first) not in defaults:
@@ -488,7 +532,7 @@ def write_beton(
         )
     fields[index_field] = fields_mod.IntField()
     failed = multiprocessing.Value("q", -1)
-    indexed = _Indexed(dataset, list(fields.values()), failed)
+    indexed = _Indexed(dataset, list(fields.values()), failed, keys if dicts else None)
     try:
         indexed.sample(0)  # fail early, in this process, on a bad first sample
     except ValueError as e:

@@ -1024,3 +1024,36 @@ def test_write_beton_takes_a_list_of_samples_as_a_dataset(tmp_path):
     images = [np.full((1, 4, 4), i, np.uint8) for i in range(5)]
     columns = sbffcv.write_beton(tmp_path / "columns.beton", [images, np.arange(5)])
     assert sbffcv.FFCVSource(sbffcv.open_beton(columns, 5)).outputs == ["image", "label", "index"]
+
+
+def written(path: Path) -> dict[str, torch.Tensor]:
+    """A .beton's outputs, read in order and concatenated."""
+    loader = sbffcv.open_beton(path, 7)
+    with sbffcv.preserved_threads():
+        batches = [[t.clone() for t in b] for b in loader]
+    return {name: torch.cat(col) for name, col in zip(loader.pipeline_specs, zip(*batches))}
+
+
+def test_write_beton_takes_dicts_of_columns_and_datasets_of_dicts(tmp_path):
+    """A dict of columns, {"image": x, "label": y}, was read as a dataset (KeyError: 0), and a
+    dataset of dict samples (as Hugging Face's and many others' items are) was refused asking
+    for fields= that could not help. Now the dict's keys name the fields (names= or fields=
+    pick and order the entries written), and a sample missing an entry is named."""
+    images = np.arange(20 * 4, dtype=np.float32).reshape(20, 4)
+    labels = np.arange(20) % 3
+    out = written(sbffcv.write_beton(tmp_path / "d.beton", {"label": labels, "x": images}))
+    assert list(out) == ["label", "x", "index"]
+    assert torch.equal(out["x"], torch.from_numpy(images))
+    assert torch.equal(out["label"].reshape(-1), torch.from_numpy(labels))
+    samples = [{"name": f"{i}.png", "y": int(labels[i]), "x": images[i]} for i in range(20)]
+    out = written(sbffcv.write_beton(tmp_path / "s.beton", samples, names=["x", "y"]))
+    assert list(out) == ["x", "y", "index"]
+    assert torch.equal(out["x"], torch.from_numpy(images))
+    assert torch.equal(out["y"].reshape(-1), torch.from_numpy(labels))
+    assert torch.equal(out["index"].reshape(-1), torch.arange(20))
+    with pytest.raises(ValueError, match=r"data has no entry 'label'.*names= or fields="):
+        sbffcv.write_beton(tmp_path / "e.beton", {"image": images}, names=["image", "label"])
+    samples[5] = {"x": images[5]}
+    with pytest.raises(ValueError, match="sample 5 has no entry 'y'"):
+        sbffcv.write_beton(tmp_path / "e.beton", samples, names=["x", "y"])
+    assert not (tmp_path / "e.beton").exists()
