@@ -347,14 +347,19 @@ class _Indexed:
     and removes the file.
     """
 
-    def __init__(self, dataset: Any, fields: Sequence[Any], failed: Any) -> None:
+    def __init__(
+        self, dataset: Any, fields: Sequence[Any], failed: Any, keys: Sequence[Any] | None = None
+    ) -> None:
         self.dataset, self.fields, self.failed = dataset, list(fields), failed
+        self.keys = keys  # the entries of dict samples, in field order (None: tuple samples)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def sample(self, i: int) -> tuple[Any, ...]:
         values = self.dataset[i]
+        if self.keys is not None:
+            values = _entries(values, self.keys)
         if not isinstance(values, (tuple, list)):
             values = (values,)
         if len(values) != len(self.fields) - 1:
@@ -374,10 +379,22 @@ class _Indexed:
             return (*self.sample(0)[:-1], int(i))
 
 
+def _entries(sample: Any, keys: Sequence[Any]) -> tuple[Any, ...]:
+    """A dict sample's entries ``keys``, in that order (raise ValueError naming a missing one)."""
+    if not isinstance(sample, Mapping):
+        raise ValueError(f"is a {type(sample).__name__}, but sample 0 is a dict")
+    missing = [k for k in keys if k not in sample]
+    if missing:
+        raise ValueError(f"has no entry {missing[0]!r} (the entries written: {list(keys)})")
+    return tuple(sample[k] for k in keys)
+
+
 class _Arrays:
     """Equal-length arrays as a map-style dataset of tuples."""
 
     def __init__(self, arrays: Sequence[Any]) -> None:
+        if not len(arrays):
+            raise ValueError("data holds no arrays; pass (images, labels) or a dataset")
         self.arrays = [_as_numpy(a) for a in arrays]
         n = len(self.arrays[0])
         for j, a in enumerate(self.arrays):
@@ -412,11 +429,13 @@ def write_beton(
 
     Args:
         path: the ``.beton`` file to write (overwritten).
-        data: a map-style dataset whose items are tuples (or single values; a list of tuples is
-            one), or a tuple/list of arrays, tensors or lists of equal length (e.g.
-            ``(images, labels)``).
-        names: field names, one per sample entry. Default ``("image", "label")`` for two entries,
-            ``("image",)`` for one, else required.
+        data: a map-style dataset whose items are tuples, dicts (their keys name the fields) or
+            single values (a list of tuples or dicts is one), a tuple/list of arrays, tensors or
+            lists of equal length (e.g. ``(images, labels)``), or a dict of them (its keys name
+            the fields, e.g. ``{"image": images, "label": labels}``). Of dicts, the entries
+            ``fields=`` or ``names=`` name are written, in that order (default: all, in order).
+        names: field names, one per sample entry. Default: a dict's keys, else
+            ``("image", "label")`` for two entries, ``("image",)`` for one, else required.
         fields: an ordered mapping from name to ffcv ``Field`` (overrides ``names``). Default:
             inferred from the first sample: arrays and tensors of one or more dimensions give an
             ``NDArrayField`` of their dtype and shape, integers an ``IntField`` (read back as
@@ -449,9 +468,25 @@ def write_beton(
     writer_mod = sys.modules["ffcv.writer"]
     fields_mod = sys.modules["ffcv.fields"]
     # (a tuple or list of arrays is columns, (images, labels), also where a column is a list;
-    # a list of samples, each a tuple as a Dataset's items are, is a map-style dataset as it is)
-    samples = isinstance(data, list) and len(data) > 0 and isinstance(data[0], tuple)
-    dataset = _Arrays(data) if isinstance(data, (tuple, list)) and not samples else data
+    # a list of samples, each a tuple or dict as a Dataset's items are, is a map-style dataset
+    # as it is)
+    samples = isinstance(data, list) and len(data) > 0 and isinstance(data[0], (tuple, Mapping))
+    # (the entries of dicts, as named by fields=, else by names=, else by the dict's keys)
+    chosen = list(fields) if fields is not None else None if names is None else list(names)
+    keys: list[Any] | None = None
+    if isinstance(data, Mapping):  # NOTE: read as a dataset, {"image": x} failed: KeyError: 0
+        keys = list(data) if chosen is None else chosen
+        missing = [k for k in keys if k not in data]
+        if missing:
+            raise ValueError(
+                f"data has no entry {missing[0]!r} (its keys: {list(data)}); name its entries "
+                "in names= or fields="
+            )
+        dataset: Any = _Arrays([data[k] for k in keys])
+    elif isinstance(data, (tuple, list)) and not samples:
+        dataset = _Arrays(data)
+    else:
+        dataset = data
     try:
         n = len(dataset)
     except TypeError:
@@ -462,8 +497,17 @@ def write_beton(
     if n == 0:
         raise ValueError("data is empty; a .beton needs at least one example")
     first = dataset[0]
+    dicts = isinstance(first, Mapping)  # a dataset of dict samples
+    if dicts:
+        keys = list(first) if chosen is None else chosen
+        try:
+            first = _entries(first, keys)
+        except ValueError as e:
+            raise ValueError(f"sample 0 {e}; name its entries in names= or fields=") from None
     first = tuple(first) if isinstance(first, (tuple, list)) else (first,)
     if fields is None:
+        if names is None and keys is not None:
+            names = [str(k) for k in keys]
         if names is None:
             defaults = {1: ("image",), 2: ("image", "label")}
             if len(first) not in defaults:
@@ -488,7 +532,7 @@ def write_beton(
         )
     fields[index_field] = fields_mod.IntField()
     failed = multiprocessing.Value("q", -1)
-    indexed = _Indexed(dataset, list(fields.values()), failed)
+    indexed = _Indexed(dataset, list(fields.values()), failed, keys if dicts else None)
     try:
         indexed.sample(0)  # fail early, in this process, on a bad first sample
     except ValueError as e:
@@ -572,7 +616,8 @@ def open_beton(
         drop_last: drop the last partial batch of each epoch.
         batches_ahead: batches FFCV prepares in advance (>= 1; ffcv's 0 is broken).
         pipelines: per-field pipelines, overriding the defaults (``None`` disables a field).
-        indices: a subset of the file's examples to load.
+        indices: a subset of the file's examples to load (dataset indices, each in
+            ``[0, N)`` for a file of ``N`` examples; checked, as FFCV reads past its tables).
         **kwargs: passed to ``ffcv.loader.Loader``.
 
     Example:
@@ -606,7 +651,10 @@ def open_beton(
     _check_workers(num_workers)
     loader_mod = sys.modules["ffcv.loader"]
     reader_mod = importlib.import_module("ffcv.reader")
-    handlers = reader_mod.Reader(str(path)).handlers
+    reader = reader_mod.Reader(str(path))
+    handlers = reader.handlers
+    if indices is not None:
+        indices = _check_subset(indices, int(reader.num_samples))
     specs: dict[str, Any] = {}
     for name, field in handlers.items():
         pipe = _default_pipeline(field)
@@ -623,9 +671,42 @@ def open_beton(
             drop_last=drop_last,
             batches_ahead=batches_ahead,
             pipelines=specs,
-            indices=None if indices is None else np.asarray(indices),
+            indices=indices,
             **kwargs,
         )
+
+
+def _check_subset(indices: Any, num_samples: int, name: str = "indices=") -> np.ndarray:
+    """An FFCV Loader's ``indices=``, checked: 1-d integers in ``[0, num_samples)``.
+
+    NOTE: FFCV reads an example's data and fields at whatever position it is given, without a
+    bounds check: an index past the end read memory beyond the file's tables (garbage images
+    and index field, or a crash), a negative one wrapped around to the end, and a float one
+    failed only in FFCV's batch thread, at the first batch.
+
+    Example:
+        >>> _check_subset([2, 0], 3).tolist()
+        [2, 0]
+        >>> _check_subset([0, 3], 3)
+        Traceback (most recent call last):
+            ...
+        ValueError: indices= should be dataset indices in [0, 3) (the .beton has 3 ...), but holds 3
+    """
+    idx = np.asarray(indices)
+    if idx.size == 0 and idx.ndim == 1:
+        return idx.astype(np.int64)  # (an empty list reads as float64)
+    if idx.ndim != 1 or idx.dtype.kind not in "iu":
+        raise TypeError(
+            f"{name} should be a 1-d sequence of integer dataset indices, but got a "
+            f"{idx.ndim}-d array of {idx.dtype}"
+        )
+    low, high = int(idx.min()), int(idx.max())
+    if low < 0 or high >= num_samples:
+        raise ValueError(
+            f"{name} should be dataset indices in [0, {num_samples}) (the .beton has "
+            f"{num_samples} examples), but holds {low if low < 0 else high}"
+        )
+    return idx
 
 
 def _field_kind(loader: Any, name: str) -> str | None:
@@ -738,9 +819,10 @@ class FFCVSource(Source):
             from the loader's traversal order (``SEQUENTIAL`` and ``RANDOM`` orders only).
 
     Raises:
-        TypeError: when ``loader`` is no FFCV ``Loader``.
+        TypeError: when ``loader`` is no FFCV ``Loader``, or its ``indices`` are no integers.
         ValueError: for an ``index_field`` that names no output, ``index_field=None`` with an
-            order indices cannot be recovered from, or ``batches_ahead`` < 1.
+            order indices cannot be recovered from, ``batches_ahead`` < 1, or ``indices``
+            outside the file's examples.
 
     Thread counts: FFCV's ``iter(loader)`` and its batch thread set torch's and numba's thread
     counts to ``num_workers``; the source restores them as soon as the first batch of each epoch
@@ -779,6 +861,8 @@ class FFCVSource(Source):
                 "each batch while it is being used (its queue of batches is then unbounded); "
                 "build the Loader with batches_ahead=1 or more (open_beton's default is 3)"
             )
+        # (also for a Loader built without open_beton, which checks them first)
+        _check_subset(loader.indices, int(loader.reader.num_samples), "the FFCV Loader's indices=")
         self.loader = loader
         self.outputs: list[str] = list(loader.pipeline_specs)
         if isinstance(index_field, int) and not isinstance(index_field, bool):
@@ -857,6 +941,18 @@ class FFCVSource(Source):
                 "overwritten before they are used; pass prefetch=0 (the default for FFCV) and "
                 "let FFCV fetch ahead itself (open_beton(..., batches_ahead=...))"
             )
+
+    def mid_epoch_refusal(self) -> str | None:
+        # NOTE: the loader warns with this when it takes a state mid-epoch: a run checkpointing
+        # every few steps over a QUASI_RANDOM order learned only at its resume that none of its
+        # mid-epoch checkpoints could be loaded (load_state_dict refuses them, see below).
+        if self.order_name in _PURE_ORDERS:
+            return None
+        return (
+            f"FFCV's {self.order_name} order is not a pure function of seed and epoch, so the "
+            "batches consumed cannot be replayed; use order SEQUENTIAL or RANDOM to resume "
+            "mid-epoch"
+        )
 
     def _order_batches(self, epoch: int) -> list[np.ndarray]:
         """The epoch's dataset indices batch by batch, as FFCV's EpochIterator chunks them."""

@@ -195,6 +195,41 @@ def test_mid_epoch_resume_is_refused_for_quasi_random(beton):
         other_seed.load_state_dict(state, mid_epoch=True)
 
 
+def test_a_quasi_random_state_saved_mid_epoch_is_warned_of_when_saved(beton):
+    """A QUASI_RANDOM order cannot be replayed, so load_state_dict refuses a mid-epoch state;
+    a run checkpointing every few steps learned so only when it resumed. Now saving one warns,
+    naming the order and the fix, once; a state saved at an epoch boundary does not warn and
+    loads."""
+
+    def build(order: str = "quasi_random") -> SelectiveLoader:
+        loader = sbffcv.open_beton(beton, 32, order=order, seed=1)
+        return SelectiveLoader(loader, model(), policy=SelectiveBackprop(1 / 3), batch_size=16)
+
+    sl = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(sl)
+        boundary = sl.state_dict()
+    it = iter(sl)
+    next(it)
+    with pytest.warns(UserWarning, match="QuasiRandom order is not a pure function.*RANDOM"):
+        state = sl.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sl.state_dict()  # (said once per loader)
+    del it
+    with pytest.raises(ValueError, match="epoch boundary"):
+        build().load_state_dict(state)
+    build().load_state_dict(boundary)
+    replayable = build("random")
+    it = iter(replayable)
+    next(it)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        replayable.state_dict()
+    del it
+
+
 def test_mid_epoch_resume_is_refused_for_other_indices_drop_last_or_distributed(beton):
     """The FFCV Loader's indices=, drop_last and distributed decide which examples an epoch's
     batches hold, but a mid-epoch state did not record them: resumed with other indices of the
@@ -304,6 +339,32 @@ def test_subsets_by_loader_indices_and_by_the_loaders_subset(beton):
     assert {i for b in got for i in b.indices.tolist()} <= set(subset.tolist())
     for b in got:
         check_pairing(b[0], b[1], b.indices)
+
+
+@pytest.mark.parametrize(
+    "indices, error, match",
+    [
+        ([0, 5, N], ValueError, rf"in \[0, {N}\).*but holds {N}"),
+        ([0, -1], ValueError, "but holds -1"),
+        ([0.0, 1.0], TypeError, "integer dataset indices.*float64"),
+    ],
+    ids=["past the end", "negative", "floats"],
+)
+def test_loader_indices_outside_the_file_are_refused_before_reading(beton, indices, error, match):
+    """FFCV reads an example at whatever position indices= gives, unchecked: one past the file's
+    end yielded garbage images with a garbage index field (Traditional handed them out without
+    a word), a negative one wrapped around, and floats failed in FFCV's batch thread at the first
+    batch, blamed on a pipeline step. Now open_beton refuses them before building the Loader, and
+    SelectiveLoader refuses a Loader built with them directly, naming indices=."""
+    with pytest.raises(error, match="^indices= should be .*" + match):
+        sbffcv.open_beton(beton, 2, indices=indices)
+    from ffcv.loader import Loader
+
+    with sbffcv.preserved_threads():
+        raw = Loader(str(beton), 2, num_workers=1, indices=np.array(indices))
+    with pytest.raises(error, match="^the FFCV Loader's indices= should be .*" + match):
+        SelectiveLoader(raw, model(), policy=Traditional())
+    assert sbffcv.open_beton(beton, 2, indices=[N - 1, 0]).indices.tolist() == [N - 1, 0]
 
 
 def test_kept_batches_survive_ffcvs_buffer_reuse(beton):
@@ -963,3 +1024,36 @@ def test_write_beton_takes_a_list_of_samples_as_a_dataset(tmp_path):
     images = [np.full((1, 4, 4), i, np.uint8) for i in range(5)]
     columns = sbffcv.write_beton(tmp_path / "columns.beton", [images, np.arange(5)])
     assert sbffcv.FFCVSource(sbffcv.open_beton(columns, 5)).outputs == ["image", "label", "index"]
+
+
+def written(path: Path) -> dict[str, torch.Tensor]:
+    """A .beton's outputs, read in order and concatenated."""
+    loader = sbffcv.open_beton(path, 7)
+    with sbffcv.preserved_threads():
+        batches = [[t.clone() for t in b] for b in loader]
+    return {name: torch.cat(col) for name, col in zip(loader.pipeline_specs, zip(*batches))}
+
+
+def test_write_beton_takes_dicts_of_columns_and_datasets_of_dicts(tmp_path):
+    """A dict of columns, {"image": x, "label": y}, was read as a dataset (KeyError: 0), and a
+    dataset of dict samples (as Hugging Face's and many others' items are) was refused asking
+    for fields= that could not help. Now the dict's keys name the fields (names= or fields=
+    pick and order the entries written), and a sample missing an entry is named."""
+    images = np.arange(20 * 4, dtype=np.float32).reshape(20, 4)
+    labels = np.arange(20) % 3
+    out = written(sbffcv.write_beton(tmp_path / "d.beton", {"label": labels, "x": images}))
+    assert list(out) == ["label", "x", "index"]
+    assert torch.equal(out["x"], torch.from_numpy(images))
+    assert torch.equal(out["label"].reshape(-1), torch.from_numpy(labels))
+    samples = [{"name": f"{i}.png", "y": int(labels[i]), "x": images[i]} for i in range(20)]
+    out = written(sbffcv.write_beton(tmp_path / "s.beton", samples, names=["x", "y"]))
+    assert list(out) == ["x", "y", "index"]
+    assert torch.equal(out["x"], torch.from_numpy(images))
+    assert torch.equal(out["y"].reshape(-1), torch.from_numpy(labels))
+    assert torch.equal(out["index"].reshape(-1), torch.arange(20))
+    with pytest.raises(ValueError, match=r"data has no entry 'label'.*names= or fields="):
+        sbffcv.write_beton(tmp_path / "e.beton", {"image": images}, names=["image", "label"])
+    samples[5] = {"x": images[5]}
+    with pytest.raises(ValueError, match="sample 5 has no entry 'y'"):
+        sbffcv.write_beton(tmp_path / "e.beton", samples, names=["x", "y"])
+    assert not (tmp_path / "e.beton").exists()
