@@ -1751,7 +1751,9 @@ class SelectiveLoader(NotADataLoader):
         if stats.examples_seen == 0:
             raise ValueError(
                 f"the source yielded no examples in epoch {stats.epoch}; check that its dataset "
-                "and sampler are not empty"
+                "and sampler are not empty, and that its batch size is not larger than its "
+                "data where it drops its last short batch (drop_last=True, as a DataLoader or "
+                "an FFCV Loader takes it)"
             )
         if stats.nonfinite:
             logger.warning(
