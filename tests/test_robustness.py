@@ -1047,7 +1047,7 @@ def test_a_source_that_yields_nothing_is_an_error(source):
     else:
         src = DataLoader(EncodedDataset(40), batch_size=10, sampler=[])
     loader = SelectiveLoader(src, IndexLoss(), batch_size=4)
-    with pytest.raises(ValueError, match="yielded no examples in epoch 0.*drop_last=True"):
+    with pytest.raises(ValueError, match=r"yielded no examples in epoch 0.*drop_last=True"):
         list(loader)
     with pytest.raises(ValueError, match="yielded no examples in epoch 1"):
         list(loader)  # every time, not only once
