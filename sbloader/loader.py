@@ -831,7 +831,9 @@ class SelectiveLoader(NotADataLoader):
             codec_input_key, target_key, memory_format, metadata_key, drop_key, pad_values
         )
         # NOTE: resolved last: "expected" needs the source, batch size, subset and policy.
-        if per_epoch == "expected":
+        # (whether "expected" was resolved: ranks that resolve it differently are told why)
+        self._expected_given = per_epoch == "expected"
+        if self._expected_given:
             per_epoch = self._expected_count()
         if policy is None and planned_epochs is not None and per_epoch is not None:
             self._plan_passes(store, planned_epochs, int(per_epoch))
@@ -1333,6 +1335,17 @@ class SelectiveLoader(NotADataLoader):
                 + ": the loader derives its draws from (seed, rank) and checks a loaded "
                 "state's rank against it; leave rank= out under torch.distributed (the group's "
                 "rank is used), or pass distributed=False"
+            )
+        if differing == "batches_per_epoch" and self._expected_given:
+            # NOTE: every rank passed "expected", so "the same batches_per_epoch on every rank"
+            # would name no fix: each rank resolved it from its own share and policy.
+            raise ValueError(
+                'batches_per_epoch="expected" resolves to the batches expected from each rank\'s '
+                f"own share of the data at its policy's rate, and the ranks' differ: this rank "
+                f"({sync.rank}) expects {options[differing]} at a rate of "
+                f"{self.policy.steady_rate:g}; give every rank an equal share "
+                "(sampler=DistributedSampler(dataset)) and the same policy settings, or pass "
+                "batches_per_epoch= an int, the same on every rank"
             )
         if differing is not None:
             raise ValueError(

@@ -987,6 +987,8 @@ def scenario_mismatches(rank: int, world_size: int) -> dict:
         "remainder": dict(policy=RandomBackprop(0.5), remainder=["carry", "short"][rank]),
         "batch_size": dict(policy=RandomBackprop(0.5), batch_size=[4, 8][rank]),
         "rank": dict(policy=RandomBackprop(0.5), rank=0),  # rank=LOCAL_RANK on two nodes
+        # "expected" on every rank, resolved from each rank's own rate: 4 and 2 batches
+        "expected": dict(policy=RandomBackprop([0.5, 0.25][rank]), batches_per_epoch="expected"),
     }
     for name, options in cases.items():
         source = DataLoader(data, batch_size=16, sampler=DistributedSampler(data, world_size, rank))
@@ -1869,11 +1871,12 @@ def test_an_error_whose_message_cannot_be_made_is_still_described():
 
 def test_options_that_must_match_across_ranks_are_refused_at_construction_naming_them(tmp_path):
     """A policy (of another kind), cdf, remainder or batch size that differs between ranks made
-    the ranks fall
-    out of step (a collective hang, a gloo abort, or batches of different sizes); rank= other
-    than the group's made both ranks draw alike and accept each other's states; and the default
-    policy planned from uneven shares annealed from different passes on each rank. Each is
-    refused on every rank as the loader is built, or planned alike."""
+    the ranks fall out of step (a collective hang, a gloo abort, or batches of different
+    sizes); rank= other than the group's made both ranks draw alike and accept each other's
+    states; and the default policy planned from uneven shares annealed from different passes on
+    each rank. Each is refused on every rank as the loader is built, or planned alike; a
+    batches_per_epoch="expected" that the ranks resolve differently is refused naming the fix
+    (it said to pass the same batches_per_epoch on every rank, as they had)."""
     results = run_ranks("mismatches", 2, tmp_path)
     for rank, res in enumerate(results):
         for name in ("cdf", "policy", "remainder", "batch_size"):
@@ -1882,6 +1885,11 @@ def test_options_that_must_match_across_ranks_are_refused_at_construction_naming
         assert res["rank"].startswith("rank= should be each process's rank in the process group")
         mine = "rank=0 is not this process's (1)" if rank else "another process's is not"
         assert mine in res["rank"]
+        # (it said to pass "the same batches_per_epoch on every rank", which every rank had)
+        assert res["expected"].startswith('batches_per_epoch="expected" resolves to'), res
+        assert f"this rank ({rank}) expects {[4, 2][rank]} at a rate of" in res["expected"]
+        assert "sampler=DistributedSampler(dataset)" in res["expected"]
+        assert "pass batches_per_epoch= an int" in res["expected"]
     assert results[0]["planned"] == results[1]["planned"]
 
 
