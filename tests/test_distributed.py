@@ -580,6 +580,19 @@ class RaisingLoss:
         return F.cross_entropy(outputs, targets, reduction="none")
 
 
+class NegativeLoss:
+    """Per-example cross-entropy less a baseline of 100 from its second call on rank 1 only (a
+    loss relative to a baseline): Kath18 refuses the negative losses in its decision."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.calls = rank, 0
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        losses = F.cross_entropy(outputs, targets, reduction="none")
+        return losses - 100.0 if self.rank == 1 and self.calls >= 2 else losses
+
+
 class BadInput(ValueError):
     """An exception type of the user's own (derived from a built-in one)."""
 
@@ -602,7 +615,9 @@ def scenario_raised(rank: int, world_size: int) -> dict:
     in the same round (none waits in a collective), whatever the round's collectives are."""
     res: dict = {}
 
-    def run(at: int = 1, sampler=None, model=None, staleness: int = 1, policy=None, **kw) -> dict:
+    def run(
+        at: int = 1, sampler=None, model=None, staleness: int = 1, policy=None, loss_fn=None, **kw
+    ) -> dict:
         policy = (
             SelectiveBackprop(0.5, history=64, staleness=staleness) if policy is None else policy
         )
@@ -613,7 +628,7 @@ def scenario_raised(rank: int, world_size: int) -> dict:
                 sampler=Block(120, rank, world_size) if sampler is None else sampler,
             ),
             IndexLoss() if model is None else model,
-            loss_fn=RaisingLoss(rank, at),
+            loss_fn=RaisingLoss(rank, at) if loss_fn is None else loss_fn,
             policy=policy,
             batch_size=10,
             seed=0,
@@ -641,6 +656,11 @@ def scenario_raised(rank: int, world_size: int) -> dict:
         warnings.simplefilter("ignore")  # overlap's advice on the CPU
         res["ahead"] = run(at=2, overlap_selection=True)  # raised on the selection thread
     res["forward"] = run(model=RaisingModel(rank))
+    # The policy refuses rank 1's losses in its decision (after the exchange, with a global CDF)
+    res["policy"] = run(policy=sbloader.Kath18(0.5), loss_fn=NegativeLoss(rank))
+    res["policy_global"] = run(
+        policy=sbloader.Kath18(0.5), loss_fn=NegativeLoss(rank), cdf="global"
+    )
     # A warm-up epoch without selection passes: the first round's probe forward raises (a
     # passthrough round, and one of RandomBackprop's with the losses shared by the store).
     res["probe"] = run(policy=Phased(SelectiveBackprop(0.5, history=64), warmup_epochs=1))
@@ -1523,6 +1543,24 @@ def test_an_exception_in_one_ranks_selection_pass_raises_on_every_rank(raised_on
         f"Rank 1's error: {kind}: {message} (its own log has the traceback)"
     ), other
     assert other["cause"] == "", other
+    assert own["seconds"] < 30 and other["seconds"] < 30, (own, other)  # (PG timeout: 120 s)
+
+
+@pytest.mark.parametrize("case", ["policy", "policy_global"])
+def test_a_policy_refusing_one_ranks_losses_raises_on_every_rank(raised_on_rank1, case):
+    """Kath18 refuses rank 1's negative losses in its decision (a policy's error, not the
+    selection forward's): rank 0 waited in the round's agreement until the process group timed
+    out, with a bare gloo error. Now every rank raises in that round, rank 0 naming rank 1, the
+    policy's decision and its message with the fix."""
+    own, other = raised_on_rank1[1][case], raised_on_rank1[0][case]
+    message = "Kath18 samples in proportion to the loss, so losses should be >= 0"
+    prefix = "ValueError: on rank 1 of 2 (every rank stops with this error, reported to the others)"
+    assert own["raised"].startswith(f"{prefix}: {message}"), own
+    expected = "RuntimeError: in epoch 0, rank 1 of 2 raised ValueError in its selection pass"
+    assert other["raised"].startswith(expected), other
+    assert "or the policy's decision" in other["raised"], other
+    assert f"Rank 1's error: ValueError: {message}" in other["raised"], other
+    assert "pass loss_fn= a non-negative per-example loss" in other["raised"], other
     assert own["seconds"] < 30 and other["seconds"] < 30, (own, other)  # (PG timeout: 120 s)
 
 
