@@ -484,6 +484,19 @@ def scenario_nonfinite(rank: int, world_size: int) -> dict:
         res["empty_rank"] = f"yielded {len(list(loader))} batches"
     except ValueError as e:
         res["empty_rank"] = str(e)
+    # A DataLoader whose sampler draws nothing on rank 1 only: refused as the loader is built
+    # (it was refused at the end of the first pass, after rank 0's selection forwards over it).
+    data, model = EncodedDataset(40), IndexLoss()
+    sampler = torch.utils.data.SubsetRandomSampler([list(range(40)), []][rank])
+    for name, policy in (("sb", SelectiveBackprop(0.5)), ("trad", sbloader.Traditional())):
+        try:
+            built = SelectiveLoader(
+                DataLoader(data, batch_size=5, sampler=sampler), model, policy=policy, batch_size=4
+            )
+            res[f"empty_sampler_{name}"] = f"built: {len(list(built))} batches"
+        except ValueError as e:
+            res[f"empty_sampler_{name}"] = str(e)
+    res["empty_sampler_calls"] = model.calls
     return res
 
 
@@ -1402,6 +1415,20 @@ def test_a_rank_without_examples_is_refused_on_every_rank(nonfinite):
         expected = "the source of rank 1 of 2 yielded no examples in epoch 0"
         assert message.startswith(expected), message
         assert "DistributedSampler" in message
+
+
+def test_a_rank_whose_sampler_draws_nothing_is_refused_as_the_loader_is_built(nonfinite):
+    """A DataLoader whose sampler is empty on rank 1 only was refused at the end of the first
+    pass, after rank 0 had run its whole pass of selection forwards (Traditional warned that
+    every rank yields 0 batches per epoch, then raised). Now refused on every rank as the loader
+    is built, naming the rank and the fix."""
+    for rank, r in enumerate(nonfinite):
+        for name in ("sb", "trad"):
+            message = r[f"empty_sampler_{name}"]
+            expected = "the source of rank 1 of 2 draws no examples (its sampler or dataset is"
+            assert message.startswith(expected), message
+            assert f"this is rank {rank})" in message and "DistributedSampler" in message
+        assert r["empty_sampler_calls"] == 0  # no selection forward before the refusal
 
 
 @pytest.mark.parametrize("case", ["local", "global", "stale", "device", "draining"])
