@@ -23,7 +23,8 @@ rank selects different examples, so each would fill a different number of batche
   each rank feeds the others' into its policy through :meth:`~sbloader.Policy.observe`;
 - a rank that meets an error its round can finish without (a non-finite selection loss under
   ``nonfinite="raise"``, a source batch whose fields cannot be joined with earlier ones, an
-  exception the user's code raised in its selection pass, not under FSDP) goes on to the end of
+  exception the user's code or the policy's decision raised in its selection pass, not under
+  FSDP) goes on to the end of
   the round, making its collectives, and reports it in the same ``all_reduce(MIN)`` (a fourth
   integer: its kind, for an exception its type), so that every rank raises at the end of that
   round, naming the rank, instead of the others waiting in their next collective

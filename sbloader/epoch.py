@@ -1139,10 +1139,10 @@ class EpochIterator:
         if kind >= _RAISED:
             raise RuntimeError(
                 f"in epoch {self.epoch}, rank {rank} of {sync.world_size} raised "
-                f"{_raised_name(kind)} in its selection pass (the model's forward, loss_fn, or a "
-                f"forward= or output= hook); every rank stops with it (this is {where}), so that "
-                f"none waits for it in a collective. Rank {rank}'s error: {detail} (its own log "
-                "has the traceback)"
+                f"{_raised_name(kind)} in its selection pass (the model's forward, loss_fn, a "
+                "forward= or output= hook, or the policy's decision); every rank stops with it "
+                f"(this is {where}), so that none waits for it in a collective. Rank {rank}'s "
+                f"error: {detail} (its own log has the traceback)"
             )
         cls, what, fix = _REPORTED[kind]
         raise cls(
@@ -1175,9 +1175,21 @@ class EpochIterator:
         if values is not None:
             finite = np.isfinite(values)
             stats.nonfinite += int(finite.size - np.count_nonzero(finite))  # before "raise" raises
-        choice, _ = choose_finite(
-            loader.policy, values, indices, loader._rng, n, loader.nonfinite, finite
-        )
+        try:
+            choice, _ = choose_finite(
+                loader.policy, values, indices, loader._rng, n, loader.nonfinite, finite
+            )
+        except NonFiniteLoss:
+            raise  # (reported as its own kind by the caller)
+        except Exception as e:
+            # NOTE: the policy refusing this rank's losses (Kath18's negative loss, a policy of
+            # the user's own raising, a Choice that does not fit): raised on this rank alone it
+            # left the others waiting in the round's agreement until the process group timed
+            # out, with a bare gloo error. Reported as an exception of the selection pass is;
+            # the round's exchange, if any, is made already.
+            if not self._reports_raised():
+                raise
+            self._stop_round(_raised_kind(e), e)
         return choice
 
     def _observe(self, shared: list[tuple[np.ndarray, np.ndarray | None]]) -> None:

@@ -831,7 +831,9 @@ class SelectiveLoader(NotADataLoader):
             codec_input_key, target_key, memory_format, metadata_key, drop_key, pad_values
         )
         # NOTE: resolved last: "expected" needs the source, batch size, subset and policy.
-        if per_epoch == "expected":
+        # (whether "expected" was resolved: ranks that resolve it differently are told why)
+        self._expected_given = per_epoch == "expected"
+        if self._expected_given:
             per_epoch = self._expected_count()
         if policy is None and planned_epochs is not None and per_epoch is not None:
             self._plan_passes(store, planned_epochs, int(per_epoch))
@@ -1320,10 +1322,19 @@ class SelectiveLoader(NotADataLoader):
         if sync is None:
             return
         own_wrong = self._rank_given and self.rank != sync.rank
+        # NOTE ("empty"): a rank whose source draws no example (an empty sampler or share) was
+        # found out only when the first pass ended on every rank, after the other ranks' whole
+        # pass of selection forwards; compared here with the options, it costs no collective
+        # more unless a rank's differs (all empty: raised when the first pass ends, at once).
+        empty = self._source.epoch_size == 0
         options: dict[str, str] = {}
         differing = None
         if sync.world_size > 1:  # ("rank": whether this rank's is wrong, compared like the rest)
-            options = {**self._shared_options(decisions), "rank": repr(own_wrong)}
+            options = {
+                **self._shared_options(decisions),
+                "rank": repr(own_wrong),
+                "empty": repr(empty),
+            }
             differing = sync.differing(options, self.device)
         if own_wrong or differing == "rank":
             whose = f"rank={self.rank} is not this process's ({sync.rank})"
@@ -1333,6 +1344,26 @@ class SelectiveLoader(NotADataLoader):
                 + ": the loader derives its draws from (seed, rank) and checks a loaded "
                 "state's rank against it; leave rank= out under torch.distributed (the group's "
                 "rank is used), or pass distributed=False"
+            )
+        if differing == "empty":
+            lowest = sync.span(sync.rank if empty else sync.world_size, self.device)[0]
+            raise ValueError(
+                f"the source of rank {lowest} of {sync.world_size} draws no examples (its sampler "
+                f"or dataset is empty; this is rank {sync.rank}), so no rank could yield a batch "
+                "(each yields as many as the fewest any rank has); give every rank a share of "
+                "the data (e.g. sampler=DistributedSampler(dataset)), and check that no rank's "
+                "dataset or sampler is empty"
+            )
+        if differing == "batches_per_epoch" and self._expected_given:
+            # NOTE: every rank passed "expected", so "the same batches_per_epoch on every rank"
+            # would name no fix: each rank resolved it from its own share and policy.
+            raise ValueError(
+                'batches_per_epoch="expected" resolves to the batches expected from each rank\'s '
+                f"own share of the data at its policy's rate, and the ranks' differ: this rank "
+                f"({sync.rank}) expects {options[differing]} at a rate of "
+                f"{self.policy.steady_rate:g}; give every rank an equal share "
+                "(sampler=DistributedSampler(dataset)) and the same policy settings, or pass "
+                "batches_per_epoch= an int, the same on every rank"
             )
         if differing is not None:
             raise ValueError(

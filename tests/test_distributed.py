@@ -484,6 +484,19 @@ def scenario_nonfinite(rank: int, world_size: int) -> dict:
         res["empty_rank"] = f"yielded {len(list(loader))} batches"
     except ValueError as e:
         res["empty_rank"] = str(e)
+    # A DataLoader whose sampler draws nothing on rank 1 only: refused as the loader is built
+    # (it was refused at the end of the first pass, after rank 0's selection forwards over it).
+    data, model = EncodedDataset(40), IndexLoss()
+    sampler = torch.utils.data.SubsetRandomSampler([list(range(40)), []][rank])
+    for name, policy in (("sb", SelectiveBackprop(0.5)), ("trad", sbloader.Traditional())):
+        try:
+            built = SelectiveLoader(
+                DataLoader(data, batch_size=5, sampler=sampler), model, policy=policy, batch_size=4
+            )
+            res[f"empty_sampler_{name}"] = f"built: {len(list(built))} batches"
+        except ValueError as e:
+            res[f"empty_sampler_{name}"] = str(e)
+    res["empty_sampler_calls"] = model.calls
     return res
 
 
@@ -580,6 +593,19 @@ class RaisingLoss:
         return F.cross_entropy(outputs, targets, reduction="none")
 
 
+class NegativeLoss:
+    """Per-example cross-entropy less a baseline of 100 from its second call on rank 1 only (a
+    loss relative to a baseline): Kath18 refuses the negative losses in its decision."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.calls = rank, 0
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        losses = F.cross_entropy(outputs, targets, reduction="none")
+        return losses - 100.0 if self.rank == 1 and self.calls >= 2 else losses
+
+
 class BadInput(ValueError):
     """An exception type of the user's own (derived from a built-in one)."""
 
@@ -602,7 +628,9 @@ def scenario_raised(rank: int, world_size: int) -> dict:
     in the same round (none waits in a collective), whatever the round's collectives are."""
     res: dict = {}
 
-    def run(at: int = 1, sampler=None, model=None, staleness: int = 1, policy=None, **kw) -> dict:
+    def run(
+        at: int = 1, sampler=None, model=None, staleness: int = 1, policy=None, loss_fn=None, **kw
+    ) -> dict:
         policy = (
             SelectiveBackprop(0.5, history=64, staleness=staleness) if policy is None else policy
         )
@@ -613,7 +641,7 @@ def scenario_raised(rank: int, world_size: int) -> dict:
                 sampler=Block(120, rank, world_size) if sampler is None else sampler,
             ),
             IndexLoss() if model is None else model,
-            loss_fn=RaisingLoss(rank, at),
+            loss_fn=RaisingLoss(rank, at) if loss_fn is None else loss_fn,
             policy=policy,
             batch_size=10,
             seed=0,
@@ -641,6 +669,11 @@ def scenario_raised(rank: int, world_size: int) -> dict:
         warnings.simplefilter("ignore")  # overlap's advice on the CPU
         res["ahead"] = run(at=2, overlap_selection=True)  # raised on the selection thread
     res["forward"] = run(model=RaisingModel(rank))
+    # The policy refuses rank 1's losses in its decision (after the exchange, with a global CDF)
+    res["policy"] = run(policy=sbloader.Kath18(0.5), loss_fn=NegativeLoss(rank))
+    res["policy_global"] = run(
+        policy=sbloader.Kath18(0.5), loss_fn=NegativeLoss(rank), cdf="global"
+    )
     # A warm-up epoch without selection passes: the first round's probe forward raises (a
     # passthrough round, and one of RandomBackprop's with the losses shared by the store).
     res["probe"] = run(policy=Phased(SelectiveBackprop(0.5, history=64), warmup_epochs=1))
@@ -869,18 +902,21 @@ def scenario_unsharded(rank: int, world_size: int) -> dict:
     # the same indices on every rank (reported above) keeps the store consistent: not refused.
     def stale_run(dataset, order_seed: int, model, sampler=None) -> str | None:
         """The error (an error's epoch and message) or the overlap warnings of two epochs."""
-        loader = SelectiveLoader(
-            DataLoader(
-                dataset,
-                batch_size=20,
-                shuffle=sampler is None,
-                sampler=sampler,
-                generator=torch.Generator().manual_seed(order_seed),
-            ),
-            model,
-            policy=SelectiveBackprop(0.5, staleness=2),
-            batch_size=10,
-        )
+        try:
+            loader = SelectiveLoader(
+                DataLoader(
+                    dataset,
+                    batch_size=20,
+                    shuffle=sampler is None,
+                    sampler=sampler,
+                    generator=torch.Generator().manual_seed(order_seed),
+                ),
+                model,
+                policy=SelectiveBackprop(0.5, staleness=2),
+                batch_size=10,
+            )
+        except ValueError as e:
+            return f"error as built: {e}"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -987,6 +1023,8 @@ def scenario_mismatches(rank: int, world_size: int) -> dict:
         "remainder": dict(policy=RandomBackprop(0.5), remainder=["carry", "short"][rank]),
         "batch_size": dict(policy=RandomBackprop(0.5), batch_size=[4, 8][rank]),
         "rank": dict(policy=RandomBackprop(0.5), rank=0),  # rank=LOCAL_RANK on two nodes
+        # "expected" on every rank, resolved from each rank's own rate: 4 and 2 batches
+        "expected": dict(policy=RandomBackprop([0.5, 0.25][rank]), batches_per_epoch="expected"),
     }
     for name, options in cases.items():
         source = DataLoader(data, batch_size=16, sampler=DistributedSampler(data, world_size, rank))
@@ -1165,11 +1203,13 @@ def test_ranks_reading_the_same_indices_are_reported_with_a_store(two):
             assert "read by more than one of the 2 ranks" in r[case]
             assert "index_key=" in r[case] and "DistributedSampler" in r[case]
             assert "repeats examples on purpose" in r[case]
-        # Shards of different sizes: an error before any loss is shared (the first collective),
-        # an empty one included (it takes part in the check, or the ranks' collectives differ).
-        for case, sizes in (("stale_uneven_shards", "60 to 80"), ("stale_empty_shard", "0 to 40")):
-            assert r[case] is not None and r[case].startswith("error in epoch 0: "), r[case]
-            assert f"the ranks' datasets differ in size ({sizes} examples)" in r[case]
+        # Shards of different sizes: an error before any loss is shared (the first collective);
+        # an empty one is refused as the loader is built (no rank could yield a batch).
+        case = "stale_uneven_shards"
+        assert r[case] is not None and r[case].startswith("error in epoch 0: "), r[case]
+        assert "the ranks' datasets differ in size (60 to 80 examples)" in r[case]
+        empty = "error as built: the source of rank 1 of 2 draws no examples"
+        assert r["stale_empty_shard"].startswith(empty), r["stale_empty_shard"]
         assert r["stale_replicas"] is None
         assert all(r["stale_padded_batches"])  # ran two epochs, not refused
 
@@ -1382,6 +1422,20 @@ def test_a_rank_without_examples_is_refused_on_every_rank(nonfinite):
         assert "DistributedSampler" in message
 
 
+def test_a_rank_whose_sampler_draws_nothing_is_refused_as_the_loader_is_built(nonfinite):
+    """A DataLoader whose sampler is empty on rank 1 only was refused at the end of the first
+    pass, after rank 0 had run its whole pass of selection forwards (Traditional warned that
+    every rank yields 0 batches per epoch, then raised). Now refused on every rank as the loader
+    is built, naming the rank and the fix."""
+    for rank, r in enumerate(nonfinite):
+        for name in ("sb", "trad"):
+            message = r[f"empty_sampler_{name}"]
+            expected = "the source of rank 1 of 2 draws no examples (its sampler or dataset is"
+            assert message.startswith(expected), message
+            assert f"this is rank {rank})" in message and "DistributedSampler" in message
+        assert r["empty_sampler_calls"] == 0  # no selection forward before the refusal
+
+
 @pytest.mark.parametrize("case", ["local", "global", "stale", "device", "draining"])
 def test_a_nonfinite_loss_on_one_rank_raises_on_every_rank(limits, case):
     """nonfinite="raise" with a non-finite selection loss on rank 1 only: rank 1 raises its own
@@ -1521,6 +1575,24 @@ def test_an_exception_in_one_ranks_selection_pass_raises_on_every_rank(raised_on
         f"Rank 1's error: {kind}: {message} (its own log has the traceback)"
     ), other
     assert other["cause"] == "", other
+    assert own["seconds"] < 30 and other["seconds"] < 30, (own, other)  # (PG timeout: 120 s)
+
+
+@pytest.mark.parametrize("case", ["policy", "policy_global"])
+def test_a_policy_refusing_one_ranks_losses_raises_on_every_rank(raised_on_rank1, case):
+    """Kath18 refuses rank 1's negative losses in its decision (a policy's error, not the
+    selection forward's): rank 0 waited in the round's agreement until the process group timed
+    out, with a bare gloo error. Now every rank raises in that round, rank 0 naming rank 1, the
+    policy's decision and its message with the fix."""
+    own, other = raised_on_rank1[1][case], raised_on_rank1[0][case]
+    message = "Kath18 samples in proportion to the loss, so losses should be >= 0"
+    prefix = "ValueError: on rank 1 of 2 (every rank stops with this error, reported to the others)"
+    assert own["raised"].startswith(f"{prefix}: {message}"), own
+    expected = "RuntimeError: in epoch 0, rank 1 of 2 raised ValueError in its selection pass"
+    assert other["raised"].startswith(expected), other
+    assert "or the policy's decision" in other["raised"], other
+    assert f"Rank 1's error: ValueError: {message}" in other["raised"], other
+    assert "pass loss_fn= a non-negative per-example loss" in other["raised"], other
     assert own["seconds"] < 30 and other["seconds"] < 30, (own, other)  # (PG timeout: 120 s)
 
 
@@ -1869,11 +1941,12 @@ def test_an_error_whose_message_cannot_be_made_is_still_described():
 
 def test_options_that_must_match_across_ranks_are_refused_at_construction_naming_them(tmp_path):
     """A policy (of another kind), cdf, remainder or batch size that differs between ranks made
-    the ranks fall
-    out of step (a collective hang, a gloo abort, or batches of different sizes); rank= other
-    than the group's made both ranks draw alike and accept each other's states; and the default
-    policy planned from uneven shares annealed from different passes on each rank. Each is
-    refused on every rank as the loader is built, or planned alike."""
+    the ranks fall out of step (a collective hang, a gloo abort, or batches of different
+    sizes); rank= other than the group's made both ranks draw alike and accept each other's
+    states; and the default policy planned from uneven shares annealed from different passes on
+    each rank. Each is refused on every rank as the loader is built, or planned alike; a
+    batches_per_epoch="expected" that the ranks resolve differently is refused naming the fix
+    (it said to pass the same batches_per_epoch on every rank, as they had)."""
     results = run_ranks("mismatches", 2, tmp_path)
     for rank, res in enumerate(results):
         for name in ("cdf", "policy", "remainder", "batch_size"):
@@ -1882,6 +1955,11 @@ def test_options_that_must_match_across_ranks_are_refused_at_construction_naming
         assert res["rank"].startswith("rank= should be each process's rank in the process group")
         mine = "rank=0 is not this process's (1)" if rank else "another process's is not"
         assert mine in res["rank"]
+        # (it said to pass "the same batches_per_epoch on every rank", which every rank had)
+        assert res["expected"].startswith('batches_per_epoch="expected" resolves to'), res
+        assert f"this rank ({rank}) expects {[4, 2][rank]} at a rate of" in res["expected"]
+        assert "sampler=DistributedSampler(dataset)" in res["expected"]
+        assert "pass batches_per_epoch= an int" in res["expected"]
     assert results[0]["planned"] == results[1]["planned"]
 
 
