@@ -1753,6 +1753,13 @@ class SelectiveLoader(NotADataLoader):
         """
         live = self._live_iterator()
         if live is None or live is it:  # (a dropped iterator's weak reference may be dead)
+            # NOTE: logged now, marked as left part-way: an epoch left with ``break`` (a loop of
+            # so many steps per epoch) or closed by a framework (Lightning's
+            # ``limit_train_batches``) never reaches _end, and was never logged at all, nor its
+            # non-finite losses warned of. (A state saved now still resumes it; that run logs
+            # the whole epoch when it ends.)
+            if it.stats is not None:
+                self._log_epoch(it.stats, left=True)
             self._left = last if resumable else None
             if resumable:
                 self._unfinished = (it.position, False)
@@ -1786,6 +1793,11 @@ class SelectiveLoader(NotADataLoader):
                 "data where it drops its last short batch (drop_last=True, as a DataLoader or "
                 "an FFCV Loader takes it)"
             )
+        self._warn_backlog(stats)
+        self._log_epoch(stats)
+
+    def _log_epoch(self, stats: EpochStats, left: bool = False) -> None:
+        """Log an epoch that ended (``left``: part-way), and warn of its non-finite losses."""
         if stats.nonfinite:
             logger.warning(
                 "epoch %d: %d candidates had a non-finite selection loss (nonfinite=%r)",
@@ -1793,8 +1805,7 @@ class SelectiveLoader(NotADataLoader):
                 stats.nonfinite,
                 self.nonfinite,
             )
-        self._warn_backlog(stats)
-        self.stats.log_epoch(stats)
+        self.stats.log_epoch(stats, left)
 
     def _warn_backlog(self, stats: EpochStats) -> None:
         """Warn (once) where this rank carries many more selected examples into the next epoch

@@ -295,11 +295,12 @@ class LoaderStats:
             )
         return t
 
-    def log_epoch(self, e: EpochStats) -> None:
+    def log_epoch(self, e: EpochStats, left: bool = False) -> None:
         """Log one epoch's counts and times (and its selection rate by class, where counted)
-        through the ``sbloader`` logger."""
-        text = (
-            "epoch %d: seen %d, selection forwards %d, selected %d (rate %.3f, target %.3f), "
+        through the ``sbloader`` logger; ``left``: the epoch was left part-way (``break``,
+        an error), so the counts are of the part it ran."""
+        text = ("epoch %d (left part-way): " if left else "epoch %d: ") + (
+            "seen %d, selection forwards %d, selected %d (rate %.3f, target %.3f), "
             "yielded %d in %d batches, non-finite %d, dropped %d; selection %.2fs, source %.2fs, "
             "caller %.2fs, wall %.2fs"
         )

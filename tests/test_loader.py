@@ -646,6 +646,39 @@ def test_stats_count_what_happened_and_rate_matches_target(caplog):
     assert "epoch 2:" in caplog.text and total.selection_s > 0
 
 
+def test_an_epoch_left_part_way_is_logged_with_its_non_finite_losses(caplog):
+    """A loop of so many steps per epoch (``break``), or a framework closing its epochs early,
+    never reaches an epoch's end: each such epoch is logged all the same, marked as left
+    part-way, and its non-finite selection losses are warned of."""
+    ds = EncodedDataset(40)
+
+    class NanFor3(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, N_CLASSES)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.lin(x)
+            return torch.where(x[:, :1] == 3, torch.nan, out)  # example 3's loss is NaN
+
+    loader = make_loader(ds, bs=5, source_bs=10, shuffle=False, model=NanFor3())
+    with caplog.at_level(logging.INFO, logger="sbloader"):
+        for _ in range(2):
+            for i, _batch in enumerate(loader):
+                if i == 1:
+                    break
+        it = iter(loader)
+        next(it)
+        it.close(resumable=False)
+    lines = [r.getMessage() for r in caplog.records]
+    for epoch in range(3):
+        said = [m for m in lines if m.startswith(f"epoch {epoch} (left part-way): seen ")]
+        assert len(said) == 1, lines
+        warned = f"epoch {epoch}: 1 candidates had a non-finite"
+        assert sum(m.startswith(warned) for m in lines) == 1
+    assert [e.nonfinite for e in loader.stats.epochs] == [1, 1, 1]
+
+
 @pytest.mark.parametrize("remainder", ["carry", "short", "drop"])
 def test_end_of_epoch_remainder(remainder):
     loader = make_loader(bs=16, source_bs=50, policy=RandomBackprop(0.5), remainder=remainder)
