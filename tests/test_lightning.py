@@ -649,6 +649,30 @@ def test_under_ddp_a_source_that_does_not_split_the_data_is_refused_and_others_a
     build(DataLoader(Stream(), batch_size=8))
 
 
+@pytest.mark.parametrize("policy", [Traditional, warmup_then_sb], ids=["traditional", "phased"])
+def test_a_run_stopped_by_max_steps_goes_on_with_the_rest_of_its_epoch(tmp_path, policy):
+    """max_steps stops Lightning part-way through an epoch, and Lightning resumes such an epoch
+    where it stopped (from the checkpoint saved then, or fit again with a larger max_steps):
+    the loader's epoch goes on too, as in the uninterrupted run (it was abandoned, so the
+    resumed run started a new pass there and never trained the rest of the old one)."""
+    full = Classifier(policy=policy)
+    trainer(epochs=None, max_steps=40).fit(full)
+    last = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    first = Classifier(policy=policy)
+    trainer(epochs=None, callbacks=[last], max_steps=30).fit(first)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["loops"]["fit_loop"]
+    assert not saved["epoch_loop.batch_progress"]["is_last_batch"]  # stopped mid-epoch
+    again = Classifier(policy=policy)
+    trainer(epochs=None, max_steps=40).fit(again, ckpt_path=tmp_path / "last.ckpt")
+    assert first.trained + again.trained == full.trained
+    twice = Classifier(policy=policy)
+    t = trainer(epochs=None, max_steps=30)
+    t.fit(twice)
+    t.fit_loop.epoch_loop.max_steps = 40
+    t.fit(twice)
+    assert twice.trained == full.trained
+
+
 @pytest.mark.parametrize("val_every, warns", [(3, True), (4, False)])
 def test_a_checkpoint_between_accumulated_steps_warns(tmp_path, val_every, warns):
     """With accumulate_grad_batches, a checkpoint saved where the optimizer has not stepped

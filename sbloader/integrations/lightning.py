@@ -169,7 +169,7 @@ class LightningLoader:
         running = self._epoch is not None and self._epoch.running
         return self.loader.state_dict(unconsumed=self.fetched - self.trained if running else 0)
 
-    def end_epoch(self) -> None:
+    def end_epoch(self, stopped: bool = False) -> None:
         """Lightning ended its epoch: end the loader's too, as a plain loop would.
 
         Lightning stops asking for batches after ``len()`` of them when the loader has a length,
@@ -177,10 +177,24 @@ class LightningLoader:
         loader's epoch then has not seen its end. After exactly ``len()`` batches the end of
         epoch runs now (what the next ``next()`` of a plain loop does: the remainder, the
         stats); otherwise the epoch is abandoned, so that a checkpoint saved now resumes at the
-        next epoch, as the uninterrupted run goes on.
+        next epoch, as the uninterrupted run goes on; unless Lightning stopped the run there.
+
+        Args:
+            stopped: Lightning stopped the run part-way through the epoch (``max_steps``
+                reached, or ``trainer.should_stop``), where a resumed run (a checkpoint saved
+                now, or ``fit`` again with a larger ``max_steps``) goes on with the rest of this
+                epoch: the epoch is kept, as of the last batch trained, for the next
+                ``iter()`` to go on with.
         """
         epoch = self._epoch
         if epoch is None or not epoch.running:
+            return
+        if stopped and self.trained:
+            # NOTE: Lightning resumes such an epoch where it stopped (its batch count is short
+            # of the epoch's), so abandoning it made the resumed run start a new pass there:
+            # the rest of this pass never trained, and the epochs counted one pass apart.
+            self._state = self.saved_state()
+            epoch.close()
             return
         if not self.trained:
             # NOTE: nothing of this epoch was trained on: Lightning ends, on resuming, an epoch
@@ -298,8 +312,15 @@ class SelectiveLoaderCallback(pl.Callback):
             self._loader.end_epoch()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._loader is not None:
-            self._loader.end_epoch()
+        if self._loader is None:
+            return
+        # (Lightning's own rule: an epoch whose batches ran out, by count or by the loader's
+        # end, resumes at the next epoch; one stopped before that resumes where it stopped)
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        ran_out = progress.is_last_batch or progress.current.ready >= trainer.num_training_batches
+        max_steps = trainer.max_steps
+        stopped = trainer.should_stop or (max_steps != -1 and trainer.global_step >= max_steps)
+        self._loader.end_epoch(stopped=stopped and not ran_out)
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
