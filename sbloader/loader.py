@@ -284,7 +284,7 @@ class SelectiveLoader(NotADataLoader):
             explicit value is refused (``ValueError``, when the loader is built or at the first
             epoch start after the model is prepared).
         memory_format: e.g. ``torch.channels_last``, applied to 4-d inputs before selection and
-            training.
+            training (``torch.channels_last_3d``: to 5-d ones, e.g. videos).
         input_key, target_key: the model input and loss target fields: positions in tuple/list
             batches (default 0 and 1), keys in dict batches (default ``"input"``, ``"target"``).
             A tuple ``input_key`` names several fields, the model's positional inputs:
@@ -675,6 +675,13 @@ class SelectiveLoader(NotADataLoader):
             raise TypeError(
                 "memory_format should be a torch.memory_format such as torch.channels_last, or "
                 f"None, but got memory_format={memory_format!r}"
+            )
+        if memory_format == torch.preserve_format:
+            raise ValueError(
+                "memory_format should be a layout to convert inputs to, such as "
+                "torch.channels_last (4-d images) or torch.channels_last_3d (5-d videos), but got "
+                "memory_format=torch.preserve_format; pass memory_format=None to keep the "
+                "source's layout"
             )
         # NOTE: "auto" resolves here, once, on the selecting model's device, so that a loader's
         # selections never change precision mid-run; a resumed state brings its own choice.

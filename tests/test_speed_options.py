@@ -278,6 +278,42 @@ def test_channels_last_and_a_copied_selector_keep_the_choices():
     assert chosen(with_selector) == chosen(plain)
 
 
+class LayoutRecorder(nn.Module):
+    """A video model that records, per forward, whether its input is channels_last_3d."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(3, 4, 3, padding=1)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(4, CLASSES))
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.is_contiguous(memory_format=torch.channels_last_3d))
+        return self.head(self.conv(x))
+
+
+def test_channels_last_3d_converts_video_inputs_and_preserve_format_is_refused():
+    """Before, memory_format applied to 4-d inputs only: channels_last_3d, the layout for 5-d
+    video batches, was silently ignored on them (and raised torch's error on images)."""
+    g = torch.Generator().manual_seed(0)
+    videos = TensorDataset(torch.randn(24, 3, 2, 4, 4, generator=g), torch.arange(24) % CLASSES)
+    model = seeded(LayoutRecorder)
+    loader = SelectiveLoader(
+        DataLoader(videos, batch_size=12),
+        model,
+        policy=SelectiveBackprop(0.5, history=16),
+        batch_size=4,
+        memory_format=torch.channels_last_3d,
+    )
+    batches = list(loader)
+    assert model.seen == [True, True]  # both selection passes
+    assert all(b[0].is_contiguous(memory_format=torch.channels_last_3d) for b in batches)
+    _, images_ = run(epochs=1, memory_format=torch.channels_last_3d)  # 4-d: left as they are
+    assert images_[0][0].is_contiguous()
+    with pytest.raises(ValueError, match=r"memory_format=torch\.preserve_format; pass"):
+        run(memory_format=torch.preserve_format)
+
+
 class AutocastRecorder(nn.Module):
     """Records, per forward, whether CPU autocast is on and the dtype its matmul computes in."""
 
