@@ -320,7 +320,8 @@ class SelectiveLoader(NotADataLoader):
             as float32) and the losses from ``model(features)``; yielded batches carry the
             selected examples' ``batch.features``, so the training step runs only the head:
             ``loss_fn(model(batch.features), targets)``. Refused (``ValueError``) when a prefix
-            parameter has ``requires_grad=True``, checked again when each epoch starts.
+            parameter has ``requires_grad=True``, checked again when each epoch starts (and
+            each training epoch, with ``batches_per_epoch``).
         cache_features: with ``frozen_prefix``, keep each example's prefix output across
             epochs, keyed by dataset index (a :class:`~sbloader.features.FeatureCache`): the
             prefix then runs once per example in the whole run, not once per epoch. ``True``

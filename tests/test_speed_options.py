@@ -416,6 +416,29 @@ def test_trainable_frozen_prefix_is_refused_up_front_and_at_each_epoch():
         next(iter(loader))
 
 
+def test_a_frozen_prefix_unfrozen_between_training_epochs_is_refused_at_the_next_one():
+    """With batches_per_epoch a pass over the data spans several training epochs; before, the
+    prefix was checked only when a pass began, so the training epochs after an unfreeze within
+    a pass trained on its detached features unnoticed (the prefix never trained)."""
+    backbone, head = backbone_and_head()
+    loader = SelectiveLoader(
+        DataLoader(images(), batch_size=60),
+        head,
+        policy=SelectiveBackprop(1 / 3, history=64),
+        batch_size=20,
+        frozen_prefix=backbone,
+        batches_per_epoch=1,
+    )
+    first = [b.indices.tolist() for b in loader]
+    assert len(first) == 1 and loader.epoch == 0  # the pass goes on in the next epoch
+    backbone[0].weight.requires_grad_(True)  # unfrozen between training epochs
+    with pytest.raises(ValueError, match="frozen_prefix has 1 parameters with requires_grad"):
+        next(iter(loader))
+    backbone.requires_grad_(False)
+    second = [b.indices.tolist() for b in loader]  # refrozen: goes on, nothing lost
+    assert len(second) == 1 and not set(second[0]) & set(first[0])
+
+
 def test_frozen_prefix_misuse_is_named():
     backbone, head = backbone_and_head()
     with pytest.raises(ValueError, match="pass model=head"):
