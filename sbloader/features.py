@@ -337,9 +337,40 @@ def make_feature_cache(
             "cache_features",
             "pass a DataLoader over a map-style dataset, or cache_features=False",
         )
-    device = None if cache is True else check_device_name("cache_features", cache)
+    device = None if cache is True else _cache_device(cache)
     store_dtype = autocast if isinstance(autocast, torch.dtype) else None
     return FeatureCache(size, device, store_dtype, in_state)
+
+
+def _cache_device(cache: str | torch.device) -> torch.device:
+    """``cache_features``' device, refused where it cannot hold the cache: the meta device, or
+    a CUDA device this machine does not have.
+
+    NOTE: before, such a device was accepted, and the first selection pass failed in torch
+    (``Torch not compiled with CUDA enabled``, ``Cannot copy out of meta tensor``), naming
+    nothing of ``cache_features``.
+
+    Example:
+        >>> _cache_device("meta")
+        Traceback (most recent call last):
+            ...
+        ValueError: cache_features='meta' would keep the features without their data; pass ...
+    """
+    device = check_device_name("cache_features", cache)
+    if device.type == "meta":
+        raise ValueError(
+            "cache_features='meta' would keep the features without their data; pass "
+            "cache_features=True (the cache where the features are) or a device such as 'cpu'"
+        )
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count or (device.index is not None and device.index >= count):
+            raise ValueError(
+                f"cache_features should be a device this machine has (CUDA devices: {count}), "
+                f"but got cache_features={str(device)!r}; pass one it has (e.g. 'cpu'), or "
+                "True to keep the cache where the features are"
+            )
+    return device
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

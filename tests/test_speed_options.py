@@ -601,6 +601,15 @@ def test_cache_features_misuse_is_named():
         run(model=head, frozen_prefix=backbone, save_feature_cache=True)
     with pytest.raises(TypeError, match="save_feature_cache should be True or False"):
         run(model=head, frozen_prefix=backbone, cache_features=True, save_feature_cache="yes")
+    # (before: accepted, and the first selection pass failed in torch, naming nothing)
+    with pytest.raises(ValueError, match="cache_features='meta' would keep the features"):
+        run(model=head, frozen_prefix=backbone, cache_features="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cache_features should be a device this machine"):
+            run(model=head, frozen_prefix=backbone, cache_features="cuda")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match=f"CUDA devices: {gpus}.*cache_features='cuda:{gpus}'"):
+        run(model=head, frozen_prefix=backbone, cache_features=f"cuda:{gpus}")
 
 
 def test_a_saved_feature_cache_resumes_without_running_the_prefix_again():
