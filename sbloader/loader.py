@@ -329,7 +329,8 @@ class SelectiveLoader(NotADataLoader):
             Valid only when an example's input is the same every epoch (no random
             augmentation before the prefix): a few cached examples are recomputed each epoch
             and a changed input raises ``ValueError``. Needs dataset indices. Its memory is
-            dataset size x prefix output size (in the ``autocast`` dtype when given). Part of
+            dataset size x prefix output size (in the dtype the prefix returns: the ``autocast``
+            dtype when given, unless the prefix's last op runs in float32). Part of
             :meth:`state_dict` only with ``save_feature_cache=True``; otherwise it refills after
             a resume, with features computed among other candidates, which may differ in the
             last bits from those the uninterrupted run cached, so such a resume is not
@@ -748,7 +749,6 @@ class SelectiveLoader(NotADataLoader):
             make_feature_cache(
                 cache_features,
                 frozen_prefix,
-                autocast,
                 self._source,
                 check_bool("save_feature_cache", save_feature_cache),
             ),

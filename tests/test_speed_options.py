@@ -585,6 +585,34 @@ def test_cached_features_under_autocast_are_stored_in_half_the_memory():
     assert all(b.features.dtype == torch.float32 for b in batches)
 
 
+def test_cached_features_of_a_prefix_ending_in_float32_under_autocast_are_not_rounded():
+    """Under a bf16 autocast, a prefix whose last op autocast runs in float32 (a 3-d pooling on
+    a CPU; a normalisation on a GPU) returns float32 features; before, the cache stored them in
+    bf16, so with cache_features the head trained on rounded features, other than without it
+    (from the first epoch on: the cached rows are what the batches carry)."""
+    g = torch.Generator().manual_seed(0)
+    videos = TensorDataset(torch.randn(24, 3, 2, 4, 4, generator=g), torch.arange(24) % CLASSES)
+    backbone = seeded(
+        lambda: nn.Sequential(nn.Conv3d(3, 8, 3, padding=1), nn.AdaptiveAvgPool3d(1), nn.Flatten())
+    ).requires_grad_(False)
+
+    def features(cache):
+        loader = SelectiveLoader(
+            DataLoader(videos, batch_size=12),
+            seeded(lambda: nn.Linear(8, CLASSES)),
+            policy=Traditional(),
+            frozen_prefix=backbone,
+            autocast=torch.bfloat16,
+            cache_features=cache,
+        )
+        return loader, [torch.cat([b.features for b in loader]) for _ in range(2)]
+
+    _, plain = features(False)
+    loader, cached = features(True)
+    assert loader.scorer.feature_cache.values.dtype == torch.float32
+    assert all(torch.equal(a, b) for a, b in zip(cached, plain))
+
+
 def test_cache_features_misuse_is_named():
     backbone, head = backbone_and_head()
     with pytest.raises(ValueError, match="cache_features caches frozen_prefix's outputs"):
