@@ -571,7 +571,40 @@ def to_column(
             return value.tolist()
     if value.device != device:
         value = value.to(device, non_blocking=value.is_pinned())
-    if memory_format is not None and value.dim() == 4:
+    return in_memory_format(value, memory_format)
+
+
+def memory_format_rank(memory_format: torch.memory_format) -> int:
+    """The rank of the tensors a memory format lays out: 5 for ``torch.channels_last_3d``
+    (video batches: N, C, D, H, W), else 4 (image batches: N, C, H, W).
+
+    Example:
+        >>> memory_format_rank(torch.channels_last), memory_format_rank(torch.channels_last_3d)
+        (4, 5)
+    """
+    return 5 if memory_format == torch.channels_last_3d else 4
+
+
+def in_memory_format(value: Any, memory_format: torch.memory_format | None) -> Any:
+    """``value`` in ``memory_format`` where it is a tensor of the rank that format lays out
+    (:func:`memory_format_rank`); anything else as it is.
+
+    NOTE: by rank, so that ``torch.channels_last_3d`` applies to 5-d inputs (before, only 4-d
+    inputs were converted: it was silently ignored on the video batches it is for, and raised
+    torch's own error on images).
+
+    Example:
+        >>> x = in_memory_format(torch.zeros(2, 3, 4, 5, 6), torch.channels_last_3d)
+        >>> x.is_contiguous(memory_format=torch.channels_last_3d)
+        True
+        >>> in_memory_format(torch.zeros(2, 3, 4, 5), torch.channels_last_3d).is_contiguous()
+        True
+    """
+    if (
+        memory_format is not None
+        and isinstance(value, torch.Tensor)
+        and value.dim() == memory_format_rank(memory_format)
+    ):
         value = value.contiguous(memory_format=memory_format)
     return value
 

@@ -28,7 +28,8 @@ class BatchCodec:
     Args:
         input_key, target_key: the model input and loss target fields (positions in tuple/list
             batches, default 0 and 1; keys in dict batches, default ``"input"``, ``"target"``).
-        memory_format: e.g. ``torch.channels_last``, applied to 4-d inputs.
+        memory_format: e.g. ``torch.channels_last``, applied to 4-d inputs
+            (``torch.channels_last_3d``: to 5-d ones).
         metadata_key: carry the selection results inside yielded batches under this key (see
             ``SelectiveLoader(metadata_key=)``), or None.
         drop_key: a field of the source's batches (the index field) that yielded batches leave
@@ -332,10 +333,9 @@ class BatchCodec:
         data = list(rows.data)
         in_pos = self.input_position
         x = data[in_pos]
-        if self.memory_format is not None and isinstance(x, torch.Tensor) and x.dim() == 4:
-            # NOTE: index_select and cat return the default layout; restore the requested one
-            # (a no-op when the batch already has it, e.g. passthrough batches).
-            data[in_pos] = x.contiguous(memory_format=self.memory_format)
+        # NOTE: index_select and cat return the default layout; restore the requested one
+        # (a no-op when the batch already has it, e.g. passthrough batches).
+        data[in_pos] = B.in_memory_format(x, self.memory_format)
         if isinstance(rows, WholeBatch):
             batch = self._structure(data)
             batch._set_lazy_meta(partial(rows.metadata, has_indices))

@@ -22,8 +22,8 @@ class FeatureCache:
     Valid only when an example's input is the same every epoch (no random augmentation) and the
     prefix never changes; :meth:`check` verifies the first on a few cached examples per epoch.
     Storage is allocated on first use, ``size`` rows of the output's shape, in ``store_dtype``
-    (e.g. bfloat16 when the outputs come from a bf16 autocast, which halves the memory and
-    loses nothing); :meth:`get` returns rows in the dtype they were given in.
+    (e.g. bfloat16 to halve the memory; it rounds outputs of a wider dtype), or by default in
+    the outputs' own dtype; :meth:`get` returns rows in the dtype they were given in.
 
     NOTE: the cache is part of a loader's checkpoint only when asked (``in_state``; it can take
     gigabytes); otherwise after a resume it fills again as examples are seen, with outputs that
@@ -285,28 +285,30 @@ def prefix_digest(prefix: nn.Module) -> str:
 
 
 def make_feature_cache(
-    cache: Any, prefix: nn.Module | None, autocast: Any, source: Any, in_state: bool = False
+    cache: Any, prefix: nn.Module | None, source: Any, in_state: bool = False
 ) -> FeatureCache | None:
     """The cross-epoch cache of a frozen prefix's outputs that ``cache_features=`` asks for over
     ``source`` (a :class:`~sbloader.sources.Source`), or None; checked.
 
     A cache of one row per dataset index, on the device ``cache`` names (``True``: where the
-    outputs are), stored in ``autocast``'s dtype when that is one.
+    outputs are), stored in the outputs' own dtype: under a bf16 ``autocast`` bf16 where the
+    prefix's last op runs in it (half the memory, nothing lost), float32 where it runs in
+    float32 (e.g. a 3-d pooling, or a normalisation on a GPU).
 
     Example:
         >>> from torch.utils.data import DataLoader, TensorDataset
         >>> from sbloader.sources import DataLoaderSource, IterableSource
         >>> src = DataLoaderSource(DataLoader(TensorDataset(torch.randn(8, 3)), batch_size=4))
-        >>> cache = make_feature_cache("cpu", nn.Linear(3, 2), torch.bfloat16, src)
+        >>> cache = make_feature_cache("cpu", nn.Linear(3, 2), src)
         >>> cache.size, cache.device, cache.store_dtype
-        (8, device(type='cpu'), torch.bfloat16)
-        >>> make_feature_cache(False, nn.Linear(3, 2), None, src) is None
+        (8, device(type='cpu'), None)
+        >>> make_feature_cache(False, nn.Linear(3, 2), src) is None
         True
-        >>> make_feature_cache(True, None, None, src)
+        >>> make_feature_cache(True, None, src)
         Traceback (most recent call last):
             ...
         ValueError: cache_features caches frozen_prefix's outputs, but got frozen_prefix=None; ...
-        >>> make_feature_cache(True, nn.Linear(3, 2), None, IterableSource([[torch.zeros(2, 3)]]))
+        >>> make_feature_cache(True, nn.Linear(3, 2), IterableSource([[torch.zeros(2, 3)]]))
         Traceback (most recent call last):
             ...
         ValueError: cache_features needs each example's dataset index, but the source provides ...
@@ -337,9 +339,41 @@ def make_feature_cache(
             "cache_features",
             "pass a DataLoader over a map-style dataset, or cache_features=False",
         )
-    device = None if cache is True else check_device_name("cache_features", cache)
-    store_dtype = autocast if isinstance(autocast, torch.dtype) else None
-    return FeatureCache(size, device, store_dtype, in_state)
+    device = None if cache is True else _cache_device(cache)
+    # NOTE: no store_dtype: the outputs' own (see the Scorer, which caches them as the prefix
+    # returns them); a bf16 store of float32 outputs rounded the head's training inputs.
+    return FeatureCache(size, device, None, in_state)
+
+
+def _cache_device(cache: str | torch.device) -> torch.device:
+    """``cache_features``' device, refused where it cannot hold the cache: the meta device, or
+    a CUDA device this machine does not have.
+
+    NOTE: before, such a device was accepted, and the first selection pass failed in torch
+    (``Torch not compiled with CUDA enabled``, ``Cannot copy out of meta tensor``), naming
+    nothing of ``cache_features``.
+
+    Example:
+        >>> _cache_device("meta")
+        Traceback (most recent call last):
+            ...
+        ValueError: cache_features='meta' would keep the features without their data; pass ...
+    """
+    device = check_device_name("cache_features", cache)
+    if device.type == "meta":
+        raise ValueError(
+            "cache_features='meta' would keep the features without their data; pass "
+            "cache_features=True (the cache where the features are) or a device such as 'cpu'"
+        )
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count or (device.index is not None and device.index >= count):
+            raise ValueError(
+                f"cache_features should be a device this machine has (CUDA devices: {count}), "
+                f"but got cache_features={str(device)!r}; pass one it has (e.g. 'cpu'), or "
+                "True to keep the cache where the features are"
+            )
+    return device
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

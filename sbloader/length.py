@@ -290,6 +290,10 @@ class FixedEpochIterator:
                     f'from {fewest} to {most}; pass the same int on every rank ("expected" '
                     "differs where the ranks' sources differ in length)"
                 )
+        # NOTE: a frozen prefix the user unfroze between training epochs is refused here, not
+        # only when the next pass over the data begins: a pass can span several training
+        # epochs, whose steps would train on its detached features, the prefix unchanged.
+        loader._scorer.check()
         if clock._active and not clock._resume:  # the previous training epoch was abandoned
             clock.epoch += 1
             clock.yielded = 0

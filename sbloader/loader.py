@@ -284,7 +284,7 @@ class SelectiveLoader(NotADataLoader):
             explicit value is refused (``ValueError``, when the loader is built or at the first
             epoch start after the model is prepared).
         memory_format: e.g. ``torch.channels_last``, applied to 4-d inputs before selection and
-            training.
+            training (``torch.channels_last_3d``: to 5-d ones, e.g. videos).
         input_key, target_key: the model input and loss target fields: positions in tuple/list
             batches (default 0 and 1), keys in dict batches (default ``"input"``, ``"target"``).
             A tuple ``input_key`` names several fields, the model's positional inputs:
@@ -320,7 +320,8 @@ class SelectiveLoader(NotADataLoader):
             as float32) and the losses from ``model(features)``; yielded batches carry the
             selected examples' ``batch.features``, so the training step runs only the head:
             ``loss_fn(model(batch.features), targets)``. Refused (``ValueError``) when a prefix
-            parameter has ``requires_grad=True``, checked again when each epoch starts.
+            parameter has ``requires_grad=True``, checked again when each epoch starts (and
+            each training epoch, with ``batches_per_epoch``).
         cache_features: with ``frozen_prefix``, keep each example's prefix output across
             epochs, keyed by dataset index (a :class:`~sbloader.features.FeatureCache`): the
             prefix then runs once per example in the whole run, not once per epoch. ``True``
@@ -328,7 +329,8 @@ class SelectiveLoader(NotADataLoader):
             Valid only when an example's input is the same every epoch (no random
             augmentation before the prefix): a few cached examples are recomputed each epoch
             and a changed input raises ``ValueError``. Needs dataset indices. Its memory is
-            dataset size x prefix output size (in the ``autocast`` dtype when given). Part of
+            dataset size x prefix output size (in the dtype the prefix returns: the ``autocast``
+            dtype when given, unless the prefix's last op runs in float32). Part of
             :meth:`state_dict` only with ``save_feature_cache=True``; otherwise it refills after
             a resume, with features computed among other candidates, which may differ in the
             last bits from those the uninterrupted run cached, so such a resume is not
@@ -676,6 +678,13 @@ class SelectiveLoader(NotADataLoader):
                 "memory_format should be a torch.memory_format such as torch.channels_last, or "
                 f"None, but got memory_format={memory_format!r}"
             )
+        if memory_format == torch.preserve_format:
+            raise ValueError(
+                "memory_format should be a layout to convert inputs to, such as "
+                "torch.channels_last (4-d images) or torch.channels_last_3d (5-d videos), but got "
+                "memory_format=torch.preserve_format; pass memory_format=None to keep the "
+                "source's layout"
+            )
         # NOTE: "auto" resolves here, once, on the selecting model's device, so that a loader's
         # selections never change precision mid-run; a resumed state brings its own choice.
         self._autocast_requested = check_autocast(autocast)
@@ -740,7 +749,6 @@ class SelectiveLoader(NotADataLoader):
             make_feature_cache(
                 cache_features,
                 frozen_prefix,
-                autocast,
                 self._source,
                 check_bool("save_feature_cache", save_feature_cache),
             ),

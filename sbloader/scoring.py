@@ -27,6 +27,7 @@ from .quantize import Int8Unavailable, QuantizedSelector
 from .selection import (
     SelectionForward,
     downsample,
+    features_as_float,
     has_lazy,
     is_fsdp,
     model_device,
@@ -552,8 +553,8 @@ class Scorer:
         cache = self.feature_cache
         rows = np.arange(inputs.shape[0]) if positions is None else positions
 
-        def compute(x: torch.Tensor) -> torch.Tensor:
-            return self.forward.features(x, self.batch_size, self.autocast)
+        def compute(x: torch.Tensor, as_float: bool = True) -> torch.Tensor:
+            return self.forward.features(x, self.batch_size, self.autocast, as_float)
 
         if positions is not None:
             pos = torch.from_numpy(positions).to(inputs.device, non_blocking=True)
@@ -567,9 +568,13 @@ class Scorer:
         missing = cache.missing(idx)
         if len(missing):
             x = inputs.index_select(0, torch.from_numpy(missing).to(inputs.device))
-            cache.put(idx[missing], compute(x))
+            # NOTE: kept as the prefix returns them: in the autocast dtype where its last op ran
+            # in it, in float32 where it ran in float32 (a pooling or normalisation autocast
+            # keeps in float32): before, those were rounded to the autocast dtype when cached,
+            # so that with cache_features the head trained on other features than without.
+            cache.put(idx[missing], compute(x, as_float=False))
             stats.prefix_forwards += len(missing)
-        return cache.get(idx, inputs.device)
+        return features_as_float(cache.get(idx, inputs.device), self.autocast)
 
     def state_dict(self) -> dict[str, Any]:
         shape = self.logits_shape

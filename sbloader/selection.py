@@ -29,6 +29,7 @@ __all__ = [
     "check_output",
     "downsample",
     "eval_mode",
+    "features_as_float",
     "input_fields",
     "is_fsdp",
     "model_output",
@@ -693,12 +694,14 @@ def prefix_features(
     *,
     batch_size: int | None = None,
     autocast_dtype: torch.dtype | None = None,
+    as_float: bool = True,
 ) -> torch.Tensor:
     """The outputs of a frozen ``prefix`` on ``inputs``, in eval mode, without autograd.
 
     Runs under ``torch.no_grad()`` (not inference mode) so that the outputs are ordinary tensors
     that a trainable head can take as inputs in autograd. Under ``autocast_dtype``, outputs of
-    that dtype are returned as float32, ready for a float32 head.
+    that dtype are returned as float32, ready for a float32 head (unless not ``as_float``: as
+    the prefix returned them, e.g. for a cache that keeps them in their own dtype).
 
     Example:
         >>> prefix_features(nn.Linear(4, 2), torch.zeros(5, 4), batch_size=2).shape
@@ -709,9 +712,22 @@ def prefix_features(
     with eval_mode(prefix), torch.no_grad(), selection_autocast(inputs.device.type, autocast_dtype):
         chunks = [prefix(inputs[start : start + step]) for start in range(0, n, step)]
     out = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-    if autocast_dtype is not None and out.dtype == autocast_dtype:
-        out = out.float()
-    return out
+    return features_as_float(out, autocast_dtype) if as_float else out
+
+
+def features_as_float(features: torch.Tensor, autocast_dtype: torch.dtype | None) -> torch.Tensor:
+    """A frozen prefix's outputs as the head takes them: float32 where they came in the
+    selection passes' ``autocast_dtype``, else as they are.
+
+    Example:
+        >>> features_as_float(torch.ones(2, dtype=torch.bfloat16), torch.bfloat16).dtype
+        torch.float32
+        >>> features_as_float(torch.ones(2, dtype=torch.float64), None).dtype
+        torch.float64
+    """
+    if autocast_dtype is not None and features.dtype == autocast_dtype:
+        return features.float()
+    return features
 
 
 class SelectionForward:
@@ -851,8 +867,10 @@ class SelectionForward:
         inputs: torch.Tensor,
         batch_size: int | None = None,
         autocast_dtype: torch.dtype | None = None,
+        as_float: bool = True,
     ) -> torch.Tensor:
-        """The frozen prefix's outputs on ``inputs`` (compiled when compiling)."""
+        """The frozen prefix's outputs on ``inputs`` (compiled when compiling; see
+        :func:`prefix_features` for ``as_float``)."""
         assert self.frozen_prefix is not None
         if not isinstance(inputs, torch.Tensor):
             raise TypeError(
@@ -860,7 +878,9 @@ class SelectionForward:
                 f"{type(inputs).__name__}; pass input_key= a tensor field, or frozen_prefix=None"
             )
         prefix = self.module(self.frozen_prefix)
-        return prefix_features(prefix, inputs, batch_size=batch_size, autocast_dtype=autocast_dtype)
+        return prefix_features(
+            prefix, inputs, batch_size=batch_size, autocast_dtype=autocast_dtype, as_float=as_float
+        )
 
     def __call__(
         self,

@@ -278,6 +278,42 @@ def test_channels_last_and_a_copied_selector_keep_the_choices():
     assert chosen(with_selector) == chosen(plain)
 
 
+class LayoutRecorder(nn.Module):
+    """A video model that records, per forward, whether its input is channels_last_3d."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(3, 4, 3, padding=1)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(4, CLASSES))
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.is_contiguous(memory_format=torch.channels_last_3d))
+        return self.head(self.conv(x))
+
+
+def test_channels_last_3d_converts_video_inputs_and_preserve_format_is_refused():
+    """Before, memory_format applied to 4-d inputs only: channels_last_3d, the layout for 5-d
+    video batches, was silently ignored on them (and raised torch's error on images)."""
+    g = torch.Generator().manual_seed(0)
+    videos = TensorDataset(torch.randn(24, 3, 2, 4, 4, generator=g), torch.arange(24) % CLASSES)
+    model = seeded(LayoutRecorder)
+    loader = SelectiveLoader(
+        DataLoader(videos, batch_size=12),
+        model,
+        policy=SelectiveBackprop(0.5, history=16),
+        batch_size=4,
+        memory_format=torch.channels_last_3d,
+    )
+    batches = list(loader)
+    assert model.seen == [True, True]  # both selection passes
+    assert all(b[0].is_contiguous(memory_format=torch.channels_last_3d) for b in batches)
+    _, images_ = run(epochs=1, memory_format=torch.channels_last_3d)  # 4-d: left as they are
+    assert images_[0][0].is_contiguous()
+    with pytest.raises(ValueError, match=r"memory_format=torch\.preserve_format; pass"):
+        run(memory_format=torch.preserve_format)
+
+
 class AutocastRecorder(nn.Module):
     """Records, per forward, whether CPU autocast is on and the dtype its matmul computes in."""
 
@@ -378,6 +414,29 @@ def test_trainable_frozen_prefix_is_refused_up_front_and_at_each_epoch():
     backbone[1].bias.requires_grad_(True)  # unfrozen between epochs
     with pytest.raises(ValueError, match="frozen_prefix has 1 parameters with requires_grad"):
         next(iter(loader))
+
+
+def test_a_frozen_prefix_unfrozen_between_training_epochs_is_refused_at_the_next_one():
+    """With batches_per_epoch a pass over the data spans several training epochs; before, the
+    prefix was checked only when a pass began, so the training epochs after an unfreeze within
+    a pass trained on its detached features unnoticed (the prefix never trained)."""
+    backbone, head = backbone_and_head()
+    loader = SelectiveLoader(
+        DataLoader(images(), batch_size=60),
+        head,
+        policy=SelectiveBackprop(1 / 3, history=64),
+        batch_size=20,
+        frozen_prefix=backbone,
+        batches_per_epoch=1,
+    )
+    first = [b.indices.tolist() for b in loader]
+    assert len(first) == 1 and loader.epoch == 0  # the pass goes on in the next epoch
+    backbone[0].weight.requires_grad_(True)  # unfrozen between training epochs
+    with pytest.raises(ValueError, match="frozen_prefix has 1 parameters with requires_grad"):
+        next(iter(loader))
+    backbone.requires_grad_(False)
+    second = [b.indices.tolist() for b in loader]  # refrozen: goes on, nothing lost
+    assert len(second) == 1 and not set(second[0]) & set(first[0])
 
 
 def test_frozen_prefix_misuse_is_named():
@@ -526,6 +585,34 @@ def test_cached_features_under_autocast_are_stored_in_half_the_memory():
     assert all(b.features.dtype == torch.float32 for b in batches)
 
 
+def test_cached_features_of_a_prefix_ending_in_float32_under_autocast_are_not_rounded():
+    """Under a bf16 autocast, a prefix whose last op autocast runs in float32 (a 3-d pooling on
+    a CPU; a normalisation on a GPU) returns float32 features; before, the cache stored them in
+    bf16, so with cache_features the head trained on rounded features, other than without it
+    (from the first epoch on: the cached rows are what the batches carry)."""
+    g = torch.Generator().manual_seed(0)
+    videos = TensorDataset(torch.randn(24, 3, 2, 4, 4, generator=g), torch.arange(24) % CLASSES)
+    backbone = seeded(
+        lambda: nn.Sequential(nn.Conv3d(3, 8, 3, padding=1), nn.AdaptiveAvgPool3d(1), nn.Flatten())
+    ).requires_grad_(False)
+
+    def features(cache):
+        loader = SelectiveLoader(
+            DataLoader(videos, batch_size=12),
+            seeded(lambda: nn.Linear(8, CLASSES)),
+            policy=Traditional(),
+            frozen_prefix=backbone,
+            autocast=torch.bfloat16,
+            cache_features=cache,
+        )
+        return loader, [torch.cat([b.features for b in loader]) for _ in range(2)]
+
+    _, plain = features(False)
+    loader, cached = features(True)
+    assert loader.scorer.feature_cache.values.dtype == torch.float32
+    assert all(torch.equal(a, b) for a, b in zip(cached, plain))
+
+
 def test_cache_features_misuse_is_named():
     backbone, head = backbone_and_head()
     with pytest.raises(ValueError, match="cache_features caches frozen_prefix's outputs"):
@@ -542,6 +629,15 @@ def test_cache_features_misuse_is_named():
         run(model=head, frozen_prefix=backbone, save_feature_cache=True)
     with pytest.raises(TypeError, match="save_feature_cache should be True or False"):
         run(model=head, frozen_prefix=backbone, cache_features=True, save_feature_cache="yes")
+    # (before: accepted, and the first selection pass failed in torch, naming nothing)
+    with pytest.raises(ValueError, match="cache_features='meta' would keep the features"):
+        run(model=head, frozen_prefix=backbone, cache_features="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cache_features should be a device this machine"):
+            run(model=head, frozen_prefix=backbone, cache_features="cuda")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match=f"CUDA devices: {gpus}.*cache_features='cuda:{gpus}'"):
+        run(model=head, frozen_prefix=backbone, cache_features=f"cuda:{gpus}")
 
 
 def test_a_saved_feature_cache_resumes_without_running_the_prefix_again():
