@@ -72,9 +72,10 @@ class QuantizedSelection:
         refresh_every: selection passes (source batches) between two rebuilds instead: give
             one of the two.
         calibration_examples: the first this many candidates of the source batch being scored
-            when the copy is rebuilt calibrate its activation ranges (all of them if the batch
-            is smaller). Default 128: the same ranking as 256 or 512 (Spearman 0.9996 against
-            fp32 on the benchmark CNN) at a cheaper refresh.
+            (of those whose inputs are all finite) when the copy is rebuilt calibrate its
+            activation ranges (all of them if the batch is smaller). Default 128: the same
+            ranking as 256 or 512 (Spearman 0.9996 against fp32 on the benchmark CNN) at a
+            cheaper refresh.
 
     NOTE: counted in candidates by default, not in source batches: a refresh costs the same
     whatever the source batch's size, so a count of source batches made sources of 128
@@ -412,7 +413,60 @@ def _int8_copy(model: nn.Module, calib: torch.Tensor, engine: str) -> nn.Module:
     with torch.inference_mode(), selection_autocast(calib.device.type, None):
         quantized(calib[:2])  # an op without int8 kernels fails here, not mid-epoch
     _check_plain(quantized)
+    quantized.register_forward_hook(_nonfinite_rows)
     return quantized
+
+
+def _calibration_rows(inputs: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` rows of ``inputs`` whose values are all finite, to calibrate a copy on
+    (the first ``n`` rows with non-finite values as 0 where no row is finite).
+
+    NOTE: a min-max observer takes the range of every value it sees: one NaN or infinite
+    candidate among the calibration rows made the copy's scales non-finite, and the copy then
+    scored every candidate NaN until its next refresh (all of them skipped under the default
+    ``nonfinite="skip"``), where float selection passes skip that one candidate only.
+
+    Example:
+        >>> x = torch.tensor([[float("nan"), 1.0], [2.0, 3.0], [4.0, float("inf")], [5.0, 6.0]])
+        >>> _calibration_rows(x, 2)
+        tensor([[2., 3.],
+                [5., 6.]])
+    """
+    head = inputs[:n]
+    if not head.is_floating_point() or head.dim() == 0:
+        return head
+    if bool(torch.isfinite(head).all()):
+        return head
+    finite = torch.isfinite(inputs.reshape(inputs.shape[0], -1)).all(1)
+    if bool(finite.any()):
+        return inputs[finite][:n]
+    return head.nan_to_num(0.0, 0.0, 0.0)
+
+
+def _nonfinite_rows(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    """The forward hook of an int8 copy: NaN outputs for the rows whose inputs hold a NaN or an
+    infinite value, as the float model gives them.
+
+    NOTE: quantizing maps NaN and infinite values to finite int8 ones, so without it such a
+    candidate got a finite loss from the copy: ``nonfinite=`` never saw it, and it could be
+    selected and trained on (its NaN input then reached the training step), where float
+    selection passes find its loss non-finite.
+    """
+    inputs = args[0] if args else None
+    if (
+        not isinstance(inputs, torch.Tensor)
+        or not inputs.is_floating_point()
+        or inputs.dim() == 0
+        or not isinstance(output, torch.Tensor)
+        or not output.is_floating_point()
+        or output.dim() == 0
+        or output.shape[0] != inputs.shape[0]
+    ):
+        return output
+    bad = ~torch.isfinite(inputs.reshape(inputs.shape[0], -1)).all(1)
+    if not bool(bad.any()):
+        return output
+    return output.masked_fill(bad.view(-1, *([1] * (output.dim() - 1))), float("nan"))
 
 
 def _forget_modules() -> None:
@@ -555,7 +609,7 @@ class QuantizedSelector:
                 "quantize_selection calls the model on the input field as one tensor, but it is "
                 f"a {type(inputs).__name__}; pass input_key= a tensor field, " + _FIX
             )
-        calib = inputs[: self.config.calibration_examples]
+        calib = _calibration_rows(inputs, self.config.calibration_examples)
         if prepare is not None:
             with torch.inference_mode():
                 calib = prepare(calib)
