@@ -391,7 +391,15 @@ def _int8_copy(model: nn.Module, calib: torch.Tensor, engine: str) -> nn.Module:
     # NOTE: the gradients are left out of the copy (deepcopy's memo maps each to None), and the
     # copy, not the model, is put in eval mode: the model's flags stay untouched.
     memo: dict[int, Any] = {id(p.grad): None for p in model.parameters() if p.grad is not None}
-    work = copy.deepcopy(model, memo).eval()
+    try:
+        work = copy.deepcopy(model, memo).eval()
+    except Exception as e:
+        raise Int8Unavailable(
+            "quantize_selection builds its int8 copy from copy.deepcopy of the selection model, "
+            f"which failed{_uncopyable(model)}: {type(e).__name__}: {_first_line(e)}; keep "
+            "what cannot be copied (a SelectiveLoader during its epoch, a lock, an open file) "
+            "off the model's attributes, pass selector= a model that can be copied, " + _FIX
+        ) from e
     work.requires_grad_(False)
     prepared = prepare_fx(work, qconfig_mapping(engine), (calib[:1],))
     # NOTE: calibrated and checked in float32 also inside a caller's torch.autocast region
@@ -467,6 +475,27 @@ def _nonfinite_rows(module: nn.Module, args: tuple[Any, ...], output: Any) -> An
     if not bool(bad.any()):
         return output
     return output.masked_fill(bad.view(-1, *([1] * (output.dim() - 1))), float("nan"))
+
+
+def _first_line(error: Exception) -> str:
+    """The first line of ``error``'s message, at most 300 characters."""
+    return str(error).splitlines()[0][:300] if str(error) else ""
+
+
+def _uncopyable(model: nn.Module) -> str:
+    """`` on its attribute NAME (a TYPE)`` for the first attribute of ``model``'s modules (other
+    than modules, parameters and buffers) that ``copy.deepcopy`` refuses, or ``""``: for the
+    message of a copy that failed (a model that keeps its loader, for instance)."""
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if attr.startswith("_") or isinstance(value, (nn.Module, torch.Tensor)):
+                continue
+            try:
+                copy.deepcopy(value)
+            except Exception:
+                key = f"{name}.{attr}" if name else attr
+                return f" on its attribute {key!r} (a {type(value).__name__})"
+    return ""
 
 
 def _forget_modules() -> None:
@@ -616,8 +645,10 @@ class QuantizedSelector:
         with quiet():
             try:
                 return _int8_copy(model, calib, self.engine)
+            except Int8Unavailable:
+                raise
             except Exception as e:
-                first = str(e).splitlines()[0][:300] if str(e) else ""
+                first = _first_line(e)
                 raise Int8Unavailable(
                     "quantize_selection could not make an int8 copy of the selection model with "
                     f"torch.ao.quantization (FX graph mode, engine {self.engine!r}): "

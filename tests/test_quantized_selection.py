@@ -660,3 +660,19 @@ def test_a_candidate_with_nan_inputs_is_non_finite_as_in_float(bad_row: int) -> 
         runs[q] = (stats.nonfinite, bad_row in kept, len(kept))
     assert runs[True][:2] == runs[False][:2] == (1, False)
     assert runs[True][2] > 32  # the other candidates were scored finite and selected
+
+
+def test_a_model_that_cannot_be_copied_is_refused_naming_the_attribute() -> None:
+    """A model that keeps its loader (as a LightningModule may) cannot be deep-copied during an
+    epoch: refused on the first batch naming the copy and the attribute, not the model's
+    layers."""
+    model = cnn()
+    loader = make(model, True)
+    model.loader = loader  # type: ignore[assignment]
+    with pytest.raises(sbloader.quantize.Int8Unavailable) as info:
+        next(iter(loader))
+    message = str(info.value)
+    assert "copy.deepcopy of the selection model" in message, message
+    assert "attribute 'loader' (a SelectiveLoader)" in message, message
+    assert "layers have int8 kernels" not in message
+    assert "quantize_selection=False" in message
