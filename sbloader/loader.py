@@ -444,13 +444,15 @@ class SelectiveLoader(NotADataLoader):
             its settings): PyTorch's FX graph-mode post-training quantization for the current
             ``torch.backends.quantized.engine`` (Conv-BN-ReLU fused, int8 weights, activation
             ranges calibrated on the first ``calibration_examples`` candidates of the source
-            batch being scored). The copy is rebuilt from the model's current weights at the
-            first selection pass of every epoch that has selection passes (a Stale-SB fresh
-            epoch, every epoch of plain SB) and then every ``refresh_examples`` candidates
-            scored (16384 unless set), so selection losses come from weights up to that many
-            candidates old. Training forwards are not affected. Its refresh clock and the
-            copy's int8 values are part of :meth:`state_dict` (a resume scores with the same
-            copy). Refused (``ValueError``) with a model torch.fx cannot trace, on a GPU, and
+            batch being scored whose inputs are finite; a candidate with a NaN or infinite
+            input gets a non-finite loss, as in float). The copy is rebuilt from the model's
+            current weights at the first selection pass of every epoch that has selection
+            passes (a Stale-SB fresh epoch, every epoch of plain SB) and then every
+            ``refresh_examples`` candidates scored (16384 unless set), so selection losses come
+            from weights up to that many candidates old. Training forwards are not affected.
+            Its refresh clock and the copy's int8 values are part of :meth:`state_dict` (a
+            resume scores with the same copy).
+            Refused (``ValueError``) with a model torch.fx cannot trace, on a GPU, and
             with an ``autocast`` dtype, ``compile_selection``, ``forward=`` (or a tuple
             ``input_key``), ``frozen_prefix``, ``eval_selection=False``, ``overlap_selection``,
             ``keep_logits=True`` or an FSDP-sharded model; a model with layers that have no int8

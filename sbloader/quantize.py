@@ -72,9 +72,10 @@ class QuantizedSelection:
         refresh_every: selection passes (source batches) between two rebuilds instead: give
             one of the two.
         calibration_examples: the first this many candidates of the source batch being scored
-            when the copy is rebuilt calibrate its activation ranges (all of them if the batch
-            is smaller). Default 128: the same ranking as 256 or 512 (Spearman 0.9996 against
-            fp32 on the benchmark CNN) at a cheaper refresh.
+            (of those whose inputs are all finite) when the copy is rebuilt calibrate its
+            activation ranges (all of them if the batch is smaller). Default 128: the same
+            ranking as 256 or 512 (Spearman 0.9996 against fp32 on the benchmark CNN) at a
+            cheaper refresh.
 
     NOTE: counted in candidates by default, not in source batches: a refresh costs the same
     whatever the source batch's size, so a count of source batches made sources of 128
@@ -390,7 +391,15 @@ def _int8_copy(model: nn.Module, calib: torch.Tensor, engine: str) -> nn.Module:
     # NOTE: the gradients are left out of the copy (deepcopy's memo maps each to None), and the
     # copy, not the model, is put in eval mode: the model's flags stay untouched.
     memo: dict[int, Any] = {id(p.grad): None for p in model.parameters() if p.grad is not None}
-    work = copy.deepcopy(model, memo).eval()
+    try:
+        work = copy.deepcopy(model, memo).eval()
+    except Exception as e:
+        raise Int8Unavailable(
+            "quantize_selection builds its int8 copy from copy.deepcopy of the selection model, "
+            f"which failed{_uncopyable(model)}: {type(e).__name__}: {_first_line(e)}; keep "
+            "what cannot be copied (a SelectiveLoader during its epoch, a lock, an open file) "
+            "off the model's attributes, pass selector= a model that can be copied, " + _FIX
+        ) from e
     work.requires_grad_(False)
     prepared = prepare_fx(work, qconfig_mapping(engine), (calib[:1],))
     # NOTE: calibrated and checked in float32 also inside a caller's torch.autocast region
@@ -412,7 +421,81 @@ def _int8_copy(model: nn.Module, calib: torch.Tensor, engine: str) -> nn.Module:
     with torch.inference_mode(), selection_autocast(calib.device.type, None):
         quantized(calib[:2])  # an op without int8 kernels fails here, not mid-epoch
     _check_plain(quantized)
+    quantized.register_forward_hook(_nonfinite_rows)
     return quantized
+
+
+def _calibration_rows(inputs: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` rows of ``inputs`` whose values are all finite, to calibrate a copy on
+    (the first ``n`` rows with non-finite values as 0 where no row is finite).
+
+    NOTE: a min-max observer takes the range of every value it sees: one NaN or infinite
+    candidate among the calibration rows made the copy's scales non-finite, and the copy then
+    scored every candidate NaN until its next refresh (all of them skipped under the default
+    ``nonfinite="skip"``), where float selection passes skip that one candidate only.
+
+    Example:
+        >>> x = torch.tensor([[float("nan"), 1.0], [2.0, 3.0], [4.0, float("inf")], [5.0, 6.0]])
+        >>> _calibration_rows(x, 2)
+        tensor([[2., 3.],
+                [5., 6.]])
+    """
+    head = inputs[:n]
+    if not head.is_floating_point() or head.dim() == 0:
+        return head
+    if bool(torch.isfinite(head).all()):
+        return head
+    finite = torch.isfinite(inputs.reshape(inputs.shape[0], -1)).all(1)
+    if bool(finite.any()):
+        return inputs[finite][:n]
+    return head.nan_to_num(0.0, 0.0, 0.0)
+
+
+def _nonfinite_rows(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    """The forward hook of an int8 copy: NaN outputs for the rows whose inputs hold a NaN or an
+    infinite value, as the float model gives them.
+
+    NOTE: quantizing maps NaN and infinite values to finite int8 ones, so without it such a
+    candidate got a finite loss from the copy: ``nonfinite=`` never saw it, and it could be
+    selected and trained on (its NaN input then reached the training step), where float
+    selection passes find its loss non-finite.
+    """
+    inputs = args[0] if args else None
+    if (
+        not isinstance(inputs, torch.Tensor)
+        or not inputs.is_floating_point()
+        or inputs.dim() == 0
+        or not isinstance(output, torch.Tensor)
+        or not output.is_floating_point()
+        or output.dim() == 0
+        or output.shape[0] != inputs.shape[0]
+    ):
+        return output
+    bad = ~torch.isfinite(inputs.reshape(inputs.shape[0], -1)).all(1)
+    if not bool(bad.any()):
+        return output
+    return output.masked_fill(bad.view(-1, *([1] * (output.dim() - 1))), float("nan"))
+
+
+def _first_line(error: Exception) -> str:
+    """The first line of ``error``'s message, at most 300 characters."""
+    return str(error).splitlines()[0][:300] if str(error) else ""
+
+
+def _uncopyable(model: nn.Module) -> str:
+    """`` on its attribute NAME (a TYPE)`` for the first attribute of ``model``'s modules (other
+    than modules, parameters and buffers) that ``copy.deepcopy`` refuses, or ``""``: for the
+    message of a copy that failed (a model that keeps its loader, for instance)."""
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if attr.startswith("_") or isinstance(value, (nn.Module, torch.Tensor)):
+                continue
+            try:
+                copy.deepcopy(value)
+            except Exception:
+                key = f"{name}.{attr}" if name else attr
+                return f" on its attribute {key!r} (a {type(value).__name__})"
+    return ""
 
 
 def _forget_modules() -> None:
@@ -555,15 +638,17 @@ class QuantizedSelector:
                 "quantize_selection calls the model on the input field as one tensor, but it is "
                 f"a {type(inputs).__name__}; pass input_key= a tensor field, " + _FIX
             )
-        calib = inputs[: self.config.calibration_examples]
+        calib = _calibration_rows(inputs, self.config.calibration_examples)
         if prepare is not None:
             with torch.inference_mode():
                 calib = prepare(calib)
         with quiet():
             try:
                 return _int8_copy(model, calib, self.engine)
+            except Int8Unavailable:
+                raise
             except Exception as e:
-                first = str(e).splitlines()[0][:300] if str(e) else ""
+                first = _first_line(e)
                 raise Int8Unavailable(
                     "quantize_selection could not make an int8 copy of the selection model with "
                     f"torch.ao.quantization (FX graph mode, engine {self.engine!r}): "

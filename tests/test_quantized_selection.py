@@ -641,3 +641,38 @@ def test_the_copy_is_calibrated_in_float32_inside_a_callers_autocast_region() ->
     for k in inside:
         assert torch.equal(torch.as_tensor(inside[k]), torch.as_tensor(outside[k])), k
     assert b_in == b_out
+
+
+@pytest.mark.parametrize("bad_row", [0, 40])
+def test_a_candidate_with_nan_inputs_is_non_finite_as_in_float(bad_row: int) -> None:
+    """A candidate whose input holds a NaN gets a non-finite loss from the int8 copy, as from the
+    float model: it alone is skipped (``nonfinite="skip"``). Before, in the calibration rows it
+    made every scale NaN (every candidate of the copy's life skipped), and elsewhere quantizing
+    made its input finite, so it could be selected and its NaN input trained on."""
+    data = dataset(64)
+    data.tensors[0][bad_row, 0, 3, 3] = float("nan")
+    runs = {}
+    for q in (False, True):
+        loader = make(cnn(), q, policy=SelectiveBackprop(1.0), data=data)
+        kept = {i for idx, _ in epoch_batches(loader) for i in idx}
+        stats = loader.stats.current
+        assert stats is not None
+        runs[q] = (stats.nonfinite, bad_row in kept, len(kept))
+    assert runs[True][:2] == runs[False][:2] == (1, False)
+    assert runs[True][2] > 32  # the other candidates were scored finite and selected
+
+
+def test_a_model_that_cannot_be_copied_is_refused_naming_the_attribute() -> None:
+    """A model that keeps its loader (as a LightningModule may) cannot be deep-copied during an
+    epoch: refused on the first batch naming the copy and the attribute, not the model's
+    layers."""
+    model = cnn()
+    loader = make(model, True)
+    model.loader = loader  # type: ignore[assignment]
+    with pytest.raises(sbloader.quantize.Int8Unavailable) as info:
+        next(iter(loader))
+    message = str(info.value)
+    assert "copy.deepcopy of the selection model" in message, message
+    assert "attribute 'loader' (a SelectiveLoader)" in message, message
+    assert "layers have int8 kernels" not in message
+    assert "quantize_selection=False" in message
