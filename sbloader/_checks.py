@@ -235,17 +235,28 @@ class FieldError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
+def check_cuda_present(name: str, device: torch.device, fix: str) -> None:
+    """Refuse ``name=device`` where it is a CUDA device this machine does not have, naming
+    ``fix`` as the alternative (else the first use would fail in torch, naming nothing).
+
+    Example:
+        >>> check_cuda_present("device", torch.device("cpu"), "leave it out")
+    """
+    if device.type != "cuda":
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not count or (device.index is not None and device.index >= count):
+        raise ValueError(
+            f"{name} should be a device this machine has (CUDA devices: {count}), but got "
+            f"{name}={str(device)!r}; pass one it has (e.g. 'cpu'), or {fix}"
+        )
+
+
 def check_device(device: Any, given: bool) -> None:
     """Refuse to move batches to the meta device, where tensors hold no data, or to a CUDA
     device this machine does not have (else the first batch would fail in torch)."""
-    if given and device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if not count or (device.index is not None and device.index >= count):
-            raise ValueError(
-                f"device should be a device this machine has (CUDA devices: {count}), but got "
-                f"device={str(device)!r}; pass one it has (e.g. 'cpu'), or leave device out to "
-                "use the model's"
-            )
+    if given:
+        check_cuda_present("device", device, "leave device out to use the model's")
     if device.type != "meta":
         return
     if given:

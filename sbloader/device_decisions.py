@@ -105,15 +105,21 @@ class DeviceWindow:
         """The held losses in ascending order."""
         return self._sorted.clone()
 
-    def ranks(
-        self, losses: torch.Tensor, strict: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def ranks(self, losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For each loss, the count and window size of the empirical CDF it gets when the
         batch's finite losses are pushed one at a time, and which losses are finite.
 
-        Returns ``(count, size, finite)``: ``CDF = count / size`` where ``finite``. With
-        ``strict``, ``count`` counts the values below the loss instead (``<``, not ``<=``).
+        Returns ``(count, size, finite)``: ``CDF = count / size`` where ``finite``.
         """
+        count, _, size, finite = self._counts(losses, lows=False)
+        return count, size, finite
+
+    def _counts(
+        self, losses: torch.Tensor, lows: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """:meth:`ranks`' ``(count, low, size, finite)``, with ``low`` (where ``lows``) the
+        count of the values below each loss (``<``, not ``<=``: a tie group's lowest rank),
+        from the same pass of pairwise comparisons, else None."""
         x = losses.to(torch.float64).reshape(-1)
         n, n0, cap = x.shape[0], len(self), self.size
         finite = torch.isfinite(x)
@@ -121,34 +127,42 @@ class DeviceWindow:
         pushed = n0 + order + 1  # values pushed so far, the loss included
         size = pushed.clamp(max=cap)
         evicted = pushed - size  # of the whole stream (old values first, then the batch's)
-        below = torch.lt if strict else torch.le
-        count = torch.searchsorted(self._sorted, x, right=not strict)
+        count = torch.searchsorted(self._sorted, x, right=True)
+        low = torch.searchsorted(self._sorted, x, right=False) if lows else None
         span = min(n, n0)  # old values the batch can evict (one per push)
         arange = torch.arange(max(span, n), device=x.device)
         first_held = (evicted - n0).clamp(min=0)  # place of the batch's oldest value still held
         # NOTE: the pairwise comparisons go in blocks of rows, so that memory stays at
         # _BLOCK x n booleans for any batch (a source batch of 8192 would need 64 MB at once).
-        parts = []
+        parts: list[torch.Tensor] = []
+        low_parts: list[torch.Tensor] = []
         for a in range(0, n, _BLOCK):
             b = min(a + _BLOCK, n)
             xi = x[a:b].unsqueeze(1)
             # The batch's own finite values up to each loss (j <= i), less those evicted.
-            held = (
-                below(x[:b].unsqueeze(0), xi)
-                & finite[:b].unsqueeze(0)
+            ours = x[:b].unsqueeze(0)
+            mask = (
+                finite[:b].unsqueeze(0)
                 & (arange[:b].unsqueeze(0) <= arange[a:b].unsqueeze(1))
                 & (order[:b].unsqueeze(0) >= first_held[a:b].unsqueeze(1))
-            ).sum(1)
+            )
+            held = ((ours <= xi) & mask).sum(1)
+            held_low = ((ours < xi) & mask).sum(1) if lows else None
             if n0 + n > cap and span:
                 # Old values evicted before each loss.
-                held -= (
-                    below(self._values[:span].unsqueeze(0), xi)
-                    & (arange[:span].unsqueeze(0) < evicted[a:b].unsqueeze(1))
-                ).sum(1)
+                old = self._values[:span].unsqueeze(0)
+                gone = arange[:span].unsqueeze(0) < evicted[a:b].unsqueeze(1)
+                held -= ((old <= xi) & gone).sum(1)
+                if held_low is not None:
+                    held_low -= ((old < xi) & gone).sum(1)
             parts.append(held)
+            if held_low is not None:
+                low_parts.append(held_low)
         if parts:
             count = count + torch.cat(parts)
-        return count, size, finite
+            if low is not None:
+                low = low + torch.cat(low_parts)
+        return count, low, size, finite
 
     def push(self, losses: torch.Tensor, finite: torch.Tensor, m: int) -> None:
         """Append the ``m`` finite ``losses`` (mask ``finite``) in order, evicting the oldest."""
@@ -199,13 +213,12 @@ class DeviceWindow:
                 f"uniforms should hold one entry per candidate ({n}), but has shape "
                 f"{tuple(uniforms.shape)}"
             )
-        count, size, finite = self.ranks(losses)
+        count, lows, size, finite = self._counts(losses, lows=cut < 1.0)
         cdf = count.to(torch.float64) / size.clamp(min=1).to(torch.float64)
-        if cut < 1.0:
+        if lows is not None:
             # (the cut's relative tolerance as _kernels.cut_power's: see its NOTE; a loss is
             # left out only where its equals' lowest rank is above the cut, as in
             # _kernels.tied_cut_power)
-            lows = self.ranks(losses, strict=True)[0]
             first = (lows + 1).to(torch.float64) / size.clamp(min=1).to(torch.float64)
             p = torch.where(
                 first > cut * _kernels.CUT_TOLERANCE, 0.0, ((cdf / cut) ** beta).clamp(max=1.0)

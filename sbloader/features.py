@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._checks import check_bool, check_device_name, check_int, indices_needed
+from ._checks import check_bool, check_cuda_present, check_device_name, check_int, indices_needed
 from ._state import check_identity, check_version, taking_rollback
 
 __all__ = ["FeatureCache", "make_feature_cache", "prefix_digest"]
@@ -365,14 +365,7 @@ def _cache_device(cache: str | torch.device) -> torch.device:
             "cache_features='meta' would keep the features without their data; pass "
             "cache_features=True (the cache where the features are) or a device such as 'cpu'"
         )
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if not count or (device.index is not None and device.index >= count):
-            raise ValueError(
-                f"cache_features should be a device this machine has (CUDA devices: {count}), "
-                f"but got cache_features={str(device)!r}; pass one it has (e.g. 'cpu'), or "
-                "True to keep the cache where the features are"
-            )
+    check_cuda_present("cache_features", device, "True to keep the cache where the features are")
     return device
 
 

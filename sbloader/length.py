@@ -48,6 +48,7 @@ __all__ = [
     "FixedEpochs",
     "check_batches_per_epoch",
     "fills_a_batch",
+    "unfillable",
 ]
 
 #: Passes over the data in a row that may yield no batch before a training epoch gives up (a
@@ -345,13 +346,29 @@ def fills_a_batch(it: EpochIterator, batch_size: int, count: int) -> None:
         return
     expected = stats.target_rate * stats.examples_seen
     if expected < batch_size:
-        raise ValueError(
-            f"batches_per_epoch={count} can hardly be filled: a pass over the source had "
-            f"{stats.examples_seen} examples, of which the policy keeps about {expected:.3g}, "
-            f"less than batch_size={batch_size}, and remainder='drop' drops each pass's rest, "
-            "so most passes yield no batch; use remainder='carry' (the rest goes on into the "
-            "next pass) or a smaller batch_size"
+        raise unfillable(
+            count,
+            f"a pass over the source had {stats.examples_seen} examples, of which the "
+            f"policy keeps about {expected:.3g}",
+            batch_size,
         )
+
+
+def unfillable(count: int | None, kept: str, batch_size: int) -> ValueError:
+    """The refusal of ``batches_per_epoch=count`` under ``remainder="drop"`` where a pass keeps
+    less than a batch (``kept``: what a pass keeps, in words); the one message of the loader's
+    check as it is built and of :func:`fills_a_batch`'s after a pass.
+
+    Example:
+        >>> str(unfillable(2, "the policy keeps about 5 examples per pass", 8)).split(":")[0]
+        'batches_per_epoch=2 can hardly be filled'
+    """
+    return ValueError(
+        f"batches_per_epoch={count} can hardly be filled: {kept}, less than "
+        f"batch_size={batch_size}, and remainder='drop' drops each pass's rest, so most passes "
+        "yield no batch; use remainder='carry' (the rest goes on into the next pass) or a "
+        "smaller batch_size"
+    )
 
 
 def _barren(it: EpochIterator) -> bool:

@@ -41,7 +41,7 @@ from .distributed import RankSync, batch_digest, check_unsynced, is_distributed,
 from .epoch import EpochIterator, pass_fraction
 from .features import make_feature_cache
 from .feedback import FeedbackBuffer, checked
-from .length import FixedEpochIterator, FixedEpochs, check_batches_per_epoch
+from .length import FixedEpochIterator, FixedEpochs, check_batches_per_epoch, unfillable
 from .overlap import AheadScores, SelectionCopy
 from .policies import Policy, default_policy, passes_within
 from .precision import (
@@ -1503,13 +1503,11 @@ class SelectiveLoader(NotADataLoader):
             except TypeError:
                 return  # unknown: left to the passes themselves
             if expected < 1.0:
-                raise ValueError(
-                    f"batches_per_epoch={self._fixed.count if self._fixed else None} can "
-                    f"hardly be filled: the policy keeps about {expected * self.batch_size:.3g} "
-                    f"examples per pass over the source, less than batch_size={self.batch_size}, "
-                    "and remainder='drop' drops each pass's rest, so most passes yield no "
-                    "batch; use remainder='carry' (the rest goes on into the next pass) or a "
-                    "smaller batch_size"
+                raise unfillable(
+                    self._fixed.count if self._fixed else None,
+                    f"the policy keeps about {expected * self.batch_size:.3g} examples per pass "
+                    "over the source",
+                    self.batch_size,
                 )
             return
         try:

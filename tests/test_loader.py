@@ -1069,6 +1069,19 @@ def test_mid_epoch_resume_yields_what_an_uninterrupted_run_would(stop_after, wor
     assert [e.epoch for e in loader.stats.epochs] == [0, 1, 2]
 
 
+def persistent_workers_loader(policy, batch_size: int) -> SelectiveLoader:
+    """A shuffling DataLoader of 120 examples in batches of 24 with two persistent workers."""
+    dl = DataLoader(
+        EncodedDataset(120),
+        batch_size=24,
+        shuffle=True,
+        num_workers=2,
+        persistent_workers=True,
+        generator=torch.Generator().manual_seed(1),
+    )
+    return SelectiveLoader(dl, IndexLoss(), policy=policy, batch_size=batch_size, seed=0)
+
+
 @pytest.mark.parametrize("stop", [(1, 0), (2, 0), (1, 3), (0, 2)])
 def test_persistent_workers_resume_in_the_uninterrupted_runs_order(stop):
     """A DataLoader with persistent_workers=True draws its workers' base seed from its
@@ -1079,15 +1092,7 @@ def test_persistent_workers_resume_in_the_uninterrupted_runs_order(stop):
     epochs, (stop_epoch, stop_batch) = 4, stop
 
     def build() -> SelectiveLoader:
-        dl = DataLoader(
-            EncodedDataset(120),
-            batch_size=24,
-            shuffle=True,
-            num_workers=2,
-            persistent_workers=True,
-            generator=torch.Generator().manual_seed(1),
-        )
-        return SelectiveLoader(dl, IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=6, seed=0)
+        return persistent_workers_loader(SelectiveBackprop(0.5), 6)
 
     whole = build()
     full = [b.indices.tolist() for _ in range(epochs) for b in whole]
@@ -1117,15 +1122,7 @@ def test_persistent_workers_rolled_back_in_the_same_loader_replay_the_runs_order
     epochs, (stop_epoch, stop_batch) = 3, stop
 
     def build() -> SelectiveLoader:
-        dl = DataLoader(
-            EncodedDataset(120),
-            batch_size=24,
-            shuffle=True,
-            num_workers=2,
-            persistent_workers=True,
-            generator=torch.Generator().manual_seed(1),
-        )
-        return SelectiveLoader(dl, IndexLoss(), policy=Traditional(), batch_size=24, seed=0)
+        return persistent_workers_loader(Traditional(), 24)
 
     whole = build()
     full = [b.indices.tolist() for _ in range(epochs) for b in whole]

@@ -1855,6 +1855,19 @@ def test_a_kath18_policy_reused_for_a_new_run_starts_from_tau_zero():
     assert policy.tau == 0.0 and not policy.importance_sampling
 
 
+def failing_once(function, calls: list, at: int):
+    """``function``, raising a simulated out-of-memory error at the ``at``-th call counted in
+    ``calls`` (shared by every function wrapped with the same list)."""
+
+    def wrapped(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == at:
+            raise torch.OutOfMemoryError("out of memory (simulated)")
+        return function(*args, **kwargs)
+
+    return wrapped
+
+
 def shuffled_loader(n, source_bs, order_seed, model, policy, **kw) -> SelectiveLoader:
     """A SelectiveLoader over a shuffling DataLoader of EncodedDataset(n) with its own order."""
     source = DataLoader(
@@ -1939,13 +1952,7 @@ def test_a_source_batch_whose_decision_or_gather_raises_loses_no_example(
     calls = []
 
     def flaky(gather):
-        def gather_once_failing(*args, **kwargs):
-            calls.append(None)
-            if len(calls) == 3:
-                raise torch.OutOfMemoryError("out of memory (simulated)")
-            return gather(*args, **kwargs)
-
-        return gather_once_failing
+        return failing_once(gather, calls, 3)
 
     if not nan:
         monkeypatch.setattr(epoch_module, "_gather", flaky(epoch_module._gather))
@@ -1991,13 +1998,7 @@ def test_a_batch_whose_making_raises_is_handed_out_again_from_a_state_saved_afte
     calls = []
 
     def flaky(function):
-        def once_failing(*args, **kwargs):
-            calls.append(None)
-            if len(calls) == 2:
-                raise torch.OutOfMemoryError("out of memory (simulated)")
-            return function(*args, **kwargs)
-
-        return once_failing
+        return failing_once(function, calls, 2)
 
     if fails == "join":
         monkeypatch.setattr(
