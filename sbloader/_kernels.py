@@ -83,6 +83,17 @@ def window_push(ring: np.ndarray, sorted_values: np.ndarray, meta: np.ndarray, x
     meta[1] = (head + 1) % cap
 
 
+@_jit
+def first_outside(values: np.ndarray, low: float, high: float) -> int:
+    """The first position of ``values`` outside ``[low, high]`` (NaN is outside any range), or
+    -1 where every value is inside: one pass, which stops at the first one outside."""
+    for i in range(values.shape[0]):
+        x = values[i]
+        if not (low <= x <= high):
+            return i
+    return -1
+
+
 #: ``cut_power``'s relative tolerance at the cut (see its NOTE).
 CUT_TOLERANCE = 1.0 + 1e-12
 

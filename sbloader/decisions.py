@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _kernels
 from ._checks import check_indices, nonfinite_losses
 from .policies import Choice, Policy
 
@@ -24,6 +25,9 @@ __all__ = [
     "prefilters",
     "subset_mask",
 ]
+
+#: The largest float64: a weight above it (inf) is refused (see :func:`checked_choice`).
+_FLOAT64_MAX = float(np.finfo(np.float64).max)
 
 #: What ``choose_finite`` does with a non-finite loss.
 NONFINITE = ("skip", "select", "raise")
@@ -112,6 +116,11 @@ def checked_choice(policy: Policy, choice: Any, n: int) -> Choice:
     and probabilities of another length than the candidates' went into ``batch.probabilities``
     unsaid. Checks of lengths and dtypes, and one min and max of the positions.
 
+    NOTE: a weight that was NaN, infinite or negative went into the trained loss unsaid (a
+    NaN weight made every parameter NaN at the next step), as did a probability outside
+    [0, 1] (NaN included) into ``batch.probabilities``: refused too, in one pass over each
+    array that stops at the first value outside its range.
+
     Example:
         >>> from sbloader import Traditional
         >>> checked_choice(Traditional(), Choice.everything(3), 3).positions.tolist()
@@ -152,6 +161,21 @@ def checked_choice(policy: Policy, choice: Any, n: int) -> Choice:
             f"{what} whose positions are in [0, {n}) (positions into the candidate batch), "
             f"but got values from {positions.min()} to {positions.max()}"
         )
+    ranges = (
+        ("probabilities", 1.0, "in [0, 1]"),
+        ("weights", _FLOAT64_MAX, "finite and >= 0 (loss weights)"),
+    )
+    for name, high, inside in ranges:
+        array = fields[name]
+        if array.dtype.kind not in "biuf":
+            raise TypeError(
+                f"{what} whose {name} are floats (np.float64), but got dtype {array.dtype}"
+            )
+        bad = _kernels.first_outside(np.ascontiguousarray(array, dtype=np.float64), 0.0, high)
+        if bad >= 0:
+            raise ValueError(
+                f"{what} whose {name} are {inside}, but got {name}[{bad}] = {array[bad]}"
+            )
     return choice
 
 

@@ -379,12 +379,43 @@ def _returning(make):
         (lambda n: Choice(np.array([1, 0]), np.full(n, 0.5), np.ones(3)), ValueError, "weights"),
         (lambda n: Choice(np.array([1, 0]), np.full(2, 0.5), np.ones(2)), ValueError, "probabil"),
         (lambda n: np.array([1, 0]), TypeError, ", but got ndarray"),
+        (
+            lambda n: Choice(np.array([1, 0]), np.full(n, 0.5), np.array([1.0, np.nan])),
+            ValueError,
+            "weights are finite and >= 0.*got weights\\[1\\] = nan",
+        ),
+        (
+            lambda n: Choice(np.array([1, 0]), np.full(n, 0.5), np.array([np.inf, 1.0])),
+            ValueError,
+            "weights are finite and >= 0.*got weights\\[0\\] = inf",
+        ),
+        (
+            lambda n: Choice(np.array([1, 0]), np.full(n, 0.5), np.array([1.0, -0.5])),
+            ValueError,
+            "weights are finite and >= 0.*got weights\\[1\\] = -0.5",
+        ),
+        (
+            lambda n: Choice(np.array([1, 0]), np.r_[np.nan, np.full(n - 1, 0.5)], np.ones(2)),
+            ValueError,
+            "probabilities are in \\[0, 1\\].*got probabilities\\[0\\] = nan",
+        ),
+        (
+            lambda n: Choice(np.array([1, 0]), np.full(n, -0.5), np.ones(2)),
+            ValueError,
+            "probabilities are in \\[0, 1\\]",
+        ),
+        (
+            lambda n: Choice(np.array([1, 0]), np.full(n, 0.5), np.array(["1", "1"])),
+            TypeError,
+            "weights are floats",
+        ),
     ],
 )
 def test_a_choice_that_does_not_fit_its_candidates_is_refused_naming_the_policy(make, error, says):
     """A policy of one's own whose Choice did not fit the candidates failed in torch or numpy
     ("index out of range in self", "could not broadcast"), naming neither the policy nor the
-    field; probabilities of another length went into batch.probabilities unsaid."""
+    field; probabilities of another length went into batch.probabilities unsaid, and NaN,
+    infinite or negative weights into the trained loss."""
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
