@@ -1099,8 +1099,9 @@ class Kath18(Policy):
     def update_tau(self, losses: np.ndarray) -> float:
         """Fold one pool's losses into tau's moving average and return the pool's estimate."""
         n = losses.shape[0]
-        total = losses.sum()
-        g = losses / total if total > 0 else np.full(n, 1.0 / n)
+        g = _shares(losses)
+        if g is None:
+            g = np.full(n, 1.0 / n)
         # ||g - u||^2 / ||g||^2 = 1 - 1 / (n ||g||^2), so the estimate is sqrt(n ||g||^2).
         estimate = float(np.sqrt(n * np.dot(g, g)))
         self.tau = self.momentum * self.tau + (1 - self.momentum) * estimate
@@ -1116,11 +1117,10 @@ class Kath18(Policy):
         # As in the original: the decision uses tau from earlier pools, then this pool updates it.
         self.importance_sampling = self.tau > self.threshold(n, b)
         self.update_tau(losses)
-        total = losses.sum()
-        if not self.importance_sampling or total <= 0:
+        p = _shares(losses)
+        if not self.importance_sampling or p is None:
             positions = np.sort(rng.choice(n, size=min(b, n), replace=False)).astype(np.int64)
             return Choice(positions, np.full(n, min(b, n) / n), np.ones(len(positions)))
-        p = losses / total
         positions = np.sort(rng.choice(n, size=b, replace=True, p=p)).astype(np.int64)
         weights = 1.0 / (n * p[positions]) if self.unbiased else np.ones(b)
         inclusion = 1.0 - (1.0 - p) ** b  # probability of being drawn at least once
@@ -1135,6 +1135,21 @@ class Kath18(Policy):
 
     def __repr__(self) -> str:
         return f"Kath18(selectivity={self.selectivity:g})"
+
+
+def _shares(losses: np.ndarray) -> np.ndarray | None:
+    """Each non-negative loss's share of the pool's total, or None where every loss is 0.
+
+    NOTE: scaled by the largest loss first: the total of losses near float64's largest (1e308)
+    overflowed to inf and every share was 0 or NaN (numpy's "probabilities contain NaN", and
+    tau's estimate 0); scaled, the total is at most the pool's size, and the shares are
+    those of the losses divided by any constant.
+    """
+    top = losses.max() if losses.shape[0] else 0.0
+    if not top > 0:
+        return None
+    scaled = losses / top
+    return scaled / scaled.sum()
 
 
 class Phased(Policy):

@@ -289,6 +289,23 @@ def test_kath18_through_the_loader_carries_weights():
     assert any((b.weights != 1).any() for b in batches)  # importance-sampled, reweighted
 
 
+@pytest.mark.parametrize("scale", [2.0**1002, 2.0**-1060])
+def test_kath18_chooses_alike_for_losses_scaled_near_floats_limits(scale):
+    """Losses near float64's largest (their total overflowed to inf: numpy's "probabilities
+    contain NaN", and tau fell to 0), or subnormal ones, choose as the same losses unscaled do."""
+    losses = np.array([1.0, 2.0, 3.0, 1.75, 0.0, 0.5]) * 2.0**20
+    made = []
+    for pool in (losses, losses * scale):
+        k = Kath18(selectivity=0.5, tau_threshold=0.0)
+        k.tau = 1.0  # already past the threshold
+        made.append((k.choose(pool, None, np.random.default_rng(0), 6), k.tau))
+    (plain, plain_tau), (scaled, scaled_tau) = made
+    assert scaled.positions.tolist() == plain.positions.tolist()
+    np.testing.assert_allclose(scaled.probabilities, plain.probabilities, rtol=1e-12)
+    np.testing.assert_allclose(scaled.weights, plain.weights, rtol=1e-12)
+    assert scaled_tau == pytest.approx(plain_tau, rel=1e-12) and scaled_tau > 0.9
+
+
 def test_kath18_rejects_negative_losses():
     with pytest.raises(ValueError, match="losses should be >= 0"):
         Kath18().choose(np.array([-1.0, 1.0]), None, np.random.default_rng(0), 2)
