@@ -107,6 +107,11 @@ def el2n_scores(
     Returns:
         An :class:`EL2NResult`.
 
+    Raises:
+        ValueError: in a copy's scoring pass, where its outputs are NaN (it diverged) and so
+            its scores would be; an infinite logit (a float16 model's overflow) scores as its
+            limit instead.
+
     Example:
         >>> import torch
         >>> from torch import nn
@@ -203,10 +208,11 @@ def el2n_scores(
                     for batch, idx in src.epoch():
                         inputs, targets = _to(batch[0], dev), _to(batch[1], dev)
                         _check_targets(targets)
-                        probs = torch.softmax(model(inputs).float(), dim=1)
+                        probs = torch.softmax(_finite_logits(model(inputs).float()), dim=1)
                         err = torch.linalg.vector_norm(probs - _target_rows(targets, probs), dim=1)
                         values = err.cpu().numpy().astype(np.float64)
                         index = np.ascontiguousarray(idx, np.int64)
+                        _check_scores(values, index, k, epochs)
                         _kernels.accumulate(sums, counts, index, values)
                         score_forwards += len(targets)
             per_model.append(time.perf_counter() - t0)
@@ -222,6 +228,40 @@ def el2n_scores(
         models,
         epochs,
         per_model,
+    )
+
+
+def _finite_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` with infinite entries at float32's largest (or lowest), NaN left as it is.
+
+    NOTE: a logit of +inf (a float16 model's above 65504, cast to float32 after the overflow)
+    made its row's softmax NaN (inf - inf), where its limit is the class's probability 1.
+
+    Example:
+        >>> _finite_logits(torch.tensor([[float("inf"), 0.0]])).softmax(dim=1).tolist()
+        [[1.0, 0.0]]
+    """
+    return torch.nan_to_num(logits, nan=float("nan"))
+
+
+def _check_scores(values: np.ndarray, indices: np.ndarray, copy: int, epochs: int) -> None:
+    """Refuse the EL2N scores of a scoring batch where one is not finite (NaN outputs, or NaN
+    soft targets).
+
+    NOTE: they were left out of the average (as ``_kernels.accumulate`` skips non-finite
+    values): a copy that diverged gave every example the mean of the other copies, or NaN
+    where it was the only one, which :func:`prune` then took for examples never scored.
+    """
+    finite = np.isfinite(values)
+    if finite.all():
+        return
+    bad = indices[~finite]
+    raise ValueError(
+        f"el2n_scores got NaN scores from copy {copy} for {len(bad)} examples of a scoring "
+        f"batch (dataset indices {bad[:5].tolist()}): the model's outputs are NaN (the copy "
+        f"diverged in its {epochs} epochs of training) or the targets are, and averaged over "
+        "the other copies the scores would not be those of every copy; lower the learning rate "
+        "in make_optimizer (or the epochs), or mend the targets"
     )
 
 

@@ -457,6 +457,34 @@ def test_el2n_scores_soft_labels_and_refuses_other_target_shapes_before_training
         el2n_scores(make, wrong, make_optimizer=opt, models=1, epochs=0)
 
 
+def test_el2n_refuses_nan_outputs_naming_the_copy_and_scores_infinite_logits_at_their_limit():
+    """A copy whose outputs were NaN (diverged) was left out of the average silently (NaN
+    scores where it was the only copy, which prune took for examples never scored); a logit of
+    +inf (a float16 model's overflow) made its row's softmax NaN."""
+    x, y = torch.randn(16, 3), torch.randint(0, 2, (16,))
+    dl = DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+    def made(bias):
+        def make():
+            m = nn.Linear(3, 2)
+            with torch.no_grad():
+                m.weight.zero_()
+                m.bias.copy_(torch.tensor([bias, 0.0]))
+            return m
+
+        return make
+
+    def scores(bias, models):
+        sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.0)  # noqa: E731
+        return el2n_scores(made(bias), dl, make_optimizer=sgd, models=models, epochs=0).scores
+
+    with pytest.raises(ValueError, match=r"NaN scores from copy 0 for 8 examples.*indices \[0,"):
+        scores(float("nan"), 2)
+    # +inf for class 0: its probability is 1, the error 0 for class 0 and sqrt(2) for class 1
+    expected = np.where(y.numpy() == 0, 0.0, np.sqrt(2.0))
+    np.testing.assert_allclose(scores(float("inf"), 1), expected, rtol=1e-6)
+
+
 def test_prune_rounds_halves_up_as_the_overlap_does_and_takes_tensors_that_need_grad():
     assert len(prune(np.arange(5.0), 0.5)) == 3  # 2.5 -> 3 (Python's round gives 2)
     assert len(prune(np.arange(100.0), 0.145)) == 15  # 14.499999999999998 -> 15
