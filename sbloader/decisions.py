@@ -28,6 +28,8 @@ __all__ = [
 
 #: The largest float64: a weight above it (inf) is refused (see :func:`checked_choice`).
 _FLOAT64_MAX = float(np.finfo(np.float64).max)
+#: The smallest float64 above 0: a weight below it (0) is refused where weights are scaled.
+_SMALLEST = float(np.nextafter(0.0, 1.0))
 
 #: What ``choose_finite`` does with a non-finite loss.
 NONFINITE = ("skip", "select", "raise")
@@ -161,17 +163,28 @@ def checked_choice(policy: Policy, choice: Any, n: int) -> Choice:
             f"{what} whose positions are in [0, {n}) (positions into the candidate batch), "
             f"but got values from {positions.min()} to {positions.max()}"
         )
+    # NOTE: weights that a policy has the loader scale to mean 1 per batch (normalize_weights)
+    # must be > 0: a batch of zero weights only became NaN weights.
+    scaled = policy.normalize_weights()
     ranges = (
-        ("probabilities", 1.0, "in [0, 1]"),
-        ("weights", _FLOAT64_MAX, "finite and >= 0 (loss weights)"),
+        ("probabilities", 0.0, 1.0, "in [0, 1]"),
+        (
+            "weights",
+            _SMALLEST if scaled else 0.0,
+            _FLOAT64_MAX,
+            "finite and > 0 (loss weights, which the loader scales to mean 1 per batch, as "
+            "normalize_weights() asks)"
+            if scaled
+            else "finite and >= 0 (loss weights)",
+        ),
     )
-    for name, high, inside in ranges:
+    for name, low, high, inside in ranges:
         array = fields[name]
         if array.dtype.kind not in "biuf":
             raise TypeError(
                 f"{what} whose {name} are floats (np.float64), but got dtype {array.dtype}"
             )
-        bad = _kernels.first_outside(np.ascontiguousarray(array, dtype=np.float64), 0.0, high)
+        bad = _kernels.first_outside(np.ascontiguousarray(array, dtype=np.float64), low, high)
         if bad >= 0:
             raise ValueError(
                 f"{what} whose {name} are {inside}, but got {name}[{bad}] = {array[bad]}"

@@ -136,7 +136,8 @@ class Policy(abc.ABC):
         return False
 
     def normalize_weights(self) -> bool:
-        """Whether the loader should scale each yielded batch's weights to mean 1."""
+        """Whether the loader should scale each yielded batch's weights to mean 1 (the
+        weights of :meth:`choose` must then be > 0, and are refused otherwise)."""
         return False
 
     def records_examples(self) -> bool:

@@ -435,3 +435,32 @@ def test_a_choice_that_does_not_fit_its_candidates_is_refused_naming_the_policy(
         DataLoader(data, batch_size=8), torch.nn.Linear(4, 2), policy=fits, batch_size=4
     )
     assert [b.indices.tolist() for b in loader] == [[1, 0, 9, 8]]
+
+
+def test_zero_weights_are_refused_only_where_the_loader_scales_them_to_mean_1():
+    """A policy whose normalize_weights() is True and whose weights were 0 had each batch's
+    weights scaled by 1 / 0: NaN weights went into the trained loss."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from sbloader import Policy, SelectiveLoader
+
+    class Zero(Policy):
+        def __init__(self, scaled):
+            self.scaled = scaled
+
+        def normalize_weights(self):
+            return self.scaled
+
+        def choose(self, losses, indices, rng, n):
+            return Choice(np.arange(n, dtype=np.int64), np.ones(n), np.zeros(n))
+
+    data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+
+    def loader(scaled):
+        source = DataLoader(data, batch_size=8)
+        return SelectiveLoader(source, torch.nn.Linear(4, 2), policy=Zero(scaled), batch_size=4)
+
+    with pytest.raises(ValueError, match=r"weights are finite and > 0 .*normalize_weights"):
+        list(loader(True))
+    assert all((b.weights == 0).all() for b in loader(False))
