@@ -266,6 +266,20 @@ def test_the_final_evaluation_sees_every_training_step(name):
     assert [p["position"] for p in run.points] == [0.0, 1.0, 2.0] or name != "traditional"
 
 
+@pytest.mark.parametrize("name", ["sb_0.33", "random_0.33"])
+def test_a_source_batch_wider_than_eval_every_still_ends_on_the_trained_model(name):
+    """A source batch of a whole epoch (a small training set, ``--train-examples 512`` with
+    pools of 512) moves the position past several evaluation points at once. The next one lagged
+    behind it, so the run was evaluated twice at 1.0 and at 2.0 before the last pool's kept
+    batches were trained, and that early error was the run's final error."""
+    cfg = Config(batch_size=8, pool_batch_size=160, epochs=2, eval_every=0.5)
+    t = Trainer(cfg, strategies.get(name), 0, 0.0, _tiny_data())
+    run = t.train()
+    positions = [p["position"] for p in run.points]
+    assert positions == [0.0, 1.0, 2.0]  # once each; 0.5 and 1.5 fall inside a source batch
+    assert run.points[-1]["backprops"] == t.backprops
+
+
 def test_an_evaluation_at_exactly_a_float_products_target_reaches_it():
     from benchmarks.core.analysis import time_to
     from benchmarks.core.frontier import first_time

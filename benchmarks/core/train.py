@@ -223,10 +223,15 @@ class Trainer:
             # reaches it when the last source batch is drawn, before the batches kept from it
             # are trained (up to a few hundred examples), so the final error would not be
             # the trained model's.
-            final = self.next_eval >= self.planned - 1e-9
+            # NOTE: the end is told by the loader's position, not by the next evaluation's: a
+            # source batch larger than ``eval_every`` epochs of data (a small training set)
+            # moves the position past several evaluation points at once, and the points it
+            # skipped are skipped (one evaluation per position, never the same one twice).
+            final = loader.progress >= self.planned - 1e-9
             if loader.progress + 1e-9 >= self.next_eval and not final:
                 err = self._record(loader.progress)
-                self.next_eval += cfg.eval_every
+                while self.next_eval <= loader.progress + 1e-9:
+                    self.next_eval += cfg.eval_every
                 if progress is not None:
                     st = loader.stats.current
                     progress.set_postfix(
