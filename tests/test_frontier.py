@@ -18,6 +18,7 @@ from benchmarks.core.machine import machine_info, tree_changes
 from benchmarks.core.records import Run
 from benchmarks.core.report import (
     _isa,
+    frontier_section,
     pairwise_lines,
     sitting_lines,
     speedup_cell,
@@ -591,3 +592,35 @@ def test_report_only_takes_the_targets_and_seeds_asked_for(tmp_path):
     assert "seeds [1]" in summary and "| x1.2 | 24.00% | 2.00x |" in summary
     with pytest.raises(SystemExit):
         bench.main([*argv[:4], "0:0.1", "0:0.2"])
+
+
+def _run(seed, strategy, planned, curve):
+    """A run whose evaluations after the untrained point are ``curve``'s (time, error)."""
+    points = [{"position": 0.0, "time_s": 0.0, "error": 1.0, "backprops": 0, "selections": 0}]
+    points += [
+        {"position": i + 1.0, "time_s": t, "error": e, "backprops": 100 * (i + 1), "selections": 0}
+        for i, (t, e) in enumerate(curve)
+    ]
+    return Run(
+        strategy, seed, 0.0, planned, points=points, final_error=curve[-1][1], train_s=curve[-1][0]
+    )
+
+
+def test_the_frontier_names_the_seeds_it_leaves_out_for_want_of_a_reference_run():
+    """A seed whose Traditional-10 run never ended (interrupted) has no targets and is left out
+    of the frontier, while the summary's header names it among the seeds: the headline read
+    "2.00x" for seed 0 alone, with nothing saying that seed 1 (where the recipe lost) was not
+    in it. The section names the seeds it leaves out, and says so when that is every seed."""
+    cfg = dataclasses.replace(preset("frontier"), seeds=(0, 1))
+    runs = [
+        _run(0, "traditional", 10, [(10, 0.2), (20, 0.1)]),
+        _run(0, "recipe_fb_int8_e5", 5, [(5, 0.15), (10, 0.1)]),
+        _run(1, "traditional_e2", 2, [(4, 0.2), (8, 0.12)]),  # Traditional-10 interrupted
+        _run(1, "recipe_fb_int8_e5", 5, [(5, 0.3), (10, 0.25)]),
+    ]
+    text = "\n".join(frontier_section(cfg, runs))
+    assert "| x1.0 | 10.00% | 2.00x |" in text
+    assert "Seeds without a Traditional-10 run, left out of the frontier: 1 (" in text
+    text = "\n".join(frontier_section(cfg, runs[2:]))
+    assert "left out of the frontier: 1 (" in text
+    assert "left out of the frontier" not in "\n".join(frontier_section(cfg, runs[:2]))

@@ -138,7 +138,17 @@ def frontier_section(cfg: Config, runs: Sequence[Run]) -> list[str]:
         TARGETS,
         cfg.given_reference_errors(sorted({r.seed for r in records})) or None,
     )
+    # NOTE: a seed without a reference run (Traditional at ``epochs`` interrupted, or never
+    # run) has no targets and is left out; the section says which, since the summary's header
+    # names every seed of the runs and a mean over the others would read as theirs all.
+    left_out = sorted({r.seed for r in records} - set(table.seeds))
+    missing = (
+        f"Seeds without a Traditional-{cfg.epochs} run, left out of the frontier: "
+        f"{', '.join(map(str, left_out))} (`--reference-error SEED:ERROR` sets their targets)."
+    )
     if not table.seeds:
+        if table.controls and table.selective:
+            return ["## Frontier", "", missing, ""]
         return []
     budgets = {
         f: sorted({r.budget for r in records if r.family == f})
@@ -161,7 +171,8 @@ def frontier_section(cfg: Config, runs: Sequence[Run]) -> list[str]:
         "then: the range over the seeds sbloader reached instead); neither: no control nor "
         "sbloader family reached it (no loss, left out); ∞: only sbloader did. "
         f"Controls: {', '.join(map(family, table.controls)) or 'none'}. sbloader: "
-        f"{', '.join(map(family, table.selective)) or 'none'}.",
+        f"{', '.join(map(family, table.selective)) or 'none'}."
+        + (f" {missing}" if left_out else ""),
         "",
         "| target | error | speedup | best control | best sbloader |",
         "|---|---|---|---|---|",
