@@ -624,3 +624,22 @@ def test_the_frontier_names_the_seeds_it_leaves_out_for_want_of_a_reference_run(
     text = "\n".join(frontier_section(cfg, runs[2:]))
     assert "left out of the frontier: 1 (" in text
     assert "left out of the frontier" not in "\n".join(frontier_section(cfg, runs[:2]))
+
+
+def test_a_seed_only_sbloader_reached_is_left_out_of_the_headline_mean():
+    """A seed where only sbloader reached the target (∞: Random-Backprop never got to a given
+    reference error, as in default_safety's x1.1) made the headline's mean ∞ whatever the other
+    seeds measured ("∞ (2.00x to ∞)" over a 2x seed). As in the pairwise table, the mean is over
+    the finite ratios and the cell counts the ∞ seeds; ∞ only where every seed is one."""
+    records = [
+        rec("random", 10, [(10, 0.12), (20, 0.105)], seed=0),  # 0.11 at 20 s
+        rec("random", 10, [(10, 0.12), (20, 0.115)], seed=1),  # never at 0.11
+        rec("default", 10, [(10, 0.108)], seed=0),
+        rec("default", 10, [(10, 0.108)], seed=1),
+    ]
+    table = frontier_table(records, {"random"}, ("traditional", 10), (1.1,), 0.1)
+    s = table.summary(1.1)
+    assert (s.mean, s.low, s.only, s.never) == (2.0, 2.0, 1, 0) and math.isinf(s.high)
+    assert speedup_cell(s) == "2.00x (2.00x to ∞), ∞ in 1/2"
+    only = frontier_table(records[1::2], {"random"}, ("traditional", 10), (1.1,), 0.1)
+    assert speedup_cell(only.summary(1.1)) == "∞"
