@@ -643,3 +643,26 @@ def test_a_seed_only_sbloader_reached_is_left_out_of_the_headline_mean():
     assert speedup_cell(s) == "2.00x (2.00x to ∞), ∞ in 1/2"
     only = frontier_table(records[1::2], {"random"}, ("traditional", 10), (1.1,), 0.1)
     assert speedup_cell(only.summary(1.1)) == "∞"
+
+
+def test_the_warm_up_trains_each_strategy_on_two_of_its_own_source_batches(monkeypatch):
+    """The warm-up (README: every configuration trained once on two source batches, so that no
+    timed run pays a first use) cut its data at two of the configuration's source batches: a
+    ``_pool4096``-style strategy, whose source batches are wider, saw one partial batch, never
+    its own shape."""
+    from benchmarks.core import train
+
+    seen = []
+
+    class Watched(Trainer):
+        def __init__(self, cfg, strat, seed, noise, data, *a, **k):
+            super().__init__(cfg, strat, seed, noise, data, *a, **k)
+            seen.append((strat.name, len(data[0]) // self.loader.source.batch_size))
+
+    monkeypatch.setattr(train, "Trainer", Watched)
+    cfg = Config(batch_size=8, pool_batch_size=16, epochs=1, eval_every=1.0)
+    wide = dataclasses.replace(strategies.get("random_0.33"), name="wide", pool=48)
+    train.warm_up(
+        cfg, [strategies.get("traditional"), strategies.get("sb_0.33"), wide], _tiny_data()
+    )
+    assert seen == [("traditional", 2), ("sb_0.33", 2), ("wide", 2)]

@@ -350,9 +350,12 @@ def warm_up(cfg: Config, strats: Sequence[Strategy], data: Data) -> float:
     without it.
     """
     x_train, y_train, x_test, y_test = data
-    n = min(2 * max(cfg.pool_batch_size, cfg.batch_size), len(x_train))
-    small = (x_train[:n], y_train[:n], x_test[: cfg.batch_size], y_test[: cfg.batch_size])
     t0 = time.perf_counter()
     for strat in strats:
+        # NOTE: two of the strategy's own source batches (a ``_pool4096`` variant's are wider
+        # than the configuration's), so that its first use of that shape is the warm-up's too.
+        pool = strat.source_batch(cfg.pool_batch_size, cfg.batch_size)
+        n = min(2 * max(pool, cfg.batch_size), len(x_train))
+        small = (x_train[:n], y_train[:n], x_test[: cfg.batch_size], y_test[: cfg.batch_size])
         Trainer(cfg, strat, 0, 0.0, small).train()
     return time.perf_counter() - t0
