@@ -18,6 +18,7 @@ from benchmarks.core.machine import machine_info, tree_changes
 from benchmarks.core.records import Run
 from benchmarks.core.report import (
     _isa,
+    frontier_section,
     pairwise_lines,
     sitting_lines,
     speedup_cell,
@@ -264,6 +265,20 @@ def test_the_final_evaluation_sees_every_training_step(name):
     assert last["position"] == 2.0 and last["backprops"] == t.backprops
     assert run.final_error == last["error"] == t.evaluate()
     assert [p["position"] for p in run.points] == [0.0, 1.0, 2.0] or name != "traditional"
+
+
+@pytest.mark.parametrize("name", ["sb_0.33", "random_0.33"])
+def test_a_source_batch_wider_than_eval_every_still_ends_on_the_trained_model(name):
+    """A source batch of a whole epoch (a small training set, ``--train-examples 512`` with
+    pools of 512) moves the position past several evaluation points at once. The next one lagged
+    behind it, so the run was evaluated twice at 1.0 and at 2.0 before the last pool's kept
+    batches were trained, and that early error was the run's final error."""
+    cfg = Config(batch_size=8, pool_batch_size=160, epochs=2, eval_every=0.5)
+    t = Trainer(cfg, strategies.get(name), 0, 0.0, _tiny_data())
+    run = t.train()
+    positions = [p["position"] for p in run.points]
+    assert positions == [0.0, 1.0, 2.0]  # once each; 0.5 and 1.5 fall inside a source batch
+    assert run.points[-1]["backprops"] == t.backprops
 
 
 def test_an_evaluation_at_exactly_a_float_products_target_reaches_it():
@@ -577,3 +592,77 @@ def test_report_only_takes_the_targets_and_seeds_asked_for(tmp_path):
     assert "seeds [1]" in summary and "| x1.2 | 24.00% | 2.00x |" in summary
     with pytest.raises(SystemExit):
         bench.main([*argv[:4], "0:0.1", "0:0.2"])
+
+
+def _run(seed, strategy, planned, curve):
+    """A run whose evaluations after the untrained point are ``curve``'s (time, error)."""
+    points = [{"position": 0.0, "time_s": 0.0, "error": 1.0, "backprops": 0, "selections": 0}]
+    points += [
+        {"position": i + 1.0, "time_s": t, "error": e, "backprops": 100 * (i + 1), "selections": 0}
+        for i, (t, e) in enumerate(curve)
+    ]
+    return Run(
+        strategy, seed, 0.0, planned, points=points, final_error=curve[-1][1], train_s=curve[-1][0]
+    )
+
+
+def test_the_frontier_names_the_seeds_it_leaves_out_for_want_of_a_reference_run():
+    """A seed whose Traditional-10 run never ended (interrupted) has no targets and is left out
+    of the frontier, while the summary's header names it among the seeds: the headline read
+    "2.00x" for seed 0 alone, with nothing saying that seed 1 (where the recipe lost) was not
+    in it. The section names the seeds it leaves out, and says so when that is every seed."""
+    cfg = dataclasses.replace(preset("frontier"), seeds=(0, 1))
+    runs = [
+        _run(0, "traditional", 10, [(10, 0.2), (20, 0.1)]),
+        _run(0, "recipe_fb_int8_e5", 5, [(5, 0.15), (10, 0.1)]),
+        _run(1, "traditional_e2", 2, [(4, 0.2), (8, 0.12)]),  # Traditional-10 interrupted
+        _run(1, "recipe_fb_int8_e5", 5, [(5, 0.3), (10, 0.25)]),
+    ]
+    text = "\n".join(frontier_section(cfg, runs))
+    assert "| x1.0 | 10.00% | 2.00x |" in text
+    assert "Seeds without a Traditional-10 run, left out of the frontier: 1 (" in text
+    text = "\n".join(frontier_section(cfg, runs[2:]))
+    assert "left out of the frontier: 1 (" in text
+    assert "left out of the frontier" not in "\n".join(frontier_section(cfg, runs[:2]))
+
+
+def test_a_seed_only_sbloader_reached_is_left_out_of_the_headline_mean():
+    """A seed where only sbloader reached the target (∞: Random-Backprop never got to a given
+    reference error, as in default_safety's x1.1) made the headline's mean ∞ whatever the other
+    seeds measured ("∞ (2.00x to ∞)" over a 2x seed). As in the pairwise table, the mean is over
+    the finite ratios and the cell counts the ∞ seeds; ∞ only where every seed is one."""
+    records = [
+        rec("random", 10, [(10, 0.12), (20, 0.105)], seed=0),  # 0.11 at 20 s
+        rec("random", 10, [(10, 0.12), (20, 0.115)], seed=1),  # never at 0.11
+        rec("default", 10, [(10, 0.108)], seed=0),
+        rec("default", 10, [(10, 0.108)], seed=1),
+    ]
+    table = frontier_table(records, {"random"}, ("traditional", 10), (1.1,), 0.1)
+    s = table.summary(1.1)
+    assert (s.mean, s.low, s.only, s.never) == (2.0, 2.0, 1, 0) and math.isinf(s.high)
+    assert speedup_cell(s) == "2.00x (2.00x to ∞), ∞ in 1/2"
+    only = frontier_table(records[1::2], {"random"}, ("traditional", 10), (1.1,), 0.1)
+    assert speedup_cell(only.summary(1.1)) == "∞"
+
+
+def test_the_warm_up_trains_each_strategy_on_two_of_its_own_source_batches(monkeypatch):
+    """The warm-up (README: every configuration trained once on two source batches, so that no
+    timed run pays a first use) cut its data at two of the configuration's source batches: a
+    ``_pool4096``-style strategy, whose source batches are wider, saw one partial batch, never
+    its own shape."""
+    from benchmarks.core import train
+
+    seen = []
+
+    class Watched(Trainer):
+        def __init__(self, cfg, strat, seed, noise, data, *a, **k):
+            super().__init__(cfg, strat, seed, noise, data, *a, **k)
+            seen.append((strat.name, len(data[0]) // self.loader.source.batch_size))
+
+    monkeypatch.setattr(train, "Trainer", Watched)
+    cfg = Config(batch_size=8, pool_batch_size=16, epochs=1, eval_every=1.0)
+    wide = dataclasses.replace(strategies.get("random_0.33"), name="wide", pool=48)
+    train.warm_up(
+        cfg, [strategies.get("traditional"), strategies.get("sb_0.33"), wide], _tiny_data()
+    )
+    assert seen == [("traditional", 2), ("sb_0.33", 2), ("wide", 2)]

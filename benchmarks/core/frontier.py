@@ -112,7 +112,10 @@ class Summary:
     The mean is None where in some seed a control reached the target and no sbloader family
     did (``lost``): that seed's ratio is a loss of unknown size, and a mean over the other seeds
     alone would look like the win it is not. A seed where neither got there (possible only with
-    a given ``reference_error``) is no loss and is left out of the mean."""
+    a given ``reference_error``) is no loss and is left out of the mean. So is a seed where only
+    sbloader got there (``only``, ratio ``inf``): a win of unknown size, which would make the
+    mean ``inf`` whatever the other seeds measured; the mean is ``inf`` only where every seed
+    that reached the target is such a seed."""
 
     multiplier: float
     mean_target: float
@@ -126,6 +129,9 @@ class Summary:
     """Seeds where a control reached the target and no sbloader family did."""
     neither: int = 0
     """Seeds where neither a control nor an sbloader family reached it (no loss)."""
+    only: int = 0
+    """Seeds where an sbloader family reached it and no control did (ratio ``inf``, left out of
+    the mean unless every ratio is)."""
 
 
 @dataclass
@@ -147,16 +153,19 @@ class FrontierTable:
         ratios = [c.ratio for c in cells if c.ratio is not None]
         lost = sum(c.sbloader is None and c.control is not None for c in cells)
         neither = sum(c.sbloader is None and c.control is None for c in cells)
+        finite = [r for r in ratios if math.isfinite(r)]
+        mean = statistics.fmean(finite) if finite else math.inf
         return Summary(
             multiplier=multiplier,
             mean_target=statistics.fmean(c.target for c in cells) if cells else math.nan,
-            mean=statistics.fmean(ratios) if ratios and not lost else None,
+            mean=mean if ratios and not lost else None,
             low=min(ratios) if ratios else None,
             high=max(ratios) if ratios else None,
             never=len(cells) - len(ratios),
             seeds=len(cells),
             lost=lost,
             neither=neither,
+            only=len(ratios) - len(finite),
         )
 
 

@@ -77,7 +77,8 @@ def speedup_cell(sm: Summary) -> str:
     """The headline's speedup at one target: the mean over seeds and the range; where sbloader
     lost some seed by never getting there (no mean), the range over the seeds it reached.
     Seeds where neither a control nor sbloader got there are no loss, and are counted apart
-    ("neither in k/n"; "neither" alone where that is every seed)."""
+    ("neither in k/n"; "neither" alone where that is every seed); seeds where only sbloader got
+    there (∞) are left out of a mean over finite ratios and counted apart ("∞ in k/n")."""
     if sm.low is None:  # no sbloader family reached it in any seed
         if sm.lost:
             speed = "never"
@@ -93,6 +94,8 @@ def speedup_cell(sm: Summary) -> str:
         speed = _ratio(sm.mean)
     if sm.seeds - sm.never > 1 and sm.mean is not None:
         speed += f" ({_ratio(sm.low)} to {_ratio(sm.high)})"
+    if sm.only and sm.mean is not None and math.isfinite(sm.mean):
+        speed += f", ∞ in {sm.only}/{sm.seeds}"
     if sm.lost:
         speed += f", never in {sm.lost}/{sm.seeds}"
     if sm.neither:
@@ -138,7 +141,17 @@ def frontier_section(cfg: Config, runs: Sequence[Run]) -> list[str]:
         TARGETS,
         cfg.given_reference_errors(sorted({r.seed for r in records})) or None,
     )
+    # NOTE: a seed without a reference run (Traditional at ``epochs`` interrupted, or never
+    # run) has no targets and is left out; the section says which, since the summary's header
+    # names every seed of the runs and a mean over the others would read as theirs all.
+    left_out = sorted({r.seed for r in records} - set(table.seeds))
+    missing = (
+        f"Seeds without a Traditional-{cfg.epochs} run, left out of the frontier: "
+        f"{', '.join(map(str, left_out))} (`--reference-error SEED:ERROR` sets their targets)."
+    )
     if not table.seeds:
+        if table.controls and table.selective:
+            return ["## Frontier", "", missing, ""]
         return []
     budgets = {
         f: sorted({r.budget for r in records if r.family == f})
@@ -159,9 +172,11 @@ def frontier_section(cfg: Config, runs: Sequence[Run]) -> list[str]:
         "gets there sooner than every control at every budget tried); mean over seeds, range "
         "in parentheses; never: no sbloader family reached it though a control did (no mean "
         "then: the range over the seeds sbloader reached instead); neither: no control nor "
-        "sbloader family reached it (no loss, left out); ∞: only sbloader did. "
+        "sbloader family reached it (no loss, left out); ∞: only sbloader did (∞ in k/n: in k "
+        "seeds, left out of the mean). "
         f"Controls: {', '.join(map(family, table.controls)) or 'none'}. sbloader: "
-        f"{', '.join(map(family, table.selective)) or 'none'}.",
+        f"{', '.join(map(family, table.selective)) or 'none'}."
+        + (f" {missing}" if left_out else ""),
         "",
         "| target | error | speedup | best control | best sbloader |",
         "|---|---|---|---|---|",

@@ -223,10 +223,15 @@ class Trainer:
             # reaches it when the last source batch is drawn, before the batches kept from it
             # are trained (up to a few hundred examples), so the final error would not be
             # the trained model's.
-            final = self.next_eval >= self.planned - 1e-9
+            # NOTE: the end is told by the loader's position, not by the next evaluation's: a
+            # source batch larger than ``eval_every`` epochs of data (a small training set)
+            # moves the position past several evaluation points at once, and the points it
+            # skipped are skipped (one evaluation per position, never the same one twice).
+            final = loader.progress >= self.planned - 1e-9
             if loader.progress + 1e-9 >= self.next_eval and not final:
                 err = self._record(loader.progress)
-                self.next_eval += cfg.eval_every
+                while self.next_eval <= loader.progress + 1e-9:
+                    self.next_eval += cfg.eval_every
                 if progress is not None:
                     st = loader.stats.current
                     progress.set_postfix(
@@ -345,9 +350,12 @@ def warm_up(cfg: Config, strats: Sequence[Strategy], data: Data) -> float:
     without it.
     """
     x_train, y_train, x_test, y_test = data
-    n = min(2 * max(cfg.pool_batch_size, cfg.batch_size), len(x_train))
-    small = (x_train[:n], y_train[:n], x_test[: cfg.batch_size], y_test[: cfg.batch_size])
     t0 = time.perf_counter()
     for strat in strats:
+        # NOTE: two of the strategy's own source batches (a ``_pool4096`` variant's are wider
+        # than the configuration's), so that its first use of that shape is the warm-up's too.
+        pool = strat.source_batch(cfg.pool_batch_size, cfg.batch_size)
+        n = min(2 * max(pool, cfg.batch_size), len(x_train))
+        small = (x_train[:n], y_train[:n], x_test[: cfg.batch_size], y_test[: cfg.batch_size])
         Trainer(cfg, strat, 0, 0.0, small).train()
     return time.perf_counter() - t0
