@@ -23,12 +23,14 @@ rank selects different examples, so each would fill a different number of batche
   each rank feeds the others' into its policy through :meth:`~sbloader.Policy.observe`;
 - a rank that meets an error its round can finish without (a non-finite selection loss under
   ``nonfinite="raise"``, a source batch whose fields cannot be joined with earlier ones, an
-  exception the user's code or the policy's decision raised in its selection pass, not under
-  FSDP) goes on to the end of
-  the round, making its collectives, and reports it in the same ``all_reduce(MIN)`` (a fourth
-  integer: its kind, for an exception its type), so that every rank raises at the end of that
-  round, naming the rank, instead of the others waiting in their next collective
-  (:attr:`RankSync.failed`);
+  exception raised in its round, not under FSDP: by its source as a batch is loaded, by the
+  user's code or the policy's decision in its selection pass, or in keeping the rows it chose)
+  goes on to the end of the round, making its collectives, and reports it in the same
+  ``all_reduce(MIN)`` (a fourth integer: its kind, for an exception its type and the stage of
+  the round), so that every rank raises at the end of that round, naming the rank, instead of
+  the others waiting in their next collective (:attr:`RankSync.failed`); an exception in
+  attaching the policy as the loader is built (a ``store_path`` folder another process holds)
+  is reported the same way, in one ``all_reduce`` made there;
 - the first of those ``all_reduce(MIN)`` calls also carries a digest of the rank's first source
   batch (and its negation), so that a source that is not sharded (every rank reading the same
   examples, e.g. a DataLoader without a ``DistributedSampler``) is reported on every rank, at no
@@ -405,9 +407,10 @@ class RankSync:
         dist.all_gather(parts, t, group=self.group)
         return parts
 
-    def broadcast_text(self, text: str, src: int) -> str:
+    def broadcast_text(self, text: str, src: int, device: torch.device | None = None) -> str:
         """``text`` as rank ``src`` (of this group) passed it, on every rank; every rank calls it
         alike, and only ``src``'s ``text`` is read (the others pass anything, e.g. ``""``).
+        ``device``: as for :meth:`span` (before :meth:`bind`).
 
         Two broadcasts: the length, then the UTF-8 bytes (at most :data:`TEXT_LIMIT`; none where
         the text is empty). Used on the error path only (see
@@ -415,14 +418,15 @@ class RankSync:
         two gloo ranks (``tests/test_distributed.py``: rank 0's error ends with rank 1's
         message).
         """
+        where = self.device if device is None else collective_device(self.backend, device)
         data = text.encode("utf-8", "replace")[:TEXT_LIMIT] if self.rank == src else b""
         root = src if self.group is None else dist.get_global_rank(self.group, src)
-        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        size = torch.tensor([len(data)], dtype=torch.int64, device=where)
         dist.broadcast(size, src=root, group=self.group)
         n = int(size.item())
         if not n:
             return ""
-        buf = torch.zeros(n, dtype=torch.uint8, device=self.device)
+        buf = torch.zeros(n, dtype=torch.uint8, device=where)
         if self.rank == src:
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         dist.broadcast(buf, src=root, group=self.group)

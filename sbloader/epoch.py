@@ -100,26 +100,45 @@ _NAMED: tuple[type[Exception], ...] = (
     ZeroDivisionError,
     *[c for c in (getattr(torch, "OutOfMemoryError", None),) if c is not None],
 )
-#: The kinds of an exception raised in a rank's selection pass: ``_RAISED + 2 * i`` for type
-#: ``_NAMED[i]`` itself, ``+ 1`` for a type derived from it (and from none after it in its MRO).
-_RAISED = 3
+#: Where in its round a rank raised an exception (see :func:`_raised_kind`), as the other ranks
+#: say it: the stages of a round, in order.
+_SELECTING, _LOADING, _KEEPING = 0, 1, 2
+_STAGES = (
+    "in its selection pass (the model's forward, loss_fn, a forward= or output= hook, or the "
+    "policy's decision)",
+    "while loading a source batch (the source: its dataset, sampler, collate_fn or workers)",
+    "while keeping the rows it selected (gathering them, or computing their cached features)",
+)
+#: The kinds of an exception raised in a rank's round: ``_RAISED + stage * _STAGE + 2 * i`` for
+#: type ``_NAMED[i]`` itself, ``+ 1`` for a type derived from it (and from none after it in its
+#: MRO). NOTE: a fixed stride, not ``2 * len(_NAMED)``: ranks whose torch names one type more
+#: still read each other's stage.
+_RAISED, _STAGE = 3, 80
 
 
-def _raised_kind(error: Exception) -> int:
-    """The kind that names ``error``'s type (or its nearest named base) to the other ranks."""
+def _raised_kind(error: Exception, stage: int = _SELECTING) -> int:
+    """The kind that names ``error``'s type (or its nearest named base) and the stage of the
+    round where it was raised (``_SELECTING``, ``_LOADING`` or ``_KEEPING``) to the other ranks."""
+    base = _RAISED + stage * _STAGE
     for depth, cls in enumerate(type(error).__mro__):
         if cls in _NAMED:
-            return _RAISED + 2 * _NAMED.index(cls) + int(depth > 0)
-    return _RAISED + 2 * _NAMED.index(Exception) + 1  # (unreachable: Exception is named)
+            return base + 2 * _NAMED.index(cls) + int(depth > 0)
+    return base + 2 * _NAMED.index(Exception) + 1  # (unreachable: Exception is named)
+
+
+def _raised_stage(kind: int) -> str:
+    """Where in its round the exception of kind ``kind`` was raised, as the other ranks say it."""
+    return _STAGES[min((kind - _RAISED) // _STAGE, len(_STAGES) - 1)]
 
 
 def _raised_name(kind: int) -> str:
     """What the other ranks call the exception of kind ``kind`` (see :func:`_raised_kind`)."""
-    if (kind - _RAISED) // 2 >= len(_NAMED):  # (a rank with another torch, naming one more)
+    index = (kind - _RAISED) % _STAGE // 2
+    if index >= len(_NAMED):  # (a rank with another torch, naming one more)
         return "an exception"
-    cls = _NAMED[(kind - _RAISED) // 2]
+    cls = _NAMED[index]
     name = cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__name__}"
-    return f"an exception derived from {name}" if (kind - _RAISED) % 2 else name
+    return f"an exception derived from {name}" if (kind - _RAISED) % _STAGE % 2 else name
 
 
 class _Phase(Enum):
@@ -237,6 +256,10 @@ class EpochIterator:
         # On several ranks, an error this rank met in the current round, held until the round's
         # agreement reports it to every rank (see _fail): its kind and the error.
         self._failure: tuple[int, Exception] | None = None
+        # The current round's progress, for an exception raised in it (see _source_step): where
+        # it is (a stage of _STAGES), and whether its loss exchange and its agreement were made.
+        self._stage = _SELECTING
+        self._exchanged = self._agreed = False
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -500,9 +523,14 @@ class EpochIterator:
     def _source_step(self) -> None:
         loader, stats = self._loader, self.stats
         assert self._fetch is not None and stats is not None and self.epoch is not None
+        self._exchanged = self._agreed = False
         loaded, self._next = self._next, None
         if loaded is None and self._exhausted is None:
-            loaded = self._load()
+            try:
+                loaded = self._load()
+            except Exception as e:
+                self._report_raised(e)
+                raise
         if loaded is None:
             tally = self._exhausted if self._exhausted is not None else self._fetch.last_tally
             self._count_unloaded(tally)
@@ -524,10 +552,28 @@ class EpochIterator:
         self._committed = False
         try:
             self._take(loaded)
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, Exception):
+                self._report_raised(e)
             if not self._committed and loader._sync is None:
                 self._restore_counts(undo)
             raise
+
+    def _report_raised(self, error: Exception) -> None:
+        """An exception raised in this rank's source step (loading its source batch, its
+        selection pass, the policy's decision, keeping the rows it chose): on several ranks,
+        where the round's agreement is still to be made, the rank makes the round's remaining
+        collectives and reports it there, and every rank raises (:meth:`_stop_pass`); otherwise
+        (one process, FSDP, an error the agreement reported or met after it) the caller raises
+        it as it is.
+
+        NOTE: raised on this rank alone (a corrupt file in its share of the data, a model that
+        cannot take one of its batches), it left the others waiting in their next collective
+        until the process group timed out, or until this rank's process ended and gloo closed
+        its connections ("Connection closed by peer"), neither naming the error nor the rank.
+        """
+        if self._reports_raised() and not self._agreed:
+            self._stop_pass(error)
 
     def _kept(self, targets: Any, positions: np.ndarray | None, k: int) -> None:
         """The source batch's ``k`` chosen rows (at ``positions``; all if None) are kept: its
@@ -556,6 +602,7 @@ class EpochIterator:
 
     def _take(self, loaded: _Loaded) -> None:
         """Score, decide and keep the rows of the source batch ``loaded`` (see _source_step)."""
+        self._stage = _SELECTING
         loader, stats = self._loader, self.stats
         assert stats is not None and self.epoch is not None
         stats.source_s += loaded.waited
@@ -585,19 +632,16 @@ class EpochIterator:
             if n and not self._fresh and loader.policy.uses_losses() and pad >= 0:
                 codec = loader._codec
                 inputs, targets = data[codec.input_position], data[codec.target_position]
-                try:
-                    # (e.g. Kath18's losses >= 0: checked before its warm-up ends)
-                    loader.policy.check_losses(scorer.probe(inputs, targets, codec.view(data)))
-                except Exception as e:
-                    if not self._reports_raised():
-                        raise
-                    self._stop_pass(e, exchange=loader._sharing() and not self._passthrough)
+                # (e.g. Kath18's losses >= 0: checked before its warm-up ends; an exception
+                # here is reported to the other ranks as any of the round's: _report_raised)
+                loader.policy.check_losses(scorer.probe(inputs, targets, codec.view(data)))
         if not self._fresh:
             scorer.pad(pad)
         targets = data[loader._codec.target_position]
         if loader._counted_full and n != loader.batch_size:
             self._check_counted_full(n)
         if self._passthrough:
+            self._stage = _KEEPING
             inputs = data[loader._codec.input_position]
             features = scorer.features(inputs, None, None, indices, self.epoch, stats)
             logits = scorer.logits(None, None, n, device)
@@ -628,12 +672,7 @@ class EpochIterator:
         if self._fresh:
             inputs = data[loader._codec.input_position]
             batch = loader._codec.view(data)
-            try:
-                scored = self._scored(loaded, inputs, targets, indices, batch)
-            except Exception as e:
-                if not self._reports_raised():
-                    raise
-                self._stop_pass(e, exchange=loader._sharing() and loader._decider is None)
+            scored = self._scored(loaded, inputs, targets, indices, batch)
             scorer.pad(pad)
             loader.policy.advance(self.epoch + self.fraction())
             if loader._decider is not None:
@@ -647,6 +686,7 @@ class EpochIterator:
         stats.selection_s += perf_counter() - t0
         positions = choice.positions
         k = len(positions)
+        self._stage = _KEEPING
         if k:
             inputs = data[loader._codec.input_position]
             # NOTE (one copy of the positions): the data's gather and the losses' share it.
@@ -699,9 +739,11 @@ class EpochIterator:
         loader = self._loader
         assert self._fetch is not None
         t0 = perf_counter()
+        stage, self._stage = self._stage, _LOADING
         try:
             (raw, indices), tally = self._fetch.next()
         except StopIteration:
+            self._stage = stage
             return None
         waited = perf_counter() - t0
         device = self._device
@@ -736,6 +778,7 @@ class EpochIterator:
                     indices[positions],
                     len(positions),
                 )
+        self._stage = stage  # (loaded: an exception from here on is of the stage it loads in)
         return _Loaded(data, indices, n, tally, excluded, waited, device)
 
     def _score_ahead(self) -> None:
@@ -840,6 +883,7 @@ class EpochIterator:
         loader._scorer.settle_forward_time(stats)
         stats.selection_s += perf_counter() - t0
         k = len(choice)
+        self._stage = _KEEPING
         if k:
             loader._pending.add(device_rows(data, choice, indices, self._device, scored.losses))
         self._committed = True
@@ -861,7 +905,7 @@ class EpochIterator:
             loader._scorer.pad(self._selection_round(0))
             loader._probed = True  # as on the ranks that probed this round
         if loader._sharing() and not self._passthrough:
-            self._observe(sync.exchange(None, None))
+            self._observe(self._exchange(None, None))
 
     def _drain_step(self) -> None:
         """One round of the other ranks' with no new data (see :mod:`sbloader.distributed`).
@@ -1050,6 +1094,7 @@ class EpochIterator:
         sync = self._loader._sync
         if sync is None:
             return ready
+        self._agreed = True
         count = sync.agree(ready, active, digest, failed=self._failed_kind())[0]
         self._raise_reported(sync)
         return count
@@ -1083,9 +1128,8 @@ class EpochIterator:
         raise AssertionError("unreachable: the agreement reports the error and raises")
 
     def _reports_raised(self) -> bool:
-        """Whether an exception raised in this rank's selection pass is reported to the other
-        ranks (:meth:`_stop_pass`): on several ranks, where a selection forward makes no
-        collective.
+        """Whether an exception raised in this rank's round is reported to the other ranks
+        (:meth:`_stop_pass`): on several ranks, where a selection forward makes no collective.
 
         NOTE (FSDP): there a selection forward is itself a collective, so a rank whose forward
         raised leaves the others waiting inside theirs, before any agreement could report it;
@@ -1095,12 +1139,14 @@ class EpochIterator:
         loader = self._loader
         return loader._sync is not None and not loader._scorer.collective
 
-    def _stop_pass(self, error: Exception, exchange: bool) -> NoReturn:
-        """This rank's selection pass raised ``error`` (the model's forward, ``loss_fn``, a
-        ``forward=`` or ``output=`` hook): the rank skips the rest of its round's own work but
-        makes the round's remaining collectives, the same as the other ranks make (the loss
-        exchange where ``exchange``, with no losses; then the agreement), whose ``all_reduce``
-        reports the error's type (see :func:`_raised_kind`); every rank raises then.
+    def _stop_pass(self, error: Exception) -> NoReturn:
+        """This rank's round raised ``error`` (loading its source batch; its selection pass: the
+        model's forward, ``loss_fn``, a ``forward=`` or ``output=`` hook, the policy's decision;
+        keeping the rows it chose): the rank skips the rest of its round's own work but makes
+        the round's remaining collectives, the same as the other ranks make (the loss exchange
+        where the round has one and it was not made yet, with no losses; then the agreement),
+        whose ``all_reduce`` reports the error's type and the stage of the round where it was
+        raised (see :func:`_raised_kind`); every rank raises then.
 
         NOTE: raised on this rank alone, it left the others waiting in their next collective
         until the process group timed out (minutes), with a bare gloo error. The type travels in
@@ -1108,11 +1154,20 @@ class EpochIterator:
         message follows in two broadcasts made only once a rank has failed
         (:meth:`_raise_reported`).
         """
+        loader = self._loader
+        if loader._sharing() and not self._passthrough and not self._exchanged:
+            self._exchange(None, None)
+        self._stop_round(_raised_kind(error, self._stage), error)
+
+    def _exchange(
+        self, losses: np.ndarray | None, indices: np.ndarray | None
+    ) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """The round's loss exchange (:meth:`RankSync.exchange
+        <sbloader.distributed.RankSync.exchange>`), noted as made (see :meth:`_stop_pass`)."""
         sync = self._loader._sync
         assert sync is not None
-        if exchange:
-            sync.exchange(None, None)
-        self._stop_round(_raised_kind(error), error)
+        self._exchanged = True
+        return sync.exchange(losses, indices)
 
     def _raise_reported(self, sync: RankSync) -> None:
         """After an agreement: raise where a rank reported an error in it (the same on every
@@ -1139,8 +1194,7 @@ class EpochIterator:
         if kind >= _RAISED:
             raise RuntimeError(
                 f"in epoch {self.epoch}, rank {rank} of {sync.world_size} raised "
-                f"{_raised_name(kind)} in its selection pass (the model's forward, loss_fn, a "
-                "forward= or output= hook, or the policy's decision); every rank stops with it "
+                f"{_raised_name(kind)} {_raised_stage(kind)}; every rank stops with it "
                 f"(this is {where}), so that none waits for it in a collective. Rank {rank}'s "
                 f"error: {detail} (its own log has the traceback)"
             )
@@ -1162,7 +1216,7 @@ class EpochIterator:
             return self._choose(values, indices, n)
         sync = loader._sync
         assert sync is not None
-        shared = sync.exchange(values, None if values is None else indices)
+        shared = self._exchange(values, None if values is None else indices)
         self._observe(shared[: sync.rank])
         choice = self._choose(values, indices, n)
         self._observe(shared[sync.rank + 1 :])
@@ -1175,21 +1229,12 @@ class EpochIterator:
         if values is not None:
             finite = np.isfinite(values)
             stats.nonfinite += int(finite.size - np.count_nonzero(finite))  # before "raise" raises
-        try:
-            choice, _ = choose_finite(
-                loader.policy, values, indices, loader._rng, n, loader.nonfinite, finite
-            )
-        except NonFiniteLoss:
-            raise  # (reported as its own kind by the caller)
-        except Exception as e:
-            # NOTE: the policy refusing this rank's losses (Kath18's negative loss, a policy of
-            # the user's own raising, a Choice that does not fit): raised on this rank alone it
-            # left the others waiting in the round's agreement until the process group timed
-            # out, with a bare gloo error. Reported as an exception of the selection pass is;
-            # the round's exchange, if any, is made already.
-            if not self._reports_raised():
-                raise
-            self._stop_round(_raised_kind(e), e)
+        # NOTE: the policy refusing this rank's losses (Kath18's negative loss, a policy of the
+        # user's own raising, a Choice that does not fit) is reported to the other ranks as any
+        # exception of the round is (see _report_raised); the round's exchange is made already.
+        choice, _ = choose_finite(
+            loader.policy, values, indices, loader._rng, n, loader.nonfinite, finite
+        )
         return choice
 
     def _observe(self, shared: list[tuple[np.ndarray, np.ndarray | None]]) -> None:

@@ -38,7 +38,7 @@ from .codec import BatchCodec
 from .decisions import NONFINITE, prefilters, subset_mask
 from .device_decisions import DecisionGenerator
 from .distributed import RankSync, batch_digest, check_unsynced, is_distributed, make_sync
-from .epoch import EpochIterator, pass_fraction
+from .epoch import EpochIterator, _describe, _raise_own, pass_fraction
 from .features import make_feature_cache
 from .feedback import FeedbackBuffer, checked
 from .length import FixedEpochIterator, FixedEpochs, check_batches_per_epoch, unfillable
@@ -907,9 +907,51 @@ class SelectiveLoader(NotADataLoader):
         # NOTE: last, after every check: attaching starts the policy's run afresh and claims it
         # for this loader, so a constructor that refuses an argument must not have done it (a
         # policy already running in another loader would lose its window and its owner).
-        self.policy.attach(self._source.dataset_size, int(key))
+        self._attach_policy(int(key))
         for part in self.policy.parts():
             _claim(part, self)
+
+    def _attach_policy(self, key: int) -> None:
+        """Attach the policy to this loader (the constructor's last step); on several ranks,
+        raise on every rank where it failed on any (one ``all_reduce`` and, only then, the
+        failed rank's message in :meth:`RankSync.broadcast_text
+        <sbloader.distributed.RankSync.broadcast_text>`): that rank raises its own error,
+        naming its rank, and the others a ``RuntimeError`` naming it and its error.
+
+        NOTE: attaching may fail on one rank alone (the store folder of ``store_path`` held by
+        another process, e.g. every rank given the same folder, or a stale run's); that rank
+        then raised alone and the others, built, waited in their first epoch's first collective
+        until the process group timed out, or until that rank's process ended and gloo closed
+        its connections ("Connection closed by peer"), neither naming the error. The ranks that
+        attached keep their policy attached (its run begun afresh), as a loader whose
+        constructor raised after attaching would.
+        """
+        sync = self._sync
+        error: Exception | None = None
+        try:
+            self.policy.attach(self._source.dataset_size, key)
+        except Exception as e:
+            if sync is None or sync.world_size < 2:
+                raise
+            error = e
+        if sync is None or sync.world_size < 2:
+            return
+        failed = sync.span(sync.rank if error is not None else sync.world_size, self.device)[0]
+        if failed >= sync.world_size:
+            return
+        where = f"rank {sync.rank} of {sync.world_size}"
+        detail = sync.broadcast_text(
+            _describe(error) if error is not None else "", failed, self.device
+        )
+        if error is not None:
+            message = f"on {where} (every rank stops with this error, reported to the others): "
+            _raise_own(error, message + str(error))
+        raise RuntimeError(
+            f"rank {failed} of {sync.world_size} raised an exception in attaching the policy "
+            f"as the SelectiveLoader was built (e.g. its store_path); every rank stops with it "
+            f"(this is {where}), so that none waits for it in a collective. Rank {failed}'s "
+            f"error: {detail} (its own log has the traceback)"
+        )
 
     def _selection_copy(
         self, option: Any, device: Any, frozen_prefix: nn.Module | None

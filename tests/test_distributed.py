@@ -717,6 +717,79 @@ def scenario_raised(rank: int, world_size: int) -> dict:
     return res
 
 
+class CorruptOnRank1(Dataset):
+    """:class:`EncodedDataset` whose example 75 cannot be read (a corrupt file) on rank 1 only."""
+
+    def __init__(self, rank: int) -> None:
+        self.ds, self.rank = EncodedDataset(120), rank
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int):
+        if self.rank == 1 and i == 75:
+            raise OSError(f"cannot read example {i}: the file is corrupt")
+        return self.ds[i]
+
+
+def scenario_round_raised(rank: int, world_size: int, folder: str) -> dict:
+    """Exceptions raised on rank 1 only outside its selection pass: its source raising as it
+    loads a batch (under the rounds' every kind of collectives), and its policy's store refusing
+    a folder another process holds as the loader is built."""
+    res: dict = {}
+
+    def timed(make) -> dict:
+        t0, got = time.perf_counter(), {"raised": "", "cause": ""}
+        try:
+            for _ in make():
+                pass
+        except Exception as e:
+            got["raised"] = f"{type(e).__name__}: {e}"
+            if e.__cause__ is not None:
+                got["cause"] = f"{type(e.__cause__).__name__}: {e.__cause__}"
+        got["seconds"] = time.perf_counter() - t0
+        return got
+
+    def source(policy=None, sampler=None, **kw):
+        # Rank 1 reads 60-119 in batches of 15: example 75 is in its second batch.
+        sampler = Block(120, rank, world_size) if sampler is None else sampler
+        return lambda: SelectiveLoader(
+            DataLoader(CorruptOnRank1(rank), batch_size=15, sampler=sorted(sampler)),
+            IndexLoss(),
+            policy=SelectiveBackprop(0.5, history=64) if policy is None else policy,
+            batch_size=10,
+            seed=0,
+            **kw,
+        )
+
+    res["local"] = timed(source())
+    res["global"] = timed(source(cdf="global"))  # (the losses exchanged in every round)
+    res["stale"] = timed(source(SelectiveBackprop(0.5, history=64, staleness=2)))
+    res["traditional"] = timed(source(sbloader.Traditional()))
+    # Rank 0 (one source batch) drains while rank 1 loads its second.
+    res["draining"] = timed(source(sampler=[range(15), range(60, 120)][rank]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # overlap's advice on the CPU
+        # Loaded ahead, in the round of rank 1's first batch (after its decision).
+        res["ahead"] = timed(source(overlap_selection=True))
+    # Every rank gives its policy its own store folder, but another process holds rank 1's.
+    held = None
+    if rank == 0:
+        held = sbloader.store.ExampleStore(120, os.path.join(folder, "rank1"))
+    dist.barrier()
+    stale = SelectiveBackprop(0.5, staleness=2, store_path=os.path.join(folder, f"rank{rank}"))
+    res["store"] = timed(
+        lambda: SelectiveLoader(
+            DataLoader(EncodedDataset(120), batch_size=15, sampler=Block(120, rank, world_size)),
+            IndexLoss(),
+            policy=stale,
+            batch_size=10,
+        )
+    )
+    del held
+    return res
+
+
 def refused(**kwargs) -> str:
     """The error building a SelectiveLoader with ``kwargs`` raised ("" when it was built)."""
     try:
@@ -1097,6 +1170,7 @@ SCENARIOS = {
     "nonfinite": scenario_nonfinite,
     "limits": scenario_limits,
     "raised": scenario_raised,
+    "round_raised": scenario_round_raised,
 }
 
 
@@ -1596,6 +1670,59 @@ def test_a_policy_refusing_one_ranks_losses_raises_on_every_rank(raised_on_rank1
     assert own["seconds"] < 30 and other["seconds"] < 30, (own, other)  # (PG timeout: 120 s)
 
 
+@pytest.fixture(scope="module")
+def round_raised(tmp_path_factory) -> list[dict]:
+    folder = tmp_path_factory.mktemp("stores")
+    return run_ranks("round_raised", 2, tmp_path_factory.mktemp("round_raised"), folder=str(folder))
+
+
+@pytest.mark.parametrize("case", ["local", "global", "stale", "traditional", "draining", "ahead"])
+def test_a_source_raising_on_one_rank_raises_on_every_rank(round_raised, case):
+    """Rank 1's dataset raises as its second source batch is loaded (a corrupt file): rank 1
+    raises its own OSError (its rank prefixed, the original chained) and rank 0 a RuntimeError
+    naming rank 1, the loading and the message, in the same round, within seconds. Before, rank 0
+    waited in its next collective until rank 1's process ended ("Connection closed by peer") or
+    the process group timed out; with its losses exchanged (a global CDF, Stale-SB's store),
+    a passthrough policy, while rank 0 drains, and with the batch loaded ahead
+    (overlap_selection)."""
+    own, other = round_raised[1][case], round_raised[0][case]
+    message = "cannot read example 75: the file is corrupt"
+    prefix = "OSError: on rank 1 of 2 (every rank stops with this error, reported to the others)"
+    assert own["raised"] == f"{prefix}: {message}", own
+    assert own["cause"] == f"OSError: {message}", own
+    expected = (
+        "RuntimeError: in epoch 0, rank 1 of 2 raised OSError while loading a source batch (the "
+        "source: its dataset, sampler, collate_fn or workers); every rank stops with it (this is "
+        "rank 0 of 2)"
+    )
+    assert other["raised"].startswith(expected), other
+    assert other["raised"].endswith(
+        f"Rank 1's error: OSError: {message} (its own log has the traceback)"
+    ), other
+    assert own["seconds"] < 30 and other["seconds"] < 30, (own, other)  # (PG timeout: 120 s)
+
+
+def test_a_store_folder_refused_on_one_rank_raises_on_every_rank_as_the_loader_is_built(
+    round_raised,
+):
+    """Another process holds rank 1's store_path folder: rank 1's loader refuses it as it is
+    built, and rank 0's now does too, naming rank 1 and its error (it was built, and its first
+    epoch waited for rank 1 in a collective until rank 1's process ended or the group timed
+    out)."""
+    own, other = round_raised[1]["store"], round_raised[0]["store"]
+    prefix = "ValueError: on rank 1 of 2 (every rank stops with this error, reported to the others)"
+    assert own["raised"].startswith(f"{prefix}: the store folder "), own
+    assert "is in use by another process" in own["raised"], own
+    expected = (
+        "RuntimeError: rank 1 of 2 raised an exception in attaching the policy as the "
+        "SelectiveLoader was built (e.g. its store_path); every rank stops with it (this is "
+        "rank 0 of 2)"
+    )
+    assert other["raised"].startswith(expected), other
+    assert "Rank 1's error: ValueError: the store folder " in other["raised"], other
+    assert own["seconds"] < 30 and other["seconds"] < 30, (own, other)
+
+
 @pytest.mark.parametrize("case", ["ragged", "ragged_ahead"])
 def test_a_ragged_field_on_one_rank_raises_on_every_rank(limits, case):
     """A field of another width in rank 1's third source batch: rank 1 raises the field's error,
@@ -1648,7 +1775,12 @@ def test_the_kinds_of_raised_exceptions_fit_the_agreement_and_name_their_type():
     from sbloader import epoch
     from sbloader.distributed import FAILURE_KINDS
 
-    assert epoch._RAISED + 2 * len(epoch._NAMED) <= FAILURE_KINDS
+    assert 2 * len(epoch._NAMED) <= epoch._STAGE
+    assert epoch._RAISED + epoch._STAGE * len(epoch._STAGES) <= FAILURE_KINDS
+    for stage, where in enumerate(epoch._STAGES):  # the stage travels with the type
+        kind = epoch._raised_kind(BadInput("x"), stage)
+        assert epoch._raised_stage(kind) == where
+        assert epoch._raised_name(kind) == "an exception derived from ValueError"
     assert epoch._raised_name(epoch._raised_kind(IndexError("x"))) == "IndexError"
     assert epoch._raised_name(epoch._raised_kind(KeyError("x"))) == "KeyError"
     # A built-in type not in the fixed list travels as derived from its nearest listed base.
