@@ -142,6 +142,8 @@ def configure(args: argparse.Namespace) -> Config:
         cfg.test_examples = args.test_examples
     if args.keep_outputs:
         cfg.keep_outputs = True
+    if args.train_bf16 is not None:
+        cfg.train_bf16 = args.train_bf16
     cfg.device = str(cfg.resolved_device())
     for name in (*cfg.run_names(), *cfg.noise_strategies):
         strategies.get(name)  # fail fast on a typo
@@ -278,7 +280,8 @@ def report(cfg: Config, machine: dict, out: Path, seeds: tuple[int, ...] | None 
     return text
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's options (see :func:`configure` for what each overrides)."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -316,6 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-examples", type=int, help="train on a prefix of the training set")
     p.add_argument("--test-examples", type=int, help="evaluate on a prefix of the test set")
     p.add_argument(
+        "--train-bf16",
+        action=argparse.BooleanOptionalAction,
+        help="train every run's forward under bf16 autocast, controls and sbloader alike "
+        "(default: the preset's; the CPU presets train in float32)",
+    )
+    p.add_argument(
         "--keep-outputs",
         action="store_true",
         help="keep the per-example arrays and write the analysis report (benchmarks/analysis.py)",
@@ -326,7 +335,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="rebuild the summary and plots from the runs in --out",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.reference_error:
         args.reference_error = _reference_errors(args.reference_error)
 

@@ -666,3 +666,17 @@ def test_the_warm_up_trains_each_strategy_on_two_of_its_own_source_batches(monke
         cfg, [strategies.get("traditional"), strategies.get("sb_0.33"), wide], _tiny_data()
     )
     assert seen == [("traditional", 2), ("sb_0.33", 2), ("wide", 2)]
+
+
+def test_train_bf16_on_the_command_line_sets_every_runs_training_precision():
+    """``--train-bf16`` trains controls and sbloader alike under bf16 (a CPU preset trains in
+    float32 otherwise), and ``--no-train-bf16`` takes it back from a preset that has it."""
+
+    def configured(*argv: str) -> Config:
+        return bench.configure(bench.parser().parse_args(list(argv)))
+
+    assert configured("--preset", "quick").train_bf16 is False
+    assert configured("--preset", "quick", "--train-bf16").train_bf16 is True
+    assert PRESETS["gpu"]["train_bf16"] is True
+    gpu = configured("--preset", "gpu", "--device", "cpu", "--no-train-bf16")
+    assert gpu.train_bf16 is False
