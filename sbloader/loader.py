@@ -2052,6 +2052,11 @@ class SelectiveLoader(NotADataLoader):
         live = self._live_iterator()
         running = live is not None and live.running
         unfinished, source_state = self._unfinished, self._source_state
+        # NOTE: an "auto" loader adopts the saved run's precision (its int8 copy or not, its
+        # autocast dtype) before the later checks: a state refused by one of them must leave
+        # the loader's own choice, which the backup's restore would otherwise take for another
+        # run's (it refused its own state, naming the wrong cause, and kept the adopted one).
+        precision = self._scorer.precision_choice()
         # (a backup for this process only: a memory-mapped store names its files, a feature
         # cache its rows, nothing is copied; see _state.rollback_state)
         with rollback_state():
@@ -2061,6 +2066,7 @@ class SelectiveLoader(NotADataLoader):
             self._restore(checked)
             self._left = None
         except BaseException:
+            self._scorer.restore_precision(precision)
             self._restore(backup, rollback=True)
             if not running:  # a running epoch was closed: the next iter() resumes it
                 self._unfinished = unfinished
