@@ -258,8 +258,8 @@ class SelectiveLoader(NotADataLoader):
             after the first pass that yields nothing where the source's size is unknown. Default
             None: an epoch is one pass, of a random number of batches.
         min_batch_size: smaller batches are never yielded (dropped and counted). Default 2 when
-            the model has BatchNorm layers (a batch of one makes BatchNorm raise in training),
-            else 1.
+            the model has BatchNorm layers (a batch of one makes BatchNorm raise in training)
+            and ``batch_size`` is at least 2, else 1.
         nonfinite: what happens to an example whose selection loss is NaN or infinite: ``"skip"``
             (default: never backpropagated, since its gradient would corrupt the weights),
             ``"select"`` (always backpropagated) or ``"raise"`` (``FloatingPointError``; on
@@ -806,7 +806,11 @@ class SelectiveLoader(NotADataLoader):
                 "process group)"
             )
         if min_batch_size is None:
+            # NOTE: at most batch_size: a model with BatchNorm trained in batches of one (e.g.
+            # images, which BatchNorm2d normalises over their pixels) was refused with "got
+            # min_batch_size=2", an argument its user never passed.
             min_batch_size = 2 if any(isinstance(m, _BATCHNORM) for m in model.modules()) else 1
+            min_batch_size = min(min_batch_size, self.batch_size)
         self.min_batch_size = check_int("min_batch_size", min_batch_size, minimum=1)
         if self.min_batch_size > self.batch_size:
             raise ValueError(
