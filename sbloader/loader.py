@@ -436,7 +436,8 @@ class SelectiveLoader(NotADataLoader):
             for a selective pass and an annealed one plans 2 passes and warns; where the
             source's size is unknown (no estimate), ``planned_epochs`` is taken as passes, with
             a warning. The passes planned are :attr:`planned_passes`; logged. Refused together
-            with ``policy=``, which it would not change. Lightning's :func:`selective_loader
+            with ``policy=``, which it would not change, and under DDP where the ranks' differ.
+            Lightning's :func:`selective_loader
             <sbloader.integrations.lightning.selective_loader>` passes the Trainer's
             ``max_epochs``. Default None: the default policy does not anneal.
         quantize_selection: run the selection forward through an int8 copy of the (unwrapped)
@@ -1392,6 +1393,11 @@ class SelectiveLoader(NotADataLoader):
             # (its kind: what decides the collectives; settings such as a selectivity may
             # differ between ranks, which stay in step whatever each keeps)
             "policy": self.policy.kind(),
+            # NOTE: the default policy's plan: ranks planned for other lengths anneal from other
+            # passes, one rank training on all the data while the others select (in step, each
+            # yielding the fewest batches any rank has: the annealing rank's pass was cut short,
+            # unsaid).
+            "planned_epochs": repr(self.planned_epochs),
             "cdf": repr(self.cdf),
             "remainder": repr(self.remainder),
             "batch_size": repr(self.batch_size),
