@@ -258,8 +258,8 @@ class SelectiveLoader(NotADataLoader):
             after the first pass that yields nothing where the source's size is unknown. Default
             None: an epoch is one pass, of a random number of batches.
         min_batch_size: smaller batches are never yielded (dropped and counted). Default 2 when
-            the model has BatchNorm layers (a batch of one makes BatchNorm raise in training),
-            else 1.
+            the model has BatchNorm layers (a batch of one makes BatchNorm raise in training)
+            and ``batch_size`` is at least 2, else 1.
         nonfinite: what happens to an example whose selection loss is NaN or infinite: ``"skip"``
             (default: never backpropagated, since its gradient would corrupt the weights),
             ``"select"`` (always backpropagated) or ``"raise"`` (``FloatingPointError``; on
@@ -436,7 +436,8 @@ class SelectiveLoader(NotADataLoader):
             for a selective pass and an annealed one plans 2 passes and warns; where the
             source's size is unknown (no estimate), ``planned_epochs`` is taken as passes, with
             a warning. The passes planned are :attr:`planned_passes`; logged. Refused together
-            with ``policy=``, which it would not change. Lightning's :func:`selective_loader
+            with ``policy=``, which it would not change, and under DDP where the ranks' differ.
+            Lightning's :func:`selective_loader
             <sbloader.integrations.lightning.selective_loader>` passes the Trainer's
             ``max_epochs``. Default None: the default policy does not anneal.
         quantize_selection: run the selection forward through an int8 copy of the (unwrapped)
@@ -806,7 +807,11 @@ class SelectiveLoader(NotADataLoader):
                 "process group)"
             )
         if min_batch_size is None:
+            # NOTE: at most batch_size: a model with BatchNorm trained in batches of one (e.g.
+            # images, which BatchNorm2d normalises over their pixels) was refused with "got
+            # min_batch_size=2", an argument its user never passed.
             min_batch_size = 2 if any(isinstance(m, _BATCHNORM) for m in model.modules()) else 1
+            min_batch_size = min(min_batch_size, self.batch_size)
         self.min_batch_size = check_int("min_batch_size", min_batch_size, minimum=1)
         if self.min_batch_size > self.batch_size:
             raise ValueError(
@@ -1430,6 +1435,11 @@ class SelectiveLoader(NotADataLoader):
             # (its kind: what decides the collectives; settings such as a selectivity may
             # differ between ranks, which stay in step whatever each keeps)
             "policy": self.policy.kind(),
+            # NOTE: the default policy's plan: ranks planned for other lengths anneal from other
+            # passes, one rank training on all the data while the others select (in step, each
+            # yielding the fewest batches any rank has: the annealing rank's pass was cut short,
+            # unsaid).
+            "planned_epochs": repr(self.planned_epochs),
             "cdf": repr(self.cdf),
             "remainder": repr(self.remainder),
             "batch_size": repr(self.batch_size),
@@ -2094,6 +2104,11 @@ class SelectiveLoader(NotADataLoader):
         live = self._live_iterator()
         running = live is not None and live.running
         unfinished, source_state = self._unfinished, self._source_state
+        # NOTE: an "auto" loader adopts the saved run's precision (its int8 copy or not, its
+        # autocast dtype) before the later checks: a state refused by one of them must leave
+        # the loader's own choice, which the backup's restore would otherwise take for another
+        # run's (it refused its own state, naming the wrong cause, and kept the adopted one).
+        precision = self._scorer.precision_choice()
         # (a backup for this process only: a memory-mapped store names its files, a feature
         # cache its rows, nothing is copied; see _state.rollback_state)
         with rollback_state():
@@ -2103,6 +2118,7 @@ class SelectiveLoader(NotADataLoader):
             self._restore(checked)
             self._left = None
         except BaseException:
+            self._scorer.restore_precision(precision)
             self._restore(backup, rollback=True)
             if not running:  # a running epoch was closed: the next iter() resumes it
                 self._unfinished = unfinished

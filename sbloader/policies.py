@@ -1458,6 +1458,16 @@ def default_policy(
                 UserWarning,
                 stacklevel=2,
             )
+    ramp_epochs = check_float("ramp_epochs", ramp_epochs, low=0.0)
+    if has_store and ramp_epochs > 1:
+        # NOTE: refused here, naming what default_policy takes: the Stale-SB's own refusal
+        # named staleness=, which default_policy has no argument for.
+        raise ValueError(
+            f"default_policy's ramp_epochs should be at most 1 with a per-example store (its "
+            "Stale-SB makes a selection pass only in its first epoch, which the ramp must end "
+            f"in), but got ramp_epochs={ramp_epochs:g}; pass ramp_epochs <= 1, or for a longer "
+            "ramp has_store=False (a selection pass in every epoch after the warm-up)"
+        )
     # (checked also where they go unused, without a store: a typo is never accepted silently)
     check_choice("stale_cdf", stale_cdf, STALE_CDFS)
     if drift_bound is not None:

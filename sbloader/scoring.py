@@ -397,6 +397,17 @@ class Scorer:
             stacklevel=4,
         )
 
+    def precision_choice(self) -> tuple[Any, ...]:
+        """What decides the selection precision (the int8 copy, the autocast dtypes and their
+        reason), for :meth:`restore_precision` after a refused resume."""
+        return self.quantized, self.autocast, self.fallback_autocast, self.precision
+
+    def restore_precision(self, choice: tuple[Any, ...]) -> None:
+        """Put back a :meth:`precision_choice`: a resume refused after :meth:`adopt_quantized`
+        or the loader's autocast adoption followed the saved run must leave the loader's own
+        choice as it was."""
+        self.quantized, self.autocast, self.fallback_autocast, self.precision = choice
+
     def adopt_quantized(self, state: dict[str, Any]) -> None:
         """Before a resume: check that a saved scorer state matches this scorer's int8 copy, and
         follow the saved run where this one's copy was chosen by ``"auto"`` and the saved run

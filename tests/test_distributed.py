@@ -1096,6 +1096,7 @@ def scenario_mismatches(rank: int, world_size: int) -> dict:
         "remainder": dict(policy=RandomBackprop(0.5), remainder=["carry", "short"][rank]),
         "batch_size": dict(policy=RandomBackprop(0.5), batch_size=[4, 8][rank]),
         "rank": dict(policy=RandomBackprop(0.5), rank=0),  # rank=LOCAL_RANK on two nodes
+        "planned_epochs": dict(planned_epochs=[8, None][rank]),  # the default's anneal
         # "expected" on every rank, resolved from each rank's own rate: 4 and 2 batches
         "expected": dict(policy=RandomBackprop([0.5, 0.25][rank]), batches_per_epoch="expected"),
     }
@@ -2075,13 +2076,14 @@ def test_options_that_must_match_across_ranks_are_refused_at_construction_naming
     """A policy (of another kind), cdf, remainder or batch size that differs between ranks made
     the ranks fall out of step (a collective hang, a gloo abort, or batches of different
     sizes); rank= other than the group's made both ranks draw alike and accept each other's
-    states; and the default policy planned from uneven shares annealed from different passes on
-    each rank. Each is refused on every rank as the loader is built, or planned alike; a
-    batches_per_epoch="expected" that the ranks resolve differently is refused naming the fix
-    (it said to pass the same batches_per_epoch on every rank, as they had)."""
+    states; and the default policy planned from uneven shares, or for other planned_epochs,
+    annealed from different passes on each rank. Each is refused on every rank as the loader is
+    built, or planned alike; a batches_per_epoch="expected" that the ranks resolve differently
+    is refused naming the fix (it said to pass the same batches_per_epoch on every rank, as
+    they had)."""
     results = run_ranks("mismatches", 2, tmp_path)
     for rank, res in enumerate(results):
-        for name in ("cdf", "policy", "remainder", "batch_size"):
+        for name in ("cdf", "policy", "remainder", "batch_size", "planned_epochs"):
             assert res[name].startswith(f"{name} should be the same on every rank"), res[name]
             assert f"this rank ({rank}) has {name}=" in res[name]
         assert res["rank"].startswith("rank= should be each process's rank in the process group")

@@ -709,6 +709,22 @@ def test_a_batch_of_one_never_reaches_a_batchnorm_model():
     assert [len(b[0]) for b in plain] == [20, 20, 1] and len(plain) == 3
 
 
+def test_a_batchnorm_model_trains_in_batches_of_one_when_asked():
+    """The default min_batch_size of a BatchNorm model (2) is at most batch_size: batches of one
+    (images through BatchNorm2d, which torch trains on) were refused naming min_batch_size=2,
+    which the user never passed; an explicit one above batch_size is still refused."""
+    images, labels = torch.randn(6, 1, 4, 4), torch.arange(6) % N_CLASSES
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, N_CLASSES)
+    )
+    source = DataLoader(ArrayDataset(images, labels), batch_size=1)
+    loader = SelectiveLoader(source, model, policy=Traditional())
+    assert loader.min_batch_size == 1 and [len(b[0]) for b in loader] == [1] * 6
+    assert SelectiveLoader(source, model, batch_size=2).min_batch_size == 2
+    with pytest.raises(ValueError, match="min_batch_size should be <= batch_size=1"):
+        SelectiveLoader(source, model, min_batch_size=2)
+
+
 def test_a_train_mode_selection_forward_of_one_example_names_the_fix():
     """eval_selection=False scores in train mode, where BatchNorm raises on a single example
     (the prior implementations' failure): a source batch of one (41 = 2 * 20 + 1) is refused

@@ -579,6 +579,33 @@ def test_auto_resume_follows_the_saved_run(monkeypatch) -> None:
         make(trained(), "auto", data=dataset(768)).load_state_dict(saved_int8.state_dict())
 
 
+def test_a_refused_resume_leaves_the_auto_loaders_own_precision(monkeypatch) -> None:
+    """A state saved without the copy, refused after "auto" followed it (here: mid-epoch, with
+    a sampler on torch's global RNG): refused for that reason, and the loader keeps its int8
+    copy (it raised "made with an int8 selection copy" about a state made without one, and had
+    turned its copy off)."""
+    native(monkeypatch, True)
+    data = dataset(96)
+
+    def build(quantize: Any) -> SelectiveLoader:
+        source = DataLoader(data, batch_size=32, shuffle=True)  # no generator: no mid-epoch
+        return SelectiveLoader(source, trained(), batch_size=8, quantize_selection=quantize)
+
+    saved = build(False)
+    it = iter(saved)
+    next(it)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (the state cannot resume mid-epoch)
+        state = saved.state_dict()
+    loader = build("auto")
+    before = (loader.scorer.quantized, loader.autocast, loader.selection_precision)
+    with pytest.raises(ValueError, match="draws from torch's global RNG"):
+        loader.load_state_dict(state)
+    assert (loader.scorer.quantized, loader.autocast, loader.selection_precision) == before
+    epoch_batches(loader)  # (the default's warm-up, then a selection pass with its copy)
+    assert len(epoch_batches(loader)) > 0 and loader.scorer.quantized.refreshes > 0
+
+
 _NOTICE_SCRIPT = r"""
 import warnings
 import torch

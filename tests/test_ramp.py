@@ -13,7 +13,14 @@ import torch
 from conftest import EncodedDataset, IndexLoss
 from torch.utils.data import DataLoader
 
-from sbloader import LossWindow, Phased, RandomBackprop, SelectiveBackprop, SelectiveLoader
+from sbloader import (
+    LossWindow,
+    Phased,
+    RandomBackprop,
+    SelectiveBackprop,
+    SelectiveLoader,
+    default_policy,
+)
 from sbloader.device_decisions import DeviceWindow
 
 N = 600
@@ -88,6 +95,10 @@ def test_bad_ramps_are_refused_naming_the_parameter_and_the_fix():
     with pytest.raises(TypeError, match="ramp_epochs"):
         SelectiveBackprop(1 / 3, ramp_epochs="one")  # type: ignore[arg-type]
     SelectiveBackprop(1 / 3, staleness=3, ramp_epochs=1)  # within Stale-SB's fresh epoch
+    # default_policy names its own arguments (it said "use staleness=1", which it does not take)
+    with pytest.raises(ValueError, match=r"default_policy's ramp_epochs .* has_store=False"):
+        default_policy(ramp_epochs=2)
+    assert default_policy(has_store=False, ramp_epochs=2).policy.ramp_epochs == 2
 
 
 def test_device_window_blends_as_the_host_window():
