@@ -2124,6 +2124,10 @@ class SelectiveLoader(NotADataLoader):
                 self._unfinished = unfinished
             self._source_state = source_state
             raise
+        # NOTE: said only now: logged as it was adopted, a resume refused after it said that
+        # the loader selects in a precision it does not (the refusal puts its own back).
+        if self._scorer.precision != precision[3]:
+            logger.info("selection precision: %s", self._scorer.precision)
         self._warn_other_speed(checked.get(K_SPEED))
 
     def _speed(self) -> dict[str, str]:
@@ -2310,8 +2314,7 @@ class SelectiveLoader(NotADataLoader):
                 f"{self.autocast}, but its frozen prefix's cached features are kept in the "
                 f"chosen precision; build the loader with autocast={saved!r} to resume"
             )
-        logger.info("selection precision: %s (the resumed run's own, from its state)", saved)
-        self._scorer.autocast = saved
+        self._scorer.autocast = saved  # (logged once the resume is accepted: load_state_dict)
         self._scorer.precision = f"autocast={saved} (the resumed run's own, from its state)"
 
     def _from_v1(self, state: dict[str, Any]) -> dict[str, Any]:

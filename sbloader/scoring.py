@@ -417,10 +417,10 @@ class Scorer:
         if quantized is None and self.quantized is not None and self.quantized.auto:
             self.quantized = None
             self.autocast = self.fallback_autocast
+            # (logged by the loader once the resume is accepted: a refused one changes nothing)
             self.precision = (
                 "quantize_selection='auto': off (the resumed run's own, from its state)"
             )
-            logger.info("selection precision: %s", self.precision)
         if (quantized is None) != (self.quantized is None):
             saved = "without" if quantized is None else "with"
             raise ValueError(

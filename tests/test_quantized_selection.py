@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import warnings
 from typing import Any
 
@@ -556,7 +557,7 @@ def test_auto_falls_back_on_the_first_batch_where_int8_cannot_be_built(
         make(model, True)
 
 
-def test_auto_resume_follows_the_saved_run(monkeypatch) -> None:
+def test_auto_resume_follows_the_saved_run(monkeypatch, caplog) -> None:
     """A run saved without the copy (fallen back, or on a CPU without native int8) resumes
     without it under "auto"; a run saved with it cannot be resumed without it."""
     native(monkeypatch, False)
@@ -568,9 +569,12 @@ def test_auto_resume_follows_the_saved_run(monkeypatch) -> None:
     native(monkeypatch, True)
     resumed = make(trained(), "auto", data=dataset(768))
     assert resumed.scorer.quantized is not None  # this machine's own choice ...
-    resumed.load_state_dict(state)
+    with caplog.at_level(logging.INFO, logger="sbloader"):
+        resumed.load_state_dict(state)
     assert resumed.scorer.quantized is None  # ... gives way to the saved run's
     assert "the resumed run's own" in resumed.selection_precision
+    said = [r.getMessage() for r in caplog.records if "the resumed run's own" in r.getMessage()]
+    assert said == [f"selection precision: {resumed.selection_precision}"]  # once, when accepted
     assert head + epoch_batches(resumed) == head + rest
     saved_int8 = make(trained(), "auto", data=dataset(768))
     list(saved_int8)
@@ -579,11 +583,12 @@ def test_auto_resume_follows_the_saved_run(monkeypatch) -> None:
         make(trained(), "auto", data=dataset(768)).load_state_dict(saved_int8.state_dict())
 
 
-def test_a_refused_resume_leaves_the_auto_loaders_own_precision(monkeypatch) -> None:
+def test_a_refused_resume_leaves_the_auto_loaders_own_precision(monkeypatch, caplog) -> None:
     """A state saved without the copy, refused after "auto" followed it (here: mid-epoch, with
     a sampler on torch's global RNG): refused for that reason, and the loader keeps its int8
     copy (it raised "made with an int8 selection copy" about a state made without one, and had
-    turned its copy off)."""
+    turned its copy off); nor does the log say it selects in the saved run's precision (it
+    did, as the copy was turned off, before the refusal)."""
     native(monkeypatch, True)
     data = dataset(96)
 
@@ -599,8 +604,10 @@ def test_a_refused_resume_leaves_the_auto_loaders_own_precision(monkeypatch) -> 
         state = saved.state_dict()
     loader = build("auto")
     before = (loader.scorer.quantized, loader.autocast, loader.selection_precision)
-    with pytest.raises(ValueError, match="draws from torch's global RNG"):
-        loader.load_state_dict(state)
+    with caplog.at_level(logging.INFO, logger="sbloader"):
+        with pytest.raises(ValueError, match="draws from torch's global RNG"):
+            loader.load_state_dict(state)
+    assert "the resumed run's own" not in caplog.text
     assert (loader.scorer.quantized, loader.autocast, loader.selection_precision) == before
     epoch_batches(loader)  # (the default's warm-up, then a selection pass with its copy)
     assert len(epoch_batches(loader)) > 0 and loader.scorer.quantized.refreshes > 0
