@@ -51,8 +51,11 @@ class Choice:
     Attributes:
         positions: int64 positions (into the candidate batch) to backpropagate, in the order they
             should be yielded. A position may repeat for policies that sample with replacement.
-        probabilities: float64, one per candidate: the probability the policy gave it.
-        weights: float64, one per entry of ``positions``: the loss weight for that example.
+        probabilities: float64, one per candidate: the probability the policy gave it, in
+            [0, 1].
+        weights: float64, one per entry of ``positions``: the loss weight for that example,
+            finite and >= 0 (> 0 where the policy's ``normalize_weights()`` is True). The loader
+            refuses a Choice outside these bounds, naming the policy and the field.
 
     Example:
         >>> import numpy as np
