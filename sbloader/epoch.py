@@ -13,6 +13,7 @@ epoch, process one source batch, one distributed drain round, the end-of-epoch r
 
 from __future__ import annotations
 
+import inspect
 import warnings
 import weakref
 from collections.abc import Callable
@@ -1235,7 +1236,7 @@ class EpochIterator:
 
 def _weakly(method: Callable[[], bool]) -> Callable[[], bool]:
     """``method`` (a bound method), called through a weak reference to its object: False once
-    the object is gone.
+    the object is gone; any other callable as it is.
 
     NOTE: a source keeps the epoch's :class:`~sbloader.decisions.Keep` (a DataLoader's batch
     sampler holds it, and so do persistent workers' sampler iterators); a Keep holding the
@@ -1244,6 +1245,8 @@ def _weakly(method: Callable[[], bool]) -> Callable[[], bool]:
     persistent worker processes and the policy's memory-mapped store (whose folder a new
     store was refused) until the garbage collector happened to run.
     """
+    if not inspect.ismethod(method):
+        return method
     ref = weakref.WeakMethod(method)
 
     def call() -> bool:
