@@ -13,8 +13,10 @@ epoch, process one source batch, one distributed drain round, the end-of-epoch r
 
 from __future__ import annotations
 
+import inspect
 import warnings
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
@@ -486,7 +488,11 @@ class EpochIterator:
         source = loader.source
         self._filtering = source.can_filter()
         # (whether it loads part of the epoch is the loader's decision, made as it began)
-        keep = Keep(policy, loader._subset, source.replaying) if loader._epoch_prefilter else None
+        keep = (
+            Keep(policy, loader._subset, _weakly(source.replaying))
+            if loader._epoch_prefilter
+            else None
+        )
         snapshot = source.snapshot
 
         def make_iter() -> Any:
@@ -1271,6 +1277,28 @@ class EpochIterator:
                 if self.stats is not None and self._start:
                     self.stats.wall_s += perf_counter() - self._start
                     self._start = 0.0
+
+
+def _weakly(method: Callable[[], bool]) -> Callable[[], bool]:
+    """``method`` (a bound method), called through a weak reference to its object: False once
+    the object is gone; any other callable as it is.
+
+    NOTE: a source keeps the epoch's :class:`~sbloader.decisions.Keep` (a DataLoader's batch
+    sampler holds it, and so do persistent workers' sampler iterators); a Keep holding the
+    source's ``replaying`` strongly made a reference cycle, so that a loader dropped after a
+    prefiltered epoch (Stale-SB's stale epochs, ``subset``) lived on with its DataLoader, its
+    persistent worker processes and the policy's memory-mapped store (whose folder a new
+    store was refused) until the garbage collector happened to run.
+    """
+    if not inspect.ismethod(method):
+        return method
+    ref = weakref.WeakMethod(method)
+
+    def call() -> bool:
+        bound = ref()
+        return bound is not None and bound()
+
+    return call
 
 
 def _describe(error: BaseException) -> str:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 import gc
+import multiprocessing
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,7 @@ from sbloader._checks import FieldError
 from sbloader.decisions import choose_finite, in_subset, keep_function, subset_mask
 from sbloader.policies import Choice
 from sbloader.rows import PendingRows, Rows, metadata_rows
+from sbloader.store import ExampleStore
 
 CPU = torch.device("cpu")
 
@@ -111,6 +114,32 @@ def test_a_dropped_iterator_stops_its_prefetch_thread_at_once():
     gc.collect()
     assert not prefetchers()
     assert loader.state_dict()["active"]  # the abandoned epoch's position is still known
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_loader_dropped_after_a_prefiltered_epoch_is_freed_at_once(tmp_path, workers):
+    """A stale epoch is filtered before loading: the DataLoader's batch sampler keeps the
+    epoch's keep function, which referred to the source (its ``replaying``), so a loader
+    dropped after such an epoch lived on in a reference cycle, with its persistent worker
+    processes and its policy's memory-mapped store, whose folder another store was refused,
+    until the garbage collector happened to run. Dropped, it is now freed at once."""
+    gc.disable()  # (only reference counting frees the loader: no collection in between)
+    try:
+        dl = DataLoader(
+            EncodedDataset(60), batch_size=10, num_workers=workers, persistent_workers=workers > 0
+        )
+        policy = SelectiveBackprop(0.5, staleness=3, store_path=str(tmp_path))
+        loader = SelectiveLoader(dl, IndexLoss(), policy=policy, batch_size=10)
+        for _ in range(3):
+            epoch_indices(loader)
+        assert loader.stats.current.prefiltered  # the last epoch was filtered before loading
+        source = weakref.ref(loader.source)
+        del loader, dl, policy
+        assert source() is None
+        assert not [w for w in multiprocessing.active_children() if w.is_alive()]
+        assert len(ExampleStore(80, path=tmp_path)) == 80  # its folder is free for another
+    finally:
+        gc.enable()
 
 
 def test_close_is_idempotent_and_an_error_closes_the_iterator():
