@@ -1726,7 +1726,8 @@ class SelectiveLoader(NotADataLoader):
 
         Raises:
             ValueError, TypeError: counts that differ, indices that are not integers, losses
-                that are not real numbers (at once).
+                that are not floating-point numbers (integers: the targets passed instead of
+                the losses, most often) (at once).
             IndexError: an index outside the dataset: at once for host-side indices; for
                 device-side ones (checked without a synchronisation per step) when the next
                 epoch starts or a state is saved, whichever is first; every report stays held.
