@@ -192,6 +192,12 @@ def test_the_drop_in_loop_runs_over_a_source_without_indices():
     ]
     with pytest.raises(ValueError, match="losses of shape"):  # still checked
         loader.feedback(None, torch.zeros(4, 7))
+    # A loss reduced over the batch: one value, no count to compare it with, so it was counted
+    # as one example reported, the missing reduction='none' unsaid.
+    for reduced in (torch.tensor(0.5), 0.5, np.float32(0.5)):
+        with pytest.raises(ValueError, match=r"single value.*reduction='none'"):
+            loader.feedback(None, reduced)
+    loader.feedback(None, torch.tensor([0.5]))  # a batch of one example
     stale = loader_for(SelectiveBackprop(1 / 3, staleness=2))  # a source with indices
     next(iter(stale))
     with pytest.raises(TypeError, match="indices should be a tensor"):
