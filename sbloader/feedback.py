@@ -73,6 +73,10 @@ def checked(indices: Any, losses: Any, size: int | None) -> tuple[torch.Tensor, 
         Traceback (most recent call last):
             ...
         ValueError: feedback needs one loss per example, but got 2 indices and losses of shape ...
+        >>> checked([4, 7], torch.tensor([3, 0]), 10)
+        Traceback (most recent call last):
+            ...
+        TypeError: losses should hold real per-example losses (a float tensor such as ...
         >>> checked(torch.tensor([1.0]), [0.5], 10)
         Traceback (most recent call last):
             ...
@@ -99,10 +103,19 @@ def checked(indices: Any, losses: Any, size: int | None) -> tuple[torch.Tensor, 
             f"indices should hold whole dataset indices (an integer tensor such as "
             f"batch.indices), but got dtype {idx.dtype}"
         )
-    if val.is_complex() or val.dtype == torch.bool:
+    if not val.is_floating_point():
+        # NOTE: integers too. Losses are floats; an integer tensor of the right length is
+        # almost always the batch's targets passed instead, and its class numbers stored as
+        # losses decided the stale epochs from the labels, with nothing said.
+        hint = (
+            " (the targets instead of the losses?); pass the per-example losses, or "
+            "losses.float() where integer values are meant"
+            if not val.is_complex() and val.dtype != torch.bool
+            else ""
+        )
         raise TypeError(
             "losses should hold real per-example losses (a float tensor such as "
-            f"F.cross_entropy(..., reduction='none')), but got dtype {val.dtype}"
+            f"F.cross_entropy(..., reduction='none')), but got dtype {val.dtype}{hint}"
         )
     if idx.device.type == "cpu":
         check_range(check_indices("indices", idx.numpy()), size)

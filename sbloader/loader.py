@@ -1726,7 +1726,8 @@ class SelectiveLoader(NotADataLoader):
 
         Raises:
             ValueError, TypeError: counts that differ, indices that are not integers, losses
-                that are not real numbers (at once).
+                that are not floating-point numbers (integers: the targets passed instead of
+                the losses, most often) (at once).
             IndexError: an index outside the dataset: at once for host-side indices; for
                 device-side ones (checked without a synchronisation per step) when the next
                 epoch starts or a state is saved, whichever is first; every report stays held.
@@ -1760,7 +1761,17 @@ class SelectiveLoader(NotADataLoader):
             # losses are checked and counted, so the drop-in loop runs over such a source too.
             shape = getattr(losses, "shape", None)
             rows = np.shape(losses) if shape is None else tuple(shape)
-            indices = torch.arange(rows[0] if rows else 1)
+            if not rows:
+                # NOTE: with indices, a loss reduced over the batch is refused by the count;
+                # here nothing gives the count, and a scalar passed as one loss counted a step
+                # of a full batch as one example reported (the mistake unsaid until the loop
+                # met a source with indices).
+                raise ValueError(
+                    "feedback needs one loss per example, but got a single value (a loss "
+                    "reduced over the batch?); pass the per-example losses "
+                    "(reduction='none'), of shape (1,) for a batch of one example"
+                )
+            indices = torch.arange(rows[0])
         if self.policy.takes_feedback():
             n = self._feedback.add(indices, losses, size)
         else:  # checked and counted, but neither held nor copied to the host: nothing uses it

@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -288,6 +289,35 @@ def test_what_cannot_work_is_refused_with_the_supported_way(
     accelerator = Accelerator(cpu=True)
     with pytest.raises(ValueError, match=message):
         sbloader.SelectiveLoader(make(accelerator), nn.Linear(6, 3), batch_size=4, **kwargs)
+
+
+def test_the_readme_loop_reports_losses_through_the_accelerated_loader(fresh_accelerate):
+    """``loader.feedback(batch.indices, losses)``, the README's loop (what the default recipe
+    needs), raised AttributeError on the AcceleratedLoader the Accelerate section iterates."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    source = DataLoader(data(), batch_size=16, shuffle=True, generator=g)
+    model, opt, source = accelerator.prepare(model, opt, source)
+    policy = sbloader.SelectiveBackprop(0.5, staleness=2)
+    loader = AcceleratedLoader(sbloader.SelectiveLoader(source, model, policy=policy, batch_size=4))
+    reported = {}
+    for batch in loader:
+        inputs, targets = batch
+        with accelerator.accumulate(model):
+            losses = F.cross_entropy(model(inputs), targets, reduction="none")
+            accelerator.backward(losses.mean())
+            opt.step()
+            opt.zero_grad()
+        loader.feedback(batch.indices, losses)
+        reported.update(zip(batch.indices.tolist(), losses.tolist()))
+    stats = loader.loader.stats.epochs[0]
+    assert stats.feedback == stats.examples_yielded == len(reported)
+    next(iter(loader))  # the reports reach the store as the next epoch starts
+    idx = sorted(reported)
+    stored, _ = policy.store.lookup(np.array(idx))
+    np.testing.assert_allclose(stored, [reported[i] for i in idx], rtol=1e-6)
 
 
 def test_accelerated_loader_wraps_only_a_selective_loader():

@@ -192,6 +192,12 @@ def test_the_drop_in_loop_runs_over_a_source_without_indices():
     ]
     with pytest.raises(ValueError, match="losses of shape"):  # still checked
         loader.feedback(None, torch.zeros(4, 7))
+    # A loss reduced over the batch: one value, no count to compare it with, so it was counted
+    # as one example reported, the missing reduction='none' unsaid.
+    for reduced in (torch.tensor(0.5), 0.5, np.float32(0.5)):
+        with pytest.raises(ValueError, match=r"single value.*reduction='none'"):
+            loader.feedback(None, reduced)
+    loader.feedback(None, torch.tensor([0.5]))  # a batch of one example
     stale = loader_for(SelectiveBackprop(1 / 3, staleness=2))  # a source with indices
     next(iter(stale))
     with pytest.raises(TypeError, match="indices should be a tensor"):
@@ -528,3 +534,18 @@ def test_non_finite_reports_are_said_and_do_not_count_as_fed(caplog):
     assert said[0].startswith(f"epoch 0: {n} of {n} training losses") and "diverged" in said[0]
     stored, _ = policy.store.lookup(np.arange(N))
     assert np.isfinite(stored).all()  # the selection passes' losses, kept
+
+
+def test_targets_reported_instead_of_losses_are_refused_at_once():
+    """An integer report of the right length is almost always the batch's targets: accepted,
+    their class numbers became the stored losses the stale epochs decided from, unsaid."""
+    loader = loader_for(SelectiveBackprop(1 / 3, staleness=2))
+    batch = next(iter(loader))
+    _, targets = batch
+    for wrong in (targets, targets.numpy(), targets.tolist()):
+        with pytest.raises(TypeError, match=r"real per-example losses.*int64.*the targets"):
+            loader.feedback(batch.indices, wrong)
+    assert len(loader._feedback) == 0
+    loader.feedback(batch.indices, targets.float())  # integer values meant: said so, accepted
+    loader.feedback(batch.indices, torch.ones(len(targets), dtype=torch.float16))
+    assert len(loader._feedback) == 2 * len(targets)

@@ -12,6 +12,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -142,6 +143,36 @@ def test_the_default_policy_anneals_in_the_last_eighth_of_max_epochs():
     assert len(e) == 8 and e[-1].examples_selected == e[-1].examples_seen == N
     assert all(x.examples_selected < 0.75 * N for x in e[:-1])
     assert e[1].selection_forwards > 0 and e[0].selection_forwards == 0
+
+
+class Reporting(Classifier):
+    """Reports each step's per-example losses, as the README's loop does."""
+
+    def __init__(self) -> None:
+        super().__init__(policy=lambda: SelectiveBackprop(0.5, staleness=2))
+        self.reported: dict[int, float] = {}
+
+    def training_step(self, batch, batch_idx):
+        x, y, sb = batch
+        losses = F.cross_entropy(self(x), y, reduction="none")
+        self.trainer.train_dataloader.feedback(sb["indices"], losses)
+        self.reported.update(zip(sb["indices"].tolist(), losses.tolist()))
+        return losses.mean()
+
+
+def test_training_step_reports_its_losses_through_the_train_dataloader():
+    """``self.trainer.train_dataloader`` is the LightningLoader, which had no ``feedback``:
+    training_step could not report its losses (AttributeError) but through ``.loader``."""
+    module = Reporting()
+    t = trainer(epochs=1)
+    t.fit(module)
+    loader = t.train_dataloader.loader
+    stats = loader.stats.epochs[0]
+    assert stats.feedback == stats.examples_yielded == len(module.reported) > 0
+    next(iter(loader))  # the reports reach the store as the next epoch starts
+    idx = sorted(module.reported)
+    stored, _ = loader.policy.store.lookup(np.array(idx))
+    np.testing.assert_allclose(stored, [module.reported[i] for i in idx], rtol=1e-6)
 
 
 def test_without_the_callback_the_fix_is_named():

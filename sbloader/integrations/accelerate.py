@@ -150,6 +150,12 @@ class AcceleratedLoader(DataLoaderStateMixin, NotADataLoader):
         """The source's sampler (``loader.sampler``)."""
         return self.loader.sampler
 
+    def feedback(self, indices: Any, losses: Any) -> None:
+        """Report the training step's per-example losses to the wrapped loader (see
+        :meth:`SelectiveLoader.feedback <sbloader.SelectiveLoader.feedback>`), so that the
+        README's loop, ``loader.feedback(batch.indices, losses)``, runs unchanged here."""
+        self.loader.feedback(indices, losses)
+
     def state_dict(self) -> dict[str, Any]:
         """Every process's loader state, in rank order (a collective on several processes:
         every rank calls it, as ``accelerator.save_state`` does).

@@ -162,6 +162,12 @@ class LightningLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
+    def feedback(self, indices: Any, losses: Any) -> None:
+        """Report ``training_step``'s per-example losses to the loader (see
+        :meth:`SelectiveLoader.feedback <sbloader.SelectiveLoader.feedback>`):
+        ``self.trainer.train_dataloader.feedback(sb["indices"], losses)``."""
+        self.loader.feedback(indices, losses)
+
     def saved_state(self) -> dict[str, Any]:
         """The loader's state as of the last batch handed to ``training_step``."""
         if self._state is not None:
