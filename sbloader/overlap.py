@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .selection import concrete_device, unwrap
+from .selection import concrete_device, has_lazy, unwrap
 
 __all__ = ["AheadScores", "SelectionCopy", "SelectionThread"]
 
@@ -70,21 +70,22 @@ class SelectionCopy:
 
     def __init__(self, model: nn.Module) -> None:
         try:
-            self.model: nn.Module = copy.deepcopy(unwrap(model))
+            self.model: nn.Module = _frozen_copy(unwrap(model))
         except Exception as e:
             raise ValueError(
                 "overlap_selection=True scores on a copy of the selection model, but "
                 f"copy.deepcopy(model) raised {type(e).__name__} ({e}); make the model "
                 "deep-copyable or pass overlap_selection=False"
             ) from e
-        self.model.requires_grad_(False)
         #: How many times the copy was refreshed from the live model.
         self.syncs = 0
 
     def sync(self, live: nn.Module) -> None:
         """Copy ``live``'s parameters and buffers into the copy (in place).
 
-        Call it only while no selection pass runs on the copy.
+        Call it only while no selection pass runs on the copy. A tensor of the live model cast
+        to another dtype since the copy was made (``model.double()``) is followed: the copy's
+        takes its dtype.
 
         Raises:
             RuntimeError: ``live`` no longer has the copy's parameters and buffers (their
@@ -93,6 +94,14 @@ class SelectionCopy:
                 built).
         """
         live = unwrap(live)
+        if has_lazy(self.model) or has_lazy(live):
+            # NOTE (lazy modules): a copy made before the model's first forward holds lazy
+            # parameters still to be made, which the live model's first selection pass (scored
+            # at once, in the caller's thread) makes with values of its own: the copy is made
+            # again from the live model, as it is now, until neither holds any.
+            self.model = _frozen_copy(live)
+            self.syncs += 1
+            return
         src = [*live.parameters(), *live.buffers()]
         dst = [*self.model.parameters(), *self.model.buffers()]
         moved = next(((s.device, d.device) for s, d in zip(src, dst) if s.device != d.device), None)
@@ -110,6 +119,11 @@ class SelectionCopy:
             )
         with torch.no_grad():
             for s, d in zip(src, dst):
+                # NOTE: copy_ casts to the copy's dtype; a model cast after the loader was built
+                # (model.double() with float64 inputs) then failed on the selection thread with
+                # a dtype mismatch that the live model's passes never met.
+                if d.dtype != s.dtype:
+                    d.data = torch.empty_like(s)
                 d.copy_(s)
         self.syncs += 1
 
@@ -282,6 +296,16 @@ class SelectionThread:
     def close(self) -> None:
         """Wait for a running pass to end and stop the thread."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _frozen_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters take no gradient (lazy ones, still to be made,
+    are left as they are: ``requires_grad_`` refuses them)."""
+    out = copy.deepcopy(model)
+    for p in out.parameters():
+        if not nn.parameter.is_lazy(p):
+            p.requires_grad_(False)
+    return out
 
 
 def _tensors(values: Sequence[Any]) -> list[torch.Tensor]:
