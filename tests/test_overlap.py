@@ -351,16 +351,39 @@ def test_overlap_with_selection_from_the_first_epoch_is_warned_about_and_a_warm_
         SelectiveLoader(data, bn_model(), policy=SelectiveBackprop(1 / 3))  # no overlap
 
 
-def test_a_model_moved_after_the_loader_was_built_is_refused_at_the_next_pass():
+def test_a_model_moved_or_changed_after_the_loader_was_built_is_copied_again():
     from sbloader.overlap import SelectionCopy
 
     live = nn.Linear(6, 4)
     copy_ = SelectionCopy(live)
     copy_.sync(live)
-    with pytest.raises(RuntimeError, match=r"now on meta.*made on cpu.*after moving the model"):
-        copy_.sync(live.to("meta"))
-    with pytest.raises(RuntimeError, match="changed in number or shape"):
-        copy_.sync(nn.Linear(6, 5))
+    assert copy_.model.weight.device.type == "cpu"
+    copy_.sync(live.to("meta"))
+    assert copy_.model.weight.device.type == "meta"
+    copy_.sync(nn.Linear(6, 5))
+    assert copy_.model.weight.shape == (5, 6) and copy_.syncs == 3
+    assert not copy_.model.weight.requires_grad
+
+
+def test_a_layer_replaced_after_the_loader_was_built_is_followed_not_refused_after_the_warm_up():
+    """The default recipe's warm-up epoch runs no selection pass, so the copy's first refresh
+    came in epoch 1: a head replaced after the loader was built trained a whole epoch, then
+    failed ("changed in number or shape"), where a run without overlap scores with it."""
+    model = bn_model()
+    loader = SelectiveLoader(
+        DataLoader(EncodedDataset(160), batch_size=SOURCE),
+        model,
+        policy=sbloader.default_policy(epochs=4),
+        batch_size=BATCH,
+        overlap_selection=True,
+    )
+    model[4] = nn.Linear(16, 5)
+    for _ in range(2):
+        for _ in loader:
+            pass
+    assert loader.epoch == 2
+    assert loader._overlap is not None and loader._overlap.syncs == 4
+    assert same_weights(loader._overlap.model, model)
 
 
 def test_every_pass_runs_in_the_loaders_precision_whatever_the_callers_autocast():
