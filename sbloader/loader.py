@@ -491,8 +491,9 @@ class SelectiveLoader(NotADataLoader):
             device than the model's (``device=``), with ``compile_selection``,
             ``quantize_selection``, ``frozen_prefix``, ``eval_selection=False`` (a pass in train
             mode would update the copy's BatchNorm statistics, not the model's) and an
-            FSDP-sharded model; a model moved to another device after the loader was built is
-            refused (``RuntimeError``) at the next pass. Default False.
+            FSDP-sharded model. A model changed after the loader was built (its lazy
+            parameters made, a layer replaced, moved to another device or cast to another
+            dtype) is copied again at the next pass. Default False.
         pad_values: for sources whose batches are padded to each batch's own longest sequence
             (Hugging Face's ``DataCollatorWithPadding``, ``pad_sequence`` in a ``collate_fn``):
             a dict from a field (a dict batch's key, or a position in tuple/list batches) to the

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .selection import concrete_device, unwrap
+from .selection import concrete_device, has_lazy, unwrap
 
 __all__ = ["AheadScores", "SelectionCopy", "SelectionThread"]
 
@@ -69,48 +69,44 @@ class SelectionCopy:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        try:
-            self.model: nn.Module = copy.deepcopy(unwrap(model))
-        except Exception as e:
-            raise ValueError(
-                "overlap_selection=True scores on a copy of the selection model, but "
-                f"copy.deepcopy(model) raised {type(e).__name__} ({e}); make the model "
-                "deep-copyable or pass overlap_selection=False"
-            ) from e
-        self.model.requires_grad_(False)
+        self.model: nn.Module = _frozen_copy(unwrap(model))
         #: How many times the copy was refreshed from the live model.
         self.syncs = 0
 
     def sync(self, live: nn.Module) -> None:
-        """Copy ``live``'s parameters and buffers into the copy (in place).
+        """Refresh the copy from ``live``'s parameters and buffers.
 
-        Call it only while no selection pass runs on the copy.
+        Call it only while no selection pass runs on the copy. Where they still match the
+        copy's (in number, shape, dtype and device) they are copied in place; else the copy is
+        made again from ``live`` as it is now: lazy parameters made by the model's first
+        forward, a layer replaced, the model moved to another device or cast to another dtype
+        after the loader was built are followed, as a pass over the live model would be.
+
+        NOTE: these were refused (or, for a dtype, cast back) at the first refresh, which comes
+        at the second source batch of the first epoch with selection passes: after a whole
+        warm-up epoch with the default recipe, for a change that a run without overlap follows.
 
         Raises:
-            RuntimeError: ``live`` no longer has the copy's parameters and buffers (their
-                number or shapes changed since the loader was built), or it was moved to
-                another device than the copy's (made where the model was when the loader was
-                built).
+            ValueError: the copy had to be made again, and ``copy.deepcopy(live)`` raised.
         """
         live = unwrap(live)
         src = [*live.parameters(), *live.buffers()]
         dst = [*self.model.parameters(), *self.model.buffers()]
-        moved = next(((s.device, d.device) for s, d in zip(src, dst) if s.device != d.device), None)
-        if moved is not None:
-            raise RuntimeError(
-                f"overlap_selection: the model is now on {moved[0]}, but its selection copy was "
-                f"made on {moved[1]} when the SelectiveLoader was built; build the loader after "
-                "moving the model"
+        same = (
+            not has_lazy(live)
+            and not has_lazy(self.model)
+            and len(src) == len(dst)
+            and all(
+                s.shape == d.shape and s.dtype == d.dtype and s.device == d.device
+                for s, d in zip(src, dst)
             )
-        if len(src) != len(dst) or any(s.shape != d.shape for s, d in zip(src, dst)):
-            raise RuntimeError(
-                "overlap_selection: the model's parameters or buffers changed in number or shape "
-                "since the SelectiveLoader was built, so its selection copy cannot follow it; "
-                "build the loader after the model is complete"
-            )
-        with torch.no_grad():
-            for s, d in zip(src, dst):
-                d.copy_(s)
+        )
+        if same:
+            with torch.no_grad():
+                for s, d in zip(src, dst):
+                    d.copy_(s)
+        else:
+            self.model = _frozen_copy(live)
         self.syncs += 1
 
 
@@ -282,6 +278,27 @@ class SelectionThread:
     def close(self) -> None:
         """Wait for a running pass to end and stop the thread."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _frozen_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters take no gradient (lazy ones, still to be made,
+    are left as they are: ``requires_grad_`` refuses them).
+
+    Raises:
+        ValueError: the model cannot be copied with ``copy.deepcopy``.
+    """
+    try:
+        out = copy.deepcopy(model)
+    except Exception as e:
+        raise ValueError(
+            "overlap_selection=True scores on a copy of the selection model, but "
+            f"copy.deepcopy(model) raised {type(e).__name__} ({e}); make the model "
+            "deep-copyable or pass overlap_selection=False"
+        ) from e
+    for p in out.parameters():
+        if not nn.parameter.is_lazy(p):
+            p.requires_grad_(False)
+    return out
 
 
 def _tensors(values: Sequence[Any]) -> list[torch.Tensor]:

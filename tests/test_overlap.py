@@ -351,16 +351,39 @@ def test_overlap_with_selection_from_the_first_epoch_is_warned_about_and_a_warm_
         SelectiveLoader(data, bn_model(), policy=SelectiveBackprop(1 / 3))  # no overlap
 
 
-def test_a_model_moved_after_the_loader_was_built_is_refused_at_the_next_pass():
+def test_a_model_moved_or_changed_after_the_loader_was_built_is_copied_again():
     from sbloader.overlap import SelectionCopy
 
     live = nn.Linear(6, 4)
     copy_ = SelectionCopy(live)
     copy_.sync(live)
-    with pytest.raises(RuntimeError, match=r"now on meta.*made on cpu.*after moving the model"):
-        copy_.sync(live.to("meta"))
-    with pytest.raises(RuntimeError, match="changed in number or shape"):
-        copy_.sync(nn.Linear(6, 5))
+    assert copy_.model.weight.device.type == "cpu"
+    copy_.sync(live.to("meta"))
+    assert copy_.model.weight.device.type == "meta"
+    copy_.sync(nn.Linear(6, 5))
+    assert copy_.model.weight.shape == (5, 6) and copy_.syncs == 3
+    assert not copy_.model.weight.requires_grad
+
+
+def test_a_layer_replaced_after_the_loader_was_built_is_followed_not_refused_after_the_warm_up():
+    """The default recipe's warm-up epoch runs no selection pass, so the copy's first refresh
+    came in epoch 1: a head replaced after the loader was built trained a whole epoch, then
+    failed ("changed in number or shape"), where a run without overlap scores with it."""
+    model = bn_model()
+    loader = SelectiveLoader(
+        DataLoader(EncodedDataset(160), batch_size=SOURCE),
+        model,
+        policy=sbloader.default_policy(epochs=4),
+        batch_size=BATCH,
+        overlap_selection=True,
+    )
+    model[4] = nn.Linear(16, 5)
+    for _ in range(2):
+        for _ in loader:
+            pass
+    assert loader.epoch == 2
+    assert loader._overlap is not None and loader._overlap.syncs == 4
+    assert same_weights(loader._overlap.model, model)
 
 
 def test_every_pass_runs_in_the_loaders_precision_whatever_the_callers_autocast():
@@ -393,3 +416,56 @@ def test_every_pass_runs_in_the_loaders_precision_whatever_the_callers_autocast(
             for _ in loader:
                 pass
         assert seen == [False] * 5, (overlap, seen)
+
+
+def test_a_lazy_model_is_copied_once_its_first_pass_made_its_parameters():
+    """``nn.LazyLinear``: the copy made as the loader is built has no parameters yet (the deep
+    copy's ``requires_grad_(False)`` refused them, failing the loader's construction); the
+    epoch's first pass, in the caller's thread, makes the model's, and the copy follows them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 4))
+    loader = sb_loader(model)
+    opt = None
+    for _ in range(2):
+        for batch in loader:
+            if opt is None:  # the parameters exist once the first pass made them
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            inputs, targets = batch
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(inputs / 160.0), targets).backward()
+            opt.step()
+        assert loader.stats.current is not None
+        assert loader.stats.current.examples_seen == 160
+    assert loader._overlap is not None
+    assert loader._overlap.syncs == 8  # one per source batch after each epoch's first
+    copied = list(loader._overlap.model.parameters())
+    assert [p.shape for p in copied] == [p.shape for p in model.parameters()]
+    assert not any(p.requires_grad for p in copied)
+
+
+def test_a_model_cast_to_another_dtype_after_the_loader_was_built_is_followed():
+    """``model.double()`` after the loader was built, with float64 inputs: the live model's
+    passes take them, and so must the copy's (it stayed float32, and the second source batch
+    failed on the selection thread with a dtype mismatch)."""
+    data = torch.utils.data.TensorDataset(
+        torch.randn(160, 6, dtype=torch.float64), torch.randint(0, 4, (160,))
+    )
+    model = bn_model()
+    loader = SelectiveLoader(
+        DataLoader(data, batch_size=SOURCE),
+        model,
+        policy=SelectiveBackprop(0.5),
+        batch_size=BATCH,
+        overlap_selection=True,
+        autocast=None,
+    )
+    model.double()
+    got = [batch.indices for batch in loader]
+    assert got
+    assert loader._overlap is not None
+    assert all(
+        p.dtype == torch.float64
+        for p in loader._overlap.model.state_dict().values()
+        if p.is_floating_point()
+    )
+    assert same_weights(loader._overlap.model, model)
