@@ -149,13 +149,16 @@ def test_the_warm_up_trains_every_configuration_and_leaves_the_timed_runs_unchan
         trained.append((self.strat.name, self.loader.stats.total.examples_seen))
         return out
 
+    # (two of each strategy's own source batches: the pool for SB, a training batch for
+    # Traditional, which takes its source's batches as they come)
     few = min(2 * max(cfg.pool_batch_size, cfg.batch_size), 1024)
     assert few < 2048
+    assert strategies.get("traditional").source_batch(cfg.pool_batch_size, cfg.batch_size) == 128
     big = (x[:2048], y[:2048], xt[:200], yt[:200])
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(train.Trainer, "train", spy)
         warm_up(cfg, [strat, strategies.get("traditional")], big)
-    assert trained == [("sb_0.33_int8", 2 * few), ("traditional", 2 * few)]
+    assert trained == [("sb_0.33_int8", 2 * few), ("traditional", 2 * 2 * cfg.batch_size)]
     machine = machine_info(exclude=tmp_path)
     (tmp_path / "runs").mkdir()
     execute(cfg, tmp_path, machine, data=data)
