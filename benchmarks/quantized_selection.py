@@ -256,6 +256,26 @@ def loader_epochs(
     return rows
 
 
+def refresh_setting(report: dict[str, Any]) -> str:
+    """How often the loader section's int8 copies were rebuilt, as ``loader.json`` records it.
+
+    NOTE: ``QuantizedSelection()`` refreshes every ``refresh_examples`` candidates by default,
+    with ``refresh_every`` None. Reports saved before ``quantized_selection`` was recorded hold
+    ``refresh_every`` alone, which printed as ``refresh_every=None`` for that default: 16,384
+    candidates from commit 8cdbc3f (where ``refresh_examples`` came in) on."""
+    settings = report.get("quantized_selection")
+    if settings is None:
+        every = report.get("refresh_every")
+        if every is None:
+            return "refreshed every 16384 candidates, the default then"
+        return f"refreshed every {every} source batches"
+    if settings.get("refresh_every") is not None:
+        refresh = f"refreshed every {settings['refresh_every']} source batches"
+    else:
+        refresh = f"refreshed every {settings['refresh_examples']} candidates"
+    return f"{refresh}, calibrated on {settings['calibration_examples']} candidates"
+
+
 def loader_markdown(report: dict[str, Any]) -> str:
     """``loader.md`` from ``loader.json``'s contents."""
     machine, rows = report["machine"], report["rounds"]
@@ -270,7 +290,7 @@ def loader_markdown(report: dict[str, Any]) -> str:
         f"(channels_last), {m['examples']} Fashion-MNIST examples per epoch from a DataLoader, "
         f"training batch {setting['batch_size']}, source batch {setting['pool_batch_size']} for "
         f"SB and Stale-SB (keep {m['selectivity']:.3g}, staleness {m['staleness']}); "
-        f"quantize_selection=True (refresh_every={report['refresh_every']}); medians of "
+        f"quantize_selection=True ({refresh_setting(report)}); medians of "
         f"{rounds} rounds, the ways interleaved within each round. c: selection seconds per "
         "selection forward (refreshes included) over training seconds per backpropagated "
         "example, from the loader's stats in the measured epochs; bound: 1.1 x (c x selection "
@@ -319,7 +339,8 @@ def loader_section(args: argparse.Namespace) -> None:
             "threads": torch.get_num_threads(),
             "machine": machine_info(exclude=args.out),
             "config": {"setting": dataclasses.asdict(cfg), "measurement": dataclasses.asdict(m)},
-            "refresh_every": sbloader.QuantizedSelection().refresh_every,
+            # The settings quantize_selection=True runs with (LOADER_WAYS).
+            "quantized_selection": dataclasses.asdict(sbloader.QuantizedSelection()),
             "rounds": rows,
         }
     report["summary"] = rounds_summary(report["rounds"])

@@ -322,3 +322,38 @@ def test_a_breakdown_variant_with_its_own_source_batch_makes_that_many_fewer_pas
     assert calls["sb"] == 512 // 32 and calls["sb_pool128"] == 512 // 128
     assert rows["stale_sb_pool128"]["measured_epochs"] == m.staleness > 1
     assert rows["sb_pool128"]["examples_seen"] == rows["sb"]["examples_seen"] == 512
+
+
+def test_the_quantized_loader_report_names_the_refresh_the_loader_used():
+    """quantized_selection.py --section loader: the report states how often the int8 copies were
+    rebuilt. QuantizedSelection() refreshes every 16,384 candidates with ``refresh_every``
+    None, which the report printed as ``refresh_every=None``, as if the copy were never
+    refreshed; reports saved with ``refresh_every`` alone still read as they ran."""
+    import dataclasses
+
+    import sbloader
+    from benchmarks.core.config import measurement
+    from benchmarks.quantized_selection import loader_markdown, refresh_setting
+
+    default = sbloader.QuantizedSelection()
+    cfg, m = measurement(True)
+    row = {"way": "sb int8", "round": 0, "wall_s": 1.0, "c": 0.1, "k": 0.3, "refreshes": 1.0}
+    report = {
+        "threads": 1,
+        "machine": {"cpu": "x", "torch": "t", "git_commit": "abc", "date": "d"},
+        "config": {"setting": dataclasses.asdict(cfg), "measurement": dataclasses.asdict(m)},
+        "quantized_selection": dataclasses.asdict(default),
+        "rounds": [row],
+    }
+    text = loader_markdown(report)
+    assert "refresh_every=None" not in text
+    assert (
+        f"quantize_selection=True (refreshed every {default.refresh_examples} candidates, "
+        f"calibrated on {default.calibration_examples} candidates)"
+    ) in text
+    batches = dataclasses.asdict(sbloader.QuantizedSelection(refresh_every=8))
+    assert refresh_setting({"quantized_selection": batches}).startswith(
+        "refreshed every 8 source batches"
+    )
+    assert refresh_setting({"refresh_every": 32}) == "refreshed every 32 source batches"
+    assert "16384 candidates" in refresh_setting({"refresh_every": None})
