@@ -916,6 +916,18 @@ def main(argv: list[str] | None = None) -> int:
         ffcv_workers=args.ffcv_workers,
         threads=args.threads,
     )
+    if torch.device(cfg.device).type == "cuda" and not torch.cuda.is_available():
+        # NOTE: refused before any data is loaded or folder made: torch's own error came from
+        # deep in the sources' set-up ("Torch not compiled with CUDA enabled").
+        which = "--gpu" if args.gpu and args.device is None else f"--device {cfg.device}"
+        p.error(
+            f"{which} measures on a CUDA GPU, but torch.cuda.is_available() is False here; "
+            + (
+                "pass --device cpu to try --gpu's settings on the CPU, or drop --gpu"
+                if args.gpu
+                else "pass --device cpu"
+            )
+        )
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -357,3 +357,40 @@ def test_the_quantized_loader_report_names_the_refresh_the_loader_used():
     )
     assert refresh_setting({"refresh_every": 32}) == "refreshed every 32 source batches"
     assert "16384 candidates" in refresh_setting({"refresh_every": None})
+
+
+@pytest.mark.parametrize(
+    "flags, fix",
+    [
+        (["--gpu"], "pass --device cpu to try --gpu's settings"),
+        (["--device", "cuda"], "pass --device cpu"),
+    ],
+)
+def test_breakdown_on_cuda_without_a_gpu_is_refused_naming_the_fix(
+    tmp_path, monkeypatch, capsys, flags, fix
+):
+    """breakdown.py --gpu (or --device cuda) where torch has no CUDA device: refused at once,
+    naming the option and the fix, before any data is loaded or the results folder is made
+    (torch's "Torch not compiled with CUDA enabled" came from deep in the sources' set-up)."""
+    import torch
+
+    import benchmarks.breakdown as bd
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "out"
+    argv = [
+        str(out),
+        *flags,
+        "--quick",
+        "--no-ffcv",
+        "--examples",
+        "512",
+        "--sections",
+        "selection",
+    ]
+    with pytest.raises(SystemExit) as raised:
+        bd.main(argv)
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{' '.join(flags)} measures on a CUDA GPU" in err and fix in err
+    assert not out.exists()
