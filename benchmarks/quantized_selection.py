@@ -56,14 +56,13 @@ import torch
 from torch import nn
 
 import sbloader
-from benchmarks.breakdown import TrainingStep, train_epoch
+from benchmarks.breakdown import TrainingStep, train_epoch, warm_up
 from benchmarks.core.config import Config, Measurement, measurement
 from benchmarks.core.data import train_set
 from benchmarks.core.machine import describe_commit, machine_info
 from benchmarks.core.models import make_loader, seeded_model
 from benchmarks.core.sources import Sources
 from benchmarks.core.timing import cell, median, rounds_summary
-from benchmarks.core.train import train_step
 from sbloader.selection import SelectionForward
 
 
@@ -177,20 +176,6 @@ LOADER_WAYS: dict[str, tuple[str, dict[str, Any]]] = {
     "stale_sb bf16": ("stale_sb", {"autocast": torch.bfloat16}),
     "stale_sb int8": ("stale_sb", {"autocast": None, "quantize_selection": True}),
 }
-
-
-def warm_up(source: Any, model: nn.Module, cfg: Config, m: Measurement, kw: dict[str, Any]) -> None:
-    """Untimed steps through a throwaway loader with the same options (first calls, and for
-    int8 the first FX trace and build); the model is restored afterwards."""
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    loader = make_loader(cfg, source, model, sbloader.SelectiveBackprop(0.5), m.seed, **kw)
-    for i, batch in enumerate(loader):
-        train_step(cfg, model, opt, batch[0], batch[1])
-        if i + 1 >= m.warmup_batches:
-            break
-    model.load_state_dict(state)
-    model.zero_grad(set_to_none=True)
 
 
 def loader_epochs(

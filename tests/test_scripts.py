@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -394,3 +395,42 @@ def test_breakdown_on_cuda_without_a_gpu_is_refused_naming_the_fix(
     err = capsys.readouterr().err
     assert f"{' '.join(flags)} measures on a CUDA GPU" in err and fix in err
     assert not out.exists()
+
+
+def test_a_breakdown_variant_warms_up_with_its_own_options():
+    """breakdown.py: each configuration's untimed warm-up runs with the measured loader's
+    options, so that a variant's first-use costs (``decisions="device"``'s kernels,
+    ``overlap_selection``'s thread and model copy) are not timed; the warm-up ran every variant
+    with the default options."""
+    import torch
+
+    import benchmarks.breakdown as bd
+    from benchmarks.core.config import measurement
+    from benchmarks.core.sources import Sources
+
+    cfg, m = measurement(True, examples=256, warmup_batches=1, repeats=1, pool_batch_size=64)
+    x = torch.randn(256, 1, cfg.image_size, cfg.image_size)
+    sources = Sources(x, torch.randint(0, 10, (256,)), "cpu", ffcv=False)
+    variants = {
+        "sb_device": bd.Variant("sb", {"decisions": "device"}, True),
+        "sb_overlap": bd.Variant("sb", {"overlap_selection": True}, True),
+    }
+    made: list[dict] = []
+    real = bd.make_loader
+
+    def spy(cfg, source, model, policy, seed, **kw):
+        made.append(kw)
+        return real(cfg, source, model, policy, seed, **kw)
+
+    try:
+        with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="overlap_selection=True with")
+            mp.setattr(bd, "make_loader", spy)
+            bd.breakdown(cfg, m, sources, lambda line: None, variants)
+    finally:
+        sources.close()
+    # Per configuration: the warm-up's loader, then the measured one.
+    assert len(made) == 2 * (3 + len(variants))
+    warmed, measured = made[0::2], made[1::2]
+    assert warmed == measured
+    assert {"decisions": "device"} in warmed and {"overlap_selection": True} in warmed
