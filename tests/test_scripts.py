@@ -434,3 +434,30 @@ def test_a_breakdown_variant_warms_up_with_its_own_options():
     warmed, measured = made[0::2], made[1::2]
     assert warmed == measured
     assert {"decisions": "device"} in warmed and {"overlap_selection": True} in warmed
+
+
+def test_throughput_py_takes_the_thread_setting_of_the_other_benchmarks(tmp_path, monkeypatch):
+    """throughput.py re-runs breakdown.py's section 3 and takes its ``--threads`` as the other
+    benchmark scripts do: set before anything is measured, recorded in the configuration and
+    stated in the report (it had no such option, so its figures ran at torch's default)."""
+    import torch
+
+    import benchmarks.throughput as tp
+
+    seen = []
+
+    def measure(cfg, m, sources, log):
+        seen.append((cfg.threads, torch.get_num_threads()))
+        return []
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(tp, "throughput", measure)
+    try:
+        assert tp.main([str(tmp_path), "--runs", "1", "--no-ffcv", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [(1, 1)]
+    report = json.loads((tmp_path / "throughput.json").read_text())
+    assert report["config"]["setting"]["threads"] == 1
+    assert report["machine"]["torch_threads"] == 1
+    assert "(1 threads)" in (tmp_path / "throughput.md").read_text()
