@@ -336,7 +336,7 @@ def loader_section(args: argparse.Namespace) -> None:
     print(text)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("out", type=Path)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -353,7 +353,7 @@ def main() -> int:
     p.add_argument(
         "--report-only", action="store_true", help="loader: rebuild loader.md from loader.json"
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.section == "loader":
@@ -443,16 +443,26 @@ def main() -> int:
         )
     machine = machine_info(exclude=args.out)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "quantized.json").write_text(
-        json.dumps({"threads": torch.get_num_threads(), "machine": machine, "rows": rows}, indent=1)
-    )
+    # NOTE: what was measured, with the results: the partial training, the held-out batches
+    # ranked and the rounds timed (the markdown says them; the JSON held none of them).
+    config = {
+        "setting": dataclasses.asdict(cfg),
+        "measurement": dataclasses.asdict(m),
+        "train_examples": args.train_examples,
+        "held_out_examples": len(yh),
+        "selection_batch": 512,
+        "calibration_examples": len(calib),
+        "rounds": args.rounds,
+    }
+    record = {"threads": torch.get_num_threads(), "machine": machine, "config": config}
+    (args.out / "quantized.json").write_text(json.dumps(record | {"rows": rows}, indent=1))
     lines = [
         "# Quantized selection on the CPU (benchmarks/quantized_selection.py)",
         "",
         f"Machine: {machine['cpu']}, torch {machine['torch']}, {torch.get_num_threads()} "
         f"intra-op thread(s), sbloader {describe_commit(machine)}, {machine['date']}. "
         f"Breakdown CNN (channels_last) trained on {args.train_examples} Fashion-MNIST "
-        f"examples; {n} held-out examples in selection batches of 512; c against a training "
+        f"examples; {len(yh)} held-out examples in selection batches of 512; c against a training "
         f"step of batch {cfg.batch_size}, median of {args.rounds} alternating rounds.",
         "",
         "| selection forward | c | us/example | Spearman vs fp32 | top-third overlap | "

@@ -461,3 +461,44 @@ def test_throughput_py_takes_the_thread_setting_of_the_other_benchmarks(tmp_path
     assert report["config"]["setting"]["threads"] == 1
     assert report["machine"]["torch_threads"] == 1
     assert "(1 threads)" in (tmp_path / "throughput.md").read_text()
+
+
+def test_quantized_selection_records_what_it_measured_with_its_results(tmp_path, monkeypatch):
+    """quantized_selection.py (the forwards section): quantized.json holds the configuration
+    with the results (the partial training, the held-out examples ranked, the rounds), as every
+    benchmark's does; it held the threads, the machine and the rows only."""
+    import torch
+
+    import benchmarks.quantized_selection as qs
+
+    class Way:  # stand-ins for what is timed: this test is about the record
+        def __init__(self, name, model, chunks, **kw):
+            self.name, self.refresh_s, self.warmup_s = name, None, 0.0
+
+        def run(self):
+            return 1e-6
+
+        def losses(self, x, y):
+            return torch.arange(len(y), dtype=torch.float32)
+
+    class TrainingStep:
+        def __init__(self, *args):
+            pass
+
+        def run(self):
+            return 1e-5
+
+    monkeypatch.setattr(qs, "Way", Way)
+    monkeypatch.setattr(qs, "TrainingStep", TrainingStep)
+    before = torch.get_num_threads()
+    try:
+        argv = [str(tmp_path), "--threads", "1", "--train-examples", "128", "--rounds", "1"]
+        assert qs.main(argv) == 0
+    finally:
+        torch.set_num_threads(before)
+    record = json.loads((tmp_path / "quantized.json").read_text())
+    config = record["config"]
+    assert config["train_examples"] == 128 and config["rounds"] == 1
+    assert config["held_out_examples"] == config["measurement"]["option_batches"] * 512
+    assert config["setting"]["channels_last"] is True
+    assert record["rows"][0]["spearman_vs_fp32"] == 1.0
