@@ -135,12 +135,28 @@ def stale_sb_available() -> bool:
     return "staleness" in inspect.signature(sbloader.SelectiveBackprop).parameters
 
 
-def warm_up(source: Any, model: nn.Module, cfg: Config, m: Measurement) -> None:
-    """Untimed training steps through a throwaway loader over the same source and model: first
-    calls, kernel choices, numba's and FFCV's compilation. The model is restored afterwards."""
+def warm_up(
+    source: Any,
+    model: nn.Module,
+    cfg: Config,
+    m: Measurement,
+    options: dict[str, Any] | None = None,
+) -> None:
+    """Untimed training steps through a throwaway loader over the same source and model, with
+    the measured loader's ``options``: first calls, kernel choices, numba's and FFCV's
+    compilation. The model is restored afterwards.
+
+    NOTE: with the variant's own options (``decisions="device"``, ``overlap_selection``), so
+    that their first-use costs (the device decisions' kernels, the selection thread, its CUDA
+    stream and model copy) fall here and not in the timed epoch."""
     state = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    loader = make_loader(cfg, source, model, sbloader.SelectiveBackprop(0.5), m.seed)
+    with warnings.catch_warnings():
+        # SB from the first step with overlap_selection=True is warned about; here it warms up
+        warnings.filterwarnings("ignore", message="overlap_selection=True with")
+        loader = make_loader(
+            cfg, source, model, sbloader.SelectiveBackprop(0.5), m.seed, **(options or {})
+        )
     for i, batch in enumerate(loader):
         train_step(cfg, model, opt, batch[0], batch[1])
         if i + 1 >= m.warmup_batches:
@@ -217,7 +233,7 @@ def breakdown(
             model = seeded_model(cfg, m.seed)
             opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
             source = sources.make(kind, variant.batch_of_source(cfg), m.seed + rep)
-            warm_up(source, model, cfg, m)
+            warm_up(source, model, cfg, m, variant.options)
             with warnings.catch_warnings():
                 # plain SB overlapped from its first epoch is warned about (a collapse measured
                 # in training); here it is timed only
@@ -916,6 +932,18 @@ def main(argv: list[str] | None = None) -> int:
         ffcv_workers=args.ffcv_workers,
         threads=args.threads,
     )
+    if torch.device(cfg.device).type == "cuda" and not torch.cuda.is_available():
+        # NOTE: refused before any data is loaded or folder made: torch's own error came from
+        # deep in the sources' set-up ("Torch not compiled with CUDA enabled").
+        which = "--gpu" if args.gpu and args.device is None else f"--device {cfg.device}"
+        p.error(
+            f"{which} measures on a CUDA GPU, but torch.cuda.is_available() is False here; "
+            + (
+                "pass --device cpu to try --gpu's settings on the CPU, or drop --gpu"
+                if args.gpu
+                else "pass --device cpu"
+            )
+        )
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     args.out.mkdir(parents=True, exist_ok=True)

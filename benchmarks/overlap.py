@@ -45,14 +45,13 @@ from typing import Any
 
 import torch
 
-from benchmarks.breakdown import train_epoch
+from benchmarks.breakdown import train_epoch, warm_up
 from benchmarks.core.config import Config, Measurement, measurement
 from benchmarks.core.data import train_set
 from benchmarks.core.machine import describe_commit, machine_info
 from benchmarks.core.models import make_loader, seeded_model
 from benchmarks.core.sources import Sources
 from benchmarks.core.timing import cell, rounds_summary
-from benchmarks.quantized_selection import warm_up
 
 #: name -> (strategy, SelectiveLoader options)
 WAYS: dict[str, tuple[str, dict[str, Any]]] = {

@@ -56,14 +56,13 @@ import torch
 from torch import nn
 
 import sbloader
-from benchmarks.breakdown import TrainingStep, train_epoch
+from benchmarks.breakdown import TrainingStep, train_epoch, warm_up
 from benchmarks.core.config import Config, Measurement, measurement
 from benchmarks.core.data import train_set
 from benchmarks.core.machine import describe_commit, machine_info
 from benchmarks.core.models import make_loader, seeded_model
 from benchmarks.core.sources import Sources
 from benchmarks.core.timing import cell, median, rounds_summary
-from benchmarks.core.train import train_step
 from sbloader.selection import SelectionForward
 
 
@@ -179,20 +178,6 @@ LOADER_WAYS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def warm_up(source: Any, model: nn.Module, cfg: Config, m: Measurement, kw: dict[str, Any]) -> None:
-    """Untimed steps through a throwaway loader with the same options (first calls, and for
-    int8 the first FX trace and build); the model is restored afterwards."""
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    loader = make_loader(cfg, source, model, sbloader.SelectiveBackprop(0.5), m.seed, **kw)
-    for i, batch in enumerate(loader):
-        train_step(cfg, model, opt, batch[0], batch[1])
-        if i + 1 >= m.warmup_batches:
-            break
-    model.load_state_dict(state)
-    model.zero_grad(set_to_none=True)
-
-
 def loader_epochs(
     cfg: Config, m: Measurement, x: torch.Tensor, y: torch.Tensor, rounds: int
 ) -> list[dict[str, Any]]:
@@ -256,6 +241,26 @@ def loader_epochs(
     return rows
 
 
+def refresh_setting(report: dict[str, Any]) -> str:
+    """How often the loader section's int8 copies were rebuilt, as ``loader.json`` records it.
+
+    NOTE: ``QuantizedSelection()`` refreshes every ``refresh_examples`` candidates by default,
+    with ``refresh_every`` None. Reports saved before ``quantized_selection`` was recorded hold
+    ``refresh_every`` alone, which printed as ``refresh_every=None`` for that default: 16,384
+    candidates from commit 8cdbc3f (where ``refresh_examples`` came in) on."""
+    settings = report.get("quantized_selection")
+    if settings is None:
+        every = report.get("refresh_every")
+        if every is None:
+            return "refreshed every 16384 candidates, the default then"
+        return f"refreshed every {every} source batches"
+    if settings.get("refresh_every") is not None:
+        refresh = f"refreshed every {settings['refresh_every']} source batches"
+    else:
+        refresh = f"refreshed every {settings['refresh_examples']} candidates"
+    return f"{refresh}, calibrated on {settings['calibration_examples']} candidates"
+
+
 def loader_markdown(report: dict[str, Any]) -> str:
     """``loader.md`` from ``loader.json``'s contents."""
     machine, rows = report["machine"], report["rounds"]
@@ -270,7 +275,7 @@ def loader_markdown(report: dict[str, Any]) -> str:
         f"(channels_last), {m['examples']} Fashion-MNIST examples per epoch from a DataLoader, "
         f"training batch {setting['batch_size']}, source batch {setting['pool_batch_size']} for "
         f"SB and Stale-SB (keep {m['selectivity']:.3g}, staleness {m['staleness']}); "
-        f"quantize_selection=True (refresh_every={report['refresh_every']}); medians of "
+        f"quantize_selection=True ({refresh_setting(report)}); medians of "
         f"{rounds} rounds, the ways interleaved within each round. c: selection seconds per "
         "selection forward (refreshes included) over training seconds per backpropagated "
         "example, from the loader's stats in the measured epochs; bound: 1.1 x (c x selection "
@@ -319,7 +324,8 @@ def loader_section(args: argparse.Namespace) -> None:
             "threads": torch.get_num_threads(),
             "machine": machine_info(exclude=args.out),
             "config": {"setting": dataclasses.asdict(cfg), "measurement": dataclasses.asdict(m)},
-            "refresh_every": sbloader.QuantizedSelection().refresh_every,
+            # The settings quantize_selection=True runs with (LOADER_WAYS).
+            "quantized_selection": dataclasses.asdict(sbloader.QuantizedSelection()),
             "rounds": rows,
         }
     report["summary"] = rounds_summary(report["rounds"])
@@ -330,7 +336,7 @@ def loader_section(args: argparse.Namespace) -> None:
     print(text)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("out", type=Path)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -347,7 +353,7 @@ def main() -> int:
     p.add_argument(
         "--report-only", action="store_true", help="loader: rebuild loader.md from loader.json"
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.section == "loader":
@@ -437,16 +443,26 @@ def main() -> int:
         )
     machine = machine_info(exclude=args.out)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "quantized.json").write_text(
-        json.dumps({"threads": torch.get_num_threads(), "machine": machine, "rows": rows}, indent=1)
-    )
+    # NOTE: what was measured, with the results: the partial training, the held-out batches
+    # ranked and the rounds timed (the markdown says them; the JSON held none of them).
+    config = {
+        "setting": dataclasses.asdict(cfg),
+        "measurement": dataclasses.asdict(m),
+        "train_examples": args.train_examples,
+        "held_out_examples": len(yh),
+        "selection_batch": 512,
+        "calibration_examples": len(calib),
+        "rounds": args.rounds,
+    }
+    record = {"threads": torch.get_num_threads(), "machine": machine, "config": config}
+    (args.out / "quantized.json").write_text(json.dumps(record | {"rows": rows}, indent=1))
     lines = [
         "# Quantized selection on the CPU (benchmarks/quantized_selection.py)",
         "",
         f"Machine: {machine['cpu']}, torch {machine['torch']}, {torch.get_num_threads()} "
         f"intra-op thread(s), sbloader {describe_commit(machine)}, {machine['date']}. "
         f"Breakdown CNN (channels_last) trained on {args.train_examples} Fashion-MNIST "
-        f"examples; {n} held-out examples in selection batches of 512; c against a training "
+        f"examples; {len(yh)} held-out examples in selection batches of 512; c against a training "
         f"step of batch {cfg.batch_size}, median of {args.rounds} alternating rounds.",
         "",
         "| selection forward | c | us/example | Spearman vs fp32 | top-third overlap | "

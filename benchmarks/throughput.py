@@ -7,6 +7,7 @@ breakdown (whose other sections take 14 minutes on the 2-core CPU). Writes ``thr
 repeats the whole measurement N times and reports each run and the median ratio.
 
     python3 benchmarks/throughput.py results/throughput --runs 3
+    taskset -c 0 python3 benchmarks/throughput.py results/throughput --threads 1
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+
 import sbloader.ffcv as sbffcv
 from benchmarks.core.config import measurement
 from benchmarks.core.data import train_set
@@ -37,15 +40,20 @@ from benchmarks.core.sources import Sources
 from benchmarks.core.throughput import throughput
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("out", type=Path, help="results folder (created)")
     p.add_argument("--runs", type=int, default=3, help="whole measurements (default 3)")
     p.add_argument("--no-ffcv", action="store_true", help="DataLoader source only")
-    args = p.parse_args()
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    args = p.parse_args(argv)
     if args.runs < 1:
         raise SystemExit(f"--runs should be >= 1, but got --runs={args.runs}")
-    cfg, m = measurement(False)
+    # NOTE: the same thread setting as breakdown.py's (Config.threads), whose section 3 this
+    # re-runs: without it, its figures and breakdown.py --threads 1's did not compare.
+    cfg, m = measurement(False, threads=args.threads)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     x, y = train_set(cfg)
     x, y = x[: m.examples].contiguous(), y[: m.examples].contiguous()
     use_ffcv = not args.no_ffcv and sbffcv.ffcv_available()
@@ -70,7 +78,8 @@ def main() -> int:
     lines = [
         "# SelectiveLoader throughput with a trivial model (section 3 of breakdown.py)",
         "",
-        f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} "
+        f"({machine['torch_threads']} threads), "
         f"sbloader {machine['sbloader']} ({describe_commit(machine)}), {machine['date']}. "
         f"{m.examples} examples; the raw source and the loader alternated epoch by epoch, "
         f"{m.throughput_epochs} pairs per measurement, {m.repeats} measurements per run, the "

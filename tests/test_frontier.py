@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -314,6 +315,27 @@ def test_the_machine_record_says_whether_the_tree_was_dirty(tmp_path):
     assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert info["native_bf16"] == sbloader.precision.native_bf16(torch.device("cpu"))
     assert info["amx"] == torch.cpu._is_amx_tile_supported()
+
+
+def test_a_results_folder_nested_in_a_new_folder_is_not_a_change_of_the_tree():
+    """Re-running a benchmark into ``new/sub`` (its earlier results there) records the tree as
+    clean: git named the untracked folder ``new/`` alone, which was not under the excluded
+    results folder, so the run's own earlier output made ``git_dirty`` True."""
+    import uuid
+
+    from benchmarks.core.machine import ROOT
+
+    new = ROOT / "benchmarks" / "results" / f"tmp_{uuid.uuid4().hex[:8]}"
+    try:
+        (new / "sub").mkdir(parents=True)
+        (new / "sub" / "old.json").write_text("{}")
+        assert not [c for c in tree_changes(exclude=new / "sub") if new.name in c]
+        (new / "other.txt").write_text("")  # a file beside the results still counts
+        assert [c for c in tree_changes(exclude=new / "sub") if new.name in c] == [
+            f"?? benchmarks/results/{new.name}/other.txt"
+        ]
+    finally:
+        shutil.rmtree(new, ignore_errors=True)
 
 
 @pytest.mark.parametrize(

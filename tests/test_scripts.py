@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -325,3 +326,182 @@ def test_a_breakdown_variant_with_its_own_source_batch_makes_that_many_fewer_pas
     assert calls["sb"] == 512 // 32 and calls["sb_pool128"] == 512 // 128
     assert rows["stale_sb_pool128"]["measured_epochs"] == m.staleness > 1
     assert rows["sb_pool128"]["examples_seen"] == rows["sb"]["examples_seen"] == 512
+
+
+def test_the_quantized_loader_report_names_the_refresh_the_loader_used():
+    """quantized_selection.py --section loader: the report states how often the int8 copies were
+    rebuilt. QuantizedSelection() refreshes every 16,384 candidates with ``refresh_every``
+    None, which the report printed as ``refresh_every=None``, as if the copy were never
+    refreshed; reports saved with ``refresh_every`` alone still read as they ran."""
+    import dataclasses
+
+    import sbloader
+    from benchmarks.core.config import measurement
+    from benchmarks.quantized_selection import loader_markdown, refresh_setting
+
+    default = sbloader.QuantizedSelection()
+    cfg, m = measurement(True)
+    row = {"way": "sb int8", "round": 0, "wall_s": 1.0, "c": 0.1, "k": 0.3, "refreshes": 1.0}
+    report = {
+        "threads": 1,
+        "machine": {"cpu": "x", "torch": "t", "git_commit": "abc", "date": "d"},
+        "config": {"setting": dataclasses.asdict(cfg), "measurement": dataclasses.asdict(m)},
+        "quantized_selection": dataclasses.asdict(default),
+        "rounds": [row],
+    }
+    text = loader_markdown(report)
+    assert "refresh_every=None" not in text
+    assert (
+        f"quantize_selection=True (refreshed every {default.refresh_examples} candidates, "
+        f"calibrated on {default.calibration_examples} candidates)"
+    ) in text
+    batches = dataclasses.asdict(sbloader.QuantizedSelection(refresh_every=8))
+    assert refresh_setting({"quantized_selection": batches}).startswith(
+        "refreshed every 8 source batches"
+    )
+    assert refresh_setting({"refresh_every": 32}) == "refreshed every 32 source batches"
+    assert "16384 candidates" in refresh_setting({"refresh_every": None})
+
+
+@pytest.mark.parametrize(
+    "flags, fix",
+    [
+        (["--gpu"], "pass --device cpu to try --gpu's settings"),
+        (["--device", "cuda"], "pass --device cpu"),
+    ],
+)
+def test_breakdown_on_cuda_without_a_gpu_is_refused_naming_the_fix(
+    tmp_path, monkeypatch, capsys, flags, fix
+):
+    """breakdown.py --gpu (or --device cuda) where torch has no CUDA device: refused at once,
+    naming the option and the fix, before any data is loaded or the results folder is made
+    (torch's "Torch not compiled with CUDA enabled" came from deep in the sources' set-up)."""
+    import torch
+
+    import benchmarks.breakdown as bd
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "out"
+    argv = [
+        str(out),
+        *flags,
+        "--quick",
+        "--no-ffcv",
+        "--examples",
+        "512",
+        "--sections",
+        "selection",
+    ]
+    with pytest.raises(SystemExit) as raised:
+        bd.main(argv)
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{' '.join(flags)} measures on a CUDA GPU" in err and fix in err
+    assert not out.exists()
+
+
+def test_a_breakdown_variant_warms_up_with_its_own_options():
+    """breakdown.py: each configuration's untimed warm-up runs with the measured loader's
+    options, so that a variant's first-use costs (``decisions="device"``'s kernels,
+    ``overlap_selection``'s thread and model copy) are not timed; the warm-up ran every variant
+    with the default options."""
+    import torch
+
+    import benchmarks.breakdown as bd
+    from benchmarks.core.config import measurement
+    from benchmarks.core.sources import Sources
+
+    cfg, m = measurement(True, examples=256, warmup_batches=1, repeats=1, pool_batch_size=64)
+    x = torch.randn(256, 1, cfg.image_size, cfg.image_size)
+    sources = Sources(x, torch.randint(0, 10, (256,)), "cpu", ffcv=False)
+    variants = {
+        "sb_device": bd.Variant("sb", {"decisions": "device"}, True),
+        "sb_overlap": bd.Variant("sb", {"overlap_selection": True}, True),
+    }
+    made: list[dict] = []
+    real = bd.make_loader
+
+    def spy(cfg, source, model, policy, seed, **kw):
+        made.append(kw)
+        return real(cfg, source, model, policy, seed, **kw)
+
+    try:
+        with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="overlap_selection=True with")
+            mp.setattr(bd, "make_loader", spy)
+            bd.breakdown(cfg, m, sources, lambda line: None, variants)
+    finally:
+        sources.close()
+    # Per configuration: the warm-up's loader, then the measured one.
+    assert len(made) == 2 * (3 + len(variants))
+    warmed, measured = made[0::2], made[1::2]
+    assert warmed == measured
+    assert {"decisions": "device"} in warmed and {"overlap_selection": True} in warmed
+
+
+def test_throughput_py_takes_the_thread_setting_of_the_other_benchmarks(tmp_path, monkeypatch):
+    """throughput.py re-runs breakdown.py's section 3 and takes its ``--threads`` as the other
+    benchmark scripts do: set before anything is measured, recorded in the configuration and
+    stated in the report (it had no such option, so its figures ran at torch's default)."""
+    import torch
+
+    import benchmarks.throughput as tp
+
+    seen = []
+
+    def measure(cfg, m, sources, log):
+        seen.append((cfg.threads, torch.get_num_threads()))
+        return []
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(tp, "throughput", measure)
+    try:
+        assert tp.main([str(tmp_path), "--runs", "1", "--no-ffcv", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [(1, 1)]
+    report = json.loads((tmp_path / "throughput.json").read_text())
+    assert report["config"]["setting"]["threads"] == 1
+    assert report["machine"]["torch_threads"] == 1
+    assert "(1 threads)" in (tmp_path / "throughput.md").read_text()
+
+
+def test_quantized_selection_records_what_it_measured_with_its_results(tmp_path, monkeypatch):
+    """quantized_selection.py (the forwards section): quantized.json holds the configuration
+    with the results (the partial training, the held-out examples ranked, the rounds), as every
+    benchmark's does; it held the threads, the machine and the rows only."""
+    import torch
+
+    import benchmarks.quantized_selection as qs
+
+    class Way:  # stand-ins for what is timed: this test is about the record
+        def __init__(self, name, model, chunks, **kw):
+            self.name, self.refresh_s, self.warmup_s = name, None, 0.0
+
+        def run(self):
+            return 1e-6
+
+        def losses(self, x, y):
+            return torch.arange(len(y), dtype=torch.float32)
+
+    class TrainingStep:
+        def __init__(self, *args):
+            pass
+
+        def run(self):
+            return 1e-5
+
+    monkeypatch.setattr(qs, "Way", Way)
+    monkeypatch.setattr(qs, "TrainingStep", TrainingStep)
+    before = torch.get_num_threads()
+    try:
+        argv = [str(tmp_path), "--threads", "1", "--train-examples", "128", "--rounds", "1"]
+        assert qs.main(argv) == 0
+    finally:
+        torch.set_num_threads(before)
+    record = json.loads((tmp_path / "quantized.json").read_text())
+    config = record["config"]
+    assert config["train_examples"] == 128 and config["rounds"] == 1
+    assert config["held_out_examples"] == config["measurement"]["option_batches"] * 512
+    assert config["setting"]["channels_last"] is True
+    assert record["rows"][0]["spearman_vs_fp32"] == 1.0

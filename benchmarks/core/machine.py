@@ -46,7 +46,9 @@ def _git(*args: str) -> str | None:
 def tree_changes(exclude: Path | str | None = None) -> list[str] | None:
     """``git status --porcelain`` lines of the repository (None without git): changed, staged
     and untracked files, leaving out those under ``exclude`` (a results folder being written)."""
-    out = _git("status", "--porcelain")
+    # NOTE: every untracked file, not its folder: git names a new folder alone, which a results
+    # folder nested in it (holding an earlier run's files) would otherwise make count as a change.
+    out = _git("status", "--porcelain", "--untracked-files=all")
     if out is None:
         return None
     skip = None if exclude is None else Path(exclude).resolve()
