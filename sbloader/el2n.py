@@ -110,7 +110,12 @@ def el2n_scores(
     Raises:
         ValueError: in a copy's scoring pass, where its outputs are NaN (it diverged) and so
             its scores would be; an infinite logit (a float16 model's overflow) scores as its
-            limit instead.
+            limit instead. Also, before any copy trains, a source without dataset indices or
+            that drops its last partial batch, and a ``seed`` above ``2**64 - models``; at a
+            copy's first batch, targets of another shape than (batch,) or (batch, classes); at
+            the second copy, a ``make_model`` whose copies share trainable parameters.
+        TypeError: a ``make_model``, ``make_optimizer`` or ``train_step`` that is not a
+            function, or a ``make_model()`` that is not an ``nn.Module``.
 
     Example:
         >>> import torch

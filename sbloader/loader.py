@@ -2087,7 +2087,9 @@ class SelectiveLoader(NotADataLoader):
         with another seed, rank, world size, policy (kind or settings, such as a selectivity),
         dataset size, source batch size or epoch length, ``subset``, ``batch_size``,
         ``batches_per_epoch``, ``decisions``, ``keep_logits`` or ``frozen_prefix`` (whether
-        there is one), with or without ``quantize_selection``'s int8 copy, and with
+        there is one), with or without ``quantize_selection``'s int8 copy (a copy that
+        ``"auto"`` chose is dropped instead for a state saved without one, and kept where the
+        state is refused), and with
         ``decisions="device"`` a generator state of another kind of device than the loader's
         (CPU or CUDA); migrates a version-1 state. A refused state changes nothing: the loader
         is as it was (a running epoch is closed, and the next ``iter(loader)`` resumes it where
