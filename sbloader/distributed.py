@@ -18,9 +18,11 @@ rank selects different examples, so each would fill a different number of batche
 - when the selection model is sharded by FSDP (each selection forward is then a collective),
   the ranks first agree on the most selection forwards any of them runs in the round
   (:meth:`RankSync.most`), and each runs that many (padding with forwards on one kept example);
-- with ``cdf="global"``, or a policy that keeps per-example records (Stale-SB's store), the ranks
-  also all-gather their selection losses and dataset indices (:meth:`RankSync.exchange`), and
-  each rank feeds the others' into its policy through :meth:`~sbloader.Policy.observe`;
+- with ``cdf="global"`` and a policy that ranks losses against other ranks'
+  (:meth:`~sbloader.Policy.ranks_shared_losses`: not Kath18, Random-Backprop or Traditional),
+  or a policy that keeps per-example records (Stale-SB's store), the ranks also all-gather their
+  selection losses and dataset indices (:meth:`RankSync.exchange`), and each rank feeds the
+  others' into its policy through :meth:`~sbloader.Policy.observe`;
 - a rank that meets an error its round can finish without (a non-finite selection loss under
   ``nonfinite="raise"``, a source batch whose fields cannot be joined with earlier ones, an
   exception raised in its round, not under FSDP: by its source as a batch is loaded, by the

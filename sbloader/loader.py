@@ -388,10 +388,13 @@ class SelectiveLoader(NotADataLoader):
             Refused without an initialised process group.
         cdf: ``"local"`` (default): each rank's policy ranks losses against its own history;
             ``"global"``: against every rank's, all-gathered per source batch (the ranks'
-            loss windows then hold identical contents). ``"global"`` is refused with
-            ``distributed=False`` on several ranks, and on one process without a process group
-            it ranks against the process's own losses, as ``"local"``, with a warning (a
-            group of one rank: silent, its global CDF being exact).
+            loss windows then hold identical contents), for a policy that ranks losses against
+            other ranks' (:meth:`Policy.ranks_shared_losses
+            <sbloader.Policy.ranks_shared_losses>`); with one that does not (Kath18,
+            Random-Backprop, Traditional) it gathers nothing and changes nothing. ``"global"``
+            is refused with ``distributed=False`` on several ranks, and on one process without
+            a process group it ranks against the process's own losses, as ``"local"``, with a
+            warning (a group of one rank: silent, its global CDF being exact).
         prefetch: source batches fetched ahead on a background thread while the caller trains
             (0: fetched on demand). Default: 1 for a DataLoader with ``num_workers > 0``, else
             0. NOTE: with ``num_workers=0`` the dataset's ``__getitem__`` then runs on that
@@ -1442,6 +1445,8 @@ class SelectiveLoader(NotADataLoader):
             # unsaid).
             "planned_epochs": repr(self.planned_epochs),
             "cdf": repr(self.cdf),
+            # (a policy of the user's own may answer by its settings, which kind() leaves out)
+            "policy.ranks_shared_losses()": repr(self._global_ranking()),
             "remainder": repr(self.remainder),
             "batch_size": repr(self.batch_size),
             "batches_per_epoch": repr(None if self._fixed is None else self._fixed.count),
@@ -1917,9 +1922,21 @@ class SelectiveLoader(NotADataLoader):
         )
 
     def _sharing(self) -> bool:
-        """Whether the ranks exchange selection losses every round (``cdf="global"``, or a
-        policy with per-example records such as Stale-SB's store)."""
-        return self._sync is not None and (self.cdf == "global" or self.policy.records_examples())
+        """Whether the ranks exchange selection losses every round (``cdf="global"`` with a
+        policy that ranks them, or a policy with per-example records such as Stale-SB's store).
+
+        NOTE: the one predicate of every place that decides whether a round makes the exchange
+        (a decision, a batchless or drain round, a failing rank's :meth:`EpochIterator._stop_pass
+        <sbloader.epoch.EpochIterator._stop_pass>`, ``decisions="device"``'s check): its inputs
+        are static and agreed across ranks as the loader is built (:meth:`_shared_options`), so
+        every rank makes the exchange in the same rounds."""
+        return self._sync is not None and (self._global_ranking() or self.policy.records_examples())
+
+    def _global_ranking(self) -> bool:
+        """Whether ``cdf="global"`` has the ranks share losses: not for a policy that ranks none
+        against a window (Kath18, Random-Backprop, Traditional), which would gather every rank's
+        losses every round for nothing."""
+        return self.cdf == "global" and self.policy.ranks_shared_losses()
 
     # ------------------------------------------------------------------ state
     def _identity(self) -> dict[str, Any]:

@@ -149,6 +149,23 @@ class Policy(abc.ABC):
         across ranks through :meth:`observe` even with ``cdf="local"``."""
         return False
 
+    def ranks_shared_losses(self) -> bool:
+        """Whether other ranks' selection losses change this policy's decisions.
+
+        Under ``SelectiveLoader(cdf="global")`` on several ranks, the ranks exchange their
+        selection losses every round (an ``all_gather``) and feed them to :meth:`observe` only
+        where this is True: a policy that ranks losses against no shared distribution (one that
+        decides without losses, or from each batch's own) would get them for nothing. The answer
+        must not change during a run, and must be the same on every rank (the loader compares it
+        across ranks as it is built), since every rank must make the same collectives in every
+        round. :meth:`records_examples` makes the ranks exchange losses either way.
+
+        Returns:
+            True by default, so that a policy's own :meth:`observe` gets every rank's losses;
+            False for :class:`Traditional`, :class:`RandomBackprop` and :class:`Kath18`.
+        """
+        return True
+
     def can_prefilter(self) -> bool:
         """Whether :meth:`prefilter` decides in the current epoch (set by :meth:`begin_epoch`)."""
         return False
@@ -260,10 +277,11 @@ class Policy(abc.ABC):
     ) -> None:
         """Learn from candidates that another rank chooses for (distributed runs only).
 
-        With ``cdf="global"`` (or when :meth:`records_examples`), the loader calls this with
-        each other rank's selection losses of the round: those of lower ranks before this rank's
-        own :meth:`choose`, those of higher ranks after it, so that every rank's policy sees the
-        same losses in the same order.
+        With ``cdf="global"`` where :meth:`ranks_shared_losses` is True (or when
+        :meth:`records_examples`), the loader calls this with each other rank's selection
+        losses of the round: those of lower ranks before this rank's own :meth:`choose`, those
+        of higher ranks after it, so that every rank's policy sees the same losses in the same
+        order.
 
         Args:
             losses: float64 selection losses of another rank's candidates, all finite.
@@ -317,6 +335,9 @@ class Traditional(Policy):
         return False
 
     def uses_losses(self) -> bool:
+        return False
+
+    def ranks_shared_losses(self) -> bool:
         return False
 
     def choose(self, losses, indices, rng, n):
@@ -1011,6 +1032,9 @@ class RandomBackprop(Policy):
     def uses_losses(self) -> bool:
         return False
 
+    def ranks_shared_losses(self) -> bool:
+        return False
+
     def choose(self, losses, indices, rng, n):
         return Choice.bernoulli(np.full(check_int("n", n, minimum=0), self.selectivity), rng)
 
@@ -1080,6 +1104,10 @@ class Kath18(Policy):
             f"selectivity={self.selectivity!r}, tau_threshold={self.tau_threshold!r}, "
             f"momentum={self.momentum!r}, unbiased={self.unbiased}"
         )
+
+    def ranks_shared_losses(self) -> bool:
+        # (each pool is sampled from its own losses; tau's average is this rank's own)
+        return False
 
     def check_losses(self, losses: np.ndarray) -> None:
         if (losses < 0).any():
@@ -1319,6 +1347,14 @@ class Phased(Policy):
 
     def records_examples(self) -> bool:
         return self.policy.records_examples()
+
+    def ranks_shared_losses(self) -> bool:
+        # NOTE: the wrapped policy's, in every epoch: whether a round makes the loss exchange
+        # must be the same on every rank and in every round, and a static answer is. The
+        # warm-up policy needs no losses (checked in __init__); in its epochs and the anneal's
+        # a round's exchange carries none, one all_gather of two integers (observe passes
+        # nothing on outside the active epochs).
+        return self.policy.ranks_shared_losses()
 
     def takes_feedback(self) -> bool:
         return self.policy.takes_feedback()

@@ -115,7 +115,12 @@ class Block(Sampler):
 
 
 class RejectInEpoch(RandomBackprop):
-    """RandomBackprop whose prefilter rejects every example in epoch ``epoch`` if ``reject``."""
+    """RandomBackprop whose prefilter rejects every example in epoch ``epoch`` if ``reject``;
+    it asks for every rank's losses under a global CDF (as a policy of the user's own does by
+    default), so that its drain rounds make the loss exchange."""
+
+    def ranks_shared_losses(self) -> bool:
+        return True
 
     def __init__(self, selectivity: float, *, epoch: int, reject: bool) -> None:
         super().__init__(selectivity)
@@ -669,11 +674,13 @@ def scenario_raised(rank: int, world_size: int) -> dict:
         warnings.simplefilter("ignore")  # overlap's advice on the CPU
         res["ahead"] = run(at=2, overlap_selection=True)  # raised on the selection thread
     res["forward"] = run(model=RaisingModel(rank))
-    # The policy refuses rank 1's losses in its decision (after the exchange, with a global CDF)
+    # The policy refuses rank 1's losses in its decision: with a global CDF, Kath18 makes no
+    # exchange (it ranks no other rank's losses); one that asks for them decides after it.
     res["policy"] = run(policy=sbloader.Kath18(0.5), loss_fn=NegativeLoss(rank))
     res["policy_global"] = run(
         policy=sbloader.Kath18(0.5), loss_fn=NegativeLoss(rank), cdf="global"
     )
+    res["policy_shared"] = run(policy=SharedKath18(0.5), loss_fn=NegativeLoss(rank), cdf="global")
     # A warm-up epoch without selection passes: the first round's probe forward raises (a
     # passthrough round, and one of RandomBackprop's with the losses shared by the store).
     res["probe"] = run(policy=Phased(SelectiveBackprop(0.5, history=64), warmup_epochs=1))
@@ -1025,9 +1032,110 @@ def scenario_unsharded(rank: int, world_size: int) -> dict:
     return res
 
 
+class SharedKath18(sbloader.Kath18):
+    """Kath18 that asks for every rank's losses under a global CDF (as a policy of the user's
+    own does by default): the round's exchange comes before its decision."""
+
+    def ranks_shared_losses(self) -> bool:
+        return True
+
+
+class SharesOn(RandomBackprop):
+    """RandomBackprop whose :meth:`ranks_shared_losses` is True only where ``shares``."""
+
+    def __init__(self, shares: bool) -> None:
+        super().__init__(0.5)
+        self.shares = shares
+
+    def ranks_shared_losses(self) -> bool:
+        return self.shares
+
+
+def counting_exchanges(run):
+    """``run()``'s result and the :meth:`RankSync.exchange` calls it made on this rank."""
+    calls = 0
+    original = RankSync.exchange
+
+    def counted(self, losses, indices):
+        nonlocal calls
+        calls += 1
+        return original(self, losses, indices)
+
+    RankSync.exchange = counted  # type: ignore[method-assign]
+    try:
+        return run(), calls
+    finally:
+        RankSync.exchange = original  # type: ignore[method-assign]
+
+
+def scenario_exchanges(rank: int, world_size: int) -> dict:
+    """cdf="global" with policies that rank no losses against other ranks' (Kath18,
+    Random-Backprop, Traditional): no loss exchange, the batches of cdf="local"; SB: an exchange
+    every round, identical windows; Phased(SB) after a Random-Backprop warm-up: the same, and a
+    resume mid-warm-up and mid-selection gives the uninterrupted run's batches. Ranks hold
+    uneven shares (4, 6 and 5 source batches, interleaved: alike losses), so rounds drain on the
+    shorter ones."""
+    data = EncodedDataset(90 * world_size)
+
+    def build(policy: Policy, cdf: str) -> SelectiveLoader:
+        sampler = Block(len(data), 0, 1, seed=rank)
+        sampler.indices = list(range(rank, len(data), world_size))[: [60, 90, 75][rank]]
+        return SelectiveLoader(
+            DataLoader(data, batch_size=15, sampler=sampler),
+            IndexLoss(),
+            policy=policy,
+            batch_size=5,
+            cdf=cdf,
+            seed=0,
+        )
+
+    res: dict = {}
+    makers = {
+        "kath18": lambda: sbloader.Kath18(0.5),
+        "random": lambda: RandomBackprop([0.5, 0.25, 0.75][rank]),
+        "traditional": sbloader.Traditional,
+        "phased_kath18": lambda: Phased(sbloader.Kath18(0.5), warmup_epochs=1),
+        "sb": lambda: SelectiveBackprop(1 / 3, history=64),
+    }
+    for name, make in makers.items():
+        for cdf in ("global", "local"):
+            loader = build(make(), cdf)
+            batches, calls = counting_exchanges(
+                lambda loader=loader: [[b.indices.tolist() for b in loader] for _ in range(2)]
+            )
+            res[f"{name}_{cdf}"] = {"batches": batches, "exchanges": calls}
+            if name == "sb":
+                res[f"{name}_{cdf}"]["window"] = loader.policy.window.values()
+
+    def phased(stops: dict[int, int]) -> tuple[list[list[int]], np.ndarray]:
+        def make() -> SelectiveLoader:
+            sb = SelectiveBackprop(1 / 3, history=64)
+            return build(Phased(sb, warmup_epochs=1, warmup_policy=RandomBackprop(0.5)), "global")
+
+        loader, out = make(), []
+        for epoch in range(3):
+            it = iter(loader)
+            if epoch in stops:
+                out += [next(it).indices.tolist() for _ in range(stops[epoch])]
+                state = copy.deepcopy(loader.state_dict())
+                del it
+                loader = make()
+                loader.load_state_dict(state)
+                it = iter(loader)
+            out += [b.indices.tolist() for b in it]
+        return out, loader.policy.policy.window.values()
+
+    (res["phased_whole"], res["phased_window"]), res["phased_exchanges"] = counting_exchanges(
+        lambda: phased({})
+    )
+    res["phased_split"], _ = phased({0: 3, 1: 2})  # mid-warm-up and mid-selection
+    return res
+
+
 def scenario_two(rank: int, world_size: int) -> dict:
     return {
         **scenario_unsharded(rank, world_size),
+        **scenario_exchanges(rank, world_size),
         "sb": scenario_ddp(rank, world_size, "sb"),
         "random": scenario_ddp(rank, world_size, "random"),
         "feedback": scenario_feedback(rank, world_size),
@@ -1099,6 +1207,8 @@ def scenario_mismatches(rank: int, world_size: int) -> dict:
         "planned_epochs": dict(planned_epochs=[8, None][rank]),  # the default's anneal
         # "expected" on every rank, resolved from each rank's own rate: 4 and 2 batches
         "expected": dict(policy=RandomBackprop([0.5, 0.25][rank]), batches_per_epoch="expected"),
+        # a policy of the user's own (one kind) asking for the losses on one rank only
+        "policy.ranks_shared_losses()": dict(policy=SharesOn(rank == 0), cdf="global"),
     }
     for name, options in cases.items():
         source = DataLoader(data, batch_size=16, sampler=DistributedSampler(data, world_size, rank))
@@ -1366,6 +1476,42 @@ def test_batches_per_epoch_holds_on_every_rank_and_resumes_exactly(rounds):
             "batches_per_epoch should be the same on every rank"
         )
         assert f"has batches_per_epoch={[3, 4, 3][rank]}" in message
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("policy", ["kath18", "random", "traditional", "phased_kath18"])
+def test_a_global_cdf_makes_no_exchange_for_a_policy_that_ranks_no_shared_losses(
+    two, rounds, world_size, policy
+):
+    """Kath18, Random-Backprop and Traditional rank no other rank's losses: under cdf="global"
+    the ranks made an all_gather every round (in decisions and drain rounds) for nothing. Now
+    none, with the batches of cdf="local" (those the global CDF gave: observe ignored them)."""
+    for r in two if world_size == 2 else rounds:
+        glob, local = r[policy + "_global"], r[policy + "_local"]
+        assert glob["exchanges"] == local["exchanges"] == 0
+        assert glob["batches"] == local["batches"]
+        assert len(glob["batches"][1]) >= 2
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_global_cdf_still_exchanges_for_sb_and_for_phased_sb(two, rounds, world_size):
+    """SB ranks every rank's losses: exchanged in every round (none with cdf="local"), identical
+    windows; so does Phased(SB) after a Random-Backprop warm-up, in every epoch, and resumed
+    mid-warm-up and mid-selection it yields the uninterrupted run's batches."""
+    results = two if world_size == 2 else rounds
+    for r in results:
+        assert r["sb_global"]["exchanges"] >= 2 * 6  # two epochs of the longest share's rounds
+        assert r["sb_local"]["exchanges"] == 0
+        assert r["phased_exchanges"] >= 3 * 6
+        assert r["phased_split"] == r["phased_whole"]
+        assert len(r["sb_global"]["window"]) == len(r["phased_window"]) == 64
+    # (every rank made the exchange in the same rounds)
+    assert len({r["sb_global"]["exchanges"] for r in results}) == 1
+    assert len({r["phased_exchanges"] for r in results}) == 1
+    for r in results[1:]:
+        np.testing.assert_array_equal(r["sb_global"]["window"], results[0]["sb_global"]["window"])
+        np.testing.assert_array_equal(r["phased_window"], results[0]["phased_window"])
+    assert not np.array_equal(results[0]["sb_local"]["window"], results[1]["sb_local"]["window"])
 
 
 def test_traditional_with_uneven_sources_drops_the_extra_batches(rounds):
@@ -1653,7 +1799,7 @@ def test_an_exception_in_one_ranks_selection_pass_raises_on_every_rank(raised_on
     assert own["seconds"] < 30 and other["seconds"] < 30, (own, other)  # (PG timeout: 120 s)
 
 
-@pytest.mark.parametrize("case", ["policy", "policy_global"])
+@pytest.mark.parametrize("case", ["policy", "policy_global", "policy_shared"])
 def test_a_policy_refusing_one_ranks_losses_raises_on_every_rank(raised_on_rank1, case):
     """Kath18 refuses rank 1's negative losses in its decision (a policy's error, not the
     selection forward's): rank 0 waited in the round's agreement until the process group timed
@@ -2083,7 +2229,8 @@ def test_options_that_must_match_across_ranks_are_refused_at_construction_naming
     they had)."""
     results = run_ranks("mismatches", 2, tmp_path)
     for rank, res in enumerate(results):
-        for name in ("cdf", "policy", "remainder", "batch_size", "planned_epochs"):
+        names = ("cdf", "policy", "remainder", "batch_size", "planned_epochs")
+        for name in (*names, "policy.ranks_shared_losses()"):
             assert res[name].startswith(f"{name} should be the same on every rank"), res[name]
             assert f"this rank ({rank}) has {name}=" in res[name]
         assert res["rank"].startswith("rank= should be each process's rank in the process group")

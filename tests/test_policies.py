@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 from sbloader import (
     Choice,
+    Kath18,
     Phased,
+    Policy,
     RandomBackprop,
     SelectiveBackprop,
     Traditional,
@@ -193,6 +195,28 @@ def test_random_backprop_keeps_a_fraction_without_losses():
     c = r.choose(None, None, np.random.default_rng(0), 50_000)
     assert len(c.positions) / 50_000 == pytest.approx(0.3, abs=0.01)
     assert (c.probabilities == 0.3).all()
+
+
+class _Own(Policy):
+    def choose(self, losses, indices, rng, n):
+        return Choice.everything(n)
+
+
+def test_only_policies_that_rank_other_ranks_losses_ask_for_them():
+    """cdf="global" gathers every rank's losses only for a policy that ranks them: SB's window
+    and, by default, a policy of the user's own (its observe may use them); Phased answers as
+    the policy it wraps, the same in every epoch (every rank makes the same collectives)."""
+    assert _Own().ranks_shared_losses()
+    for policy in (SelectiveBackprop(0.5), SelectiveBackprop(0.5, staleness=2)):
+        assert policy.ranks_shared_losses()
+    for policy in (Traditional(), RandomBackprop(0.5), Kath18(0.5)):
+        assert not policy.ranks_shared_losses()
+    sb = Phased(SelectiveBackprop(0.5), warmup_epochs=1, warmup_policy=RandomBackprop(0.5))
+    kath = Phased(Kath18(0.5), warmup_epochs=1, anneal_from_epoch=3)
+    for epoch in range(4):
+        sb.begin_epoch(epoch)
+        kath.begin_epoch(epoch)
+        assert sb.ranks_shared_losses() and not kath.ranks_shared_losses()
 
 
 def test_sb_state_round_trip_continues_identically():
