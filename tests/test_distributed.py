@@ -628,6 +628,21 @@ class RaisingModel(IndexLoss):
         return super().forward(x)
 
 
+def iterated(make) -> dict:
+    """Iterate the loader ``make()`` returns to its end (building it inside the clock): what it
+    raised (``"Type: message"``, "" where nothing) and its cause, and the seconds it took."""
+    t0, got = time.perf_counter(), {"raised": "", "cause": ""}
+    try:
+        for _ in make():
+            pass
+    except Exception as e:
+        got["raised"] = f"{type(e).__name__}: {e}"
+        if e.__cause__ is not None:
+            got["cause"] = f"{type(e.__cause__).__name__}: {e.__cause__}"
+    got["seconds"] = time.perf_counter() - t0
+    return got
+
+
 def scenario_raised(rank: int, world_size: int) -> dict:
     """An exception raised by the user's code in rank 1's selection pass only: every rank raises
     in the same round (none waits in a collective), whatever the round's collectives are."""
@@ -652,16 +667,7 @@ def scenario_raised(rank: int, world_size: int) -> dict:
             seed=0,
             **kw,
         )
-        t0, got = time.perf_counter(), {"raised": "", "cause": ""}
-        try:
-            for _ in loader:
-                pass
-        except Exception as e:
-            got["raised"] = f"{type(e).__name__}: {e}"
-            if e.__cause__ is not None:
-                got["cause"] = f"{type(e.__cause__).__name__}: {e.__cause__}"
-        got["seconds"] = time.perf_counter() - t0
-        return got
+        return iterated(lambda: loader)
 
     res["first"] = run(at=1)  # (a) rank 1's first selection pass
     res["later"] = run(at=3)  # (b) its third
@@ -745,18 +751,6 @@ def scenario_round_raised(rank: int, world_size: int, folder: str) -> dict:
     a folder another process holds as the loader is built."""
     res: dict = {}
 
-    def timed(make) -> dict:
-        t0, got = time.perf_counter(), {"raised": "", "cause": ""}
-        try:
-            for _ in make():
-                pass
-        except Exception as e:
-            got["raised"] = f"{type(e).__name__}: {e}"
-            if e.__cause__ is not None:
-                got["cause"] = f"{type(e.__cause__).__name__}: {e.__cause__}"
-        got["seconds"] = time.perf_counter() - t0
-        return got
-
     def source(policy=None, sampler=None, **kw):
         # Rank 1 reads 60-119 in batches of 15: example 75 is in its second batch.
         sampler = Block(120, rank, world_size) if sampler is None else sampler
@@ -769,23 +763,23 @@ def scenario_round_raised(rank: int, world_size: int, folder: str) -> dict:
             **kw,
         )
 
-    res["local"] = timed(source())
-    res["global"] = timed(source(cdf="global"))  # (the losses exchanged in every round)
-    res["stale"] = timed(source(SelectiveBackprop(0.5, history=64, staleness=2)))
-    res["traditional"] = timed(source(sbloader.Traditional()))
+    res["local"] = iterated(source())
+    res["global"] = iterated(source(cdf="global"))  # (the losses exchanged in every round)
+    res["stale"] = iterated(source(SelectiveBackprop(0.5, history=64, staleness=2)))
+    res["traditional"] = iterated(source(sbloader.Traditional()))
     # Rank 0 (one source batch) drains while rank 1 loads its second.
-    res["draining"] = timed(source(sampler=[range(15), range(60, 120)][rank]))
+    res["draining"] = iterated(source(sampler=[range(15), range(60, 120)][rank]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # overlap's advice on the CPU
         # Loaded ahead, in the round of rank 1's first batch (after its decision).
-        res["ahead"] = timed(source(overlap_selection=True))
+        res["ahead"] = iterated(source(overlap_selection=True))
     # Every rank gives its policy its own store folder, but another process holds rank 1's.
     held = None
     if rank == 0:
         held = sbloader.store.ExampleStore(120, os.path.join(folder, "rank1"))
     dist.barrier()
     stale = SelectiveBackprop(0.5, staleness=2, store_path=os.path.join(folder, f"rank{rank}"))
-    res["store"] = timed(
+    res["store"] = iterated(
         lambda: SelectiveLoader(
             DataLoader(EncodedDataset(120), batch_size=15, sampler=Block(120, rank, world_size)),
             IndexLoss(),

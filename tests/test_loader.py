@@ -1098,6 +1098,22 @@ def persistent_workers_loader(policy, batch_size: int) -> SelectiveLoader:
     return SelectiveLoader(dl, IndexLoss(), policy=policy, batch_size=batch_size, seed=0)
 
 
+def stopped_run(build, epochs: int, stop_epoch: int, stop_batch: int) -> tuple:
+    """An uninterrupted run's batches (as index lists, over ``epochs`` epochs of a loader from
+    ``build()``), and a second loader stopped after ``stop_batch`` batches of epoch
+    ``stop_epoch``: (the full run's batches, the stopped loader, its live iterator, the batches
+    it yielded, a copy of its state)."""
+    whole = build()
+    full = [b.indices.tolist() for _ in range(epochs) for b in whole]
+    del whole
+    loader, got = build(), []
+    for _ in range(stop_epoch):
+        got += [b.indices.tolist() for b in loader]
+    it = iter(loader)
+    got += [next(it).indices.tolist() for _ in range(stop_batch)]
+    return full, loader, it, got, copy.deepcopy(loader.state_dict())
+
+
 @pytest.mark.parametrize("stop", [(1, 0), (2, 0), (1, 3), (0, 2)])
 def test_persistent_workers_resume_in_the_uninterrupted_runs_order(stop):
     """A DataLoader with persistent_workers=True draws its workers' base seed from its
@@ -1110,15 +1126,7 @@ def test_persistent_workers_resume_in_the_uninterrupted_runs_order(stop):
     def build() -> SelectiveLoader:
         return persistent_workers_loader(SelectiveBackprop(0.5), 6)
 
-    whole = build()
-    full = [b.indices.tolist() for _ in range(epochs) for b in whole]
-    del whole
-    loader, got = build(), []
-    for _ in range(stop_epoch):
-        got += [b.indices.tolist() for b in loader]
-    it = iter(loader)
-    got += [next(it).indices.tolist() for _ in range(stop_batch)]
-    state = copy.deepcopy(loader.state_dict())
+    full, loader, it, got, state = stopped_run(build, epochs, stop_epoch, stop_batch)
     del it, loader
     resumed = build()
     resumed.load_state_dict(state)
@@ -1140,15 +1148,7 @@ def test_persistent_workers_rolled_back_in_the_same_loader_replay_the_runs_order
     def build() -> SelectiveLoader:
         return persistent_workers_loader(Traditional(), 24)
 
-    whole = build()
-    full = [b.indices.tolist() for _ in range(epochs) for b in whole]
-    del whole
-    loader, got = build(), []
-    for _ in range(stop_epoch):
-        got += [b.indices.tolist() for b in loader]
-    it = iter(loader)
-    got += [next(it).indices.tolist() for _ in range(stop_batch)]
-    state = copy.deepcopy(loader.state_dict())
+    full, loader, it, got, state = stopped_run(build, epochs, stop_epoch, stop_batch)
     if running:
         next(it)  # (a batch of the rolled-back stretch: handed out again)
     else:
