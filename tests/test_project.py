@@ -6,8 +6,10 @@ import doctest
 import importlib
 import pkgutil
 import re
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +123,28 @@ def test_pytest_doctest_modules_uses_the_flags_the_docstrings_are_written_for():
 
 
 @pytest.mark.realdata
+def test_the_wheel_ships_every_module_and_the_typing_marker(tmp_path):
+    """A user's type checker reads sbloader's hints only from an installed py.typed (PEP 561)."""
+    # NOTE: built from a copy, so that no build/ folder left in the checkout answers for it.
+    tree = tmp_path / "tree"
+    shutil.copytree(
+        ROOT / "sbloader", tree / "sbloader", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    for name in ("pyproject.toml", "setup.cfg", "README.md"):
+        shutil.copy(ROOT / name, tree / name)
+    build = ["wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(tree)]
+    subprocess.run(
+        [sys.executable, "-m", "pip", *build],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("sbloader-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "sbloader/py.typed" in names
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "sbloader").rglob("*.py")}
+    assert modules <= names, sorted(modules - names)
+
+
 def test_fashion_mnist_from_debian_files():
     from sbloader.datasets import FASHION_MNIST_DIR, load_fashion_mnist
 
