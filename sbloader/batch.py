@@ -6,9 +6,9 @@ import dataclasses
 import importlib
 import threading
 import warnings
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -59,6 +59,17 @@ class SelectedBatch:
     # class, without the results) must not read None, which means "no selection pass yet".
     features: torch.Tensor | None
     logits: torch.Tensor | None
+
+    if TYPE_CHECKING:
+        # NOTE (typing): every yielded batch is a tuple, a list or a dict of the source's
+        # structure (the subclasses below), so a type-checked loop may unpack and index the
+        # batch it gets (``inputs, targets = batch``, ``batch["image"]``).
+
+        def __iter__(self) -> Iterator[Any]: ...
+
+        def __getitem__(self, key: Any) -> Any: ...
+
+        def __len__(self) -> int: ...
 
     def _set_meta(self, indices, losses, probabilities, weights) -> None:
         self.indices = indices

@@ -58,7 +58,7 @@ import dataclasses
 import hashlib
 import os
 import warnings
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -612,6 +612,18 @@ def check_unsynced(distributed: bool | None, group: Any, cdf: str) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+@overload
+def reduce_stats(
+    stats: EpochStats, group: Any = None, device: torch.device | None = None
+) -> EpochStats: ...
+
+
+@overload
+def reduce_stats(
+    stats: LoaderStats, group: Any = None, device: torch.device | None = None
+) -> LoaderStats: ...
 
 
 def reduce_stats(

@@ -145,6 +145,13 @@ def test_the_wheel_ships_every_module_and_the_typing_marker(tmp_path):
     assert modules <= names, sorted(modules - names)
 
 
+def test_the_type_checked_usage_file_runs():
+    """tests/typed_usage.py is what CI's mypy checks as a user's loop; it must also be true."""
+    import typed_usage
+
+    assert typed_usage.main() > 0
+
+
 def test_fashion_mnist_from_debian_files():
     from sbloader.datasets import FASHION_MNIST_DIR, load_fashion_mnist
 
