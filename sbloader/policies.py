@@ -422,7 +422,8 @@ class SelectiveBackprop(Policy):
         stale_cdf: what a stale epoch ranks each stored loss against. ``"window"`` (default):
             the window as the last selection pass left it. ``"store"``: at the start of each
             stale epoch the window is refilled with the stored losses of ``history`` examples
-            spread evenly over the dataset (every example's, if fewer), so that P is the CDF over
+            spread evenly over the scored examples (every one's, if fewer; those of a
+            ``subset`` only, the others are never scored), so that P is the CDF over
             the stored losses as they are now and a stale epoch keeps ``selectivity`` of the data
             in expectation. With :meth:`SelectiveLoader.feedback
             <sbloader.SelectiveLoader.feedback>` the stored losses fall as training goes on,
@@ -697,10 +698,9 @@ class SelectiveBackprop(Policy):
         """
         if self._reference is None or self.store is None or not len(self._reference):
             return None
-        stored, measured = self.store.spread_lookup(self.window.size)
-        # NOTE: examples never scored are left out: those outside a loader's ``subset`` never
+        # NOTE: examples never scored are not sampled: those outside a loader's ``subset`` never
         # are, and any others are kept with P = 1 whatever the drift.
-        stored = stored[measured >= 0]
+        stored, _ = self.store.spread_lookup(self.window.size)
         if not len(stored):
             return None
         p = rank_against(self._reference, stored, self._cut_beta, self._cut)

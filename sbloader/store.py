@@ -339,10 +339,12 @@ class ExampleStore:
         return losses, epochs
 
     def spread_sample(self, count: int) -> np.ndarray:
-        """The stored losses of ``count`` examples spread evenly over the indices (index
-        ``floor((j + 1/2) * size / count)`` for j < count; every example if ``size <= count``),
-        in index order, leaving out those never scored. Deterministic: every rank holding the
-        same store gets the same sample.
+        """The stored losses of ``count`` scored examples spread evenly over them (the
+        ``floor((j + 1/2) * scored / count)``-th scored one in index order, for j < count; every
+        scored example if there are at most ``count``), in index order. Deterministic: every
+        rank holding the same store gets the same sample. Examples never scored (outside a
+        loader's ``subset``) are not sampled, so a sample holds ``count`` losses wherever at
+        least ``count`` examples were scored (one marked non-finite holds NaN).
 
         Example:
             >>> import numpy as np
@@ -350,19 +352,20 @@ class ExampleStore:
             >>> s.record(np.arange(10), np.arange(10.0), epoch=0)
             >>> s.spread_sample(4).tolist()
             [1.0, 3.0, 6.0, 8.0]
+            >>> half = ExampleStore(10)
+            >>> half.record(np.arange(1, 10, 2), np.arange(5.0), epoch=0)  # odd indices only
+            >>> half.spread_sample(2).tolist()
+            [1.0, 3.0]
         """
-        losses, epochs = self.spread_lookup(count)
-        return losses[epochs >= 0]
+        return self.spread_lookup(count)[0]
 
     def spread_lookup(self, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """The stored losses and epochs (as :meth:`lookup`) of ``count`` examples spread evenly
-        over the indices as in :meth:`spread_sample`, those never scored included (epoch -1)."""
+        """The stored losses and epochs (as :meth:`lookup`) of the ``count`` scored examples of
+        :meth:`spread_sample` (fewer where fewer were scored)."""
         count = check_int("count", count, minimum=1)
-        if self.size <= count:
-            idx = np.arange(self.size, dtype=np.int64)
-        else:
-            idx = ((np.arange(count, dtype=np.int64) * 2 + 1) * self.size) // (2 * count)
-        return self.lookup(idx)
+        idx = np.empty(min(count, self.size), dtype=np.int64)
+        k = _kernels.spread_scored(self.seen, min(count, self.size), idx)
+        return self.lookup(idx[:k])
 
     def count_selected(self, indices: np.ndarray) -> None:
         """Count one selection for each index (an index repeated is counted again)."""

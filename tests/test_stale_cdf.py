@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import EncodedDataset, IndexLoss
-from torch.utils.data import DataLoader
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from sbloader import ExampleStore, SelectiveBackprop, SelectiveLoader, default_policy
 
@@ -39,8 +40,9 @@ def test_the_spread_sample_is_evenly_spaced_skips_never_scored_and_is_determinis
     np.testing.assert_array_equal(sample, ((np.arange(10) * 10 + 5) / 10).astype(np.float32))
     np.testing.assert_array_equal(s.spread_sample(10), sample)
     fresh = ExampleStore(100)
-    fresh.record(np.arange(50), np.ones(50), epoch=0)  # indices 50 to 99 never scored
-    assert len(fresh.spread_sample(10)) == 5  # 5, 15, ..., 45; 55 to 95 left out
+    fresh.record(np.arange(50), np.arange(50.0), epoch=0)  # indices 50 to 99 never scored
+    # (spread over the 50 scored examples: 2, 7, ..., 47, not 5, 15, ..., 45 over all 100)
+    np.testing.assert_array_equal(fresh.spread_sample(10), np.arange(10) * 5 + 2)
     everything = (np.arange(100.0) / 10).astype(np.float32)  # the store holds float32
     np.testing.assert_array_equal(s.spread_sample(500), everything)
     assert len(ExampleStore(10).spread_sample(4)) == 0
@@ -102,6 +104,48 @@ def test_bad_stale_cdf_is_refused_naming_the_parameter():
         SelectiveBackprop(1 / 3, stale_cdf="store")  # would silently do nothing
     assert "stale_cdf='store'" in repr(default_policy(stale_cdf="store"))
     assert default_policy(has_store=False, stale_cdf="store").policy.staleness == 1
+
+
+class LossIsInput(nn.Module):
+    """A model whose output is its input: each example's selection loss is its input value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))  # (a parameter, so the model has a device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def test_a_stale_epoch_over_a_subset_ranks_against_a_full_sample_of_the_subset():
+    """A ``subset`` leaves the other examples never scored. The sample was spread over all
+    indices, so it held only the subset's share of ``history`` losses, and none where its
+    stride met only examples outside the subset (here: the odd indices of 4096, the sample
+    at indices 2, 6, 10, ...): the window was empty, P was 1, and a stale epoch kept
+    everything. Spread over the scored examples it holds ``history`` losses, and a stale
+    epoch keeps the selectivity."""
+    n, history, s = 4096, 1024, 1 / 3
+    losses = np.random.default_rng(0).exponential(size=n).astype(np.float32)
+    data = TensorDataset(torch.from_numpy(losses).reshape(-1, 1), torch.zeros(n, dtype=torch.long))
+    dl = DataLoader(data, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
+    subset = np.arange(1, n, 2)
+    policy = SelectiveBackprop(s, history=history, staleness=3, stale_cdf="store")
+    loader = SelectiveLoader(
+        dl,
+        LossIsInput(),
+        loss_fn=lambda out, y: out.reshape(-1),
+        policy=policy,
+        subset=subset,
+        remainder="short",
+        autocast=None,
+    )
+    kept = [sum(len(b.indices) for b in loader) / len(subset) for _ in range(3)]
+    # The draws' binomial spread plus the window's: its empirical CDF is off by at most about
+    # 1 / (2 sqrt(R)) at any loss, which moves the kept share by at most as much.
+    tolerance = 4 * np.sqrt(s * (1 - s) / len(subset) + 1 / (4 * history))
+    for rate in kept:  # epoch 0 fresh, 1 and 2 stale
+        assert abs(rate - s) < tolerance, kept
+    assert len(policy.window) == history
 
 
 # ---------------------------------------------------------------------- through the loader
