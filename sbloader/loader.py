@@ -435,7 +435,9 @@ class SelectiveLoader(NotADataLoader):
             run. For example, 8 training epochs of ``"expected"`` batches (a pass at 1/3) make
             5 or 6 passes as whole batches round (5 for Fashion-MNIST's 60,000 examples in
             source batches of 512 and batches of 128), the last one annealed (about 3 training
-            epochs). A run too short
+            epochs); the batches left after the planned passes, part of one more, train on all
+            the data too (there, 630 of the 1,248 batches, about 4 training epochs, do). A run
+            too short
             for a selective pass and an annealed one plans 2 passes and warns; where the
             source's size is unknown (no estimate), ``planned_epochs`` is taken as passes, with
             a warning. The passes planned are :attr:`planned_passes`; logged. Refused together

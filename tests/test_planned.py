@@ -68,6 +68,23 @@ def test_planned_epochs_count_training_epochs_of_the_expected_length():
     assert loader.training_epoch == 8
 
 
+def test_the_batches_after_the_planned_passes_train_on_all_the_data_too():
+    """What the docs say of the batches left after the last planned pass (part of one more
+    pass): they are full batches drawn with P = 1 from that pass, like the annealed pass's."""
+    loader = loader_for(planned_epochs=8, batches_per_epoch="expected")
+    passes = loader.planned_passes
+    kept_all = []
+    for _ in range(8):
+        for batch in loader:
+            loader.feedback(batch.indices, measured(batch))
+            kept_all.append((loader.epoch, bool((batch.probabilities == 1).all())))
+    assert loader.epoch == passes  # the run went on into one more pass
+    after = [full for epoch, full in kept_all if epoch >= passes]
+    assert len(after) == sum(1 for epoch, _ in kept_all if epoch == passes) > 0
+    assert all(after)
+    assert loader.stats.epochs[passes].target_rate == 1.0
+
+
 def test_planned_epochs_count_training_epochs_of_an_int_length():
     """4 training epochs of 20 batches (80): 4 passes at 1/3 and one annealed, 74.7 expected."""
     loader = loader_for(planned_epochs=4, batches_per_epoch=20)
