@@ -1734,6 +1734,9 @@ class SelectiveLoader(NotADataLoader):
             ValueError, TypeError: counts that differ, indices that are not integers, losses
                 that are not floating-point numbers (integers: the targets passed instead of
                 the losses, most often) (at once).
+            ValueError: a report that would make more examples reported than the loader has
+                yielded (a batch reported twice, or before it was yielded): at once, with
+                nothing held or counted. Report each yielded batch once.
             IndexError: an index outside the dataset: at once for host-side indices; for
                 device-side ones (checked without a synchronisation per step) when the next
                 epoch starts or a state is saved, whichever is first; every report stays held.
@@ -1778,13 +1781,46 @@ class SelectiveLoader(NotADataLoader):
                     "(reduction='none'), of shape (1,) for a batch of one example"
                 )
             indices = torch.arange(rows[0])
+        idx, val = checked(indices, losses, size)
+        n = int(idx.shape[0])
+        self._check_reported(n)
         if self.policy.takes_feedback():
-            n = self._feedback.add(indices, losses, size)
-        else:  # checked and counted, but neither held nor copied to the host: nothing uses it
-            n = int(checked(indices, losses, size)[0].shape[0])
+            self._feedback.add(idx, val)
+        # (else checked and counted, but neither held nor copied to the host: nothing uses it)
         current = self.stats.current
         if current is not None:
             current.feedback += n
+
+    def _check_reported(self, n: int) -> None:
+        """Refuse a report of ``n`` examples that would make more examples reported than the
+        loader has yielded (a batch reported twice), before anything is held or counted.
+
+        NOTE (a batch reported twice): refused, not made idempotent. Telling a batch reported
+        again from another one of the same examples (a sampler with replacement, a pass of
+        ``batches_per_epoch``) would take every yielded index kept on the host (a
+        synchronisation per step for device-side indices, memory for a large dataset). Reported
+        twice, a batch's examples were counted twice in ``loader.stats`` (``feedback`` above
+        ``examples_yielded``) and held twice, the store silently keeping the second report
+        (e.g. losses of the model after its optimizer step), and the mistake behind it (a hook
+        called twice, a report repeated after the loop) went unsaid. The counts compared are
+        the run's totals, not the current epoch's: a batch reported after the next epoch began
+        (a framework that starts it first) is counted there, and is not refused. A loop that
+        reports every batch twice is refused at its first step; one that reports some batches
+        twice and others not at all is not (each example's last report is stored).
+        """
+        current = self.stats.current
+        if current is not None and current.feedback + n <= current.examples_yielded:
+            return  # (the usual case, without summing every epoch's counts)
+        yielded = sum(e.examples_yielded for e in self.stats.epochs)
+        reported = sum(e.feedback for e in self.stats.epochs)
+        if reported + n > yielded:
+            raise ValueError(
+                f"loader.feedback got losses for more examples than the loader has yielded "
+                f"({reported} reported before, {n} now, {yielded} yielded): was a batch reported "
+                "twice (e.g. by two hooks, or again after the loop), or reported before the "
+                "loader yielded it? Report each yielded batch once, after its training step: "
+                "loader.feedback(batch.indices, losses)"
+            )
 
     def _apply_feedback(self, indices: np.ndarray, losses: np.ndarray) -> None:
         """Hand the reports since the last epoch start (``indices``, ``losses``: taken from the
