@@ -907,6 +907,7 @@ class SelectiveLoader(NotADataLoader):
         self._probed = False
         # Whether a state saved mid-epoch that could not resume there was warned of.
         self._mid_epoch_warned = False
+        self._unreported_warned = False  # (see _warn_unreported)
         # The source's state as of the last source batch consumed (see Source.snapshot); None:
         # ask the source.
         self._source_state: dict[str, Any] | None = None
@@ -2102,7 +2103,7 @@ class SelectiveLoader(NotADataLoader):
             current = stats["epochs"][-1]  # the taken-back batch is counted when handed out again
             current["examples_yielded"] -= len(returned[0])
             current["batches_yielded"] -= 1
-        return {
+        state = {
             K_VERSION: self.STATE_VERSION,
             K_IDENTITY: self._identity(),
             K_EPOCH: self.epoch,
@@ -2132,6 +2133,39 @@ class SelectiveLoader(NotADataLoader):
             **({K_AHEAD: ahead.state_dict()} if ahead is not None else {}),
             K_SPEED: self._speed(),
         }
+        if not taking_rollback():  # (once the state is taken: a refused one loses nothing)
+            self._warn_unreported(stats["epochs"])
+        return state
+
+    def _warn_unreported(self, epochs: list[dict[str, Any]]) -> None:
+        """Warn (once) where a state is taken after batches were yielded in its epoch that were
+        not reported yet (``epochs``: the state's stats), in a run that reports its losses.
+
+        NOTE: a state taken between a batch's yield and its ``loader.feedback`` (a checkpoint
+        saved in the training step before the report, as the README loop's ``...`` invites)
+        counts the batch as trained but holds no report of it: the resumed run never gets that
+        report, and its stale epochs decided from older losses than the uninterrupted run's,
+        with nothing said. The report cannot be added to a state already taken, so this is said
+        when it is taken (a warning, not an error: a run may report only some batches on
+        purpose). Runs that never reported, and policies that ignore reports, are not told.
+        """
+        if self._unreported_warned or not epochs or not self.policy.takes_feedback():
+            return
+        current = epochs[-1]
+        missing = current["examples_yielded"] - current["feedback"]
+        if missing <= 0 or not any(e["feedback"] for e in epochs):
+            return
+        self._unreported_warned = True
+        warnings.warn(
+            f"this state is taken after {missing} of the {current['examples_yielded']} examples "
+            f"yielded in epoch {current['epoch']} were trained but not reported through "
+            "loader.feedback: a run resumed from it never gets their reports (made after this "
+            "call), so its stale epochs decide from older losses than the uninterrupted run's. "
+            "Call loader.feedback(batch.indices, losses) before loader.state_dict() in the "
+            "training step (or pass unconsumed=1 for a batch fetched but not trained yet)",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state saved by :meth:`state_dict` (at an epoch boundary or mid-epoch).

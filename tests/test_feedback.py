@@ -3,6 +3,8 @@ effect, how they are checked and saved."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -296,6 +298,37 @@ def test_reports_are_the_values_reported_whatever_the_caller_does_with_them_afte
     t = np.array(sorted(set(trained)))
     stored, _ = policy.store.lookup(t)
     np.testing.assert_array_equal(stored, (N - t).astype(np.float32))
+
+
+def test_a_state_taken_before_the_batchs_report_is_said():
+    """A checkpoint saved in the training step before ``loader.feedback`` holds no report of the
+    batch it counts as trained: the resumed run's store differed from the uninterrupted run's
+    (its stale epochs decided from older losses), with nothing said. Said when it is taken."""
+    loader = loader_for(SelectiveBackprop(1 / 3, staleness=3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step, batch in enumerate(loader):
+            if step == 0:
+                loader.state_dict()  # a run that has not reported yet: nothing to say
+            loader.feedback(batch.indices, reported(batch.indices))
+            loader.state_dict()  # each batch reported before the state is taken
+        it = iter(loader)
+        batch = next(it)
+        loader.state_dict(unconsumed=1)  # fetched, not trained yet: taken back, not missing
+    with pytest.warns(UserWarning, match=r"10 of the 10 examples yielded in epoch 1.*before"):
+        state = loader.state_dict()
+    loader.feedback(batch.indices, 2 * reported(batch.indices))
+    assert state["feedback"]["indices"].numel() == 0  # (the report the resumed run lacks)
+    next(it)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader.state_dict()  # said once
+    plain = loader_for(Traditional())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for batch in plain:  # a policy that ignores reports: nothing lost
+            plain.state_dict()
+            plain.feedback(batch.indices, reported(batch.indices))
 
 
 def test_feedback_buffer_round_trips_and_takes_everything_once():
