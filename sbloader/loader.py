@@ -2103,6 +2103,12 @@ class SelectiveLoader(NotADataLoader):
             current = stats["epochs"][-1]  # the taken-back batch is counted when handed out again
             current["examples_yielded"] -= len(returned[0])
             current["batches_yielded"] -= 1
+            # NOTE: a step that raised after reporting its batch (loader.feedback before the
+            # backward that ran out of memory) had its report counted, and the resumed run,
+            # handing the batch out again, counted it again when reported again (more reported
+            # than yielded: refused as a batch reported twice). Its report stays held (the
+            # new one, made later, is what the store keeps); only the count is taken back.
+            current["feedback"] = min(current["feedback"], current["examples_yielded"])
         state = {
             K_VERSION: self.STATE_VERSION,
             K_IDENTITY: self._identity(),

@@ -262,6 +262,30 @@ def test_a_batch_reported_twice_is_refused_at_once_and_changes_nothing():
     assert loader.stats.total.feedback == loader.stats.total.examples_yielded
 
 
+def test_a_reported_batch_taken_back_is_counted_once_when_reported_again():
+    """A step that reported its batch and then raised (the backward out of memory) saves
+    ``state_dict(unconsumed=1)``: the resumed run hands the batch out again and reports it
+    again. Its stats counted that report twice (more reported than yielded), and the second
+    report was then refused as a batch reported twice."""
+
+    def build():
+        return loader_for(SelectiveBackprop(1 / 3, staleness=3))
+
+    loader = build()
+    with pytest.raises(MemoryError):
+        for step, batch in enumerate(loader):
+            loader.feedback(batch.indices, reported(batch.indices))
+            if step == 2:
+                raise MemoryError("out of memory in backward")
+    state = loader.state_dict(unconsumed=1)
+    again = build()
+    again.load_state_dict(state)
+    for batch in again:
+        again.feedback(batch.indices, reported(batch.indices))
+    e = again.stats.current
+    assert e.feedback == e.examples_yielded > 0
+
+
 def test_per_token_reports_are_refused_naming_the_reduction_over_tokens():
     """Losses of shape (batch, seq) were refused telling a user who had reduction='none' to
     pass reduction='none'; the message names the shape and the per-example reduction."""
