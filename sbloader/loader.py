@@ -1729,7 +1729,8 @@ class SelectiveLoader(NotADataLoader):
                 takes the report, which is only checked and counted).
             losses: one loss per example of the batch, as computed by the training step
                 (``reduction="none"``; detached and copied here, on its device, where the copy
-                stays until the epoch ends: the tensor may be changed or reused after the call).
+                stays until the epoch ends: the tensor may be changed or reused after the call);
+                a tensor, an array, or a list of per-example loss tensors.
 
         Raises:
             ValueError, TypeError: counts that differ, indices that are not integers, losses

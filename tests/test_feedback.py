@@ -286,6 +286,20 @@ def test_a_reported_batch_taken_back_is_counted_once_when_reported_again():
     assert e.feedback == e.examples_yielded > 0
 
 
+def test_a_list_of_per_example_loss_tensors_is_taken_detached():
+    """Losses computed one example at a time (a list of 0-d tensors that require grad) raised
+    torch's "Can't call numpy() on Tensor that requires grad", though feedback detaches."""
+    loader = loader_for(SelectiveBackprop(1 / 3, staleness=2))
+    batch = next(iter(loader))
+    w = torch.ones((), requires_grad=True)
+    n = len(batch.indices)
+    losses = [w * float(i) for i in range(n)]
+    loader.feedback(batch.indices[:2], losses[:2])
+    loader.feedback(batch.indices[2:], tuple(v.reshape(1) for v in losses[2:]))
+    idx, val = loader._feedback.take()
+    assert idx.tolist() == batch.indices.tolist() and val.tolist() == list(range(n))
+
+
 def test_per_token_reports_are_refused_naming_the_reduction_over_tokens():
     """Losses of shape (batch, seq) were refused telling a user who had reduction='none' to
     pass reduction='none'; the message names the shape and the per-example reduction."""
