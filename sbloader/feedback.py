@@ -46,6 +46,22 @@ def _as_tensor(name: str, values: Any) -> torch.Tensor:
     """``values`` as a detached 1-d tensor, left on its device (no host synchronisation)."""
     if isinstance(values, torch.Tensor):
         return values.detach().reshape(-1)
+    if (
+        isinstance(values, (list, tuple))
+        and values
+        and all(isinstance(v, torch.Tensor) for v in values)
+    ):
+        # NOTE: a list of per-example tensors (one loss computed per example, e.g. for inputs
+        # of different sizes) went through NumPy: one requiring grad raised torch's own "Can't
+        # call numpy() on Tensor that requires grad", and a GPU one a TypeError saying the list
+        # was not an array. Joined here as a tensor is: detached, on their device.
+        try:
+            return torch.cat([v.detach().reshape(-1) for v in values])
+        except RuntimeError as e:  # (tensors on different devices)
+            raise TypeError(
+                f"{name} should be a tensor or array with one entry per example, but got a "
+                f"{type(values).__name__} of tensors that cannot be joined ({e})"
+            ) from e
     try:
         return torch.as_tensor(np.asarray(values)).reshape(-1)
     except (TypeError, ValueError) as e:

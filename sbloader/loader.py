@@ -909,6 +909,7 @@ class SelectiveLoader(NotADataLoader):
         self._probed = False
         # Whether a state saved mid-epoch that could not resume there was warned of.
         self._mid_epoch_warned = False
+        self._unreported_warned = False  # (see _warn_unreported)
         # The source's state as of the last source batch consumed (see Source.snapshot); None:
         # ask the source.
         self._source_state: dict[str, Any] | None = None
@@ -1730,12 +1731,16 @@ class SelectiveLoader(NotADataLoader):
                 takes the report, which is only checked and counted).
             losses: one loss per example of the batch, as computed by the training step
                 (``reduction="none"``; detached and copied here, on its device, where the copy
-                stays until the epoch ends: the tensor may be changed or reused after the call).
+                stays until the epoch ends: the tensor may be changed or reused after the call);
+                a tensor, an array, or a list of per-example loss tensors.
 
         Raises:
             ValueError, TypeError: counts that differ, indices that are not integers, losses
                 that are not floating-point numbers (integers: the targets passed instead of
                 the losses, most often) (at once).
+            ValueError: a report that would make more examples reported than the loader has
+                yielded (a batch reported twice, or before it was yielded): at once, with
+                nothing held or counted. Report each yielded batch once.
             IndexError: an index outside the dataset: at once for host-side indices; for
                 device-side ones (checked without a synchronisation per step) when the next
                 epoch starts or a state is saved, whichever is first; every report stays held.
@@ -1780,13 +1785,46 @@ class SelectiveLoader(NotADataLoader):
                     "(reduction='none'), of shape (1,) for a batch of one example"
                 )
             indices = torch.arange(rows[0])
+        idx, val = checked(indices, losses, size)
+        n = int(idx.shape[0])
+        self._check_reported(n)
         if self.policy.takes_feedback():
-            n = self._feedback.add(indices, losses, size)
-        else:  # checked and counted, but neither held nor copied to the host: nothing uses it
-            n = int(checked(indices, losses, size)[0].shape[0])
+            self._feedback.add(idx, val)
+        # (else checked and counted, but neither held nor copied to the host: nothing uses it)
         current = self.stats.current
         if current is not None:
             current.feedback += n
+
+    def _check_reported(self, n: int) -> None:
+        """Refuse a report of ``n`` examples that would make more examples reported than the
+        loader has yielded (a batch reported twice), before anything is held or counted.
+
+        NOTE (a batch reported twice): refused, not made idempotent. Telling a batch reported
+        again from another one of the same examples (a sampler with replacement, a pass of
+        ``batches_per_epoch``) would take every yielded index kept on the host (a
+        synchronisation per step for device-side indices, memory for a large dataset). Reported
+        twice, a batch's examples were counted twice in ``loader.stats`` (``feedback`` above
+        ``examples_yielded``) and held twice, the store silently keeping the second report
+        (e.g. losses of the model after its optimizer step), and the mistake behind it (a hook
+        called twice, a report repeated after the loop) went unsaid. The counts compared are
+        the run's totals, not the current epoch's: a batch reported after the next epoch began
+        (a framework that starts it first) is counted there, and is not refused. A loop that
+        reports every batch twice is refused at its first step; one that reports some batches
+        twice and others not at all is not (each example's last report is stored).
+        """
+        current = self.stats.current
+        if current is not None and current.feedback + n <= current.examples_yielded:
+            return  # (the usual case, without summing every epoch's counts)
+        yielded = sum(e.examples_yielded for e in self.stats.epochs)
+        reported = sum(e.feedback for e in self.stats.epochs)
+        if reported + n > yielded:
+            raise ValueError(
+                f"loader.feedback got losses for more examples than the loader has yielded "
+                f"({reported} reported before, {n} now, {yielded} yielded): was a batch reported "
+                "twice (e.g. by two hooks, or again after the loop), or reported before the "
+                "loader yielded it? Report each yielded batch once, after its training step: "
+                "loader.feedback(batch.indices, losses)"
+            )
 
     def _apply_feedback(self, indices: np.ndarray, losses: np.ndarray) -> None:
         """Hand the reports since the last epoch start (``indices``, ``losses``: taken from the
@@ -2068,7 +2106,13 @@ class SelectiveLoader(NotADataLoader):
             current = stats["epochs"][-1]  # the taken-back batch is counted when handed out again
             current["examples_yielded"] -= len(returned[0])
             current["batches_yielded"] -= 1
-        return {
+            # NOTE: a step that raised after reporting its batch (loader.feedback before the
+            # backward that ran out of memory) had its report counted, and the resumed run,
+            # handing the batch out again, counted it again when reported again (more reported
+            # than yielded: refused as a batch reported twice). Its report stays held (the
+            # new one, made later, is what the store keeps); only the count is taken back.
+            current["feedback"] = min(current["feedback"], current["examples_yielded"])
+        state = {
             K_VERSION: self.STATE_VERSION,
             K_IDENTITY: self._identity(),
             K_EPOCH: self.epoch,
@@ -2098,6 +2142,39 @@ class SelectiveLoader(NotADataLoader):
             **({K_AHEAD: ahead.state_dict()} if ahead is not None else {}),
             K_SPEED: self._speed(),
         }
+        if not taking_rollback():  # (once the state is taken: a refused one loses nothing)
+            self._warn_unreported(stats["epochs"])
+        return state
+
+    def _warn_unreported(self, epochs: list[dict[str, Any]]) -> None:
+        """Warn (once) where a state is taken after batches were yielded in its epoch that were
+        not reported yet (``epochs``: the state's stats), in a run that reports its losses.
+
+        NOTE: a state taken between a batch's yield and its ``loader.feedback`` (a checkpoint
+        saved in the training step before the report, as the README loop's ``...`` invites)
+        counts the batch as trained but holds no report of it: the resumed run never gets that
+        report, and its stale epochs decided from older losses than the uninterrupted run's,
+        with nothing said. The report cannot be added to a state already taken, so this is said
+        when it is taken (a warning, not an error: a run may report only some batches on
+        purpose). Runs that never reported, and policies that ignore reports, are not told.
+        """
+        if self._unreported_warned or not epochs or not self.policy.takes_feedback():
+            return
+        current = epochs[-1]
+        missing = current["examples_yielded"] - current["feedback"]
+        if missing <= 0 or not any(e["feedback"] for e in epochs):
+            return
+        self._unreported_warned = True
+        warnings.warn(
+            f"this state is taken after {missing} of the {current['examples_yielded']} examples "
+            f"yielded in epoch {current['epoch']} were trained but not reported through "
+            "loader.feedback: a run resumed from it never gets their reports (made after this "
+            "call), so its stale epochs decide from older losses than the uninterrupted run's. "
+            "Call loader.feedback(batch.indices, losses) before loader.state_dict() in the "
+            "training step (or pass unconsumed=1 for a batch fetched but not trained yet)",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state saved by :meth:`state_dict` (at an epoch boundary or mid-epoch).

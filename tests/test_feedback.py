@@ -3,6 +3,8 @@ effect, how they are checked and saved."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -70,11 +72,14 @@ def test_stale_epoch_decides_from_the_reported_losses():
     reported with loss 0 get P = 0, whatever the selection pass had measured for them."""
     policy = SelectiveBackprop(1 / 3, staleness=2)
     loader = loader_for(policy, remainder="short")
-    list(loader)  # fresh epoch 0 scores everything (IndexLoss: loss grows with the index)
-    high = np.arange(0, 50)  # the easiest examples by the selection pass...
-    low = np.arange(250, 300)  # ...and the hardest
-    loader.feedback(torch.from_numpy(high), torch.full((50,), 100.0))
-    loader.feedback(torch.from_numpy(low), torch.zeros(50))
+    trained = []
+    for batch in loader:  # fresh epoch 0 scores everything (IndexLoss: loss grows with the index)
+        # The easier half by the selection pass reports a loss above everything, the harder 0.
+        loader.feedback(batch.indices, torch.where(batch.indices < N // 2, 100.0, 0.0))
+        trained += batch.indices.tolist()
+    high = np.array([i for i in trained if i < N // 2])
+    low = np.array([i for i in trained if i >= N // 2])
+    assert len(high) > 5 and len(low) > 5
     before = policy.store.selected.copy()
     list(loader)  # stale epoch 1
     chosen = set(np.flatnonzero(policy.store.selected - before).tolist())
@@ -197,7 +202,9 @@ def test_the_drop_in_loop_runs_over_a_source_without_indices():
     for reduced in (torch.tensor(0.5), 0.5, np.float32(0.5)):
         with pytest.raises(ValueError, match=r"single value.*reduction='none'"):
             loader.feedback(None, reduced)
-    loader.feedback(None, torch.tensor([0.5]))  # a batch of one example
+    fresh = SelectiveLoader(batches, model, batch_size=4, seed=0)
+    next(iter(fresh))
+    fresh.feedback(None, torch.tensor([0.5]))  # a batch of one example (of one trained)
     stale = loader_for(SelectiveBackprop(1 / 3, staleness=2))  # a source with indices
     next(iter(stale))
     with pytest.raises(TypeError, match="indices should be a tensor"):
@@ -222,6 +229,77 @@ def test_bad_reports_are_refused_at_once_naming_the_fix():
     assert len(loader._feedback) == 0  # nothing half-added
 
 
+def test_a_batch_reported_twice_is_refused_at_once_and_changes_nothing():
+    """A second report of the same batch (two hooks, the report repeated after the loop) was
+    accepted: its examples were counted twice in ``loader.stats`` and held twice, the mistake
+    unsaid. Refused now, naming the fix, with nothing held or counted; a batch reported after the
+    next epoch began is not a second report."""
+    loader = loader_for(SelectiveBackprop(1 / 3, staleness=3))
+    with pytest.raises(ValueError, match=r"more examples than the loader has yielded"):
+        loader.feedback(torch.tensor([1, 2]), torch.zeros(2))  # before any batch was yielded
+    it = iter(loader)
+    batch = next(it)
+    loader.feedback(batch.indices, reported(batch.indices))
+    with pytest.raises(ValueError, match=r"reported twice.*once, after its training step"):
+        loader.feedback(batch.indices, reported(batch.indices))
+    n = len(batch.indices)
+    assert len(loader._feedback) == n and loader.stats.current.feedback == n
+    batches = list(it)
+    for batch in batches:
+        loader.feedback(batch.indices, reported(batch.indices))
+    with pytest.raises(ValueError, match="reported twice"):  # again after the loop
+        loader.feedback(batches[-1].indices, reported(batches[-1].indices))
+    e = loader.stats.current
+    assert e.feedback == e.examples_yielded == len(loader._feedback)
+    # An epoch's last batch reported only after the next epoch began: counted there.
+    batches = list(loader)
+    for batch in batches[:-1]:
+        loader.feedback(batch.indices, reported(batch.indices))
+    first = next(iter(loader))
+    for batch in (batches[-1], first):
+        loader.feedback(batch.indices, reported(batch.indices))
+    assert loader.stats.current.feedback > loader.stats.current.examples_yielded
+    assert loader.stats.total.feedback == loader.stats.total.examples_yielded
+
+
+def test_a_reported_batch_taken_back_is_counted_once_when_reported_again():
+    """A step that reported its batch and then raised (the backward out of memory) saves
+    ``state_dict(unconsumed=1)``: the resumed run hands the batch out again and reports it
+    again. Its stats counted that report twice (more reported than yielded), and the second
+    report was then refused as a batch reported twice."""
+
+    def build():
+        return loader_for(SelectiveBackprop(1 / 3, staleness=3))
+
+    loader = build()
+    with pytest.raises(MemoryError):
+        for step, batch in enumerate(loader):
+            loader.feedback(batch.indices, reported(batch.indices))
+            if step == 2:
+                raise MemoryError("out of memory in backward")
+    state = loader.state_dict(unconsumed=1)
+    again = build()
+    again.load_state_dict(state)
+    for batch in again:
+        again.feedback(batch.indices, reported(batch.indices))
+    e = again.stats.current
+    assert e.feedback == e.examples_yielded > 0
+
+
+def test_a_list_of_per_example_loss_tensors_is_taken_detached():
+    """Losses computed one example at a time (a list of 0-d tensors that require grad) raised
+    torch's "Can't call numpy() on Tensor that requires grad", though feedback detaches."""
+    loader = loader_for(SelectiveBackprop(1 / 3, staleness=2))
+    batch = next(iter(loader))
+    w = torch.ones((), requires_grad=True)
+    n = len(batch.indices)
+    losses = [w * float(i) for i in range(n)]
+    loader.feedback(batch.indices[:2], losses[:2])
+    loader.feedback(batch.indices[2:], tuple(v.reshape(1) for v in losses[2:]))
+    idx, val = loader._feedback.take()
+    assert idx.tolist() == batch.indices.tolist() and val.tolist() == list(range(n))
+
+
 def test_per_token_reports_are_refused_naming_the_reduction_over_tokens():
     """Losses of shape (batch, seq) were refused telling a user who had reduction='none' to
     pass reduction='none'; the message names the shape and the per-example reduction."""
@@ -243,19 +321,52 @@ def test_reports_are_the_values_reported_whatever_the_caller_does_with_them_afte
     buffer = np.zeros(10)
     indices = torch.zeros(10, dtype=torch.int64)
     trained = []
-    for batch in loader:
+    for step, batch in enumerate(loader):
         n = len(batch.indices)
-        buffer[:n] = reported(batch.indices).numpy()
-        indices[:n] = batch.indices
-        loader.feedback(indices[:n], buffer[:n])  # the same buffers every step
-        losses = reported(batch.indices)
-        loader.feedback(batch.indices, losses)
-        losses.mul_(0.0)  # e.g. weighted in place after the report
+        if step % 2:
+            buffer[:n] = reported(batch.indices).numpy()
+            indices[:n] = batch.indices
+            loader.feedback(indices[:n], buffer[:n])  # the same buffers every other step
+        else:
+            losses = reported(batch.indices)
+            loader.feedback(batch.indices, losses)
+            losses.mul_(0.0)  # e.g. weighted in place after the report
         trained += batch.indices.tolist()
     next(iter(loader))  # the reports reach the store
     t = np.array(sorted(set(trained)))
     stored, _ = policy.store.lookup(t)
     np.testing.assert_array_equal(stored, (N - t).astype(np.float32))
+
+
+def test_a_state_taken_before_the_batchs_report_is_said():
+    """A checkpoint saved in the training step before ``loader.feedback`` holds no report of the
+    batch it counts as trained: the resumed run's store differed from the uninterrupted run's
+    (its stale epochs decided from older losses), with nothing said. Said when it is taken."""
+    loader = loader_for(SelectiveBackprop(1 / 3, staleness=3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step, batch in enumerate(loader):
+            if step == 0:
+                loader.state_dict()  # a run that has not reported yet: nothing to say
+            loader.feedback(batch.indices, reported(batch.indices))
+            loader.state_dict()  # each batch reported before the state is taken
+        it = iter(loader)
+        batch = next(it)
+        loader.state_dict(unconsumed=1)  # fetched, not trained yet: taken back, not missing
+    with pytest.warns(UserWarning, match=r"10 of the 10 examples yielded in epoch 1.*before"):
+        state = loader.state_dict()
+    loader.feedback(batch.indices, 2 * reported(batch.indices))
+    assert state["feedback"]["indices"].numel() == 0  # (the report the resumed run lacks)
+    next(it)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader.state_dict()  # said once
+    plain = loader_for(Traditional())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for batch in plain:  # a policy that ignores reports: nothing lost
+            plain.state_dict()
+            plain.feedback(batch.indices, reported(batch.indices))
 
 
 def test_feedback_buffer_round_trips_and_takes_everything_once():
@@ -546,6 +657,7 @@ def test_targets_reported_instead_of_losses_are_refused_at_once():
         with pytest.raises(TypeError, match=r"real per-example losses.*int64.*the targets"):
             loader.feedback(batch.indices, wrong)
     assert len(loader._feedback) == 0
-    loader.feedback(batch.indices, targets.float())  # integer values meant: said so, accepted
-    loader.feedback(batch.indices, torch.ones(len(targets), dtype=torch.float16))
-    assert len(loader._feedback) == 2 * len(targets)
+    half = len(targets) // 2
+    loader.feedback(batch.indices[:half], targets[:half].float())  # integer values meant: said so
+    loader.feedback(batch.indices[half:], torch.ones(len(targets) - half, dtype=torch.float16))
+    assert len(loader._feedback) == len(targets)
