@@ -32,7 +32,9 @@ rank selects different examples, so each would fill a different number of batche
   the round), so that every rank raises at the end of that round, naming the rank, instead of
   the others waiting in their next collective (:attr:`RankSync.failed`); an exception in
   attaching the policy as the loader is built (a ``store_path`` folder another process holds)
-  is reported the same way, in one ``all_reduce`` made there;
+  is reported the same way, in one ``all_reduce`` made there, and so is one met as an epoch
+  begins (a sampler's ``set_epoch``, the policy's ``begin_epoch``), in one ``all_reduce`` per
+  epoch;
 - the first of those ``all_reduce(MIN)`` calls also carries a digest of the rank's first source
   batch (and its negation), so that a source that is not sharded (every rank reading the same
   examples, e.g. a DataLoader without a ``DistributedSampler``) is reported on every rank, at no
