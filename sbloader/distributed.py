@@ -18,6 +18,8 @@ rank selects different examples, so each would fill a different number of batche
 - when the selection model is sharded by FSDP (each selection forward is then a collective),
   the ranks first agree on the most selection forwards any of them runs in the round
   (:meth:`RankSync.most`), and each runs that many (padding with forwards on one kept example);
+  an error a rank met before them (loading its source batch) is reported there, so that every
+  rank raises before any forward;
 - with ``cdf="global"`` and a policy that ranks losses against other ranks'
   (:meth:`~sbloader.Policy.ranks_shared_losses`: not Kath18, Random-Backprop or Traditional),
   or a policy that keeps per-example records (Stale-SB's store), the ranks also all-gather their
@@ -25,14 +27,17 @@ rank selects different examples, so each would fill a different number of batche
   others' into its policy through :meth:`~sbloader.Policy.observe`;
 - a rank that meets an error its round can finish without (a non-finite selection loss under
   ``nonfinite="raise"``, a source batch whose fields cannot be joined with earlier ones, an
-  exception raised in its round, not under FSDP: by its source as a batch is loaded, by the
-  user's code or the policy's decision in its selection pass, or in keeping the rows it chose)
+  exception raised in its round, under FSDP outside its selection forwards: by its source as a
+  batch is loaded, by the user's code or the policy's decision in its selection pass, or in
+  keeping the rows it chose)
   goes on to the end of the round, making its collectives, and reports it in the same
   ``all_reduce(MIN)`` (a fourth integer: its kind, for an exception its type and the stage of
   the round), so that every rank raises at the end of that round, naming the rank, instead of
   the others waiting in their next collective (:attr:`RankSync.failed`); an exception in
   attaching the policy as the loader is built (a ``store_path`` folder another process holds)
-  is reported the same way, in one ``all_reduce`` made there;
+  is reported the same way, in one ``all_reduce`` made there, and so is one met as an epoch
+  begins (a sampler's ``set_epoch``, the policy's ``begin_epoch``), in one ``all_reduce`` per
+  epoch;
 - the first of those ``all_reduce(MIN)`` calls also carries a digest of the rank's first source
   batch (and its negation), so that a source that is not sharded (every rank reading the same
   examples, e.g. a DataLoader without a ``DistributedSampler``) is reported on every rank, at no
@@ -393,15 +398,28 @@ class RankSync:
             )
         return int(got[0]), got[1] < 0
 
-    def most(self, count: int, flag: bool) -> tuple[int, bool]:
+    def most(self, count: int, flag: bool, failed: int = 0) -> tuple[int, bool]:
         """The largest ``count`` of any rank, and whether any rank raised ``flag``.
 
-        One ``all_reduce(MAX)`` of ``[count, flag]`` (the selection forwards of a round under
-        FSDP, see :meth:`sbloader.scoring.Scorer.pad`).
+        One ``all_reduce(MAX)`` of ``[count, flag, f]`` (the selection forwards of a round under
+        FSDP, see :meth:`sbloader.scoring.Scorer.pad`): ``f`` reports an error this rank met
+        before the round's forwards (``failed``: its kind, as for :meth:`agree`), so that
+        afterwards :attr:`failed` is ``(rank, kind)`` of the lowest rank that reported one, or
+        None, the same on every rank (the caller raises then, on every rank, before any
+        forward). NOTE: ``(world_size - rank) * FAILURE_KINDS + failed`` where ``failed``, 0
+        otherwise: the maximum names the lowest rank; one more int64 in a collective made
+        anyway.
         """
-        t = torch.tensor([count, int(flag)], dtype=torch.int64, device=self.device)
+        if not 0 <= failed < FAILURE_KINDS:
+            raise ValueError(f"failed should be in [0, {FAILURE_KINDS}), but got failed={failed!r}")
+        f = (self.world_size - self.rank) * FAILURE_KINDS + failed if failed else 0
+        t = torch.tensor([count, int(flag), f], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        most, any_flag = t.tolist()
+        most, any_flag, got = t.tolist()
+        self.failed = None
+        if got:
+            ahead, kind = divmod(int(got), FAILURE_KINDS)
+            self.failed = (self.world_size - ahead, kind)
         return int(most), any_flag > 0
 
     def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:

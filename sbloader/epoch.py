@@ -259,9 +259,12 @@ class EpochIterator:
         # agreement reports it to every rank (see _fail): its kind and the error.
         self._failure: tuple[int, Exception] | None = None
         # The current round's progress, for an exception raised in it (see _source_step): where
-        # it is (a stage of _STAGES), and whether its loss exchange and its agreement were made.
+        # it is (a stage of _STAGES), and whether its loss exchange and its agreement were made;
+        # under FSDP, whether its agreement on the selection forwards was made, and whether the
+        # rank is running those forwards (see _reports_raised).
         self._stage = _SELECTING
         self._exchanged = self._agreed = False
+        self._rounded = self._forwarding = False
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -529,7 +532,7 @@ class EpochIterator:
     def _source_step(self) -> None:
         loader, stats = self._loader, self.stats
         assert self._fetch is not None and stats is not None and self.epoch is not None
-        self._exchanged = self._agreed = False
+        self._exchanged = self._agreed = self._rounded = self._forwarding = False
         loaded, self._next = self._next, None
         if loaded is None and self._exhausted is None:
             try:
@@ -570,8 +573,8 @@ class EpochIterator:
         selection pass, the policy's decision, keeping the rows it chose): on several ranks,
         where the round's agreement is still to be made, the rank makes the round's remaining
         collectives and reports it there, and every rank raises (:meth:`_stop_pass`); otherwise
-        (one process, FSDP, an error the agreement reported or met after it) the caller raises
-        it as it is.
+        (one process, an exception in a selection forward under FSDP, an error the agreement
+        reported or met after it) the caller raises it as it is.
 
         NOTE: raised on this rank alone (a corrupt file in its share of the data, a model that
         cannot take one of its batches), it left the others waiting in their next collective
@@ -633,16 +636,20 @@ class EpochIterator:
         scorer = loader._scorer
         probing = not loader._probed and bool(n) and loader.policy.uses_losses()
         pad = self._selection_round(scorer.chunks(n) if self._fresh else int(probing))
+        probed = None
         if not loader._probed:
             loader._probed = True
             if n and not self._fresh and loader.policy.uses_losses() and pad >= 0:
                 codec = loader._codec
                 inputs, targets = data[codec.input_position], data[codec.target_position]
-                # (e.g. Kath18's losses >= 0: checked before its warm-up ends; an exception
-                # here is reported to the other ranks as any of the round's: _report_raised)
-                loader.policy.check_losses(scorer.probe(inputs, targets, codec.view(data)))
+                probed = scorer.probe(inputs, targets, codec.view(data))
         if not self._fresh:
-            scorer.pad(pad)
+            self._pad(pad)
+        if probed is not None:
+            # (e.g. Kath18's losses >= 0: checked before its warm-up ends, once the round's
+            # forwards are all run; an exception here is reported to the other ranks as any of
+            # the round's: _report_raised)
+            loader.policy.check_losses(probed)
         targets = data[loader._codec.target_position]
         if loader._counted_full and n != loader.batch_size:
             self._check_counted_full(n)
@@ -679,7 +686,7 @@ class EpochIterator:
             inputs = data[loader._codec.input_position]
             batch = loader._codec.view(data)
             scored = self._scored(loaded, inputs, targets, indices, batch)
-            scorer.pad(pad)
+            self._pad(pad)
             loader.policy.advance(self.epoch + self.fraction())
             if loader._decider is not None:
                 self._decide_on_device(scored, data, indices, n, t0)
@@ -908,7 +915,7 @@ class EpochIterator:
         sync = loader._sync
         assert sync is not None
         if loader._scorer.collective:
-            loader._scorer.pad(self._selection_round(0))
+            self._pad(self._selection_round(0))
             loader._probed = True  # as on the ranks that probed this round
         if loader._sharing() and not self._passthrough:
             self._observe(self._exchange(None, None))
@@ -1073,9 +1080,17 @@ class EpochIterator:
         loader = self._loader
         sync, scorer = loader._sync, loader._scorer
         probing = not loader._probed and not self._fresh and loader.policy.uses_losses()
-        if sync is None or not scorer.collective or not (self._fresh or probing):
+        if not self._rounds_forwards():
             return 0
-        most, stuck = sync.most(real, not real and not scorer.can_pad)
+        assert sync is not None
+        most, stuck = sync.most(real, not real and not scorer.can_pad, self._failed_kind())
+        self._rounded = True
+        if sync.failed is not None:
+            # An error a rank met before the round's forwards (loading its source batch): every
+            # rank raises here, none running a forward the others would wait in, and none
+            # reports it again (the agreement that reports it is made).
+            self._agreed = True
+            self._raise_reported(sync)
         if stuck and most and probing:
             # NOTE: a probe round (the first source batch of a run without a selection pass in
             # its epoch) where a rank has no candidate to run the probe on: a resumed run whose
@@ -1084,12 +1099,28 @@ class EpochIterator:
             # early, so every rank skips it (a negative count: the caller runs no probe).
             return -real
         if stuck and most:
+            self._agreed = True  # (raised alike on every rank, after this agreement: no report)
             raise RuntimeError(
                 "under FSDP every rank runs as many selection forwards as the others, but a rank "
                 "had no candidate yet to run them on (its source was empty when the others' "
                 "was not); give every rank data in each epoch (e.g. a DistributedSampler)"
             )
+        self._forwarding = most > 0
         return most - real
+
+    def _rounds_forwards(self) -> bool:
+        """Whether the ranks agree on this round's selection forwards (:meth:`_selection_round`:
+        under FSDP on several ranks, in a fresh epoch or the first round's probe), decided alike
+        on every rank."""
+        loader = self._loader
+        probing = not loader._probed and not self._fresh and loader.policy.uses_losses()
+        return loader._sync is not None and loader._scorer.collective and (self._fresh or probing)
+
+    def _pad(self, count: int) -> None:
+        """This rank's ``count`` padding selection forwards of the round (:meth:`Scorer.pad
+        <sbloader.scoring.Scorer.pad>`): the last of its forwards."""
+        self._loader._scorer.pad(count)
+        self._forwarding = False
 
     def _agree(self, ready: int, active: bool = True, digest: bool = True) -> int:
         """How many of ``ready`` batches to yield now: all of them on one process; on several
@@ -1135,15 +1166,20 @@ class EpochIterator:
 
     def _reports_raised(self) -> bool:
         """Whether an exception raised in this rank's round is reported to the other ranks
-        (:meth:`_stop_pass`): on several ranks, where a selection forward makes no collective.
+        (:meth:`_stop_pass`): on several ranks, except while the rank runs its selection
+        forwards under FSDP.
 
         NOTE (FSDP): there a selection forward is itself a collective, so a rank whose forward
-        raised leaves the others waiting inside theirs, before any agreement could report it;
-        the exception is raised on that rank alone, as before (the process group's timeout ends
-        the others).
+        raised may have left the others waiting inside theirs (an all-gather of the next
+        layer's parameters), where no agreement can reach them; such an exception is raised on
+        that rank alone, as before (the process group's timeout ends the others). One raised
+        before the round's forwards (loading its source batch) is reported in the ranks'
+        agreement on those forwards (:meth:`RankSync.most
+        <sbloader.distributed.RankSync.most>`, one more integer), so that no rank runs them;
+        one raised after them (the policy's decision, keeping the rows it chose) in the
+        round's agreement, as without FSDP.
         """
-        loader = self._loader
-        return loader._sync is not None and not loader._scorer.collective
+        return self._loader._sync is not None and not self._forwarding
 
     def _stop_pass(self, error: Exception) -> NoReturn:
         """This rank's round raised ``error`` (loading its source batch; its selection pass: the
@@ -1161,9 +1197,15 @@ class EpochIterator:
         (:meth:`_raise_reported`).
         """
         loader = self._loader
+        kind = _raised_kind(error, self._stage)
+        if not self._rounded and self._rounds_forwards():
+            # (under FSDP, before the round's forwards: reported in their agreement)
+            self._fail(kind, error)
+            self._selection_round(0)
+            raise AssertionError("unreachable: the forwards' agreement reports the error")
         if loader._sharing() and not self._passthrough and not self._exchanged:
             self._exchange(None, None)
-        self._stop_round(_raised_kind(error, self._stage), error)
+        self._stop_round(kind, error)
 
     def _exchange(
         self, losses: np.ndarray | None, indices: np.ndarray | None

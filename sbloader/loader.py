@@ -907,6 +907,9 @@ class SelectiveLoader(NotADataLoader):
         self._left: Rows | WholeBatch | None = None
         # Whether the model and loss_fn were checked on a source batch (see EpochIterator).
         self._probed = False
+        # Whether this epoch's beginning made the exchange of loader.feedback's reports (see
+        # _begin).
+        self._fed = False
         # Whether a state saved mid-epoch that could not resume there was warned of.
         self._mid_epoch_warned = False
         self._unreported_warned = False  # (see _warn_unreported)
@@ -946,6 +949,22 @@ class SelectiveLoader(NotADataLoader):
             if sync is None or sync.world_size < 2:
                 raise
             error = e
+        self._raise_on_every_rank(
+            error, "in attaching the policy as the SelectiveLoader was built (e.g. its store_path)"
+        )
+
+    def _raise_on_every_rank(self, error: Exception | None, what: str) -> None:
+        """On several ranks, where every rank calls it alike: raise on every rank where any
+        rank passed an ``error`` (the lowest such rank's), or return where none did; nothing on
+        one process. ``what``: where the rank raised it, as the other ranks say it.
+
+        One ``all_reduce`` (:meth:`RankSync.span <sbloader.distributed.RankSync.span>`) and,
+        only then, the failed rank's message in :meth:`RankSync.broadcast_text
+        <sbloader.distributed.RankSync.broadcast_text>`: a rank that met an error raises its
+        own, of its type, naming its rank, the others a ``RuntimeError`` naming that rank,
+        ``what`` and its message.
+        """
+        sync = self._sync
         if sync is None or sync.world_size < 2:
             return
         failed = sync.span(sync.rank if error is not None else sync.world_size, self.device)[0]
@@ -959,10 +978,9 @@ class SelectiveLoader(NotADataLoader):
             message = f"on {where} (every rank stops with this error, reported to the others): "
             _raise_own(error, message + str(error))
         raise RuntimeError(
-            f"rank {failed} of {sync.world_size} raised an exception in attaching the policy "
-            f"as the SelectiveLoader was built (e.g. its store_path); every rank stops with it "
-            f"(this is {where}), so that none waits for it in a collective. Rank {failed}'s "
-            f"error: {detail} (its own log has the traceback)"
+            f"rank {failed} of {sync.world_size} raised an exception {what}; every rank stops "
+            f"with it (this is {where}), so that none waits for it in a collective. Rank "
+            f"{failed}'s error: {detail} (its own log has the traceback)"
         )
 
     def _selection_copy(
@@ -1644,10 +1662,32 @@ class SelectiveLoader(NotADataLoader):
     def _begin(self, it: EpochIterator) -> tuple[int, int, bool, EpochStats, list[Rows]]:
         """Hand the next epoch (or the rest of a restored one) to ``it``: its number, the source
         batches to skip, whether it resumes a restored epoch, its stats, and the batches to hand
-        out first (taken back by a saved state)."""
-        self._scorer.check()  # a frozen prefix may have been unfrozen
-        self._follow_forward_autocast()  # the model may have been prepared by Accelerate since
-        check_device(self.device, self._device is not None)
+        out first (taken back by a saved state).
+
+        NOTE (an exception on one rank): on several ranks, an exception this rank meets as the
+        epoch begins (checking the model and its device, the source's ``set_epoch``, the reports
+        of :meth:`feedback`, the policy's ``begin_epoch``: a sampler or a policy of the user's
+        own, a report's index outside the data) is held while the rank makes the collectives of
+        the epoch's beginning that the others make, and is then raised on every rank (see
+        :meth:`_raise_on_every_rank`). Raised on this rank alone, it left the others waiting in
+        their first round's collectives until this rank's process ended ("Connection closed by
+        peer") or the process group timed out, neither naming the error nor the rank. It costs
+        one ``all_reduce`` of two integers per epoch (not per round), made after the epoch has
+        begun on every rank: no collective of the epoch's beginning is made where every
+        rank's error could be reported in it, the comparison of the ranks' positions
+        (:meth:`_agree_position`) being made before anything changes.
+        """
+        sync = self._sync
+        several = sync is not None and sync.world_size > 1
+        error: Exception | None = None
+        try:
+            self._scorer.check()  # a frozen prefix may have been unfrozen
+            self._follow_forward_autocast()  # the model may have been prepared by Accelerate since
+            check_device(self.device, self._device is not None)
+        except Exception as e:
+            if not several:
+                raise
+            error = e
         epoch, skip, resumed = self.epoch, 0, False
         if self._unfinished is not None:
             position, resume = self._unfinished
@@ -1660,6 +1700,35 @@ class SelectiveLoader(NotADataLoader):
             current = None  # (a new epoch's stats, begun below)
         yielded = 0 if current is None else current.batches_yielded
         self._agree_position(epoch, yielded)  # (before anything changes: a refusal loses nothing)
+        self._fed = False
+        if error is None:
+            try:
+                current = self._begin_epoch(epoch, skip, resumed, current)
+            except Exception as e:
+                if not several:
+                    raise
+                error = e
+        if several:
+            assert sync is not None
+            if error is not None and not self._fed and self._feeds(resumed):
+                # (the reports' exchange the other ranks make, with none of this rank's)
+                sync.bind(self.device)
+                sync.exchange(None, None)
+            self._raise_on_every_rank(
+                error,
+                f"as epoch {epoch} began (checking the model and its device, the source's "
+                "set_epoch, applying the reports of loader.feedback, or the policy's begin_epoch)",
+            )
+        assert current is not None
+        returned, self._returned = self._returned, []
+        return self.epoch, skip, resumed, current, returned
+
+    def _begin_epoch(
+        self, epoch: int, skip: int, resumed: bool, current: EpochStats | None
+    ) -> EpochStats:
+        """Begin epoch ``epoch`` (resumed ``skip`` source batches in where ``resumed``; with its
+        stats ``current`` where they go on) once the ranks agreed on it (see :meth:`_begin`);
+        its stats."""
         # (taken before anything changes too: an index outside the data refuses the epoch, and
         # the reports stay held)
         reports = None if resumed else self._feedback.take(self._source.dataset_size)
@@ -1686,8 +1755,7 @@ class SelectiveLoader(NotADataLoader):
             )
         if current is None:
             current = self.stats.begin_epoch(self.epoch, self.policy.target_rate)
-        returned, self._returned = self._returned, []
-        return self.epoch, skip, resumed, current, returned
+        return current
 
     def _agree_position(self, epoch: int, yielded: int) -> None:
         """On several ranks, refuse (on every rank) to begin where the ranks' positions differ:
@@ -1826,6 +1894,18 @@ class SelectiveLoader(NotADataLoader):
                 "loader.feedback(batch.indices, losses)"
             )
 
+    def _feeds(self, resumed: bool) -> bool:
+        """Whether the ranks exchange the reports of :meth:`feedback` as an epoch begins
+        (:meth:`_apply_feedback`; never as a resumed one does): where the ranks share a policy's
+        per-example records. The same on every rank (the policy's kind is)."""
+        policy = self.policy
+        return (
+            not resumed
+            and self._sync is not None
+            and policy.takes_feedback()
+            and policy.records_examples()
+        )
+
     def _apply_feedback(self, indices: np.ndarray, losses: np.ndarray) -> None:
         """Hand the reports since the last epoch start (``indices``, ``losses``: taken from the
         buffer, checked) to the policy (every rank's, when the ranks share per-example
@@ -1846,8 +1926,10 @@ class SelectiveLoader(NotADataLoader):
                 bad,
                 losses.shape[0],
             )
-        if self._sync is not None and self.policy.records_examples():
+        if self._feeds(False):
+            assert self._sync is not None
             self._sync.bind(self.device)
+            self._fed = True  # (made on this rank: see _begin)
             for values, idx in self._sync.exchange(losses, indices):
                 if idx is not None:
                     self.policy.feedback(idx, values, epoch)

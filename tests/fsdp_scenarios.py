@@ -1,17 +1,22 @@
 """What tests/test_fsdp.py runs under torch's FSDP on 2 CPU processes (gloo).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/fsdp_scenarios.py OUT
+    (... tests/fsdp_scenarios.py OUT raised)
 
 Each rank trains a small FSDP-sharded model through a SelectiveLoader over a source of its own
 length (rank 0 has more batches than rank 1), with selection chunks that differ per batch, a
 warm-up epoch (the first batch's probe) and Stale-SB (stale epochs without selection forwards).
-Each process writes its counts to ``OUT/<rank>.pkl``.
+Each process writes its counts to ``OUT/<rank>.pkl``. With ``raised``, rank 1 meets an
+exception outside its selection forwards instead (see :func:`raised`), and each process writes
+what it raised.
 """
 
 from __future__ import annotations
 
+import datetime
 import pickle
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +31,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
-from torch.utils.data import DataLoader, DistributedSampler, SubsetRandomSampler, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    SubsetRandomSampler,
+    TensorDataset,
+)
 
 import sbloader
 
@@ -146,12 +157,82 @@ def resumes(kind: str) -> list[bool]:
     return same
 
 
+class Corrupt(Dataset):
+    """96 examples; on rank 1 only, example ``bad`` cannot be read (a corrupt file), and once
+    ``armed``, none of its examples can."""
+
+    def __init__(self, rank: int, bad: int = -1) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(96, 6, generator=g), torch.randint(0, 3, (96,), generator=g)
+        self.rank, self.bad, self.armed = rank, bad, False
+
+    def __len__(self) -> int:
+        return 96
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rank == 1 and (i == self.bad or self.armed):
+            raise OSError(f"cannot read example {i}: the file is corrupt")
+        return self.x[i], self.y[i]
+
+
+class NegativeLoss:
+    """Per-example cross-entropy, less 100 from its second call on rank 1 only: Kath18 refuses
+    the negative losses in its decision, after the round's selection forwards."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.calls = rank, 0
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        losses = F.cross_entropy(outputs, targets, reduction="none")
+        return losses - 100.0 if self.rank == 1 and self.calls >= 2 else losses
+
+
+def raised(kind: str, rank: int) -> dict[str, dict[str, Any]]:
+    """Rank 1 raises outside its selection forwards, under FSDP: its source as its first or
+    second source batch of a fresh epoch is loaded (before the round's forwards), or as a stale
+    epoch's first one is (a round without forwards), or the policy's decision on its losses
+    (after them). What each case raised (``"Type: message"``) and the seconds it took."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def attempt(name: str, data: Corrupt, policy: sbloader.Policy, **kw: Any) -> None:
+        model = make_model(kind)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        source = DataLoader(data, batch_size=16, sampler=range(48 * rank, 48 * rank + 48))
+        loader = sbloader.SelectiveLoader(source, model, policy=policy, batch_size=4, **kw)
+        t0, got = time.perf_counter(), ""
+        try:
+            for epoch in range(2):
+                data.armed = epoch == 1 and name == "stale"
+                for x, y in loader:
+                    F.cross_entropy(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+        except Exception as e:
+            got = f"{type(e).__name__}: {e}"
+        out[name] = {"raised": got, "seconds": time.perf_counter() - t0}
+
+    sb = sbloader.SelectiveBackprop
+    attempt("first", Corrupt(rank, bad=48), sb(0.5))
+    attempt("second", Corrupt(rank, bad=64), sb(0.5, staleness=2))
+    attempt("stale", Corrupt(rank), sb(0.5, staleness=2))
+    attempt("decision", Corrupt(rank), sbloader.Kath18(0.5), loss_fn=NegativeLoss(rank))
+    return out
+
+
 def main() -> None:
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    result = {kind: run(kind, rank) for kind in ("FullyShardedDataParallel", "fully_shard")}
-    for kind in ("FullyShardedDataParallel", "fully_shard"):
-        result[kind]["resumes"] = resumes(kind)
+    kinds = ("FullyShardedDataParallel", "fully_shard")
+    if sys.argv[2:] == ["raised"]:
+        # (a hang fails fast: the test's deadline is longer)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        rank = dist.get_rank()
+        result: dict[str, Any] = {kind: raised(kind, rank) for kind in kinds}
+    else:
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        result = {kind: run(kind, rank) for kind in kinds}
+        for kind in kinds:
+            result[kind]["resumes"] = resumes(kind)
     dist.barrier()
     # NOTE: fully_shard's DTensor caches keep the group alive past destroy_process_group, so
     # gloo's workers are still running here and this rank leaves without finalizing (see

@@ -20,11 +20,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def torchrun_ranks(script: str, out: Path, deadline_s: int, processes: int = 2) -> list[dict]:
-    """Run ``tests/<script> OUT`` on ``processes`` processes; what each wrote to
+def torchrun_ranks(
+    script: str, out: Path, deadline_s: int, processes: int = 2, args: tuple[str, ...] = ()
+) -> list[dict]:
+    """Run ``tests/<script> OUT *args`` on ``processes`` processes; what each wrote to
     ``OUT/<rank>.pkl``, by rank. A run past ``deadline_s`` fails the test as a hang."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc_per_node={processes}", str(ROOT / "tests" / script), str(out)]
+    cmd += [f"--nproc_per_node={processes}", str(ROOT / "tests" / script), str(out), *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     try:
         proc = subprocess.run(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import itertools
 import os
 import pickle
 import shutil
@@ -791,6 +792,56 @@ def scenario_round_raised(rank: int, world_size: int, folder: str) -> dict:
     return res
 
 
+class SetEpochRaising(Block):
+    """:class:`Block` whose ``set_epoch`` raises on rank 1 only (a sampler of the user's own)."""
+
+    def __init__(self, n: int, rank: int, world_size: int) -> None:
+        super().__init__(n, rank, world_size)
+        self.rank = rank
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.rank == 1:
+            raise ValueError(f"cannot shuffle for epoch {epoch}")
+
+
+class BeginRaising(SelectiveBackprop):
+    """SelectiveBackprop whose ``begin_epoch`` raises on rank 1 only, in epoch 1."""
+
+    def __init__(self, rank: int, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rank = rank
+
+    def begin_epoch(self, epoch: int) -> None:
+        super().begin_epoch(epoch)
+        if self.rank == 1 and epoch == 1:
+            raise ValueError(f"cannot begin epoch {epoch}")
+
+
+def scenario_begin_raised(rank: int, world_size: int) -> dict:
+    """Exceptions raised on rank 1 only as an epoch begins: its sampler's ``set_epoch`` in epoch
+    0, its policy's ``begin_epoch`` in epoch 1 (two epochs iterated); with Stale-SB's store the
+    ranks exchange the reports of ``loader.feedback`` there too."""
+    res: dict = {}
+
+    def run(policy, sampler) -> dict:
+        loader = SelectiveLoader(
+            DataLoader(EncodedDataset(120), batch_size=15, sampler=sampler),
+            IndexLoss(),
+            policy=policy,
+            batch_size=10,
+            seed=0,
+        )
+        return iterated(lambda: itertools.chain(loader, loader))
+
+    block = Block(120, rank, world_size)
+    raising = SetEpochRaising(120, rank, world_size)
+    res["set_epoch"] = run(SelectiveBackprop(0.5, history=64), raising)
+    res["set_epoch_stale"] = run(SelectiveBackprop(0.5, history=64, staleness=2), raising)
+    res["begin_epoch"] = run(BeginRaising(rank, 0.5, history=64), block)
+    res["begin_epoch_stale"] = run(BeginRaising(rank, 0.5, history=64, staleness=2), block)
+    return res
+
+
 def refused(**kwargs) -> str:
     """The error building a SelectiveLoader with ``kwargs`` raised ("" when it was built)."""
     try:
@@ -1276,6 +1327,7 @@ SCENARIOS = {
     "limits": scenario_limits,
     "raised": scenario_raised,
     "round_raised": scenario_round_raised,
+    "begin_raised": scenario_begin_raised,
 }
 
 
@@ -1862,6 +1914,37 @@ def test_a_store_folder_refused_on_one_rank_raises_on_every_rank_as_the_loader_i
     assert other["raised"].startswith(expected), other
     assert "Rank 1's error: ValueError: the store folder " in other["raised"], other
     assert own["seconds"] < 30 and other["seconds"] < 30, (own, other)
+
+
+@pytest.fixture(scope="module")
+def begin_raised(tmp_path_factory) -> list[dict]:
+    return run_ranks("begin_raised", 2, tmp_path_factory.mktemp("begin_raised"))
+
+
+@pytest.mark.parametrize(
+    "case", ["set_epoch", "set_epoch_stale", "begin_epoch", "begin_epoch_stale"]
+)
+def test_an_exception_on_one_rank_as_an_epoch_begins_raises_on_every_rank(begin_raised, case):
+    """Rank 1's sampler raises in ``set_epoch`` (epoch 0), or its policy in ``begin_epoch``
+    (epoch 1): rank 1 raises its own error (its rank prefixed, the original chained) and rank 0
+    a RuntimeError naming rank 1, the epoch's beginning and the message, within seconds. Before,
+    rank 0 went on into the epoch's first round and waited there until rank 1's process ended
+    ("Connection closed by peer") or the process group timed out; with Stale-SB's store, whose
+    ranks exchange the reports of loader.feedback as the epoch begins (rank 1 makes that
+    exchange with none of its own when set_epoch raised before it)."""
+    own, other = begin_raised[1][case], begin_raised[0][case]
+    epoch = 0 if case.startswith("set_epoch") else 1
+    message = f"cannot {'shuffle for' if epoch == 0 else 'begin'} epoch {epoch}"
+    prefix = "ValueError: on rank 1 of 2 (every rank stops with this error, reported to the others)"
+    assert own["raised"] == f"{prefix}: {message}", own
+    assert own["cause"] == f"ValueError: {message}", own
+    expected = f"RuntimeError: rank 1 of 2 raised an exception as epoch {epoch} began ("
+    assert other["raised"].startswith(expected), other
+    assert "every rank stops with it (this is rank 0 of 2)" in other["raised"], other
+    assert other["raised"].endswith(
+        f"Rank 1's error: ValueError: {message} (its own log has the traceback)"
+    ), other
+    assert own["seconds"] < 30 and other["seconds"] < 30, (own, other)  # (PG timeout: 120 s)
 
 
 @pytest.mark.parametrize("case", ["ragged", "ragged_ahead"])

@@ -64,6 +64,44 @@ def test_a_run_resumed_after_any_batch_yields_the_uninterrupted_runs_batches(ran
         assert all(r[kind]["resumes"]), r[kind]["resumes"]
 
 
+@pytest.fixture(scope="module")
+def raised(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("fsdp_raised")
+    return torchrun_ranks("fsdp_scenarios.py", out, DEADLINE_S, args=("raised",))
+
+
+@pytest.mark.parametrize("case", ["first", "second", "stale", "decision"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_exception_on_one_rank_outside_its_forwards_raises_on_every_rank(raised, kind, case):
+    """Under FSDP, rank 1's source raises as it loads its first or second source batch of a
+    fresh epoch (before the round's selection forwards, which are collectives: reported in the
+    ranks' agreement on them, and none runs them), or a stale epoch's first (a round without
+    forwards), or Kath18 refuses its losses (after the forwards): rank 1 raises its own error,
+    rank 0 one naming rank 1, the stage and the message, within seconds. Before, rank 0 waited
+    in its next collective (a forward among them) until rank 1's process ended ("Connection
+    reset by peer") or the process group timed out."""
+    own, other = raised[1][kind][case], raised[0][kind][case]
+    if case == "decision":
+        named = "ValueError in its selection pass"
+        message = "ValueError: Kath18 samples in proportion to the loss, so losses should be >= 0"
+    else:
+        named = "OSError while loading a source batch"
+        # (the stale epoch's first example loaded: one its prefilter kept)
+        example = {"first": "48", "second": "64", "stale": ""}[case]
+        message = f"OSError: cannot read example {example}"
+    kind_name, text = message.split(": ", 1)
+    assert own["raised"].startswith(
+        f"{kind_name}: on rank 1 of 2 (every rank stops with this error, reported to the "
+        f"others): {text}"
+    ), own
+    epoch = 1 if case == "stale" else 0
+    assert other["raised"].startswith(
+        f"RuntimeError: in epoch {epoch}, rank 1 of 2 raised {named}"
+    ), other
+    assert f"Rank 1's error: {message}" in other["raised"], other
+    assert own["seconds"] < 60 and other["seconds"] < 60, (own, other)  # (PG timeout: 120 s)
+
+
 def test_a_plain_model_is_no_collective_and_chunks_are_counted_as_run():
     assert not is_fsdp(nn.Linear(2, 2))
     scorer = Scorer(
