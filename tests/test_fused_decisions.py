@@ -244,3 +244,20 @@ def test_lengths_must_match():
     sb = SelectiveBackprop(0.5, history=8)
     with pytest.raises(ValueError, match="uniforms should hold one entry per candidate"):
         sb.window.push_rank_and_draw(np.ones(3), np.ones(2), 1.0, False)
+
+
+def test_a_stale_choice_ranks_against_the_held_losses_of_a_window_not_full():
+    """A stale epoch's decision ranks each stored loss against the losses the window holds,
+    not against its unused slots: with a window of 64 holding 10 losses, the kernel's P is the
+    prefilter's (``stale_probabilities``), which the source loaded by."""
+    sb = SelectiveBackprop(beta=1.0, history=64, staleness=2)
+    sb.attach(10, 0)
+    sb.begin_epoch(0)
+    rng = np.random.default_rng(0)
+    indices = np.arange(10)
+    sb.choose(np.linspace(1.0, 10.0, 10), indices, rng, 10)
+    sb.begin_epoch(1)
+    assert len(sb.window) == 10 and not sb.needs_losses(1)
+    expected = sb.stale_probabilities(indices)
+    np.testing.assert_allclose(expected, (np.arange(1, 11) + 1) / 11)
+    np.testing.assert_array_equal(sb.choose(None, indices, rng, 10).probabilities, expected)

@@ -1617,3 +1617,14 @@ def test_a_sampler_of_non_integer_keys_is_refused_on_the_first_batch_naming_inde
     loader = SelectiveLoader(source, nn.Linear(4, 3), policy=SelectiveBackprop(0.5), batch_size=5)
     with pytest.raises(TypeError, match=r"not integer dataset indices .*index_key="):
         next(iter(loader))
+
+
+def test_a_whole_source_batch_never_overtakes_rows_pending_from_a_shorter_one():
+    """A passthrough epoch hands a source batch of batch_size out whole only with nothing
+    pending: after a short source batch (a bucketing batch_sampler=) its rows wait, and the
+    next full source batch is re-batched behind them, so every example comes once, in order."""
+    data = EncodedDataset(12)
+    source = DataLoader(data, batch_sampler=[[0, 1, 2], [3, 4, 5, 6], [7, 8, 9, 10], [11]])
+    loader = SelectiveLoader(source, IndexLoss(), policy=Traditional(), batch_size=4)
+    yielded = [b.indices.tolist() for b in loader]
+    assert yielded == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]

@@ -488,3 +488,63 @@ def test_zero_weights_are_refused_only_where_the_loader_scales_them_to_mean_1():
     with pytest.raises(ValueError, match=r"weights are finite and > 0 .*normalize_weights"):
         list(loader(True))
     assert all((b.weights == 0).all() for b in loader(False))
+
+
+def test_a_state_saved_before_the_schedule_was_state_keeps_passes_in_epochs_0_n_2n():
+    """A Stale-SB state without ``schedule`` (saved when passes ran in epochs 0, n, 2n, ...)
+    goes on in that schedule until its next pass: with staleness 3, epochs 4 and 5 stale, 6
+    and 9 fresh (not every epoch stale because no pass is recorded)."""
+    saved = SelectiveBackprop(beta=1.0, history=8, staleness=3)
+    saved.attach(10, 0)
+    saved.begin_epoch(0)
+    saved.choose(np.linspace(0.1, 1.0, 10), np.arange(10), np.random.default_rng(0), 10)
+    state = saved.state_dict()
+    del state["schedule"]
+    resumed = SelectiveBackprop(beta=1.0, history=8, staleness=3)
+    resumed.attach(10, 0)
+    resumed.load_state_dict(state)
+    fresh = []
+    for epoch in range(4, 10):
+        resumed.begin_epoch(epoch)
+        fresh.append(resumed.needs_losses(epoch))
+    assert fresh == [False, False, True, False, False, True]
+
+
+def test_sb_state_round_trip_restores_the_pass_schedule_and_drift_reference():
+    """A Stale-SB state keeps the pass schedule (the last pass, whether reports came since,
+    the epoch begun and its decision), the drift reference and the drift passes counted: the
+    restored policy's schedule is the saved one's, and it decides the next epochs alike."""
+    saved = SelectiveBackprop(beta=1.0, history=8, staleness=2, fed_staleness=4)
+    saved.attach(10, 0)
+    saved.begin_epoch(0)
+    saved.choose(np.linspace(0.1, 1.0, 10), np.arange(10), np.random.default_rng(0), 10)
+    saved.begin_epoch(1)
+    saved.feedback(np.arange(5), np.full(5, 0.5), 0)  # (reports reach it as epoch 1 begins)
+    saved.drift_passes = 2
+    restored = SelectiveBackprop(beta=1.0, history=8, staleness=2, fed_staleness=4)
+    restored.attach(10, 0)
+    restored.load_state_dict(saved.state_dict())
+    a, b = saved.state_dict()["schedule"], restored.state_dict()["schedule"]
+    assert a["reference"] is not None
+    np.testing.assert_array_equal(b.pop("reference"), a.pop("reference"))
+    assert b == a == {"last_fresh": 0, "fed": True, "begun": 1, "fresh": False, "drift_passes": 2}
+    for epoch in range(2, 6):
+        saved.begin_epoch(epoch)
+        restored.begin_epoch(epoch)
+        assert restored.needs_losses(epoch) == saved.needs_losses(epoch), epoch
+
+
+def test_an_epoch_without_reports_returns_to_the_unfed_staleness():
+    """fed_staleness holds only while losses are reported: reports in epoch 1 (one after the
+    pass in epoch 0) stretch the stale phase, none in epoch 2 give epoch 3 its pass at the
+    plain staleness of 2 (not the fed 4 of the epoch before)."""
+    sb = SelectiveBackprop(beta=1.0, history=8, staleness=2, fed_staleness=4)
+    sb.attach(10, 0)
+    sb.begin_epoch(0)
+    sb.choose(np.linspace(0.1, 1.0, 10), np.arange(10), np.random.default_rng(0), 10)
+    sb.begin_epoch(1)
+    sb.feedback(np.arange(5), np.full(5, 0.5), 0)
+    sb.begin_epoch(2)
+    assert not sb.needs_losses(2)  # fed: 2 - 0 < 4
+    sb.begin_epoch(3)
+    assert sb.needs_losses(3)  # no reports in epoch 2: 3 - 0 >= 2

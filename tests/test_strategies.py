@@ -860,3 +860,37 @@ def test_progress_advances_by_candidates_drawn_not_batches_loaded(policy, kw):
         assert e.examples_seen + e.excluded == 300
     if "subset" in kw:
         assert loader.stats.current.excluded == 200 and loader.stats.current.examples_seen == 100
+
+
+def test_kath18_state_round_trip_restores_tau_and_the_phase_and_continues_identically():
+    """A Kath18 restored from its state is past the threshold as the saved one is (tau and
+    the phase of its last pool), and chooses the same from the same generator."""
+    rng = np.random.default_rng(4)
+    skewed = np.r_[np.full(40, 0.01), np.full(5, 10.0)]
+    saved = Kath18(selectivity=1 / 3)
+    for _ in range(60):
+        saved.choose(skewed, None, rng, 45)
+    assert saved.importance_sampling
+    restored = Kath18(selectivity=1 / 3)
+    restored.load_state_dict(saved.state_dict())
+    assert (restored.tau, restored.importance_sampling) == (saved.tau, True)
+    state = rng.bit_generator.state
+    a = saved.choose(skewed, None, rng, 45)
+    rng.bit_generator.state = state
+    b = restored.choose(skewed, None, rng, 45)
+    np.testing.assert_array_equal(a.positions, b.positions)
+    np.testing.assert_array_equal(a.weights, b.weights)
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_clearing_the_store_forgets_losses_epochs_and_selection_counts(on_disk, tmp_path):
+    """clear() (a reused policy's next run, at its store's first use) leaves every example
+    never scored and never selected, in memory as in files: a count left over was the earlier
+    run's selections in this run's records."""
+    s = ExampleStore(3, path=tmp_path if on_disk else None)
+    s.record(np.array([0, 1]), np.array([0.5, 2.0]), epoch=1)
+    s.count_selected(np.array([1, 1, 2]))
+    s.clear()
+    losses, epochs = s.lookup(np.arange(3))
+    assert np.isnan(losses).all() and epochs.tolist() == [-1, -1, -1]
+    assert s.selected.tolist() == [0, 0, 0]

@@ -193,3 +193,43 @@ def test_kernels_run_without_jit():
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout
+
+
+def test_a_zero_probability_is_never_kept_even_with_a_uniform_of_zero():
+    """Candidate i is kept when ``uniforms[i] < P`` (strictly): a uniform of 0.0, which the
+    generator can draw, keeps every P > 0 and never a P = 0 (a loss above the trim's cut, a
+    stored loss that was not finite), which would train with weight 1 / 0."""
+    w = LossWindow(4)
+    p, positions, weights, _ = w.push_rank_and_draw(
+        np.array([4.0, 3.0, 2.0, 1.0]), np.zeros(4), beta=1.0, reweight=True, cut=0.5
+    )
+    np.testing.assert_allclose(p, [0.0, 1.0, 2 / 3, 0.5])
+    assert positions.tolist() == [1, 2, 3]
+    np.testing.assert_allclose(weights, [1.0, 1.5, 2.0])
+
+    w = LossWindow(4)
+    w.push(np.array([1.0, 3.0]))
+    columns = (
+        np.array([np.nan, 2.0], np.float32),  # index 0 was scored non-finite
+        np.array([1, 1], np.int32),
+        np.zeros(2, np.int32),
+    )
+    p, positions, _, _ = w.rank_and_draw_stored(
+        columns, np.array([0, 1]), np.zeros(2), beta=1.0, reweight=False
+    )
+    np.testing.assert_allclose(p, [0.0, 2 / 3])
+    assert positions.tolist() == [1]
+    assert columns[2].tolist() == [0, 1]
+
+
+def test_refill_replaces_what_the_window_held():
+    """refill (a stale epoch's window from the store, a loaded state) empties the window
+    first: it then holds exactly the refill's last ``size`` losses, in order, however full it
+    was."""
+    w = LossWindow(4)
+    w.push(np.array([9.0, 1.0, 7.0]))
+    w.refill(np.array([5.0, np.nan, 3.0]))
+    assert w.values().tolist() == [5.0, 3.0] and w.sorted_values().tolist() == [3.0, 5.0]
+    w.refill(np.arange(6.0))
+    assert w.values().tolist() == [2.0, 3.0, 4.0, 5.0]
+    np.testing.assert_array_equal(w.rank(np.array([3.5]), 1.0), [0.6])
