@@ -803,16 +803,44 @@ class DataLoaderSource(Source):
         if shutdown is not None:
             shutdown()
 
+    def _persistent(self) -> bool:
+        """Whether the DataLoader keeps its workers between epochs (and so draws their base seed
+        from its generator once in the run, not every epoch)."""
+        loader = self._indexed
+        return bool(loader.persistent_workers and loader.num_workers > 0)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             **self._order.state_dict(self.sampler),
             "base_seed": self._base_seed,
             "epoch_start_seed": self._epoch_start_seed,
             "out_of_order": self.out_of_order,
+            "persistent_workers": self._persistent(),
         }
 
     def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
         self._order.check(state, self.sampler, mid_epoch)
+        saved = state.get("persistent_workers")  # (absent from older states)
+        generator = self._indexed.generator
+        shuffles = generator is not None and getattr(self.sampler, "generator", None) is generator
+        if saved is not None and bool(saved) != self._persistent() and shuffles:
+            # NOTE: a DataLoader with persistent workers draws their base seed from its generator
+            # once in the run, one without them every epoch; where that generator also draws the
+            # order (shuffle=True with generator=), every later epoch's order differs: resumed
+            # with the other, the run silently went on in another order from the next epoch on.
+            # (num_workers alone changes no order, nor persistence where the sampler has a
+            # generator of its own.)
+            raise ValueError(
+                "the saved state's DataLoader "
+                f"{'kept' if saved else 'did not keep'} its workers between epochs "
+                f"(persistent_workers=True with num_workers > 0), but this one "
+                f"{'does' if self._persistent() else 'does not'} (persistent_workers="
+                f"{self._indexed.persistent_workers}, num_workers={self._indexed.num_workers}): "
+                "their base seed is drawn from the generator that shuffles, once in a run with "
+                "persistent workers and every epoch without, so every later epoch's order would "
+                "differ from the saved run's; build the DataLoader with the saved run's "
+                "persistent_workers and num_workers to resume it"
+            )
         if mid_epoch and state.get("out_of_order", self.out_of_order):
             # NOTE: a resumed epoch skips the batches consumed, taken as the sampler's first
             # ones; out of order they were whichever the workers finished first, so the resumed

@@ -288,3 +288,45 @@ def test_no_speed_warning_for_a_compile_backend_given_as_a_callable(make):
         loader(make()).load_state_dict(state)
     with pytest.warns(UserWarning, match="compile_selection="):
         loader("eager").load_state_dict(state)
+
+
+def _workers_loader(workers: int, persistent: bool, shuffle: bool = True) -> Any:
+    """A loader over 40 examples in source batches of 8, workers kept between epochs or not."""
+    data = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,)))
+    source = torch.utils.data.DataLoader(
+        data,
+        batch_size=8,
+        shuffle=shuffle,
+        generator=torch.Generator().manual_seed(1),
+        num_workers=workers,
+        persistent_workers=persistent,
+    )
+    return sbloader.SelectiveLoader(
+        source, torch.nn.Linear(4, 2), policy=sbloader.Traditional(), seed=0
+    )
+
+
+@pytest.mark.parametrize(
+    ("saved", "loading"),
+    [((2, True), (0, False)), ((2, True), (2, False)), ((0, False), (2, True))],
+    ids=["persistent-to-none", "persistent-to-workers", "none-to-persistent"],
+)
+def test_a_state_saved_with_other_persistent_workers_is_refused_naming_them(saved, loading):
+    """A DataLoader with persistent workers draws their base seed from its generator once in the
+    run, one without them every epoch, from the generator that also shuffles. A state saved
+    with one loaded into the other (e.g. resumed with num_workers=0 to debug) went on silently
+    in another order from the next epoch on; it is refused, naming persistent_workers."""
+
+    def saved_state(shuffle: bool) -> dict[str, Any]:
+        loader, done = _workers_loader(*saved, shuffle=shuffle), 0
+        while done < 7:  # the first epoch's 5 batches and 2 of the second's
+            for _ in loader:
+                done += 1
+                if done == 7:
+                    break
+        return loader.state_dict()
+
+    with pytest.raises(ValueError, match="persistent_workers"):
+        _workers_loader(*loading).load_state_dict(saved_state(shuffle=True))
+    # Not shuffling, the base seed draws no order: the state loads.
+    _workers_loader(*loading, shuffle=False).load_state_dict(saved_state(shuffle=False))
