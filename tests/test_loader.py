@@ -380,6 +380,23 @@ def test_selection_pass_leaves_batchnorm_and_modes_untouched():
     assert not batches[0].losses.requires_grad and batches[0].losses.grad_fn is None
 
 
+def test_selection_pass_leaves_a_training_batchnorms_statistics_alone():
+    """The prior implementations' BatchNorm pollution: a forward in train mode under no_grad
+    still updates running_mean and num_batches_tracked. The test above freezes its only
+    BatchNorm, so there the pass's eval mode goes unchecked; here the BatchNorm trains, and
+    two epochs of selection passes (no training step) leave its statistics as they were."""
+    torch.manual_seed(0)
+    model = bn_model().train()
+    before = copy.deepcopy(model.state_dict())
+    loader = make_loader(model=model, policy=SelectiveBackprop(0.5))
+    for _ in range(2):
+        list(loader)
+    assert loader.stats.total.selection_forwards == 400
+    assert model[1].training and int(model[1].num_batches_tracked) == 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(before[k], v), k
+
+
 class FrozenNormTrain(nn.Module):
     """A model whose own ``train`` keeps its BatchNorm frozen, and which counts its calls."""
 
