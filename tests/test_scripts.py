@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from tqdm import tqdm
 
 from benchmarks.core import strategies
@@ -78,6 +80,55 @@ def test_a_benchmark_run_records_its_curve_costs_and_breakdown(name):
         assert run.points[0]["time_s"] == pytest.approx(run.pre_cost["seconds"])
     else:
         assert fresh == seen
+
+
+def test_the_benchmark_clock_counts_selection_passes_and_leaves_evaluation_out(monkeypatch):
+    """Compute accounting (prior art: Composer counted unpruned samples, EL2N's code saved
+    nothing): a run's training time holds every selection pass it paid for and none of its
+    evaluations, which sleep here for a known time each."""
+    import benchmarks.core.train as train
+
+    pause = {"selection": 0.1, "evaluation": 0.4}
+    slept = {"selection": 0.0, "evaluation": 0.0}
+    evaluating = [False]
+
+    class Slow(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not torch.is_grad_enabled() and not evaluating[0]:  # a selection pass
+                time.sleep(pause["selection"])
+                slept["selection"] += pause["selection"]
+            return self.inner(x)
+
+    def slow_error_rate(*args, **kwargs):
+        evaluating[0] = True
+        try:
+            time.sleep(pause["evaluation"])
+            slept["evaluation"] += pause["evaluation"]
+            return error_rate(*args, **kwargs)
+        finally:
+            evaluating[0] = False
+
+    made, error_rate = train.seeded_model, train.error_rate
+    monkeypatch.setattr(train, "seeded_model", lambda *a, **k: Slow(made(*a, **k)))
+    monkeypatch.setattr(train, "error_rate", slow_error_rate)
+    cfg = Config(epochs=2, eval_every=1.0)
+    x, y, xt, yt = load_data(cfg)
+    data = (x[:1024], y[:1024], xt[:200], yt[:200])
+    trainer = train.Trainer(cfg, strategies.get("sb_0.33"), 0, 0.0, data)
+    start = time.perf_counter()  # (the training loop's wall-clock, evaluations included)
+    run = trainer.train()
+    wall = time.perf_counter() - start
+    assert slept["evaluation"] == 2 * pause["evaluation"]  # after epochs 1 and 2
+    assert slept["selection"] >= 2 * pause["selection"]  # one pass an epoch at least
+    assert run.breakdown["selection"] >= slept["selection"]
+    parts = run.breakdown["selection"] + run.breakdown["forward"] + run.breakdown["backward"]
+    assert run.train_s >= parts
+    assert run.train_s <= wall - slept["evaluation"]
+    assert run.eval_s >= slept["evaluation"]
 
 
 @pytest.mark.parametrize("name", ["traditional_e2", "random_0.33_e3"])
