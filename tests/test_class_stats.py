@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import pytest
 import torch
 from conftest import N_CLASSES, EncodedDataset, IndexLoss
 from torch.utils.data import DataLoader
@@ -55,11 +56,18 @@ def test_class_counts_and_rates_of_a_known_policy():
     assert d["class_seen"] == [50] * 4 and d["class_selected"] == [25, 25, 25, 0]
 
 
-def test_traditional_selects_every_class_fully():
-    loader = run_epochs(sbloader.Traditional(), epochs=1, n=90)
+@pytest.mark.parametrize("batch_size", [8, 32])
+def test_traditional_selects_every_class_fully(batch_size):
+    """Every example counts as selected, also where a source batch of batch_size (32) is
+    handed out whole (the fast path) rather than re-batched."""
+    loader = run_epochs(sbloader.Traditional(), epochs=1, n=90, batch_size=batch_size)
     e = loader.stats.current
     assert e.class_seen.tolist() == np.bincount(np.arange(90) % N_CLASSES).tolist()
+    assert e.class_selected.tolist() == e.class_seen.tolist()
     assert e.class_selection_rates.tolist() == [1.0] * N_CLASSES
+    assert e.examples_seen == e.examples_selected == e.examples_yielded == 90
+    assert e.selection_rate == 1.0 and e.dropped == 0
+    assert e.batches_yielded == -(-90 // batch_size)  # (90 = 32 + 32 + 26 at 32)
 
 
 def test_sb_rates_follow_the_losses():

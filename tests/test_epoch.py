@@ -481,6 +481,30 @@ def test_a_state_saved_after_finishing_keeps_the_batch_it_ran_ahead_to(batch_siz
     assert [b.indices.tolist() for b in first][:1] == expected[2:3]
 
 
+def test_a_state_taking_back_a_batch_of_a_resumed_run_keeps_the_order_of_those_it_took_back():
+    """A state that took back two batches (the one fetched and not trained, ``unconsumed=1``,
+    and the one finishing() ran ahead to), resumed, and saved again with ``unconsumed=1`` after
+    the first of them: the batch fetched comes before the one still taken back, so that a run
+    resumed twice yields the uninterrupted run's batches, in its order."""
+
+    def build():
+        return make(policy=Traditional(), batch_size=30)
+
+    expected = epoch_indices(build())
+    first = build()
+    it = iter(first)
+    assert next(it).indices.tolist() == expected[0]
+    assert not it.finishing()  # batch 1 made ready, whole
+    state = first.state_dict(unconsumed=1)  # takes back batch 0 (not trained) and batch 1
+    second = build()
+    second.load_state_dict(state)
+    it = iter(second)
+    assert next(it).indices.tolist() == expected[0]
+    third = build()
+    third.load_state_dict(second.state_dict(unconsumed=1))  # batch 0 again, not trained
+    assert epoch_indices(third) == expected
+
+
 def test_finishing_counts_batches_a_state_took_back_and_leaves_the_end_to_the_caller():
     """finishing() after a resume whose state took back the epoch's last batch
     (``unconsumed=1``): that batch is still to come (it answered True, having run the epoch to

@@ -91,6 +91,31 @@ def test_stale_epoch_decides_from_the_reported_losses():
     assert chosen == set(np.flatnonzero(expected).tolist())
 
 
+def test_a_reported_loss_of_an_example_no_pass_scored_decides_its_stale_epochs():
+    """An example the selection pass never scored (a sampler that drew only half the data in
+    the fresh epoch; the stale epoch then keeps the others with P = 1, and they are trained)
+    counts as scored once its training loss is reported: its stale epochs rank that loss, not
+    P = 1 as for an example never scored."""
+    policy = SelectiveBackprop(beta=1.0, history=16, staleness=3, drift_bound=None)
+    policy.attach(10, 0)
+    policy.begin_epoch(0)
+    rng = np.random.default_rng(0)
+    policy.choose(np.arange(1.0, 6.0), np.arange(5), rng, 5)  # the pass scores 0..4 only
+    unscored = np.arange(5, 10)
+    np.testing.assert_array_equal(policy.stale_probabilities(unscored), np.ones(5))
+    fed = np.array([0.5, 1.5, 2.5, 3.5, 4.5])
+    policy.feedback(unscored, fed, 0)
+    policy.begin_epoch(1)
+    assert not policy.needs_losses(1)
+    losses, epochs = policy.store.lookup(unscored)
+    np.testing.assert_array_equal(losses, fed)
+    np.testing.assert_array_equal(epochs, np.zeros(5))
+    p = policy.stale_probabilities(unscored)
+    np.testing.assert_allclose(p, policy.window.rank(fed, 1.0))
+    assert p[0] < 1.0
+    np.testing.assert_array_equal(policy.choose(None, unscored, rng, 5).probabilities, p)
+
+
 def test_feedback_leaves_the_current_epoch_and_the_window_alone():
     def run(feed: bool):
         policy = SelectiveBackprop(1 / 3, staleness=3, history=64)

@@ -628,6 +628,9 @@ def test_subset_on_a_source_that_cannot_filter():
     )
     got = [i for b in loader for i in b.indices.tolist()]
     assert got == [1, 2, 3, 11, 12, 39]
+    # Left out after loading: counted as excluded, never as candidates seen.
+    e = loader.stats.current
+    assert (e.examples_seen, e.excluded, e.examples_selected) == (6, 34, 6)
 
 
 @pytest.mark.parametrize(
