@@ -245,6 +245,16 @@ class Source(abc.ABC):
         """The source's own state (e.g. its shuffling generator), for exact resumption."""
         return {}
 
+    def state_kind(self) -> str:
+        """The kind of source whose state this one saves and loads: the name of the class that
+        defines its :meth:`state_dict` (a subclass that keeps its parent's state is of its
+        parent's kind, e.g. Accelerate's shard source a DataLoader source). Part of the
+        loader's identity: a state of another kind of source is refused naming both."""
+        for cls in type(self).__mro__:
+            if "state_dict" in vars(cls):
+                return cls.__name__
+        return type(self).__name__  # (unreachable: Source defines it)
+
     def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
         """Restore :meth:`state_dict`; ``mid_epoch`` says the next :meth:`epoch` resumes one."""
         if mid_epoch:
