@@ -2074,13 +2074,18 @@ class SelectiveLoader(NotADataLoader):
         (its sampler's class, e.g. shuffled or not) and ``drop_last``, and what the selection
         passes score and rank against (``eval_selection``, ``cdf``). The fields of the source's
         batches that the passes score (``input_key``, ``target_key``) are checked by the batch
-        codec's state. (Keys added later are absent from older states, which are then not
-        checked for them.)
+        codec's state. So is the kind of source (:meth:`Source.state_kind
+        <sbloader.sources.Source.state_kind>`), whose state the source reads. (Keys added later
+        are absent from older states, which are then not checked for them.)
         """
         return {
             "seed": self.seed,
             "rank": self.rank,
             "world_size": self.world_size,
+            # NOTE: the kind of source (a DataLoader's, an index_key= iterable's, a stateful
+            # loader's): their states hold other things, and one loaded into another failed
+            # with a bare KeyError or a version error advising another sbloader.
+            "source": self._source.state_kind(),
             "policy": self.policy.kind(),
             "policy_settings": self.policy.settings(),
             "dataset_size": self._source.dataset_size,

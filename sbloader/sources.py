@@ -245,6 +245,16 @@ class Source(abc.ABC):
         """The source's own state (e.g. its shuffling generator), for exact resumption."""
         return {}
 
+    def state_kind(self) -> str:
+        """The kind of source whose state this one saves and loads: the name of the class that
+        defines its :meth:`state_dict` (a subclass that keeps its parent's state is of its
+        parent's kind, e.g. Accelerate's shard source a DataLoader source). Part of the
+        loader's identity: a state of another kind of source is refused naming both."""
+        for cls in type(self).__mro__:
+            if "state_dict" in vars(cls):
+                return cls.__name__
+        return type(self).__name__  # (unreachable: Source defines it)
+
     def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
         """Restore :meth:`state_dict`; ``mid_epoch`` says the next :meth:`epoch` resumes one."""
         if mid_epoch:
@@ -476,6 +486,41 @@ def self_seed(sampler: Any) -> int | None:
         return None
     seed = getattr(sampler, "initial_seed", None)
     return None if seed is None else int(seed)
+
+
+def persistent(loader: Any) -> bool:
+    """Whether a DataLoader keeps its workers between epochs (and so draws their base seed from
+    its generator once in the run, not every epoch)."""
+    return bool(getattr(loader, "persistent_workers", False) and loader.num_workers > 0)
+
+
+def refuse_other_persistence(saved: bool | None, loader: DataLoader, sampler: Any) -> None:
+    """Refuse (``ValueError`` naming ``persistent_workers``) a state saved from a DataLoader
+    that kept its workers between epochs where ``loader`` does not, or the other way round,
+    where ``loader``'s generator also draws the order (``shuffle=True`` with ``generator=``);
+    ``saved``: the saved state's :func:`persistent` (None: saved before it was recorded).
+
+    NOTE: a DataLoader with persistent workers draws their base seed from its generator once in
+    the run, one without them every epoch; where that generator also draws the order, every
+    later epoch's order differs: resumed with the other, the run silently went on in another
+    order from the next epoch on. (``num_workers`` alone changes no order, nor persistence
+    where the sampler has a generator of its own.)
+    """
+    generator = loader.generator
+    shuffles = generator is not None and getattr(sampler, "generator", None) is generator
+    if saved is None or bool(saved) == persistent(loader) or not shuffles:
+        return
+    raise ValueError(
+        "the saved state's DataLoader "
+        f"{'kept' if saved else 'did not keep'} its workers between epochs "
+        f"(persistent_workers=True with num_workers > 0), but this one "
+        f"{'does' if persistent(loader) else 'does not'} (persistent_workers="
+        f"{loader.persistent_workers}, num_workers={loader.num_workers}): "
+        "their base seed is drawn from the generator that shuffles, once in a run with "
+        "persistent workers and every epoch without, so every later epoch's order would "
+        "differ from the saved run's; build the DataLoader with the saved run's "
+        "persistent_workers and num_workers to resume it"
+    )
 
 
 class LoaderOrder:
@@ -803,44 +848,18 @@ class DataLoaderSource(Source):
         if shutdown is not None:
             shutdown()
 
-    def _persistent(self) -> bool:
-        """Whether the DataLoader keeps its workers between epochs (and so draws their base seed
-        from its generator once in the run, not every epoch)."""
-        loader = self._indexed
-        return bool(loader.persistent_workers and loader.num_workers > 0)
-
     def state_dict(self) -> dict[str, Any]:
         return {
             **self._order.state_dict(self.sampler),
             "base_seed": self._base_seed,
             "epoch_start_seed": self._epoch_start_seed,
             "out_of_order": self.out_of_order,
-            "persistent_workers": self._persistent(),
+            "persistent_workers": persistent(self._indexed),
         }
 
     def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
         self._order.check(state, self.sampler, mid_epoch)
-        saved = state.get("persistent_workers")  # (absent from older states)
-        generator = self._indexed.generator
-        shuffles = generator is not None and getattr(self.sampler, "generator", None) is generator
-        if saved is not None and bool(saved) != self._persistent() and shuffles:
-            # NOTE: a DataLoader with persistent workers draws their base seed from its generator
-            # once in the run, one without them every epoch; where that generator also draws the
-            # order (shuffle=True with generator=), every later epoch's order differs: resumed
-            # with the other, the run silently went on in another order from the next epoch on.
-            # (num_workers alone changes no order, nor persistence where the sampler has a
-            # generator of its own.)
-            raise ValueError(
-                "the saved state's DataLoader "
-                f"{'kept' if saved else 'did not keep'} its workers between epochs "
-                f"(persistent_workers=True with num_workers > 0), but this one "
-                f"{'does' if self._persistent() else 'does not'} (persistent_workers="
-                f"{self._indexed.persistent_workers}, num_workers={self._indexed.num_workers}): "
-                "their base seed is drawn from the generator that shuffles, once in a run with "
-                "persistent workers and every epoch without, so every later epoch's order would "
-                "differ from the saved run's; build the DataLoader with the saved run's "
-                "persistent_workers and num_workers to resume it"
-            )
+        refuse_other_persistence(state.get("persistent_workers"), self._indexed, self.sampler)
         if mid_epoch and state.get("out_of_order", self.out_of_order):
             # NOTE: a resumed epoch skips the batches consumed, taken as the sampler's first
             # ones; out of order they were whichever the workers finished first, so the resumed
@@ -1010,7 +1029,14 @@ class IterableSource(Source):
             yield batch, indices
 
     def state_dict(self) -> dict[str, Any]:
-        return {} if self._order is None else self._order.state_dict(self.sampler)
+        loader = self.iterable
+        if not isinstance(loader, DataLoader):
+            return {}
+        state = {} if self._order is None else self._order.state_dict(self.sampler)
+        state["persistent_workers"] = persistent(loader)
+        if isinstance(loader.dataset, IterableDataset):
+            state["num_workers"] = loader.num_workers
+        return state
 
     def mid_epoch_refusal(self) -> str | None:
         """A DataLoader iterated as it is: refused mid-epoch where its sampler draws from torch's
@@ -1019,9 +1045,30 @@ class IterableSource(Source):
 
     def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
         """A DataLoader's order (see the NOTE in ``__init__``); nothing else: a mid-epoch
-        resume replays the iterable and skips batches."""
-        if self._order is None:
+        resume replays the iterable and skips batches. Refuses (``ValueError``) a state saved
+        from a DataLoader that read its ``IterableDataset`` with another ``num_workers``, or
+        (where its generator shuffles) kept its workers between epochs where this one does not,
+        or the other way round (:func:`refuse_other_persistence`)."""
+        loader = self.iterable
+        if not isinstance(loader, DataLoader):
             return
+        workers = state.get("num_workers")  # (absent from older states)
+        if workers is not None and workers != loader.num_workers:
+            # NOTE: an IterableDataset read by workers yields one stream per worker (each its
+            # share, as the dataset splits it by get_worker_info()), and the DataLoader hands
+            # out their batches in turn: with another number of workers every batch holds other
+            # examples, so a mid-epoch resume skipped other batches than the saved run consumed
+            # (repeating some examples and never yielding others), and every later epoch was
+            # another run's.
+            raise ValueError(
+                f"the saved source state's DataLoader read its IterableDataset with num_workers="
+                f"{workers}, but this one has num_workers={loader.num_workers}: each worker "
+                "yields its own share of the stream, so the batches would hold other examples "
+                f"than the saved run's; build the DataLoader with num_workers={workers} to "
+                "resume it"
+            )
+        refuse_other_persistence(state.get("persistent_workers"), loader, self.sampler)
+        assert self._order is not None  # (made for every DataLoader)
         saved = state if "generators" in state else None  # (None: saved before they were)
         self._order.check(saved, self.sampler, mid_epoch)
         if saved is not None:

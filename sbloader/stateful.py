@@ -107,6 +107,9 @@ class StatefulSource(Source):
     """
 
     STATE_VERSION = 1
+    #: Whether the loader's own state holds its workers' (a state saved with another
+    #: ``num_workers`` is refused at :meth:`load_state_dict`).
+    WORKERS_IN_STATE = True
 
     def __init__(
         self, loader: Any, index_key: Hashable | None = None, dataset_size: int | None = None
@@ -187,6 +190,7 @@ class StatefulSource(Source):
             "finished": self._finished,
             "abandoned": self._abandoned,
             "loader": copy.deepcopy(self._loader_state()),
+            "num_workers": getattr(self.loader, "num_workers", None),
         }
 
     def _loader_state(self) -> Any:
@@ -202,6 +206,18 @@ class StatefulSource(Source):
             raise ValueError(
                 f"the saved {type(self).__name__} state ended its epoch, but the SelectiveLoader "
                 "state resumes one; load the two from one state_dict()"
+            )
+        workers, own = state.get("num_workers"), getattr(self.loader, "num_workers", None)
+        if self.WORKERS_IN_STATE and workers is not None and workers != own:
+            # NOTE: torchdata's StatefulDataLoader saves the state of each worker's share (and in
+            # another form without workers): loaded into one with another num_workers, the
+            # load went through and the next epoch failed deep inside torchdata (an
+            # AssertionError naming a missing '_snapshot'), or resumed other shares.
+            raise ValueError(
+                f"the saved {type(self).__name__} state was saved from a loader with "
+                f"num_workers={workers}, but this loader has num_workers={own}: its own state "
+                "holds each worker's share of the data (or none), which a loader with other "
+                f"workers cannot resume; build the loader with num_workers={workers} to resume it"
             )
         self._stateful.load_state_dict(self._resumable(copy.deepcopy(state["loader"]), state))
         if not mid_epoch and state.get("abandoned"):

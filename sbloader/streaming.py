@@ -283,6 +283,11 @@ def open_mds(
     return StreamingDataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
 
 
+#: The StreamingDataset settings that decide its order besides its own state (see
+#: StreamingSource.load_state_dict).
+_ORDER = ("shuffle", "shuffle_algo", "shuffle_block_size", "sampling_method", "batching_method")
+
+
 class StreamingSource(StatefulSource):
     """A ``StreamingDataLoader`` as a source, keyed by the batch field ``index_key``.
 
@@ -315,6 +320,10 @@ class StreamingSource(StatefulSource):
         TypeError: a StreamingDataset's samples carry no sample id; build it as ...
         >>> del source, plain  # releases streaming's shared memory for this directory
     """
+
+    #: NOTE: streaming resumes from the samples seen in the epoch, whatever the workers
+    #: (checked: a state saved with 0 workers resumes exactly with 2, and the other way round).
+    WORKERS_IN_STATE = False
 
     def __init__(
         self,
@@ -351,6 +360,36 @@ class StreamingSource(StatefulSource):
             SAMPLE_ID if index_key is None else index_key,
             int(dataset.num_samples) if dataset_size is None else dataset_size,
         )
+
+    def _order(self) -> dict[str, Any]:
+        """The ``StreamingDataset`` settings that decide each epoch's order and that its own
+        state does not hold (it holds the shuffle seed and the canonical nodes)."""
+        dataset = self.loader.dataset
+        return {key: getattr(dataset, key) for key in _ORDER if hasattr(dataset, key)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "order": self._order()}
+
+    def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
+        """Restore :meth:`state_dict`; refuses (``ValueError`` naming the setting) a state saved
+        from a ``StreamingDataset`` with another ``shuffle``, ``shuffle_algo``,
+        ``shuffle_block_size``, ``sampling_method`` or ``batching_method``.
+
+        NOTE: streaming's own state holds the samples seen in the epoch and the shuffle seed,
+        not whether or how it shuffles: resumed with another order, a mid-epoch state skipped
+        the first samples of that other order (repeating some examples and never yielding
+        others), and every later epoch was another run's, with nothing said.
+        """
+        saved, own = state.get("order") or {}, self._order()  # (absent from older states)
+        for key, value in saved.items():
+            if key in own and own[key] != value:
+                raise ValueError(
+                    f"the saved {type(self).__name__} state was saved from a StreamingDataset "
+                    f"with {key}={value!r}, but this one has {key}={own[key]!r}: the order of "
+                    "every epoch would differ from the saved run's; build the dataset with "
+                    f"{key}={value!r} (open_mds(..., {key}=...)) to resume it"
+                )
+        super().load_state_dict(state, mid_epoch)
 
     def _resumable(self, loader_state: Any, state: dict[str, Any]) -> Any:
         # NOTE: streaming resumes a state saved at an epoch's end inside that same epoch, which

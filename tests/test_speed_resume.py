@@ -330,3 +330,100 @@ def test_a_state_saved_with_other_persistent_workers_is_refused_naming_them(save
         _workers_loader(*loading).load_state_dict(saved_state(shuffle=True))
     # Not shuffling, the base seed draws no order: the state loads.
     _workers_loader(*loading, shuffle=False).load_state_dict(saved_state(shuffle=False))
+
+
+class _IndexedRows(torch.utils.data.Dataset):
+    """40 dict rows with their own index in field ``"i"`` (read with ``index_key="i"``)."""
+
+    def __init__(self) -> None:
+        self.x, self.y = torch.randn(40, 4), torch.randint(0, 2, (40,))
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": self.x[i], "y": self.y[i], "i": i}
+
+
+def _index_key_loader(workers: int, persistent: bool) -> Any:
+    """A loader reading a shuffling DataLoader as it is, its indices from ``index_key=``."""
+    source = torch.utils.data.DataLoader(
+        _IndexedRows(),
+        batch_size=8,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(1),
+        num_workers=workers,
+        persistent_workers=persistent,
+    )
+    return sbloader.SelectiveLoader(
+        source,
+        torch.nn.Linear(4, 2),
+        policy=sbloader.Traditional(),
+        input_key="x",
+        target_key="y",
+        index_key="i",
+    )
+
+
+@pytest.mark.parametrize(
+    ("saved", "loading"),
+    [((2, False), (2, True)), ((2, True), (0, False))],
+    ids=["workers-to-persistent", "persistent-to-none"],
+)
+def test_an_index_key_state_saved_with_other_persistent_workers_is_refused_naming_them(
+    saved, loading
+):
+    """A DataLoader read through index_key= (iterated as it is) draws its workers' base seed
+    from the generator that shuffles once in a run with persistent workers and every epoch
+    without: a state saved with one loaded into the other went on silently in another order
+    from the next epoch on (only DataLoader sources were checked); it is refused, naming
+    persistent_workers. The same workers resume."""
+    loader = _index_key_loader(*saved)
+    for _ in loader:
+        pass
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match="persistent_workers"):
+        _index_key_loader(*loading).load_state_dict(state)
+    _index_key_loader(*saved).load_state_dict(state)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """24 dict rows with their own index, each worker yielding its share."""
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        first, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(first, 24, step):
+            yield {"x": torch.full((4,), float(i)), "y": i % 2, "i": i}
+
+
+@pytest.mark.parametrize("stop", [None, 2], ids=["epoch-end", "mid-epoch"])
+def test_an_iterable_dataset_state_saved_with_other_num_workers_is_refused_naming_them(stop):
+    """An IterableDataset read by workers yields one stream per worker, whose batches the
+    DataLoader hands out in turn: with another num_workers every batch holds other examples.
+    Such a state loaded silently (a mid-epoch one skipped other batches than the saved run
+    consumed, repeating some examples and never yielding others); it is refused, naming
+    num_workers, and one saved with the same workers resumes."""
+
+    def make(workers: int) -> Any:
+        source = torch.utils.data.DataLoader(_Stream(), batch_size=6, num_workers=workers)
+        return sbloader.SelectiveLoader(
+            source,
+            torch.nn.Linear(4, 2),
+            policy=sbloader.Traditional(),
+            input_key="x",
+            target_key="y",
+            index_key="i",
+            dataset_size=24,
+        )
+
+    loader = make(0)
+    for k, _ in enumerate(loader):
+        if k + 1 == stop:
+            break
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match="num_workers=0, but this one has num_workers=2"):
+        make(2).load_state_dict(state)
+    resumed = make(0)
+    resumed.load_state_dict(state)
+    assert len([b.indices for b in resumed]) == (4 - stop if stop else 4)

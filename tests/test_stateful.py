@@ -479,3 +479,38 @@ def test_a_loss_fn_is_described_alike_in_every_process_and_large_tensors_are_not
     teacher = nn.Linear(1000, 1000)
     described = describe_callable(teacher)
     assert "weight=tensor(1000, 1000):torch.float32" in described and "#" in described  # bias
+
+
+@pytest.mark.parametrize(("saved", "loading"), [(0, 2), (2, 0)])
+def test_a_state_saved_with_other_num_workers_is_refused_naming_them(saved, loading):
+    """torchdata saves each worker's share of the data (and another form without workers): a
+    state saved with another num_workers loaded, and the next epoch failed deep inside
+    torchdata (an AssertionError naming '_snapshot') or resumed other shares. It is refused at
+    load_state_dict, naming num_workers (nothing started: the loader is as it was)."""
+    loader = map_loader(workers=saved)
+    it = iter(loader)
+    next(it)
+    state = checkpoint(loader.state_dict())
+    it.close()
+    with pytest.raises(ValueError, match=f"num_workers={saved}, but this loader has num_worke"):
+        map_loader(workers=loading).load_state_dict(state)
+
+
+def test_a_state_of_another_kind_of_source_is_refused_naming_both():
+    """A StatefulDataLoader's state loaded into a loader over a plain DataLoader failed with a
+    bare KeyError ('generators'), and a plain DataLoader's into a StatefulDataLoader's with a
+    version error advising another sbloader; both are refused naming the kinds of source."""
+    stateful = checkpoint(map_loader().state_dict())
+    ds = EncodedDataset(N)
+    sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(3))
+    plain = SelectiveLoader(
+        torch.utils.data.DataLoader(ds, batch_size=24, sampler=sampler),
+        IndexLoss(),
+        policy=SelectiveBackprop(0.5),
+        batch_size=10,
+        seed=0,
+    )
+    with pytest.raises(ValueError, match=r"source='StatefulSource'.*source='DataLoaderSource'"):
+        plain.load_state_dict(stateful)
+    with pytest.raises(ValueError, match=r"source='DataLoaderSource'.*source='StatefulSource'"):
+        map_loader().load_state_dict(checkpoint(plain.state_dict()))

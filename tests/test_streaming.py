@@ -477,3 +477,37 @@ def test_a_float_after_an_integer_in_a_field_is_refused_not_truncated(tmp_path):
     loader = sbs.open_mds(out, 3, shuffle=False)
     assert next(iter(loader))["label"].tolist() == [0.5, 1.0, 2.0]
     released(loader)
+
+
+def test_a_state_saved_with_another_shuffle_is_refused_and_other_workers_load(mds):
+    """Streaming's own state holds the samples seen and the shuffle seed, not whether (or how)
+    the dataset shuffles: a state saved shuffling and loaded into one that does not went on
+    silently in another order (mid-epoch, skipping the first samples of that other order). It
+    is refused, naming shuffle. Another num_workers is no such change: streaming resumes from
+    the samples seen whatever the workers, so the state loads."""
+    loader = make_loader(mds)
+    it = iter(loader)
+    next(it)
+    state = checkpoint(loader.state_dict())
+    it.close()
+    released(loader, it)
+
+    def other(**kw: object) -> SelectiveLoader:
+        source = sbs.open_mds(mds, 24, **{"shuffle": True, "seed": 7, **kw})
+        return SelectiveLoader(
+            source,
+            IndexLoss(),
+            policy=SelectiveBackprop(0.5),
+            batch_size=10,
+            seed=0,
+            input_key="image",
+            target_key="label",
+        )
+
+    unshuffled = other(shuffle=False)
+    with pytest.raises(ValueError, match="shuffle=True, but this one has shuffle=False"):
+        unshuffled.load_state_dict(state)
+    released(unshuffled)
+    workers = other(num_workers=2)
+    workers.load_state_dict(state)  # (no iteration: nothing starts a worker)
+    released(workers)
