@@ -731,6 +731,9 @@ class DataLoaderSource(Source):
         # drawn yet), now and when the current epoch started (see the class's NOTE).
         self._base_seed: int | None = None
         self._epoch_start_seed: int | None = None
+        # The workers this source made from a generator of their own (see _iterate): the base
+        # seed they follow and their own base seed (drawn from that generator), or None.
+        self._own_workers: tuple[int, int] | None = None
         self._indexed = DataLoader(
             IndexedDataset(loader.dataset), **indexed_loader_kwargs(loader, self._batch_sampler)
         )
@@ -809,8 +812,15 @@ class DataLoaderSource(Source):
             return iter(loader)
         workers = loader._iterator
         if workers is not None:
-            if self._base_seed is not None and int(workers._base_seed) == self._base_seed:
-                return iter(loader)  # the workers of an earlier epoch: only the order
+            seed = int(workers._base_seed)
+            if self._base_seed is not None and (
+                seed == self._base_seed or self._own_workers == (self._base_seed, seed)
+            ):
+                # NOTE: the workers of an earlier epoch, those made from a generator of their
+                # own too (see below), whose base seed is another: they were made again every
+                # epoch of a resumed run, restarting their random streams each epoch. Only the
+                # order is drawn.
+                return iter(loader)
             # NOTE: workers whose base seed is not the one this epoch's order follows: a state
             # restored into this loader (a rollback, or a retry after an error) whose epoch
             # began before the run drew its base seed (its first), or drew another. Reused,
@@ -825,9 +835,11 @@ class DataLoaderSource(Source):
         own = torch.Generator().manual_seed(self._base_seed)
         shared, loader.generator = loader.generator, own
         try:
-            return iter(loader)
+            it = iter(loader)
         finally:
             loader.generator = shared
+        self._own_workers = (self._base_seed, int(it._base_seed))
+        return it
 
     def _drop_workers(self, only_dead: bool) -> None:
         """Shut down persistent workers (if ``only_dead``: only when one has died), so that the

@@ -203,6 +203,34 @@ def test_an_ordered_dict_source_yields_ordered_dicts():
         assert torch.equal(b["image"][:, 0].long(), b.indices)
 
 
+def test_a_mapping_batch_without_its_dropped_index_field_keeps_its_class():
+    """drop_index=True leaves the index field out of a mapping batch, which stays of the
+    source's class (a mapping can lose a key; only a namedtuple cannot lose a field)."""
+
+    def collate(samples):
+        batch = collections.OrderedDict(encodings(samples).data)
+        batch["index"] = batch["image"][:, 0].long()
+        return batch
+
+    source = DataLoader(EncodedDataset(N), batch_size=12, collate_fn=collate)
+    for policy in (Traditional(), SelectiveBackprop(0.5)):
+        loader = SelectiveLoader(
+            source,
+            IndexLoss(),
+            policy=policy,
+            batch_size=6,
+            seed=0,
+            input_key="image",
+            target_key="label",
+            index_key="index",
+            drop_index=True,
+        )
+        for b in loader:
+            assert type(b) is not collections.OrderedDict and isinstance(b, SelectedBatch)
+            assert isinstance(b, collections.OrderedDict) and list(b) == ["image", "label"]
+            assert torch.equal(b["image"][:, 0].long(), b.indices)
+
+
 @pytest.mark.parametrize(
     "value, error, fix",
     [

@@ -220,8 +220,13 @@ def test_a_state_of_another_run_is_refused_naming_the_field_and_both_values(
     state = saved.state_dict()
     other = make(**loading_kw)
     before = other.state_dict()
-    with pytest.raises(ValueError, match=f"has {field}=.*but this SelectiveLoader has {field}="):
+    with pytest.raises(
+        ValueError, match=f"has {field}=.*but this SelectiveLoader has {field}="
+    ) as e:
         other.load_state_dict(state)
+    mine, theirs = other.state_dict()["identity"], state["identity"]
+    assert f"state has {field}={theirs[field]!r}, but this" in str(e.value), str(e.value)
+    assert f"this SelectiveLoader has {field}={mine[field]!r};" in str(e.value), str(e.value)
     assert other.state_dict()["epoch"] == before["epoch"] and other.epoch == 0  # nothing loaded
 
 
@@ -570,8 +575,26 @@ def test_the_identity_includes_the_world_size():
 def test_an_unknown_version_is_refused_clearly():
     state = make().state_dict()
     state["version"] = 99
-    with pytest.raises(ValueError, match="version=99, but this sbloader reads version 2"):
+    with pytest.raises(ValueError, match=r"reads version 2 \(and migrates versions \[1, 2\]\)"):
         make().load_state_dict(state)
+
+
+def test_check_version_migrates_an_old_state_one_step_at_a_time():
+    """A state two versions old is migrated through each step in turn."""
+    from sbloader._state import check_version
+
+    steps = {
+        1: lambda s: {**s, "version": 2, "b": s["a"] + 1},
+        2: lambda s: {**s, "version": 3, "c": s["b"] * 10},
+    }
+    assert check_version({"version": 1, "a": 1}, "Thing", 3, steps) == {
+        "version": 3,
+        "a": 1,
+        "b": 2,
+        "c": 20,
+    }
+    with pytest.raises(ValueError, match=r"version=0, but this sbloader reads version 3 \(and"):
+        check_version({"version": 0}, "Thing", 3, steps)
 
 
 def test_a_version_1_state_migrates_and_resumes_exactly():
@@ -612,6 +635,9 @@ def test_a_version_1_state_migrates_and_resumes_exactly():
     assert loader.stats.epochs[-1].class_seen is not None  # the epoch begun after the resume
     with pytest.raises(ValueError, match="seed=5, but this SelectiveLoader has seed=6"):
         build(seed=6).load_state_dict(saved["state"])
+    # its identity was seed and rank: a state of another rank is refused
+    with pytest.raises(ValueError, match="rank=1, but this SelectiveLoader has rank=0"):
+        build().load_state_dict({**saved["state"], "rank": 1})
 
 
 # ---------------------------------------------------------------------- the threading contract
@@ -1111,6 +1137,42 @@ def test_a_state_is_refused_by_a_dataloader_whose_generator_draws_otherwise():
         other = build(not own)
         other.load_state_dict(resumed.state_dict())  # at an epoch's end: its next order afresh
         assert sorted(i for b in epoch_indices(other) for i in b) == list(range(96))
+
+
+def test_a_state_of_a_dataloader_with_another_number_of_generators_is_refused_naming_them():
+    """The source state holds the states of the generators that draw a DataLoader's order and
+    its workers' seeds: shuffle=True with generator= has one, a RandomSampler with a generator=
+    of its own and the DataLoader's generator= two. A state of one is refused by the other, at
+    an epoch's end too, and a mid-epoch state saved before the generators' roles were recorded
+    (an older state) by their number, naming both: restored into other generators, its order
+    was not the saved run's."""
+    data = EncodedDataset(96)
+
+    def build(generators):
+        g = torch.Generator().manual_seed(1)
+        if generators == 1:
+            dl = DataLoader(data, batch_size=24, shuffle=True, generator=g)
+        else:
+            sampler = torch.utils.data.RandomSampler(data, generator=g)
+            dl = DataLoader(
+                data, batch_size=24, sampler=sampler, generator=torch.Generator().manual_seed(2)
+            )
+        return SelectiveLoader(dl, IndexLoss(), policy=Traditional(), seed=0)
+
+    saved = build(2)
+    epoch_indices(saved)
+    message = "the saved source state has 2 generators but this DataLoader has 1; build the"
+    with pytest.raises(ValueError, match=message):
+        build(1).load_state_dict(saved.state_dict())
+    it = iter(saved)
+    head = next(it).indices.tolist()
+    state = copy.deepcopy(saved.state_dict())
+    del state["source"]["roles"]  # (as saved before they were recorded)
+    with pytest.raises(ValueError, match=message):
+        build(1).load_state_dict(state)
+    resumed = build(2)
+    resumed.load_state_dict(state)  # the same build: resumes
+    assert sorted(head + [i for b in epoch_indices(resumed) for i in b]) == list(range(96))
 
 
 def test_the_mid_epoch_warning_covers_a_dataloader_read_through_index_key_and_passes():

@@ -29,7 +29,7 @@ from sbloader import (
     SelectiveLoader,
     Traditional,
 )
-from sbloader.length import BARREN_PASSES
+from sbloader.length import BARREN_PASSES, FixedEpochs
 
 POLICIES = {
     "sb-third": lambda: SelectiveBackprop(1 / 3, history=64),
@@ -335,6 +335,12 @@ def test_a_state_of_another_length_is_refused():
     del old["training"], old["identity"]["batches_per_epoch"]
     with pytest.raises(ValueError, match="saved without batches_per_epoch"):
         make(per_epoch=5).load_state_dict(old)
+    # the clock refuses another count itself too (whatever state the loader hands it)
+    clock = FixedEpochs(5)
+    with pytest.raises(ValueError, match=r"has batches_per_epoch=6, but this loader has .*=5;"):
+        clock.load_state_dict(FixedEpochs(6).state_dict())
+    clock.load_state_dict({**FixedEpochs(5).state_dict(), "epoch": 3})
+    assert clock.current() == (3, 0, False)
 
 
 # ---------------------------------------------------------------------- refusals
@@ -588,6 +594,9 @@ def test_dataset_size_is_checked():
         SelectiveLoader(source(), IndexLoss(), dataset_size=7)
     with pytest.raises(TypeError, match="dataset_size should be an int"):
         stream_loader(index_key=2, dataset_size=1.5)
+    # the bound is exclusive: the stream's last batch holds indices 100 to 119
+    with pytest.raises(ValueError, match=r"from 100 to 119, outside \[0, dataset_size=119\)"):
+        list(stream_loader(index_key=2, dataset_size=119))
     assert SelectiveLoader(source(), IndexLoss(), dataset_size=120).expected_batches() > 0
 
 
@@ -799,9 +808,10 @@ def test_an_unsized_stream_that_drops_its_last_batch_is_counted_without_it():
             for i in range(100):
                 yield torch.full((6,), float(i)), torch.tensor(i % 4), i
 
-    for batch_size in (16, 8):
+    # (one worker reads the whole stream as the main process does: its batches are all full)
+    for workers, batch_size in ((0, 16), (0, 8), (1, 8)):
         loader = SelectiveLoader(
-            DataLoader(Stream(), batch_size=16, drop_last=True),
+            DataLoader(Stream(), batch_size=16, drop_last=True, num_workers=workers),
             IndexLoss(),
             policy=Traditional(),
             batch_size=batch_size,
@@ -900,3 +910,56 @@ def test_progress_of_a_source_of_unknown_size_does_not_lag_in_prefiltered_passes
             if i == 3:
                 break
         assert loader.progress == last > 4.2
+
+
+# ---------------------------------------------------------------------- review of the sources
+def test_traditional_len_over_a_sized_iterable_whose_last_batch_is_full():
+    """A sized IterableDataset whose examples fill its last batch exactly (48 in batches of 16):
+    that batch is the source's last (len(dataset) less the other batches' examples, a whole
+    batch), and the pass is counted in the loader's batches of 10."""
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __len__(self):
+            return 48
+
+        def __iter__(self):
+            for i in range(48):
+                yield torch.full((6,), float(i)), torch.tensor(i % 3)
+
+    loader = SelectiveLoader(
+        DataLoader(Stream(), batch_size=16), IndexLoss(), policy=Traditional(), batch_size=10
+    )
+    batches = list(loader)
+    assert len(loader) == 5 == len(batches)
+    assert [len(b[1]) for b in batches] == [10, 10, 10, 10, 8]
+
+
+def test_traditional_len_with_a_subset_of_a_source_that_drops_its_last_batch_names_the_fix():
+    """drop_last leaves a pass's last examples out, whichever the order puts there: a subset's
+    examples in a pass are not the subset's size, so len() is refused naming the fix."""
+    ds = EncodedDataset(50)
+    loader = SelectiveLoader(
+        DataLoader(ds, batch_size=16, drop_last=True),
+        IndexLoss(),
+        policy=Traditional(),
+        subset=list(range(40)),
+    )
+    with pytest.raises(TypeError, match="drop_last") as info:
+        len(loader)
+    assert 'batches_per_epoch="expected"' in str(info.value)
+
+
+def test_fills_a_batch_refuses_only_a_pass_expected_to_keep_less_than_a_batch():
+    """After a barren pass under remainder="drop": a policy expected to keep exactly a batch per
+    pass goes on (the pass yielded none by chance); one expected to keep less is refused."""
+    from types import SimpleNamespace
+
+    from sbloader.length import fills_a_batch
+
+    def after(seen, rate):
+        return SimpleNamespace(stats=SimpleNamespace(examples_seen=seen, target_rate=rate))
+
+    fills_a_batch(after(16, 0.5), 8, 3)  # expected 8: a batch
+    with pytest.raises(ValueError, match=r"batches_per_epoch=3 can hardly be filled.*about 7\.5"):
+        fills_a_batch(after(15, 0.5), 8, 3)

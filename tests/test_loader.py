@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -1176,6 +1177,47 @@ def test_persistent_workers_rolled_back_in_the_same_loader_replay_the_runs_order
     assert got == full
 
 
+class WorkerPids(torch.utils.data.Dataset):
+    """Example i is [i] * 4, label i % 3, and the id of the process that loaded it."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int, int]:
+        return torch.full((4,), float(i)), i % 3, os.getpid()
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # (2 workers on one core)
+def test_persistent_workers_of_a_resumed_run_stay_up_from_epoch_to_epoch():
+    """A resumed run makes its persistent workers from a generator of their own (see the test
+    above), whose base seed is not the run's: they were taken for another run's and made again
+    every epoch, restarting their random streams (augmentations) each epoch, and their start
+    up. Now they load every later epoch, as in the uninterrupted run."""
+
+    def build() -> SelectiveLoader:
+        dl = DataLoader(
+            WorkerPids(),
+            batch_size=12,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=True,
+            generator=torch.Generator().manual_seed(1),
+        )
+        return SelectiveLoader(dl, nn.Linear(4, 3), policy=Traditional(), batch_size=12)
+
+    def pids(loader):
+        return {p for b in loader for p in b[2].tolist()}
+
+    saved = build()
+    first = pids(saved)
+    state = copy.deepcopy(saved.state_dict())
+    assert len(first) == 2 and [pids(saved) for _ in range(2)] == [first] * 2
+    resumed = build()
+    resumed.load_state_dict(state)
+    again = pids(resumed)
+    assert len(again) == 2 and [pids(resumed) for _ in range(2)] == [again] * 2
+
+
 class Augmented(torch.utils.data.Dataset):
     """Example i is i + a random augmentation in [0, 1) from torch's RNG, label i % 3."""
 
@@ -1268,6 +1310,10 @@ def test_mid_epoch_resume_of_an_iterable_source_yields_what_an_uninterrupted_run
     got += rows(resumed)  # epoch 2
     assert got == full
     assert [e.epoch for e in resumed.stats.epochs] == [0, 1, 2]
+    # every pass reads all ten source batches, the resumed one too (its first ones before the
+    # checkpoint), and selects from each of the 120 examples
+    for stats in (whole.stats, resumed.stats):
+        assert [e.examples_seen for e in stats.epochs] == [120] * 3
 
 
 def test_mid_epoch_resume_without_a_generator_is_refused_with_the_fix():

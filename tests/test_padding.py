@@ -5,6 +5,7 @@ on the first source batch whose sizes differ."""
 
 from __future__ import annotations
 
+import copy
 import io
 import warnings
 from typing import Any
@@ -306,6 +307,26 @@ def test_resumed_run_fails_where_the_uninterrupted_one_does() -> None:
     resumed.load_state_dict(torch.load(buffer, weights_only=True))
     with pytest.raises(ValueError, match=r"source batch 2 .* has shape \(12, 10\)"):
         list(resumed)
+
+
+def test_a_run_that_failed_on_ragged_batches_resumes_with_the_pad_values_its_error_names() -> None:
+    """The error's fix: resumed with pad_values, the saved first shapes of the fields it pads no
+    longer bind them (a padded field's rows are joined at any width), so the run goes on."""
+    data, _ = ragged_source([8] * 12 + [10] * 36)
+
+    def build(**kw: Any) -> SelectiveLoader:
+        return make(data, batch=12, policy=SelectiveBackprop(1 / 3), batch_size=2, **kw)[0]
+
+    first = build()
+    it = iter(first)
+    next(it)
+    state = copy.deepcopy(first.state_dict())
+    with pytest.raises(ValueError, match=r"has shape \(12, 10\)"):
+        list(it)
+    resumed = build(pad_values=PADS)
+    resumed.load_state_dict(state)
+    batches = list(resumed)
+    assert batches and all(check_batch(b, data) >= 0 for b in batches)
 
 
 def test_channels_last_inputs_of_different_sizes() -> None:

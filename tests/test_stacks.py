@@ -150,6 +150,24 @@ def test_metadata_key_carries_the_selection_results_inside_the_batch(kind):
         assert (meta["indices"] % 6).tolist() == meta["indices"].remainder(6).tolist()
 
 
+@pytest.mark.parametrize(
+    "policy", [SelectiveBackprop(0.5), Phased(SelectiveBackprop(0.5), warmup_epochs=1)]
+)
+def test_metadata_of_a_source_without_indices_carries_none_for_them(policy):
+    """A source without dataset indices (a list of batches, no index_key): the results inside
+    the batch say indices None, as batch.indices does, not the rows' positions."""
+    ds = EncodedDataset(60)
+    batches = [
+        tuple(torch.stack([ds[i][k] for i in range(s, s + 20)]) for k in (0, 1))
+        for s in range(0, 60, 20)
+    ]
+    loader = SelectiveLoader(batches, IndexLoss(), policy=policy, batch_size=10, metadata_key="sb")
+    for _ in range(2):  # (Phased: a passthrough epoch, then a selective one)
+        for batch in loader:
+            assert batch.indices is None and batch[-1]["indices"] is None
+            assert torch.allclose(batch[-1]["losses"], batch.losses, equal_nan=True)
+
+
 def test_metadata_key_must_not_shadow_a_field():
     loader = SelectiveLoader(dict_source(), IndexLoss(), batch_size=10, metadata_key="target")
     with pytest.raises(ValueError, match="metadata_key='target' is already a key"):

@@ -143,6 +143,23 @@ def test_mid_epoch_resume_yields_what_an_uninterrupted_run_does(make, prefetch, 
     assert resumed.epoch == epochs
 
 
+@pytest.mark.parametrize("make", [iterable_loader, map_loader], ids=["iterable", "map"])
+def test_a_resumed_run_saved_and_resumed_again_mid_epoch_yields_the_uninterrupted_run(make):
+    """The source's position counts the source batches of the whole epoch, those before the
+    checkpoint a run resumed from too: a state saved in the resumed epoch resumes again."""
+    reference = run(make(), 2)
+    loader, got = make(), []
+    for _ in range(2):  # two interruptions in epoch 0
+        it = iter(loader)
+        got += [next(it).indices.tolist() for _ in range(2)]
+        state = checkpoint(loader.state_dict())
+        del it
+        loader = make()
+        loader.load_state_dict(state)
+    got += run(loader, 2)
+    assert got == reference and loader.epoch == 2
+
+
 def test_worker_processes_resume_exactly_too():
     """With workers the loader prefetches by default, and torchdata snapshots its workers."""
     reference = run(map_loader(workers=2), 2)
