@@ -312,3 +312,15 @@ def test_a_cuda_report_outside_the_data_refuses_the_checkpoint_and_the_next_epoc
     with pytest.raises(IndexError, match=r"outside 0\.\.599"):
         next(iter(loader))
     assert len(loader._feedback) == held
+
+
+def test_a_device_generator_asked_for_another_kind_of_device_refuses_to_start_afresh():
+    """decisions="device": a generator that drew on the CPU and is asked for a GPU takes its
+    state along, which a CUDA generator cannot hold: refused naming the fix, instead of
+    starting the draws again from the seed (a resumed run would then draw otherwise)."""
+    from sbloader.device_decisions import DecisionGenerator
+
+    g = DecisionGenerator(seed=5, rank=0)
+    torch.rand(3, generator=g.get(torch.device("cpu")))
+    with pytest.raises(ValueError, match="another kind of device"):
+        g.get(torch.device("cuda", torch.cuda.current_device()))

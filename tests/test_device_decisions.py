@@ -84,6 +84,25 @@ def test_generator_state_round_trips_before_and_after_first_use():
         other.load_state_dict(saved)
 
 
+def test_reweighted_kept_candidates_weigh_one_over_their_own_probability():
+    """Kept positions that are not the first ones: each weight is 1 / P of its own candidate."""
+    window = DeviceWindow(8)
+    window.push_rank_and_draw(torch.tensor([10.0, 10.0]), torch.ones(2, dtype=torch.float64), 1.0)
+    losses = torch.tensor([1.0, 20.0, 5.0, 30.0])  # CDFs 1/3, 1, 2/5, 1 as pushed in turn
+    uniforms = torch.tensor([0.5, 0.0, 0.1, 0.9], dtype=torch.float64)
+    c = window.push_rank_and_draw(losses, uniforms, beta=1.0, reweight=True)
+    assert c.positions.tolist() == [1, 2, 3]
+    torch.testing.assert_close(c.probabilities, torch.tensor([1 / 3, 1.0, 0.4, 1.0]).double())
+    torch.testing.assert_close(c.weights, torch.tensor([1.0, 2.5, 1.0]).double())
+
+
+def test_a_window_state_with_more_values_than_its_size_keeps_the_most_recent():
+    window = DeviceWindow(4)
+    window.load_state_dict({"version": 1, "size": 4, "values": torch.arange(6.0)})
+    assert len(window) == 4 and window.values().tolist() == [2.0, 3.0, 4.0, 5.0]
+    assert window.sorted_values().tolist() == [2.0, 3.0, 4.0, 5.0]
+
+
 def test_a_generator_state_of_another_device_type_is_refused_with_the_fix():
     """CPU and CUDA generators keep different states (a Mersenne Twister's 5056 bytes, a
     Philox seed and offset's 16): a state saved by a run that decided on a GPU cannot continue

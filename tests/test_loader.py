@@ -580,6 +580,7 @@ def test_selection_batch_size_chunks_the_forward():
     loader = make_loader(model=model, bs=10, source_bs=50, selection_batch_size=16)
     a = yielded(loader, 1)
     assert model.calls == 4 * 4  # ceil(50 / 16) chunks per source batch
+    assert loader.stats.total.selection_calls == model.calls  # the stats count each chunk
     assert a == yielded(make_loader(bs=10, source_bs=50), 1)  # same losses, same choices
 
 

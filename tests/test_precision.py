@@ -5,6 +5,7 @@ adopted by a resumed run."""
 from __future__ import annotations
 
 import logging
+from types import MethodType
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from sbloader import SelectiveBackprop, SelectiveLoader
 from sbloader.datasets import ArrayDataset
-from sbloader.precision import native_bf16, selection_dtype
+from sbloader.precision import forward_autocast, native_bf16, native_int8, selection_dtype
 
 CPU = torch.device("cpu")
 N = 240
@@ -180,3 +181,36 @@ def test_a_frozen_prefix_stays_float32_inside_a_callers_autocast_region():
         for (_, a), (_, b) in zip(inside, outside, strict=True):
             assert a.dtype == torch.float32
             assert torch.equal(a, b)
+
+
+def _forward_under(autocast: torch.autocast) -> nn.Module:
+    """A model whose instance forward runs under ``autocast`` (as Accelerate's prepare makes)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 3))
+    model.forward = MethodType(autocast(nn.Sequential.forward), model)
+    return model
+
+
+def test_only_an_enabled_forward_autocast_for_the_models_device_type_counts():
+    """A model's own forward autocast decides the selection precision only where it is enabled
+    and for the device type the model runs on: a disabled one (which runs float32) or one for
+    another device type leaves it to the loader, so an explicit autocast=None is accepted and
+    its passes run in float32; an enabled one is found, and autocast=None refused."""
+    fp16 = _forward_under(torch.autocast("cpu", dtype=torch.float16))
+    assert forward_autocast(fp16, CPU) == torch.float16
+    assert forward_autocast(fp16, torch.device("cuda")) is None  # another device type's
+    with pytest.raises(ValueError, match=r"autocast should be 'auto' or torch\.float16"):
+        build(model=fp16, autocast=None)
+    off = _forward_under(torch.autocast("cpu", dtype=torch.float16, enabled=False))
+    assert forward_autocast(off, CPU) is None
+    loader = build(model=off, autocast=None)
+    assert loader.autocast is None
+    assert loader.selection_precision.endswith("autocast=None: float32")
+    assert all(b.losses.dtype == torch.float32 for b in loader)
+
+
+@pytest.mark.parametrize("vnni, amx", [(False, False), (True, False), (False, True)])
+def test_native_int8_is_a_cpu_with_vnni_or_amx(monkeypatch, vnni, amx):
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: vnni, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    assert native_int8() is (vnni or amx)

@@ -200,9 +200,14 @@ def test_same_seed_same_selections_and_global_state_untouched() -> None:
     assert (torch.backends.quantized.engine, torch.get_num_threads()) == (engine, threads)
 
 
+@pytest.mark.parametrize(
+    "quantize",
+    # (refreshes counted in candidates too: the count scored since the last one is resumed)
+    [QuantizedSelection(refresh_every=4), QuantizedSelection(refresh_examples=100)],
+    ids=["every", "examples"],
+)
 @pytest.mark.parametrize("stop", [3, 7])
-def test_resumed_run_scores_with_the_saved_copy(stop: int) -> None:
-    quantize = QuantizedSelection(refresh_every=4)
+def test_resumed_run_scores_with_the_saved_copy(stop: int, quantize: QuantizedSelection) -> None:
     whole, _ = run(None, quantize)
     head, state = run(stop, quantize)
     assert state is not None
@@ -557,6 +562,30 @@ def test_auto_falls_back_on_the_first_batch_where_int8_cannot_be_built(
         make(model, True)
 
 
+def test_auto_never_falls_back_once_its_copy_has_scored(monkeypatch) -> None:
+    """A copy chosen by "auto" that was built and scored with is kept: a refresh that fails
+    later (here, the next epoch's) raises, instead of switching to float passes mid-run (a run
+    never mixes precisions)."""
+    import sbloader.quantize as quantize
+
+    native(monkeypatch, True)
+    loader = make(trained(), "auto")
+    precision = loader.selection_precision
+    assert precision == "quantize_selection='auto': int8 (native int8 on this CPU)"
+    assert epoch_batches(loader)
+    assert loader.scorer.quantized is not None and loader.scorer.quantized.refreshes == 1
+
+    def broken(*args: Any, **kwargs: Any) -> nn.Module:
+        raise RuntimeError("no kernel for this op")
+
+    monkeypatch.setattr(quantize, "_int8_copy", broken)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning either
+        with pytest.raises(quantize.Int8Unavailable, match="no kernel for this op"):
+            epoch_batches(loader)
+    assert loader.scorer.quantized is not None and loader.selection_precision == precision
+
+
 def test_auto_resume_follows_the_saved_run(monkeypatch, caplog) -> None:
     """A run saved without the copy (fallen back, or on a CPU without native int8) resumes
     without it under "auto"; a run saved with it cannot be resumed without it."""
@@ -694,6 +723,24 @@ def test_a_candidate_with_nan_inputs_is_non_finite_as_in_float(bad_row: int) -> 
         runs[q] = (stats.nonfinite, bad_row in kept, len(kept))
     assert runs[True][:2] == runs[False][:2] == (1, False)
     assert runs[True][2] > 32  # the other candidates were scored finite and selected
+
+
+def test_a_copy_is_calibrated_on_the_first_finite_candidates_skipping_a_nan_one() -> None:
+    """The calibration rows are the first ``calibration_examples`` candidates with finite
+    inputs: a NaN candidate among them is skipped (the next finite one takes its place), not
+    calibrated on with its values zeroed. The copy is then the one calibrated on those rows."""
+    from sbloader.quantize import QuantizedSelector
+
+    x = dataset(16).tensors[0].clone()
+    x[4] *= 20.0  # the fifth candidate widens the activation ranges
+    x[0, 0, 3, 3] = float("nan")
+    engine = torch.backends.quantized.engine
+    config = QuantizedSelection(calibration_examples=4)
+    model = cnn()
+    with torch.inference_mode():
+        skipped = QuantizedSelector(config, engine).model_for(model, x, epoch=0)(x[1:])
+        clean = QuantizedSelector(config, engine).model_for(model, x[1:], epoch=0)(x[1:])
+    assert torch.equal(skipped, clean)
 
 
 def test_a_model_that_cannot_be_copied_is_refused_naming_the_attribute() -> None:

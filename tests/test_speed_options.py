@@ -4,6 +4,7 @@ numerically neutral) or does exactly what it says to the selection forward only.
 from __future__ import annotations
 
 import copy
+import functools
 
 import numpy as np
 import pytest
@@ -109,10 +110,14 @@ def test_bad_selection_scale_is_named(value, exc, match):
         run(selection_scale=value)
 
 
-def test_selection_scale_on_non_image_inputs_names_the_fix():
-    data = TensorDataset(torch.randn(20, 6), torch.zeros(20, dtype=torch.long))
-    loader = SelectiveLoader(DataLoader(data, batch_size=10), nn.Linear(6, 2), selection_scale=0.5)
-    with pytest.raises(ValueError, match="selection_scale=None"):
+@pytest.mark.parametrize("shape", [(6,), (3, 6), (1, 3, 4, 4)], ids=["2d", "3d", "5d"])
+def test_selection_scale_on_non_image_inputs_names_the_fix(shape):
+    """Only 4-d image batches are resized: sequences (3-d) and videos (5-d) too are refused
+    naming selection_scale, not left to torch's interpolate error."""
+    data = TensorDataset(torch.randn(20, *shape), torch.zeros(20, dtype=torch.long))
+    model = nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(shape)), 2))
+    loader = SelectiveLoader(DataLoader(data, batch_size=10), model, selection_scale=0.5)
+    with pytest.raises(ValueError, match=r"resizes 4-d image batches .*selection_scale=None"):
         next(iter(loader))
 
 
@@ -236,6 +241,24 @@ def test_compile_selection_compiles_once_lazily_and_keeps_the_choices():
     assert type(loader.model) is nn.Sequential  # the training model is untouched
 
 
+def test_compile_selection_calls_torch_compile_once_for_the_whole_run(monkeypatch):
+    """The compiled module is made at the first selection pass and reused by every later one
+    (of every epoch): torch.compile is not called again per pass."""
+    calls = []
+    real = torch.compile
+
+    @functools.wraps(real)  # (its signature: the loader checks compile_selection against it)
+    def counted(model, **kwargs):
+        calls.append(model)
+        return real(model, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", counted)
+    model = cnn()
+    loader, batches = run(model=model, compile_selection={"backend": "eager"}, epochs=2)
+    assert batches and loader.stats.total.selection_calls == 2 * N // 60
+    assert calls == [model]
+
+
 @pytest.mark.slow
 def test_compile_selection_with_inductor_keeps_the_choices():
     _, compiled = run(compile_selection=True)
@@ -328,11 +351,12 @@ class AutocastRecorder(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16])
 def test_autocast_applies_to_the_selection_forward(dtype):
     model = seeded(AutocastRecorder)
     _, batches = run(model=model, epochs=1, autocast=dtype)
-    expected = (True, torch.bfloat16) if dtype is not None else (False, torch.float32)
+    # (float16 too: the dtype given, not the device's default autocast dtype, bf16 on a CPU)
+    expected = (True, dtype) if dtype is not None else (False, torch.float32)
     assert model.seen == [expected] * (N // 60)  # every selection forward
     assert batches and all(b.losses.dtype == torch.float32 for b in batches)
     assert not torch.is_autocast_enabled("cpu")  # only inside the selection pass
@@ -359,6 +383,7 @@ def test_frozen_prefix_makes_the_same_choices_and_carries_features():
     _, plain = run(model=full, autocast=None)  # float32, as "auto" chooses with a prefix
     loader, cached = run(model=head, frozen_prefix=backbone)
     assert loader.autocast is None
+    assert loader.stats.total.prefix_forwards == 2 * N  # every candidate of both epochs, once
     assert chosen(cached) == chosen(plain)
     for a, b in zip(cached, plain):
         torch.testing.assert_close(a.losses, b.losses)
@@ -389,6 +414,23 @@ def test_frozen_prefix_under_autocast_scores_like_the_full_model_and_gives_float
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             expected = backbone(a[0]).float()
         torch.testing.assert_close(a.features, expected)
+
+
+def test_a_frozen_prefix_left_in_train_mode_runs_in_eval_mode_and_is_left_as_it_was():
+    """A frozen prefix the caller left in train mode (its BatchNorm included) computes its
+    outputs in eval mode: its running statistics and counters are never updated, its flags are
+    restored, and the features are the eval-mode outputs."""
+    backbone, head = backbone_and_head()
+    backbone.train()
+    before = copy.deepcopy(backbone.state_dict())
+    _, batches = run(model=head, frozen_prefix=backbone, epochs=1)
+    assert batches and all(m.training for m in backbone.modules())
+    for k, v in backbone.state_dict().items():
+        assert torch.equal(v, before[k]), k  # running_mean, running_var, num_batches_tracked
+    backbone.eval()
+    for b in batches:
+        with torch.no_grad():
+            torch.testing.assert_close(b.features, backbone(b[0]))
 
 
 def test_frozen_prefix_without_a_selection_pass_runs_on_the_chosen_examples_only():
@@ -659,6 +701,57 @@ def test_a_saved_feature_cache_resumes_without_running_the_prefix_again():
     assert torch.equal(cache.values, loader.scorer.feature_cache.values)
     plain, _ = run(epochs=1, **kwargs)
     assert "filled" not in plain.state_dict()["scorer"]["feature_cache"]
+
+
+def test_a_feature_cache_saved_mid_epoch_resumes_as_the_uninterrupted_run():
+    """save_feature_cache=True, saved mid-epoch: the resumed run hands out the uninterrupted
+    run's features and runs the prefix as often (an epoch whose check already ran before the
+    save does not check again); the rows it caches after the resume are never written into the
+    state it loaded."""
+    backbone, head = backbone_and_head()
+
+    def fresh():
+        return run(
+            epochs=0,
+            model=head,
+            frozen_prefix=backbone,
+            cache_features=True,
+            save_feature_cache=True,
+        )[0]
+
+    def rows(batches):
+        return [(b.indices.tolist(), b.features) for b in batches]
+
+    whole = fresh()
+    epochs = [rows(whole), rows(whole)]
+    forwards = whole.stats.current.prefix_forwards  # the second epoch's: the check's only
+    assert 0 < forwards <= 2 * FeatureCache.CHECKED
+    for epoch in (0, 1):
+        first = fresh()
+        for _ in range(epoch):
+            list(first)
+        it = iter(first)
+        head_rows = rows([next(it), next(it)])
+        state = first.state_dict()
+        filled = state["scorer"]["feature_cache"]["filled"].clone()
+        assert (0 < int(filled.sum()) < N) if epoch == 0 else bool(filled.all())
+        resumed = fresh()
+        resumed.load_state_dict(state)
+        got = head_rows + rows(resumed)
+        assert [i for i, _ in got] == [i for i, _ in epochs[epoch]]
+        for (_, a), (_, b) in zip(got, epochs[epoch]):
+            assert torch.equal(a, b)
+        assert torch.equal(state["scorer"]["feature_cache"]["filled"], filled)  # not written
+        if epoch == 1:
+            assert resumed.stats.current.prefix_forwards == forwards
+
+
+def test_a_feature_cache_hands_out_rows_in_the_dtype_they_were_given_in():
+    cache = FeatureCache(4, "cpu", store_dtype=torch.bfloat16)
+    cache.put(np.array([1, 3]), torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    assert cache.values is not None and cache.values.dtype == torch.bfloat16
+    out = cache.get(np.array([3, 1]))
+    assert out.dtype == torch.float32 and out.tolist() == [[3.0, 4.0], [1.0, 2.0]]
 
 
 @pytest.mark.parametrize("saved", [False, True], ids=["cache-not-saved", "cache-saved"])
