@@ -581,45 +581,6 @@ def store_record(
 
 
 @_jit
-def spread_scored(seen: np.ndarray, count: int, out: np.ndarray) -> int:
-    """Write into ``out`` the indices of ``count`` scored examples (``seen != 0``) spread
-    evenly over them, in index order: the ``floor((j + 1/2) * scored / count)``-th scored one
-    for j < count, or every scored one where there are at most ``count``. Returns how many
-    were written (``out`` holds at least ``count``).
-
-    NOTE: spread over the scored examples, not over all indices: a ``subset`` (a pruned one,
-    every other example) leaves the others never scored, and an even spread over all indices
-    held fewer stored losses than ``count``, or none where the spread's stride met only
-    examples outside the subset. One pass to count, one to pick: O(size) time, no memory
-    beyond ``out``.
-    """
-    n = seen.shape[0]
-    scored = 0
-    for i in range(n):
-        if seen[i] != 0:
-            scored += 1
-    k = 0
-    if scored <= count:
-        for i in range(n):
-            if seen[i] != 0:
-                out[k] = i
-                k += 1
-        return k
-    rank = 0
-    target = scored // (2 * count)
-    for i in range(n):
-        if seen[i] != 0:
-            if rank == target:
-                out[k] = i
-                k += 1
-                if k == count:
-                    break
-                target = ((2 * k + 1) * scored) // (2 * count)
-            rank += 1
-    return k
-
-
-@_jit
 def store_lookup(
     loss: np.ndarray,
     seen: np.ndarray,
