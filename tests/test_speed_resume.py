@@ -290,9 +290,31 @@ def test_no_speed_warning_for_a_compile_backend_given_as_a_callable(make):
         loader("eager").load_state_dict(state)
 
 
-def _workers_loader(workers: int, persistent: bool, shuffle: bool = True) -> Any:
-    """A loader over 40 examples in source batches of 8, workers kept between epochs or not."""
-    data = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,)))
+class _IndexedRows(torch.utils.data.Dataset):
+    """40 dict rows with their own index in field ``"i"`` (read with ``index_key="i"``)."""
+
+    def __init__(self) -> None:
+        self.x, self.y = torch.randn(40, 4), torch.randint(0, 2, (40,))
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": self.x[i], "y": self.y[i], "i": i}
+
+
+def _workers_loader(
+    workers: int, persistent: bool, shuffle: bool = True, index_key: bool = False
+) -> Any:
+    """A loader over 40 examples in source batches of 8, workers kept between epochs or not;
+    with ``index_key``, dict rows carrying their own index in field ``"i"``, the DataLoader
+    read as it is (``index_key="i"``)."""
+    if index_key:
+        data: Any = _IndexedRows()
+        fields: dict[str, Any] = dict(input_key="x", target_key="y", index_key="i")
+    else:
+        data = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,)))
+        fields = {}
     source = torch.utils.data.DataLoader(
         data,
         batch_size=8,
@@ -302,7 +324,7 @@ def _workers_loader(workers: int, persistent: bool, shuffle: bool = True) -> Any
         persistent_workers=persistent,
     )
     return sbloader.SelectiveLoader(
-        source, torch.nn.Linear(4, 2), policy=sbloader.Traditional(), seed=0
+        source, torch.nn.Linear(4, 2), policy=sbloader.Traditional(), seed=0, **fields
     )
 
 
@@ -332,39 +354,6 @@ def test_a_state_saved_with_other_persistent_workers_is_refused_naming_them(save
     _workers_loader(*loading, shuffle=False).load_state_dict(saved_state(shuffle=False))
 
 
-class _IndexedRows(torch.utils.data.Dataset):
-    """40 dict rows with their own index in field ``"i"`` (read with ``index_key="i"``)."""
-
-    def __init__(self) -> None:
-        self.x, self.y = torch.randn(40, 4), torch.randint(0, 2, (40,))
-
-    def __len__(self) -> int:
-        return 40
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return {"x": self.x[i], "y": self.y[i], "i": i}
-
-
-def _index_key_loader(workers: int, persistent: bool) -> Any:
-    """A loader reading a shuffling DataLoader as it is, its indices from ``index_key=``."""
-    source = torch.utils.data.DataLoader(
-        _IndexedRows(),
-        batch_size=8,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(1),
-        num_workers=workers,
-        persistent_workers=persistent,
-    )
-    return sbloader.SelectiveLoader(
-        source,
-        torch.nn.Linear(4, 2),
-        policy=sbloader.Traditional(),
-        input_key="x",
-        target_key="y",
-        index_key="i",
-    )
-
-
 @pytest.mark.parametrize(
     ("saved", "loading"),
     [((2, False), (2, True)), ((2, True), (0, False))],
@@ -378,13 +367,13 @@ def test_an_index_key_state_saved_with_other_persistent_workers_is_refused_namin
     without: a state saved with one loaded into the other went on silently in another order
     from the next epoch on (only DataLoader sources were checked); it is refused, naming
     persistent_workers. The same workers resume."""
-    loader = _index_key_loader(*saved)
+    loader = _workers_loader(*saved, index_key=True)
     for _ in loader:
         pass
     state = loader.state_dict()
     with pytest.raises(ValueError, match="persistent_workers"):
-        _index_key_loader(*loading).load_state_dict(state)
-    _index_key_loader(*saved).load_state_dict(state)
+        _workers_loader(*loading, index_key=True).load_state_dict(state)
+    _workers_loader(*saved, index_key=True).load_state_dict(state)
 
 
 class _Stream(torch.utils.data.IterableDataset):
