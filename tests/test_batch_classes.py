@@ -63,8 +63,8 @@ def namedtuple_loader(policy: Any, **kw: Any) -> SelectiveLoader:
     )
 
 
-def encoding_loader(policy: Any, **kw: Any) -> SelectiveLoader:
-    source = DataLoader(EncodedDataset(N), batch_size=12, collate_fn=encodings)
+def encoding_loader(policy: Any, collate: Any = encodings, **kw: Any) -> SelectiveLoader:
+    source = DataLoader(EncodedDataset(N), batch_size=12, collate_fn=collate)
     return SelectiveLoader(
         source,
         IndexLoss(),
@@ -212,19 +212,8 @@ def test_a_mapping_batch_without_its_dropped_index_field_keeps_its_class():
         batch["index"] = batch["image"][:, 0].long()
         return batch
 
-    source = DataLoader(EncodedDataset(N), batch_size=12, collate_fn=collate)
     for policy in (Traditional(), SelectiveBackprop(0.5)):
-        loader = SelectiveLoader(
-            source,
-            IndexLoss(),
-            policy=policy,
-            batch_size=6,
-            seed=0,
-            input_key="image",
-            target_key="label",
-            index_key="index",
-            drop_index=True,
-        )
+        loader = encoding_loader(policy, collate, index_key="index", drop_index=True)
         for b in loader:
             assert type(b) is not collections.OrderedDict and isinstance(b, SelectedBatch)
             assert isinstance(b, collections.OrderedDict) and list(b) == ["image", "label"]
