@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from launch import end_process_group, leave
+from launch import NegativeLoss, end_process_group, leave
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -173,19 +173,6 @@ class Corrupt(Dataset):
         if self.rank == 1 and (i == self.bad or self.armed):
             raise OSError(f"cannot read example {i}: the file is corrupt")
         return self.x[i], self.y[i]
-
-
-class NegativeLoss:
-    """Per-example cross-entropy, less 100 from its second call on rank 1 only: Kath18 refuses
-    the negative losses in its decision, after the round's selection forwards."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank, self.calls = rank, 0
-
-    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        losses = F.cross_entropy(outputs, targets, reduction="none")
-        return losses - 100.0 if self.rank == 1 and self.calls >= 2 else losses
 
 
 def raised(kind: str, rank: int) -> dict[str, dict[str, Any]]:

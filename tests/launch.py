@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,3 +123,17 @@ def spawn_ranks(
                 p.kill()
                 p.join()
     return [pickle.loads((out / f"{r}.pkl").read_bytes()) for r in range(nprocs)]
+
+
+class NegativeLoss:
+    """Per-example cross-entropy less a baseline of 100 from its second call on rank 1 only (a
+    loss relative to a baseline): Kath18 refuses the negative losses in its decision (after the
+    round's selection forwards); shared by the DDP and FSDP scenarios."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.calls = rank, 0
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        losses = F.cross_entropy(outputs, targets, reduction="none")
+        return losses - 100.0 if self.rank == 1 and self.calls >= 2 else losses

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import ENCODED_KEYS, N_CLASSES, EncodedDataset, IndexLoss, bn_model, encoded_batches
-from launch import end_process_group, free_port, gloo_threads, leave, spawn_ranks
+from launch import NegativeLoss, end_process_group, free_port, gloo_threads, leave, spawn_ranks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
@@ -597,19 +597,6 @@ class RaisingLoss:
         if self.rank == 1 and self.calls == self.at:
             raise IndexError(f"target 99 is out of bounds in call {self.calls}")
         return F.cross_entropy(outputs, targets, reduction="none")
-
-
-class NegativeLoss:
-    """Per-example cross-entropy less a baseline of 100 from its second call on rank 1 only (a
-    loss relative to a baseline): Kath18 refuses the negative losses in its decision."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank, self.calls = rank, 0
-
-    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        losses = F.cross_entropy(outputs, targets, reduction="none")
-        return losses - 100.0 if self.rank == 1 and self.calls >= 2 else losses
 
 
 class BadInput(ValueError):
