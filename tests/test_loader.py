@@ -1437,6 +1437,47 @@ def test_whole_source_batches_carry_the_metadata_of_rebatched_ones(metadata_key,
     assert torch.equal(torch.cat([b.indices for b in whole]).sort().values, torch.arange(48))
 
 
+@pytest.mark.parametrize("policy", [Traditional(), SelectiveBackprop(1 / 2)])
+def test_the_memory_format_goes_to_the_input_field_wherever_it_is(policy):
+    """``memory_format`` applies to the model's input, named by ``input_key``, not to the first
+    field: here the images are the second of three 4-d fields. The selection forward and the
+    yielded batch get them channels_last; the other fields keep their layout."""
+    n = 32
+    masks = torch.arange(n * 3 * 2 * 2, dtype=torch.float32).reshape(n, 3, 2, 2)
+    images = masks.flip(0) + 0.5
+    rows = list(zip(masks, images, torch.arange(n) % N_CLASSES))
+    seen: list[bool] = []
+
+    class Records(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(12, N_CLASSES)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(bool(x.is_contiguous(memory_format=torch.channels_last)))
+            return self.fc(x.flatten(1))
+
+    loader = SelectiveLoader(
+        DataLoader(rows, batch_size=16),
+        Records(),
+        policy=policy,
+        batch_size=8,
+        input_key=1,
+        target_key=2,
+        memory_format=torch.channels_last,
+        seed=0,
+    )
+    batches = list(loader)
+    assert batches and (seen or isinstance(policy, Traditional))
+    assert all(seen)
+    for b in batches:
+        assert b[1].is_contiguous(memory_format=torch.channels_last)
+        assert not b[1].is_contiguous()
+        assert b[0].is_contiguous() and not b[0].is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(b[1], images[b.indices])
+        assert torch.equal(b[0], masks[b.indices])
+
+
 def test_metadata_set_by_the_caller_before_any_was_read_is_kept():
     """A whole batch's metadata is made when first read; a value the caller set before that
     (``batch.weights = ...``) stays when another attribute is read, pickled or copied."""
