@@ -295,6 +295,25 @@ def test_a_state_of_another_position_is_refused():
         list(resumed)
 
 
+def test_a_mid_epoch_state_holding_a_finished_sources_state_is_refused_at_load():
+    """A hand-mixed checkpoint: the SelectiveLoader's state of a batch mid-epoch with the source's
+    state of that epoch's end (saved after the pass). Resuming it would begin the next pass
+    where the loader expects the rest of this one; the load refuses it and names the fix."""
+    loader = iterable_loader()
+    it = iter(loader)
+    next(it)
+    mid = loader.state_dict()
+    list(it)
+    end = loader.state_dict()
+    assert end["source"]["finished"] and not mid["source"]["finished"]
+    mixed = dict(mid, source=end["source"])
+    with pytest.raises(ValueError, match="ended its epoch, but the SelectiveLoader state resumes"):
+        iterable_loader().load_state_dict(mixed)
+    resumed = iterable_loader()
+    resumed.load_state_dict(mid)  # (the state as saved still resumes)
+    assert run(resumed, 1)
+
+
 def test_accelerates_prepared_loader_is_not_taken_for_a_stateful_one():
     """Accelerate's prepared DataLoader has a state_dict() too (and reports its wrapped loader's
     class); it stays a DataLoaderSource."""
