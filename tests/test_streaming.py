@@ -252,6 +252,19 @@ def test_indices_beyond_the_stores_size_are_refused_naming_dataset_size(tmp_path
     released(loader)
 
 
+@pytest.mark.parametrize("size", [N - 1, N + 1, 3 * N])
+def test_a_dataset_size_other_than_the_sample_count_is_refused_with_sample_ids(mds, size):
+    """Without ``index_key=``, the indices are streaming's sample ids, which index the dataset's
+    N samples: another ``dataset_size`` would size the store wrong (too small for the ids, or
+    with rows no example ever fills). It is refused at construction, naming the fix; the right
+    size is accepted."""
+    with pytest.raises(ValueError, match=rf"dataset_size={size} was given.*{N} samples: leave"):
+        make_loader(mds, dataset_size=size)
+    loader = make_loader(mds, dataset_size=N)
+    assert loader.source.dataset_size == N
+    released(loader)
+
+
 def test_the_sample_id_beside_an_index_field_is_no_unused_model_input(tmp_path):
     """open_mds adds each sample's sample_id also where index_key= names a field of ids
     written with the data: the loader warned that the model was not given that tensor field,
