@@ -30,7 +30,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 import sbloader
-from sbloader import Phased, Policy, RandomBackprop, SelectiveBackprop, SelectiveLoader
+from sbloader import (
+    LoaderStats,
+    Phased,
+    Policy,
+    RandomBackprop,
+    SelectiveBackprop,
+    SelectiveLoader,
+)
 from sbloader.distributed import TEXT_LIMIT, RankSync, reduce_stats
 
 #: Seconds a spawned group may run before the test fails as a hang. NOTE: a group takes about
@@ -885,6 +892,7 @@ def scenario_limits(rank: int, world_size: int) -> dict:
         "global_alone": refused(cdf="global", distributed=False),
         "local_alone": refused(cdf="local", distributed=False),
         "texts": scenario_texts(rank, world_size),
+        "agreements": scenario_agreements(rank, world_size),
     }
 
 
@@ -901,6 +909,64 @@ def scenario_texts(rank: int, world_size: int) -> list[str]:
         sync.broadcast_text("", 1),
         sync.broadcast_text(long_text if rank == 1 else "", 1),
     ]
+
+
+def scenario_agreements(rank: int, world_size: int) -> dict:
+    """RankSync's agreements and reduce_stats called directly on two ranks, with values that
+    differ by rank: the errors reported by rank 0 (the lowest rank, named on every rank), a flag
+    raised on rank 1 only, a text broadcast in a group other than the world, the overlap check
+    over shares padded within its slack and past it, and the stats of two epochs (one whose
+    classes rank 0 could not count)."""
+    res: dict = {}
+    sync = RankSync()
+    # most(): rank 0 reports an error of kind 5 before the forwards; then rank 1 alone a flag.
+    res["most_failed"] = (sync.most(3 - rank, False, failed=5 if rank == 0 else 0), sync.failed)
+    res["most_flag"] = (sync.most(rank, rank == 1), sync.failed)
+    # agree(): both ranks report an error, of kinds 7 and 8: the lowest rank's is named.
+    res["agree_failed"] = (sync.agree(2 + rank, rank == 0, False, failed=7 + rank), sync.failed)
+    # broadcast_text in a group of one rank each (every rank makes both): its src 0 is global
+    # rank 1 on rank 1.
+    groups = [dist.new_group([r]) for r in range(world_size)]
+    res["group_text"] = RankSync(groups[rank]).broadcast_text(f"from rank {rank}", 0)
+
+    def overlap(passes: list[list[range]]) -> list[str]:
+        """The overlap warnings of a check armed for 80 examples, over passes (a bind each) of
+        this rank's source batches (each a range of indices)."""
+        check = RankSync()
+        check.arm_overlap_check(80)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for batches in passes:
+                check.bind(torch.device("cpu"))
+                for indices in batches:
+                    check.note_indices(np.asarray(indices, dtype=np.int64))
+            check.check_overlap()
+        return [str(w.message) for w in caught if "read by more than one" in str(w.message)]
+
+    own = [range(rank + 20 * b, rank + 20 * (b + 1), 2) for b in range(4)]  # batches of 10
+    # Disjoint shares padded with 15 and 25 examples read on both ranks: within the slack of a
+    # batch per rank (2 * 10), and past it.
+    res["overlap_padded"] = overlap([[*own, range(10), range(10, 15)]])
+    res["overlap_past"] = overlap([[*own, range(10), range(10, 20), range(20, 25)]])
+    # A pass broken off after two batches of the other rank's share (a sampler reshuffled per
+    # epoch), then a whole pass of its own: only the whole pass counts.
+    other = [range(1 - rank + 20 * b, 1 - rank + 20 * (b + 1), 2) for b in range(2)]
+    res["overlap_after_partial"] = overlap([other, own])
+
+    stats = LoaderStats()
+    first = stats.begin_epoch(0, target_rate=[1.0, 0.25][rank])
+    first.examples_seen = [10, 30][rank]
+    first.count_classes(np.array([[0, 1], [0, 1, 3, 3]][rank]), None)
+    second = stats.begin_epoch(1, target_rate=0.5)
+    second.count_classes([torch.zeros(2, 2), torch.tensor([0, 2])][rank], None)
+    reduced = reduce_stats(stats).epochs
+    res["reduced"] = [(e.target_rate, e.as_dict()["class_seen"]) for e in reduced]
+    try:
+        reduce_stats(stats if rank else LoaderStats())
+        res["reduced_apart"] = ""
+    except ValueError as e:
+        res["reduced_apart"] = str(e)
+    return res
 
 
 def scenario_feedback(rank: int, world_size: int) -> dict:
@@ -1745,6 +1811,31 @@ def test_a_text_broadcast_reaches_every_rank_as_its_source_passed_it(limits):
         assert empty == ""
         assert long_text == "é" * (TEXT_LIMIT // 2)
     assert limits[0]["texts"] == limits[1]["texts"]
+
+
+def test_agreements_name_the_lowest_failed_rank_and_reduce_what_every_rank_holds(limits):
+    """Called directly on two ranks: an error reported on rank 0 only, or on both, names rank 0
+    (and its kind) on every rank, and a flag raised on rank 1 only reaches rank 0; a text sent
+    from rank 0 of a group comes from that group's rank 0 (global rank 1 in rank 1's group of
+    one); the overlap check allows a batch per rank of padding, warns past it, and counts a
+    whole pass only; the reduced stats weigh each rank's target rate by its examples and sum
+    class counts of different lengths, unknown (None) on every rank where one rank could not
+    count them, and stats of different numbers of epochs are refused on every rank."""
+    for rank, r in enumerate(limits):
+        got = r["agreements"]
+        assert got["most_failed"] == ((3, False), (0, 5))
+        assert got["most_flag"] == ((1, True), None)
+        assert got["agree_failed"] == ((2, True), (0, 7))
+        assert got["group_text"] == f"from rank {rank}"
+        assert got["overlap_padded"] == [] and got["overlap_after_partial"] == []
+        (message,) = got["overlap_past"]
+        assert message.startswith("25 dataset indices were read by more than one of the 2 ranks")
+        # (1.0 * 10 + 0.25 * 30) / 40 examples; classes [1, 1] and [1, 1, 0, 2]
+        assert got["reduced"] == [(0.4375, [2, 2, 0, 2]), (0.5, None)]
+        assert got["reduced_apart"].startswith(
+            "reduce_stats needs stats of the same number of epochs on every rank, but ranks "
+            "hold between 0 and 2"
+        ), got["reduced_apart"]
 
 
 def test_cdf_global_with_each_rank_on_its_own_is_refused_on_every_rank(limits):
