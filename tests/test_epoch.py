@@ -36,10 +36,17 @@ CPU = torch.device("cpu")
 
 
 def make(n=120, policy=None, seed=0, model=None, source_batch=30, batch_size=10, **kw):
+    data, num_samples = EncodedDataset(n), kw.pop("num_samples", None)
     dl = DataLoader(
-        EncodedDataset(n),
+        data,
         batch_size=source_batch,
         generator=torch.Generator().manual_seed(1),
+        # (a sampler drawing num_samples examples a pass: an epoch shorter than the dataset)
+        sampler=None
+        if num_samples is None
+        else torch.utils.data.RandomSampler(
+            data, num_samples=num_samples, generator=torch.Generator().manual_seed(1)
+        ),
         shuffle=kw.pop("shuffle", False),
         drop_last=kw.pop("drop_last", False),
     )
@@ -175,6 +182,8 @@ def test_close_is_idempotent_and_an_error_closes_the_iterator():
             "policy",
         ),
         ({"n": 120}, {"n": 150}, "dataset_size"),
+        # (the same dataset and sampler class, another number of examples a pass)
+        ({"num_samples": 90}, {"num_samples": 60}, "epoch_size"),
         # A mid-epoch position counts source batches: resumed with another source batch size,
         # epoch length or subset, the epoch would skip or repeat examples.
         ({"source_batch": 30}, {"source_batch": 40}, "source_batch_size"),
