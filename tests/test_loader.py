@@ -957,6 +957,13 @@ def test_stale_epochs_treat_a_nonfinite_loss_as_its_selection_pass_did(nonfinite
         # Unchecked: ignored for inputs that are not 4-d, torch's error on the first 4-d batch.
         ({"memory_format": "channels_last"}, TypeError, r"memory_format should be a torch\.memo"),
         ({"memory_format": torch.float16}, TypeError, "memory_format should be a torch.memory_f"),
+        ({"metadata_key": 1}, TypeError, "metadata_key should be a str .* got metadata_key=1"),
+        # (a DataLoader over a map-style dataset: its batches have no index field to leave out)
+        (
+            {"drop_index": True},
+            ValueError,
+            "drop_index=True leaves the index field out .* have none",
+        ),
     ],
 )
 def test_bad_arguments_are_named(kwargs, exc, message):
