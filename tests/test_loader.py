@@ -254,6 +254,14 @@ def test_iterable_sources_with_and_without_an_index_field():
         assert torch.equal(b.indices, b[2]) and torch.equal(b[0][:, 0].long(), b.indices)
     no_idx = SelectiveLoader(batches, IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=5)
     assert all(b.indices is None for b in no_idx)
+    # What needs each example's dataset index is refused as the loader is built, naming it:
+    # a per-example store (Stale-SB), or a subset of the dataset.
+    for needs, what in (
+        ({"policy": SelectiveBackprop(0.5, staleness=2)}, "SelectiveBackprop"),
+        ({"subset": [0, 1]}, "subset="),
+    ):
+        with pytest.raises(ValueError, match=f"^{what}.*needs each example's dataset index, but"):
+            SelectiveLoader(batches, IndexLoss(), batch_size=5, **needs)
     with pytest.raises(TypeError, match="re-iterable"):
         SelectiveLoader(iter(batches), IndexLoss(), batch_size=5)
 
