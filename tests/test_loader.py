@@ -938,6 +938,10 @@ def test_stale_epochs_treat_a_nonfinite_loss_as_its_selection_pass_did(nonfinite
     for epoch in range(3):
         got = [i for b in loader for i in b.indices.tolist()]
         assert policy.needs_losses(epoch) == (epoch == 0)
+        if epoch == 0:  # the store counts a forced example as selected, a skipped one not
+            selected = policy.store.selected
+            assert (selected[sorted(bad)] == (nonfinite == "select")).all()
+            assert (np.delete(selected, sorted(bad)) == 1).all()
         kept_bad = bad & set(got)
         assert kept_bad == (set() if nonfinite == "skip" else bad), epoch
         assert len(got) == len(set(got)) and len(got) >= 190 - len(bad)
