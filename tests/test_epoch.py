@@ -714,7 +714,9 @@ def test_the_policy_never_sees_a_nonfinite_loss():
 def test_subset_mask_and_membership():
     mask = subset_mask(torch.tensor([4, 0]), 6)
     assert mask.tolist() == [True, False, False, False, True, False]
-    assert in_subset(mask, np.array([4, 5, -1, 99])).tolist() == [True, False, False, False]
+    # (6: the first index past the mask, as for a dataset of unknown size)
+    got = in_subset(mask, np.array([4, 5, -1, 99, 6])).tolist()
+    assert got == [True, False, False, False, False]
     assert subset_mask([2], None).tolist() == [False, False, True]
     with pytest.raises(ValueError, match=r"in \[0, 6\)"):
         subset_mask([6], 6)
@@ -813,7 +815,11 @@ def test_pending_rows_pop_joins_only_the_parts_it_needs_and_keeps_every_row_once
 def test_a_bad_field_is_one_kind_of_error_for_dicts_and_positions():
     dict_batches = [{"x": torch.zeros(2, 3), "y": torch.zeros(2, dtype=torch.long)}]
     tuple_batches = [(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long))]
-    for batches, kw in ((dict_batches, {"input_key": "image"}), (tuple_batches, {"input_key": 5})):
+    for batches, kw in (
+        (dict_batches, {"input_key": "image"}),
+        (tuple_batches, {"input_key": 5}),
+        (tuple_batches, {"input_key": 2}),  # (the first position past the last field)
+    ):
         loader = SelectiveLoader(batches, nn.Linear(3, 2), policy=Traditional(), batch_size=2, **kw)
         with pytest.raises(FieldError, match="input_key") as err:
             next(iter(loader))
