@@ -229,10 +229,16 @@ def test_a_mapping_batch_without_its_dropped_index_field_keeps_its_class():
 @pytest.mark.parametrize(
     "value, error, fix",
     [
-        (torch.tensor(2.0), ValueError, r"0-d tensor.*value\.expand\(len\(batch\)\)"),
-        ("train", TypeError, r"str.*\[value\] \* len\(batch\)"),
+        (torch.tensor(2.0), ValueError, r"of the batch is a 0-d tensor.*value\.expand\(len\("),
+        ("train", TypeError, r"of the batch is a str.*\[value\] \* len\(batch\)"),
+        # (a nested field whose entries disagree on the batch's number of examples)
+        (
+            {"a": torch.zeros(8), "b": torch.zeros(7)},
+            ValueError,
+            r"have different numbers of examples \(\{'a': 8, 'b': 7\}\)",
+        ),
     ],
-    ids=["0-d-tensor", "str"],
+    ids=["0-d-tensor", "str", "nested-lengths"],
 )
 def test_a_batch_level_field_is_refused_naming_the_field_and_the_fix(value, error, fix):
     """A collate_fn adding one value for the whole batch (a scale, a split's name) cannot be
@@ -256,7 +262,7 @@ def test_a_batch_level_field_is_refused_naming_the_field_and_the_fix(value, erro
             input_key="x",
             target_key="y",
         )
-        with pytest.raises(error, match=r"field 'extra' of the batch is a " + fix):
+        with pytest.raises(error, match=r"field 'extra' " + fix):
             next(iter(loader))
 
 
