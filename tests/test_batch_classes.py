@@ -414,6 +414,12 @@ def test_a_dict_batch_with_other_keys_is_refused_naming_the_missing_and_new_ones
     missing = r"keys \['x', 'i', 'z'\] \(missing \['y'\], new \['z'\]\)"
     with pytest.raises(ValueError, match=missing):
         list(loader)
+    # the same for a tuple batch that gains a field
+    rows = [tuple(b.values()) for b in encoded_batches([8, 8])]
+    rows[1] += (rows[1][0],)
+    loader = SelectiveLoader(rows, IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=4)
+    with pytest.raises(ValueError, match="changed its batch format: expected a 3-field tuple"):
+        list(loader)
 
 
 @dataclasses.dataclass
