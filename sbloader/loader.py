@@ -2267,10 +2267,12 @@ class SelectiveLoader(NotADataLoader):
         """Restore a state saved by :meth:`state_dict` (at an epoch boundary or mid-epoch).
 
         Refuses (``ValueError`` naming the field and both values) a state saved by a loader
-        with another seed, rank, world size, policy (kind or settings, such as a selectivity),
-        dataset size, source batch size or epoch length, ``subset``, ``batch_size``,
-        ``batches_per_epoch``, ``decisions``, ``keep_logits`` or ``frozen_prefix`` (whether
-        there is one), with or without ``quantize_selection``'s int8 copy (a copy that
+        with another seed, rank, world size, kind of source, policy (kind or settings, such as a
+        selectivity), dataset size, source batch size or epoch length, source order (its
+        sampler's class) or ``drop_last``, ``subset``, ``batch_size``, ``batches_per_epoch``,
+        ``remainder``, ``min_batch_size``, ``nonfinite``, ``decisions``, ``keep_logits`` or
+        ``frozen_prefix`` (whether there is one), ``eval_selection`` or ``cdf``, with or
+        without ``quantize_selection``'s int8 copy (a copy that
         ``"auto"`` chose is dropped instead for a state saved without one, and kept where the
         state is refused), and with
         ``decisions="device"`` a generator state of another kind of device than the loader's
@@ -2282,8 +2284,9 @@ class SelectiveLoader(NotADataLoader):
         The other speed options may differ (a run resumed on another machine): a state saved
         with another ``overlap_selection``, ``selection_scale``, ``compile_selection``,
         ``memory_format``, ``selection_batch_size``, explicit ``autocast``,
-        :class:`~sbloader.QuantizedSelection` settings or with or without a ``selector`` (of
-        another class) loads with a ``UserWarning`` naming each
+        :class:`~sbloader.QuantizedSelection` settings, with or without a ``selector`` (of
+        another class) or another ``loss_fn`` (a loss module's class and settings) loads with a
+        ``UserWarning`` naming each
         option and its saved value; the run then selects as this loader's options do, so it is
         not the uninterrupted run from here on. ``prefetch`` changes no selection and is not
         compared.

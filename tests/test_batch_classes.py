@@ -63,13 +63,15 @@ def namedtuple_loader(policy: Any, **kw: Any) -> SelectiveLoader:
     )
 
 
-def encoding_loader(policy: Any, collate: Any = encodings, **kw: Any) -> SelectiveLoader:
+def encoding_loader(
+    policy: Any, collate: Any = encodings, batch_size: int = 6, **kw: Any
+) -> SelectiveLoader:
     source = DataLoader(EncodedDataset(N), batch_size=12, collate_fn=collate)
     return SelectiveLoader(
         source,
         IndexLoss(),
         policy=policy,
-        batch_size=6,
+        batch_size=batch_size,
         seed=0,
         input_key="image",
         target_key="label",
@@ -100,10 +102,14 @@ def test_namedtuple_batches_stay_namedtuples(policy):
 
 
 @pytest.mark.parametrize(
-    "policy", [Traditional, lambda: SelectiveBackprop(0.5)], ids=["trad", "sb"]
+    ("policy", "batch_size"),
+    # (12: Traditional hands out whole source batches, whose results are made when first read:
+    # looked up before the class's own __getattr__, which knows only the batch's keys)
+    [(Traditional, 6), (Traditional, 12), (lambda: SelectiveBackprop(0.5), 6)],
+    ids=["trad", "trad-whole", "sb"],
 )
-def test_a_mapping_batch_class_keeps_its_methods_and_attribute_access(policy):
-    batches = list(encoding_loader(policy()))
+def test_a_mapping_batch_class_keeps_its_methods_and_attribute_access(policy, batch_size):
+    batches = list(encoding_loader(policy(), batch_size=batch_size))
     assert batches
     for b in batches:
         assert isinstance(b, Encoding) and type(b).__name__ == "SelectedEncoding"
@@ -223,10 +229,16 @@ def test_a_mapping_batch_without_its_dropped_index_field_keeps_its_class():
 @pytest.mark.parametrize(
     "value, error, fix",
     [
-        (torch.tensor(2.0), ValueError, r"0-d tensor.*value\.expand\(len\(batch\)\)"),
-        ("train", TypeError, r"str.*\[value\] \* len\(batch\)"),
+        (torch.tensor(2.0), ValueError, r"of the batch is a 0-d tensor.*value\.expand\(len\("),
+        ("train", TypeError, r"of the batch is a str.*\[value\] \* len\(batch\)"),
+        # (a nested field whose entries disagree on the batch's number of examples)
+        (
+            {"a": torch.zeros(8), "b": torch.zeros(7)},
+            ValueError,
+            r"have different numbers of examples \(\{'a': 8, 'b': 7\}\)",
+        ),
     ],
-    ids=["0-d-tensor", "str"],
+    ids=["0-d-tensor", "str", "nested-lengths"],
 )
 def test_a_batch_level_field_is_refused_naming_the_field_and_the_fix(value, error, fix):
     """A collate_fn adding one value for the whole batch (a scale, a split's name) cannot be
@@ -250,7 +262,7 @@ def test_a_batch_level_field_is_refused_naming_the_field_and_the_fix(value, erro
             input_key="x",
             target_key="y",
         )
-        with pytest.raises(error, match=r"field 'extra' of the batch is a " + fix):
+        with pytest.raises(error, match=r"field 'extra' " + fix):
             next(iter(loader))
 
 
@@ -401,6 +413,12 @@ def test_a_dict_batch_with_other_keys_is_refused_naming_the_missing_and_new_ones
     )
     missing = r"keys \['x', 'i', 'z'\] \(missing \['y'\], new \['z'\]\)"
     with pytest.raises(ValueError, match=missing):
+        list(loader)
+    # the same for a tuple batch that gains a field
+    rows = [tuple(b.values()) for b in encoded_batches([8, 8])]
+    rows[1] += (rows[1][0],)
+    loader = SelectiveLoader(rows, IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=4)
+    with pytest.raises(ValueError, match="changed its batch format: expected a 3-field tuple"):
         list(loader)
 
 

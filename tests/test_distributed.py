@@ -1374,6 +1374,14 @@ def resumed_apart(rank: int, world_size: int, data: Dataset) -> dict:
     mixed = build()
     mixed.load_state_dict(mid if rank == 0 else boundary)
     res["mixed"] = attempt(mixed)
+    # Another rank's state (as its identity says: states swapped between the ranks' files).
+    swapped = copy.deepcopy(boundary)
+    swapped["identity"]["rank"] = 1 - rank
+    try:
+        build().load_state_dict(swapped)
+        res["swapped"] = "loaded"
+    except ValueError as e:
+        res["swapped"] = str(e)
     return res
 
 
@@ -2409,7 +2417,8 @@ def test_ranks_resuming_from_different_positions_are_refused_on_every_rank(tmp_p
     """A state loaded on rank 0 only (under `if rank == 0:`) put the ranks in different epochs,
     and states of different steps at different batches of one: the next collectives hung,
     aborted the group, or paired batches of different positions. Refused as the epoch begins,
-    on every rank, naming what differs; loading the right states afterwards resumes exactly."""
+    on every rank, naming what differs; loading the right states afterwards resumes exactly. A
+    state of another rank is refused as it is loaded, naming both ranks and the fix."""
     results = run_ranks("mismatches", 2, tmp_path)
     for rank, res in enumerate(results):
         lone, mixed = res["lone"], res["mixed"]
@@ -2420,3 +2429,8 @@ def test_ranks_resuming_from_different_positions_are_refused_on_every_rank(tmp_p
         where = "epoch 1 after 1 batches" if rank == 0 else "epoch 1."
         assert f"this rank ({rank}) begins {where}" in mixed, mixed
         assert res["mended"] is True
+        # another rank's state is refused naming both ranks and the fix
+        assert res["swapped"].startswith(
+            f"rank {rank} was given the loader state of rank {1 - rank}: every rank must load "
+            "its own state"
+        ), res["swapped"]

@@ -36,10 +36,17 @@ CPU = torch.device("cpu")
 
 
 def make(n=120, policy=None, seed=0, model=None, source_batch=30, batch_size=10, **kw):
+    data, num_samples = EncodedDataset(n), kw.pop("num_samples", None)
     dl = DataLoader(
-        EncodedDataset(n),
+        data,
         batch_size=source_batch,
         generator=torch.Generator().manual_seed(1),
+        # (a sampler drawing num_samples examples a pass: an epoch shorter than the dataset)
+        sampler=None
+        if num_samples is None
+        else torch.utils.data.RandomSampler(
+            data, num_samples=num_samples, generator=torch.Generator().manual_seed(1)
+        ),
         shuffle=kw.pop("shuffle", False),
         drop_last=kw.pop("drop_last", False),
     )
@@ -175,6 +182,8 @@ def test_close_is_idempotent_and_an_error_closes_the_iterator():
             "policy",
         ),
         ({"n": 120}, {"n": 150}, "dataset_size"),
+        # (the same dataset and sampler class, another number of examples a pass)
+        ({"num_samples": 90}, {"num_samples": 60}, "epoch_size"),
         # A mid-epoch position counts source batches: resumed with another source batch size,
         # epoch length or subset, the epoch would skip or repeat examples.
         ({"source_batch": 30}, {"source_batch": 40}, "source_batch_size"),
@@ -705,7 +714,9 @@ def test_the_policy_never_sees_a_nonfinite_loss():
 def test_subset_mask_and_membership():
     mask = subset_mask(torch.tensor([4, 0]), 6)
     assert mask.tolist() == [True, False, False, False, True, False]
-    assert in_subset(mask, np.array([4, 5, -1, 99])).tolist() == [True, False, False, False]
+    # (6: the first index past the mask, as for a dataset of unknown size)
+    got = in_subset(mask, np.array([4, 5, -1, 99, 6])).tolist()
+    assert got == [True, False, False, False, False]
     assert subset_mask([2], None).tolist() == [False, False, True]
     with pytest.raises(ValueError, match=r"in \[0, 6\)"):
         subset_mask([6], 6)
@@ -804,7 +815,11 @@ def test_pending_rows_pop_joins_only_the_parts_it_needs_and_keeps_every_row_once
 def test_a_bad_field_is_one_kind_of_error_for_dicts_and_positions():
     dict_batches = [{"x": torch.zeros(2, 3), "y": torch.zeros(2, dtype=torch.long)}]
     tuple_batches = [(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long))]
-    for batches, kw in ((dict_batches, {"input_key": "image"}), (tuple_batches, {"input_key": 5})):
+    for batches, kw in (
+        (dict_batches, {"input_key": "image"}),
+        (tuple_batches, {"input_key": 5}),
+        (tuple_batches, {"input_key": 2}),  # (the first position past the last field)
+    ):
         loader = SelectiveLoader(batches, nn.Linear(3, 2), policy=Traditional(), batch_size=2, **kw)
         with pytest.raises(FieldError, match="input_key") as err:
             next(iter(loader))

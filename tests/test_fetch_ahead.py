@@ -110,6 +110,16 @@ def test_unconsumed_is_checked():
     it.close(resumable=False)
     with pytest.raises(ValueError, match="no epoch is running"):
         loader.state_dict(unconsumed=1)
+    # A loaded state replaces the epoch left part-way: the batch that epoch handed out last is
+    # no batch of the loaded run, and is not taken back into its state.
+    it = iter(loader)
+    next(it)
+    mid = loader.state_dict()
+    next(it)
+    it.close()
+    loader.load_state_dict(mid)
+    with pytest.raises(ValueError, match="no epoch is running"):
+        loader.state_dict(unconsumed=1)
 
 
 @pytest.mark.filterwarnings("ignore:overlap_selection=True with")

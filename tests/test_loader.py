@@ -254,6 +254,14 @@ def test_iterable_sources_with_and_without_an_index_field():
         assert torch.equal(b.indices, b[2]) and torch.equal(b[0][:, 0].long(), b.indices)
     no_idx = SelectiveLoader(batches, IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=5)
     assert all(b.indices is None for b in no_idx)
+    # What needs each example's dataset index is refused as the loader is built, naming it:
+    # a per-example store (Stale-SB), or a subset of the dataset.
+    for needs, what in (
+        ({"policy": SelectiveBackprop(0.5, staleness=2)}, "SelectiveBackprop"),
+        ({"subset": [0, 1]}, "subset="),
+    ):
+        with pytest.raises(ValueError, match=f"^{what}.*needs each example's dataset index, but"):
+            SelectiveLoader(batches, IndexLoss(), batch_size=5, **needs)
     with pytest.raises(TypeError, match="re-iterable"):
         SelectiveLoader(iter(batches), IndexLoss(), batch_size=5)
 
@@ -930,6 +938,10 @@ def test_stale_epochs_treat_a_nonfinite_loss_as_its_selection_pass_did(nonfinite
     for epoch in range(3):
         got = [i for b in loader for i in b.indices.tolist()]
         assert policy.needs_losses(epoch) == (epoch == 0)
+        if epoch == 0:  # the store counts a forced example as selected, a skipped one not
+            selected = policy.store.selected
+            assert (selected[sorted(bad)] == (nonfinite == "select")).all()
+            assert (np.delete(selected, sorted(bad)) == 1).all()
         kept_bad = bad & set(got)
         assert kept_bad == (set() if nonfinite == "skip" else bad), epoch
         assert len(got) == len(set(got)) and len(got) >= 190 - len(bad)
@@ -957,6 +969,13 @@ def test_stale_epochs_treat_a_nonfinite_loss_as_its_selection_pass_did(nonfinite
         # Unchecked: ignored for inputs that are not 4-d, torch's error on the first 4-d batch.
         ({"memory_format": "channels_last"}, TypeError, r"memory_format should be a torch\.memo"),
         ({"memory_format": torch.float16}, TypeError, "memory_format should be a torch.memory_f"),
+        ({"metadata_key": 1}, TypeError, "metadata_key should be a str .* got metadata_key=1"),
+        # (a DataLoader over a map-style dataset: its batches have no index field to leave out)
+        (
+            {"drop_index": True},
+            ValueError,
+            "drop_index=True leaves the index field out .* have none",
+        ),
     ],
 )
 def test_bad_arguments_are_named(kwargs, exc, message):

@@ -429,6 +429,11 @@ def _returning(make):
             "probabilities are in \\[0, 1\\]",
         ),
         (
+            lambda n: Choice(np.array([1, 0]), np.full(n, 1.5), np.ones(2)),
+            ValueError,
+            "probabilities are in \\[0, 1\\].*got probabilities\\[0\\] = 1.5",
+        ),
+        (
             lambda n: Choice(np.array([1, 0]), np.full(n, 0.5), np.array(["1", "1"])),
             TypeError,
             "weights are floats",

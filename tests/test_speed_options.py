@@ -333,6 +333,14 @@ def test_channels_last_3d_converts_video_inputs_and_preserve_format_is_refused()
     assert all(b[0].is_contiguous(memory_format=torch.channels_last_3d) for b in batches)
     _, images_ = run(epochs=1, memory_format=torch.channels_last_3d)  # 4-d: left as they are
     assert images_[0][0].is_contiguous()
+    flat = SelectiveLoader(  # channels_last lays out 4-d images: videos are left as they are
+        DataLoader(videos, batch_size=12),
+        seeded(LayoutRecorder),
+        policy=SelectiveBackprop(0.5, history=16),
+        batch_size=4,
+        memory_format=torch.channels_last,
+    )
+    assert all(b[0].is_contiguous() for b in flat)
     with pytest.raises(ValueError, match=r"memory_format=torch\.preserve_format; pass"):
         run(memory_format=torch.preserve_format)
 
