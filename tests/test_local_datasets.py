@@ -214,6 +214,17 @@ def test_svhn_tensors_use_train_statistics(tmp_path):
     _check_normalised_with_train_stats("svhn", tmp_path)
 
 
+def test_a_constant_channel_is_normalised_to_zero_not_nan(tmp_path):
+    for split, n in (("train", 3), ("test", 2)):
+        data = np.zeros((n, 3, 1024), np.uint8)
+        data[:, 1] = 77  # green is one value everywhere: its std is 0
+        data[:, 2] = np.arange(n * 1024).reshape(n, 1024) % 256
+        entry = {"data": data.reshape(n, 3072), "fine_labels": [0] * n}
+        _pickle(tmp_path / "cifar-100-python" / split, entry)
+    x, _ = local_dataset_tensors("cifar100", "test", tmp_path)
+    assert torch.isfinite(x).all() and not x[:, :2].any() and x[:, 2].std() > 0.5
+
+
 def test_train_split_is_read_once_per_root(tmp_path):
     write_cifar10(tmp_path)
     first, _ = local_dataset_tensors("cifar10", "test", tmp_path)
