@@ -197,6 +197,11 @@ def test_mid_epoch_resume_is_refused_for_quasi_random(beton):
     with pytest.raises(ValueError, match=r"batch_size=32, but this one has .*batch_size=30"):
         other_size.load_state_dict(state, mid_epoch=True)
     other_size.load_state_dict(state, mid_epoch=False)  # a new epoch may batch otherwise
+    dropping = sbffcv.FFCVSource(
+        sbffcv.open_beton(beton, 32, order="random", seed=2, drop_last=True)
+    )
+    with pytest.raises(ValueError, match=r"drop_last=False, but this \w+ has \w*drop_last=True"):
+        dropping.load_state_dict(state, mid_epoch=True)
     with pytest.raises(ValueError, match=rf"read {N + 1} examples but .* has {N}; open the same"):
         other_size.load_state_dict({**state, "num_samples": N + 1})  # another file's
 
