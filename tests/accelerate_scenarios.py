@@ -177,6 +177,8 @@ def run(out: Path) -> dict[str, Any]:
     model, opt, loader = build(resumed)
     resumed.load_state(str(out / "ckpt"))
     result["resumed_at"] = (loader.loader.epoch, loader.loader.state_dict()["position"])
+    saved = loader.state_dict()  # (a collective: every rank's state)
+    result["saved_processes"] = (saved["world_size"], len(saved["ranks"]))
     result["resumed"] = train(resumed, model, opt, loader)
     accelerator.wait_for_everyone()
     result["bare"] = bare_loader_registered(out / "bare")

@@ -26,8 +26,9 @@ import sbloader
 accelerate = pytest.importorskip("accelerate")
 import accelerate_scenarios as S  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
-from accelerate.data_loader import prepare_data_loader  # noqa: E402
+from accelerate.data_loader import DataLoaderShard, prepare_data_loader  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from accelerate.utils import GradientAccumulationPlugin  # noqa: E402
 from conftest import no_native_bf16  # noqa: E402
 from launch import ROOT, torchrun_ranks  # noqa: E402
 
@@ -65,6 +66,23 @@ def test_epoch_size_and_length_are_each_processes_share(ranks):
         assert r["len"] == S.N // 2 // S.SOURCE_BATCH
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("even_batches", [True, False])
+def test_epoch_size_is_what_each_processes_shard_yields(fresh_accelerate, drop_last, even_batches):
+    """Where the processes' shares differ (99 examples in batches of 8: a short last batch,
+    even_batches' padding, a dropped last batch), each process's epoch_size is the examples
+    its shard yields."""
+    for rank in range(2):
+        shard = prepare_data_loader(
+            DataLoader(data(99), batch_size=8, drop_last=drop_last),
+            num_processes=2,
+            process_index=rank,
+            even_batches=even_batches,
+        )
+        yielded = sum(len(x) for x, _ in shard)
+        assert AcceleratedShardSource(shard).epoch_size == yielded, rank
+
+
 def test_ranks_take_equal_steps_on_disjoint_examples(ranks):
     ref = [r["reference"] for r in ranks]
     assert [len(e) for e in ref[0]] == [len(e) for e in ref[1]]
@@ -95,6 +113,7 @@ def test_register_for_checkpointing_resumes_exactly(ranks):
         assert [s["indices"] for s in resumed] == [s["indices"] for s in ref[cut:]]
         assert [s["sync"] for s in resumed] == [s["sync"] for s in ref[cut:]]
         assert r["resumed_at"][0] == S.SAVE_EPOCH and r["resumed_at"][1] > 0  # mid-epoch
+        assert r["saved_processes"] == (2, 2)  # every process's state, and their number
 
 
 def test_the_selective_loader_registered_itself_is_refused_on_another_rank(ranks):
@@ -118,10 +137,15 @@ def data(n: int = 96) -> TensorDataset:
     return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
 
 
-def one_process_setup(accumulate: int) -> tuple[Any, nn.Module, Any, sbloader.SelectiveLoader]:
+def one_process_setup(
+    accumulate: int, sync_with_dataloader: bool = True
+) -> tuple[Any, nn.Module, Any, sbloader.SelectiveLoader]:
     """One process's Accelerator, prepared model and optimizer, and a SelectiveLoader (SB at
     1/2, batches of 4) over a prepared shuffling DataLoader of :func:`data`."""
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
+    plugin = GradientAccumulationPlugin(
+        num_steps=accumulate, sync_with_dataloader=sync_with_dataloader
+    )
+    accelerator = Accelerator(cpu=True, gradient_accumulation_plugin=plugin)
     torch.manual_seed(0)
     model = nn.Linear(6, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -135,13 +159,17 @@ def one_process_setup(accumulate: int) -> tuple[Any, nn.Module, Any, sbloader.Se
 
 
 def one_process_run(
-    accumulate: int, ckpt: Path | None = None, load: bool = False, wrap: bool = True
+    accumulate: int,
+    ckpt: Path | None = None,
+    load: bool = False,
+    wrap: bool = True,
+    sync_with_dataloader: bool = True,
 ) -> tuple[list[list[tuple[list[int], bool]]], sbloader.SelectiveLoader]:
     """Two epochs on one process: per epoch, per step, the indices and sync_gradients.
 
     ``ckpt``: save there after the 4th step (or, with ``load``, resume from it); ``wrap=False``
     iterates the SelectiveLoader itself instead of an AcceleratedLoader."""
-    accelerator, model, opt, sb = one_process_setup(accumulate)
+    accelerator, model, opt, sb = one_process_setup(accumulate, sync_with_dataloader)
     loader = AcceleratedLoader(sb) if wrap else sb
     if wrap:
         accelerator.register_for_checkpointing(loader)
@@ -185,6 +213,17 @@ def test_one_process_source_and_accumulation(fresh_accelerate):
     for steps in log:
         assert steps[-1][1] is True
     assert any(len(steps) % 3 for steps in log)
+
+
+def test_the_loader_is_accelerates_active_dataloader_only_while_its_epoch_runs(fresh_accelerate):
+    """As Accelerate's own loaders: registered with GradientState during an epoch (so that
+    accumulate() syncs at its end), unregistered once it ends."""
+    accelerator, _, _, sb = one_process_setup(accumulate=2)
+    loader = AcceleratedLoader(sb)
+    for _ in range(2):
+        inside = [accelerator.gradient_state.active_dataloader is loader for _ in loader]
+        assert inside and all(inside)
+        assert not accelerator.gradient_state.in_dataloader
 
 
 def test_one_process_checkpoint_resumes_exactly(fresh_accelerate, tmp_path):
@@ -242,12 +281,16 @@ def test_a_checkpoint_at_an_epochs_last_step_resumes_with_that_epochs_end(
     assert end_epoch == 3
 
 
-def test_without_accumulation_nothing_runs_ahead(fresh_accelerate):
-    """gradient_accumulation_steps=1: the batches are the plain SelectiveLoader's (no
-    look-ahead), though the model trains between them."""
-    ahead, _ = one_process_run(accumulate=1)
+@pytest.mark.parametrize("accumulate, sync_with_dataloader", [(1, True), (2, False)])
+def test_without_accumulation_nothing_runs_ahead(
+    fresh_accelerate, accumulate, sync_with_dataloader
+):
+    """gradient_accumulation_steps=1, or accumulation that does not sync with the loader's
+    end: the batches are the plain SelectiveLoader's (no look-ahead), though the model trains
+    between them."""
+    ahead, _ = one_process_run(accumulate, sync_with_dataloader=sync_with_dataloader)
     reset_accelerate()
-    plain, _ = one_process_run(accumulate=1, wrap=False)
+    plain, _ = one_process_run(accumulate, wrap=False, sync_with_dataloader=sync_with_dataloader)
     assert ahead == plain
 
 
@@ -270,6 +313,21 @@ class Stream(IterableDataset):
             lambda a: a.prepare(DataLoader(data(), batch_size=4)),
             {"index_key": 0},
             "drop index_key",
+        ),
+        (  # not dispatched: each process reads its shard of the stream, without indices
+            lambda a: prepare_data_loader(
+                DataLoader(Stream(), batch_size=4),
+                num_processes=2,
+                process_index=0,
+                dispatch_batches=False,
+            ),
+            {},
+            "over an iterable dataset",
+        ),
+        (  # a DataLoaderShard built to skip its first batches
+            lambda a: DataLoaderShard(data(), batch_size=4, skip_batches=1),
+            {},
+            "skips its first batches.*restoring the SelectiveLoader's state",
         ),
         (  # as accelerator.prepare builds it on 2 processes with split_batches=True
             lambda a: prepare_data_loader(

@@ -88,3 +88,10 @@ def test_a_selective_loader_over_it_yields_the_same_batches_and_indices(policy):
     assert len(fast) == len(slow) > 0
     for a, b in zip(fast, slow):
         assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_tensors_of_different_lengths_are_refused_naming_them():
+    with pytest.raises(ValueError, match=r"tensor 1 has 4 rows but tensor 0 has 3"):
+        ArrayDataset(torch.zeros(3, 2), torch.zeros(4))
+    with pytest.raises(ValueError, match="at least one tensor"):
+        ArrayDataset()

@@ -193,6 +193,17 @@ def test_mid_epoch_resume_is_refused_for_quasi_random(beton):
     state = sbffcv.FFCVSource(sbffcv.open_beton(beton, 32, order="random", seed=2)).state_dict()
     with pytest.raises(ValueError, match="seed"):
         other_seed.load_state_dict(state, mid_epoch=True)
+    other_size = sbffcv.FFCVSource(sbffcv.open_beton(beton, 30, order="random", seed=2))
+    with pytest.raises(ValueError, match=r"batch_size=32, but this one has .*batch_size=30"):
+        other_size.load_state_dict(state, mid_epoch=True)
+    other_size.load_state_dict(state, mid_epoch=False)  # a new epoch may batch otherwise
+    dropping = sbffcv.FFCVSource(
+        sbffcv.open_beton(beton, 32, order="random", seed=2, drop_last=True)
+    )
+    with pytest.raises(ValueError, match=r"drop_last=False, but this \w+ has \w*drop_last=True"):
+        dropping.load_state_dict(state, mid_epoch=True)
+    with pytest.raises(ValueError, match=rf"read {N + 1} examples but .* has {N}; open the same"):
+        other_size.load_state_dict({**state, "num_samples": N + 1})  # another file's
 
 
 def test_a_quasi_random_state_saved_mid_epoch_is_warned_of_when_saved(beton):
@@ -304,6 +315,12 @@ def test_selective_loader_takes_an_ffcv_loader_directly(beton):
         assert torch.equal(index, batch.indices)
     by_position = SelectiveLoader(loader, model(), policy=Traditional(), index_key=2)
     assert len(by_position) == 10 and all(b.indices is not None for b in by_position)
+    # a position counts from either end, as in Python; one past either end is refused
+    assert sbffcv.FFCVSource(loader, index_field=-1).index_field == "index"
+    assert sbffcv.FFCVSource(loader, index_field=-3).index_field == "image"
+    for outside in (3, -4):
+        with pytest.raises(ValueError, match=rf"index_field={outside} is no position"):
+            sbffcv.FFCVSource(loader, index_field=outside)
 
 
 def test_drop_index_leaves_the_index_output_out(beton):

@@ -145,6 +145,15 @@ def test_the_default_policy_anneals_in_the_last_eighth_of_max_epochs():
     assert e[1].selection_forwards > 0 and e[0].selection_forwards == 0
 
 
+def test_max_epochs_plans_the_default_recipe_from_two_epochs_on():
+    """The Trainer's max_epochs becomes planned_epochs from 2 on (1 or unbounded: none)."""
+    module = Classifier()
+    source = DataLoader(data(), batch_size=64)
+    for epochs, planned in [(1, None), (-1, None), (2, 2), (8, 8)]:
+        module.trainer = trainer(epochs=epochs)
+        assert selective_loader(module, source, batch_size=24).loader.planned_epochs == planned
+
+
 class Reporting(Classifier):
     """Reports each step's per-example losses, as the README's loop does."""
 
@@ -363,6 +372,28 @@ def test_resume_when_lightning_stops_by_count(tmp_path, where):
     assert not [w for w in caught if "not resumable" in str(w.message)]
 
 
+def test_an_epoch_stopped_by_count_ends_as_a_plain_loop_ends_it():
+    """Lightning stops after len() batches without asking for the end of the epoch; the
+    callback ends it as a plain loop's next() would. Abandoning it instead left the source's
+    sampler unexhausted (a torch RandomSampler draws from its generator again at its end), so
+    every later epoch's order differed from the plain loop's."""
+
+    def source():
+        g = torch.Generator().manual_seed(1)
+        return DataLoader(data(), batch_size=64, shuffle=True, generator=g)
+
+    class WholeBatches(Classifier):  # the last batch is full: yielded before the source ends
+        def train_dataloader(self):
+            return selective_loader(self, source(), policy=Traditional(), batch_size=32, seed=0)
+
+    module = WholeBatches()
+    t = trainer(epochs=3)
+    t.fit(module)
+    assert len(t.train_dataloader) == N // 32
+    loader = SelectiveLoader(source(), nn.Linear(8, 4), policy=Traditional(), batch_size=32)
+    assert module.trained == [b.indices.tolist() for _ in range(3) for b in loader]
+
+
 def test_resume_after_an_epoch_cut_short_by_limit_train_batches(tmp_path):
     """limit_train_batches ends Lightning's epoch early: the loader's epoch is abandoned, and a
     checkpoint saved then resumes at the next epoch, as the uninterrupted run goes on."""
@@ -554,6 +585,18 @@ def test_reload_dataloaders_every_epoch_trains_what_one_loader_does(tmp_path, op
         assert once.trained[: step_of(path)] + again.trained == once.trained, path.name
 
 
+def test_batches_fetched_before_any_training_are_handed_out_again_in_order():
+    """Iterated again before training_step saw a batch (as Lightning does with a rebuilt
+    loader), the batches fetched ahead come again, in the order they came, then the rest."""
+    wrapped = lightning_sb.LightningLoader(
+        SelectiveLoader(DataLoader(data(), batch_size=64), nn.Linear(8, 4), policy=Traditional())
+    )
+    first = iter(wrapped)
+    ahead = [next(first).indices.tolist() for _ in range(3)]
+    again = iter(wrapped)
+    assert [next(again).indices.tolist() for _ in range(4)] == [*ahead, list(range(192, 256))]
+
+
 def test_resume_from_a_validation_checkpoint_on_the_last_batch_of_an_epoch(tmp_path):
     """ModelCheckpoint(monitor=...) saves when validation ends; at an epoch's last batch
     (val_check_interval) the loader's epoch has ended already, and the resumed run calls
@@ -678,6 +721,34 @@ def test_under_ddp_a_source_that_does_not_split_the_data_is_refused_and_others_a
             return iter((d[i][0], d[i][1], i) for i in range(0, 64, 2))
 
     build(DataLoader(Stream(), batch_size=8))
+
+
+def test_a_checkpoint_of_another_number_of_processes_is_refused_and_kept_until_then():
+    """The callback's restored state is saved again as it was while no loader is built, and
+    a state of 2 processes is refused by a run of 1, naming the fix."""
+    module = Classifier()
+    saved = trainer(epochs=1)
+    module.trainer = saved
+    selective_loader(module, DataLoader(data(), batch_size=64), batch_size=24)
+    state = saved.callbacks[0].state_dict()
+    two = {**state, "ranks": state["ranks"] * 2}
+    callback = SelectiveLoaderCallback()
+    callback.load_state_dict(two)
+    assert callback.state_dict() == two
+    module.trainer = trainer(epochs=1, naive=True, callbacks=[callback])
+    with pytest.raises(ValueError, match=r"states of 2 processes, but this run has 1; resume"):
+        selective_loader(module, DataLoader(data(), batch_size=64), batch_size=24)
+
+
+def test_a_mid_epoch_checkpoint_saved_without_the_callback_is_refused_naming_it(tmp_path):
+    """Lightning restores a loader's state mid-epoch; a checkpoint saved without the callback
+    holds none for it (the loader's own state, one batch ahead), and is refused."""
+    steps = pl.callbacks.ModelCheckpoint(
+        dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1, filename="{step}"
+    )
+    trainer(epochs=1, callbacks=[steps], naive=True).fit(Classifier(naive=True))
+    with pytest.raises(RuntimeError, match="holds no SelectiveLoaderCallback state"):
+        trainer(epochs=1).fit(Classifier(), ckpt_path=tmp_path / "step=5.ckpt")
 
 
 @pytest.mark.parametrize("policy", [Traditional, warmup_then_sb], ids=["traditional", "phased"])

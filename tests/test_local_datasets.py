@@ -214,6 +214,17 @@ def test_svhn_tensors_use_train_statistics(tmp_path):
     _check_normalised_with_train_stats("svhn", tmp_path)
 
 
+def test_a_constant_channel_is_normalised_to_zero_not_nan(tmp_path):
+    for split, n in (("train", 3), ("test", 2)):
+        data = np.zeros((n, 3, 1024), np.uint8)
+        data[:, 1] = 77  # green is one value everywhere: its std is 0
+        data[:, 2] = np.arange(n * 1024).reshape(n, 1024) % 256
+        entry = {"data": data.reshape(n, 3072), "fine_labels": [0] * n}
+        _pickle(tmp_path / "cifar-100-python" / split, entry)
+    x, _ = local_dataset_tensors("cifar100", "test", tmp_path)
+    assert torch.isfinite(x).all() and not x[:, :2].any() and x[:, 2].std() > 0.5
+
+
 def test_train_split_is_read_once_per_root(tmp_path):
     write_cifar10(tmp_path)
     first, _ = local_dataset_tensors("cifar10", "test", tmp_path)
@@ -289,6 +300,10 @@ def test_cifar_file_with_wrong_contents_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"\(N, 3072\)") as info:
         load_local_dataset("cifar100", "test", tmp_path)
     assert str(path) in str(info.value)
+    # rows of another width: 3 x 1024 bytes would have read as one image
+    _pickle(path, {"data": np.zeros((3, 1024), np.uint8), "fine_labels": [0, 1, 2]})
+    with pytest.raises(ValueError, match=r"\(N, 3072\), but got uint8 \(3, 1024\)"):
+        load_local_dataset("cifar100", "test", tmp_path)
 
     _pickle(path, {"data": np.zeros((2, 3072), np.uint8), "fine_labels": [0, 1, 2]})
     with pytest.raises(ValueError, match="one label per row") as info:
@@ -323,6 +338,10 @@ def test_svhn_file_with_wrong_contents_is_named(tmp_path):
     savemat(path, {"X": np.zeros((32, 32, 3, 2), np.uint8), "y": np.ones((3, 1))})
     with pytest.raises(ValueError, match=r"\(2, 1\)"):
         load_local_dataset("svhn", "test", tmp_path)
+    for shape in ((1, 2), (2, 1, 1)):  # one label per image, but not as a column
+        savemat(path, {"X": np.zeros((32, 32, 3, 2), np.uint8), "y": np.ones(shape)})
+        with pytest.raises(ValueError, match=r"\(2, 1\), one label per image, but got"):
+            load_local_dataset("svhn", "test", tmp_path)
 
     savemat(path, {"X": np.zeros((32, 32, 3, 2), np.uint8), "y": np.zeros((2, 1))})
     with pytest.raises(ValueError, match=r"1\.\.10"):
@@ -344,3 +363,24 @@ def test_idx_files_are_read_into_writable_arrays(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch.from_numpy(array)
+
+
+def _write_idx(path: Path, array: np.ndarray, kind: int = 0x08) -> None:
+    dims = b"".join(d.to_bytes(4, "big") for d in array.shape)
+    path.write_bytes(bytes([0, 0, kind, array.ndim]) + dims + array.tobytes())
+
+
+def test_fashion_mnist_files_are_checked_and_read_with_int64_labels(tmp_path):
+    """The test split's t10k files, labels as int64; a file of other than unsigned bytes, or
+    images and labels of different counts, are refused naming the files."""
+    images = np.arange(2 * 28 * 28, dtype=np.uint8).reshape(2, 28, 28)
+    _write_idx(tmp_path / "t10k-images-idx3-ubyte", images)
+    _write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.array([3, 7], np.uint8))
+    x, y = datasets.load_fashion_mnist("test", tmp_path)
+    assert np.array_equal(x, images) and y.dtype == np.int64 and y.tolist() == [3, 7]
+    _write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.array([3, 7, 1], np.uint8))
+    with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte has 2 images but .* 3 labels"):
+        datasets.load_fashion_mnist("test", tmp_path)
+    _write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.array([3, 7], ">i4"), kind=0x0C)
+    with pytest.raises(ValueError, match=r"t10k-labels-idx1-ubyte is not an unsigned-byte IDX"):
+        datasets.load_fashion_mnist("test", tmp_path)
