@@ -1646,8 +1646,19 @@ def test_a_dataloader_subclass_with_its_own_iter_is_warned_of_with_the_fix():
     data = torch.utils.data.TensorDataset(torch.full((20, 4), 100.0), torch.zeros(20).long())
     with pytest.warns(UserWarning, match=r"_Normalising's own __iter__ is not run.*collate_fn"):
         SelectiveLoader(_Normalising(data, batch_size=5), nn.Linear(4, 3))
-    with pytest.warns(UserWarning, match=r"_KeepsIterator's own __iter__ is not run"):
+    with pytest.warns(UserWarning, match=r"_KeepsIterator's own __iter__ is not run") as said:
         kept = SelectiveLoader(_KeepsIterator(data, batch_size=5), nn.Linear(4, 3))
+    with pytest.warns(UserWarning, match=r"_KeepsIterator's own __iter__ is not run") as el2n:
+        sbloader.el2n_scores(
+            lambda: nn.Linear(4, 3),
+            _KeepsIterator(data, batch_size=5),
+            make_optimizer=lambda m: torch.optim.SGD(m.parameters(), 0.1),
+            models=1,
+            epochs=0,
+        )
+    # It names the caller's line (sbloader's own call of make_source before), which warning
+    # filters by module and Python's once-per-location default go by.
+    assert [w.filename for w in (*said, *el2n)] == [__file__, __file__]
     plain = SelectiveLoader(DataLoader(data, batch_size=5), nn.Linear(4, 3))
     assert [b.indices.tolist() for b in kept] == [b.indices.tolist() for b in plain]
 
