@@ -1497,6 +1497,51 @@ def test_the_source_classes_refuse_what_they_cannot_read_naming_it():
     assert IterableSource([(torch.zeros(2), torch.zeros(2))]).has_indices() is False
 
 
+def test_make_source_adapts_each_kind_of_source_and_checks_dataset_size():
+    """Which Source wraps what: a Source as it is; a DataLoader over a map-style dataset through
+    its indices, with index_key as it iterates; a DataLoader over an iterable dataset, and a list,
+    as iterables (index_key and dataset_size kept); torchdata's StatefulDataLoader (a subclass
+    too) by its own state, and not a class that only shares its name; a dataset_size that the
+    source contradicts, and what is not iterable, refused."""
+    from torch.utils.data import IterableDataset
+
+    from sbloader.adapt import make_source
+    from sbloader.sources import DataLoaderSource, IterableSource
+    from sbloader.stateful import StatefulSource
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from (EncodedDataset(8)[i] for i in range(8))
+
+    class NamedLike(DataLoader):  # another library's class named as torchdata's
+        pass
+
+    NamedLike.__name__ = NamedLike.__qualname__ = "StatefulDataLoader"
+    ds = EncodedDataset(8)
+    own = DataLoaderSource(DataLoader(ds, batch_size=4))
+    assert make_source(own) is own
+    kinds = [
+        (DataLoader(ds, batch_size=4), {}, DataLoaderSource),
+        (DataLoader(ds, batch_size=4), {"index_key": 2}, IterableSource),
+        (DataLoader(Stream(), batch_size=4), {"dataset_size": 8}, IterableSource),
+        (NamedLike(ds, batch_size=4), {}, DataLoaderSource),
+    ]
+    for source, kwargs, kind in kinds:
+        assert type(make_source(source, **kwargs)) is kind, (source, kind)
+    listed = make_source([(torch.zeros(2, 6), torch.zeros(2), torch.tensor([0, 1]))], 2, 8)
+    assert listed.has_indices() and listed.dataset_size == 8
+    with pytest.raises(ValueError, match="dataset_size=9 was given, but the DataLoaderSource has"):
+        make_source(DataLoader(ds, batch_size=4), dataset_size=9)
+    with pytest.raises(TypeError, match="an FFCV Loader or an iterable of batches, but got int"):
+        make_source(3)
+    stateful = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
+
+    class Resumable(stateful):
+        pass
+
+    assert type(make_source(Resumable(ds, batch_size=4))) is StatefulSource
+
+
 def test_a_source_of_ones_own_answering_has_indices_with_a_falsy_value_is_taken():
     """A Source of one's own whose has_indices() returns a falsy non-bool (None, 0) is a source
     without indices, as before: the default policy's store choice reads it as a bool (it was
