@@ -105,6 +105,22 @@ def test_epoch_log_line_shows_the_class_rates(caplog):
     assert line and line[0].endswith("selection rate by class: 0:0.500 1:0.500 2:0.500 3:0.000")
 
 
+def test_epoch_log_line_lists_up_to_20_classes_and_names_the_extremes_of_more(caplog):
+    selected = {20: [1] * 19 + [2], 21: [1] * 5 + [0] + [1] * 14 + [2]}  # of 2 seen per class
+    with caplog.at_level(logging.INFO, logger="sbloader"):
+        for classes in (20, 21, 0):
+            e = EpochStats(
+                classes, class_seen=[2] * classes, class_selected=selected.get(classes, [])
+            )
+            LoaderStats().log_epoch(e)
+    twenty, more, none = (r.getMessage() for r in caplog.records)
+    assert twenty.endswith("by class: " + "".join(f"{c}:0.500 " for c in range(19)) + "19:1.000")
+    assert more.endswith(
+        "by class: lowest 0.000 (class 5), highest 1.000 (class 20), 21 classes seen"
+    )
+    assert "by class" not in none  # no class counted: nothing to list
+
+
 def test_targets_that_are_not_cpu_class_indices_are_not_counted():
     for targets in (
         torch.rand(6),  # regression targets
