@@ -304,6 +304,8 @@ def test_selective_loader_takes_an_ffcv_loader_directly(beton):
         assert torch.equal(index, batch.indices)
     by_position = SelectiveLoader(loader, model(), policy=Traditional(), index_key=2)
     assert len(by_position) == 10 and all(b.indices is not None for b in by_position)
+    with pytest.raises(TypeError, match=r"an FFCV loader's index output .*index_key=\('index',\)"):
+        SelectiveLoader(loader, model(), policy=Traditional(), index_key=("index",))
 
 
 def test_drop_index_leaves_the_index_output_out(beton):
