@@ -85,6 +85,8 @@ def _adapt(source: Any, index_key: Hashable | None, dataset_size: int | None) ->
             # dataset (to recover the indices): a subclass's own __iter__ is not run. Warned,
             # not refused: many only keep the iterator (SpeechBrain's SaveableDataLoader), but
             # one that changes the batches (normalising, moving them) would be skipped unsaid.
+            # stacklevel 4: past _adapt, make_source and its caller (SelectiveLoader or
+            # el2n_scores) to the user's line (3 named sbloader's own call of make_source).
             warnings.warn(
                 f"SelectiveLoader recovers dataset indices through a plain DataLoader of "
                 f"{type(source).__name__}'s arguments, so {type(source).__name__}'s own "
@@ -94,7 +96,7 @@ def _adapt(source: Any, index_key: Hashable | None, dataset_size: int | None) ->
                 "iterated as it is); pass a plain DataLoader of the same arguments to silence "
                 "this warning",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         return DataLoaderSource(source)
     if is_ffcv_loader(source):

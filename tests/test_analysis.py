@@ -64,6 +64,8 @@ def test_target_confidence_accepts_torch_tensors():
     "outputs, targets, logits, error, match",
     [
         ([[2.0, -1.0]], [0], False, ValueError, r"probabilities in \[0, 1\].*logits=True"),
+        ([[0.0, 1.5]], [0], False, ValueError, r"probabilities in \[0, 1\].*\[0, 1.5\]"),
+        ([[0.5, 0.45]], [0], False, ValueError, "sum to 1.*row 0 sums to 0.95"),
         ([[0.5, 0.2]], [0], False, ValueError, "sum to 1.*row 0 sums to 0.7.*logits=True"),
         ([[0.5, 0.5]], [2], False, ValueError, r"class indices in \[0, 2\).*targets\[0\]=2"),
         ([[0.5, 0.5]], [-1], False, ValueError, r"targets\[0\]=-1"),
@@ -238,6 +240,8 @@ def test_store_selection_frequency_refuses_the_live_store_as_its_own_snapshot():
     store = ExampleStore(2)
     with pytest.raises(ValueError, match="before is the store itself"):
         store_selection_frequency(store, 1, before=store)
+    with pytest.raises(TypeError, match="store should hold integer counts"):
+        store_selection_frequency({"selected": np.array([0.5, 1.0])}, 2)  # not counts
 
 
 # --- stability of the selected set ----------------------------------------------------------------
@@ -382,6 +386,8 @@ def test_overlap_curve_refuses_bad_scores():
         overlap_curve([1, 2, 3], [1, 2, nan], 0.5)
     with pytest.raises(ValueError, match="same examples, but have 3 and 2 values"):
         overlap_curve([1, 2, 3], [1, 2], 0.5)
+    with pytest.raises(ValueError, match=r"scores_a should be 1-d .*shape \(\)"):
+        overlap_curve(0.5, 0.5, 1.0)
     with pytest.raises(ValueError, match="direction should be one of 'lowest', 'highest'"):
         overlap_curve(A, B, 0.5, direction="low")
     with pytest.raises(ValueError, match="ties should be one of 'index', 'expected'"):
@@ -420,6 +426,8 @@ def test_combined_rank_with_ties_and_unscored_examples():
     # The order of the examples does not change anyone's combined rank.
     perm = np.array([3, 0, 4, 2, 1])
     same(combined_rank(np.array(el2n)[perm], np.array(loss)[perm]), combined[perm])
+    # An example unscored in B alone is left out of A's ranking too.
+    same(combined_rank([0.1, 0.2, 0.3], [0.3, nan, 0.1]), [3.0, nan, 3.0])
     with pytest.raises(ValueError, match="same examples"):
         combined_rank([1.0], [1.0, 2.0])
 
@@ -484,6 +492,8 @@ def test_inverted_cdf_percentiles_are_the_smallest_value_with_p_percent_at_or_be
     same(confidence_percentiles(values, [7, 14, 28, 56]), [7, 14, 28, 56])
     big = np.arange(1.0, 10001.0)
     same(confidence_percentiles(big, [7, 17, 81]), [700, 1700, 8100])
+    # 64.4 * 250 / 100 is 161.00000000000003 in floating point: the 161st value, not the 162nd
+    same(confidence_percentiles(np.arange(250.0), [64.4]), [160])
 
 
 def test_flipped_share_takes_an_empty_list_of_flipped_labels():
@@ -500,6 +510,8 @@ def test_flipped_share_takes_a_boolean_mask_and_refuses_a_0_1_integer_mask():
         flipped_share(mask.astype(np.int64), selection, k=2)
     with pytest.raises(ValueError, match=r"one flag per example \(6,\), but has shape \(5,\)"):
         flipped_share(mask[:5], selection, k=2)
+    with pytest.raises(ValueError, match=r"one flag per example \(6,\), but has shape \(7,\)"):
+        flipped_share(np.append(mask, False), selection, k=2)
     # Indices 0 and 1, each once, are indices.
     assert flipped_share([0, 1], selection, k=2).share == 1.0
 

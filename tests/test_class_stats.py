@@ -105,12 +105,31 @@ def test_epoch_log_line_shows_the_class_rates(caplog):
     assert line and line[0].endswith("selection rate by class: 0:0.500 1:0.500 2:0.500 3:0.000")
 
 
+def test_epoch_log_line_lists_up_to_20_classes_and_names_the_extremes_of_more(caplog):
+    selected = {20: [1] * 19 + [2], 21: [1] * 5 + [0] + [1] * 14 + [2]}  # of 2 seen per class
+    with caplog.at_level(logging.INFO, logger="sbloader"):
+        for classes in (20, 21, 0):
+            e = EpochStats(
+                classes, class_seen=[2] * classes, class_selected=selected.get(classes, [])
+            )
+            LoaderStats().log_epoch(e)
+    twenty, more, none = (r.getMessage() for r in caplog.records)
+    assert twenty.endswith("by class: " + "".join(f"{c}:0.500 " for c in range(19)) + "19:1.000")
+    assert more.endswith(
+        "by class: lowest 0.000 (class 5), highest 1.000 (class 20), 21 classes seen"
+    )
+    assert "by class" not in none  # no class counted: nothing to list
+
+
 def test_targets_that_are_not_cpu_class_indices_are_not_counted():
     for targets in (
         torch.rand(6),  # regression targets
         torch.zeros(6, 3, dtype=torch.int64),  # sequence labels
         torch.tensor([0, 1, -100, 2, 1, 0]),  # an ignore index
         [0, 1, 2, 0, 1, 2],  # not an array
+        torch.tensor([True, False, True]),  # flags, not class indices
+        np.array([0.0, 1.0, 2.0]),  # float values in a numpy array (bincount refused them)
+        torch.tensor([0, 1, 2], device="meta"),  # not on the CPU (reading it would sync)
     ):
         e = EpochStats()
         e.count_classes(torch.tensor([0, 1, 1]), None)
@@ -151,6 +170,36 @@ def test_counts_added_in_place_leave_the_arrays_they_came_from_and_the_totals_al
     total = s.total.class_seen
     first.count_classes(np.array([1]), None)
     assert total.tolist() == [1, 1] and s.total.class_seen.tolist() == [1, 2]
+
+
+def test_totals_and_derived_values_of_known_epochs_and_their_restored_state():
+    """The totals sum every count and time field, weight the target rate by examples seen and
+    keep class counts unknown where one epoch's are; an epoch that saw nothing has no selection
+    rate (NaN, not 0); the overhead is what the selection, the source and the caller leave of the
+    wall-clock (never negative); a restored state replaces the epochs held."""
+    s = LoaderStats()
+    assert s.current is None and np.isnan(s.begin_epoch(0, 0.25).selection_rate)
+    first = s.current
+    first.examples_seen, first.examples_selected, first.feedback = 30, 10, 7
+    first.wall_s, first.selection_s, first.source_s, first.consumer_s = 10.0, 2.0, 3.0, 4.0
+    first.selection_hidden_s = 0.5
+    first.count_classes(np.array([0, 1]), None)
+    second = s.begin_epoch(1, 1.0)
+    second.examples_seen, second.examples_selected, second.feedback = 10, 10, 1
+    second.wall_s, second.selection_s, second.source_s, second.consumer_s = 1.0, 0.5, 0.5, 0.5
+    assert s.current is second and second.target_rate == 1.0
+    assert first.overhead_s == 1.0 and second.overhead_s == 0.0  # (timers overlap: not -0.5)
+    total = s.total
+    assert (total.examples_seen, total.examples_selected, total.feedback) == (40, 20, 8)
+    assert (total.wall_s, total.consumer_s, total.selection_hidden_s) == (11.0, 4.5, 0.5)
+    assert total.target_rate == (0.25 * 30 + 1.0 * 10) / 40 and total.selection_rate == 0.5
+    assert total.class_seen.tolist() == [1, 1]
+    second.count_classes([1, 0], None)  # not an array: unknown, and so the total is unknown
+    assert s.total.class_seen is None and s.total.class_selected is None
+    restored = LoaderStats()
+    restored.begin_epoch(5, 0.5)
+    restored.load_state_dict(s.state_dict())
+    assert [e.as_dict() for e in restored.epochs] == [e.as_dict() for e in s.epochs]
 
 
 def test_stale_epochs_that_prefilter_report_no_rates():

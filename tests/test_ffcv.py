@@ -321,6 +321,8 @@ def test_selective_loader_takes_an_ffcv_loader_directly(beton):
     for outside in (3, -4):
         with pytest.raises(ValueError, match=rf"index_field={outside} is no position"):
             sbffcv.FFCVSource(loader, index_field=outside)
+    with pytest.raises(TypeError, match=r"an FFCV loader's index output .*index_key=\('index',\)"):
+        SelectiveLoader(loader, model(), policy=Traditional(), index_key=("index",))
 
 
 def test_drop_index_leaves_the_index_output_out(beton):

@@ -1557,6 +1557,51 @@ def test_the_source_classes_refuse_what_they_cannot_read_naming_it():
     assert IterableSource([(torch.zeros(2), torch.zeros(2))]).has_indices() is False
 
 
+def test_make_source_adapts_each_kind_of_source_and_checks_dataset_size():
+    """Which Source wraps what: a Source as it is; a DataLoader over a map-style dataset through
+    its indices, with index_key as it iterates; a DataLoader over an iterable dataset, and a list,
+    as iterables (index_key and dataset_size kept); torchdata's StatefulDataLoader (a subclass
+    too) by its own state, and not a class that only shares its name; a dataset_size that the
+    source contradicts, and what is not iterable, refused."""
+    from torch.utils.data import IterableDataset
+
+    from sbloader.adapt import make_source
+    from sbloader.sources import DataLoaderSource, IterableSource
+    from sbloader.stateful import StatefulSource
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from (EncodedDataset(8)[i] for i in range(8))
+
+    class NamedLike(DataLoader):  # another library's class named as torchdata's
+        pass
+
+    NamedLike.__name__ = NamedLike.__qualname__ = "StatefulDataLoader"
+    ds = EncodedDataset(8)
+    own = DataLoaderSource(DataLoader(ds, batch_size=4))
+    assert make_source(own) is own
+    kinds = [
+        (DataLoader(ds, batch_size=4), {}, DataLoaderSource),
+        (DataLoader(ds, batch_size=4), {"index_key": 2}, IterableSource),
+        (DataLoader(Stream(), batch_size=4), {"dataset_size": 8}, IterableSource),
+        (NamedLike(ds, batch_size=4), {}, DataLoaderSource),
+    ]
+    for source, kwargs, kind in kinds:
+        assert type(make_source(source, **kwargs)) is kind, (source, kind)
+    listed = make_source([(torch.zeros(2, 6), torch.zeros(2), torch.tensor([0, 1]))], 2, 8)
+    assert listed.has_indices() and listed.dataset_size == 8
+    with pytest.raises(ValueError, match="dataset_size=9 was given, but the DataLoaderSource has"):
+        make_source(DataLoader(ds, batch_size=4), dataset_size=9)
+    with pytest.raises(TypeError, match="an FFCV Loader or an iterable of batches, but got int"):
+        make_source(3)
+    stateful = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
+
+    class Resumable(stateful):
+        pass
+
+    assert type(make_source(Resumable(ds, batch_size=4))) is StatefulSource
+
+
 def test_a_source_of_ones_own_answering_has_indices_with_a_falsy_value_is_taken():
     """A Source of one's own whose has_indices() returns a falsy non-bool (None, 0) is a source
     without indices, as before: the default policy's store choice reads it as a bool (it was
@@ -1706,8 +1751,19 @@ def test_a_dataloader_subclass_with_its_own_iter_is_warned_of_with_the_fix():
     data = torch.utils.data.TensorDataset(torch.full((20, 4), 100.0), torch.zeros(20).long())
     with pytest.warns(UserWarning, match=r"_Normalising's own __iter__ is not run.*collate_fn"):
         SelectiveLoader(_Normalising(data, batch_size=5), nn.Linear(4, 3))
-    with pytest.warns(UserWarning, match=r"_KeepsIterator's own __iter__ is not run"):
+    with pytest.warns(UserWarning, match=r"_KeepsIterator's own __iter__ is not run") as said:
         kept = SelectiveLoader(_KeepsIterator(data, batch_size=5), nn.Linear(4, 3))
+    with pytest.warns(UserWarning, match=r"_KeepsIterator's own __iter__ is not run") as el2n:
+        sbloader.el2n_scores(
+            lambda: nn.Linear(4, 3),
+            _KeepsIterator(data, batch_size=5),
+            make_optimizer=lambda m: torch.optim.SGD(m.parameters(), 0.1),
+            models=1,
+            epochs=0,
+        )
+    # It names the caller's line (sbloader's own call of make_source before), which warning
+    # filters by module and Python's once-per-location default go by.
+    assert [w.filename for w in (*said, *el2n)] == [__file__, __file__]
     plain = SelectiveLoader(DataLoader(data, batch_size=5), nn.Linear(4, 3))
     assert [b.indices.tolist() for b in kept] == [b.indices.tolist() for b in plain]
 

@@ -2165,4 +2165,10 @@ def test_el2n_refuses_a_seed_whose_copies_overflow_torchs_seeds_before_training(
             epochs=1,
             seed=2**64 - 1,
         )
+    sgd = lambda m: torch.optim.SGD(m.parameters(), 0.1)  # noqa: E731
+    with pytest.raises(ValueError, match="models should be >= 1, but got models=0"):
+        el2n_scores(make_model, source, make_optimizer=sgd, models=0)  # (all NaN scores)
     assert built == []
+    # The largest seed allowed: copy 1 is seeded with 2**64 - 1, torch's largest.
+    el2n_scores(make_model, source, make_optimizer=sgd, models=2, epochs=0, seed=2**64 - 2)
+    assert built == [1, 1]

@@ -485,6 +485,52 @@ def test_el2n_refuses_nan_outputs_naming_the_copy_and_scores_infinite_logits_at_
     np.testing.assert_allclose(scores(float("inf"), 1), expected, rtol=1e-6)
 
 
+def test_el2n_copy_k_is_seeded_with_seed_plus_k_and_examples_average_their_scores():
+    """Copy k initialises under seed + k, so two copies from seed 3 score as the copies of seeds
+    3 and 4 each alone, averaged (one seed for every copy averaged one model with itself); an
+    example the sampler draws twice averages its scores, one never drawn is NaN (not 0)."""
+    dl = DataLoader(Blobs(64), batch_size=16)
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+
+    def scores(models, seed, source=dl, epochs=1):
+        return el2n_scores(
+            lambda: nn.Linear(2, 2),
+            source,
+            make_optimizer=sgd,
+            models=models,
+            epochs=epochs,
+            seed=seed,
+        ).scores
+
+    np.testing.assert_allclose(scores(2, 3), (scores(1, 3) + scores(1, 4)) / 2, rtol=1e-12)
+    repeats = DataLoader(Blobs(8), batch_size=2, sampler=[0, 0, 1, 2])
+    alone = DataLoader(Blobs(8), batch_size=2, sampler=[0, 1, 2])
+    got = scores(1, 0, repeats, epochs=0)  # (untrained: the one model scores both alike)
+    assert np.isnan(got[3:]).all()
+    np.testing.assert_allclose(got[:3], scores(1, 0, alone, epochs=0)[:3], rtol=1e-12)
+
+
+def test_el2n_trains_each_copy_in_train_mode_and_scores_it_in_eval_mode():
+    """Documented: the copies train with the user's recipe (in train mode, also where
+    make_model returns a model in eval mode) and are scored in eval mode (dropout off,
+    batch-norm statistics used), whatever mode the training left them in."""
+    modes: list[bool] = []
+
+    class Records(nn.Linear):
+        def forward(self, x):
+            modes.append(self.training)
+            return super().forward(x)
+
+    el2n_scores(
+        lambda: Records(2, 2).eval(),
+        DataLoader(Blobs(16), batch_size=8),
+        make_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        models=1,
+        epochs=1,
+    )
+    assert modes == [True, True, False, False]  # two training batches, then two scored
+
+
 def test_prune_rounds_halves_up_as_the_overlap_does_and_takes_tensors_that_need_grad():
     assert len(prune(np.arange(5.0), 0.5)) == 3  # 2.5 -> 3 (Python's round gives 2)
     assert len(prune(np.arange(100.0), 0.145)) == 15  # 14.499999999999998 -> 15
