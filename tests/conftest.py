@@ -9,10 +9,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import hypothesis  # noqa: F401  (see the NOTE below)
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import Dataset
+
+# NOTE (hypothesis imported here): hypothesis's pytest plugin imports the package at the end of a
+# run; under CPython 3.11.7 a run of test files that never imported it (e.g. tests/test_ffcv.py
+# alone) then failed now and then after every test passed, with "SystemError: AST constructor
+# recursion depth mismatch" as pytest's assertion rewriter parsed hypothesis's modules.
+# Importing it while the tests are collected, as a whole-suite run always does (three test files
+# use it), takes that parse out of the end of the run.
 
 N_CLASSES = 4
 
