@@ -83,6 +83,27 @@ def test_epoch_size_is_what_each_processes_shard_yields(fresh_accelerate, drop_l
         assert AcceleratedShardSource(shard).epoch_size == yielded, rank
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("processes", [1, 2])
+def test_len_counts_the_batches_a_prepared_loader_yields(fresh_accelerate, drop_last, processes):
+    """A SelectiveLoader over a prepared loader (99 examples in batches of 8) counts the batches
+    it yields, the last partial one dropped where the DataLoader drops it (also on one process,
+    where Accelerate keeps the DataLoader's own batch sampler)."""
+    for rank in range(processes):
+        shard = prepare_data_loader(
+            DataLoader(data(99), batch_size=8, drop_last=drop_last),
+            num_processes=processes,
+            process_index=rank,
+        )
+        expected = [len(x) for x, _ in shard]
+        sb = sbloader.SelectiveLoader(
+            shard, nn.Linear(6, 3), policy=sbloader.Traditional(), batch_size=8, seed=0
+        )
+        assert [len(x) for x, _ in sb] == expected and len(sb) == len(expected), rank
+    if drop_last:  # (each process's share of the 12 full batches)
+        assert expected == [8] * (12 // processes)
+
+
 def test_ranks_take_equal_steps_on_disjoint_examples(ranks):
     ref = [r["reference"] for r in ranks]
     assert [len(e) for e in ref[0]] == [len(e) for e in ref[1]]
