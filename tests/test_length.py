@@ -821,20 +821,26 @@ def test_an_unsized_stream_that_drops_its_last_batch_is_counted_without_it():
         assert len(loader) == sum(1 for _ in loader) == 96 // batch_size
 
 
-def test_subset_over_a_sampler_drawing_with_replacement_has_no_len():
-    """With replacement, the subset's examples are drawn a varying number of times: len() is
-    refused naming the fix (it counted the subset once, and Lightning failed after epoch 0)."""
+@pytest.mark.parametrize("case", ["replacement", "drop_last"])
+def test_traditional_len_with_a_subset_it_cannot_count_is_refused_naming_the_fix(case):
+    """len() of a subset is refused naming the fix where a pass does not hold each of its
+    examples once: a sampler drawing with replacement draws them a varying number of times (it
+    counted the subset once, and Lightning failed after epoch 0), and drop_last leaves a pass's
+    last examples out, whichever the order puts there."""
     from torch.utils.data import RandomSampler
 
-    ds = EncodedDataset(100)
-    sampler = RandomSampler(ds, replacement=True, generator=torch.Generator().manual_seed(0))
-    loader = SelectiveLoader(
-        DataLoader(ds, batch_size=10, sampler=sampler),
-        IndexLoss(),
-        policy=Traditional(),
-        subset=list(range(50)),
-    )
-    with pytest.raises(TypeError, match="a sampler drawing with replacement") as info:
+    if case == "replacement":
+        ds = EncodedDataset(100)
+        g = torch.Generator().manual_seed(0)
+        source = DataLoader(
+            ds, batch_size=10, sampler=RandomSampler(ds, replacement=True, generator=g)
+        )
+        subset, match = list(range(50)), "a sampler drawing with replacement"
+    else:
+        source = DataLoader(EncodedDataset(50), batch_size=16, drop_last=True)
+        subset, match = list(range(40)), "drop_last"
+    loader = SelectiveLoader(source, IndexLoss(), policy=Traditional(), subset=subset)
+    with pytest.raises(TypeError, match=match) as info:
         len(loader)
     assert 'batches_per_epoch="expected"' in str(info.value)
 
@@ -933,21 +939,6 @@ def test_traditional_len_over_a_sized_iterable_whose_last_batch_is_full():
     batches = list(loader)
     assert len(loader) == 5 == len(batches)
     assert [len(b[1]) for b in batches] == [10, 10, 10, 10, 8]
-
-
-def test_traditional_len_with_a_subset_of_a_source_that_drops_its_last_batch_names_the_fix():
-    """drop_last leaves a pass's last examples out, whichever the order puts there: a subset's
-    examples in a pass are not the subset's size, so len() is refused naming the fix."""
-    ds = EncodedDataset(50)
-    loader = SelectiveLoader(
-        DataLoader(ds, batch_size=16, drop_last=True),
-        IndexLoss(),
-        policy=Traditional(),
-        subset=list(range(40)),
-    )
-    with pytest.raises(TypeError, match="drop_last") as info:
-        len(loader)
-    assert 'batches_per_epoch="expected"' in str(info.value)
 
 
 def test_fills_a_batch_refuses_only_a_pass_expected_to_keep_less_than_a_batch():

@@ -48,8 +48,9 @@ def released(*objects) -> None:
     gc.collect()
 
 
-def make_loader(local, policy=None, prefetch=0, **kw) -> SelectiveLoader:
-    source = sbs.open_mds(local, 24, shuffle=True, seed=7)
+def make_loader(local, policy=None, prefetch=0, mds=None, **kw) -> SelectiveLoader:
+    """SB over ``open_mds(local, 24, shuffle=True, seed=7)`` (``mds``: other open_mds settings)."""
+    source = sbs.open_mds(local, 24, **{"shuffle": True, "seed": 7, **(mds or {})})
     return SelectiveLoader(
         source,
         IndexLoss(),
@@ -505,22 +506,10 @@ def test_a_state_saved_with_another_shuffle_is_refused_and_other_workers_load(md
     it.close()
     released(loader, it)
 
-    def other(**kw: object) -> SelectiveLoader:
-        source = sbs.open_mds(mds, 24, **{"shuffle": True, "seed": 7, **kw})
-        return SelectiveLoader(
-            source,
-            IndexLoss(),
-            policy=SelectiveBackprop(0.5),
-            batch_size=10,
-            seed=0,
-            input_key="image",
-            target_key="label",
-        )
-
-    unshuffled = other(shuffle=False)
+    unshuffled = make_loader(mds, mds={"shuffle": False})
     with pytest.raises(ValueError, match="shuffle=True, but this one has shuffle=False"):
         unshuffled.load_state_dict(state)
     released(unshuffled)
-    workers = other(num_workers=2)
+    workers = make_loader(mds, mds={"num_workers": 2})
     workers.load_state_dict(state)  # (no iteration: nothing starts a worker)
     released(workers)
