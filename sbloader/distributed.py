@@ -660,27 +660,49 @@ def reduce_stats(
         device: where the reduced tensors live. Default: the CPU, or the current CUDA device
             for an nccl-only group.
 
+    Raises:
+        TypeError: ``stats`` is neither a LoaderStats nor an EpochStats, on any rank: raised
+            on every rank (the others name no type), so that none waits for it.
+        ValueError: the ranks hold stats of different numbers of epochs (on every rank).
+
     Example:
         >>> s = LoaderStats()
         >>> s.begin_epoch(0, target_rate=0.5).examples_seen = 10
         >>> reduce_stats(s).total.examples_seen  # one process: unchanged
         10
     """
+    collective = dist.is_available() and dist.is_initialized()
+    wrong = None
     if not isinstance(stats, (EpochStats, LoaderStats)):
-        raise TypeError(
+        wrong = TypeError(
             "stats should be a LoaderStats (loader.stats) or an EpochStats, but got "
             f"{type(stats).__name__}"
         )
-    epochs = [stats] if isinstance(stats, EpochStats) else stats.epochs
+        if not collective:
+            raise wrong
+    epochs = [] if wrong is not None else [stats] if isinstance(stats, EpochStats) else stats.epochs
     # NOTE: dataclasses.replace, not copy.copy: its __post_init__ copies the per-class count
     # arrays, which the running epoch adds to in place (a shallow copy taken mid-epoch went on
     # counting classes while its other counts stood still).
     reduced = [dataclasses.replace(e) for e in epochs]
-    if dist.is_available() and dist.is_initialized():
+    if collective:
         if device is None:
             device = collective_device(str(dist.get_backend(group)), torch.device("cpu"))
-        n = torch.tensor([len(epochs), -len(epochs)], dtype=torch.int64, device=device)
+        # NOTE: a wrong argument on one rank is refused after this first collective, on every
+        # rank: raised before it, that rank left the others waiting in it until the process
+        # group's timeout (30 minutes by default).
+        n = torch.tensor(
+            [len(epochs), -len(epochs), -int(wrong is not None)], dtype=torch.int64, device=device
+        )
         dist.all_reduce(n, op=dist.ReduceOp.MIN, group=group)
+        if wrong is not None:
+            raise TypeError(f"{wrong} (every rank of the group stops with an error)")
+        if int(n[2]):
+            raise TypeError(
+                "reduce_stats was called on another rank with stats that are neither a "
+                "LoaderStats nor an EpochStats (that rank's error names what it got); pass "
+                "loader.stats or loader.stats.current on every rank"
+            )
         if int(n[0]) != -int(n[1]):
             raise ValueError(
                 f"reduce_stats needs stats of the same number of epochs on every rank, but "

@@ -966,6 +966,14 @@ def scenario_agreements(rank: int, world_size: int) -> dict:
         res["reduced_apart"] = ""
     except ValueError as e:
         res["reduced_apart"] = str(e)
+    # A wrong argument on rank 1 only: refused on both ranks (rank 0 waited in the collective
+    # until the process group's timeout), each naming what it can.
+    try:
+        reduce_stats({"examples_seen": 1} if rank else stats)  # type: ignore[call-overload]
+        res["reduced_wrong"] = ""
+    except TypeError as e:
+        res["reduced_wrong"] = str(e)
+    res["reduced_after"] = reduce_stats(stats).total.examples_seen  # the group still works
     return res
 
 
@@ -1850,6 +1858,16 @@ def test_agreements_name_the_lowest_failed_rank_and_reduce_what_every_rank_holds
             "reduce_stats needs stats of the same number of epochs on every rank, but ranks "
             "hold between 0 and 2"
         ), got["reduced_apart"]
+        if rank:
+            assert got["reduced_wrong"].startswith(
+                "stats should be a LoaderStats (loader.stats) or an EpochStats, but got dict "
+                "(every rank of the group stops"
+            ), got["reduced_wrong"]
+        else:
+            assert got["reduced_wrong"].startswith(
+                "reduce_stats was called on another rank with stats that are neither"
+            ), got["reduced_wrong"]
+        assert got["reduced_after"] == 40
 
 
 def test_cdf_global_with_each_rank_on_its_own_is_refused_on_every_rank(limits):
