@@ -371,7 +371,8 @@ class SelectiveLoader(NotADataLoader):
         eval_selection: run selection passes in eval mode (default True). With False, a
             selection forward of a single example (a source batch of one) that a BatchNorm
             refuses in train mode (one value per channel, e.g. ``BatchNorm1d`` after a linear
-            layer) is refused with ``ValueError`` naming the fixes.
+            layer) is run in eval mode instead, with a ``UserWarning`` naming the fixes
+            (refused with ``ValueError`` under FSDP, whose forwards run in step on every rank).
         rank: the process's rank, to derive its generator from ``seed``. Default: the
             ``torch.distributed`` rank when initialised, else 0. Accepted without a process
             group: processes that are not one ``torch.distributed`` job draw differently by it.

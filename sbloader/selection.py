@@ -8,6 +8,7 @@ import inspect
 import math
 import numbers
 import sys
+import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -448,7 +449,9 @@ def selection_outputs(
 
     NOTE (eval-mode selection): a train-mode forward updates BatchNorm running statistics even
     without gradients and applies dropout noise to the losses; eval mode does neither, and a
-    selection chunk of one example cannot crash BatchNorm.
+    selection chunk of one example cannot crash BatchNorm. With ``eval=False``, a chunk of one
+    example that a BatchNorm refuses in train mode (one value per channel) is scored in eval
+    mode instead, with a ``UserWarning`` naming the fixes (see :func:`_one_in_eval_mode`).
 
     Returns:
         float32 losses on the model's output device, as an ordinary tensor (not an inference
@@ -502,7 +505,7 @@ def selection_outputs(
             except ValueError as e:
                 if counts is None or _ONE_VALUE_PER_CHANNEL not in str(e):
                     raise
-                _one_in_train_mode(counts, e)
+                raw = _one_in_eval_mode(model, counts, e, inference, forward, inputs, batch, start)
             logits = model_output(raw, output)
             # NOTE: by default a loss_fn of the user's own takes non-tensor outputs whole, as it
             # did before output= existed; a torch loss module takes tensors only.
@@ -1110,7 +1113,7 @@ _ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel when training"
 
 def _batchnorm_counts(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each training BatchNorm's ``num_batches_tracked`` with a copy of its value, to be put
-    back by :func:`_one_in_train_mode` (torch counts the batch before refusing it)."""
+    back by :func:`_one_in_eval_mode` (torch counts the batch before refusing it)."""
     return [
         (m.num_batches_tracked, m.num_batches_tracked.clone())
         for m in model.modules()
@@ -1120,26 +1123,63 @@ def _batchnorm_counts(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor
     ]
 
 
-def _one_in_train_mode(counts: list[tuple[torch.Tensor, torch.Tensor]], error: Exception) -> None:
-    """Refuse, naming the fixes, a train-mode selection forward of one example that torch's
-    BatchNorm refused (``error``), with the BatchNorm counters as they were before it.
+#: What leaves a selection forward one candidate, and how to avoid it.
+_LONE_FIX = (
+    "a source batch of one, such as a DataLoader's last, or the last chunk of "
+    "selection_batch_size); pass drop_last=True to the DataLoader, a selection_batch_size that "
+    "leaves no chunk of one, or eval_selection=True"
+)
 
-    NOTE: only a forward torch refuses is refused: BatchNorm2d normalises a single image over
-    its pixels, and BatchNorm1d refuses one example only where it has one value per channel.
+
+def _one_in_eval_mode(
+    model: nn.Module,
+    counts: list[tuple[torch.Tensor, torch.Tensor]],
+    error: Exception,
+    inference: bool,
+    forward: Forward | None,
+    inputs: Any,
+    batch: Any,
+    start: int,
+) -> Any:
+    """The model's output for the one candidate at row ``start`` that a train-mode BatchNorm
+    refused (``error``), computed in eval mode (the BatchNorms' running statistics), with the
+    BatchNorm counters put back as they were before the refused forward (torch counts the
+    batch before refusing it) and a ``UserWarning`` naming the fixes.
+
+    NOTE: scored, not refused: a pass of 41 examples in source batches of 20 (a DataLoader's
+    last batch of one) was refused only when its first selective epoch ended, after a
+    Random-Backprop warm-up, losing that epoch. Eval mode is the one way to score a single
+    example through BatchNorm1d; the other candidates keep their train-mode scores (the rank of
+    one loss in the window is all that differs). Only a forward torch refuses is re-run:
+    BatchNorm2d normalises a single image over its pixels, and BatchNorm1d refuses one example
+    only where it has one value per channel. A collective forward (FSDP, ``inference=False``)
+    is refused instead, naming the same fixes: a forward re-run on one rank would leave the
+    others waiting in its parameter gathers.
 
     Raises:
-        ValueError: always (torch's own error would not say where the example came from).
+        ValueError: for a collective forward (torch's own error would not say where the
+            example came from).
     """
     with torch.no_grad():
         for tracked, before in counts:
             tracked.copy_(before)
-    raise ValueError(
-        "eval_selection=False scores in train mode, where BatchNorm cannot normalise a "
-        "single example, but a selection forward got 1 candidate (a source batch of one, "
-        "such as a DataLoader's last, or the last chunk of selection_batch_size); pass "
-        "drop_last=True to the DataLoader, a selection_batch_size that leaves no chunk of "
-        "one, or eval_selection=True"
-    ) from error
+    if not inference:
+        raise ValueError(
+            "eval_selection=False scores in train mode, where BatchNorm cannot normalise a "
+            f"single example, but a selection forward got 1 candidate ({_LONE_FIX}"
+        ) from error
+    warnings.warn(
+        "eval_selection=False scores in train mode, where BatchNorm cannot normalise a single "
+        "example, but a selection forward got 1 candidate: it was scored in eval mode (with "
+        f"the BatchNorms' running statistics) instead ({_LONE_FIX}, to score every candidate "
+        "in train mode",
+        UserWarning,
+        stacklevel=2,
+    )
+    with eval_mode(model):
+        if forward is None:
+            return model(B.rows(inputs, start, start + 1))
+        return forward(model, restrict(batch, start, start + 1))
 
 
 def concrete_device(device: torch.device) -> torch.device:

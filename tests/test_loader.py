@@ -6,6 +6,7 @@ import copy
 import json
 import logging
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -752,20 +753,55 @@ def test_a_batchnorm_model_trains_in_batches_of_one_when_asked():
         SelectiveLoader(source, model, min_batch_size=2)
 
 
-def test_a_train_mode_selection_forward_of_one_example_names_the_fix():
-    """eval_selection=False scores in train mode, where BatchNorm raises on a single example
-    (the prior implementations' failure): a source batch of one (41 = 2 * 20 + 1) is refused
-    naming the fixes, with the model's modes and buffers as they were; drop_last runs."""
+def test_a_train_mode_selection_forward_of_one_example_is_scored_in_eval_mode_and_warned():
+    """eval_selection=False scores in train mode, where BatchNorm1d raises on a single example
+    (the prior implementations' failure): a source batch of one (41 = 2 * 20 + 1) is scored in
+    eval mode, with a warning naming the fixes, after the default recipe's warm-up as in its
+    first epoch; its loss is the eval-mode loss, the other 40 train-mode ones, the BatchNorm
+    counts only the two train-mode forwards, and the model's modes are as they were. It was
+    refused when the epoch's last batch came: after a Random-Backprop warm-up, a whole epoch
+    late."""
     ds = EncodedDataset(41)
     model = bn_model().train()
     before = copy.deepcopy(model.state_dict())
     loader = SelectiveLoader(
-        DataLoader(ds, batch_size=20), model, policy=SelectiveBackprop(0.5), eval_selection=False
+        DataLoader(ds, batch_size=20),
+        model,
+        policy=SelectiveBackprop(0.5),
+        eval_selection=False,
+        autocast=None,  # (float32: the lone loss is compared exactly below)
     )
-    with pytest.raises(ValueError, match=r"eval_selection=False.*1 candidate.*drop_last=True"):
+    scored: list[torch.Tensor] = []
+    original = loader._scorer.run
+
+    def recording(*args, **kwargs):
+        out = original(*args, **kwargs)
+        scored.append(out.losses.detach().clone())
+        return out
+
+    loader._scorer.run = recording  # type: ignore[method-assign]
+    with pytest.warns(UserWarning, match=r"1 candidate: it was scored in eval mode.*drop_last"):
         list(loader)
+    assert loader.stats.current.selection_forwards == 41
     assert all(m.training for m in model.modules())
     assert torch.equal(model[1].num_batches_tracked, before["1.num_batches_tracked"] + 2)
+    # The lone example's loss is its eval-mode loss (with the running statistics after the two
+    # train-mode forwards); a train-mode pass of it with another example differs.
+    assert [len(s) for s in scored] == [20, 20, 1]
+    x41, y41 = (t.unsqueeze(0) for t in ds[40][:2])
+    lone = model.eval()(x41)
+    model.train()
+    expected = nn.functional.cross_entropy(lone.float(), y41, reduction="none")
+    torch.testing.assert_close(scored[2], expected)
+    # After a Random-Backprop warm-up (the default recipe): the first selective epoch ends.
+    model.load_state_dict(before)
+    warmed = SelectiveLoader(
+        DataLoader(ds, batch_size=20), model, planned_epochs=4, eval_selection=False
+    )
+    with pytest.warns(UserWarning, match="1 candidate: it was scored in eval mode"):
+        for _ in range(2):
+            list(warmed)
+    assert warmed.stats.epochs[1].selection_forwards == 41
     fine = SelectiveLoader(
         DataLoader(ds, batch_size=20, drop_last=True),
         copy.deepcopy(model),
@@ -773,12 +809,35 @@ def test_a_train_mode_selection_forward_of_one_example_names_the_fix():
         eval_selection=False,
         batch_size=4,
     )
-    assert sum(len(b[0]) for b in fine) > 0
-    # In eval mode (the default) the lone example is scored like any other.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sum(len(b[0]) for b in fine) > 0
+    # In eval mode (the default) the lone example is scored like any other, unwarned.
     model.load_state_dict(before)
     evaluated = SelectiveLoader(DataLoader(ds, batch_size=20), model, policy=SelectiveBackprop(0.5))
-    list(evaluated)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(evaluated)
     assert evaluated.stats.current.selection_forwards == 41
+
+
+def test_a_collective_train_mode_forward_of_one_example_is_refused_naming_the_fixes():
+    """Under FSDP (a forward without inference mode, run in step on every rank) the lone
+    example is not re-run in eval mode, which one rank alone would do: refused naming the
+    fixes, with the BatchNorm counter as it was and the model still in train mode."""
+    from sbloader.selection import selection_outputs
+
+    model = bn_model().train()
+    tracked = model[1].num_batches_tracked.clone()
+    x, y = torch.randn(3, 6), torch.tensor([0, 1, 2])
+    loss_fn = nn.CrossEntropyLoss(reduction="none")
+    with pytest.raises(ValueError, match=r"got 1 candidate \(a source batch of one.*drop_last"):
+        selection_outputs(model, x, y, loss_fn, batch_size=2, eval=False, inference=False)
+    assert torch.equal(model[1].num_batches_tracked, tracked + 1)  # the chunk of two only
+    assert all(m.training for m in model.modules())
+    with pytest.warns(UserWarning, match="scored in eval mode"):
+        losses, _ = selection_outputs(model, x, y, loss_fn, batch_size=2, eval=False)
+    assert losses.shape == (3,)
 
 
 def test_a_train_mode_selection_forward_of_one_image_through_batchnorm2d_runs():
