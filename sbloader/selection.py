@@ -505,7 +505,7 @@ def selection_outputs(
             except ValueError as e:
                 if counts is None or _ONE_VALUE_PER_CHANNEL not in str(e):
                     raise
-                raw = _one_in_eval_mode(model, counts, e, inference, forward, inputs, batch, start)
+                raw = _one_in_eval_mode(model, counts, e, forward, inputs, batch, start)
             logits = model_output(raw, output)
             # NOTE: by default a loss_fn of the user's own takes non-tensor outputs whole, as it
             # did before output= existed; a torch loss module takes tensors only.
@@ -1135,7 +1135,6 @@ def _one_in_eval_mode(
     model: nn.Module,
     counts: list[tuple[torch.Tensor, torch.Tensor]],
     error: Exception,
-    inference: bool,
     forward: Forward | None,
     inputs: Any,
     batch: Any,
@@ -1152,18 +1151,18 @@ def _one_in_eval_mode(
     example through BatchNorm1d; the other candidates keep their train-mode scores (the rank of
     one loss in the window is all that differs). Only a forward torch refuses is re-run:
     BatchNorm2d normalises a single image over its pixels, and BatchNorm1d refuses one example
-    only where it has one value per channel. A collective forward (FSDP, ``inference=False``)
-    is refused instead, naming the same fixes: a forward re-run on one rank would leave the
-    others waiting in its parameter gathers.
+    only where it has one value per channel. An FSDP model's forward (a collective) is refused
+    instead, naming the same fixes: a forward re-run on one rank would leave the others waiting
+    in its parameter gathers.
 
     Raises:
-        ValueError: for a collective forward (torch's own error would not say where the
-            example came from).
+        ValueError: for an FSDP model (torch's own error would not say where the example came
+            from).
     """
     with torch.no_grad():
         for tracked, before in counts:
             tracked.copy_(before)
-    if not inference:
+    if is_fsdp(model):
         raise ValueError(
             "eval_selection=False scores in train mode, where BatchNorm cannot normalise a "
             f"single example, but a selection forward got 1 candidate ({_LONE_FIX}"

@@ -821,18 +821,21 @@ def test_a_train_mode_selection_forward_of_one_example_is_scored_in_eval_mode_an
     assert evaluated.stats.current.selection_forwards == 41
 
 
-def test_a_collective_train_mode_forward_of_one_example_is_refused_naming_the_fixes():
-    """Under FSDP (a forward without inference mode, run in step on every rank) the lone
+def test_a_collective_train_mode_forward_of_one_example_is_refused_naming_the_fixes(monkeypatch):
+    """Under FSDP (forwards run in step on every rank; taken here as the model's kind) the lone
     example is not re-run in eval mode, which one rank alone would do: refused naming the
     fixes, with the BatchNorm counter as it was and the model still in train mode."""
+    from sbloader import selection
     from sbloader.selection import selection_outputs
 
     model = bn_model().train()
     tracked = model[1].num_batches_tracked.clone()
     x, y = torch.randn(3, 6), torch.tensor([0, 1, 2])
     loss_fn = nn.CrossEntropyLoss(reduction="none")
-    with pytest.raises(ValueError, match=r"got 1 candidate \(a source batch of one.*drop_last"):
-        selection_outputs(model, x, y, loss_fn, batch_size=2, eval=False, inference=False)
+    with monkeypatch.context() as patch:
+        patch.setattr(selection, "is_fsdp", lambda m: m is model)
+        with pytest.raises(ValueError, match=r"got 1 candidate \(a source batch of one.*drop_"):
+            selection_outputs(model, x, y, loss_fn, batch_size=2, eval=False, inference=False)
     assert torch.equal(model[1].num_batches_tracked, tracked + 1)  # the chunk of two only
     assert all(m.training for m in model.modules())
     with pytest.warns(UserWarning, match="scored in eval mode"):
