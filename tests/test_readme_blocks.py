@@ -373,3 +373,12 @@ def test_lightning(tmp_path, monkeypatch):
     assert loader.stats.total.examples_yielded == 128 * trainer.global_step
     checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
     assert any(lightning_sb.SelectiveLoaderCallback.__name__ in k for k in checkpoint["callbacks"])
+    # "later, to resume": the block again, fitting from "last", resumes after its 10th epoch (and
+    # so trains no more) instead of training anew
+    resume = 'trainer.fit(Classifier(), ckpt_path="last")'
+    assert block("lightning")[0].endswith(f"# later, to resume: {resume}")
+    later = run_block("lightning", names, ("trainer.fit(Classifier())  #", f"{resume}  #"))
+    resumed = later["trainer"]
+    assert resumed is not trainer and resumed.global_step == trainer.global_step
+    for name, weights in trainer.lightning_module.state_dict().items():
+        assert torch.equal(resumed.lightning_module.state_dict()[name], weights)
