@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,13 +89,22 @@ def dataset() -> EncodedDataset:
     return EncodedDataset()
 
 
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """``n`` intra-op threads inside the block (restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def one_torch_thread() -> Any:
     """Tiny tensors: one intra-op thread is faster and immune to a busy machine (restored)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 # ------------------------------------------------------------------ mosaicml-streaming's import
