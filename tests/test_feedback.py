@@ -529,6 +529,25 @@ def test_stale_epochs_that_would_starve_run_a_selection_pass_instead():
     assert all(x.examples_selected >= N / 6 for x in e)
 
 
+@pytest.mark.parametrize(("scale", "pass_instead"), [(0.0, True), (1.0, False), (1e3, True)])
+def test_a_stale_epoch_runs_a_pass_where_its_expected_share_leaves_the_bound_either_way(
+    scale, pass_instead
+):
+    """Every example reported at ``scale`` times its pass's loss, ranked against the pass's
+    losses: at 0 a stale epoch would keep almost none (below d * s), at 1e3 every one (above
+    s / d: the loss rose, or changed scale); either way the epoch runs a selection pass instead.
+    Reports equal to the pass's keep s, and the epoch stays stale."""
+    policy = SelectiveBackprop(1 / 3, history=256, staleness=3, fed_staleness=10)
+    policy.attach(N, key=0)
+    policy.begin_epoch(0)
+    losses, everyone = np.random.default_rng(0).exponential(size=N), np.arange(N)
+    policy.choose(losses, everyone, np.random.default_rng(1), N)
+    policy.feedback(everyone, losses * scale, 0)
+    policy.begin_epoch(1)
+    assert policy.needs_losses(1) == pass_instead
+    assert policy.drift_passes == int(pass_instead)
+
+
 def test_the_expected_stale_share_predicts_what_a_stale_epoch_keeps():
     """expected_stale_share, read as a stale epoch ends (its own reports not applied yet), is
     the share that epoch kept, within sampling noise; and it is None until a pass was made."""

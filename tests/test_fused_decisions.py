@@ -227,14 +227,23 @@ def test_stale_sb_choices_and_store_identical_to_the_reference(seed, selectivity
     assert rng_new.bit_generator.state == rng_old.bit_generator.state
 
 
-def test_indices_outside_the_store_change_nothing():
+@pytest.mark.parametrize("stale", [False, True])
+def test_indices_outside_the_store_change_nothing(stale):
+    """A batch holding an index outside the store is refused, in a fresh epoch and in a stale
+    one (decided from stored losses) alike, before anything changes: the stale one would
+    otherwise choose none of it silently."""
     sb = SelectiveBackprop(0.5, history=8, staleness=2)
     sb.attach(10, key=0)
     assert sb.store is not None
+    sb.begin_epoch(0)
     sb.choose(np.array([1.0, 2.0]), np.array([0, 1]), np.random.default_rng(0), 2)
+    if stale:
+        sb.begin_epoch(1)
+        assert not sb.needs_losses(1)
     window, selected = sb.window.values(), sb.store.selected.copy()
+    losses = None if stale else np.array([3.0, 4.0])
     with pytest.raises(IndexError, match="outside the store of size 10"):
-        sb.choose(np.array([3.0, 4.0]), np.array([2, 10]), np.random.default_rng(0), 2)
+        sb.choose(losses, np.array([2, 10]), np.random.default_rng(0), 2)
     np.testing.assert_array_equal(sb.window.values(), window)
     np.testing.assert_array_equal(sb.store.selected, selected)
     assert sb.store.seen[2] == 0

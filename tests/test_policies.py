@@ -39,6 +39,11 @@ def test_selectivity_gives_beta():
         ({"beta": -1}, r"beta should be >= 0, but got beta=-1.0"),
         ({"selectivity": 0.5, "beta": 1.0}, "give either selectivity or beta"),
         ({"history": 0}, "history should be >= 1, but got history=0"),
+        # (reports keep stored losses fresher, so passes may be sparser with them, never denser)
+        (
+            {"staleness": 3, "fed_staleness": 2},
+            "fed_staleness should be >= 3, but got fed_staleness=2",
+        ),
     ],
 )
 def test_bad_arguments_name_the_parameter(kwargs, message):
@@ -127,11 +132,13 @@ def test_probabilities_follow_the_formula_exactly():
         assert p[i] == pytest.approx((np.sum(window <= losses[i]) / len(window)) ** 2.0)
 
 
-@pytest.mark.parametrize("trim_top", [0.0, 0.2])
+@pytest.mark.parametrize("trim_top", [0.0, 0.2, 0.3])
 @pytest.mark.parametrize("position", [0.0, 0.25, 1.0])
 def test_probabilities_during_a_ramp_are_those_choose_keeps_with(position, trim_top):
     """With ``ramp_epochs``, P blends uniform keeping at the same rate into CDF^beta; the public
-    ``probabilities`` gives the P that ``choose`` keeps with, not the ramp-less one."""
+    ``probabilities`` gives the P that ``choose`` keeps with, not the ramp-less one, to the bit
+    (at trim_top=0.3 the uniform rate computed as 1 / (beta + 1) is 1 ulp off the kernel's
+    cut / (cut_beta + 1))."""
     rng = np.random.default_rng(3)
     losses = rng.gamma(2.0, size=300)
     a = SelectiveBackprop(1 / 3, history=64, ramp_epochs=0.5, trim_top=trim_top)
@@ -229,9 +236,18 @@ def test_sb_state_round_trip_continues_identically():
     np.testing.assert_array_equal(a.probabilities(probe), b.probabilities(probe))
 
 
-def test_sb_state_with_another_beta_is_refused():
-    with pytest.raises(ValueError, match="saved selectivity"):
-        SelectiveBackprop(beta=1.0).load_state_dict(SelectiveBackprop(beta=2.0).state_dict())
+@pytest.mark.parametrize(
+    "saved, loading, says",
+    [
+        ({"beta": 2.0}, {"beta": 1.0}, "saved selectivity"),
+        ({"reweight": False}, {"reweight": True}, "state has reweight=False, but this policy has"),
+    ],
+)
+def test_sb_state_with_another_beta_or_reweight_is_refused(saved, loading, says):
+    """Neither is in the loader state's identity (kind() leaves them out): the policy's own
+    state refuses them."""
+    with pytest.raises(ValueError, match=says):
+        SelectiveBackprop(**loading).load_state_dict(SelectiveBackprop(**saved).state_dict())
 
 
 @settings(max_examples=50, deadline=None)
@@ -364,6 +380,49 @@ def test_a_warmup_policy_with_no_warmup_epochs_is_refused():
     with pytest.raises(ValueError, match=r"warmup_epochs=0.*pass warmup_epochs >= 1"):
         Phased(SelectiveBackprop(1 / 3), warmup_policy=RandomBackprop(1 / 3))
     assert Phased(SelectiveBackprop(1 / 3), anneal_from_epoch=3).warmup_epochs == 0
+
+
+class _EveryThird(Policy):
+    """A warm-up policy of one's own with state: keeps every third candidate, counted across
+    batches, without losses."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def uses_losses(self) -> bool:
+        return False
+
+    def needs_losses(self, epoch: int) -> bool:
+        return False
+
+    def choose(self, losses, indices, rng, n):
+        positions = np.array([i for i in range(n) if (self.count + i) % 3 == 0], dtype=np.int64)
+        self.count += n
+        return Choice(positions, np.full(n, 1 / 3), np.ones(len(positions)))
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = int(state["count"])
+
+
+def test_a_phased_state_restores_its_warmup_policys_state():
+    """A warm-up policy with state (one of the user's own) resumes mid-warm-up where it was:
+    the restored Phased keeps the candidates the uninterrupted one keeps."""
+
+    def make():
+        return Phased(SelectiveBackprop(1 / 3), warmup_epochs=1, warmup_policy=_EveryThird())
+
+    rng = np.random.default_rng(0)
+    saved = make()
+    saved.begin_epoch(0)
+    saved.choose(None, None, rng, 4)
+    restored = make()
+    restored.load_state_dict(saved.state_dict())
+    restored.begin_epoch(0)
+    kept = [p.choose(None, None, rng, 6).positions.tolist() for p in (saved, restored)]
+    assert kept == [[2, 5], [2, 5]]
 
 
 @pytest.mark.parametrize("name", ["beta", "selectivity"])

@@ -97,7 +97,8 @@ def test_bad_ramps_are_refused_naming_the_parameter_and_the_fix():
     SelectiveBackprop(1 / 3, staleness=3, ramp_epochs=1)  # within Stale-SB's fresh epoch
     # default_policy names its own arguments (it said "use staleness=1", which it does not take)
     with pytest.raises(ValueError, match=r"default_policy's ramp_epochs .* has_store=False"):
-        default_policy(ramp_epochs=2)
+        default_policy(ramp_epochs=1.5)
+    assert default_policy(ramp_epochs=1).policy.ramp_epochs == 1  # the first epoch, as above
     assert default_policy(has_store=False, ramp_epochs=2).policy.ramp_epochs == 2
 
 

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
 from benchmarks.core.data import augment
-from sbloader.recipes import cosine_lr, error_rate, eval_batch_size, resnet18, small_cnn
+from sbloader.recipes import (
+    _BasicBlock,
+    cosine_lr,
+    error_rate,
+    eval_batch_size,
+    mlp,
+    resnet18,
+    small_cnn,
+)
 
 
 def test_resnet18_shapes_backbone_split_and_any_resolution():
@@ -66,10 +76,13 @@ def test_error_rate_records_no_autograd_graph():
     assert seen == [(True, False)]
 
 
-def test_error_rate_of_models_whose_inputs_are_not_images():
+@pytest.mark.parametrize("shape", [(5,), (2, 7)], ids=["vectors", "sequences"])
+def test_error_rate_of_models_whose_inputs_are_not_images(shape):
+    """Only 4-D inputs (images) are laid out channels_last: vectors, and sequences of (channels,
+    length), are evaluated as they are (channels_last refuses a 3-D tensor)."""
     torch.manual_seed(0)
-    model = nn.Linear(5, 2)
-    x, y = torch.randn(12, 5), torch.randint(0, 2, (12,))
+    model = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(shape), 2))
+    x, y = torch.randn(12, *shape), torch.randint(0, 2, (12,))
     expected = (model(x).argmax(1) != y).float().mean().item()
     assert error_rate(model, x, y) == pytest.approx(expected)
 
@@ -93,6 +106,37 @@ def test_cosine_lr_refuses_a_total_that_is_not_positive(total):
     """total=0 divided by zero, and a negative total gave base_lr at every position."""
     with pytest.raises(ValueError, match="total should"):
         cosine_lr(0.1, 5.0, total)
+
+
+def test_cosine_lr_holds_base_lr_before_the_start_and_0_past_the_end():
+    """Keyed on loader.progress, which can pass the planned total (a last pass that ends after
+    it): the rate stays 0 there instead of rising again (to base_lr at twice the total), and
+    is base_lr at any position before 0."""
+    assert cosine_lr(0.1, 10.5, 10) == 0.0 and cosine_lr(0.1, 20.0, 10) == 0.0
+    assert cosine_lr(0.1, -1.0, 10) == 0.1
+
+
+def test_the_reference_models_are_the_documented_architectures():
+    """The benchmarks' results are of these models (and a frozen prefix cuts small_cnn after
+    its eighth module): mlp is 784-1024-1024-10 with a ReLU after each hidden layer; small_cnn
+    conv32-BN-ReLU-pool, conv64-BN-ReLU-pool, fc128-ReLU, fc10; each residual block of
+    resnet18 ends in a ReLU of its sum, so its output is never negative."""
+
+    def kinds(model):
+        return [type(m).__name__ for m in model]
+
+    assert kinds(mlp()) == ["Flatten", "Linear", "ReLU", "Linear", "ReLU", "Linear"]
+    assert [m.out_features for m in mlp() if isinstance(m, nn.Linear)] == [1024, 1024, 10]
+    image = ["Conv2d", "BatchNorm2d", "ReLU", "MaxPool2d"]
+    assert kinds(small_cnn()) == [*image, *image, "Flatten", "Linear", "ReLU", "Linear"]
+    torch.manual_seed(0)
+    model, lowest = resnet18(num_classes=10, in_channels=1).eval(), []
+    for block in model.modules():
+        if isinstance(block, _BasicBlock):
+            block.register_forward_hook(lambda m, i, o: lowest.append(float(o.min())))
+    with torch.no_grad():
+        model(torch.randn(2, 1, 16, 16))
+    assert len(lowest) == 8 and min(lowest) >= 0.0
 
 
 def test_benchmark_augmentation_shifts_and_flips_each_image_whole():

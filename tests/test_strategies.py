@@ -143,6 +143,25 @@ def test_never_scored_examples_are_selected_not_skipped():
     assert set(range(30)) <= got
 
 
+def test_a_stale_epoch_gives_an_example_skipped_as_non_finite_p_0_as_choose_does():
+    """An example whose selection loss was not finite (marked by count_skipped, as
+    nonfinite="skip" does) gets P = 0 in its stale epochs from stale_probabilities (the P that
+    prefilter loads by) as from choose, not NaN: a P outside [0, 1]. A scored example gets its
+    stored loss's rank, and one never scored P = 1."""
+    policy = SelectiveBackprop(beta=1.0, history=16, staleness=2)
+    policy.attach(6, key=0)
+    policy.begin_epoch(0)
+    rng = np.random.default_rng(0)
+    policy.choose(np.array([1.0, 2.0, 3.0, 4.0]), np.arange(4), rng, 4)
+    policy.count_skipped(np.array([4]))
+    policy.begin_epoch(1)
+    assert not policy.needs_losses(1)
+    candidates = np.array([0, 3, 4, 5])
+    p = policy.stale_probabilities(candidates)
+    np.testing.assert_allclose(p, [2 / 5, 1.0, 0.0, 1.0])  # (rank of 1 among 1..4, as if added)
+    np.testing.assert_array_equal(policy.choose(None, candidates, rng, 4).probabilities, p)
+
+
 def test_nonfinite_select_counts_forced_examples_in_the_store():
     """With nonfinite="select" an example with a non-finite loss is backpropagated, so the
     store's selection count (ExampleStore.selected: times chosen for backprop) counts it; it
@@ -235,6 +254,44 @@ def test_kath18_stays_uniform_until_tau_crosses_the_threshold():
         np.add.at(counts, k.choose(skewed, None, rng, 90).positions, 1)
     share = counts[80:].sum() / counts.sum()
     assert share == pytest.approx(100 / 100.8, abs=0.01)
+
+
+def test_kath18_decides_each_pool_from_the_earlier_pools_tau():
+    """tau starts at 0, and a pool is importance-sampled only where the tau of the pools before
+    it exceeds the threshold (as in the original): the first pool is drawn uniformly even at
+    tau_threshold=0, and even where its own estimate crosses the threshold (one loss above 0
+    among 400: sqrt(400) = 20, tau 0.1 * 20 = 2 after it); the next pool is importance-sampled,
+    every draw the one example with a loss."""
+    losses = np.zeros(400)
+    losses[7] = 1.0
+    rng = np.random.default_rng(0)
+    for threshold in (0.0, 1.0):
+        k = Kath18(selectivity=0.5, tau_threshold=threshold)
+        first = k.choose(losses, None, rng, 400)
+        assert not k.importance_sampling and k.tau == pytest.approx(2.0)
+        assert len(np.unique(first.positions)) == 200 and (first.weights == 1).all()
+        np.testing.assert_array_equal(first.probabilities, np.full(400, 0.5))
+        second = k.choose(losses, None, rng, 400)
+        assert k.importance_sampling and second.positions.tolist() == [7] * 200
+
+
+def test_kath18_reports_each_candidates_chance_of_being_drawn_at_least_once():
+    """An importance-sampled pool draws b examples with replacement in proportion to the loss;
+    the probability reported for each candidate is that of being drawn at least once,
+    1 - (1 - p)^b (not b * p, which exceeds it, capped at 1), and the draws' frequencies match
+    it."""
+    losses = np.array([0.0, 1.0, 2.0, 3.0, 4.0, 10.0])
+    k = Kath18(selectivity=0.5, tau_threshold=0.0)  # b = 3 of 6
+    k.tau = 1.0  # already past the threshold
+    rng = np.random.default_rng(5)
+    drawn = np.zeros(6)
+    for _ in range(4000):
+        c = k.choose(losses, None, rng, 6)
+        drawn[np.unique(c.positions)] += 1
+    share = losses / losses.sum()
+    np.testing.assert_allclose(c.probabilities, 1 - (1 - share) ** 3, rtol=1e-12)
+    np.testing.assert_allclose(drawn / 4000, c.probabilities, atol=0.03)
+    assert drawn[0] == 0
 
 
 def test_kath18_weights_are_unbiased():
@@ -929,6 +986,40 @@ def test_kath18_state_round_trip_restores_tau_and_the_phase_and_continues_identi
     b = restored.choose(skewed, None, rng, 45)
     np.testing.assert_array_equal(a.positions, b.positions)
     np.testing.assert_array_equal(a.weights, b.weights)
+
+
+@pytest.mark.parametrize(
+    "saved, loading, says",
+    [
+        (
+            lambda: SelectiveBackprop(1 / 3, staleness=3, fed_staleness=10),
+            lambda: SelectiveBackprop(1 / 3, staleness=3, fed_staleness=5),
+            "fed_staleness=10",
+        ),
+        (
+            lambda: SelectiveBackprop(1 / 3, staleness=3, drift_bound=0.25),
+            lambda: SelectiveBackprop(1 / 3, staleness=3),
+            "drift_bound=0.25",
+        ),
+        (lambda: RandomBackprop(0.25), lambda: RandomBackprop(0.5), "selectivity=0.25"),
+        (lambda: Kath18(0.5, unbiased=False), lambda: Kath18(0.5), "unbiased=False"),
+        (
+            lambda: Phased(RandomBackprop(0.5), warmup_epochs=2),
+            lambda: Phased(RandomBackprop(0.5), warmup_epochs=1),
+            "warmup_epochs=2",
+        ),
+    ],
+    ids=["fed_staleness", "drift_bound", "random-selectivity", "kath18-unbiased", "warmup"],
+)
+def test_a_loader_state_from_other_policy_settings_is_refused_naming_them(saved, loading, says):
+    """A checkpoint resumes only into the policy it was saved with: the settings that change
+    which examples are chosen, and which the policy's own state does not hold (Stale-SB's pass
+    spacing with reports and its drift bound, Random-Backprop's share, Kath18's weights, the
+    warm-up's length), are in the loader state's identity, so another is refused, naming it."""
+    a = loader_for(saved())
+    list(a)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        loader_for(loading()).load_state_dict(a.state_dict())
 
 
 @pytest.mark.parametrize("on_disk", [False, True])

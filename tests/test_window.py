@@ -233,3 +233,25 @@ def test_refill_replaces_what_the_window_held():
     w.refill(np.arange(6.0))
     assert w.values().tolist() == [2.0, 3.0, 4.0, 5.0]
     np.testing.assert_array_equal(w.rank(np.array([3.5]), 1.0), [0.6])
+
+
+def test_a_frozen_window_refuses_every_push_and_still_ranks_and_refills():
+    """A stale epoch freezes the window that prefilter reads on the prefetch thread (Policy's
+    threading contract): every way of adding losses, a whole decision's included, raises and
+    leaves it as it was, while ranking against it, and refill (begin_epoch's, on the caller's
+    thread), still work."""
+    w = LossWindow(4)
+    w.push(np.array([1.0, 2.0]))
+    w.frozen = True
+    pushes = [
+        lambda: w.push(np.array([3.0])),
+        lambda: w.push_and_rank(np.array([3.0]), beta=1.0),
+        lambda: w.push_rank_and_draw(np.array([3.0]), np.array([0.5]), beta=1.0, reweight=False),
+    ]
+    for push in pushes:
+        with pytest.raises(RuntimeError, match="the loss window is frozen"):
+            push()
+    assert w.values().tolist() == [1.0, 2.0]
+    np.testing.assert_allclose(w.rank(np.array([1.5]), 1.0), [2 / 3])  # (as if added)
+    w.refill(np.array([5.0]))
+    assert w.values().tolist() == [5.0] and w.frozen
