@@ -226,6 +226,64 @@ def test_a_mapping_batch_without_its_dropped_index_field_keeps_its_class():
             assert torch.equal(b["image"][:, 0].long(), b.indices)
 
 
+class Record(dict):
+    """A batch class whose constructor keeps only the fields it declares (as a typed record's
+    does); a collate_fn adds another field by item assignment."""
+
+    FIELDS = ("image", "label")
+
+    def __init__(self, fields: Any) -> None:
+        super().__init__({k: fields[k] for k in self.FIELDS})
+
+
+def names_of(images: Any) -> list[str]:
+    return [f"row{int(x[0])}" for x in images]
+
+
+WAYS = [(Traditional, 12), (Traditional, 6), (lambda: SelectiveBackprop(0.5), 6)]
+WAY_IDS = ["trad-whole", "trad", "sb"]
+
+
+@pytest.mark.parametrize("policy, batch_size", WAYS, ids=WAY_IDS)
+def test_a_mapping_class_whose_constructor_changes_the_keys_yields_plain_dicts_of_every_field(
+    policy, batch_size
+):
+    """Record rebuilt from a batch's fields loses the one the collate_fn added (its keys change):
+    the yielded batches are plain SelectedDicts of every field, not Records without it."""
+
+    def collate(samples):
+        batch = Record(encodings(samples).data)
+        batch["name"] = names_of(batch["image"])
+        return batch
+
+    batches = list(encoding_loader(policy(), collate, batch_size=batch_size))
+    assert batches
+    for b in batches:
+        assert type(b) is sbloader.SelectedDict and list(b) == ["image", "label", "name"]
+        assert b["name"] == [f"row{i}" for i in b.indices.tolist()]
+        assert torch.equal(b["image"][:, 0].long(), b.indices)
+
+
+@pytest.mark.parametrize("policy, batch_size", WAYS, ids=WAY_IDS)
+def test_a_tuple_field_is_a_list_in_every_yielded_batch(policy, batch_size):
+    """A collate_fn that transposes its samples with zip(*...) gives a per-example field as a
+    tuple: it is a list in every yielded batch, handed out whole, re-batched or selected."""
+
+    def collate(samples):
+        images, labels = zip(*samples)
+        return {
+            "image": torch.stack(images),
+            "label": torch.stack(labels),
+            "name": tuple(names_of(images)),
+        }
+
+    batches = list(encoding_loader(policy(), collate, batch_size=batch_size))
+    assert batches
+    for b in batches:
+        assert type(b["name"]) is list
+        assert b["name"] == [f"row{i}" for i in b.indices.tolist()]
+
+
 @pytest.mark.parametrize(
     "value, error, fix",
     [

@@ -386,6 +386,15 @@ def test_loader_indices_outside_the_file_are_refused_before_reading(beton, indic
     assert sbffcv.open_beton(beton, 2, indices=[N - 1, 0]).indices.tolist() == [N - 1, 0]
 
 
+def test_an_empty_indices_list_gives_the_loader_int64_indices_as_any_other_does(beton):
+    """numpy reads ``indices=[]`` as float64; the Loader gets int64 indices, as for any other
+    subset, so that they join other dataset indices without turning them into floats."""
+    loader = sbffcv.open_beton(beton, 2, indices=[])
+    assert loader.indices.dtype == np.int64 and loader.indices.size == 0
+    assert sbffcv.open_beton(beton, 2, indices=[3, 1]).indices.dtype == np.int64
+    assert np.concatenate([loader.indices, np.array([3, 1])]).dtype == np.int64
+
+
 def test_kept_batches_survive_ffcvs_buffer_reuse(beton):
     """Yielded batches (built from pending and carried examples) are copies: kept for many more
     than batches_ahead + 2 iterations, their contents stay exact."""
@@ -658,6 +667,27 @@ def test_mid_epoch_resume_with_a_random_order(beton):
     got += [b.indices.tolist() for b in resumed]  # the rest of epoch 2
     got += [b.indices.tolist() for b in resumed]  # epoch 3
     assert got == full
+
+
+def test_a_sequential_order_resumes_mid_epoch_in_a_loader_of_another_seed(beton):
+    """A SEQUENTIAL order does not depend on the seed: a mid-epoch state resumes, in a loader
+    built with another seed, with the rest of the uninterrupted run's epoch."""
+
+    def build(seed: int) -> SelectiveLoader:
+        loader = sbffcv.open_beton(beton, 30, order="sequential", seed=seed)
+        return SelectiveLoader(
+            loader, model(), policy=SelectiveBackprop(1 / 3), batch_size=16, seed=2
+        )
+
+    full = [b.indices.tolist() for b in build(0)]
+    first = build(0)
+    it = iter(first)
+    got = [next(it).indices.tolist() for _ in range(2)]
+    state = copy.deepcopy(first.state_dict())
+    del it
+    resumed = build(5)
+    resumed.load_state_dict(state)
+    assert got + [b.indices.tolist() for b in resumed] == full
 
 
 def test_a_checkpoint_the_run_went_past_resumes_exactly(beton):
@@ -988,6 +1018,53 @@ def test_scalar_fields_read_back_as_ffcv_stores_them_and_float32_is_warned_of(tm
             tmp_path / "plain.beton",
             (images, small, target.astype(np.float64)),
             names=("image", "label", "target"),
+        )
+
+
+def test_only_int_and_float_scalar_fields_are_flattened(tmp_path):
+    """FFCVSource flattens the (B, 1) outputs of IntField and FloatField to (B,); an NDArrayField
+    of shape (1,) (what write_beton's float32 warning suggests) keeps its written shape (B, 1)."""
+    fields_mod = pytest.importorskip("ffcv.fields")
+    images, labels = encoded_arrays(12)
+    target = (np.arange(12) / 12).astype(np.float32).reshape(12, 1)
+    fields = {
+        "image": fields_mod.NDArrayField(np.dtype("float32"), (1, 4, 4)),
+        "label": fields_mod.IntField(),
+        "target": fields_mod.NDArrayField(np.dtype("float32"), (1,)),
+    }
+    path = sbffcv.write_beton(tmp_path / "kept.beton", (images, labels, target), fields=fields)
+    seen = []
+    for (_, label, got, index), idx in sbffcv.FFCVSource(sbffcv.open_beton(path, 4)).epoch():
+        assert label.shape == index.shape == (4,) and got.shape == (4, 1)
+        assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(target[idx]))
+        seen += idx.tolist()
+    assert seen == list(range(12))
+
+
+def test_an_int_field_of_several_values_is_refused_naming_it(tmp_path):
+    """An IntField holds one integer per example: a sample with several is refused, saying so
+    (not numpy's "cannot reshape array"), and nothing is written."""
+    fields_mod = pytest.importorskip("ffcv.fields")
+    images, _ = encoded_arrays(8)
+    pairs = np.stack([np.arange(8), np.arange(8)], axis=1)  # two labels per example
+    fields = {
+        "image": fields_mod.NDArrayField(np.dtype("float32"), (1, 4, 4)),
+        "label": fields_mod.IntField(),
+    }
+    path = tmp_path / "pairs.beton"
+    with pytest.raises(ValueError, match=r"^sample 0 should be one integer, but got array"):
+        sbffcv.write_beton(path, (images, pairs), fields=fields)
+    assert not path.exists()
+
+
+def test_el2n_scores_refuses_an_ffcv_loader_that_drops_its_last_batch(beton):
+    """el2n_scores scores every example in one pass: an FFCV Loader with drop_last=True (300
+    examples in batches of 32) would leave 12 unscored, and is refused as a DataLoader is."""
+    loader = sbffcv.open_beton(beton, 32, drop_last=True)
+    assert sbffcv.FFCVSource(loader).drop_last()
+    with pytest.raises(ValueError, match=r"its last partial batch is dropped \(drop_last=True\)"):
+        sbloader.el2n_scores(
+            model, loader, make_optimizer=lambda m: torch.optim.SGD(m.parameters(), 0.1)
         )
 
 

@@ -145,6 +145,22 @@ def test_the_default_policy_anneals_in_the_last_eighth_of_max_epochs():
     assert e[1].selection_forwards > 0 and e[0].selection_forwards == 0
 
 
+def test_a_metadata_key_passed_to_selective_loader_is_the_loaders():
+    """metadata_key="sb" is only the default: another key carries the results under it, and
+    None yields the source's two fields with the results as attributes only."""
+    module = Classifier()
+    source = DataLoader(data(), batch_size=64)
+    for key, fields in (("meta", 3), (None, 2)):
+        module.trainer = trainer(epochs=1)
+        wrapped = selective_loader(
+            module, source, policy=Traditional(), batch_size=16, metadata_key=key
+        )
+        batch = next(iter(wrapped))
+        assert len(batch) == fields and batch.indices.tolist() == list(range(16))
+        if key is not None:
+            assert torch.equal(batch[2]["indices"], batch.indices)
+
+
 def test_max_epochs_plans_the_default_recipe_from_two_epochs_on():
     """The Trainer's max_epochs becomes planned_epochs from 2 on (1 or unbounded: none)."""
     module = Classifier()
@@ -597,6 +613,22 @@ def test_batches_fetched_before_any_training_are_handed_out_again_in_order():
     assert [next(again).indices.tolist() for _ in range(4)] == [*ahead, list(range(192, 256))]
 
 
+def test_iterated_again_after_training_began_the_loader_starts_a_new_epoch():
+    """Only batches fetched before any was trained are handed out again: iterated again once
+    training_step has had a batch of the epoch, the loader starts a new epoch, from its first
+    batch, as a plain loop does."""
+    wrapped = lightning_sb.LightningLoader(
+        SelectiveLoader(DataLoader(data(), batch_size=64), nn.Linear(8, 4), policy=Traditional())
+    )
+    first = iter(wrapped)
+    fetched = [next(first).indices.tolist() for _ in range(3)]
+    assert fetched[2] == list(range(128, 192))
+    wrapped.trained = 2  # as the callback counts training_step's batches
+    again = iter(wrapped)
+    assert next(again).indices.tolist() == list(range(64))
+    assert (wrapped.fetched, wrapped.trained) == (1, 0)
+
+
 def test_resume_from_a_validation_checkpoint_on_the_last_batch_of_an_epoch(tmp_path):
     """ModelCheckpoint(monitor=...) saves when validation ends; at an epoch's last batch
     (val_check_interval) the loader's epoch has ended already, and the resumed run calls
@@ -689,8 +721,8 @@ def test_under_ddp_a_source_that_does_not_split_the_data_is_refused_and_others_a
 ):
     """With several processes a DataLoader whose sampler gives every rank all the data is
     refused, naming DistributedSampler; a DistributedSampler, a batch sampler that splits by
-    itself, and an iterable dataset (which shards itself: a DataLoader refuses a sampler
-    there) are accepted."""
+    itself or holds no sampler to inspect, and an iterable dataset (which shards itself: a
+    DataLoader refuses a sampler there) are accepted."""
     from torch.utils.data import DistributedSampler, IterableDataset
 
     monkeypatch.setattr(pl.Trainer, "world_size", property(lambda self: 2))
@@ -714,6 +746,15 @@ def test_under_ddp_a_source_that_does_not_split_the_data_is_refused_and_others_a
             return 1
 
     build(DataLoader(data(), batch_sampler=SplittingBatches()))
+
+    class OwnBatches:  # a batch sampler of the user's own, with no sampler to inspect
+        def __iter__(self):
+            return iter([list(range(1, 16, 2))])
+
+        def __len__(self):
+            return 1
+
+    build(DataLoader(data(), batch_sampler=OwnBatches()))
 
     class Stream(IterableDataset):
         def __iter__(self):
@@ -775,12 +816,13 @@ def test_a_run_stopped_by_max_steps_goes_on_with_the_rest_of_its_epoch(tmp_path,
     assert twice.trained == full.trained
 
 
-@pytest.mark.parametrize("val_every, warns", [(3, True), (4, False)])
-def test_a_checkpoint_between_accumulated_steps_warns(tmp_path, val_every, warns):
+@pytest.mark.parametrize("val_every, batches, warns", [(3, 8, True), (4, 8, False), (5, 5, False)])
+def test_a_checkpoint_between_accumulated_steps_warns(tmp_path, val_every, batches, warns):
     """With accumulate_grad_batches, a checkpoint saved where the optimizer has not stepped
     (validation every 3 batches, accumulating 2) holds no accumulated gradients, so a run
     resumed from it differs: the callback warns, as AcceleratedLoader does; saving at every
-    step (every 4 batches) does not."""
+    step (every 4 batches) does not, nor at an epoch's last batch (the 5th of 5), where
+    Lightning steps whatever the count."""
 
     on_validation = pl.callbacks.ModelCheckpoint(
         dirpath=tmp_path, monitor="val_loss", save_top_k=-1, save_on_train_epoch_end=False
@@ -791,7 +833,7 @@ def test_a_checkpoint_between_accumulated_steps_warns(tmp_path, val_every, warns
         accumulate_grad_batches=2,
         val_check_interval=val_every,
         check_val_every_n_epoch=None,
-        limit_train_batches=8,
+        limit_train_batches=batches,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
