@@ -497,15 +497,18 @@ def selection_outputs(
             m = stop - start
             y = B.rows(targets, start, stop)
             counts = _batchnorm_counts(model) if m == 1 and not eval else None
-            try:
+
+            def chunk_forward(start: int = start, stop: int = stop) -> Any:
                 if forward is None:
-                    raw = model(B.rows(inputs, start, stop))
-                else:
-                    raw = forward(model, restrict(batch, start, stop))
+                    return model(B.rows(inputs, start, stop))
+                return forward(model, restrict(batch, start, stop))
+
+            try:
+                raw = chunk_forward()
             except ValueError as e:
                 if counts is None or _ONE_VALUE_PER_CHANNEL not in str(e):
                     raise
-                raw = _one_in_eval_mode(model, counts, e, forward, inputs, batch, start)
+                raw = _one_in_eval_mode(model, counts, e, chunk_forward)
             logits = model_output(raw, output)
             # NOTE: by default a loss_fn of the user's own takes non-tensor outputs whole, as it
             # did before output= existed; a torch loss module takes tensors only.
@@ -1135,15 +1138,13 @@ def _one_in_eval_mode(
     model: nn.Module,
     counts: list[tuple[torch.Tensor, torch.Tensor]],
     error: Exception,
-    forward: Forward | None,
-    inputs: Any,
-    batch: Any,
-    start: int,
+    chunk_forward: Callable[[], Any],
 ) -> Any:
-    """The model's output for the one candidate at row ``start`` that a train-mode BatchNorm
-    refused (``error``), computed in eval mode (the BatchNorms' running statistics), with the
-    BatchNorm counters put back as they were before the refused forward (torch counts the
-    batch before refusing it) and a ``UserWarning`` naming the fixes.
+    """The model's output for the one candidate that a train-mode BatchNorm refused
+    (``error``): ``chunk_forward()``, the pass's own forward of it, run again in eval mode (the
+    BatchNorms' running statistics), with the BatchNorm counters put back as they were before
+    the refused forward (torch counts the batch before refusing it) and a ``UserWarning`` naming
+    the fixes.
 
     NOTE: scored, not refused: a pass of 41 examples in source batches of 20 (a DataLoader's
     last batch of one) was refused only when its first selective epoch ended, after a
@@ -1176,9 +1177,7 @@ def _one_in_eval_mode(
         stacklevel=2,
     )
     with eval_mode(model):
-        if forward is None:
-            return model(B.rows(inputs, start, start + 1))
-        return forward(model, restrict(batch, start, start + 1))
+        return chunk_forward()
 
 
 def concrete_device(device: torch.device) -> torch.device:
