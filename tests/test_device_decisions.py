@@ -130,9 +130,9 @@ X = torch.randn(3000, 12, generator=torch.Generator().manual_seed(0))
 Y = (X[:, 0] > 0).long() + (X[:, 1] > 0.5).long()
 
 
-def make_loader(decisions="device", seed=0, **kw):
+def make_loader(decisions="device", seed=0, data=None, **kw):
     source = DataLoader(
-        TensorDataset(X, Y),
+        TensorDataset(X, Y) if data is None else data,
         batch_size=200,
         shuffle=True,
         generator=torch.Generator().manual_seed(1),
@@ -180,6 +180,21 @@ def test_deterministic_per_seed_and_rows_consistent():
     assert [i.tolist() for _, i, _ in ea] != [i.tolist() for _, i, _ in ec]
     for x, idx, p in ea:  # each row is its dataset example, kept with P in (0, 1]
         assert torch.equal(x, X[idx]) and bool(((p > 0) & (p <= 1)).all())
+
+
+def test_nonfinite_losses_are_counted_and_never_yielded_as_on_the_host():
+    """nonfinite="skip" (the default): a candidate whose selection loss is not finite is never
+    yielded, and the epoch's stats count it, on the device as on the host."""
+    bad = torch.zeros(len(X), dtype=torch.bool)
+    bad[::50] = True
+    inputs = X.clone()
+    inputs[bad] = float("nan")
+    for decisions in ("host", "device"):
+        loader = make_loader(decisions, data=TensorDataset(inputs, Y))
+        yielded = torch.cat([b.indices for b in loader])
+        assert not bad[yielded].any() and len(yielded) > 0
+        e = loader.stats.current
+        assert (e.nonfinite, e.examples_seen) == (int(bad.sum()), len(X)), decisions
 
 
 def test_resume_mid_epoch_is_exact():

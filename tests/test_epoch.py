@@ -519,6 +519,35 @@ def test_a_state_taking_back_a_batch_of_a_resumed_run_keeps_the_order_of_those_i
     assert epoch_indices(third) == expected
 
 
+def test_a_batch_taken_back_that_fails_to_be_handed_out_keeps_its_place(monkeypatch):
+    """Joining a batch taken back by a state can fail (an out-of-memory error, an interrupt):
+    that batch stays first, before the others the state took back, so that a state saved then
+    resumes in the uninterrupted run's order."""
+
+    def build():
+        return make(policy=Traditional(), batch_size=30)
+
+    expected = epoch_indices(build())
+    first = build()
+    it = iter(first)
+    next(it)
+    assert not it.finishing()  # batch 1 made ready, whole
+    second = build()
+    second.load_state_dict(first.state_dict(unconsumed=1))  # takes back batches 0 and 1
+    build_batch = second._codec.build
+
+    def fails_once(*args):
+        monkeypatch.setattr(second._codec, "build", build_batch)
+        raise MemoryError("joining the batch")
+
+    monkeypatch.setattr(second._codec, "build", fails_once)
+    with pytest.raises(MemoryError):
+        next(iter(second))
+    third = build()
+    third.load_state_dict(second.state_dict())
+    assert epoch_indices(third) == expected
+
+
 def test_finishing_counts_batches_a_state_took_back_and_leaves_the_end_to_the_caller():
     """finishing() after a resume whose state took back the epoch's last batch
     (``unconsumed=1``): that batch is still to come (it answered True, having run the epoch to
@@ -781,6 +810,19 @@ def test_rows_concat_split_and_widen_logits_placeholders():
     head, rest = both.split(1)
     assert head.indices.tolist() == [5] and rest.indices.tolist() == [6, 8]
     assert rest.data[1] == ["b", "c"] and head.features is None
+
+
+def test_rows_copy_shares_no_tensor_with_the_source_nested_fields_included():
+    """copy() is what a source that reuses its buffers cannot overwrite: every data tensor,
+    a nested field's too, is its own."""
+    x, mask = torch.zeros(2, 3), torch.ones(2, 3)
+    rows = metadata_rows([x, {"inputs": {"mask": mask}}, ["a", "b"]], None, None, None, 2, CPU)
+    copied = rows.copy()
+    x += 1
+    mask -= 1
+    assert copied.data[0].tolist() == [[0.0] * 3] * 2
+    assert copied.data[1]["inputs"]["mask"].tolist() == [[1.0] * 3] * 2
+    assert copied.data[2] == ["a", "b"] and copied.indices.tolist() == [-1, -1]
 
 
 def test_pending_rows_pop_in_order_and_refuse_too_many():

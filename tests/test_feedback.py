@@ -325,6 +325,17 @@ def test_a_list_of_per_example_loss_tensors_is_taken_detached():
     assert idx.tolist() == batch.indices.tolist() and val.tolist() == list(range(n))
 
 
+def test_a_list_of_loss_tensors_of_several_examples_each_is_joined_in_order():
+    """Losses computed in chunks (a step's micro-batches), passed as a list of tensors of
+    several examples each: every example's loss, in order."""
+    loader = loader_for(SelectiveBackprop(1 / 3, staleness=2))
+    batch = next(iter(loader))
+    losses = reported(batch.indices)
+    loader.feedback(batch.indices, [losses[:3], losses[3:7], losses[7:]])
+    idx, val = loader._feedback.take()
+    assert idx.tolist() == batch.indices.tolist() and val.tolist() == losses.tolist()
+
+
 def test_per_token_reports_are_refused_naming_the_reduction_over_tokens():
     """Losses of shape (batch, seq) were refused telling a user who had reduction='none' to
     pass reduction='none'; the message names the shape and the per-example reduction."""
@@ -335,6 +346,9 @@ def test_per_token_reports_are_refused_naming_the_reduction_over_tokens():
         loader.feedback(batch.indices, torch.zeros(n, 7))
     loader.feedback(batch.indices, torch.zeros(n, 1))  # one per example, laid out as a column
     assert len(loader._feedback) == n
+    # (another batch's per-token losses: the counts differ, and the message says so)
+    with pytest.raises(ValueError, match=rf"got {n} indices and {7 * (n + 1)} losses;"):
+        loader.feedback(batch.indices, torch.zeros(n + 1, 7))
 
 
 def test_reports_are_the_values_reported_whatever_the_caller_does_with_them_after():
@@ -689,6 +703,23 @@ def test_non_finite_reports_are_said_and_do_not_count_as_fed(caplog):
     assert said[0].startswith(f"epoch 0: {n} of {n} training losses") and "diverged" in said[0]
     stored, _ = policy.store.lookup(np.arange(N))
     assert np.isfinite(stored).all()  # the selection passes' losses, kept
+
+
+def test_a_report_beyond_float32s_range_is_stored_clipped_not_taken_as_non_finite(caplog):
+    """The store's loss column is float32: a finite report above its range is stored as its
+    largest value, as a selection pass's loss is, not turned into inf on its way to the store
+    (which would keep the example's earlier loss, and the loader warn of a diverged run)."""
+    policy = SelectiveBackprop(1 / 3, staleness=3)
+    loader = loader_for(policy)
+    trained = []
+    for batch in loader:
+        loader.feedback(batch.indices, np.full(len(batch.indices), 1e39))
+        trained += batch.indices.tolist()
+    with caplog.at_level("WARNING", logger="sbloader"):
+        next(iter(loader))  # the reports reach the store
+    assert not [r for r in caplog.records if "NaN or infinite" in r.getMessage()]
+    stored, epochs = policy.store.lookup(np.array(trained))
+    assert (stored == np.finfo(np.float32).max).all() and (epochs == 0).all()
 
 
 def test_targets_reported_instead_of_losses_are_refused_at_once():

@@ -845,28 +845,30 @@ def test_traditional_len_with_a_subset_it_cannot_count_is_refused_naming_the_fix
     assert 'batches_per_epoch="expected"' in str(info.value)
 
 
+def listed(batches: list[list[int]], length: int) -> SelectiveLoader:
+    """Traditional at batch_size 8 over a ``batch_sampler=`` of no sampler of its own that
+    draws ``batches`` and says it has ``length``."""
+
+    class Listed:
+        batch_size = 8
+
+        def __iter__(self):
+            return iter([list(b) for b in batches])
+
+        def __len__(self):
+            return length
+
+    data = EncodedDataset(max(max(b) for b in batches) + 1)
+    source = DataLoader(data, batch_sampler=Listed())
+    return SelectiveLoader(source, IndexLoss(), policy=Traditional(), batch_size=8)
+
+
 def test_a_bucketing_batch_sampler_whose_count_len_cannot_know_is_warned_of():
     """A batch_sampler= with no sampler of its own is counted as full batches; one whose
     batches vary in size makes another number: the first such batch (not the last) is warned
     of, once, naming the fix."""
-
-    class Buckets:
-        batch_size = 8
-
-        def __iter__(self):
-            for b in range(4):
-                yield list(range(9 * b, 9 * b + 8))
-                yield [9 * b + 8]
-
-        def __len__(self):
-            return 8
-
-    loader = SelectiveLoader(
-        DataLoader(EncodedDataset(36), batch_sampler=Buckets()),
-        IndexLoss(),
-        policy=Traditional(),
-        batch_size=8,
-    )
+    buckets = [b for s in range(0, 36, 9) for b in (list(range(s, s + 8)), [s + 8])]
+    loader = listed(buckets, 8)
     assert len(loader) == 8
     with pytest.warns(UserWarning, match="counted the source's batches as full batches") as rec:
         got = sum(1 for _ in loader)
@@ -874,6 +876,18 @@ def test_a_bucketing_batch_sampler_whose_count_len_cannot_know_is_warned_of():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         list(loader)  # (once)
+
+
+def test_a_batch_sampler_of_full_batches_and_a_short_last_one_is_not_warned_of():
+    """The count of full batches is right where only a pass's last batch is short (as a
+    sampler batched by a DataLoader makes them): that batch is no bucketing, and is not warned
+    of."""
+    chunks = [list(range(s, min(s + 8, 29))) for s in range(0, 29, 8)]
+    loader = listed(chunks, 4)
+    assert len(loader) == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [b.indices.tolist() for b in loader] == chunks
 
 
 def test_progress_of_a_source_of_unknown_size_does_not_lag_in_prefiltered_passes():

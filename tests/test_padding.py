@@ -10,6 +10,7 @@ import io
 import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import sbloader
 from sbloader import SelectiveBackprop, SelectiveLoader, Traditional
+from sbloader.sources import Source
 
 V, C, N, LONGEST = 20, 3, 48, 12  # vocabulary, classes per token, examples, longest sequence
 PADS = {"input_ids": 0, "attention_mask": 0, "labels": -100}
@@ -80,10 +82,9 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return per_token.sum(1) / (labels != -100).sum(1).clamp(min=1)
 
 
-def make(dataset: Sequences, batch: int = 8, collate: Collator | None = None, **kw: Any):
-    collate = Collator() if collate is None else collate
-    source = DataLoader(dataset, batch_size=batch, collate_fn=collate)
-    loader = SelectiveLoader(
+def over(source: Any, **kw: Any) -> SelectiveLoader:
+    """A loader of the :class:`Tagger` over ``source``'s padded batches."""
+    return SelectiveLoader(
         source,
         Tagger(),
         token_loss,
@@ -92,7 +93,11 @@ def make(dataset: Sequences, batch: int = 8, collate: Collator | None = None, **
         forward=lambda model, b: model(b["input_ids"], b["attention_mask"]),
         **{"batch_size": 4, "seed": 0, "prefetch": 0, **kw},
     )
-    return loader, collate
+
+
+def make(dataset: Sequences, batch: int = 8, collate: Collator | None = None, **kw: Any):
+    collate = Collator() if collate is None else collate
+    return over(DataLoader(dataset, batch_size=batch, collate_fn=collate), **kw), collate
 
 
 def check_batch(batch: Any, data: Sequences) -> int:
@@ -286,6 +291,45 @@ def test_traditional_rebatching_ragged_batches_needs_pad_values() -> None:
     )
     assert sorted(i for b in batches for i in b.indices.tolist()) == list(range(len(data)))
     assert sum(check_batch(batch, data) for batch in batches) > 0  # some rows were padded
+
+
+class Padded(Source):
+    """A source of :class:`Sequences` padded per batch of 8, with their indices: of a known batch
+    size, and leaving nothing out before loading (``subset`` is applied after, as over FFCV)."""
+
+    def __init__(self, data: Sequences, collate: Collator) -> None:
+        self.batches = [collate([data[i] for i in range(s, s + 8)]) for s in range(0, N, 8)]
+
+    @property
+    def batch_size(self) -> int:
+        return 8
+
+    def has_indices(self) -> bool:
+        return True
+
+    def epoch(self, skip: int = 0, keep: Any = None) -> Any:
+        for b in range(skip, len(self.batches)):
+            yield self.batches[b], np.arange(8 * b, 8 * b + 8)
+
+
+def test_traditional_with_a_subset_left_out_after_loading_needs_pad_values() -> None:
+    """Rows outside ``subset`` of a source that cannot leave them out before loading are left
+    out after: its batches, of the training batch size, are re-batched, so a ragged field
+    without pad_values fails on the first source batch that differs, as with another batch
+    size; padded with them."""
+    data, collate = Sequences(), Collator()
+    source = Padded(data, collate)
+    subset = [i for i in range(N) if i % 5]
+
+    def build(**kw: Any) -> SelectiveLoader:
+        return over(source, policy=Traditional(), batch_size=8, subset=subset, **kw)
+
+    assert collate.widths[0] != collate.widths[1]
+    with pytest.raises(ValueError, match=r"of source batch 2 \(counted from 1\).*pad_values"):
+        list(build())
+    got = list(build(pad_values=PADS))
+    assert [b.indices.tolist() for b in got] == [subset[s : s + 8] for s in range(0, 39, 8)]
+    assert sum(check_batch(batch, data) for batch in got) > 0  # some rows were padded
 
 
 def test_resumed_run_fails_where_the_uninterrupted_one_does() -> None:

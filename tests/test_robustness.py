@@ -1910,7 +1910,8 @@ class FlakyLoss(IndexLoss):
 )
 def test_a_selection_pass_that_raises_loses_no_example_from_a_state_saved_after(options):
     """The source batch whose scoring raised is not consumed: a state saved after the error
-    resumes with it, and the run yields what an uninterrupted one does (nothing skipped)."""
+    resumes with it, and the run yields what an uninterrupted one does (nothing skipped), its
+    stats counting each example seen once."""
     options = dict(options)
     nan = options.pop("nan", False)
 
@@ -1927,6 +1928,7 @@ def test_a_selection_pass_that_raises_loses_no_example_from_a_state_saved_after(
     resumed = make(FlakyLoss())
     resumed.load_state_dict(state)
     assert head + [b.indices.tolist() for b in resumed] == reference
+    assert resumed.stats.current.examples_seen == 40  # (the batch not taken counted once)
 
 
 @pytest.mark.parametrize(
