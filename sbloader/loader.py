@@ -1738,6 +1738,8 @@ class SelectiveLoader(NotADataLoader):
         if reports is not None:
             self._apply_feedback(*reports)
         self.policy.begin_epoch(self.epoch)
+        if not resumed:  # (a resumed epoch's rows were settled as it began, in its saved run)
+            self._pending.begin_epoch(self.policy.normalize_weights())
         # (the one decision: the epoch iterator builds its Keep from this flag)
         self._epoch_prefilter = self._source.can_filter() and prefilters(self.policy, self._subset)
         saved, self._resume_prefilter = self._resume_prefilter, None

@@ -390,9 +390,40 @@ class PendingRows:
     def __init__(self) -> None:
         self._parts: list[Rows] = []
         self._count = 0
+        # (whether the rows were chosen in an epoch whose batches are normalised to mean
+        # weight 1: see begin_epoch)
+        self._normalized = False
 
     def __len__(self) -> int:
         return self._count
+
+    def begin_epoch(self, normalizes: bool) -> None:
+        """A new epoch begins, whose yielded batches are normalised to mean weight 1 where
+        ``normalizes`` (the policy's ``normalize_weights()`` in that epoch).
+
+        NOTE: the loader normalises a batch by what the policy of the epoch it is yielded in
+        says. Rows carried from an epoch that normalises (Stale-SB's 1/P with ``reweight=True``)
+        into one that does not (``Phased``'s annealed Traditional end) went into its first batch
+        with their raw 1/P weights: a batch of mean weight 1.7 and one row of 11 in a measured
+        case, where the policy promises mean 1. They are normalised here instead, as one
+        block to mean 1, keeping their ratios; the new epoch's rows join them at weight 1.
+        Carried into an epoch that normalises, they are normalised with its batches as before.
+
+        Example:
+            >>> import torch
+            >>> p = PendingRows()
+            >>> p.begin_epoch(True)
+            >>> r = metadata_rows([torch.arange(2)], None, None, None, 2, torch.device("cpu"))
+            >>> p.add(replace(r, weights=torch.tensor([1.0, 3.0])))
+            >>> p.begin_epoch(False)
+            >>> p.pop(2).weights.tolist()
+            [0.5, 1.5]
+        """
+        if self._normalized and not normalizes and self._count:
+            total = sum(float(part.weights.double().sum()) for part in self._parts)
+            scale = self._count / total
+            self._parts = [replace(part, weights=part.weights * scale) for part in self._parts]
+        self._normalized = bool(normalizes)
 
     def add(self, rows: Rows) -> None:
         if len(rows):
@@ -432,12 +463,18 @@ class PendingRows:
         return n
 
     def state_dict(self) -> dict[str, Any]:
-        return {"count": self._count, "parts": [p.state_dict() for p in self._parts]}
+        return {
+            "count": self._count,
+            "parts": [p.state_dict() for p in self._parts],
+            "normalized": self._normalized,
+        }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         self.clear()
         for part in state["parts"]:
             self.add(Rows.from_state(part, device))
+        # (absent from states saved before it existed: their rows were never normalised here)
+        self._normalized = bool(state.get("normalized", False))
         if self._count != int(state["count"]):
             raise ValueError(
                 f"the saved pending rows count {state['count']} examples but hold {self._count}; "

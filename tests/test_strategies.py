@@ -775,6 +775,35 @@ def test_unbiased_reweighting_normalises_weights_per_batch():
         torch.testing.assert_close(ratio, ratio[0].expand_as(ratio))
 
 
+@pytest.mark.parametrize("resumed", [False, True])
+def test_rows_carried_from_a_reweighted_epoch_into_an_annealed_one_weigh_mean_one(resumed):
+    """SB with reweight=True, then Phased's annealed Traditional epoch (which does not
+    normalise): the rows carried from the reweighted epoch open the annealed one in their 1/P
+    ratios at mean weight 1 (they went in with their raw 1/P weights, the batch's mean far
+    from 1), the annealed epoch's own rows weigh 1; resumed from a state saved between the two
+    epochs, alike."""
+
+    def loader():
+        policy = Phased(SelectiveBackprop(1 / 3, reweight=True), anneal_from_epoch=1)
+        return loader_for(policy, EncodedDataset(600))
+
+    first = loader()
+    list(first)
+    carried = first.pending_examples
+    if resumed:
+        state = first.state_dict()
+        first = loader()
+        first.load_state_dict(state)
+    b = next(iter(first))
+    assert 1 < carried < len(b.weights)
+    w, p = b.weights[:carried], b.probabilities[:carried]
+    assert w.max() > 1.5 * w.min()  # (1/P weights, not all alike)
+    torch.testing.assert_close(w.mean(), torch.tensor(1.0))
+    torch.testing.assert_close(w * p, (w * p)[:1].expand_as(w))
+    assert (b.weights[carried:] == 1).all() and (b.probabilities[carried:] == 1).all()
+    torch.testing.assert_close(b.weights.mean(), torch.tensor(1.0))
+
+
 # ------------------------------------------------------------------ the store
 def test_store_round_trips_through_state_dict():
     s = ExampleStore(100)
