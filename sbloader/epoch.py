@@ -480,15 +480,19 @@ class EpochIterator:
         self._remainder = "short" if self._passthrough and not fixed else loader.remainder
         # Whether rows of different source batches are joined into training batches this epoch:
         # always when selecting; for a passthrough policy, where the source's batches are not
-        # already training batches (another batch size, or rows left out by ``subset``), or
-        # where a pass's rest is carried into the next (``batches_per_epoch``).
-        self._joins = (
-            not self._passthrough
-            or fixed
-            or loader.source.batch_size != loader.batch_size
-            or loader._subset is not None
-        )
+        # already training batches (another batch size, or rows left out by ``subset`` after
+        # loading), or where a pass's rest is carried into the next (``batches_per_epoch``).
+        # NOTE: a source that leaves the rows outside ``subset`` out before loading and
+        # re-batches the rest (a DataLoader's) yields training batches already; counted as
+        # joining, a dynamically padded one was refused on its second batch ("cannot be
+        # joined") although none of its rows were ever joined.
         source = loader.source
+        subset_joins = loader._subset is not None and not (
+            loader._epoch_prefilter and source.refills_batches()
+        )
+        self._joins = (
+            not self._passthrough or fixed or source.batch_size != loader.batch_size or subset_joins
+        )
         self._filtering = source.can_filter()
         # (whether it loads part of the epoch is the loader's decision, made as it began)
         keep = (

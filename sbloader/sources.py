@@ -168,6 +168,13 @@ class Source(abc.ABC):
         """Whether :meth:`epoch` honours ``keep`` (rejected examples are then never loaded)."""
         return False
 
+    def refills_batches(self) -> bool:
+        """Whether an epoch filtered by ``keep`` still yields batches of :attr:`batch_size`, the
+        kept examples re-batched (only the last may be shorter), as an unfiltered one does.
+        Where it does, a policy that keeps every example it is given hands those batches out
+        whole, joining none, also with ``subset=``."""
+        return False
+
     def drop_last(self) -> bool:
         """Whether the source drops its last partial batch."""
         return False
@@ -742,6 +749,10 @@ class DataLoaderSource(Source):
         return True
 
     def can_filter(self) -> bool:
+        return True
+
+    def refills_batches(self) -> bool:
+        """True: the kept indices are re-batched to the batch sampler's size before loading."""
         return True
 
     def drop_last(self) -> bool:

@@ -332,6 +332,27 @@ def test_traditional_with_a_subset_left_out_after_loading_needs_pad_values() -> 
     assert sum(check_batch(batch, data) for batch in got) > 0  # some rows were padded
 
 
+def test_traditional_with_a_subset_a_dataloader_leaves_out_before_loading_joins_no_rows() -> None:
+    """A DataLoader leaves the rows outside ``subset`` out before loading and re-batches the
+    rest to its batch size: Traditional at that batch size hands its dynamically padded batches
+    out whole, each as the collator padded it, without pad_values (it was refused on the second
+    source batch, "cannot be joined", though no rows are ever joined there). Over a source that
+    leaves them out after loading, the same loader re-batches them (the test above)."""
+    data = Sequences()
+    subset = [i for i in range(N) if i % 5]
+    loader, collate = make(data, policy=Traditional(), batch_size=8, subset=subset)
+    got = list(loader)
+    assert [b.indices.tolist() for b in got] == [subset[s : s + 8] for s in range(0, 39, 8)]
+    assert [b["input_ids"].shape[1] for b in got] == collate.widths
+    assert len(set(collate.widths)) > 1  # (ragged: joining any two of them would fail)
+    for batch in got:
+        check_batch(batch, data)
+    # Selecting joins rows of different source batches: still refused without pad_values.
+    loader, _ = make(data, policy=SelectiveBackprop(1 / 2), batch_size=8, subset=subset)
+    with pytest.raises(ValueError, match=r"source batch 2 \(counted from 1\).*pad_values"):
+        list(loader)
+
+
 def test_resumed_run_fails_where_the_uninterrupted_one_does() -> None:
     # The first batch's shapes are part of the state: a run saved after it and resumed fails on
     # the next batch, as the uninterrupted run does, although its own first batch is 10 wide.
