@@ -420,7 +420,7 @@ class PendingRows:
             [0.5, 1.5]
         """
         if self._normalized and not normalizes and self._count:
-            total = sum(float(part.weights.double().sum()) for part in self._parts)
+            total = sum(float(part.weights.sum()) for part in self._parts)
             scale = self._count / total
             self._parts = [replace(part, weights=part.weights * scale) for part in self._parts]
         self._normalized = bool(normalizes)
