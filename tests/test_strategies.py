@@ -804,6 +804,27 @@ def test_rows_carried_from_a_reweighted_epoch_into_an_annealed_one_weigh_mean_on
     torch.testing.assert_close(b.weights.mean(), torch.tensor(1.0))
 
 
+def test_unnormalised_weights_carried_into_an_annealed_epoch_are_left_as_chosen():
+    """Kath18's unbiased weights (1 / (B p), not normalised per batch) carried into Phased's
+    annealed epoch open it as they were chosen: the same weights as the rows carried into a
+    next Kath18 epoch of the same run; only weights normalised per batch are rescaled."""
+
+    def first_of_epoch_1(anneal):
+        policy = Kath18(selectivity=0.25, tau_threshold=0.0)  # 8 of each of 21 pools of 30
+        loader = loader_for(Phased(policy, anneal_from_epoch=anneal), EncodedDataset(630))
+        list(loader)
+        return loader.pending_examples, next(iter(loader))
+
+    carried, annealed = first_of_epoch_1(1)
+    same, kept = first_of_epoch_1(None)
+    assert carried == same and 1 < carried < len(annealed.weights)
+    w = annealed.weights[:carried]
+    assert w.max() > 1.5 * w.min() and abs(float(w.mean()) - 1) > 0.01
+    torch.testing.assert_close(w, kept.weights[:carried], rtol=0, atol=0)
+    torch.testing.assert_close(annealed.indices[:carried], kept.indices[:carried])
+    assert (annealed.weights[carried:] == 1).all()
+
+
 # ------------------------------------------------------------------ the store
 def test_store_round_trips_through_state_dict():
     s = ExampleStore(100)
