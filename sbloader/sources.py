@@ -126,10 +126,11 @@ class Source(abc.ABC):
     """The protocol of an epoch-wise source of ``(batch, indices)`` pairs.
 
     A source declares what it can do through plain methods (:meth:`has_indices`,
-    :meth:`can_filter`, :meth:`drop_last`, :meth:`replaying`, :meth:`default_prefetch`,
-    :meth:`check_prefetch`, :meth:`reuses_buffers`, :meth:`mid_epoch_refusal`), never
-    through attributes the loader has to probe, and implements :meth:`epoch` and the state
-    protocol. :func:`sbloader.adapt.make_source` turns what a user passes into a source.
+    :meth:`can_filter`, :meth:`refills_batches`, :meth:`drop_last`, :meth:`replaying`,
+    :meth:`default_prefetch`, :meth:`check_prefetch`, :meth:`reuses_buffers`,
+    :meth:`mid_epoch_refusal`), never through attributes the loader has to probe, and
+    implements :meth:`epoch` and the state protocol. :func:`sbloader.adapt.make_source` turns
+    what a user passes into a source.
 
     Threading contract: :meth:`epoch`'s iterator may be advanced on the loader's prefetch
     thread (see ``prefetch=``), and ``keep`` is then called on that thread too; every other
