@@ -8,6 +8,10 @@ import statistics
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository
+
+from benchmarks.core.frontier import first_time
+
 REFERENCE = 0.074  # the default_safety preset's (Traditional-10's final error, frontier seeds 0-2)
 TARGETS = (1.0, 1.05, 1.1, 1.2, 1.4)
 CONTROL, VARIANTS = "random_0.33", ("default_fb", "default_rws_fb")
@@ -22,7 +26,9 @@ def curves(path: Path) -> dict[str, list[tuple[float, float]]]:
 
 
 def reach(points: list[tuple[float, float]], target: float) -> float:
-    return next((t for t, e in points if e <= target), float("inf"))
+    """The frontier's first evaluation at or below ``target`` (its tie slack), inf: never."""
+    t = first_time(points, target)
+    return float("inf") if t is None else t
 
 
 def main(root: Path) -> None:
