@@ -71,7 +71,13 @@ class SelectedBatch:
 
         def __len__(self) -> int: ...
 
-    def _set_meta(self, indices, losses, probabilities, weights) -> None:
+    def _set_meta(
+        self,
+        indices: torch.Tensor | None,
+        losses: torch.Tensor | None,
+        probabilities: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> None:
         self.indices = indices
         self.losses = losses
         self.probabilities = probabilities

@@ -340,7 +340,13 @@ class Traditional(Policy):
     def ranks_shared_losses(self) -> bool:
         return False
 
-    def choose(self, losses, indices, rng, n):
+    def choose(
+        self,
+        losses: np.ndarray | None,
+        indices: np.ndarray | None,
+        rng: np.random.Generator,
+        n: int,
+    ) -> Choice:
         return Choice.everything(n)
 
 
@@ -859,7 +865,13 @@ class SelectiveBackprop(Policy):
         u = hashed_uniforms(self._key, self._epoch, indices)
         return u < self.stale_probabilities(indices)
 
-    def choose(self, losses, indices, rng, n):
+    def choose(
+        self,
+        losses: np.ndarray | None,
+        indices: np.ndarray | None,
+        rng: np.random.Generator,
+        n: int,
+    ) -> Choice:
         # NOTE: one kernel call per batch (window, P, draw, positions, weights, store): the
         # uniforms are drawn here, as rng.random(n) always was, so choices are unchanged.
         store = self.store
@@ -879,6 +891,7 @@ class SelectiveBackprop(Policy):
             )
         elif self.staleness > 1:
             store = self._stale_store()
+            assert indices is not None  # (checked above: the policy has its store)
             p, positions, weights, outside = self.window.rank_and_draw_stored(
                 store.columns,
                 indices,
@@ -890,7 +903,7 @@ class SelectiveBackprop(Policy):
         else:
             raise ValueError("SelectiveBackprop needs selection losses, but got losses=None")
         if outside:
-            assert store is not None
+            assert store is not None and indices is not None
             store.check_outside(outside, indices)
         return Choice(positions, p, weights)
 
@@ -898,7 +911,9 @@ class SelectiveBackprop(Policy):
         # NOTE: Stale-SB's per-example store lives on the host; its decisions stay there.
         return self.staleness == 1
 
-    def choose_device(self, losses, generator, nonfinite):
+    def choose_device(
+        self, losses: torch.Tensor, generator: torch.Generator, nonfinite: str
+    ) -> DeviceChoice:
         uniforms = torch.rand(
             losses.shape[0], generator=generator, dtype=torch.float64, device=losses.device
         )
@@ -1035,7 +1050,13 @@ class RandomBackprop(Policy):
     def ranks_shared_losses(self) -> bool:
         return False
 
-    def choose(self, losses, indices, rng, n):
+    def choose(
+        self,
+        losses: np.ndarray | None,
+        indices: np.ndarray | None,
+        rng: np.random.Generator,
+        n: int,
+    ) -> Choice:
         return Choice.bernoulli(np.full(check_int("n", n, minimum=0), self.selectivity), rng)
 
     def settings(self) -> str:
@@ -1139,7 +1160,13 @@ class Kath18(Policy):
         self.tau = self.momentum * self.tau + (1 - self.momentum) * estimate
         return estimate
 
-    def choose(self, losses, indices, rng, n):
+    def choose(
+        self,
+        losses: np.ndarray | None,
+        indices: np.ndarray | None,
+        rng: np.random.Generator,
+        n: int,
+    ) -> Choice:
         if losses is None:
             raise ValueError("Kath18 needs selection losses, but got losses=None")
         if n == 0:
@@ -1381,7 +1408,13 @@ class Phased(Policy):
         if self.active(self._epoch):
             self.policy.observe(losses, indices, cdf=cdf)
 
-    def choose(self, losses, indices, rng, n):
+    def choose(
+        self,
+        losses: np.ndarray | None,
+        indices: np.ndarray | None,
+        rng: np.random.Generator,
+        n: int,
+    ) -> Choice:
         current = self._current(self._epoch)
         if current is None:
             return Choice.everything(n)
@@ -1390,7 +1423,9 @@ class Phased(Policy):
     def decides_on_device(self) -> bool:
         return self.policy.decides_on_device()
 
-    def choose_device(self, losses, generator, nonfinite):
+    def choose_device(
+        self, losses: torch.Tensor, generator: torch.Generator, nonfinite: str
+    ) -> DeviceChoice:
         # Only the wrapped policy needs selection losses (the warm-up policy needs none).
         return self.policy.choose_device(losses, generator, nonfinite)
 
