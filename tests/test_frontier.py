@@ -192,6 +192,38 @@ def test_families_and_the_frontier_preset_name_registered_runs():
     assert Config.from_dict(saved) == cfg
 
 
+def test_a_screens_variant_takes_its_bases_options_with_its_own_policy_and_family():
+    made = []
+
+    def make(planned):
+        made.append(planned)
+        return sbloader.RandomBackprop(0.5)
+
+    base = strategies.get("recipe_fb_int8")
+    try:
+        variant = strategies.register_variant("test_rb_half", make, base="recipe_fb_int8")
+        budgeted = strategies.get("test_rb_half_e4")
+        assert (variant.family, budgeted.family, budgeted.epochs) == ("test_rb_half",) * 2 + (4,)
+        # everything but the policy and the names is the base's (its int8 selection, batching,
+        # feedback)
+        assert {
+            f.name: getattr(variant, f.name)
+            for f in dataclasses.fields(variant)
+            if f.name not in ("name", "family", "make_policy")
+        } == {
+            f.name: getattr(base, f.name)
+            for f in dataclasses.fields(base)
+            if f.name not in ("name", "family", "make_policy")
+        }
+        assert isinstance(budgeted.make_policy(4), sbloader.RandomBackprop) and made == [4]
+        with pytest.raises(ValueError, match="'test_rb_half' is registered already"):
+            strategies.register_variant("test_rb_half", make)
+        with pytest.raises(ValueError, match="registered already"):
+            strategies.register_variant("traditional", make)
+    finally:
+        strategies.REGISTRY.pop("test_rb_half", None)
+
+
 def _tiny_data():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(160, 1, 28, 28, generator=g)

@@ -340,6 +340,38 @@ def get(name: str) -> Strategy:
     )
 
 
+def register_variant(name: str, make_policy: PolicyFn, base: str = "default_fb") -> Strategy:
+    """Register ``name``: the registered strategy ``base`` (its batching, options and budget)
+    with another policy, as a family of its own (``name_eN`` gives it a budget), for a screen
+    of a policy that is not a library feature (see :func:`run_variant`).
+
+    Example:
+        >>> import sbloader
+        >>> s = register_variant("doc_rb_half", lambda planned: sbloader.RandomBackprop(0.5),
+        ...     base="random_0.33")
+        >>> get("doc_rb_half_e4").family, get("doc_rb_half_e4").epochs
+        ('doc_rb_half', 4)
+        >>> del REGISTRY["doc_rb_half"]
+    """
+    if name in REGISTRY:
+        raise ValueError(f"the strategy {name!r} is registered already: choose another name")
+    strategy = dataclasses.replace(get(base), name=name, family=name, make_policy=make_policy)
+    REGISTRY[name] = strategy
+    return strategy
+
+
+def run_variant(name: str, make_policy: PolicyFn, base: str = "default_fb") -> None:
+    """Register ``name`` (:func:`register_variant`) and run ``benchmarks/run.py`` with this
+    process's command-line arguments, which may then name it among ``--strategies``: what a
+    screen script (``benchmarks/results/*/..._run.py``) ends with."""
+    import runpy
+    import sys
+
+    register_variant(name, make_policy, base)
+    sys.argv = ["benchmarks/run.py", *sys.argv[1:]]
+    runpy.run_module("benchmarks.run", run_name="__main__", alter_sys=True)
+
+
 FAMILIES: dict[str, tuple[int, ...]] = {
     "traditional": (2, 3, 4, 6, 10),
     "random_0.33": (3, 5, 10, 20),

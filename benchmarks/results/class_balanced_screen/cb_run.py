@@ -1,8 +1,6 @@
 """Screen (not a library feature): the default whose selection passes keep each class at the
 selectivity (P rescaled per class within each source batch); stale epochs unchanged."""
 
-import dataclasses
-import runpy
 import sys
 
 sys.path.insert(0, "/work/main")
@@ -45,9 +43,4 @@ def make(planned):
     )
 
 
-base = S.REGISTRY["default_fb"]
-S.REGISTRY["default_cb_fb"] = dataclasses.replace(
-    base, name="default_cb_fb", family="default_cb_fb", make_policy=make
-)
-sys.argv = ["benchmarks/run.py", *sys.argv[1:]]
-runpy.run_module("benchmarks.run", run_name="__main__", alter_sys=True)
+S.run_variant("default_cb_fb", make)

@@ -2,8 +2,6 @@
 weights, normalised to mean 1 per batch) in its first selective epoch only (epoch 1, after the
 Random-Backprop warm-up), unweighted from epoch 2 on. Registered as ``default_rw1_fb``."""
 
-import dataclasses
-import runpy
 import sys
 from pathlib import Path
 
@@ -29,9 +27,4 @@ def make(planned):
     )
 
 
-base = S.REGISTRY["default_fb"]
-S.REGISTRY["default_rw1_fb"] = dataclasses.replace(
-    base, name="default_rw1_fb", family="default_rw1_fb", make_policy=make
-)
-sys.argv = ["benchmarks/run.py", *sys.argv[1:]]
-runpy.run_module("benchmarks.run", run_name="__main__", alter_sys=True)
+S.run_variant("default_rw1_fb", make)

@@ -3,8 +3,6 @@
 per batch carried through to the next epoch's first batch (which holds the rows kept last and
 carried over). Registered as ``default_rws_fb``; see NOTE.md."""
 
-import dataclasses
-import runpy
 import sys
 from pathlib import Path
 
@@ -40,9 +38,4 @@ def make(planned):
     )
 
 
-base = S.REGISTRY["default_fb"]
-S.REGISTRY["default_rws_fb"] = dataclasses.replace(
-    base, name="default_rws_fb", family="default_rws_fb", make_policy=make
-)
-sys.argv = ["benchmarks/run.py", *sys.argv[1:]]
-runpy.run_module("benchmarks.run", run_name="__main__", alter_sys=True)
+S.run_variant("default_rws_fb", make)

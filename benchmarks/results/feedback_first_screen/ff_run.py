@@ -6,8 +6,6 @@ Run from anywhere with the repository at /work/main (as measured), e.g.
 --seeds 3 --threads 1 --out OUT``.
 """
 
-import dataclasses
-import runpy
 import sys
 
 sys.path.insert(0, "/work/main")
@@ -50,9 +48,4 @@ def make(planned):
     )
 
 
-base = S.REGISTRY["default_fb"]
-S.REGISTRY["default_ff_fb"] = dataclasses.replace(
-    base, name="default_ff_fb", family="default_ff_fb", make_policy=make
-)
-sys.argv = ["benchmarks/run.py", *sys.argv[1:]]
-runpy.run_module("benchmarks.run", run_name="__main__", alter_sys=True)
+S.run_variant("default_ff_fb", make)

@@ -3,8 +3,6 @@ on: each kept example weighted by 1/P, normalised to mean 1 per yielded batch, s
 classes' (and the easy examples') total weight stays near their share of the data while the
 batches still hold the high-loss examples. Registered as ``recipe_rw_fb_int8``."""
 
-import dataclasses
-import runpy
 import sys
 from pathlib import Path
 
@@ -21,8 +19,4 @@ def make(planned):
     return policy
 
 
-S.REGISTRY["recipe_rw_fb_int8"] = dataclasses.replace(
-    base, name="recipe_rw_fb_int8", family="recipe_rw_fb_int8", make_policy=make
-)
-sys.argv = ["benchmarks/run.py", *sys.argv[1:]]
-runpy.run_module("benchmarks.run", run_name="__main__", alter_sys=True)
+S.run_variant("recipe_rw_fb_int8", make, base="recipe_fb_int8")
