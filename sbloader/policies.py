@@ -437,10 +437,10 @@ class SelectiveBackprop(Policy):
             0.21 by the tenth epoch); without it a fresh epoch's losses fall through the epoch,
             so its last ``history`` losses sit low and the stale epochs keep more than the
             selectivity. ``"store"`` keeps the rate either way. With feedback, measured on the
-            CNN (README, Measured): keeping 1/3 over 10 epochs it ended no lower than
-            ``"window"``; keeping 0.5 over 20 epochs, 0.14 points lower on the mean (four seeds)
-            at 8% more backprops and 7-15% more time. A small gain at a cost in time, so it is
-            not the default.
+            CNN (``benchmarks/results/MEASURED.md``, "The frontier"): keeping 1/3 over 10 epochs
+            it ended no lower than ``"window"``; keeping 0.5 over 20 epochs, 0.14 points lower on
+            the mean (four seeds) at 8% more backprops and 7-15% more time. A small gain at a
+            cost in time, so it is not the default.
         drift_bound: d in (0, 1], or None: with ``stale_cdf="window"``, a stale epoch whose
             expected kept share (:meth:`expected_stale_share`: the stored losses ranked against
             those the last selection pass stored) is below ``d * s`` or
@@ -1478,7 +1478,8 @@ def default_policy(
     With ``epochs`` (the planned epochs of the run), the last eighth of them (at least one) train
     on all the data (InfoBatch's annealing): measured here (the CNN, three seeds), that one full
     epoch at the end of 10 brought the recipe to Traditional-10's final error in one seed (2.1x
-    sooner) and to within 0.2-0.5 points of it in the other two (README, Measured).
+    sooner) and to within 0.2-0.5 points of it in the other two
+    (``benchmarks/results/MEASURED.md``, "The frontier").
     ``SelectiveLoader(source, model)`` cannot know the run's length, so its default anneals only
     when given ``planned_epochs=E`` (the same as ``policy=sbloader.default_policy(epochs=E)``).
     ``epochs`` here are passes over the data (``loader.epoch``); with ``batches_per_epoch=``

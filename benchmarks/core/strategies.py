@@ -386,7 +386,7 @@ Random-Backprop), and sbloader's recipes with int8 selection passes: with feedba
 budgets for the loose targets (2, 3 and 5 epochs, as Traditional's grid starts at 2: the 2-epoch
 run was the best at x1.4 in one seed of three, ``benchmarks/results/frontier_x14_amx_1126/``),
 annealed over 10 and 15 epochs keeping 1/3 or 0.4 and over 15 keeping 0.5 for the tight ones
-(README, Measured: three seeds, 2026-11-25)."""
+(``benchmarks/results/MEASURED.md``, "The frontier": three seeds, 2026-11-25)."""
 
 GPU_FAMILIES: dict[str, tuple[int, ...]] = {
     "traditional": (2, 3, 4, 6, 10),
