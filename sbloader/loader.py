@@ -7,7 +7,6 @@ The loader holds configuration and cross-epoch state; an :class:`~sbloader.epoch
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
@@ -66,9 +65,19 @@ from .distributed import RankSync, batch_digest, check_unsynced, is_distributed,
 from .epoch import EpochIterator, _describe, _raise_own, pass_fraction
 from .features import make_feature_cache
 from .feedback import FeedbackBuffer, checked
-from .length import FixedEpochIterator, FixedEpochs, check_batches_per_epoch, unfillable
+from .length import (
+    FixedEpochIterator,
+    FixedEpochs,
+    batches_at,
+    check_batches_per_epoch,
+    check_fills_a_batch,
+    expected_count,
+    pass_examples,
+    pass_length,
+    planned_passes,
+)
 from .overlap import AheadScores, SelectionCopy
-from .policies import Policy, default_policy, passes_within
+from .policies import Policy, default_policy
 from .precision import (
     AUTO,
     check_autocast,
@@ -770,12 +779,16 @@ class SelectiveLoader(NotADataLoader):
         # (whether "expected" was resolved: ranks that resolve it differently are told why)
         self._expected_given = per_epoch == "expected"
         if self._expected_given:
-            per_epoch = self._expected_count()
+            per_epoch = expected_count(
+                self._source, self._subset, self.batch_size, self.policy, self.remainder
+            )
         if policy is None and planned_epochs is not None and per_epoch is not None:
             self._plan_passes(store, planned_epochs, int(per_epoch))
         self._fixed = None if per_epoch is None else FixedEpochs(int(per_epoch))
         if self._fixed is not None and self.remainder == "drop":
-            self._check_fills_a_batch()
+            check_fills_a_batch(
+                self._source, self._subset, self.batch_size, self.policy, self._fixed.count
+            )
         self._backlog_warned = False  # see _warn_backlog
         size = self._source.dataset_size
         checkable = self._source.disjoint_across_ranks()
@@ -1148,71 +1161,20 @@ class SelectiveLoader(NotADataLoader):
             TypeError: the source's number of examples is unknown (an iterable without a length
                 or without a batch size); the message names the fix, ``dataset_size=``.
         """
-        return self._batches_at(self.policy.target_rate)
-
-    def _batches_at(self, rate: float) -> float:
-        examples: float | None = self._source.epoch_size
-        if examples is None:
-            bs = self._source.batch_size
-            try:
-                n: int | None = len(self._source)
-            except TypeError:
-                n = None
-            if bs is None or n is None:
-                if self._source.dataset_size is not None:  # (a batch_sampler=: no fix by size)
-                    raise TypeError(_unknown_pass(self._source))
-                raise TypeError(
-                    "the number of examples per epoch of this source is unknown (it has no "
-                    f"{'length' if n is None else 'batch_size'}), so no batch count can be "
-                    "estimated; pass dataset_size= (the number of examples) to the "
-                    "SelectiveLoader, or use a sized source such as a DataLoader over a "
-                    "map-style dataset"
-                )
-            examples = n * bs
-        if self._subset is not None and len(self._subset):
-            examples *= np.count_nonzero(self._subset) / len(self._subset)
-        return examples * rate / self.batch_size
-
-    def _expected_count(self) -> int:
-        """``batches_per_epoch="expected"``: the expected batches per pass, rounded (rounded
-        down under ``remainder="drop"``)."""
-        # NOTE: a passthrough policy's pass has a known number of examples; its rest is carried
-        # or dropped as for any policy (never a short batch), so it counts as a fraction of a
-        # batch: rounded, or left out where it is dropped. Under "drop" a selective pass yields
-        # its whole batches only too (10 of 10.7 expected, pass after pass): rounded up, the
-        # training epochs outran the passes, and a pass expected to fill 0.5 to 1 batch (most
-        # passes none) made training epochs of tens of passes each instead of a refusal.
-        passthrough = self.policy.passthrough()
-        expected: float | None = None
-        if passthrough:
-            with contextlib.suppress(TypeError):  # an exact count unknown: estimated below
-                expected = self._pass_examples() / self.batch_size
-        if expected is None:
-            try:
-                expected = self._batches_at(self.policy.steady_rate)
-            except TypeError as e:
-                raise ValueError(f'batches_per_epoch="expected" cannot be computed: {e}') from None
-        dropped = self.remainder == "drop"
-        count = math.floor(expected) if dropped else math.floor(expected + 0.5)
-        if count < 1:
-            raise ValueError(
-                f'batches_per_epoch="expected": {expected:.3g} batches are expected per pass '
-                "over the data, which rounds to 0"
-                + (" (remainder='drop' drops each pass's rest)" if dropped else "")
-                + "; pass batches_per_epoch= an int, or a smaller batch_size"
-                + (", or remainder='carry'" if dropped else "")
-            )
-        return count
+        return batches_at(self._source, self._subset, self.batch_size, self.policy.target_rate)
 
     def _plan_passes(self, store: bool, planned_epochs: int, per_epoch: int) -> None:
         """``planned_epochs`` with ``batches_per_epoch`` and the default policy: rebuild that
         policy for the passes over the data that ``planned_epochs`` training epochs of
-        ``per_epoch`` batches are expected to make (:func:`~sbloader.policies.passes_within`),
-        attached at the constructor's end as any policy is."""
+        ``per_epoch`` batches are expected to make (:func:`~sbloader.length.planned_passes`,
+        from the ranks' fewest expected batches), attached at the constructor's end as any
+        policy is."""
         unknown: TypeError | None = None
         try:
-            steady = self._batches_at(self.policy.steady_rate)
-            full = self._batches_at(1.0)
+            steady = batches_at(
+                self._source, self._subset, self.batch_size, self.policy.steady_rate
+            )
+            full = batches_at(self._source, self._subset, self.batch_size, 1.0)
         except TypeError as e:
             unknown, steady, full = e, -1.0, -1.0
         sync = self._sync
@@ -1226,50 +1188,9 @@ class SelectiveLoader(NotADataLoader):
                 unknown = unknown or TypeError("another rank's source cannot tell its length")
             else:
                 steady, full = low_steady / 1000, low_full / 1000
-        if unknown is not None:
-            warnings.warn(
-                f"planned_epochs={planned_epochs} with batches_per_epoch={per_epoch} counts "
-                "training epochs, but the passes over the data they make cannot be estimated, "
-                f"so it is taken as {planned_epochs} passes (the last eighth of them annealed on "
-                f"all the data, which may fall after the run ends): {unknown}",
-                UserWarning,
-                stacklevel=3,
-            )
-            passes = planned_epochs
-        else:
-            fitted = passes_within(planned_epochs * per_epoch, steady, full)
-            passes = 2 if fitted is None else fitted
-            # NOTE: 2 passes are the Random-Backprop warm-up and the annealed pass, with no
-            # selective pass between them (as planned_epochs=2 without batches_per_epoch, which
-            # is warned of too): the training epochs that 3 passes need (the warm-up, one
-            # selective pass, the annealed one) are named as the fix.
-            needed = math.ceil(((2 * steady + full) / per_epoch) * (1 - 1e-9))
-            if fitted is None:
-                warnings.warn(
-                    f"planned_epochs={planned_epochs} training epochs of batches_per_epoch="
-                    f"{per_epoch} batches ({planned_epochs * per_epoch} in all) cannot complete "
-                    "the default policy's anneal (a pass over all the data, "
-                    f"{full:.3g} batches, after its warm-up pass of {steady:.3g}): it plans 2 "
-                    "passes, and the run ends before the annealed one does. Train for at least "
-                    f"planned_epochs={needed} epochs of that length, or pass a policy without "
-                    "annealing (e.g. policy=sbloader.default_policy())",
-                    UserWarning,
-                    stacklevel=3,
-                )
-            elif passes == 2:
-                warnings.warn(
-                    f"planned_epochs={planned_epochs} training epochs of batches_per_epoch="
-                    f"{per_epoch} batches ({planned_epochs * per_epoch} in all) make 2 passes "
-                    "over the data, which leave the default policy no selective pass: pass 0 is "
-                    f"its Random-Backprop warm-up ({steady:.3g} batches) and pass 1, the annealed "
-                    f"end, trains on all the data ({full:.3g} batches). Train for at least "
-                    f"planned_epochs={needed} epochs of that length (3 passes), or pass a policy "
-                    "(e.g. policy=sbloader.default_policy() anneals nothing)",
-                    UserWarning,
-                    stacklevel=3,
-                )
+        passes = planned_passes(planned_epochs, per_epoch, steady, full, unknown)
         self.planned_passes = passes
-        with warnings.catch_warnings():  # (the plan's own warnings are the loader's, above)
+        with warnings.catch_warnings():  # (the plan's own warnings are planned_passes's)
             warnings.simplefilter("ignore", UserWarning)
             self.policy = default_policy(store, epochs=passes)
         logger.info(
@@ -1427,95 +1348,23 @@ class SelectiveLoader(NotADataLoader):
         return fewest, most
 
     def _pass_length(self) -> int:
-        """The exact number of batches of a pass of a passthrough policy: the pass's examples in
-        batches of ``batch_size``, and a last short batch of the rest when it has at least
-        ``min_batch_size`` examples (as the iterator hands them out).
+        """The exact number of batches of a pass of a passthrough policy
+        (:func:`~sbloader.length.pass_length` of :func:`~sbloader.length.pass_examples`).
 
         Raises:
             TypeError: the pass's number of examples is not known exactly (the message names the
                 fix).
         """
-        examples = self._pass_examples()
-        full, rest = divmod(examples, self.batch_size)
-        return full + int(rest >= self.min_batch_size)
-
-    def _pass_examples(self) -> int:
-        """The examples of one pass over the source on this process, exactly."""
-        source = self._source
-        size, bs = source.epoch_size, source.batch_size
-        if self._subset is not None:
-            # NOTE: exact only where this process's pass draws each example once: under a
-            # DistributedSampler the subset's share of a rank changes from epoch to epoch, and
-            # a sampler drawing with replacement draws the subset's examples a varying number
-            # of times.
-            if not source.draws_each_once():
-                raise TypeError(
-                    "the number of batches of a pass is not fixed with subset= and a source that "
-                    "does not draw each example of the dataset once on this process (a "
-                    "DistributedSampler, a sampler drawing with replacement, or drop_last); pass "
-                    'batches_per_epoch="expected" (or an int) for epochs of a fixed number of '
-                    "batches, or schedule by loader.progress"
-                )
-            return int(np.count_nonzero(self._subset))
-        if bs and source.drop_last():
-            full = source.full_batches()  # the source's batches are all full
-            if full is None:
-                raise TypeError(_unknown_pass(source))
-            return full * bs
-        if size is None:
-            last = source.last_batch_size()
-            if bs and last is not None:  # full batches but the last
-                return (len(source) - 1) * bs + last
-            if bs == self.batch_size:
-                # Handed out as they are: as many batches as the source's (its last one's size
-                # unknown, so not checked against min_batch_size), where they are full; a
-                # source batch of another size before the last is warned of (see
-                # EpochIterator._check_counted_full).
-                examples = len(source) * bs
-                self._counted_full = True
-                return examples
-            raise TypeError(_unknown_pass(source))
-        return size
+        examples, counted_full = pass_examples(self._source, self._subset, self.batch_size)
+        if counted_full:  # (warned of where a source batch of another size comes: epoch.py)
+            self._counted_full = True
+        return pass_length(examples, self.batch_size, self.min_batch_size)
 
     def __iter__(self) -> EpochIterator | FixedEpochIterator:
         self._check_owner()
         if self._fixed is not None:
             return self._fixed.iterate(self)
         return self._new_pass()
-
-    def _check_fills_a_batch(self) -> None:
-        """Refuse, as the loader is built, fixed-length epochs that ``remainder="drop"`` can
-        never fill, or fills one pass in several: a passthrough policy's pass of fewer examples
-        than ``batch_size`` yields no batch, and a selective policy's pass expected to keep less
-        than a batch yields none in most passes (otherwise found only after ``BARREN_PASSES``
-        passes of selection forwards over the whole data, or never: a training epoch of tens
-        of passes). Where the pass's size is unknown, the first pass that yields nothing
-        checks it (:func:`sbloader.length.fills_a_batch`)."""
-        if not self.policy.passthrough():
-            try:
-                expected = self._batches_at(self.policy.steady_rate)
-            except TypeError:
-                return  # unknown: left to the passes themselves
-            if expected < 1.0:
-                raise unfillable(
-                    self._fixed.count if self._fixed else None,
-                    f"the policy keeps about {expected * self.batch_size:.3g} examples per pass "
-                    "over the source",
-                    self.batch_size,
-                )
-            return
-        try:
-            examples = self._pass_examples()
-        except TypeError:
-            return  # unknown: left to the passes themselves
-        if examples < self.batch_size:
-            raise ValueError(
-                f"batches_per_epoch={self._fixed.count if self._fixed else None} cannot be "
-                f"filled: a pass over the source has {examples} examples, fewer than "
-                f"batch_size={self.batch_size}, and remainder='drop' drops each pass's rest; "
-                "use remainder='carry' (the rest goes on into the next pass) or a smaller "
-                "batch_size"
-            )
 
     def _check_owner(self) -> None:
         """Refuse to go on where this loader's policy (or a policy it runs) was attached to
@@ -2394,20 +2243,3 @@ def _owner(policy: Policy) -> weakref.ref[SelectiveLoader] | None:
     if entry is None or entry[0]() is not policy:
         return None
     return entry[1]
-
-
-def _unknown_pass(source: Source) -> str:
-    """Why the examples of a pass of ``source`` cannot be counted, and the fix."""
-    if source.dataset_size is not None:  # a DataLoader whose batch_sampler= draws its batches
-        return (
-            "the number of examples per pass of this source is unknown: its batch_sampler= "
-            "draws the batches itself (it may shard the data by rank), and only their number is "
-            "known; give the batch sampler a batch_size attribute and use that batch_size (its "
-            "batches are then handed out as they are, and counted), or pass batches_per_epoch= "
-            "an int"
-        )
-    return (
-        "the number of examples per pass of this source is unknown (its last batch may be "
-        "short), so the number of batches of another size cannot be counted; pass "
-        "dataset_size= (the number of examples), or batches_per_epoch= an int"
-    )
