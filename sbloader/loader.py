@@ -61,7 +61,16 @@ from .adapt import make_source
 from .codec import BatchCodec
 from .decisions import NONFINITE, prefilters, subset_mask
 from .device_decisions import DecisionGenerator
-from .distributed import RankSync, batch_digest, check_unsynced, is_distributed, make_sync
+from .distributed import (
+    RankSync,
+    agree_configuration,
+    agree_pass_length,
+    agree_position,
+    batch_digest,
+    check_unsynced,
+    is_distributed,
+    make_sync,
+)
 from .epoch import EpochIterator, _describe, _raise_own, pass_fraction
 from .features import make_feature_cache
 from .feedback import FeedbackBuffer, checked
@@ -1227,68 +1236,20 @@ class SelectiveLoader(NotADataLoader):
 
     def _agree_configuration(self, decisions: Any) -> None:
         """On several ranks: refuse, on every rank alike, options that must be the same on
-        every rank and are not (``RankSync.differing``: one ``all_reduce`` as the loader is
-        built), and an explicit ``rank=`` other than the process's rank in the group.
-
-        NOTE (why): each rank's collectives follow from these options (a policy with or
-        without selection passes, a shared CDF or not, short batches or not, how many batches
-        an epoch has): ranks built with different ones fell out of step, hanging in a
-        collective or aborting the process group, or trained batches of different sizes. A
-        ``rank=LOCAL_RANK`` on two nodes (0 on both) drew alike and accepted the other's
-        state."""
+        every rank and are not (:meth:`_shared_options`), and an explicit ``rank=`` other than
+        the process's rank in the group (:func:`~sbloader.distributed.agree_configuration`,
+        whose NOTE says why)."""
         sync = self._sync
         if sync is None:
             return
-        own_wrong = self._rank_given and self.rank != sync.rank
-        # NOTE ("empty"): a rank whose source draws no example (an empty sampler or share) was
-        # found out only when the first pass ended on every rank, after the other ranks' whole
-        # pass of selection forwards; compared here with the options, it costs no collective
-        # more unless a rank's differs (all empty: raised when the first pass ends, at once).
-        empty = self._source.epoch_size == 0
-        options: dict[str, str] = {}
-        differing = None
-        if sync.world_size > 1:  # ("rank": whether this rank's is wrong, compared like the rest)
-            options = {
-                **self._shared_options(decisions),
-                "rank": repr(own_wrong),
-                "empty": repr(empty),
-            }
-            differing = sync.differing(options, self.device)
-        if own_wrong or differing == "rank":
-            whose = f"rank={self.rank} is not this process's ({sync.rank})"
-            raise ValueError(
-                "rank= should be each process's rank in the process group, but "
-                + (whose if own_wrong else "another process's is not")
-                + ": the loader derives its draws from (seed, rank) and checks a loaded "
-                "state's rank against it; leave rank= out under torch.distributed (the group's "
-                "rank is used), or pass distributed=False"
-            )
-        if differing == "empty":
-            lowest = sync.span(sync.rank if empty else sync.world_size, self.device)[0]
-            raise ValueError(
-                f"the source of rank {lowest} of {sync.world_size} draws no examples (its sampler "
-                f"or dataset is empty; this is rank {sync.rank}), so no rank could yield a batch "
-                "(each yields as many as the fewest any rank has); give every rank a share of "
-                "the data (e.g. sampler=DistributedSampler(dataset)), and check that no rank's "
-                "dataset or sampler is empty"
-            )
-        if differing == "batches_per_epoch" and self._expected_given:
-            # NOTE: every rank passed "expected", so "the same batches_per_epoch on every rank"
-            # would name no fix: each rank resolved it from its own share and policy.
-            raise ValueError(
-                'batches_per_epoch="expected" resolves to the batches expected from each rank\'s '
-                f"own share of the data at its policy's rate, and the ranks' differ: this rank "
-                f"({sync.rank}) expects {options[differing]} at a rate of "
-                f"{self.policy.steady_rate:g}; give every rank an equal share "
-                "(sampler=DistributedSampler(dataset)) and the same policy settings, or pass "
-                "batches_per_epoch= an int, the same on every rank"
-            )
-        if differing is not None:
-            raise ValueError(
-                f"{differing} should be the same on every rank, but the ranks differ; this rank "
-                f"({sync.rank}) has {differing}={options[differing]}; build the SelectiveLoader "
-                f"with the same {differing} on every rank"
-            )
+        agree_configuration(
+            sync,
+            self._shared_options(decisions) if sync.world_size > 1 else {},
+            self.device,
+            rank=self.rank if self._rank_given else None,
+            empty=self._source.epoch_size == 0,
+            expected_rate=self.policy.steady_rate if self._expected_given else None,
+        )
 
     def _shared_options(self, decisions: Any) -> dict[str, str]:
         """The options of :meth:`_agree_configuration`, as they are compared."""
@@ -1315,17 +1276,8 @@ class SelectiveLoader(NotADataLoader):
     def _agree_pass_length(self) -> tuple[int, int] | None:
         """On several ranks, for a passthrough policy with epochs of one pass: the fewest and
         the most batches of a pass on any rank (-1 where a rank's is unknown), agreed as the
-        loader is built; None otherwise (no collective).
-
-        NOTE: every rank yields the same number of batches per pass, as many as the fewest any
-        rank's pass makes (a rank's further batches are dropped and counted), so ``len()`` of
-        a rank's own pass would be more on the ranks with more data: a loop, scheduler or
-        framework keyed on ``len(loader)`` (gradient accumulation's last step, Lightning's
-        validation interval) would then differ between ranks. The loader is built on every
-        rank at the same point, before any other collective of its own, so this one
-        ``all_reduce`` is matched on every rank, whereas ``len()`` itself may be called on one
-        rank only (a progress bar).
-        """
+        loader is built (:func:`~sbloader.distributed.agree_pass_length`, whose NOTE says why);
+        None otherwise (no collective)."""
         sync = self._sync
         if sync is None or sync.world_size < 2 or self._fixed is not None:
             return None
@@ -1335,17 +1287,7 @@ class SelectiveLoader(NotADataLoader):
             own = self._pass_length()
         except TypeError:
             own = -1
-        fewest, most = sync.span(own, self.device)
-        if 0 <= fewest < most:
-            warnings.warn(
-                f"the ranks' passes over their data make from {fewest} to {most} batches of "
-                f"{self.batch_size}: every rank yields {fewest} per epoch (len(loader)), and a "
-                "rank's further batches are dropped (counted in loader.stats, dropped); give the "
-                "DataLoader sampler=DistributedSampler(dataset) for equal shares",
-                UserWarning,
-                stacklevel=3,
-            )
-        return fewest, most
+        return agree_pass_length(sync, own, self.batch_size, self.device)
 
     def _pass_length(self) -> int:
         """The exact number of batches of a pass of a passthrough policy
@@ -1439,7 +1381,7 @@ class SelectiveLoader(NotADataLoader):
         one ``all_reduce`` of two integers per epoch (not per round), made after the epoch has
         begun on every rank: no collective of the epoch's beginning is made where every
         rank's error could be reported in it, the comparison of the ranks' positions
-        (:meth:`_agree_position`) being made before anything changes.
+        (:func:`~sbloader.distributed.agree_position`) being made before anything changes.
         """
         sync = self._sync
         several = sync is not None and sync.world_size > 1
@@ -1463,7 +1405,8 @@ class SelectiveLoader(NotADataLoader):
         if not (resumed and current is not None and current.epoch == epoch):
             current = None  # (a new epoch's stats, begun below)
         yielded = 0 if current is None else current.batches_yielded
-        self._agree_position(epoch, yielded)  # (before anything changes: a refusal loses nothing)
+        # (before anything changes: a refusal loses nothing)
+        agree_position(self._sync, epoch, yielded, self.device)
         self._fed = False
         if error is None:
             try:
@@ -1522,32 +1465,6 @@ class SelectiveLoader(NotADataLoader):
         if current is None:
             current = self.stats.begin_epoch(self.epoch, self.policy.target_rate)
         return current
-
-    def _agree_position(self, epoch: int, yielded: int) -> None:
-        """On several ranks, refuse (on every rank) to begin where the ranks' positions differ:
-        the epoch, and the batches already yielded in it where a saved state resumes it.
-
-        NOTE: each rank restores its own state, and nothing compared them: a state loaded on one
-        rank only (under ``if rank == 0:``), or states of different checkpoints, put the ranks in
-        different epochs or at different batches of one, and the next collectives then hung,
-        aborted the process group with a collective mismatch, or paired batches of different
-        positions (overlapping shards). One ``all_reduce`` as each epoch begins, every rank
-        alike, before the loader changes anything: the refusal leaves each rank's state as it
-        was, to be mended by loading the right one.
-        """
-        sync = self._sync
-        if sync is None or sync.world_size < 2:
-            return
-        position = {"epoch": str(epoch), "batches yielded": str(yielded)}
-        differing = sync.differing(position, self.device)
-        if differing is not None:
-            where = f"epoch {epoch}" + (f" after {yielded} batches" if yielded else "")
-            raise ValueError(
-                f"the ranks would begin at different positions ({differing} differs): this rank "
-                f"({sync.rank}) begins {where}. Every rank must resume from its own state of the "
-                "same checkpoint: call load_state_dict on every rank (not under `if rank == 0:`), "
-                "each with the state its rank saved at the same step"
-            )
 
     def feedback(self, indices: Any, losses: Any) -> None:
         """Report the training step's per-example losses, to keep the policy's scores fresh.
