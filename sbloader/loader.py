@@ -28,6 +28,17 @@ from ._checks import (
     check_int,
     indices_needed,
 )
+from ._loader_checks import (
+    check_memory_format,
+    check_metadata_key,
+    check_modules,
+    check_pad_values,
+    check_planned_epochs,
+    check_remainder,
+    checked_min_batch_size,
+    dropped_index_key,
+    training_batch_size,
+)
 from ._loader_state import (
     K_ACTIVE,
     K_AHEAD,
@@ -120,7 +131,6 @@ logger = logging.getLogger("sbloader")
 _REMAINDERS = ("carry", "short", "drop")
 _CDFS = ("local", "global")
 _DECISIONS = ("host", "device")
-_BATCHNORM = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
 
 
 class SelectiveLoader(NotADataLoader):
@@ -555,12 +565,7 @@ class SelectiveLoader(NotADataLoader):
         overlap_selection: bool = False,
         pad_values: dict[Hashable, bool | int | float] | None = None,
     ) -> None:
-        for name, module, optional in (("model", model, False), ("selector", selector, True)):
-            if not isinstance(module, nn.Module) and not (optional and module is None):
-                raise TypeError(
-                    f"{name} should be a torch.nn.Module{' or None' if optional else ''}, but "
-                    f"got {type(module).__name__}"
-                )
+        check_modules(model, selector)
         if device is not None:
             device = check_device_name("device", device)
         if dataset_size is not None:
@@ -569,15 +574,7 @@ class SelectiveLoader(NotADataLoader):
         # NOTE: the default depends on the source: Stale-SB's store needs dataset indices and
         # the dataset's size.
         store = bool(self._source.has_indices()) and self._source.dataset_size is not None
-        if planned_epochs is not None:
-            planned_epochs = check_int("planned_epochs", planned_epochs, minimum=2)
-            if policy is not None:
-                raise ValueError(
-                    f"planned_epochs={planned_epochs} only sets the length of the default "
-                    f"policy's run, but policy={policy!r} was given: pass the run's length to "
-                    "that policy instead (e.g. policy=sbloader.default_policy(epochs="
-                    f"{planned_epochs})), or leave policy out"
-                )
+        planned_epochs = check_planned_epochs(planned_epochs, policy)
         self.planned_epochs = planned_epochs
         # NOTE: with batches_per_epoch, planned_epochs counts training epochs of that many
         # batches, whose passes over the data are known only once it is resolved (below): the
@@ -615,18 +612,7 @@ class SelectiveLoader(NotADataLoader):
         loss_fn = nn.CrossEntropyLoss(reduction="none") if loss_fn is None else loss_fn
         check_loss_fn(loss_fn)
         keep_logits = check_bool("keep_logits", keep_logits)
-        if memory_format is not None and not isinstance(memory_format, torch.memory_format):
-            raise TypeError(
-                "memory_format should be a torch.memory_format such as torch.channels_last, or "
-                f"None, but got memory_format={memory_format!r}"
-            )
-        if memory_format == torch.preserve_format:
-            raise ValueError(
-                "memory_format should be a layout to convert inputs to, such as "
-                "torch.channels_last (4-d images) or torch.channels_last_3d (5-d videos), but got "
-                "memory_format=torch.preserve_format; pass memory_format=None to keep the "
-                "source's layout"
-            )
+        check_memory_format(memory_format)
         # NOTE: "auto" resolves here, once, on the selecting model's device, so that a loader's
         # selections never change precision mid-run; a resumed state brings its own choice.
         self._autocast_requested = check_autocast(autocast)
@@ -714,22 +700,10 @@ class SelectiveLoader(NotADataLoader):
         logger.info("selection precision: %s", self._scorer.precision)
         self._scorer.check()
         self._overlap = self._selection_copy(overlap_selection, device, frozen_prefix)
-        if batch_size is None:
-            batch_size = self._source.batch_size
-            if batch_size is None:
-                raise ValueError(
-                    "batch_size could not be taken from the source; pass batch_size= (the number "
-                    "of examples per training batch)"
-                )
-        self.batch_size = check_int("batch_size", batch_size, minimum=1)
+        self.batch_size = training_batch_size(batch_size, self._source)
         self.remainder = check_choice("remainder", remainder, _REMAINDERS)
         per_epoch = check_batches_per_epoch(batches_per_epoch)
-        if per_epoch is not None and self.remainder == "short":
-            raise ValueError(
-                "remainder='short' yields a short batch at the end of each pass over the data, "
-                "which with batches_per_epoch falls inside a training epoch of full batches; use "
-                "remainder='carry' or 'drop' with batches_per_epoch"
-            )
+        check_remainder(self.remainder, per_epoch)
         self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE)
         self.cdf = check_choice("cdf", cdf, _CDFS)
         self.prefetch = self._source.default_prefetch() if prefetch is None else prefetch
@@ -745,42 +719,13 @@ class SelectiveLoader(NotADataLoader):
                 "run them in step; pass distributed=True (the default under an initialised "
                 "process group)"
             )
-        if min_batch_size is None:
-            # NOTE: at most batch_size: a model with BatchNorm trained in batches of one (e.g.
-            # images, which BatchNorm2d normalises over their pixels) was refused with "got
-            # min_batch_size=2", an argument its user never passed.
-            min_batch_size = 2 if any(isinstance(m, _BATCHNORM) for m in model.modules()) else 1
-            min_batch_size = min(min_batch_size, self.batch_size)
-        self.min_batch_size = check_int("min_batch_size", min_batch_size, minimum=1)
-        if self.min_batch_size > self.batch_size:
-            raise ValueError(
-                f"min_batch_size should be <= batch_size={self.batch_size}, but got "
-                f"min_batch_size={self.min_batch_size}"
-            )
+        self.min_batch_size = checked_min_batch_size(min_batch_size, model, self.batch_size)
         self._device = device  # (a torch.device or None: checked above)
         self.input_key, self.target_key = input_key, target_key
-        if metadata_key is not None and not isinstance(metadata_key, str):
-            raise TypeError(
-                "metadata_key should be a str (the dict key to carry the selection results under) "
-                f"or None, but got metadata_key={metadata_key!r}"
-            )
+        check_metadata_key(metadata_key)
         self.metadata_key = metadata_key
-        drop_index = check_bool("drop_index", drop_index)
-        drop_key = self._source.index_field_key() if drop_index else None
-        if drop_index and drop_key is None:
-            raise ValueError(
-                "drop_index=True leaves the index field out of yielded batches, but this "
-                "source's batches have none; pass index_key= naming the field that holds the "
-                "dataset indices (a DataLoader over a map-style dataset has no index field: "
-                "leave drop_index out)"
-            )
-        if pad_values and frozen_prefix is not None:
-            raise ValueError(
-                "pad_values cannot be combined with frozen_prefix: the prefix's cached features "
-                "of source batches padded to different lengths are not padded when their rows "
-                "are joined; pad the source's batches to one length (e.g. a collator with "
-                "padding='max_length'), or leave frozen_prefix out"
-            )
+        drop_key = dropped_index_key(drop_index, self._source)
+        check_pad_values(pad_values, frozen_prefix)
         self._codec = BatchCodec(
             codec_input_key, target_key, memory_format, metadata_key, drop_key, pad_values
         )
