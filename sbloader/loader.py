@@ -67,6 +67,7 @@ from ._loader_state import (
 )
 from ._loader_state import describe_callable as describe_callable  # (re-exported: tests use it)
 from ._migrations import loader_state_v1_to_v2
+from ._owners import check_owner, claim
 from ._state import rollback_state, taking_rollback
 from .adapt import make_source
 from .codec import BatchCodec
@@ -806,7 +807,7 @@ class SelectiveLoader(NotADataLoader):
         # policy already running in another loader would lose its window and its owner).
         self._attach_policy(int(key))
         for part in self.policy.parts():
-            _claim(part, self)
+            claim(part, self)
 
     def _attach_policy(self, key: int) -> None:
         """Attach the policy to this loader (the constructor's last step); on several ranks,
@@ -1255,23 +1256,9 @@ class SelectiveLoader(NotADataLoader):
 
     def _check_owner(self) -> None:
         """Refuse to go on where this loader's policy (or a policy it runs) was attached to
-        another SelectiveLoader since: attaching starts the policy's run afresh (its window,
-        store and pass schedule), so this loader's run state is gone.
-
-        NOTE: checked when the loader is used, not when the second loader is built: building a
-        loader again with the same policy object (a notebook cell run twice) is fine as long
-        as the first one is not used again.
-        """
-        for part in self.policy.parts():
-            owner = _owner(part)
-            if owner is not None and owner() is not self:
-                raise RuntimeError(
-                    f"this SelectiveLoader's policy {part!r} was given to another "
-                    "SelectiveLoader since, which started the policy's run afresh (its loss "
-                    "window, per-example store and pass schedule), so this loader cannot go on "
-                    "with it; give each loader its own policy object (e.g. "
-                    "policy=copy.deepcopy(policy)), or build this loader again"
-                )
+        another SelectiveLoader since (:func:`~sbloader._owners.check_owner`, whose NOTE says
+        when it is checked)."""
+        check_owner(self.policy.parts(), self)
 
     def _new_pass(self) -> EpochIterator:
         """The iterator of the next pass over the data (one epoch without
@@ -2075,33 +2062,3 @@ class SelectiveLoader(NotADataLoader):
 def _digest(mask: np.ndarray) -> str:
     """A short fingerprint of a ``subset`` mask: how many it keeps, and a digest of which."""
     return f"{int(np.count_nonzero(mask))}:{batch_digest(np.asarray(mask, dtype=bool))}"
-
-
-#: The loader each policy object was last attached to (see SelectiveLoader._check_owner), by
-#: the policy's id, with a weak reference to the policy (an entry goes when the policy does).
-#: NOTE: not a WeakKeyDictionary, which needs hashable keys: a policy written as a dataclass
-#: with eq=True has no hash.
-_OWNERS: dict[int, tuple[weakref.ref[Policy], weakref.ref[SelectiveLoader]]] = {}
-
-
-def _claim(policy: Policy, loader: SelectiveLoader) -> None:
-    """Record ``loader`` as the one ``policy`` is attached to (not for a policy that cannot be
-    weakly referenced, e.g. with ``__slots__`` and no ``__weakref__``: it is not checked)."""
-    key = id(policy)
-
-    def forget(_: weakref.ref[Policy]) -> None:
-        _OWNERS.pop(key, None)
-
-    try:
-        ref = weakref.ref(policy, forget)
-    except TypeError:
-        return
-    _OWNERS[key] = (ref, weakref.ref(loader))
-
-
-def _owner(policy: Policy) -> weakref.ref[SelectiveLoader] | None:
-    """The loader ``policy`` was last attached to (a weak reference), or None."""
-    entry = _OWNERS.get(id(policy))
-    if entry is None or entry[0]() is not policy:
-        return None
-    return entry[1]
