@@ -85,7 +85,7 @@ from .distributed import (
 )
 from .epoch import EpochIterator, _describe, _raise_own, pass_fraction
 from .features import make_feature_cache
-from .feedback import FeedbackBuffer, checked
+from .feedback import FeedbackBuffer, check_reported, checked, unindexed
 from .length import (
     FixedEpochIterator,
     FixedEpochs,
@@ -1455,59 +1455,16 @@ class SelectiveLoader(NotADataLoader):
             # NOTE: a source with no dataset indices yields batches whose ``batch.indices`` is
             # None, and no policy takes feedback there (there is no per-example store): the
             # losses are checked and counted, so the drop-in loop runs over such a source too.
-            shape = getattr(losses, "shape", None)
-            rows = np.shape(losses) if shape is None else tuple(shape)
-            if not rows:
-                # NOTE: with indices, a loss reduced over the batch is refused by the count;
-                # here nothing gives the count, and a scalar passed as one loss counted a step
-                # of a full batch as one example reported (the mistake unsaid until the loop
-                # met a source with indices).
-                raise ValueError(
-                    "feedback needs one loss per example, but got a single value (a loss "
-                    "reduced over the batch?); pass the per-example losses "
-                    "(reduction='none'), of shape (1,) for a batch of one example"
-                )
-            indices = torch.arange(rows[0])
+            indices = unindexed(losses)
         idx, val = checked(indices, losses, size)
         n = int(idx.shape[0])
-        self._check_reported(n)
+        check_reported(self.stats, n)
         if self.policy.takes_feedback():
             self._feedback.add(idx, val)
         # (else checked and counted, but neither held nor copied to the host: nothing uses it)
         current = self.stats.current
         if current is not None:
             current.feedback += n
-
-    def _check_reported(self, n: int) -> None:
-        """Refuse a report of ``n`` examples that would make more examples reported than the
-        loader has yielded (a batch reported twice), before anything is held or counted.
-
-        NOTE (a batch reported twice): refused, not made idempotent. Telling a batch reported
-        again from another one of the same examples (a sampler with replacement, a pass of
-        ``batches_per_epoch``) would take every yielded index kept on the host (a
-        synchronisation per step for device-side indices, memory for a large dataset). Reported
-        twice, a batch's examples were counted twice in ``loader.stats`` (``feedback`` above
-        ``examples_yielded``) and held twice, the store silently keeping the second report
-        (e.g. losses of the model after its optimizer step), and the mistake behind it (a hook
-        called twice, a report repeated after the loop) went unsaid. The counts compared are
-        the run's totals, not the current epoch's: a batch reported after the next epoch began
-        (a framework that starts it first) is counted there, and is not refused. A loop that
-        reports every batch twice is refused at its first step; one that reports some batches
-        twice and others not at all is not (each example's last report is stored).
-        """
-        current = self.stats.current
-        if current is not None and current.feedback + n <= current.examples_yielded:
-            return  # (the usual case, without summing every epoch's counts)
-        yielded = sum(e.examples_yielded for e in self.stats.epochs)
-        reported = sum(e.feedback for e in self.stats.epochs)
-        if reported + n > yielded:
-            raise ValueError(
-                f"loader.feedback got losses for more examples than the loader has yielded "
-                f"({reported} reported before, {n} now, {yielded} yielded): was a batch reported "
-                "twice (e.g. by two hooks, or again after the loop), or reported before the "
-                "loader yielded it? Report each yielded batch once, after its training step: "
-                "loader.feedback(batch.indices, losses)"
-            )
 
     def _feeds(self, resumed: bool) -> bool:
         """Whether the ranks exchange the reports of :meth:`feedback` as an epoch begins
