@@ -102,8 +102,6 @@ from .policies import Policy, default_policy
 from .precision import (
     AUTO,
     check_autocast,
-    forward_autocast,
-    forward_autocast_refused,
     selection_dtype,
 )
 from .quantize import QuantizedSelection, QuantizedSelector
@@ -697,7 +695,7 @@ class SelectiveLoader(NotADataLoader):
             fallback_autocast=autocast,
             precision=f"{int8_why}; {why}" if quantized is None else int8_why,
         )
-        self._follow_forward_autocast()
+        self._scorer.follow_forward_autocast(self._autocast_requested)
         logger.info("selection precision: %s", self._scorer.precision)
         self._scorer.check()
         self._overlap = self._selection_copy(overlap_selection, device, frozen_prefix)
@@ -1320,7 +1318,8 @@ class SelectiveLoader(NotADataLoader):
         error: Exception | None = None
         try:
             self._scorer.check()  # a frozen prefix may have been unfrozen
-            self._follow_forward_autocast()  # the model may have been prepared by Accelerate since
+            # (the model may have been prepared by Accelerate since)
+            self._scorer.follow_forward_autocast(self._autocast_requested)
             check_device(self.device, self._device is not None)
         except Exception as e:
             if not several:
@@ -1914,7 +1913,7 @@ class SelectiveLoader(NotADataLoader):
             live.close()
         self._live = None
         self._scorer.adopt_quantized(state[K_SCORER])
-        self._adopt_autocast(state.get(K_AUTOCAST, self.autocast))
+        self._scorer.adopt_autocast(state.get(K_AUTOCAST, self.autocast), self._autocast_requested)
         mid_epoch = active and position > 0 and not rollback
         self._source.load_state_dict(state[K_SOURCE], mid_epoch=mid_epoch)
         if active and position == 0 and not rollback:
@@ -1952,59 +1951,6 @@ class SelectiveLoader(NotADataLoader):
             self._decider.load_state_dict(state[K_DEVICE_RNG], None if rollback else self.device)
         ahead = state.get(K_AHEAD)
         self._ahead = None if ahead is None or not active else AheadScores.from_state(ahead)
-
-    def _follow_forward_autocast(self) -> None:
-        """Where the selecting model's own forward runs under ``torch.autocast`` (Accelerate's
-        ``mixed_precision``: see :func:`~sbloader.precision.forward_autocast`), selection passes
-        run in its dtype whatever ``autocast`` asks: with ``"auto"`` that dtype is the selection
-        precision (reported and saved as such), an explicit other one is refused naming the fix.
-        Checked when the loader is built and at every epoch start (the model may be prepared
-        after the loader is built).
-
-        NOTE: not with a frozen prefix, whose float32 features feed training (the head's own
-        autocast then covers only the head), nor for an int8 copy, which is traced from the
-        module's class forward (only the float precision it falls back to follows).
-        """
-        scorer = self._scorer
-        if scorer.has_prefix:
-            return
-        selecting = scorer.selector if scorer.selector is not None else scorer.model
-        device = model_device(selecting)
-        dtype = forward_autocast(unwrap(selecting), device)
-        if dtype is None:
-            return
-        requested = self._autocast_requested
-        if scorer.quantized is not None:
-            if requested == AUTO:
-                scorer.fallback_autocast = dtype
-            return
-        if dtype == scorer.autocast:
-            return
-        if requested != AUTO:
-            raise ValueError(forward_autocast_refused(requested, dtype, device))
-        scorer.autocast = scorer.fallback_autocast = dtype
-        scorer.precision = (
-            f"autocast='auto': {str(dtype).removeprefix('torch.')} (the model's forward runs "
-            "under its own torch.autocast, as accelerator.prepare(model) makes it with "
-            "mixed_precision)"
-        )
-        logger.info("selection precision: %s", scorer.precision)
-
-    def _adopt_autocast(self, saved: Any) -> None:
-        """Continue a resumed run in the selection precision it was saved with, when this
-        loader's was chosen by ``autocast="auto"`` (explicit choices are kept as given)."""
-        if isinstance(saved, str):
-            saved = getattr(torch, saved)
-        if saved == self.autocast or self._autocast_requested != AUTO:
-            return
-        if self._scorer.feature_cache is not None:
-            raise ValueError(
-                f"the saved run selected in {saved} and this loader's autocast='auto' chose "
-                f"{self.autocast}, but its frozen prefix's cached features are kept in the "
-                f"chosen precision; build the loader with autocast={saved!r} to resume"
-            )
-        self._scorer.autocast = saved  # (logged once the resume is accepted: load_state_dict)
-        self._scorer.precision = f"autocast={saved} (the resumed run's own, from its state)"
 
     def _from_v1(self, state: dict[str, Any]) -> dict[str, Any]:
         return loader_state_v1_to_v2(state, self._scorer.has_prefix, self.keep_logits)
