@@ -1,8 +1,8 @@
 """The state protocol of :class:`~sbloader.SelectiveLoader`, its parts that are plain functions
 of values: the keys of the loader's state (version 2), what a saved state must match to belong to
 a loader (:func:`identity`), the speed options compared, not enforced, when one is loaded
-(:func:`speed_options`, :func:`warn_other_speed`), and the checks a state passes before it is
-restored (:func:`checked_state`).
+(:func:`speed_options`, :func:`warn_other_speed`), the checks a state passes before it is
+restored (:func:`checked_state`), and the warnings said as a state is taken.
 
 :meth:`SelectiveLoader.state_dict <sbloader.SelectiveLoader.state_dict>` and
 :meth:`SelectiveLoader.load_state_dict <sbloader.SelectiveLoader.load_state_dict>` build and
@@ -52,7 +52,9 @@ __all__ = [
     "checked_state",
     "describe_callable",
     "identity",
+    "mid_epoch_warning",
     "speed_options",
+    "unreported_warning",
     "warn_other_speed",
 ]
 
@@ -343,3 +345,48 @@ def checked_state(
             "with the saved run's arguments to resume it"
         )
     return state
+
+
+def mid_epoch_warning(why: str, fixed: bool) -> str:
+    """The warning where a state is saved in the middle of a pass over the data that its source
+    cannot resume there (``why``: :meth:`Source.mid_epoch_refusal
+    <sbloader.sources.Source.mid_epoch_refusal>`; ``fixed``: with ``batches_per_epoch``).
+    Said when the state is taken (see the NOTE in ``SelectiveLoader.state_dict``).
+    """
+    end = (
+        "the end of a pass over the data (with batches_per_epoch, not every training epoch's end)"
+        if fixed
+        else "an epoch's end"
+    )
+    return (
+        "this state is saved in the middle of a pass over the data, where it cannot "
+        f"be resumed: {why} (load_state_dict refuses it; a state saved at {end} "
+        "resumes)"
+    )
+
+
+def unreported_warning(epochs: list[dict[str, Any]]) -> str | None:
+    """The warning where a state is taken after batches were yielded in its epoch that were
+    not reported yet (``epochs``: the state's stats, at least one), or None where none is
+    missing or the run never reported (the loader asks only where its policy takes reports).
+
+    NOTE: a state taken between a batch's yield and its ``loader.feedback`` (a checkpoint
+    saved in the training step before the report, as the README loop's ``...`` invites)
+    counts the batch as trained but holds no report of it: the resumed run never gets that
+    report, and its stale epochs decided from older losses than the uninterrupted run's,
+    with nothing said. The report cannot be added to a state already taken, so this is said
+    when it is taken (a warning, not an error: a run may report only some batches on
+    purpose). Runs that never reported, and policies that ignore reports, are not told.
+    """
+    current = epochs[-1]
+    missing = current["examples_yielded"] - current["feedback"]
+    if missing <= 0 or not any(e["feedback"] for e in epochs):
+        return None
+    return (
+        f"this state is taken after {missing} of the {current['examples_yielded']} examples "
+        f"yielded in epoch {current['epoch']} were trained but not reported through "
+        "loader.feedback: a run resumed from it never gets their reports (made after this "
+        "call), so its stale epochs decide from older losses than the uninterrupted run's. "
+        "Call loader.feedback(batch.indices, losses) before loader.state_dict() in the "
+        "training step (or pass unconsumed=1 for a batch fetched but not trained yet)"
+    )

@@ -62,7 +62,9 @@ from ._loader_state import (
     K_VERSION,
     checked_state,
     identity,
+    mid_epoch_warning,
     speed_options,
+    unreported_warning,
     warn_other_speed,
 )
 from ._loader_state import describe_callable as describe_callable  # (re-exported: tests use it)
@@ -1715,19 +1717,8 @@ class SelectiveLoader(NotADataLoader):
             why = self._source.mid_epoch_refusal()
             if why is not None:
                 self._mid_epoch_warned = True
-                end = (
-                    "the end of a pass over the data (with batches_per_epoch, not every "
-                    "training epoch's end)"
-                    if self._fixed is not None
-                    else "an epoch's end"
-                )
-                warnings.warn(
-                    "this state is saved in the middle of a pass over the data, where it cannot "
-                    f"be resumed: {why} (load_state_dict refuses it; a state saved at {end} "
-                    "resumes)",
-                    UserWarning,
-                    stacklevel=2,
-                )
+                warning = mid_epoch_warning(why, self._fixed is not None)
+                warnings.warn(warning, UserWarning, stacklevel=2)
         stats = self.stats.state_dict()
         if unconsumed:
             current = stats["epochs"][-1]  # the taken-back batch is counted when handed out again
@@ -1775,33 +1766,15 @@ class SelectiveLoader(NotADataLoader):
 
     def _warn_unreported(self, epochs: list[dict[str, Any]]) -> None:
         """Warn (once) where a state is taken after batches were yielded in its epoch that were
-        not reported yet (``epochs``: the state's stats), in a run that reports its losses.
-
-        NOTE: a state taken between a batch's yield and its ``loader.feedback`` (a checkpoint
-        saved in the training step before the report, as the README loop's ``...`` invites)
-        counts the batch as trained but holds no report of it: the resumed run never gets that
-        report, and its stale epochs decided from older losses than the uninterrupted run's,
-        with nothing said. The report cannot be added to a state already taken, so this is said
-        when it is taken (a warning, not an error: a run may report only some batches on
-        purpose). Runs that never reported, and policies that ignore reports, are not told.
-        """
+        not reported yet (``epochs``: the state's stats), in a run that reports its losses
+        (:func:`~sbloader._loader_state.unreported_warning`, whose NOTE says why)."""
         if self._unreported_warned or not epochs or not self.policy.takes_feedback():
             return
-        current = epochs[-1]
-        missing = current["examples_yielded"] - current["feedback"]
-        if missing <= 0 or not any(e["feedback"] for e in epochs):
+        warning = unreported_warning(epochs)
+        if warning is None:
             return
         self._unreported_warned = True
-        warnings.warn(
-            f"this state is taken after {missing} of the {current['examples_yielded']} examples "
-            f"yielded in epoch {current['epoch']} were trained but not reported through "
-            "loader.feedback: a run resumed from it never gets their reports (made after this "
-            "call), so its stale epochs decide from older losses than the uninterrupted run's. "
-            "Call loader.feedback(batch.indices, losses) before loader.state_dict() in the "
-            "training step (or pass unconsumed=1 for a batch fetched but not trained yet)",
-            UserWarning,
-            stacklevel=3,
-        )
+        warnings.warn(warning, UserWarning, stacklevel=3)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state saved by :meth:`state_dict` (at an epoch boundary or mid-epoch).
