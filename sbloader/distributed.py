@@ -78,6 +78,9 @@ __all__ = [
     "FAILURE_KINDS",
     "TEXT_LIMIT",
     "RankSync",
+    "agree_configuration",
+    "agree_pass_length",
+    "agree_position",
     "batch_digest",
     "check_unsynced",
     "collective_device",
@@ -629,6 +632,137 @@ def check_unsynced(distributed: bool | None, group: Any, cdf: str) -> None:
             "pass cdf='local'",
             UserWarning,
             stacklevel=3,
+        )
+
+
+def agree_configuration(
+    sync: RankSync,
+    shared: dict[str, str],
+    device: torch.device,
+    *,
+    rank: int | None,
+    empty: bool,
+    expected_rate: float | None,
+) -> None:
+    """As a :class:`~sbloader.SelectiveLoader` is built, on several ranks: refuse, on every rank
+    alike, options that must be the same on every rank and are not (``shared``: each option's
+    name and value as text, compared with :meth:`RankSync.differing`: one ``all_reduce``), and an
+    explicit ``rank=`` other than the process's rank in the group (``rank``: the one given, or
+    None). ``empty``: whether this rank's source draws no example; ``expected_rate``: where
+    ``batches_per_epoch="expected"`` was resolved, the policy's steady rate it was resolved at
+    (named where the ranks' counts differ), else None. On one process, only ``rank`` is checked.
+
+    NOTE (why): each rank's collectives follow from these options (a policy with or
+    without selection passes, a shared CDF or not, short batches or not, how many batches
+    an epoch has): ranks built with different ones fell out of step, hanging in a
+    collective or aborting the process group, or trained batches of different sizes. A
+    ``rank=LOCAL_RANK`` on two nodes (0 on both) drew alike and accepted the other's
+    state."""
+    own_wrong = rank is not None and rank != sync.rank
+    # NOTE ("empty"): a rank whose source draws no example (an empty sampler or share) was
+    # found out only when the first pass ended on every rank, after the other ranks' whole
+    # pass of selection forwards; compared here with the options, it costs no collective
+    # more unless a rank's differs (all empty: raised when the first pass ends, at once).
+    options: dict[str, str] = {}
+    differing = None
+    if sync.world_size > 1:  # ("rank": whether this rank's is wrong, compared like the rest)
+        options = {
+            **shared,
+            "rank": repr(own_wrong),
+            "empty": repr(empty),
+        }
+        differing = sync.differing(options, device)
+    if own_wrong or differing == "rank":
+        whose = f"rank={rank} is not this process's ({sync.rank})"
+        raise ValueError(
+            "rank= should be each process's rank in the process group, but "
+            + (whose if own_wrong else "another process's is not")
+            + ": the loader derives its draws from (seed, rank) and checks a loaded "
+            "state's rank against it; leave rank= out under torch.distributed (the group's "
+            "rank is used), or pass distributed=False"
+        )
+    if differing == "empty":
+        lowest = sync.span(sync.rank if empty else sync.world_size, device)[0]
+        raise ValueError(
+            f"the source of rank {lowest} of {sync.world_size} draws no examples (its sampler "
+            f"or dataset is empty; this is rank {sync.rank}), so no rank could yield a batch "
+            "(each yields as many as the fewest any rank has); give every rank a share of "
+            "the data (e.g. sampler=DistributedSampler(dataset)), and check that no rank's "
+            "dataset or sampler is empty"
+        )
+    if differing == "batches_per_epoch" and expected_rate is not None:
+        # NOTE: every rank passed "expected", so "the same batches_per_epoch on every rank"
+        # would name no fix: each rank resolved it from its own share and policy.
+        raise ValueError(
+            'batches_per_epoch="expected" resolves to the batches expected from each rank\'s '
+            f"own share of the data at its policy's rate, and the ranks' differ: this rank "
+            f"({sync.rank}) expects {options[differing]} at a rate of "
+            f"{expected_rate:g}; give every rank an equal share "
+            "(sampler=DistributedSampler(dataset)) and the same policy settings, or pass "
+            "batches_per_epoch= an int, the same on every rank"
+        )
+    if differing is not None:
+        raise ValueError(
+            f"{differing} should be the same on every rank, but the ranks differ; this rank "
+            f"({sync.rank}) has {differing}={options[differing]}; build the SelectiveLoader "
+            f"with the same {differing} on every rank"
+        )
+
+
+def agree_pass_length(
+    sync: RankSync, own: int, batch_size: int, device: torch.device
+) -> tuple[int, int]:
+    """On several ranks, for a passthrough policy with epochs of one pass: the fewest and
+    the most batches of a pass on any rank (``own``: this rank's; -1 where a rank's is
+    unknown), agreed as the loader is built; warns where they differ (every rank yields the
+    fewest, in batches of ``batch_size``).
+
+    NOTE: every rank yields the same number of batches per pass, as many as the fewest any
+    rank's pass makes (a rank's further batches are dropped and counted), so ``len()`` of
+    a rank's own pass would be more on the ranks with more data: a loop, scheduler or
+    framework keyed on ``len(loader)`` (gradient accumulation's last step, Lightning's
+    validation interval) would then differ between ranks. The loader is built on every
+    rank at the same point, before any other collective of its own, so this one
+    ``all_reduce`` is matched on every rank, whereas ``len()`` itself may be called on one
+    rank only (a progress bar).
+    """
+    fewest, most = sync.span(own, device)
+    if 0 <= fewest < most:
+        warnings.warn(
+            f"the ranks' passes over their data make from {fewest} to {most} batches of "
+            f"{batch_size}: every rank yields {fewest} per epoch (len(loader)), and a "
+            "rank's further batches are dropped (counted in loader.stats, dropped); give the "
+            "DataLoader sampler=DistributedSampler(dataset) for equal shares",
+            UserWarning,
+            stacklevel=4,
+        )
+    return fewest, most
+
+
+def agree_position(sync: RankSync | None, epoch: int, yielded: int, device: torch.device) -> None:
+    """On several ranks, refuse (on every rank) to begin where the ranks' positions differ:
+    the ``epoch``, and the batches already ``yielded`` in it where a saved state resumes it;
+    nothing without ``sync`` or on one rank.
+
+    NOTE: each rank restores its own state, and nothing compared them: a state loaded on one
+    rank only (under ``if rank == 0:``), or states of different checkpoints, put the ranks in
+    different epochs or at different batches of one, and the next collectives then hung,
+    aborted the process group with a collective mismatch, or paired batches of different
+    positions (overlapping shards). One ``all_reduce`` as each epoch begins, every rank
+    alike, before the loader changes anything: the refusal leaves each rank's state as it
+    was, to be mended by loading the right one.
+    """
+    if sync is None or sync.world_size < 2:
+        return
+    position = {"epoch": str(epoch), "batches yielded": str(yielded)}
+    differing = sync.differing(position, device)
+    if differing is not None:
+        where = f"epoch {epoch}" + (f" after {yielded} batches" if yielded else "")
+        raise ValueError(
+            f"the ranks would begin at different positions ({differing} differs): this rank "
+            f"({sync.rank}) begins {where}. Every rank must resume from its own state of the "
+            "same checkpoint: call load_state_dict on every rank (not under `if rank == 0:`), "
+            "each with the state its rank saved at the same step"
         )
 
 

@@ -3,12 +3,13 @@
 The training step already computes each backpropagated example's loss. Reported back, those
 losses keep a per-example store fresh at no cost: a Stale-SB epoch then decides each example
 from its loss the last time it was trained, not from the last selection pass (InfoBatch's source
-of scores). This module only holds what was reported until the loader hands it to the policy.
+of scores). This module checks a report as it comes and holds what was reported until the
+loader hands it to the policy.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -16,7 +17,10 @@ import torch
 from ._checks import check_indices
 from ._state import check_version
 
-__all__ = ["FeedbackBuffer", "check_range", "checked"]
+if TYPE_CHECKING:
+    from .stats import LoaderStats
+
+__all__ = ["FeedbackBuffer", "check_range", "check_reported", "checked", "unindexed"]
 
 
 def check_range(indices: np.ndarray, size: int | None) -> np.ndarray:
@@ -136,6 +140,63 @@ def checked(indices: Any, losses: Any, size: int | None) -> tuple[torch.Tensor, 
     if idx.device.type == "cpu":
         check_range(check_indices("indices", idx.numpy()), size)
     return idx, val
+
+
+def unindexed(losses: Any) -> torch.Tensor:
+    """Stand-in indices (``0 .. n - 1``) for a report of ``losses`` from a source with no
+    dataset indices, which no policy takes (only checked and counted): one per loss, refusing
+    a single value (``ValueError``).
+
+    Example:
+        >>> unindexed(torch.zeros(3)).tolist()
+        [0, 1, 2]
+    """
+    shape = getattr(losses, "shape", None)
+    rows = np.shape(losses) if shape is None else tuple(shape)
+    if not rows:
+        # NOTE: with indices, a loss reduced over the batch is refused by the count;
+        # here nothing gives the count, and a scalar passed as one loss counted a step
+        # of a full batch as one example reported (the mistake unsaid until the loop
+        # met a source with indices).
+        raise ValueError(
+            "feedback needs one loss per example, but got a single value (a loss "
+            "reduced over the batch?); pass the per-example losses "
+            "(reduction='none'), of shape (1,) for a batch of one example"
+        )
+    return torch.arange(rows[0])
+
+
+def check_reported(stats: LoaderStats, n: int) -> None:
+    """Refuse a report of ``n`` examples that would make more examples reported than the
+    loader has yielded (its ``stats``: a batch reported twice), before anything is held or
+    counted.
+
+    NOTE (a batch reported twice): refused, not made idempotent. Telling a batch reported
+    again from another one of the same examples (a sampler with replacement, a pass of
+    ``batches_per_epoch``) would take every yielded index kept on the host (a
+    synchronisation per step for device-side indices, memory for a large dataset). Reported
+    twice, a batch's examples were counted twice in ``loader.stats`` (``feedback`` above
+    ``examples_yielded``) and held twice, the store silently keeping the second report
+    (e.g. losses of the model after its optimizer step), and the mistake behind it (a hook
+    called twice, a report repeated after the loop) went unsaid. The counts compared are
+    the run's totals, not the current epoch's: a batch reported after the next epoch began
+    (a framework that starts it first) is counted there, and is not refused. A loop that
+    reports every batch twice is refused at its first step; one that reports some batches
+    twice and others not at all is not (each example's last report is stored).
+    """
+    current = stats.current
+    if current is not None and current.feedback + n <= current.examples_yielded:
+        return  # (the usual case, without summing every epoch's counts)
+    yielded = sum(e.examples_yielded for e in stats.epochs)
+    reported = sum(e.feedback for e in stats.epochs)
+    if reported + n > yielded:
+        raise ValueError(
+            f"loader.feedback got losses for more examples than the loader has yielded "
+            f"({reported} reported before, {n} now, {yielded} yielded): was a batch reported "
+            "twice (e.g. by two hooks, or again after the loop), or reported before the "
+            "loader yielded it? Report each yielded batch once, after its training step: "
+            "loader.feedback(batch.indices, losses)"
+        )
 
 
 class FeedbackBuffer:

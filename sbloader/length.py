@@ -30,24 +30,38 @@ exactly the uninterrupted one's batches, epoch by epoch.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import numbers
+import warnings
 import weakref
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ._state import check_version
+from .policies import passes_within
 
 if TYPE_CHECKING:
     from . import batch as B
     from .epoch import EpochIterator
     from .loader import SelectiveLoader
+    from .policies import Policy
+    from .sources import Source
 
 __all__ = [
     "BARREN_PASSES",
     "FixedEpochIterator",
     "FixedEpochs",
+    "batches_at",
     "check_batches_per_epoch",
+    "check_fills_a_batch",
+    "expected_count",
     "fills_a_batch",
+    "pass_examples",
+    "pass_length",
+    "planned_passes",
     "unfillable",
 ]
 
@@ -374,3 +388,247 @@ def unfillable(count: int | None, kept: str, batch_size: int) -> ValueError:
 def _barren(it: EpochIterator) -> bool:
     """Whether a finished pass yielded no batch (the same on every rank: counts are agreed)."""
     return it.stats is not None and it.stats.batches_yielded == 0
+
+
+def batches_at(source: Source, subset: np.ndarray | None, batch_size: int, rate: float) -> float:
+    """The expected number of training batches of ``batch_size`` per pass over ``source`` (this
+    rank's share, within the ``subset`` mask where there is one) for a policy that keeps
+    ``rate`` of the candidates (an estimate when selective).
+
+    Raises:
+        TypeError: the source's number of examples is unknown (an iterable without a length or
+            without a batch size); the message names the fix, ``dataset_size=``.
+    """
+    examples: float | None = source.epoch_size
+    if examples is None:
+        bs = source.batch_size
+        try:
+            n: int | None = len(source)
+        except TypeError:
+            n = None
+        if bs is None or n is None:
+            if source.dataset_size is not None:  # (a batch_sampler=: no fix by size)
+                raise TypeError(_unknown_pass(source))
+            raise TypeError(
+                "the number of examples per epoch of this source is unknown (it has no "
+                f"{'length' if n is None else 'batch_size'}), so no batch count can be "
+                "estimated; pass dataset_size= (the number of examples) to the "
+                "SelectiveLoader, or use a sized source such as a DataLoader over a "
+                "map-style dataset"
+            )
+        examples = n * bs
+    if subset is not None and len(subset):
+        examples *= np.count_nonzero(subset) / len(subset)
+    return examples * rate / batch_size
+
+
+def pass_examples(source: Source, subset: np.ndarray | None, batch_size: int) -> tuple[int, bool]:
+    """The examples of one pass over ``source`` on this process (within the ``subset`` mask
+    where there is one), exactly, and whether they were counted as the source's batches, all
+    taken as full batches of ``batch_size`` (a ``batch_sampler=`` with no sampler of its own:
+    the loader then warns of a source batch of another size, see
+    ``EpochIterator._check_counted_full``).
+
+    Raises:
+        TypeError: the pass's number of examples is not known exactly (the message names the
+            fix).
+    """
+    size, bs = source.epoch_size, source.batch_size
+    if subset is not None:
+        # NOTE: exact only where this process's pass draws each example once: under a
+        # DistributedSampler the subset's share of a rank changes from epoch to epoch, and
+        # a sampler drawing with replacement draws the subset's examples a varying number
+        # of times.
+        if not source.draws_each_once():
+            raise TypeError(
+                "the number of batches of a pass is not fixed with subset= and a source that "
+                "does not draw each example of the dataset once on this process (a "
+                "DistributedSampler, a sampler drawing with replacement, or drop_last); pass "
+                'batches_per_epoch="expected" (or an int) for epochs of a fixed number of '
+                "batches, or schedule by loader.progress"
+            )
+        return int(np.count_nonzero(subset)), False
+    if bs and source.drop_last():
+        full = source.full_batches()  # the source's batches are all full
+        if full is None:
+            raise TypeError(_unknown_pass(source))
+        return full * bs, False
+    if size is None:
+        last = source.last_batch_size()
+        if bs and last is not None:  # full batches but the last
+            return (len(source) - 1) * bs + last, False
+        if bs == batch_size:
+            # Handed out as they are: as many batches as the source's (its last one's size
+            # unknown, so not checked against min_batch_size), where they are full; a
+            # source batch of another size before the last is warned of (see
+            # EpochIterator._check_counted_full).
+            return len(source) * bs, True
+        raise TypeError(_unknown_pass(source))
+    return size, False
+
+
+def pass_length(examples: int, batch_size: int, min_batch_size: int) -> int:
+    """The exact number of batches of a pass of a passthrough policy: the pass's ``examples``
+    (:func:`pass_examples`) in batches of ``batch_size``, and a last short batch of the rest when
+    it has at least ``min_batch_size`` examples (as the iterator hands them out).
+
+    Example:
+        >>> pass_length(10, 4, 2), pass_length(9, 4, 2)
+        (3, 2)
+    """
+    full, rest = divmod(examples, batch_size)
+    return full + int(rest >= min_batch_size)
+
+
+def expected_count(
+    source: Source, subset: np.ndarray | None, batch_size: int, policy: Policy, remainder: str
+) -> int:
+    """``batches_per_epoch="expected"`` resolved: the expected batches of ``batch_size`` per pass
+    over ``source`` (within ``subset``) of ``policy``, rounded (rounded down under
+    ``remainder="drop"``).
+
+    Raises:
+        ValueError: the count cannot be computed, or it rounds to 0 (the message names the fix).
+    """
+    # NOTE: a passthrough policy's pass has a known number of examples; its rest is carried
+    # or dropped as for any policy (never a short batch), so it counts as a fraction of a
+    # batch: rounded, or left out where it is dropped. Under "drop" a selective pass yields
+    # its whole batches only too (10 of 10.7 expected, pass after pass): rounded up, the
+    # training epochs outran the passes, and a pass expected to fill 0.5 to 1 batch (most
+    # passes none) made training epochs of tens of passes each instead of a refusal.
+    passthrough = policy.passthrough()
+    expected: float | None = None
+    if passthrough:
+        with contextlib.suppress(TypeError):  # an exact count unknown: estimated below
+            expected = pass_examples(source, subset, batch_size)[0] / batch_size
+    if expected is None:
+        try:
+            expected = batches_at(source, subset, batch_size, policy.steady_rate)
+        except TypeError as e:
+            raise ValueError(f'batches_per_epoch="expected" cannot be computed: {e}') from None
+    dropped = remainder == "drop"
+    count = math.floor(expected) if dropped else math.floor(expected + 0.5)
+    if count < 1:
+        raise ValueError(
+            f'batches_per_epoch="expected": {expected:.3g} batches are expected per pass '
+            "over the data, which rounds to 0"
+            + (" (remainder='drop' drops each pass's rest)" if dropped else "")
+            + "; pass batches_per_epoch= an int, or a smaller batch_size"
+            + (", or remainder='carry'" if dropped else "")
+        )
+    return count
+
+
+def check_fills_a_batch(
+    source: Source, subset: np.ndarray | None, batch_size: int, policy: Policy, count: int
+) -> None:
+    """Refuse, as the loader is built, fixed-length epochs (``batches_per_epoch=count``, of
+    ``batch_size``, passes over ``source`` within ``subset``, ``policy``) that
+    ``remainder="drop"`` can never fill, or fills one pass in several: a passthrough policy's
+    pass of fewer examples than ``batch_size`` yields no batch, and a selective policy's pass
+    expected to keep less than a batch yields none in most passes (otherwise found only after
+    ``BARREN_PASSES`` passes of selection forwards over the whole data, or never: a training
+    epoch of tens of passes). Where the pass's size is unknown, the first pass that yields
+    nothing checks it (:func:`sbloader.length.fills_a_batch`)."""
+    if not policy.passthrough():
+        try:
+            expected = batches_at(source, subset, batch_size, policy.steady_rate)
+        except TypeError:
+            return  # unknown: left to the passes themselves
+        if expected < 1.0:
+            raise unfillable(
+                count,
+                f"the policy keeps about {expected * batch_size:.3g} examples per pass "
+                "over the source",
+                batch_size,
+            )
+        return
+    try:
+        examples = pass_examples(source, subset, batch_size)[0]
+    except TypeError:
+        return  # unknown: left to the passes themselves
+    if examples < batch_size:
+        raise ValueError(
+            f"batches_per_epoch={count} cannot be "
+            f"filled: a pass over the source has {examples} examples, fewer than "
+            f"batch_size={batch_size}, and remainder='drop' drops each pass's rest; "
+            "use remainder='carry' (the rest goes on into the next pass) or a smaller "
+            "batch_size"
+        )
+
+
+def planned_passes(
+    planned_epochs: int,
+    per_epoch: int,
+    steady: float,
+    full: float,
+    unknown: TypeError | None,
+) -> int:
+    """The passes over the data that ``planned_epochs`` training epochs of ``per_epoch``
+    batches are expected to make (:func:`~sbloader.policies.passes_within`), for the default
+    policy's plan: ``steady``, ``full``: the batches a pass is expected to yield at the policy's
+    steady rate and on all the data; ``unknown``: why they cannot be estimated, or None. Warns
+    (``UserWarning``, as the loader is built) where they cannot be estimated (the plan is then
+    ``planned_epochs`` passes), or where the run makes only 2 passes (no selective one) or
+    cannot complete the anneal.
+    """
+    if unknown is not None:
+        warnings.warn(
+            f"planned_epochs={planned_epochs} with batches_per_epoch={per_epoch} counts "
+            "training epochs, but the passes over the data they make cannot be estimated, "
+            f"so it is taken as {planned_epochs} passes (the last eighth of them annealed on "
+            f"all the data, which may fall after the run ends): {unknown}",
+            UserWarning,
+            stacklevel=4,
+        )
+        passes = planned_epochs
+    else:
+        fitted = passes_within(planned_epochs * per_epoch, steady, full)
+        passes = 2 if fitted is None else fitted
+        # NOTE: 2 passes are the Random-Backprop warm-up and the annealed pass, with no
+        # selective pass between them (as planned_epochs=2 without batches_per_epoch, which
+        # is warned of too): the training epochs that 3 passes need (the warm-up, one
+        # selective pass, the annealed one) are named as the fix.
+        needed = math.ceil(((2 * steady + full) / per_epoch) * (1 - 1e-9))
+        if fitted is None:
+            warnings.warn(
+                f"planned_epochs={planned_epochs} training epochs of batches_per_epoch="
+                f"{per_epoch} batches ({planned_epochs * per_epoch} in all) cannot complete "
+                "the default policy's anneal (a pass over all the data, "
+                f"{full:.3g} batches, after its warm-up pass of {steady:.3g}): it plans 2 "
+                "passes, and the run ends before the annealed one does. Train for at least "
+                f"planned_epochs={needed} epochs of that length, or pass a policy without "
+                "annealing (e.g. policy=sbloader.default_policy())",
+                UserWarning,
+                stacklevel=4,
+            )
+        elif passes == 2:
+            warnings.warn(
+                f"planned_epochs={planned_epochs} training epochs of batches_per_epoch="
+                f"{per_epoch} batches ({planned_epochs * per_epoch} in all) make 2 passes "
+                "over the data, which leave the default policy no selective pass: pass 0 is "
+                f"its Random-Backprop warm-up ({steady:.3g} batches) and pass 1, the annealed "
+                f"end, trains on all the data ({full:.3g} batches). Train for at least "
+                f"planned_epochs={needed} epochs of that length (3 passes), or pass a policy "
+                "(e.g. policy=sbloader.default_policy() anneals nothing)",
+                UserWarning,
+                stacklevel=4,
+            )
+    return passes
+
+
+def _unknown_pass(source: Source) -> str:
+    """Why the examples of a pass of ``source`` cannot be counted, and the fix."""
+    if source.dataset_size is not None:  # a DataLoader whose batch_sampler= draws its batches
+        return (
+            "the number of examples per pass of this source is unknown: its batch_sampler= "
+            "draws the batches itself (it may shard the data by rank), and only their number is "
+            "known; give the batch sampler a batch_size attribute and use that batch_size (its "
+            "batches are then handed out as they are, and counted), or pass batches_per_epoch= "
+            "an int"
+        )
+    return (
+        "the number of examples per pass of this source is unknown (its last batch may be "
+        "short), so the number of batches of another size cannot be counted; pass "
+        "dataset_size= (the number of examples), or batches_per_epoch= an int"
+    )

@@ -7,12 +7,9 @@ The loader holds configuration and cross-epoch state; an :class:`~sbloader.epoch
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import logging
 import math
-import types
 import warnings
 import weakref
 from collections.abc import Callable, Hashable
@@ -31,24 +28,82 @@ from ._checks import (
     check_int,
     indices_needed,
 )
+from ._loader_checks import (
+    check_memory_format,
+    check_metadata_key,
+    check_modules,
+    check_pad_values,
+    check_planned_epochs,
+    check_remainder,
+    checked_min_batch_size,
+    dropped_index_key,
+    training_batch_size,
+)
+from ._loader_state import (
+    K_ACTIVE,
+    K_AHEAD,
+    K_AUTOCAST,
+    K_CODEC,
+    K_DEVICE_RNG,
+    K_EPOCH,
+    K_FEEDBACK,
+    K_IDENTITY,
+    K_PENDING,
+    K_POLICY,
+    K_POSITION,
+    K_PREFILTER,
+    K_RETURNED,
+    K_RNG,
+    K_SCORER,
+    K_SOURCE,
+    K_SPEED,
+    K_STATS,
+    K_TRAINING,
+    K_VERSION,
+    checked_state,
+    identity,
+    mid_epoch_warning,
+    speed_options,
+    unreported_warning,
+    warn_other_speed,
+)
+from ._loader_state import describe_callable as describe_callable  # (re-exported: tests use it)
 from ._migrations import loader_state_v1_to_v2
-from ._state import check_identity, check_version, rollback_state, taking_rollback
+from ._owners import check_owner, claim
+from ._state import rollback_state, taking_rollback
 from .adapt import make_source
 from .codec import BatchCodec
 from .decisions import NONFINITE, prefilters, subset_mask
 from .device_decisions import DecisionGenerator
-from .distributed import RankSync, batch_digest, check_unsynced, is_distributed, make_sync
+from .distributed import (
+    RankSync,
+    agree_configuration,
+    agree_pass_length,
+    agree_position,
+    batch_digest,
+    check_unsynced,
+    is_distributed,
+    make_sync,
+)
 from .epoch import EpochIterator, _describe, _raise_own, pass_fraction
 from .features import make_feature_cache
-from .feedback import FeedbackBuffer, checked
-from .length import FixedEpochIterator, FixedEpochs, check_batches_per_epoch, unfillable
+from .feedback import FeedbackBuffer, check_reported, checked, unindexed
+from .length import (
+    FixedEpochIterator,
+    FixedEpochs,
+    batches_at,
+    check_batches_per_epoch,
+    check_fills_a_batch,
+    expected_count,
+    pass_examples,
+    pass_length,
+    planned_passes,
+)
 from .overlap import AheadScores, SelectionCopy
-from .policies import Policy, default_policy, passes_within
+from .policies import Policy, default_policy
 from .precision import (
     AUTO,
     check_autocast,
-    forward_autocast,
-    forward_autocast_refused,
     selection_dtype,
 )
 from .quantize import QuantizedSelection, QuantizedSelector
@@ -77,118 +132,6 @@ logger = logging.getLogger("sbloader")
 _REMAINDERS = ("carry", "short", "drop")
 _CDFS = ("local", "global")
 _DECISIONS = ("host", "device")
-_BATCHNORM = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
-
-# The keys of the loader's state (version 2).
-K_VERSION, K_IDENTITY, K_EPOCH, K_POSITION, K_ACTIVE = (
-    "version",
-    "identity",
-    "epoch",
-    "position",
-    "active",
-)
-K_RNG, K_SOURCE, K_POLICY, K_PENDING, K_CODEC, K_SCORER, K_STATS, K_RETURNED = (
-    "rng",
-    "source",
-    "policy",
-    "pending",
-    "codec",
-    "scorer",
-    "stats",
-    "returned",
-)
-K_FEEDBACK = "feedback"  # optional: states saved before feedback existed have none
-# NOTE: an optional key of version 2 (absent from states saved before batches_per_epoch): the
-# training-epoch clock, or None without batches_per_epoch.
-K_TRAINING = "training"
-K_DEVICE_RNG = "device_rng"  # only with decisions="device"
-K_AUTOCAST = "autocast"  # the selection precision (optional: older states have none)
-K_AHEAD = "ahead"  # optional: a source batch scored ahead (overlap_selection) and not consumed
-# NOTE: optional (absent from states saved before it): the speed options the state was saved
-# with (see SelectiveLoader._speed), compared, not enforced, when it is loaded.
-K_SPEED = "speed"
-# NOTE: optional (absent from states saved before it): whether the epoch a state was saved in
-# loaded only what the policy kept of the source (a Stale-SB stale epoch's prefilter), which
-# decides what its position counts (filtered source batches, or all of them).
-K_PREFILTER = "prefilter"
-
-
-def _stable_repr(value: Any) -> str:
-    """``repr(value)`` with functions and classes (nested in dicts, lists and tuples) named by
-    their module and qualified name, for :meth:`SelectiveLoader._speed`.
-
-    NOTE: a plain repr names a function by its address (``<function f at 0x7f...>``), which
-    differs from process to process: ``compile_selection={"backend": my_backend}`` then warned
-    on every resume with the very same options.
-    """
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k!r}: {_stable_repr(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, (set, frozenset)):
-        # (a set of strings iterates in an order of the process's hash seed)
-        return "{" + ", ".join(sorted(_stable_repr(v) for v in value)) + "}"
-    if isinstance(value, (list, tuple)):
-        inner = ", ".join(_stable_repr(v) for v in value)
-        if isinstance(value, list):
-            return f"[{inner}]"
-        return f"({inner},)" if len(value) == 1 else f"({inner})"
-    if callable(value) and hasattr(value, "__qualname__"):
-        return f"{getattr(value, '__module__', None)}.{value.__qualname__}"
-    text = repr(value)
-    if " at 0x" in text:  # an object's default repr
-        kind = type(value)
-        return f"<{kind.__module__}.{kind.__qualname__} object>"
-    return text
-
-
-def describe_callable(fn: Any) -> str:
-    """A description of a loss function that is the same in every process for the same loss:
-    a function by its module and qualified name, a ``functools.partial`` by its function and
-    arguments, a loss module (or any callable object) by its class and its public settings
-    (tensors by shape and a digest of their values), for :meth:`SelectiveLoader._speed`.
-
-    NOTE: not ``repr``: ``nn.CrossEntropyLoss(label_smoothing=0.5)``'s repr omits the
-    smoothing, so a resume with another smoothing went unnoticed.
-
-    Example:
-        >>> from torch import nn
-        >>> describe_callable(nn.CrossEntropyLoss(reduction="none", label_smoothing=0.1))[22:]
-        "CrossEntropyLoss(ignore_index=-100, label_smoothing=0.1, reduction='none')"
-    """
-    if isinstance(fn, functools.partial):
-        args = [describe_callable(a) if callable(a) else _setting(a) for a in fn.args]
-        args += [f"{k}={_setting(v)}" for k, v in sorted(fn.keywords.items())]
-        return f"partial({describe_callable(fn.func)}, {', '.join(args)})"
-    if isinstance(fn, types.MethodType):  # a bound method: its function (and its object's class)
-        return f"{describe_callable(fn.__func__)} of {type(fn.__self__).__qualname__}"
-    if isinstance(fn, (types.FunctionType, types.BuiltinFunctionType, type)):
-        return _stable_repr(fn)
-    kind = type(fn)
-    settings = ", ".join(
-        f"{k}={_setting(v)}"
-        for k, v in sorted(vars(fn).items() if hasattr(fn, "__dict__") else ())
-        if not k.startswith("_") and k != "training"
-    )
-    buffers = ""
-    if isinstance(fn, nn.Module):
-        named = [*fn.named_buffers(), *fn.named_parameters()]
-        buffers = "".join(f", {k}={_setting(v)}" for k, v in sorted(named, key=lambda kv: kv[0]))
-    return f"{kind.__module__}.{kind.__qualname__}({settings}{buffers})"
-
-
-#: Tensors of a loss module up to this many elements are described by a digest of their
-#: values (class weights, say); larger ones (a frozen teacher's weights) by shape and dtype alone,
-#: so that ``state_dict()`` does not copy and hash them at every checkpoint.
-_DIGESTED_ELEMENTS = 65_536
-
-
-def _setting(value: Any) -> str:
-    """A setting of :func:`describe_callable`: a tensor by its shape and a digest of its values
-    (up to :data:`_DIGESTED_ELEMENTS`), anything else as :func:`_stable_repr` gives it."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() > _DIGESTED_ELEMENTS:
-            return f"tensor{tuple(value.shape)}:{value.dtype}"
-        return f"tensor{tuple(value.shape)}#{batch_digest(value):x}"
-    return _stable_repr(value)
 
 
 class SelectiveLoader(NotADataLoader):
@@ -623,12 +566,7 @@ class SelectiveLoader(NotADataLoader):
         overlap_selection: bool = False,
         pad_values: dict[Hashable, bool | int | float] | None = None,
     ) -> None:
-        for name, module, optional in (("model", model, False), ("selector", selector, True)):
-            if not isinstance(module, nn.Module) and not (optional and module is None):
-                raise TypeError(
-                    f"{name} should be a torch.nn.Module{' or None' if optional else ''}, but "
-                    f"got {type(module).__name__}"
-                )
+        check_modules(model, selector)
         if device is not None:
             device = check_device_name("device", device)
         if dataset_size is not None:
@@ -637,15 +575,7 @@ class SelectiveLoader(NotADataLoader):
         # NOTE: the default depends on the source: Stale-SB's store needs dataset indices and
         # the dataset's size.
         store = bool(self._source.has_indices()) and self._source.dataset_size is not None
-        if planned_epochs is not None:
-            planned_epochs = check_int("planned_epochs", planned_epochs, minimum=2)
-            if policy is not None:
-                raise ValueError(
-                    f"planned_epochs={planned_epochs} only sets the length of the default "
-                    f"policy's run, but policy={policy!r} was given: pass the run's length to "
-                    "that policy instead (e.g. policy=sbloader.default_policy(epochs="
-                    f"{planned_epochs})), or leave policy out"
-                )
+        planned_epochs = check_planned_epochs(planned_epochs, policy)
         self.planned_epochs = planned_epochs
         # NOTE: with batches_per_epoch, planned_epochs counts training epochs of that many
         # batches, whose passes over the data are known only once it is resolved (below): the
@@ -683,18 +613,7 @@ class SelectiveLoader(NotADataLoader):
         loss_fn = nn.CrossEntropyLoss(reduction="none") if loss_fn is None else loss_fn
         check_loss_fn(loss_fn)
         keep_logits = check_bool("keep_logits", keep_logits)
-        if memory_format is not None and not isinstance(memory_format, torch.memory_format):
-            raise TypeError(
-                "memory_format should be a torch.memory_format such as torch.channels_last, or "
-                f"None, but got memory_format={memory_format!r}"
-            )
-        if memory_format == torch.preserve_format:
-            raise ValueError(
-                "memory_format should be a layout to convert inputs to, such as "
-                "torch.channels_last (4-d images) or torch.channels_last_3d (5-d videos), but got "
-                "memory_format=torch.preserve_format; pass memory_format=None to keep the "
-                "source's layout"
-            )
+        check_memory_format(memory_format)
         # NOTE: "auto" resolves here, once, on the selecting model's device, so that a loader's
         # selections never change precision mid-run; a resumed state brings its own choice.
         self._autocast_requested = check_autocast(autocast)
@@ -778,26 +697,14 @@ class SelectiveLoader(NotADataLoader):
             fallback_autocast=autocast,
             precision=f"{int8_why}; {why}" if quantized is None else int8_why,
         )
-        self._follow_forward_autocast()
+        self._scorer.follow_forward_autocast(self._autocast_requested)
         logger.info("selection precision: %s", self._scorer.precision)
         self._scorer.check()
         self._overlap = self._selection_copy(overlap_selection, device, frozen_prefix)
-        if batch_size is None:
-            batch_size = self._source.batch_size
-            if batch_size is None:
-                raise ValueError(
-                    "batch_size could not be taken from the source; pass batch_size= (the number "
-                    "of examples per training batch)"
-                )
-        self.batch_size = check_int("batch_size", batch_size, minimum=1)
+        self.batch_size = training_batch_size(batch_size, self._source)
         self.remainder = check_choice("remainder", remainder, _REMAINDERS)
         per_epoch = check_batches_per_epoch(batches_per_epoch)
-        if per_epoch is not None and self.remainder == "short":
-            raise ValueError(
-                "remainder='short' yields a short batch at the end of each pass over the data, "
-                "which with batches_per_epoch falls inside a training epoch of full batches; use "
-                "remainder='carry' or 'drop' with batches_per_epoch"
-            )
+        check_remainder(self.remainder, per_epoch)
         self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE)
         self.cdf = check_choice("cdf", cdf, _CDFS)
         self.prefetch = self._source.default_prefetch() if prefetch is None else prefetch
@@ -813,42 +720,13 @@ class SelectiveLoader(NotADataLoader):
                 "run them in step; pass distributed=True (the default under an initialised "
                 "process group)"
             )
-        if min_batch_size is None:
-            # NOTE: at most batch_size: a model with BatchNorm trained in batches of one (e.g.
-            # images, which BatchNorm2d normalises over their pixels) was refused with "got
-            # min_batch_size=2", an argument its user never passed.
-            min_batch_size = 2 if any(isinstance(m, _BATCHNORM) for m in model.modules()) else 1
-            min_batch_size = min(min_batch_size, self.batch_size)
-        self.min_batch_size = check_int("min_batch_size", min_batch_size, minimum=1)
-        if self.min_batch_size > self.batch_size:
-            raise ValueError(
-                f"min_batch_size should be <= batch_size={self.batch_size}, but got "
-                f"min_batch_size={self.min_batch_size}"
-            )
+        self.min_batch_size = checked_min_batch_size(min_batch_size, model, self.batch_size)
         self._device = device  # (a torch.device or None: checked above)
         self.input_key, self.target_key = input_key, target_key
-        if metadata_key is not None and not isinstance(metadata_key, str):
-            raise TypeError(
-                "metadata_key should be a str (the dict key to carry the selection results under) "
-                f"or None, but got metadata_key={metadata_key!r}"
-            )
+        check_metadata_key(metadata_key)
         self.metadata_key = metadata_key
-        drop_index = check_bool("drop_index", drop_index)
-        drop_key = self._source.index_field_key() if drop_index else None
-        if drop_index and drop_key is None:
-            raise ValueError(
-                "drop_index=True leaves the index field out of yielded batches, but this "
-                "source's batches have none; pass index_key= naming the field that holds the "
-                "dataset indices (a DataLoader over a map-style dataset has no index field: "
-                "leave drop_index out)"
-            )
-        if pad_values and frozen_prefix is not None:
-            raise ValueError(
-                "pad_values cannot be combined with frozen_prefix: the prefix's cached features "
-                "of source batches padded to different lengths are not padded when their rows "
-                "are joined; pad the source's batches to one length (e.g. a collator with "
-                "padding='max_length'), or leave frozen_prefix out"
-            )
+        drop_key = dropped_index_key(drop_index, self._source)
+        check_pad_values(pad_values, frozen_prefix)
         self._codec = BatchCodec(
             codec_input_key, target_key, memory_format, metadata_key, drop_key, pad_values
         )
@@ -856,12 +734,16 @@ class SelectiveLoader(NotADataLoader):
         # (whether "expected" was resolved: ranks that resolve it differently are told why)
         self._expected_given = per_epoch == "expected"
         if self._expected_given:
-            per_epoch = self._expected_count()
+            per_epoch = expected_count(
+                self._source, self._subset, self.batch_size, self.policy, self.remainder
+            )
         if policy is None and planned_epochs is not None and per_epoch is not None:
             self._plan_passes(store, planned_epochs, int(per_epoch))
         self._fixed = None if per_epoch is None else FixedEpochs(int(per_epoch))
         if self._fixed is not None and self.remainder == "drop":
-            self._check_fills_a_batch()
+            check_fills_a_batch(
+                self._source, self._subset, self.batch_size, self.policy, self._fixed.count
+            )
         self._backlog_warned = False  # see _warn_backlog
         size = self._source.dataset_size
         checkable = self._source.disjoint_across_ranks()
@@ -925,7 +807,7 @@ class SelectiveLoader(NotADataLoader):
         # policy already running in another loader would lose its window and its owner).
         self._attach_policy(int(key))
         for part in self.policy.parts():
-            _claim(part, self)
+            claim(part, self)
 
     def _attach_policy(self, key: int) -> None:
         """Attach the policy to this loader (the constructor's last step); on several ranks,
@@ -1234,71 +1116,20 @@ class SelectiveLoader(NotADataLoader):
             TypeError: the source's number of examples is unknown (an iterable without a length
                 or without a batch size); the message names the fix, ``dataset_size=``.
         """
-        return self._batches_at(self.policy.target_rate)
-
-    def _batches_at(self, rate: float) -> float:
-        examples: float | None = self._source.epoch_size
-        if examples is None:
-            bs = self._source.batch_size
-            try:
-                n: int | None = len(self._source)
-            except TypeError:
-                n = None
-            if bs is None or n is None:
-                if self._source.dataset_size is not None:  # (a batch_sampler=: no fix by size)
-                    raise TypeError(_unknown_pass(self._source))
-                raise TypeError(
-                    "the number of examples per epoch of this source is unknown (it has no "
-                    f"{'length' if n is None else 'batch_size'}), so no batch count can be "
-                    "estimated; pass dataset_size= (the number of examples) to the "
-                    "SelectiveLoader, or use a sized source such as a DataLoader over a "
-                    "map-style dataset"
-                )
-            examples = n * bs
-        if self._subset is not None and len(self._subset):
-            examples *= np.count_nonzero(self._subset) / len(self._subset)
-        return examples * rate / self.batch_size
-
-    def _expected_count(self) -> int:
-        """``batches_per_epoch="expected"``: the expected batches per pass, rounded (rounded
-        down under ``remainder="drop"``)."""
-        # NOTE: a passthrough policy's pass has a known number of examples; its rest is carried
-        # or dropped as for any policy (never a short batch), so it counts as a fraction of a
-        # batch: rounded, or left out where it is dropped. Under "drop" a selective pass yields
-        # its whole batches only too (10 of 10.7 expected, pass after pass): rounded up, the
-        # training epochs outran the passes, and a pass expected to fill 0.5 to 1 batch (most
-        # passes none) made training epochs of tens of passes each instead of a refusal.
-        passthrough = self.policy.passthrough()
-        expected: float | None = None
-        if passthrough:
-            with contextlib.suppress(TypeError):  # an exact count unknown: estimated below
-                expected = self._pass_examples() / self.batch_size
-        if expected is None:
-            try:
-                expected = self._batches_at(self.policy.steady_rate)
-            except TypeError as e:
-                raise ValueError(f'batches_per_epoch="expected" cannot be computed: {e}') from None
-        dropped = self.remainder == "drop"
-        count = math.floor(expected) if dropped else math.floor(expected + 0.5)
-        if count < 1:
-            raise ValueError(
-                f'batches_per_epoch="expected": {expected:.3g} batches are expected per pass '
-                "over the data, which rounds to 0"
-                + (" (remainder='drop' drops each pass's rest)" if dropped else "")
-                + "; pass batches_per_epoch= an int, or a smaller batch_size"
-                + (", or remainder='carry'" if dropped else "")
-            )
-        return count
+        return batches_at(self._source, self._subset, self.batch_size, self.policy.target_rate)
 
     def _plan_passes(self, store: bool, planned_epochs: int, per_epoch: int) -> None:
         """``planned_epochs`` with ``batches_per_epoch`` and the default policy: rebuild that
         policy for the passes over the data that ``planned_epochs`` training epochs of
-        ``per_epoch`` batches are expected to make (:func:`~sbloader.policies.passes_within`),
-        attached at the constructor's end as any policy is."""
+        ``per_epoch`` batches are expected to make (:func:`~sbloader.length.planned_passes`,
+        from the ranks' fewest expected batches), attached at the constructor's end as any
+        policy is."""
         unknown: TypeError | None = None
         try:
-            steady = self._batches_at(self.policy.steady_rate)
-            full = self._batches_at(1.0)
+            steady = batches_at(
+                self._source, self._subset, self.batch_size, self.policy.steady_rate
+            )
+            full = batches_at(self._source, self._subset, self.batch_size, 1.0)
         except TypeError as e:
             unknown, steady, full = e, -1.0, -1.0
         sync = self._sync
@@ -1312,50 +1143,9 @@ class SelectiveLoader(NotADataLoader):
                 unknown = unknown or TypeError("another rank's source cannot tell its length")
             else:
                 steady, full = low_steady / 1000, low_full / 1000
-        if unknown is not None:
-            warnings.warn(
-                f"planned_epochs={planned_epochs} with batches_per_epoch={per_epoch} counts "
-                "training epochs, but the passes over the data they make cannot be estimated, "
-                f"so it is taken as {planned_epochs} passes (the last eighth of them annealed on "
-                f"all the data, which may fall after the run ends): {unknown}",
-                UserWarning,
-                stacklevel=3,
-            )
-            passes = planned_epochs
-        else:
-            fitted = passes_within(planned_epochs * per_epoch, steady, full)
-            passes = 2 if fitted is None else fitted
-            # NOTE: 2 passes are the Random-Backprop warm-up and the annealed pass, with no
-            # selective pass between them (as planned_epochs=2 without batches_per_epoch, which
-            # is warned of too): the training epochs that 3 passes need (the warm-up, one
-            # selective pass, the annealed one) are named as the fix.
-            needed = math.ceil(((2 * steady + full) / per_epoch) * (1 - 1e-9))
-            if fitted is None:
-                warnings.warn(
-                    f"planned_epochs={planned_epochs} training epochs of batches_per_epoch="
-                    f"{per_epoch} batches ({planned_epochs * per_epoch} in all) cannot complete "
-                    "the default policy's anneal (a pass over all the data, "
-                    f"{full:.3g} batches, after its warm-up pass of {steady:.3g}): it plans 2 "
-                    "passes, and the run ends before the annealed one does. Train for at least "
-                    f"planned_epochs={needed} epochs of that length, or pass a policy without "
-                    "annealing (e.g. policy=sbloader.default_policy())",
-                    UserWarning,
-                    stacklevel=3,
-                )
-            elif passes == 2:
-                warnings.warn(
-                    f"planned_epochs={planned_epochs} training epochs of batches_per_epoch="
-                    f"{per_epoch} batches ({planned_epochs * per_epoch} in all) make 2 passes "
-                    "over the data, which leave the default policy no selective pass: pass 0 is "
-                    f"its Random-Backprop warm-up ({steady:.3g} batches) and pass 1, the annealed "
-                    f"end, trains on all the data ({full:.3g} batches). Train for at least "
-                    f"planned_epochs={needed} epochs of that length (3 passes), or pass a policy "
-                    "(e.g. policy=sbloader.default_policy() anneals nothing)",
-                    UserWarning,
-                    stacklevel=3,
-                )
+        passes = planned_passes(planned_epochs, per_epoch, steady, full, unknown)
         self.planned_passes = passes
-        with warnings.catch_warnings():  # (the plan's own warnings are the loader's, above)
+        with warnings.catch_warnings():  # (the plan's own warnings are planned_passes's)
             warnings.simplefilter("ignore", UserWarning)
             self.policy = default_policy(store, epochs=passes)
         logger.info(
@@ -1392,68 +1182,20 @@ class SelectiveLoader(NotADataLoader):
 
     def _agree_configuration(self, decisions: Any) -> None:
         """On several ranks: refuse, on every rank alike, options that must be the same on
-        every rank and are not (``RankSync.differing``: one ``all_reduce`` as the loader is
-        built), and an explicit ``rank=`` other than the process's rank in the group.
-
-        NOTE (why): each rank's collectives follow from these options (a policy with or
-        without selection passes, a shared CDF or not, short batches or not, how many batches
-        an epoch has): ranks built with different ones fell out of step, hanging in a
-        collective or aborting the process group, or trained batches of different sizes. A
-        ``rank=LOCAL_RANK`` on two nodes (0 on both) drew alike and accepted the other's
-        state."""
+        every rank and are not (:meth:`_shared_options`), and an explicit ``rank=`` other than
+        the process's rank in the group (:func:`~sbloader.distributed.agree_configuration`,
+        whose NOTE says why)."""
         sync = self._sync
         if sync is None:
             return
-        own_wrong = self._rank_given and self.rank != sync.rank
-        # NOTE ("empty"): a rank whose source draws no example (an empty sampler or share) was
-        # found out only when the first pass ended on every rank, after the other ranks' whole
-        # pass of selection forwards; compared here with the options, it costs no collective
-        # more unless a rank's differs (all empty: raised when the first pass ends, at once).
-        empty = self._source.epoch_size == 0
-        options: dict[str, str] = {}
-        differing = None
-        if sync.world_size > 1:  # ("rank": whether this rank's is wrong, compared like the rest)
-            options = {
-                **self._shared_options(decisions),
-                "rank": repr(own_wrong),
-                "empty": repr(empty),
-            }
-            differing = sync.differing(options, self.device)
-        if own_wrong or differing == "rank":
-            whose = f"rank={self.rank} is not this process's ({sync.rank})"
-            raise ValueError(
-                "rank= should be each process's rank in the process group, but "
-                + (whose if own_wrong else "another process's is not")
-                + ": the loader derives its draws from (seed, rank) and checks a loaded "
-                "state's rank against it; leave rank= out under torch.distributed (the group's "
-                "rank is used), or pass distributed=False"
-            )
-        if differing == "empty":
-            lowest = sync.span(sync.rank if empty else sync.world_size, self.device)[0]
-            raise ValueError(
-                f"the source of rank {lowest} of {sync.world_size} draws no examples (its sampler "
-                f"or dataset is empty; this is rank {sync.rank}), so no rank could yield a batch "
-                "(each yields as many as the fewest any rank has); give every rank a share of "
-                "the data (e.g. sampler=DistributedSampler(dataset)), and check that no rank's "
-                "dataset or sampler is empty"
-            )
-        if differing == "batches_per_epoch" and self._expected_given:
-            # NOTE: every rank passed "expected", so "the same batches_per_epoch on every rank"
-            # would name no fix: each rank resolved it from its own share and policy.
-            raise ValueError(
-                'batches_per_epoch="expected" resolves to the batches expected from each rank\'s '
-                f"own share of the data at its policy's rate, and the ranks' differ: this rank "
-                f"({sync.rank}) expects {options[differing]} at a rate of "
-                f"{self.policy.steady_rate:g}; give every rank an equal share "
-                "(sampler=DistributedSampler(dataset)) and the same policy settings, or pass "
-                "batches_per_epoch= an int, the same on every rank"
-            )
-        if differing is not None:
-            raise ValueError(
-                f"{differing} should be the same on every rank, but the ranks differ; this rank "
-                f"({sync.rank}) has {differing}={options[differing]}; build the SelectiveLoader "
-                f"with the same {differing} on every rank"
-            )
+        agree_configuration(
+            sync,
+            self._shared_options(decisions) if sync.world_size > 1 else {},
+            self.device,
+            rank=self.rank if self._rank_given else None,
+            empty=self._source.epoch_size == 0,
+            expected_rate=self.policy.steady_rate if self._expected_given else None,
+        )
 
     def _shared_options(self, decisions: Any) -> dict[str, str]:
         """The options of :meth:`_agree_configuration`, as they are compared."""
@@ -1480,17 +1222,8 @@ class SelectiveLoader(NotADataLoader):
     def _agree_pass_length(self) -> tuple[int, int] | None:
         """On several ranks, for a passthrough policy with epochs of one pass: the fewest and
         the most batches of a pass on any rank (-1 where a rank's is unknown), agreed as the
-        loader is built; None otherwise (no collective).
-
-        NOTE: every rank yields the same number of batches per pass, as many as the fewest any
-        rank's pass makes (a rank's further batches are dropped and counted), so ``len()`` of
-        a rank's own pass would be more on the ranks with more data: a loop, scheduler or
-        framework keyed on ``len(loader)`` (gradient accumulation's last step, Lightning's
-        validation interval) would then differ between ranks. The loader is built on every
-        rank at the same point, before any other collective of its own, so this one
-        ``all_reduce`` is matched on every rank, whereas ``len()`` itself may be called on one
-        rank only (a progress bar).
-        """
+        loader is built (:func:`~sbloader.distributed.agree_pass_length`, whose NOTE says why);
+        None otherwise (no collective)."""
         sync = self._sync
         if sync is None or sync.world_size < 2 or self._fixed is not None:
             return None
@@ -1500,68 +1233,20 @@ class SelectiveLoader(NotADataLoader):
             own = self._pass_length()
         except TypeError:
             own = -1
-        fewest, most = sync.span(own, self.device)
-        if 0 <= fewest < most:
-            warnings.warn(
-                f"the ranks' passes over their data make from {fewest} to {most} batches of "
-                f"{self.batch_size}: every rank yields {fewest} per epoch (len(loader)), and a "
-                "rank's further batches are dropped (counted in loader.stats, dropped); give the "
-                "DataLoader sampler=DistributedSampler(dataset) for equal shares",
-                UserWarning,
-                stacklevel=3,
-            )
-        return fewest, most
+        return agree_pass_length(sync, own, self.batch_size, self.device)
 
     def _pass_length(self) -> int:
-        """The exact number of batches of a pass of a passthrough policy: the pass's examples in
-        batches of ``batch_size``, and a last short batch of the rest when it has at least
-        ``min_batch_size`` examples (as the iterator hands them out).
+        """The exact number of batches of a pass of a passthrough policy
+        (:func:`~sbloader.length.pass_length` of :func:`~sbloader.length.pass_examples`).
 
         Raises:
             TypeError: the pass's number of examples is not known exactly (the message names the
                 fix).
         """
-        examples = self._pass_examples()
-        full, rest = divmod(examples, self.batch_size)
-        return full + int(rest >= self.min_batch_size)
-
-    def _pass_examples(self) -> int:
-        """The examples of one pass over the source on this process, exactly."""
-        source = self._source
-        size, bs = source.epoch_size, source.batch_size
-        if self._subset is not None:
-            # NOTE: exact only where this process's pass draws each example once: under a
-            # DistributedSampler the subset's share of a rank changes from epoch to epoch, and
-            # a sampler drawing with replacement draws the subset's examples a varying number
-            # of times.
-            if not source.draws_each_once():
-                raise TypeError(
-                    "the number of batches of a pass is not fixed with subset= and a source that "
-                    "does not draw each example of the dataset once on this process (a "
-                    "DistributedSampler, a sampler drawing with replacement, or drop_last); pass "
-                    'batches_per_epoch="expected" (or an int) for epochs of a fixed number of '
-                    "batches, or schedule by loader.progress"
-                )
-            return int(np.count_nonzero(self._subset))
-        if bs and source.drop_last():
-            full = source.full_batches()  # the source's batches are all full
-            if full is None:
-                raise TypeError(_unknown_pass(source))
-            return full * bs
-        if size is None:
-            last = source.last_batch_size()
-            if bs and last is not None:  # full batches but the last
-                return (len(source) - 1) * bs + last
-            if bs == self.batch_size:
-                # Handed out as they are: as many batches as the source's (its last one's size
-                # unknown, so not checked against min_batch_size), where they are full; a
-                # source batch of another size before the last is warned of (see
-                # EpochIterator._check_counted_full).
-                examples = len(source) * bs
-                self._counted_full = True
-                return examples
-            raise TypeError(_unknown_pass(source))
-        return size
+        examples, counted_full = pass_examples(self._source, self._subset, self.batch_size)
+        if counted_full:  # (warned of where a source batch of another size comes: epoch.py)
+            self._counted_full = True
+        return pass_length(examples, self.batch_size, self.min_batch_size)
 
     def __iter__(self) -> EpochIterator | FixedEpochIterator:
         self._check_owner()
@@ -1569,59 +1254,11 @@ class SelectiveLoader(NotADataLoader):
             return self._fixed.iterate(self)
         return self._new_pass()
 
-    def _check_fills_a_batch(self) -> None:
-        """Refuse, as the loader is built, fixed-length epochs that ``remainder="drop"`` can
-        never fill, or fills one pass in several: a passthrough policy's pass of fewer examples
-        than ``batch_size`` yields no batch, and a selective policy's pass expected to keep less
-        than a batch yields none in most passes (otherwise found only after ``BARREN_PASSES``
-        passes of selection forwards over the whole data, or never: a training epoch of tens
-        of passes). Where the pass's size is unknown, the first pass that yields nothing
-        checks it (:func:`sbloader.length.fills_a_batch`)."""
-        if not self.policy.passthrough():
-            try:
-                expected = self._batches_at(self.policy.steady_rate)
-            except TypeError:
-                return  # unknown: left to the passes themselves
-            if expected < 1.0:
-                raise unfillable(
-                    self._fixed.count if self._fixed else None,
-                    f"the policy keeps about {expected * self.batch_size:.3g} examples per pass "
-                    "over the source",
-                    self.batch_size,
-                )
-            return
-        try:
-            examples = self._pass_examples()
-        except TypeError:
-            return  # unknown: left to the passes themselves
-        if examples < self.batch_size:
-            raise ValueError(
-                f"batches_per_epoch={self._fixed.count if self._fixed else None} cannot be "
-                f"filled: a pass over the source has {examples} examples, fewer than "
-                f"batch_size={self.batch_size}, and remainder='drop' drops each pass's rest; "
-                "use remainder='carry' (the rest goes on into the next pass) or a smaller "
-                "batch_size"
-            )
-
     def _check_owner(self) -> None:
         """Refuse to go on where this loader's policy (or a policy it runs) was attached to
-        another SelectiveLoader since: attaching starts the policy's run afresh (its window,
-        store and pass schedule), so this loader's run state is gone.
-
-        NOTE: checked when the loader is used, not when the second loader is built: building a
-        loader again with the same policy object (a notebook cell run twice) is fine as long
-        as the first one is not used again.
-        """
-        for part in self.policy.parts():
-            owner = _owner(part)
-            if owner is not None and owner() is not self:
-                raise RuntimeError(
-                    f"this SelectiveLoader's policy {part!r} was given to another "
-                    "SelectiveLoader since, which started the policy's run afresh (its loss "
-                    "window, per-example store and pass schedule), so this loader cannot go on "
-                    "with it; give each loader its own policy object (e.g. "
-                    "policy=copy.deepcopy(policy)), or build this loader again"
-                )
+        another SelectiveLoader since (:func:`~sbloader._owners.check_owner`, whose NOTE says
+        when it is checked)."""
+        check_owner(self.policy.parts(), self)
 
     def _new_pass(self) -> EpochIterator:
         """The iterator of the next pass over the data (one epoch without
@@ -1676,14 +1313,15 @@ class SelectiveLoader(NotADataLoader):
         one ``all_reduce`` of two integers per epoch (not per round), made after the epoch has
         begun on every rank: no collective of the epoch's beginning is made where every
         rank's error could be reported in it, the comparison of the ranks' positions
-        (:meth:`_agree_position`) being made before anything changes.
+        (:func:`~sbloader.distributed.agree_position`) being made before anything changes.
         """
         sync = self._sync
         several = sync is not None and sync.world_size > 1
         error: Exception | None = None
         try:
             self._scorer.check()  # a frozen prefix may have been unfrozen
-            self._follow_forward_autocast()  # the model may have been prepared by Accelerate since
+            # (the model may have been prepared by Accelerate since)
+            self._scorer.follow_forward_autocast(self._autocast_requested)
             check_device(self.device, self._device is not None)
         except Exception as e:
             if not several:
@@ -1700,7 +1338,8 @@ class SelectiveLoader(NotADataLoader):
         if not (resumed and current is not None and current.epoch == epoch):
             current = None  # (a new epoch's stats, begun below)
         yielded = 0 if current is None else current.batches_yielded
-        self._agree_position(epoch, yielded)  # (before anything changes: a refusal loses nothing)
+        # (before anything changes: a refusal loses nothing)
+        agree_position(self._sync, epoch, yielded, self.device)
         self._fed = False
         if error is None:
             try:
@@ -1760,32 +1399,6 @@ class SelectiveLoader(NotADataLoader):
             current = self.stats.begin_epoch(self.epoch, self.policy.target_rate)
         return current
 
-    def _agree_position(self, epoch: int, yielded: int) -> None:
-        """On several ranks, refuse (on every rank) to begin where the ranks' positions differ:
-        the epoch, and the batches already yielded in it where a saved state resumes it.
-
-        NOTE: each rank restores its own state, and nothing compared them: a state loaded on one
-        rank only (under ``if rank == 0:``), or states of different checkpoints, put the ranks in
-        different epochs or at different batches of one, and the next collectives then hung,
-        aborted the process group with a collective mismatch, or paired batches of different
-        positions (overlapping shards). One ``all_reduce`` as each epoch begins, every rank
-        alike, before the loader changes anything: the refusal leaves each rank's state as it
-        was, to be mended by loading the right one.
-        """
-        sync = self._sync
-        if sync is None or sync.world_size < 2:
-            return
-        position = {"epoch": str(epoch), "batches yielded": str(yielded)}
-        differing = sync.differing(position, self.device)
-        if differing is not None:
-            where = f"epoch {epoch}" + (f" after {yielded} batches" if yielded else "")
-            raise ValueError(
-                f"the ranks would begin at different positions ({differing} differs): this rank "
-                f"({sync.rank}) begins {where}. Every rank must resume from its own state of the "
-                "same checkpoint: call load_state_dict on every rank (not under `if rank == 0:`), "
-                "each with the state its rank saved at the same step"
-            )
-
     def feedback(self, indices: Any, losses: Any) -> None:
         """Report the training step's per-example losses, to keep the policy's scores fresh.
 
@@ -1843,59 +1456,16 @@ class SelectiveLoader(NotADataLoader):
             # NOTE: a source with no dataset indices yields batches whose ``batch.indices`` is
             # None, and no policy takes feedback there (there is no per-example store): the
             # losses are checked and counted, so the drop-in loop runs over such a source too.
-            shape = getattr(losses, "shape", None)
-            rows = np.shape(losses) if shape is None else tuple(shape)
-            if not rows:
-                # NOTE: with indices, a loss reduced over the batch is refused by the count;
-                # here nothing gives the count, and a scalar passed as one loss counted a step
-                # of a full batch as one example reported (the mistake unsaid until the loop
-                # met a source with indices).
-                raise ValueError(
-                    "feedback needs one loss per example, but got a single value (a loss "
-                    "reduced over the batch?); pass the per-example losses "
-                    "(reduction='none'), of shape (1,) for a batch of one example"
-                )
-            indices = torch.arange(rows[0])
+            indices = unindexed(losses)
         idx, val = checked(indices, losses, size)
         n = int(idx.shape[0])
-        self._check_reported(n)
+        check_reported(self.stats, n)
         if self.policy.takes_feedback():
             self._feedback.add(idx, val)
         # (else checked and counted, but neither held nor copied to the host: nothing uses it)
         current = self.stats.current
         if current is not None:
             current.feedback += n
-
-    def _check_reported(self, n: int) -> None:
-        """Refuse a report of ``n`` examples that would make more examples reported than the
-        loader has yielded (a batch reported twice), before anything is held or counted.
-
-        NOTE (a batch reported twice): refused, not made idempotent. Telling a batch reported
-        again from another one of the same examples (a sampler with replacement, a pass of
-        ``batches_per_epoch``) would take every yielded index kept on the host (a
-        synchronisation per step for device-side indices, memory for a large dataset). Reported
-        twice, a batch's examples were counted twice in ``loader.stats`` (``feedback`` above
-        ``examples_yielded``) and held twice, the store silently keeping the second report
-        (e.g. losses of the model after its optimizer step), and the mistake behind it (a hook
-        called twice, a report repeated after the loop) went unsaid. The counts compared are
-        the run's totals, not the current epoch's: a batch reported after the next epoch began
-        (a framework that starts it first) is counted there, and is not refused. A loop that
-        reports every batch twice is refused at its first step; one that reports some batches
-        twice and others not at all is not (each example's last report is stored).
-        """
-        current = self.stats.current
-        if current is not None and current.feedback + n <= current.examples_yielded:
-            return  # (the usual case, without summing every epoch's counts)
-        yielded = sum(e.examples_yielded for e in self.stats.epochs)
-        reported = sum(e.feedback for e in self.stats.epochs)
-        if reported + n > yielded:
-            raise ValueError(
-                f"loader.feedback got losses for more examples than the loader has yielded "
-                f"({reported} reported before, {n} now, {yielded} yielded): was a batch reported "
-                "twice (e.g. by two hooks, or again after the loop), or reported before the "
-                "loader yielded it? Report each yielded batch once, after its training step: "
-                "loader.feedback(batch.indices, losses)"
-            )
 
     def _feeds(self, resumed: bool) -> bool:
         """Whether the ranks exchange the reports of :meth:`feedback` as an epoch begins
@@ -2065,57 +1635,26 @@ class SelectiveLoader(NotADataLoader):
 
     # ------------------------------------------------------------------ state
     def _identity(self) -> dict[str, Any]:
-        """What a saved state must agree with to belong to this loader.
-
-        NOTE: a mid-epoch state records its position as source batches consumed, so the
-        source's batch size and epoch length and the ``subset`` are part of it: resumed with
-        another, the epoch would silently skip or repeat examples. The carried rows hold the
-        selection's logits (``keep_logits``) and a frozen prefix's features, or not, so those two
-        are part of it too: loaded into a loader that keeps the other, a later batch's join
-        raised or its ``logits``/``features`` came back None. So are what makes the batches
-        handed out (``remainder``, ``min_batch_size``, ``nonfinite``) and the source's order
-        (its sampler's class, e.g. shuffled or not) and ``drop_last``, and what the selection
-        passes score and rank against (``eval_selection``, ``cdf``). The fields of the source's
-        batches that the passes score (``input_key``, ``target_key``) are checked by the batch
-        codec's state. So is the kind of source (:meth:`Source.state_kind
-        <sbloader.sources.Source.state_kind>`), whose state the source reads. (Keys added later
-        are absent from older states, which are then not checked for them.)
-        """
-        return {
-            "seed": self.seed,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            # NOTE: the kind of source (a DataLoader's, an index_key= iterable's, a stateful
-            # loader's): their states hold other things, and one loaded into another failed
-            # with a bare KeyError or a version error advising another sbloader.
-            "source": self._source.state_kind(),
-            "policy": self.policy.kind(),
-            "policy_settings": self.policy.settings(),
-            "dataset_size": self._source.dataset_size,
-            "source_batch_size": self._source.batch_size,
-            "epoch_size": self._source.epoch_size,
-            "subset": self._subset_digest,
-            "batch_size": self.batch_size,
-            "batches_per_epoch": self.batches_per_epoch,
-            "decisions": self.decisions,
-            "keep_logits": self.keep_logits,
-            "frozen_prefix": self._scorer.has_prefix,
-            # What the batches handed out are made of: a state loaded with other ones would
-            # yield another run's batches (and, with another order or drop_last, resume a
-            # mid-epoch position over other examples).
-            "remainder": self.remainder,
-            "min_batch_size": self.min_batch_size,
-            "nonfinite": self.nonfinite,
-            "source_drop_last": self._source.drop_last(),
-            "sampler": None
-            if self._source.sampler is None
-            else type(self._source.sampler).__name__,
-            # What the selection passes score and rank against: in train mode (dropout on) or
-            # not, and each rank's own losses or every rank's (cdf): resumed with the other,
-            # the run would select otherwise than the one it continues.
-            "eval_selection": self.eval_selection,
-            "cdf": self.cdf,
-        }
+        """What a saved state must agree with to belong to this loader
+        (:func:`~sbloader._loader_state.identity`, whose NOTE says why each field is there)."""
+        return identity(
+            self._source,
+            self.policy,
+            seed=self.seed,
+            rank=self.rank,
+            world_size=self.world_size,
+            subset=self._subset_digest,
+            batch_size=self.batch_size,
+            batches_per_epoch=self.batches_per_epoch,
+            decisions=self.decisions,
+            keep_logits=self.keep_logits,
+            frozen_prefix=self._scorer.has_prefix,
+            remainder=self.remainder,
+            min_batch_size=self.min_batch_size,
+            nonfinite=self.nonfinite,
+            eval_selection=self.eval_selection,
+            cdf=self.cdf,
+        )
 
     def state_dict(self, unconsumed: int = 0) -> dict[str, Any]:
         """Everything needed to resume: epoch, position, generator, policy, pending rows, stats.
@@ -2178,19 +1717,8 @@ class SelectiveLoader(NotADataLoader):
             why = self._source.mid_epoch_refusal()
             if why is not None:
                 self._mid_epoch_warned = True
-                end = (
-                    "the end of a pass over the data (with batches_per_epoch, not every "
-                    "training epoch's end)"
-                    if self._fixed is not None
-                    else "an epoch's end"
-                )
-                warnings.warn(
-                    "this state is saved in the middle of a pass over the data, where it cannot "
-                    f"be resumed: {why} (load_state_dict refuses it; a state saved at {end} "
-                    "resumes)",
-                    UserWarning,
-                    stacklevel=2,
-                )
+                warning = mid_epoch_warning(why, self._fixed is not None)
+                warnings.warn(warning, UserWarning, stacklevel=2)
         stats = self.stats.state_dict()
         if unconsumed:
             current = stats["epochs"][-1]  # the taken-back batch is counted when handed out again
@@ -2238,33 +1766,15 @@ class SelectiveLoader(NotADataLoader):
 
     def _warn_unreported(self, epochs: list[dict[str, Any]]) -> None:
         """Warn (once) where a state is taken after batches were yielded in its epoch that were
-        not reported yet (``epochs``: the state's stats), in a run that reports its losses.
-
-        NOTE: a state taken between a batch's yield and its ``loader.feedback`` (a checkpoint
-        saved in the training step before the report, as the README loop's ``...`` invites)
-        counts the batch as trained but holds no report of it: the resumed run never gets that
-        report, and its stale epochs decided from older losses than the uninterrupted run's,
-        with nothing said. The report cannot be added to a state already taken, so this is said
-        when it is taken (a warning, not an error: a run may report only some batches on
-        purpose). Runs that never reported, and policies that ignore reports, are not told.
-        """
+        not reported yet (``epochs``: the state's stats), in a run that reports its losses
+        (:func:`~sbloader._loader_state.unreported_warning`, whose NOTE says why)."""
         if self._unreported_warned or not epochs or not self.policy.takes_feedback():
             return
-        current = epochs[-1]
-        missing = current["examples_yielded"] - current["feedback"]
-        if missing <= 0 or not any(e["feedback"] for e in epochs):
+        warning = unreported_warning(epochs)
+        if warning is None:
             return
         self._unreported_warned = True
-        warnings.warn(
-            f"this state is taken after {missing} of the {current['examples_yielded']} examples "
-            f"yielded in epoch {current['epoch']} were trained but not reported through "
-            "loader.feedback: a run resumed from it never gets their reports (made after this "
-            "call), so its stale epochs decide from older losses than the uninterrupted run's. "
-            "Call loader.feedback(batch.indices, losses) before loader.state_dict() in the "
-            "training step (or pass unconsumed=1 for a batch fetched but not trained yet)",
-            UserWarning,
-            stacklevel=3,
-        )
+        warnings.warn(warning, UserWarning, stacklevel=3)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state saved by :meth:`state_dict` (at an epoch boundary or mid-epoch).
@@ -2331,88 +1841,36 @@ class SelectiveLoader(NotADataLoader):
         # the loader selects in a precision it does not (the refusal puts its own back).
         if self._scorer.precision != precision[3]:
             logger.info("selection precision: %s", self._scorer.precision)
-        self._warn_other_speed(checked.get(K_SPEED))
+        saved = checked.get(K_SPEED)
+        if saved:  # (states saved before the speed options were recorded are not compared)
+            warn_other_speed(saved, self._speed())
 
     def _speed(self) -> dict[str, str]:
-        """The options that change how selection passes score, as shown in messages: the
-        effective ``autocast`` (an ``"auto"`` loader's after adopting a saved run's),
-        ``overlap_selection``, ``selection_scale``, ``compile_selection``, ``memory_format``,
-        ``selection_batch_size``, ``quantize_selection``'s settings, whether there is a
-        ``selector`` (by its class's name) and the ``loss_fn`` (:func:`describe_callable`: a
-        loss module's class and settings, e.g. its ``label_smoothing``, which its repr omits).
-
-        NOTE: not part of the identity: a run may resume with other speed options (another
-        machine: its cores, its native precisions), and then selects as they do from the resume
-        on (:meth:`_warn_other_speed`). Left out: ``prefetch``, which changes nothing a run
-        yields, and ``cache_features``, whose cache a resume refills (or restores, with
-        ``save_feature_cache``: see its documentation). ``quantize_selection`` on or off,
-        ``decisions``, ``keep_logits`` and ``frozen_prefix`` are refused where they differ (the
-        state holds their values).
-        """
-        forward, quantized = self._scorer.forward, self._scorer.quantized
-        compiled = forward.compile_kwargs
-        return {
-            "autocast": repr(self.autocast),
-            "overlap_selection": repr(self.overlapping),
-            "selection_scale": repr(forward.scale),
-            "compile_selection": _stable_repr(compiled if compiled else compiled is not None),
-            "memory_format": repr(self.memory_format),
-            "selection_batch_size": repr(self.selection_batch_size),
-            "quantize_selection": repr(None if quantized is None else quantized.config),
-            "selector": "None" if self.selector is None else type(self.selector).__name__,
-            "loss_fn": describe_callable(self._scorer.loss_fn),
-        }
-
-    def _warn_other_speed(self, saved: dict[str, str] | None) -> None:
-        """Warn (``UserWarning``) where a state loaded was saved with other speed options than
-        this loader's (:meth:`_speed`): the resumed run then selects otherwise than the
-        uninterrupted one from here on. Allowed, not refused; states saved before the speed
-        options were recorded are not compared."""
-        if not saved:
-            return
-        current = self._speed()
-        changed = [k for k, v in saved.items() if k in current and current[k] != v]
-        if not changed:
-            return
-        was = ", ".join(f"{k}={saved[k]}" for k in changed)
-        now = ", ".join(f"{k}={current[k]}" for k in changed)
-        warnings.warn(
-            f"the loaded SelectiveLoader state was saved with {was}, but this loader has {now}: "
-            "these options change the selection passes, so from here on this run selects "
-            "otherwise than the saved run would have (allowed, e.g. to resume on another "
-            f"machine); build the loader with {was} to resume it exactly",
-            UserWarning,
-            stacklevel=3,
+        """The options that change how selection passes score, compared (not enforced) when a
+        state is loaded (:func:`~sbloader._loader_state.speed_options`)."""
+        return speed_options(
+            self._scorer.forward,
+            self._scorer.quantized,
+            autocast=self.autocast,
+            overlapping=self.overlapping,
+            memory_format=self.memory_format,
+            selection_batch_size=self.selection_batch_size,
+            selector=self.selector,
+            loss_fn=self._scorer.loss_fn,
         )
 
     def _checked(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` migrated to this version, once its version, rank and identity are checked
-        against this loader's (refused with ``ValueError``, naming the field and the fix)."""
-        state = check_version(state, "SelectiveLoader", self.STATE_VERSION, {1: self._from_v1})
-        saved_rank = state[K_IDENTITY].get("rank", self.rank)
-        if saved_rank != self.rank and self.world_size > 1:
-            raise ValueError(
-                f"rank {self.rank} was given the loader state of rank {saved_rank}: every rank "
-                "must load its own state. Save and load it on each rank, or under Accelerate "
-                "register sbloader.integrations.accelerate.AcceleratedLoader(loader) for "
-                "checkpointing (Accelerate saves a registered object from the main process only)"
-            )
-        check_identity(
-            "SelectiveLoader",
-            state[K_IDENTITY],
-            self._identity(),
-            "build the loader with the saved run's arguments (seed=, policy=, batch_size=, "
-            "subset=, keep_logits=, frozen_prefix=, the same data, source batch size and world "
-            "size) to resume it",
+        against this loader's (:func:`~sbloader._loader_state.checked_state`)."""
+        return checked_state(
+            state,
+            version=self.STATE_VERSION,
+            from_v1=self._from_v1,
+            rank=self.rank,
+            world_size=self.world_size,
+            identity=self._identity(),
+            batches_per_epoch=None if self._fixed is None else self._fixed.count,
         )
-        training = state.get(K_TRAINING)
-        if self._fixed is not None and training is None:
-            raise ValueError(
-                f"the saved SelectiveLoader state has no training epochs of batches_per_epoch="
-                f"{self._fixed.count} (it was saved without batches_per_epoch); build the loader "
-                "with the saved run's arguments to resume it"
-            )
-        return state
 
     def _restore(self, state: dict[str, Any], rollback: bool = False) -> None:
         """Set the loader to ``state`` (checked by :meth:`load_state_dict`'s caller part);
@@ -2428,7 +1886,7 @@ class SelectiveLoader(NotADataLoader):
             live.close()
         self._live = None
         self._scorer.adopt_quantized(state[K_SCORER])
-        self._adopt_autocast(state.get(K_AUTOCAST, self.autocast))
+        self._scorer.adopt_autocast(state.get(K_AUTOCAST, self.autocast), self._autocast_requested)
         mid_epoch = active and position > 0 and not rollback
         self._source.load_state_dict(state[K_SOURCE], mid_epoch=mid_epoch)
         if active and position == 0 and not rollback:
@@ -2467,59 +1925,6 @@ class SelectiveLoader(NotADataLoader):
         ahead = state.get(K_AHEAD)
         self._ahead = None if ahead is None or not active else AheadScores.from_state(ahead)
 
-    def _follow_forward_autocast(self) -> None:
-        """Where the selecting model's own forward runs under ``torch.autocast`` (Accelerate's
-        ``mixed_precision``: see :func:`~sbloader.precision.forward_autocast`), selection passes
-        run in its dtype whatever ``autocast`` asks: with ``"auto"`` that dtype is the selection
-        precision (reported and saved as such), an explicit other one is refused naming the fix.
-        Checked when the loader is built and at every epoch start (the model may be prepared
-        after the loader is built).
-
-        NOTE: not with a frozen prefix, whose float32 features feed training (the head's own
-        autocast then covers only the head), nor for an int8 copy, which is traced from the
-        module's class forward (only the float precision it falls back to follows).
-        """
-        scorer = self._scorer
-        if scorer.has_prefix:
-            return
-        selecting = scorer.selector if scorer.selector is not None else scorer.model
-        device = model_device(selecting)
-        dtype = forward_autocast(unwrap(selecting), device)
-        if dtype is None:
-            return
-        requested = self._autocast_requested
-        if scorer.quantized is not None:
-            if requested == AUTO:
-                scorer.fallback_autocast = dtype
-            return
-        if dtype == scorer.autocast:
-            return
-        if requested != AUTO:
-            raise ValueError(forward_autocast_refused(requested, dtype, device))
-        scorer.autocast = scorer.fallback_autocast = dtype
-        scorer.precision = (
-            f"autocast='auto': {str(dtype).removeprefix('torch.')} (the model's forward runs "
-            "under its own torch.autocast, as accelerator.prepare(model) makes it with "
-            "mixed_precision)"
-        )
-        logger.info("selection precision: %s", scorer.precision)
-
-    def _adopt_autocast(self, saved: Any) -> None:
-        """Continue a resumed run in the selection precision it was saved with, when this
-        loader's was chosen by ``autocast="auto"`` (explicit choices are kept as given)."""
-        if isinstance(saved, str):
-            saved = getattr(torch, saved)
-        if saved == self.autocast or self._autocast_requested != AUTO:
-            return
-        if self._scorer.feature_cache is not None:
-            raise ValueError(
-                f"the saved run selected in {saved} and this loader's autocast='auto' chose "
-                f"{self.autocast}, but its frozen prefix's cached features are kept in the "
-                f"chosen precision; build the loader with autocast={saved!r} to resume"
-            )
-        self._scorer.autocast = saved  # (logged once the resume is accepted: load_state_dict)
-        self._scorer.precision = f"autocast={saved} (the resumed run's own, from its state)"
-
     def _from_v1(self, state: dict[str, Any]) -> dict[str, Any]:
         return loader_state_v1_to_v2(state, self._scorer.has_prefix, self.keep_logits)
 
@@ -2533,50 +1938,3 @@ class SelectiveLoader(NotADataLoader):
 def _digest(mask: np.ndarray) -> str:
     """A short fingerprint of a ``subset`` mask: how many it keeps, and a digest of which."""
     return f"{int(np.count_nonzero(mask))}:{batch_digest(np.asarray(mask, dtype=bool))}"
-
-
-#: The loader each policy object was last attached to (see SelectiveLoader._check_owner), by
-#: the policy's id, with a weak reference to the policy (an entry goes when the policy does).
-#: NOTE: not a WeakKeyDictionary, which needs hashable keys: a policy written as a dataclass
-#: with eq=True has no hash.
-_OWNERS: dict[int, tuple[weakref.ref[Policy], weakref.ref[SelectiveLoader]]] = {}
-
-
-def _claim(policy: Policy, loader: SelectiveLoader) -> None:
-    """Record ``loader`` as the one ``policy`` is attached to (not for a policy that cannot be
-    weakly referenced, e.g. with ``__slots__`` and no ``__weakref__``: it is not checked)."""
-    key = id(policy)
-
-    def forget(_: weakref.ref[Policy]) -> None:
-        _OWNERS.pop(key, None)
-
-    try:
-        ref = weakref.ref(policy, forget)
-    except TypeError:
-        return
-    _OWNERS[key] = (ref, weakref.ref(loader))
-
-
-def _owner(policy: Policy) -> weakref.ref[SelectiveLoader] | None:
-    """The loader ``policy`` was last attached to (a weak reference), or None."""
-    entry = _OWNERS.get(id(policy))
-    if entry is None or entry[0]() is not policy:
-        return None
-    return entry[1]
-
-
-def _unknown_pass(source: Source) -> str:
-    """Why the examples of a pass of ``source`` cannot be counted, and the fix."""
-    if source.dataset_size is not None:  # a DataLoader whose batch_sampler= draws its batches
-        return (
-            "the number of examples per pass of this source is unknown: its batch_sampler= "
-            "draws the batches itself (it may shard the data by rank), and only their number is "
-            "known; give the batch sampler a batch_size attribute and use that batch_size (its "
-            "batches are then handed out as they are, and counted), or pass batches_per_epoch= "
-            "an int"
-        )
-    return (
-        "the number of examples per pass of this source is unknown (its last batch may be "
-        "short), so the number of batches of another size cannot be counted; pass "
-        "dataset_size= (the number of examples), or batches_per_epoch= an int"
-    )

@@ -23,6 +23,7 @@ from torch import nn
 from . import batch as B
 from ._state import check_version
 from .features import FeatureCache, prefix_digest
+from .precision import AUTO, forward_autocast, forward_autocast_refused
 from .quantize import Int8Unavailable, QuantizedSelector
 from .selection import (
     SelectionForward,
@@ -429,6 +430,59 @@ class Scorer:
                 f"({self.precision}); build the loader with quantize_selection="
                 f"{quantized is not None} to resume it"
             )
+
+    def follow_forward_autocast(self, requested: Any) -> None:
+        """Where the selecting model's own forward runs under ``torch.autocast`` (Accelerate's
+        ``mixed_precision``: see :func:`~sbloader.precision.forward_autocast`), selection passes
+        run in its dtype whatever ``autocast`` asks (``requested``: the loader's ``autocast``
+        argument, checked): with ``"auto"`` that dtype is the selection precision (reported and
+        saved as such), an explicit other one is refused naming the fix. Checked when the loader
+        is built and at every epoch start (the model may be prepared after the loader is
+        built).
+
+        NOTE: not with a frozen prefix, whose float32 features feed training (the head's own
+        autocast then covers only the head), nor for an int8 copy, which is traced from the
+        module's class forward (only the float precision it falls back to follows).
+        """
+        if self.has_prefix:
+            return
+        selecting = self.selector if self.selector is not None else self.model
+        device = model_device(selecting)
+        dtype = forward_autocast(unwrap(selecting), device)
+        if dtype is None:
+            return
+        if self.quantized is not None:
+            if requested == AUTO:
+                self.fallback_autocast = dtype
+            return
+        if dtype == self.autocast:
+            return
+        if requested != AUTO:
+            raise ValueError(forward_autocast_refused(requested, dtype, device))
+        self.autocast = self.fallback_autocast = dtype
+        self.precision = (
+            f"autocast='auto': {str(dtype).removeprefix('torch.')} (the model's forward runs "
+            "under its own torch.autocast, as accelerator.prepare(model) makes it with "
+            "mixed_precision)"
+        )
+        logger.info("selection precision: %s", self.precision)
+
+    def adopt_autocast(self, saved: Any, requested: Any) -> None:
+        """Continue a resumed run in the selection precision it was saved with (``saved``), when
+        this loader's was chosen by ``autocast="auto"`` (``requested``; explicit choices are kept
+        as given)."""
+        if isinstance(saved, str):
+            saved = getattr(torch, saved)
+        if saved == self.autocast or requested != AUTO:
+            return
+        if self.feature_cache is not None:
+            raise ValueError(
+                f"the saved run selected in {saved} and this loader's autocast='auto' chose "
+                f"{self.autocast}, but its frozen prefix's cached features are kept in the "
+                f"chosen precision; build the loader with autocast={saved!r} to resume"
+            )
+        self.autocast = saved  # (logged once the resume is accepted: load_state_dict)
+        self.precision = f"autocast={saved} (the resumed run's own, from its state)"
 
     def _prepare(self, inputs: torch.Tensor) -> torch.Tensor:
         """What the selection forward does to the inputs before the model sees them (for the
