@@ -272,6 +272,41 @@ def test_interleaved_runs_make_the_same_selections_as_runs_trained_alone():
     assert runs[1].epochs[0]["selection_forwards"] == 0 < runs[1].epochs[1]["selection_forwards"]
 
 
+def test_a_schedule_by_backprops_follows_the_examples_trained_not_the_position(monkeypatch):
+    """``lr_by_backprops``: the cosine's position is the planned epochs times the share of the
+    planned backprops trained so far (an annealed epoch, on all the data, moves it three times
+    as fast as a selective one); every registered strategy keeps the position in the data."""
+    from benchmarks.core import train as train_module
+
+    policy = sbloader.default_policy(epochs=3)  # Random-Backprop, SB, then annealed
+    assert strategies.planned_backprops(policy, 3) == pytest.approx(1 / 3 + 1 / 3 + 1)
+    assert strategies.planned_backprops(sbloader.RandomBackprop(0.25), 8) == pytest.approx(2.0)
+    assert strategies.planned_backprops(sbloader.Traditional(), 4) == 4
+    seen = []
+
+    def recording(lr, position, total):
+        seen.append((position, t.backprops, t.loader.progress))
+        return cosine(lr, position, total)
+
+    cosine = train_module.cosine_lr
+    monkeypatch.setattr(train_module, "cosine_lr", recording)
+    cfg = Config(batch_size=8, pool_batch_size=16, epochs=3, eval_every=1.0)
+    base = strategies.get("recipe_anneal_fb")
+    for by_backprops in (False, True):
+        seen.clear()
+        strat = dataclasses.replace(base, lr_by_backprops=by_backprops)
+        t = Trainer(cfg, strat, 0, 0.0, _tiny_data())
+        t.train()
+        planned = strategies.planned_backprops(t.loader.policy, 3) * 160
+        for position, backprops, progress in seen:
+            expected = 3 * min(1.0, backprops / planned) if by_backprops else progress
+            assert position == pytest.approx(expected)
+        if by_backprops:  # behind the position until the annealed epoch catches up
+            assert all(p <= q + 1e-9 for p, _, q in seen)
+            assert any(p < q - 0.3 for p, _, q in seen)
+    assert not any(s.lr_by_backprops for s in strategies.REGISTRY.values())
+
+
 def test_a_pooled_variant_reads_source_batches_of_its_own_size():
     """``<recipe>_pool4096`` (the GPU's larger pools) draws candidates in source batches of its
     own size, whatever the configuration's; Traditional keeps the training batch."""

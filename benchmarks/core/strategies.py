@@ -71,6 +71,10 @@ class Strategy:
     overlap: bool = False
     """Selection passes on a background thread, on a copy of the model refreshed before each
     pass (``overlap_selection=True``, CPU only): one source batch staler."""
+    lr_by_backprops: bool = False
+    """The learning rate's cosine follows the examples backpropagated, as a share of the run's
+    planned backprops (:func:`planned_backprops`), instead of the position in the data (every
+    registered strategy's: see the Trainer's NOTE)."""
     family: str = ""
     """The strategy without its budget: the name of its family (set by :func:`_named`)."""
 
@@ -340,10 +344,36 @@ def get(name: str) -> Strategy:
     )
 
 
-def register_variant(name: str, make_policy: PolicyFn, base: str = "default_fb") -> Strategy:
+def planned_backprops(policy: sbloader.Policy, planned_epochs: int) -> float:
+    """The examples a run of ``policy`` over ``planned_epochs`` is expected to backpropagate,
+    in epochs of data: each epoch at its policy's ``target_rate`` (a ``Phased`` policy's
+    warm-up at its warm-up policy's, its annealed epochs at 1).
+
+    Example:
+        >>> planned_backprops(sbloader.default_policy(epochs=10), 10)  # 9 x 1/3 + 1 annealed
+        4.0
+        >>> round(planned_backprops(sbloader.RandomBackprop(0.25), 8), 6)
+        2.0
+    """
+    if not isinstance(policy, sbloader.Phased):
+        return planned_epochs * policy.target_rate
+    warmup = min(policy.warmup_epochs, planned_epochs)
+    anneal = planned_epochs if policy.anneal_from_epoch is None else policy.anneal_from_epoch
+    anneal = max(warmup, min(anneal, planned_epochs))
+    return (
+        warmup * policy.warmup_policy.target_rate
+        + (anneal - warmup) * policy.policy.target_rate
+        + (planned_epochs - anneal)
+    )
+
+
+def register_variant(
+    name: str, make_policy: PolicyFn | None = None, base: str = "default_fb", **changes: Any
+) -> Strategy:
     """Register ``name``: the registered strategy ``base`` (its batching, options and budget)
-    with another policy, as a family of its own (``name_eN`` gives it a budget), for a screen
-    of a policy that is not a library feature (see :func:`run_variant`).
+    with another policy (``make_policy``; None: the base's) and any other ``changes`` of its
+    fields, as a family of its own (``name_eN`` gives it a budget), for a screen of what is not
+    a library feature (see :func:`run_variant`).
 
     Example:
         >>> import sbloader
@@ -355,19 +385,28 @@ def register_variant(name: str, make_policy: PolicyFn, base: str = "default_fb")
     """
     if name in REGISTRY:
         raise ValueError(f"the strategy {name!r} is registered already: choose another name")
-    strategy = dataclasses.replace(get(base), name=name, family=name, make_policy=make_policy)
+    origin = get(base)
+    strategy = dataclasses.replace(
+        origin,
+        name=name,
+        family=name,
+        make_policy=origin.make_policy if make_policy is None else make_policy,
+        **changes,
+    )
     REGISTRY[name] = strategy
     return strategy
 
 
-def run_variant(name: str, make_policy: PolicyFn, base: str = "default_fb") -> None:
+def run_variant(
+    name: str, make_policy: PolicyFn | None = None, base: str = "default_fb", **changes: Any
+) -> None:
     """Register ``name`` (:func:`register_variant`) and run ``benchmarks/run.py`` with this
     process's command-line arguments, which may then name it among ``--strategies``: what a
     screen script (``benchmarks/results/*/..._run.py``) ends with."""
     import runpy
     import sys
 
-    register_variant(name, make_policy, base)
+    register_variant(name, make_policy, base, **changes)
     sys.argv = ["benchmarks/run.py", *sys.argv[1:]]
     runpy.run_module("benchmarks.run", run_name="__main__", alter_sys=True)
 

@@ -27,7 +27,7 @@ from .config import Config
 from .data import augment, flip_labels, shuffled
 from .models import make_loader, make_model, make_optimizer, seeded_model
 from .records import Run, collapsed
-from .strategies import Strategy
+from .strategies import Strategy, planned_backprops
 from .timing import StepTimer, sync, train_autocast
 
 Data = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -70,7 +70,13 @@ class Trainer:
     loading) counts; evaluation does not. Each epoch is timed on its own, so that runs can be
     trained in turn; the time of a point on the error curve is the run's training time so far.
     The learning rate follows a cosine schedule by position in the data (``loader.progress``)
-    over the run's planned epochs.
+    over the run's planned epochs; a strategy with ``lr_by_backprops`` follows its examples
+    backpropagated as a share of its planned backprops instead (a run that backpropagates fewer
+    than planned ends at a small learning rate, not at zero).
+
+    NOTE: position, for every registered strategy: it is known in advance, where a run's total
+    backprops are random under selection, and it gives every strategy the same learning rate
+    at the same point of the data. ``lr_by_backprops`` is for measuring the other choice.
     """
 
     def __init__(
@@ -155,6 +161,12 @@ class Trainer:
         self.timer = StepTimer(device)
         self.epoch = 0
         self.backprops = 0
+        # (lr_by_backprops: the run's planned backprops [examples]; None: by position)
+        self._planned_backprops = (
+            planned_backprops(self.loader.policy, self.planned) * len(dataset)
+            if strat.lr_by_backprops
+            else None
+        )
         self.next_eval = cfg.eval_every
         self._epoch_start = 0.0
         self._epoch_eval = 0.0
@@ -210,7 +222,7 @@ class Trainer:
             x, y = batch
             if cfg.augment:
                 x = augment(x, self.aug_gen, flip=cfg.dataset != "svhn")
-            lr = cosine_lr(cfg.lr, loader.progress, self.planned)
+            lr = cosine_lr(cfg.lr, self._schedule_position(), self.planned)
             for group in self.opt.param_groups:
                 group["lr"] = lr
             losses = train_step(cfg, self.model, self.opt, x, y, batch.weights, self.timer)
@@ -247,6 +259,14 @@ class Trainer:
             self._record(float(self.planned))
         sync(self.device)
         self.clock += time.perf_counter() - self._epoch_start - self._epoch_eval
+
+    def _schedule_position(self) -> float:
+        """Where the learning rate's schedule is [epochs]: the position in the data, or with
+        ``lr_by_backprops`` the backprops so far as a share of the planned ones (at most 1),
+        times the planned epochs."""
+        if self._planned_backprops is None:
+            return self.loader.progress
+        return self.planned * min(1.0, self.backprops / self._planned_backprops)
 
     def _record_precision(self) -> None:
         """The run's selection precision as the loader has it now (an automatic int8 copy can
