@@ -67,7 +67,6 @@ from ._loader_state import (
     unreported_warning,
     warn_other_speed,
 )
-from ._loader_state import describe_callable as describe_callable  # (re-exported: tests use it)
 from ._migrations import loader_state_v1_to_v2
 from ._owners import check_owner, claim
 from ._state import rollback_state, taking_rollback

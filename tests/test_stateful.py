@@ -441,7 +441,7 @@ def test_a_state_saved_with_another_loss_fn_warns_naming_it():
 def test_a_state_ranked_against_every_ranks_losses_is_refused_by_a_local_cdf_loader():
     """cdf ('local' or 'global') decides what each rank ranks its losses against: a state that
     says it was saved with the other is refused naming cdf (it resumed silently under DDP)."""
-    from sbloader.loader import K_IDENTITY
+    from sbloader._loader_state import K_IDENTITY
 
     state = _mid_epoch_state(_pairs_loader())
     assert state[K_IDENTITY]["cdf"] == "local"
@@ -492,7 +492,7 @@ def test_a_loss_fn_is_described_alike_in_every_process_and_large_tensors_are_not
     import sys
 
     code = (
-        "import torch; from sbloader.loader import describe_callable as d\n"
+        "import torch; from sbloader._loader_state import describe_callable as d\n"
         "class L(torch.nn.Module):\n"
         "    def __init__(s):\n"
         "        super().__init__(); s.names = {'background', 'void', 'other', 'unlabeled'}\n"
@@ -510,7 +510,7 @@ def test_a_loss_fn_is_described_alike_in_every_process_and_large_tensors_are_not
         for seed in (1, 2, 3)
     }
     assert len(outs) == 1 and "'background', 'other', 'unlabeled', 'void'" in outs.pop()
-    from sbloader.loader import describe_callable
+    from sbloader._loader_state import describe_callable
 
     teacher = nn.Linear(1000, 1000)
     described = describe_callable(teacher)
