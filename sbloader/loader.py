@@ -753,6 +753,13 @@ class SelectiveLoader(NotADataLoader):
             if size is not None:
                 self._sync.arm_overlap_check(size)
         self._agree_configuration(decisions)
+        # Whether a pass's length was counted as the source's batches, all full batches of
+        # batch_size (a batch_sampler= with no sampler of its own: by len(), or by the ranks'
+        # agreement just below), and whether a batch of another size was warned of since.
+        # NOTE: set before that agreement counts: reset after it, a loader on several ranks
+        # whose user never called len() yielded the agreed count of such batches unwarned.
+        self._counted_full = False
+        self._counted_full_warned = False
         # The fewest and the most batches of a pass on any rank, for a passthrough policy on
         # several ranks (every rank yields the fewest: len(loader) says so); None otherwise.
         self._pass_span = self._agree_pass_length()
@@ -770,11 +777,6 @@ class SelectiveLoader(NotADataLoader):
         # An epoch that no live iterator owns but that did not end: (position, resume). A
         # restored mid-epoch state resumes it; an abandoned one is skipped by the next iterator.
         self._unfinished: tuple[int, bool] | None = None
-        # Whether len() counted the source's batches as full batches of batch_size (a
-        # batch_sampler= with no sampler of its own), and whether a batch of another size was
-        # warned of since.
-        self._counted_full = False
-        self._counted_full_warned = False
         # Whether the current epoch's source loads only what a Keep keeps (the policy's
         # prefilter or ``subset``; see K_PREFILTER), and what a loaded mid-epoch state says its
         # epoch did (checked as it resumes).

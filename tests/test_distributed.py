@@ -873,6 +873,19 @@ def scenario_lengths(rank: int, world_size: int) -> dict:
             "yielded": [sum(1 for _ in loader) for _ in range(2)],
             "warnings": [str(w.message) for w in caught],
         }
+    # A bucketing batch_sampler= (no sampler of its own, batches of 8 and of 1) on every rank,
+    # len() never called: the ranks' agreement as the loader is built counted its batches as
+    # full ones, and the yield of each epoch follows that count, so the first batch of another
+    # size is warned of on every rank, as where the user called len().
+    starts = enumerate(range(32 * rank, 32 * rank + 32, 8))  # each rank its own examples
+    buckets = [list(range(s, s + 8)) if j % 2 == 0 else [s] for j, s in starts]
+    source = DataLoader(EncodedDataset(64), batch_sampler=_Listed(buckets, 4, 8))
+    loader = SelectiveLoader(source, IndexLoss(), policy=sbloader.Traditional(), batch_size=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in loader:
+            pass
+    res["bucketed"] = [str(w.message) for w in caught]
     # A rank whose pass length is unknown (batches of an iterable, of unknown sizes, re-batched):
     # len() is unknown on both.
     source = cases["sized"][0] if rank == 0 else _iterable(rank, 2)
@@ -882,6 +895,20 @@ def scenario_lengths(rank: int, world_size: int) -> dict:
     except TypeError as e:
         res["unknown"] = str(e)
     return res
+
+
+class _Listed:
+    """A ``batch_sampler=`` of no sampler of its own: draws ``batches``, says it has
+    ``length``."""
+
+    def __init__(self, batches: list[list[int]], length: int, batch_size: int) -> None:
+        self.batches, self.length, self.batch_size = batches, length, batch_size
+
+    def __iter__(self):
+        return iter([list(b) for b in self.batches])
+
+    def __len__(self) -> int:
+        return self.length
 
 
 def scenario_limits(rank: int, world_size: int) -> dict:
@@ -1818,6 +1845,9 @@ def test_traditional_len_is_what_every_rank_yields_over_uneven_sources(limits):
             assert message.startswith(f"the ranks' passes over their data make from {fewest} to ")
             assert f"to {most} batches" in message and "DistributedSampler" in message
         assert lengths["even"] == {"len": 4, "yielded": [4, 4], "warnings": []}
+    for r in limits:  # (len() never called: the agreement's count is warned of all the same)
+        (message,) = r["lengths"]["bucketed"]
+        assert message.startswith("len(loader) counted the source's batches as full batches")
     unknown = [r["lengths"]["unknown"] for r in limits]
     assert unknown[0].startswith("the number of batches of a pass is unknown on another rank")
     assert "batches_per_epoch= an int" in unknown[0]
