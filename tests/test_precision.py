@@ -112,12 +112,18 @@ def test_a_float64_model_gets_no_autocast_and_says_so(monkeypatch):
         assert torch.equal(a.losses, b.losses)
 
 
-def test_a_frozen_prefix_keeps_float32_since_its_features_feed_training(monkeypatch):
-    no_native_bf16(monkeypatch, native=True)
+@pytest.mark.parametrize("native", [True, False])
+def test_a_frozen_prefix_keeps_float32_since_its_features_feed_training(monkeypatch, native):
+    """Float32 for a frozen prefix's features, which feed training; where bf16 is native the
+    reason also says how to select in it (a float32 pass then costs more than the bf16 one the
+    loader runs without the prefix)."""
+    no_native_bf16(monkeypatch, native=native)
     backbone = nn.Sequential(nn.Linear(16, 8), nn.ReLU()).requires_grad_(False)
     loader = build(frozen_prefix=backbone)
     assert loader.autocast is None
-    assert build().autocast is torch.bfloat16
+    assert "the frozen prefix's features feed training" in loader.selection_precision
+    assert ("autocast=torch.bfloat16 selects in it" in loader.selection_precision) is native
+    assert build().autocast is (torch.bfloat16 if native else None)
 
 
 def test_kept_logits_keep_float32_since_they_feed_training(monkeypatch):
