@@ -56,6 +56,21 @@ def encoded_batches(sizes: list[int], start: int = 0, dim: int = 6) -> list[dict
     return out
 
 
+class ListedBatches:
+    """A ``batch_sampler=`` of no sampler of its own: draws ``batches`` (lists of dataset
+    indices) and says it has ``length`` batches of ``batch_size``, as a bucketing sampler says
+    (a loader counts such a sampler's batches as full ones)."""
+
+    def __init__(self, batches: list[list[int]], length: int, batch_size: int) -> None:
+        self.batches, self.length, self.batch_size = batches, length, batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter([list(b) for b in self.batches])
+
+    def __len__(self) -> int:
+        return self.length
+
+
 class IndexLoss(nn.Module):
     """A model whose per-example loss is a known function of the example's index.
 

@@ -24,7 +24,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import ENCODED_KEYS, N_CLASSES, EncodedDataset, IndexLoss, bn_model, encoded_batches
+from conftest import (
+    ENCODED_KEYS,
+    N_CLASSES,
+    EncodedDataset,
+    IndexLoss,
+    ListedBatches,
+    bn_model,
+    encoded_batches,
+)
 from launch import NegativeLoss, end_process_group, free_port, gloo_threads, leave, spawn_ranks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
@@ -879,7 +887,7 @@ def scenario_lengths(rank: int, world_size: int) -> dict:
     # size is warned of on every rank, as where the user called len().
     starts = enumerate(range(32 * rank, 32 * rank + 32, 8))  # each rank its own examples
     buckets = [list(range(s, s + 8)) if j % 2 == 0 else [s] for j, s in starts]
-    source = DataLoader(EncodedDataset(64), batch_sampler=_Listed(buckets, 4, 8))
+    source = DataLoader(EncodedDataset(64), batch_sampler=ListedBatches(buckets, 4, 8))
     loader = SelectiveLoader(source, IndexLoss(), policy=sbloader.Traditional(), batch_size=8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -895,20 +903,6 @@ def scenario_lengths(rank: int, world_size: int) -> dict:
     except TypeError as e:
         res["unknown"] = str(e)
     return res
-
-
-class _Listed:
-    """A ``batch_sampler=`` of no sampler of its own: draws ``batches``, says it has
-    ``length``."""
-
-    def __init__(self, batches: list[list[int]], length: int, batch_size: int) -> None:
-        self.batches, self.length, self.batch_size = batches, length, batch_size
-
-    def __iter__(self):
-        return iter([list(b) for b in self.batches])
-
-    def __len__(self) -> int:
-        return self.length
 
 
 def scenario_limits(rank: int, world_size: int) -> dict:

@@ -17,7 +17,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import EncodedDataset, IndexLoss
+from conftest import EncodedDataset, IndexLoss, ListedBatches
 from torch.utils.data import DataLoader
 
 import sbloader
@@ -849,17 +849,8 @@ def listed(batches: list[list[int]], length: int) -> SelectiveLoader:
     """Traditional at batch_size 8 over a ``batch_sampler=`` of no sampler of its own that
     draws ``batches`` and says it has ``length``."""
 
-    class Listed:
-        batch_size = 8
-
-        def __iter__(self):
-            return iter([list(b) for b in batches])
-
-        def __len__(self):
-            return length
-
     data = EncodedDataset(max(max(b) for b in batches) + 1)
-    source = DataLoader(data, batch_sampler=Listed())
+    source = DataLoader(data, batch_sampler=ListedBatches(batches, length, 8))
     return SelectiveLoader(source, IndexLoss(), policy=Traditional(), batch_size=8)
 
 
