@@ -1342,6 +1342,9 @@ class Phased(Policy):
         return self.policy.steady_rate
 
     def attach(self, num_examples: int | None, key: int) -> None:
+        # (a new run starts in epoch 0: reused from an earlier run, the policy reported that
+        # run's phase, its target_rate and so loader.expected_batches(), until epoch 0 began)
+        self._epoch = 0
         self.policy.attach(num_examples, key)
         self.warmup_policy.attach(num_examples, key)
 
@@ -1430,11 +1433,21 @@ class Phased(Policy):
         return self.policy.choose_device(losses, generator, nonfinite)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy.state_dict(), "warmup": self.warmup_policy.state_dict()}
+        return {
+            "policy": self.policy.state_dict(),
+            "warmup": self.warmup_policy.state_dict(),
+            "epoch": self._epoch,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.policy.load_state_dict(state["policy"])
         self.warmup_policy.load_state_dict(state.get("warmup", {}))
+        # NOTE: the epoch last begun decides target_rate and normalize_weights (and so
+        # loader.expected_batches()) until the next begin_epoch; not restored, a resumed run
+        # read its warm-up's rate there, where the uninterrupted run read its phase's. (Absent
+        # from states saved before it was kept: left as it is.)
+        if "epoch" in state:
+            self._epoch = int(state["epoch"])
 
     def __repr__(self) -> str:
         warm = (

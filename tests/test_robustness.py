@@ -213,6 +213,26 @@ def test_resume_with_a_pending_batch_is_bitwise_exact(policy):
     assert sum(p > 0 for p in pending) >= len(pending) // 2
 
 
+@pytest.mark.parametrize("cut", ["mid-epoch", "epoch-end"])
+def test_a_resumed_phased_run_reports_the_rate_of_the_epoch_it_was_saved_in(cut):
+    """Between the load and the next batch, the resumed Phased policy is in the saved run's
+    phase: its target_rate (and loader.expected_batches()) are the uninterrupted run's, not
+    its warm-up's."""
+    r = Run("phased")
+    list(r.loader)  # epoch 0: the Traditional warm-up (rate 1)
+    it = iter(r.loader)
+    for _ in range(2):
+        r.step(next(it))  # epoch 1: SB at 1/3
+    if cut == "epoch-end":
+        for batch in it:
+            r.step(batch)
+    resumed = Run("phased")
+    resumed.restore(r.checkpoint())
+    assert r.loader.policy.target_rate == pytest.approx(1 / 3)
+    assert resumed.loader.policy.target_rate == r.loader.policy.target_rate
+    assert resumed.loader.expected_batches() == r.loader.expected_batches()
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resume_with_workers_mid_epoch(workers):
     full, _, counts, _ = run("sb", 2, workers=workers)
@@ -1850,6 +1870,29 @@ def test_a_policy_reused_for_a_new_run_runs_as_a_new_one(make, size):
     reused = make()
     run(reused, 120, epochs=4)  # the first run: past its first pass and a stale epoch
     assert run(reused, size, epochs=3) == run(make(), size, epochs=3)
+
+
+def test_a_phased_policy_reused_for_a_new_run_reports_its_warm_up_before_the_first_epoch():
+    """Given to a second loader after a run that ended in its selective phase, a Phased policy
+    answers for the new run's epoch 0 (its warm-up's rate, and the expected batches that
+    follow from it) before that epoch begins, as a policy just built does."""
+
+    def loader_of(policy):
+        return SelectiveLoader(
+            DataLoader(EncodedDataset(120), batch_size=24), Net(), policy=policy, batch_size=8
+        )
+
+    def make():
+        return Phased(SelectiveBackprop(1 / 3, history=64), warmup_epochs=1)
+
+    reused = make()
+    first = loader_of(reused)
+    for _ in range(2):
+        list(first)
+    assert reused.target_rate == pytest.approx(1 / 3)  # ended in its selective phase
+    second, fresh = loader_of(reused), loader_of(make())
+    assert reused.target_rate == 1.0
+    assert second.expected_batches() == fresh.expected_batches()
 
 
 def test_a_kath18_policy_reused_for_a_new_run_starts_from_tau_zero():
