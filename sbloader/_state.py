@@ -65,6 +65,18 @@ def check_version(
             f"{component} state should be a dict from {component}.state_dict(), but got "
             f"{type(state).__name__}"
         )
+    if VERSION not in state:
+        # NOTE: every state this protocol writes has a version (one saved before it had one
+        # is given its version 0 by its reader), so a dict without one is another object's:
+        # a whole checkpoint, or the model's state. Reported as version None, the message
+        # advised saving it with another sbloader.
+        keys = [repr(k) for k in list(state)[:8]] + (["..."] if len(state) > 8 else [])
+        raise ValueError(
+            f"{component} state has no {VERSION!r} key, so it is not a state saved by "
+            f"{component}.state_dict() (its keys: {', '.join(keys) or 'none'}); pass what "
+            f"{component}.state_dict() returned (for a checkpoint that holds several states, "
+            "its entry)"
+        )
     saved = state.get(VERSION)
     migrations = migrations or {}
     out = dict(state)

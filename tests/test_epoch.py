@@ -617,6 +617,16 @@ def test_an_unknown_version_is_refused_clearly():
         make().load_state_dict(state)
 
 
+def test_a_dict_that_is_no_loader_state_is_refused_as_such_not_as_another_version():
+    """A whole checkpoint (or the model's state) passed for the loader's has no version at all:
+    the message names what was passed, not a version to save it with."""
+    loader = make()
+    checkpoint = {"loader": loader.state_dict(), "model": loader.model.state_dict()}
+    with pytest.raises(ValueError, match=r"not a state saved by SelectiveLoader\.state_dict") as e:
+        make().load_state_dict(checkpoint)
+    assert "'loader', 'model'" in str(e.value) and "matching sbloader" not in str(e.value)
+
+
 def test_check_version_migrates_an_old_state_one_step_at_a_time():
     """A state two versions old is migrated through each step in turn."""
     from sbloader._state import check_version
