@@ -392,8 +392,9 @@ def _barren(it: EpochIterator) -> bool:
 
 def batches_at(source: Source, subset: np.ndarray | None, batch_size: int, rate: float) -> float:
     """The expected number of training batches of ``batch_size`` per pass over ``source`` (this
-    rank's share, within the ``subset`` mask where there is one) for a policy that keeps
-    ``rate`` of the candidates (an estimate when selective).
+    rank's share, within the ``subset`` mask where there is one; only its full batches where it
+    drops its last partial one) for a policy that keeps ``rate`` of the candidates (an estimate
+    when selective).
 
     Raises:
         TypeError: the source's number of examples is unknown (an iterable without a length or
@@ -417,6 +418,13 @@ def batches_at(source: Source, subset: np.ndarray | None, batch_size: int, rate:
                 "map-style dataset"
             )
         examples = n * bs
+    elif source.batch_size and source.drop_last():
+        # NOTE: a source that drops its last partial batch draws only its full batches' examples
+        # in a pass (epoch_size, the sampler's length, counts the dropped ones too); a subset's
+        # share is then taken of those, as a filtering source drops them before filtering.
+        full = source.full_batches()
+        if full is not None:
+            examples = full * source.batch_size
     if subset is not None and len(subset):
         examples *= np.count_nonzero(subset) / len(subset)
     return examples * rate / batch_size

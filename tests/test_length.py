@@ -365,6 +365,31 @@ def test_expected_counts_only_the_subset():
         assert len(got) == 4 and all(i % 2 == 0 for b in got for i in b)
 
 
+@pytest.mark.parametrize("subset", [None, list(range(0, 110, 2))])
+def test_expected_counts_only_the_full_batches_of_a_source_that_drops_its_last(subset):
+    """A DataLoader with drop_last=True draws 5 batches of 20 of 110 examples, 100 a pass (a
+    subset's share is taken of those 100, the dropped 10 drawn before it filters):
+    expected_batches() and "expected" counted all 110, and planned too many batches a pass."""
+    g = torch.Generator().manual_seed(0)
+    drops = DataLoader(
+        EncodedDataset(110), batch_size=20, shuffle=True, drop_last=True, generator=g
+    )
+    share = 1.0 if subset is None else 0.5
+
+    def build(**kwargs):
+        policy = SelectiveBackprop(0.5, history=64)
+        return SelectiveLoader(
+            drops, IndexLoss(), policy=policy, batch_size=8, subset=subset, **kwargs
+        )
+
+    loader = build()
+    assert loader.expected_batches() == pytest.approx(100 * share * 0.5 / 8)
+    assert len(build(batches_per_epoch="expected")) == round(100 * share * 0.5 / 8)
+    list(loader)
+    if subset is None:
+        assert loader.stats.epochs[0].examples_seen == 100
+
+
 def test_expected_rounding_to_no_batch_is_refused():
     with pytest.raises(ValueError, match="rounds to 0"):
         make("random", n=20, per_epoch="expected", batch_size=16)
