@@ -744,6 +744,7 @@ class SelectiveLoader(NotADataLoader):
                 self._source, self._subset, self.batch_size, self.policy, self._fixed.count
             )
         self._backlog_warned = False  # see _warn_backlog
+        self._nothing_warned = False  # see _warn_nothing_yielded
         size = self._source.dataset_size
         checkable = self._source.disjoint_across_ranks()
         if self._sync is not None and self.policy.records_examples() and checkable:
@@ -1567,6 +1568,7 @@ class SelectiveLoader(NotADataLoader):
                 "an FFCV Loader takes it)"
             )
         self._warn_backlog(stats)
+        self._warn_nothing_yielded(stats)
         self._log_epoch(stats)
 
     def _log_epoch(self, stats: EpochStats, left: bool = False) -> None:
@@ -1579,6 +1581,28 @@ class SelectiveLoader(NotADataLoader):
                 self.nonfinite,
             )
         self.stats.log_epoch(stats, left)
+
+    def _warn_nothing_yielded(self, stats: EpochStats) -> None:
+        """Warn (once) where an epoch that kept examples yielded no batch: all it kept was
+        dropped at its end (fewer than ``batch_size`` under ``remainder="drop"``, or fewer than
+        ``min_batch_size``), so a training loop over it took no step. (With
+        ``batches_per_epoch`` a training epoch spans passes, and passes that never fill a
+        batch are refused instead: see ``length.FixedEpochIterator``.)"""
+        if self._nothing_warned or self._fixed is not None:
+            return
+        if stats.batches_yielded or not stats.dropped:
+            return
+        self._nothing_warned = True
+        warnings.warn(
+            f"epoch {stats.epoch} yielded no batch: the {stats.dropped} examples it kept were "
+            f"dropped at its end, fewer than a batch (batch_size={self.batch_size}, "
+            f"remainder={self.remainder!r}, min_batch_size={self.min_batch_size}), so a loop "
+            "over it trained on nothing (and will in every epoch that keeps as few); pass a "
+            "smaller batch_size, remainder='carry' (kept examples wait for the next epoch) or "
+            "remainder='short' (a last, shorter batch), or keep more (a larger selectivity)",
+            UserWarning,
+            stacklevel=6,  # the caller's loop (through the iterator's steps)
+        )
 
     def _warn_backlog(self, stats: EpochStats) -> None:
         """Warn (once) where this rank carries many more selected examples into the next epoch

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 import weakref
 from pathlib import Path
 
@@ -1107,9 +1108,18 @@ def test_dataset_smaller_than_one_batch(policy, remainder, model, sizes, dropped
     )
     dl = DataLoader(EncodedDataset(n), batch_size=16)
     loader = SelectiveLoader(dl, net, policy=pol, batch_size=8, remainder=remainder)
-    got = [[len(b[0]) for b in loader] for _ in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [[len(b[0]) for b in loader] for _ in range(2)]
     assert got == sizes
     assert loader.stats.epochs[-1].dropped == dropped
+    # an epoch that kept examples and yielded none of them is said once, naming the fix
+    said = [str(w.message) for w in caught if "yielded no batch" in str(w.message)]
+    if dropped:
+        assert len(said) == 1 and f"the {dropped} examples it kept" in said[0]
+        assert f"remainder={remainder!r}" in said[0] and "remainder='carry'" in said[0]
+    else:
+        assert not said  # (carried to the next epoch: not dropped)
 
 
 def test_index_field_of_another_length_is_refused():
