@@ -174,6 +174,26 @@ def test_numbers_are_those_of_the_chosen_runs(folder):
     assert an.class_rates.shape == (3, C) and np.isnan(an.class_rates[:, -1]).all()
 
 
+@pytest.mark.parametrize(
+    ("name", "warmup"),
+    [
+        ("sb_0.33_rwarmup", 1),
+        ("stale_sb_3_rwarmup_fb", 1),  # a suffix after the variant's
+        ("stale_sb_3_rwarmup_fb_int8", 1),
+        ("recipe_anneal_fb", 1),  # the recipe's Random-Backprop epoch
+        ("sb_0.33", 0),
+        ("sb_0.33_anneal", 0),
+    ],
+)
+def test_the_warm_up_left_out_of_sbs_counts_is_its_policys(name, warmup):
+    """The analysis leaves a run's warm-up epochs out of SB's selection counts; it read them
+    from the name's ending, so a Stale-SB run with feedback (``..._rwarmup_fb``) or a recipe
+    had its Random-Backprop epoch counted as SB's selections."""
+    from benchmarks.core.findings import _warmup
+
+    assert _warmup(name, 3) == warmup
+
+
 def test_arrays_round_trip_and_are_checked(tmp_path):
     arrays = synthetic_arrays(np.random.default_rng(0), flipped=[3, 5])
     arrays.pop("_probs")

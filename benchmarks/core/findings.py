@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+import sbloader
 import sbloader.analysis as A
 
 from .arrays import arrays_path, load_arrays
@@ -108,9 +109,16 @@ def load_run_arrays(folder: Path) -> list[Loaded]:
     return out
 
 
-def _warmup(strategy: str) -> int:
-    """The warm-up epochs of a registered strategy (``_warmup``, ``_rwarmup``: one)."""
-    return 1 if get(strategy).family.endswith(("_warmup", "_rwarmup")) else 0
+def _warmup(strategy: str, planned: int) -> int:
+    """The warm-up epochs of a registered strategy's policy over ``planned`` epochs (a
+    ``Phased`` policy's ``warmup_epochs``: the ``_warmup`` and ``_rwarmup`` variants', and the
+    recipe's Random-Backprop epoch, also under a suffix such as ``_fb`` or ``_int8``).
+
+    NOTE: read from the policy, not the name: ``stale_sb_3_rwarmup_fb`` and every recipe start
+    with a warm-up epoch that a name ending in ``_warmup`` or ``_rwarmup`` misses, and their
+    warm-up's random selections were counted as SB's."""
+    policy = get(strategy).policy(planned)
+    return min(policy.warmup_epochs, planned) if isinstance(policy, sbloader.Phased) else 0
 
 
 def pick(
@@ -175,7 +183,7 @@ def analyse(
     """The whole analysis of the chosen runs (see :func:`pick`) and EL2N scores (by model
     name, the first one the ranking compared with SB's)."""
     sb_run, trad, noisy = pick(loaded, sb, traditional, seed)
-    warm = _warmup(sb_run.run.strategy)
+    warm = _warmup(sb_run.run.strategy, sb_run.run.planned_epochs)
     an = Analysis(sb_run, trad, noisy, el2n, warm)
 
     # Figures 8 and 9: SB's final model against Traditional's after the same epochs and after
@@ -225,7 +233,9 @@ def analyse(
 
     an.galleries = _galleries(an)
     if noisy is not None and len(noisy.arrays["flipped"]):
-        an.noisy_counts = selection_counts(noisy, _warmup(noisy.run.strategy))
+        an.noisy_counts = selection_counts(
+            noisy, _warmup(noisy.run.strategy, noisy.run.planned_epochs)
+        )
         k = max(1, round(0.1 * an.noisy_counts.size))
         an.noise = A.flipped_share(noisy.arrays["flipped"], an.noisy_counts, k, ties="expected")
         key = an.noisy_counts + 0.5 * _rank01(noisy.arrays["train_loss"].astype(np.float64))
