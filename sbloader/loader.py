@@ -316,7 +316,8 @@ class SelectiveLoader(NotADataLoader):
             layer) is run in eval mode instead, with a ``UserWarning`` naming the fixes
             (refused with ``ValueError`` under FSDP, whose forwards run in step on every rank).
         rank: the process's rank, to derive its generator from ``seed``. Default: the
-            ``torch.distributed`` rank when initialised, else 0. Accepted without a process
+            ``torch.distributed`` rank when initialised (in ``process_group`` where one is
+            given), else 0. Accepted without a process
             group: processes that are not one ``torch.distributed`` job draw differently by it.
         distributed: keep the ranks of a DDP job in step (see :mod:`sbloader.distributed`):
             every rank yields the same number of batches per epoch whatever its selections,
@@ -642,7 +643,11 @@ class SelectiveLoader(NotADataLoader):
         if self.policy.needs_indices() and not self._source.has_indices():
             raise indices_needed(repr(self.policy))
         self.seed = check_int("seed", seed, minimum=0)
-        self.rank = self._default_rank() if rank is None else check_int("rank", rank, minimum=0)
+        self.rank = (
+            self._default_rank(process_group, distributed)
+            if rank is None
+            else check_int("rank", rank, minimum=0)
+        )
         # NOTE: every random draw of the loader comes from generators derived from (seed, rank):
         # one for the policies' Bernoulli draws, one key for counter-based ones (Stale-SB).
         self._rng = np.random.Generator(
@@ -987,9 +992,22 @@ class SelectiveLoader(NotADataLoader):
         return DecisionGenerator(self.seed, self.rank)
 
     @staticmethod
-    def _default_rank() -> int:
+    def _default_rank(group: Any, distributed: bool | None) -> int:
+        """The process's rank in ``group`` (the loader's process group) when it runs over one,
+        else its rank in the world (0 without a process group).
+
+        NOTE: an explicit ``rank=`` is checked against the rank in the group (see
+        :func:`~sbloader.distributed.agree_configuration`); the world's rank as the default
+        differed from it under a subgroup, so that passing the loader's own default was refused,
+        and a state saved with it was refused by a loader given the group's rank."""
         dist = torch.distributed
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if not (dist.is_available() and dist.is_initialized()):
+            return 0
+        if group is not None and distributed is not False:
+            own = dist.get_rank(group)
+            if own >= 0:  # (-1: not a member, refused as the loader's collectives are set up)
+                return own
+        return dist.get_rank()
 
     # ------------------------------------------------------------------ public helpers
     @property

@@ -1414,7 +1414,45 @@ def resumed_apart(rank: int, world_size: int, data: Dataset) -> dict:
     return res
 
 
+def scenario_subgroup(rank: int, world_size: int) -> dict:
+    """A loader over ``process_group=`` a subgroup of ranks 1 and 2 (rank 0 of the world takes no
+    part), where each process's rank in the group differs from its rank in the world: the
+    loader's default ``rank``, a loader given that rank explicitly (accepted), and a state taken
+    by the one with the default loaded into the explicit one."""
+    group = dist.new_group([1, 2])  # (every process of the world calls it)
+    if rank == 0:
+        return {}
+    own = dist.get_rank(group)
+    data = EncodedDataset(60)
+
+    def build(**kwargs) -> SelectiveLoader:
+        sampler = DistributedSampler(data, 2, own, seed=0)
+        return SelectiveLoader(
+            DataLoader(data, batch_size=12, sampler=sampler),
+            IndexLoss(),
+            policy=SelectiveBackprop(1 / 3),
+            batch_size=4,
+            seed=0,
+            process_group=group,
+            **kwargs,
+        )
+
+    res: dict = {"group_rank": own}
+    default = build()
+    res["default_rank"] = default.rank
+    first = [b.indices.tolist() for b in default]
+    state = default.state_dict()
+    try:
+        explicit = build(rank=default.rank)
+        explicit.load_state_dict(state)
+        res["explicit"] = [first, [b.indices.tolist() for b in explicit]]
+    except ValueError as e:
+        res["explicit"] = str(e)
+    return res
+
+
 SCENARIOS = {
+    "subgroup": scenario_subgroup,
     "mismatches": scenario_mismatches,
     "two": scenario_two,
     "three": scenario_three,
@@ -2476,3 +2514,18 @@ def test_ranks_resuming_from_different_positions_are_refused_on_every_rank(tmp_p
             f"rank {rank} was given the loader state of rank {1 - rank}: every rank must load "
             "its own state"
         ), res["swapped"]
+
+
+def test_the_default_rank_is_the_ranks_in_the_loaders_process_group(tmp_path):
+    """With ``process_group=`` a subgroup, the default ``rank`` was the process's rank in the
+    world, which the loader refuses when passed explicitly ("should be each process's rank in the
+    process group ... leave rank= out (the group's rank is used)"): the same value accepted
+    implicitly and refused explicitly, and a state it saved refused by a loader given the
+    group's rank. The default is the rank in the loader's group, which rank= is checked against."""
+    results = run_ranks("subgroup", 3, tmp_path)
+    assert results[0] == {}
+    for res in results[1:]:
+        assert res["default_rank"] == res["group_rank"]
+        assert isinstance(res["explicit"], list), res["explicit"]
+        first, resumed = res["explicit"]
+        assert first and resumed  # the state, loaded, resumes into the next epoch
