@@ -61,7 +61,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -295,7 +295,8 @@ def resolution_agnostic(cfg: Config, model: nn.Module) -> nn.Module:
     pools globally and takes any resolution as it is."""
     if cfg.model == "resnet18":
         return model
-    return nn.Sequential(*model[:8], nn.AdaptiveAvgPool2d(7), *model[8:])
+    layers = list(cast(nn.Sequential, model))  # the small CNN is an nn.Sequential
+    return nn.Sequential(*layers[:8], nn.AdaptiveAvgPool2d(7), *layers[8:])
 
 
 def selection_option(label: str | None = None, **settings: Any) -> dict[str, Any]:
@@ -388,7 +389,8 @@ class SelectionPass:
         fmt = torch.channels_last if cl else torch.contiguous_format
         self.cfg = cfg
         model = proxy_selector(cfg) if option.get("proxy") else seeded_model(cfg, seed)
-        model = model.to(memory_format=fmt)
+        # Module.to takes memory_format at run time; torch's stub overloads leave it out.
+        model = model.to(memory_format=fmt)  # type: ignore[call-overload]
         self.selector = resolution_agnostic(cfg, model) if option.get("scale") else model
         self.forward = SelectionForward(
             compile=option.get("compile", False), scale=option.get("scale")
@@ -443,7 +445,7 @@ def selection_costs(
     train_batches = n // cfg.batch_size
     train = {cl: TrainingStep(x, y, cfg, m.seed, cl, train_batches) for cl in (False, True)}
     rounds = max(3, 3 * m.repeats)
-    layout = {False: [], True: []}
+    layout: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(rounds):
         for cl, step in train.items():
             layout[cl].append(step.run())

@@ -94,7 +94,8 @@ def static_int8(model: nn.Module, calib: torch.Tensor) -> nn.Module:
     from torch.ao.quantization import get_default_qconfig_mapping
     from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
-    m = copy.deepcopy(model).eval().to(memory_format=torch.contiguous_format)
+    # Module.to takes memory_format at run time; torch's stub overloads leave it out.
+    m = copy.deepcopy(model).eval().to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prepared = prepare_fx(m, get_default_qconfig_mapping("x86"), (calib[:2],))
@@ -364,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     x, y = train_set(cfg)
     fmt = torch.channels_last
     # Partly trained: SGD over the first train_examples, the breakdown's model and step.
-    model = seeded_model(cfg, m.seed).to(memory_format=fmt)
+    # Module.to takes memory_format at run time; torch's stub overloads leave it out.
+    model = seeded_model(cfg, m.seed).to(memory_format=fmt)  # type: ignore[call-overload]
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model.train()
     t0 = time.perf_counter()

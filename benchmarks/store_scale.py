@@ -116,14 +116,14 @@ def measure(cfg: Config, size: int, backing: str, folder: Path | None) -> dict[s
     # The store still agrees with the last losses written (a sanity check, not timed).
     got, _ = store.lookup(indices[-1])
     last = {int(i): v for i, v in zip(indices[-1], losses[-1])}
-    assert np.allclose(got, np.float32([last[int(i)] for i in indices[-1]]))
+    assert np.allclose(got, np.array([last[int(i)] for i in indices[-1]], dtype=np.float32))
     result = {
         "size": size,
         "backing": backing,
         "nbytes": store.nbytes,
         "bytes_per_example": store.nbytes / size,
-        "rss_growth_created": None if rss0 is None else rss_created - rss0,
-        "rss_growth_after_updates": None if rss0 is None else rss_after - rss0,
+        "rss_growth_created": None if rss0 is None or rss_created is None else rss_created - rss0,
+        "rss_growth_after_updates": None if rss0 is None or rss_after is None else rss_after - rss0,
         "rate_per_s": rates,
         "seconds": seconds,
         "examples_per_pass": cfg.calls * cfg.batch,

@@ -196,7 +196,8 @@ def save_arrays(path: Path, arrays: dict[str, np.ndarray]) -> Path:
     if missing:
         raise ValueError(f"a run's arrays need {list(KEYS)}, but {missing} are missing")
     with open(path, "wb") as f:
-        np.savez_compressed(f, format=np.array(FORMAT), **arrays)
+        # numpy's stub lets ``**arrays`` fill ``allow_pickle: bool``; its keys are array names.
+        np.savez_compressed(f, format=np.array(FORMAT), **arrays)  # type: ignore[arg-type]
     return path
 
 

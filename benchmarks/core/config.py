@@ -134,7 +134,9 @@ class Config:
         """A configuration saved as ``config.json`` (lists back to tuples; fields added since
         it was saved keep their defaults)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names}
+        kw: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names
+        }
         if "selection_bf16" in d and "selection_precision" not in d:  # saved before 2026-11-25
             kw["selection_precision"] = "bf16" if d["selection_bf16"] else "fp32"
         kw["families"] = tuple((f, tuple(b)) for f, b in kw.get("families", ()))

@@ -218,10 +218,10 @@ def frontier_table(
                 m,
                 target,
                 control=_earliest(
-                    r for f in table.controls if (r := table.families[f, seed, m]) is not None
+                    hit for f in table.controls if (hit := table.families[f, seed, m]) is not None
                 ),
                 sbloader=_earliest(
-                    r for f in table.selective if (r := table.families[f, seed, m]) is not None
+                    hit for f in table.selective if (hit := table.families[f, seed, m]) is not None
                 ),
             )
     return table

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -31,7 +31,8 @@ def make_model(cfg: Config, classes: int = 10, channels: int = 1) -> nn.Module:
     device = cfg.resolved_device()
     if cfg.memory_format is None:
         return model.to(device)
-    return model.to(device, memory_format=cfg.memory_format)
+    # Module.to takes memory_format at run time; torch's stub overloads leave it out.
+    return model.to(device, memory_format=cfg.memory_format)  # type: ignore[call-overload]
 
 
 def seeded_model(cfg: Config, seed: int, classes: int = 10, channels: int = 1) -> nn.Module:
@@ -79,4 +80,5 @@ def make_loader(
 def split_backbone(cfg: Config, model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The model's convolutional backbone and its classifier head (shared modules)."""
     cut = 7 if cfg.model == "resnet18" else 8
-    return model[:cut], model[cut:]
+    seq = cast(nn.Sequential, model)  # every model in MODELS is an nn.Sequential
+    return seq[:cut], seq[cut:]

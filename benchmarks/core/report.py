@@ -184,13 +184,13 @@ def frontier_section(cfg: Config, runs: Sequence[Run]) -> list[str]:
     for m in table.multipliers:
         sm = table.summary(m)
         speed = speedup_cell(sm)
-        cells = [table.cells[s, m] for s in table.seeds]
-        tag = (lambda s: f"seed {s}: ") if len(cells) > 1 else (lambda s: "")
+        seed_cells = [table.cells[s, m] for s in table.seeds]
+        tag = (lambda s: f"seed {s}: ") if len(seed_cells) > 1 else (lambda s: "")
         lines.append(
             f"| {_times(m)} | {100 * sm.mean_target:.2f}% | {speed} | "
-            + "; ".join(tag(c.seed) + _where(c.control) for c in cells)
+            + "; ".join(tag(c.seed) + _where(c.control) for c in seed_cells)
             + " | "
-            + "; ".join(tag(c.seed) + _where(c.sbloader) for c in cells)
+            + "; ".join(tag(c.seed) + _where(c.sbloader) for c in seed_cells)
             + " |"
         )
     lines.append("")
@@ -220,13 +220,14 @@ def frontier_section(cfg: Config, runs: Sequence[Run]) -> list[str]:
         cells = []
         for f in names:
             got = [table.families[f, s, m] for s in table.seeds]
-            times = [r.time_s for r in got if r is not None]
+            reached = [r for r in got if r is not None]
+            times = [r.time_s for r in reached]
             if not times:
                 cells.append("never")
                 continue
             cell = f"{sum(times) / len(times):.0f}"
-            if len(got) == 1:
-                cell += f" ({got[0].budget} ep)"
+            if len(got) == 1:  # and it reached the target
+                cell += f" ({reached[0].budget} ep)"
             elif len(times) < len(got):
                 cell += f", never in {len(got) - len(times)}/{len(got)}"
             cells.append(cell)
@@ -309,10 +310,10 @@ def pairwise_lines(table: FrontierTable) -> list[str]:
                 else:
                     finite = [r for r in ratios if math.isfinite(r)]
                     mean = statistics.fmean(finite) if finite else math.inf
-                    cell = f"{_ratio(mean)} ({_ratio(min(ratios))})"
+                    text = f"{_ratio(mean)} ({_ratio(min(ratios))})"
                     if finite and len(finite) < len(ratios):  # the mean leaves those out
-                        cell += f", ∞ in {len(ratios) - len(finite)}/{len(table.seeds)}"
-                    cells.append(cell)
+                        text += f", ∞ in {len(ratios) - len(finite)}/{len(table.seeds)}"
+                    cells.append(text)
             lines.append(f"| {f} | {c} | " + " | ".join(cells) + " |")
     lines.append("")
     return lines

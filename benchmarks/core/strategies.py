@@ -100,7 +100,7 @@ class Strategy:
         return dataclasses.replace(self, name=f"{self.family}{BUDGET}{epochs}", epochs=epochs)
 
 
-def _named(name: str, selective: bool, make_policy: PolicyFn, **kw) -> Strategy:
+def _named(name: str, selective: bool, make_policy: PolicyFn, **kw: Any) -> Strategy:
     return Strategy(name, selective, make_policy, family=name, **kw)
 
 

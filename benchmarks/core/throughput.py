@@ -71,8 +71,10 @@ def throughput(
                 for _ in loader:
                     pass
                 elapsed = time.perf_counter() - t0
-                seen = loader.stats.current.examples_seen
-                forward = loader.stats.current.selection_forward_s
+                current = loader.stats.current
+                assert current is not None  # the epoch just iterated
+                seen = current.examples_seen
+                forward = current.selection_forward_s
                 measured[kind, strategy, bs, prefetch].append(
                     (raw, seen / elapsed, seen / max(elapsed - forward, 1e-9), forward / elapsed)
                 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -96,7 +96,7 @@ def rounds_summary(
         for key in rs[0]:
             values = [r.get(key) for r in rs]
             if key not in (*by, "round") and all(isinstance(v, (int, float)) for v in values):
-                row[key] = median(values)
+                row[key] = median(cast(list[float], values))  # all numbers: checked above
         if ratio in row and "bound" in row:
             over = [r[ratio] / r["bound"] for r in rs]
             row["epoch_over_bound"] = median(over)

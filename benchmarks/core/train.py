@@ -246,6 +246,7 @@ class Trainer:
                     self.next_eval += cfg.eval_every
                 if progress is not None:
                     st = loader.stats.current
+                    assert st is not None  # an epoch is under way
                     progress.set_postfix(
                         epoch=f"{loader.progress:.1f}",
                         rate=f"{st.selection_rate:.2f}",
