@@ -83,6 +83,10 @@ class FeatureCache:
         self.filled = np.zeros(self.size, dtype=bool)
         self._checked_epoch: int | None = None
         self.in_state = check_bool("in_state", in_state)
+        # The prefix's weights as the rows were computed (see :meth:`follow`), and the epoch of
+        # the last look at them.
+        self._signature: tuple[tuple[int, int], ...] | None = None
+        self._followed_epoch: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -131,6 +135,25 @@ class FeatureCache:
         rows = torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64)).to(self.device)
         out = self.values.index_select(0, rows).to(self.out_dtype)
         return out if device is None else out.to(device, non_blocking=True)
+
+    def follow(self, prefix: nn.Module, epoch: int) -> None:
+        """Once per epoch: empty the cache where the prefix's parameters or buffers changed in
+        place since the rows were computed (``load_state_dict``, an in-place update), so that
+        they are computed again by the prefix as it is now.
+
+        NOTE: before, rows computed by the old weights were handed out as the new prefix's
+        features: silently where the weights changed little, else :meth:`check` refused them
+        blaming a changed input (random augmentation). Torch's version counters of the tensors
+        (and their identities) tell a change without reading the weights.
+        """
+        if self._followed_epoch == epoch:
+            return
+        self._followed_epoch = epoch
+        signature = tuple((id(t), t._version) for t in (*prefix.parameters(), *prefix.buffers()))
+        if self._signature is not None and signature != self._signature:
+            self.filled[:] = False
+            self._checked_epoch = None
+        self._signature = signature
 
     def tolerance(self, device: torch.device) -> float:
         """:attr:`TOLERANCE_FP32` for outputs kept in float32 (or float64) and computed on
@@ -243,6 +266,7 @@ class FeatureCache:
             return
         self.values, self.out_dtype, self._checked_epoch = None, None, None
         self.filled = np.zeros(self.size, dtype=bool)
+        self._signature, self._followed_epoch = None, None  # (rows checked against its digest)
         if "filled" not in state:
             return
         self._checked_epoch = state["checked_epoch"]

@@ -627,8 +627,9 @@ class Scorer:
         if cache is None:
             stats.prefix_forwards += inputs.shape[0]
             return compute(inputs)
-        assert indices is not None
+        assert indices is not None and self.forward.frozen_prefix is not None
         idx = indices[rows]
+        cache.follow(self.forward.frozen_prefix, epoch)
         stats.prefix_forwards += cache.check(epoch, idx, inputs, compute)
         missing = cache.missing(idx)
         if len(missing):

@@ -621,6 +621,34 @@ def test_cached_features_refuse_inputs_that_change_between_epochs():
         list(loader)
 
 
+@pytest.mark.parametrize("factor", [2.0, 1.0001])
+def test_cached_features_follow_prefix_weights_loaded_between_epochs(factor):
+    """Rows cached by the prefix's old weights were handed out as the new weights' features:
+    silently for a small change, else refused as a changed input (random augmentation)."""
+    backbone, head = backbone_and_head()
+    data = images()
+    loader = SelectiveLoader(
+        DataLoader(data, batch_size=60, shuffle=True, generator=torch.Generator()),
+        head,
+        policy=Traditional(),
+        batch_size=20,
+        frozen_prefix=backbone,
+        cache_features=True,
+        seed=0,
+    )
+    list(loader)
+    other = cnn()[:4]
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(factor)
+    backbone.load_state_dict(other.state_dict())
+    batches = list(loader)
+    assert sum(len(b.indices) for b in batches) == N
+    with torch.no_grad():
+        for b in batches:
+            torch.testing.assert_close(b.features, backbone(data.tensors[0][b.indices]))
+
+
 def test_cached_features_under_autocast_are_stored_in_half_the_memory():
     backbone, head = backbone_and_head()
     loader, batches = run(
