@@ -1613,13 +1613,20 @@ class SelectiveLoader(NotADataLoader):
         if stats.batches_yielded or not stats.dropped:
             return
         self._nothing_warned = True
+        fix = (
+            "pass a smaller batch_size, remainder='carry' (kept examples wait for the next "
+            "epoch) or remainder='short' (a last, shorter batch), or keep more (a larger "
+            "selectivity)"
+            if self.remainder == "drop"
+            else f"a batch smaller than min_batch_size={self.min_batch_size} is never yielded: "
+            "give the epoch more examples to keep (more data, a larger selectivity), or pass a "
+            "smaller min_batch_size where the model allows it"
+        )
         warnings.warn(
             f"epoch {stats.epoch} yielded no batch: the {stats.dropped} examples it kept were "
             f"dropped at its end, fewer than a batch (batch_size={self.batch_size}, "
             f"remainder={self.remainder!r}, min_batch_size={self.min_batch_size}), so a loop "
-            "over it trained on nothing (and will in every epoch that keeps as few); pass a "
-            "smaller batch_size, remainder='carry' (kept examples wait for the next epoch) or "
-            "remainder='short' (a last, shorter batch), or keep more (a larger selectivity)",
+            f"over it trained on nothing (and will in every epoch that keeps as few); {fix}",
             UserWarning,
             stacklevel=6,  # the caller's loop (through the iterator's steps)
         )
