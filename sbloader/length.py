@@ -418,16 +418,23 @@ def batches_at(source: Source, subset: np.ndarray | None, batch_size: int, rate:
                 "map-style dataset"
             )
         examples = n * bs
-    elif source.batch_size and source.drop_last():
-        # NOTE: a source that drops its last partial batch draws only its full batches' examples
-        # in a pass (epoch_size, the sampler's length, counts the dropped ones too); a subset's
-        # share is then taken of those, as a filtering source drops them before filtering.
-        full = source.full_batches()
-        if full is not None:
-            examples = full * source.batch_size
+    elif (drawn := _full_batches_drawn(source)) is not None:
+        # NOTE: epoch_size, the sampler's length, counts the dropped examples too; a subset's
+        # share is taken of the drawn ones, as a filtering source drops them before filtering.
+        examples = drawn
     if subset is not None and len(subset):
         examples *= np.count_nonzero(subset) / len(subset)
     return examples * rate / batch_size
+
+
+def _full_batches_drawn(source: Source) -> int | None:
+    """The examples a pass over a source that drops its last partial batch draws: its full
+    batches' (None where it drops none, or where the number of its batches is unknown)."""
+    bs = source.batch_size
+    if not (bs and source.drop_last()):
+        return None
+    full = source.full_batches()
+    return None if full is None else full * bs
 
 
 def pass_examples(source: Source, subset: np.ndarray | None, batch_size: int) -> tuple[int, bool]:
@@ -457,10 +464,10 @@ def pass_examples(source: Source, subset: np.ndarray | None, batch_size: int) ->
             )
         return int(np.count_nonzero(subset)), False
     if bs and source.drop_last():
-        full = source.full_batches()  # the source's batches are all full
-        if full is None:
+        drawn = _full_batches_drawn(source)
+        if drawn is None:
             raise TypeError(_unknown_pass(source))
-        return full * bs, False
+        return drawn, False
     if size is None:
         last = source.last_batch_size()
         if bs and last is not None:  # full batches but the last
