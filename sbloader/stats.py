@@ -42,6 +42,8 @@ TIME_FIELDS = (
 CLASS_FIELDS = ("class_seen", "class_selected")
 #: Up to this many classes, the epoch log line shows every class's selection rate.
 _LOGGED_CLASSES = 20
+#: Targets of this value or more are not counted as classes (see EpochStats.count_classes).
+_MAX_CLASSES = 1 << 20
 
 
 def _no_classes() -> np.ndarray | None:
@@ -177,10 +179,12 @@ class EpochStats:
         None: all of them).
 
         NOTE: class counting is one ``numpy.bincount`` per source batch, so it is done only where
-        it is that cheap: 1-d integer class indices >= 0 on the CPU (tensors or numpy arrays).
-        Other targets (sequences, regression values, an ignore index, tensors on an accelerator,
-        where reading them would synchronise with the device every source batch) leave the
-        epoch's class counts at None: unknown rather than partial.
+        it is that cheap: 1-d integer class indices >= 0 on the CPU (tensors or numpy arrays),
+        below ``2 ** 20``. Other targets (sequences, regression values, an ignore index, integer
+        values such as counts, prices in cents or timestamps, whose counts by value would be an
+        array as long as the largest of them, tensors on an accelerator, where reading them
+        would synchronise with the device every source batch) leave the epoch's class counts at
+        None: unknown rather than partial.
 
         Example:
             >>> e = EpochStats()
@@ -193,7 +197,7 @@ class EpochStats:
         if self.class_seen is None or self.class_selected is None:
             return
         values = _class_counts(targets)
-        if values is None:
+        if values is None or (values.size and values.max() >= _MAX_CLASSES):
             self.class_seen = self.class_selected = None
             return
         try:

@@ -130,6 +130,8 @@ def test_targets_that_are_not_cpu_class_indices_are_not_counted():
         torch.tensor([True, False, True]),  # flags, not class indices
         np.array([0.0, 1.0, 2.0]),  # float values in a numpy array (bincount refused them)
         torch.tensor([0, 1, 2], device="meta"),  # not on the CPU (reading it would sync)
+        torch.tensor([0, 1, 1 << 20]),  # integer values past the classes counted
+        torch.tensor([0, 1_700_000_000_000]),  # a timestamp in ms (bincount: 12 TiB)
     ):
         e = EpochStats()
         e.count_classes(torch.tensor([0, 1, 1]), None)
@@ -137,6 +139,30 @@ def test_targets_that_are_not_cpu_class_indices_are_not_counted():
         e.count_classes(torch.tensor([0, 1, 1]), None)  # stays unknown, never partial
         assert e.class_seen is None and e.class_selected is None
         assert e.class_selection_rates is None and e.as_dict()["class_selection_rates"] is None
+
+
+def test_integer_regression_targets_train_without_class_counts():
+    """Integer targets that are values, not classes (timestamps in ms), are not counted: a
+    count by value was an array as long as the largest (here a MemoryError of 12 TiB)."""
+    n = 32
+    x = torch.randn(n, 4)
+    y = torch.arange(n) + 1_700_000_000_000
+
+    def loss_fn(out, t):
+        return torch.nn.functional.mse_loss(
+            out.squeeze(1), (t - 1_700_000_000_000).float(), reduction="none"
+        )
+
+    loader = sbloader.SelectiveLoader(
+        DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16),
+        torch.nn.Linear(4, 1),
+        loss_fn,
+        policy=sbloader.SelectiveBackprop(0.5),
+        batch_size=4,
+    )
+    assert sum(len(b.indices) for b in loader) > 0
+    assert loader.stats.current.class_seen is None
+    assert loader.stats.current.class_selection_rates is None
 
 
 def test_counts_of_growing_class_ranges_add_up_and_round_trip():
