@@ -260,12 +260,25 @@ def selected_class(cls: type) -> type | None:
             contents = tuple(self) if _is_namedtuple(cls) else dict(self.items())
             return (_rebuild_selected, (cls, contents, self.__getstate__()))
 
-        namespace = {
+        namespace: dict[str, Any] = {
             "__getattr__": __getattr__,
             "__reduce__": __reduce__,
             "__module__": __name__,
             "__qualname__": f"Selected{cls.__name__}",
         }
+        base_setattr: Any = cls.__setattr__  # (unbound: the class's own, taking self)
+        if base_setattr is not object.__setattr__:
+            # NOTE: a mapping whose attribute writes are item writes (easydict's EasyDict,
+            # addict's Dict, Box) would take the selection results as keys of the batch
+            # (``model(**batch)`` given ``indices=``, ``losses=``...): they are set as the
+            # instance's own attributes, past the class's __setattr__; other names use it.
+            def __setattr__(self: Any, name: str, value: Any) -> None:
+                if name in _CARRIED:
+                    object.__setattr__(self, name, value)
+                else:
+                    base_setattr(self, name, value)
+
+            namespace["__setattr__"] = __setattr__
         try:
             made: type | None = type(f"Selected{cls.__name__}", (cls, SelectedBatch), namespace)
         except TypeError:  # e.g. a class that cannot be subclassed, or a layout conflict

@@ -120,6 +120,37 @@ def test_a_mapping_batch_class_keeps_its_methods_and_attribute_access(policy, ba
             b.nothing  # noqa: B018
 
 
+class AttributeItems(Encoding):
+    """As easydict's EasyDict or addict's Dict: an attribute written is an item of the batch."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "data":  # (UserDict's own storage)
+            super().__setattr__(name, value)
+        else:
+            self.data[name] = value
+
+
+@pytest.mark.parametrize(
+    ("policy", "batch_size"),
+    [(Traditional, 6), (Traditional, 12), (lambda: SelectiveBackprop(0.5), 6)],
+    ids=["trad", "trad-whole", "sb"],
+)
+def test_a_mapping_whose_attributes_are_items_keeps_its_keys(policy, batch_size):
+    def collate(samples):
+        return AttributeItems(encodings(samples).data)
+
+    loader = encoding_loader(policy(), collate=collate, batch_size=batch_size)
+    batches = list(loader)
+    assert batches
+    for b in batches:
+        assert isinstance(b, AttributeItems)
+        assert list(b.keys()) == ["image", "label"]  # no selection result among the fields
+        paired(b)
+        assert b.features is None and b.logits is None
+        b.note = 1  # the class's own attribute writes are kept
+        assert b["note"] == 1
+
+
 def test_forward_hooks_get_the_source_class_too():
     seen: list[type] = []
 
