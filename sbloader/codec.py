@@ -485,9 +485,10 @@ def _entry(column: Any, path: tuple[Hashable, ...]) -> Any:
 
 
 def _check_not_collated_fields(keys: tuple[Hashable, ...], columns: list[Any]) -> None:
-    """Raise naming the fix when a field is a list of tensors that all have the row count of
-    another field: the default collate function's batch of a tuple or list of fields inside each
-    example (``((ids, mask), label)``), which is no column of one entry per example; or a list
+    """Raise naming the fix when a field is a list of tensors (or of tensors and lists) that all
+    have the row count of another field: the default collate function's batch of a tuple or list
+    of fields inside each example (``((ids, mask), label)``, ``(image, label, (index, path))``),
+    which is no column of one entry per example; or a list
     of sequences that all have that count: its batch of a list inside each example (several
     captions of an image).
 
@@ -516,15 +517,23 @@ def _check_not_collated_fields(keys: tuple[Hashable, ...], columns: list[Any]) -
                 "collate_fn, the other fields by torch.utils.data.default_collate), or as a "
                 "tensor of the examples' rows"
             )
-        if not all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in column):
+        # (a tuple of fields of several kinds, (image, label, (index, path)), is batched as a
+        # tensor and a list of strings: entries of either kind, counted alike)
+        if not all(
+            isinstance(v, (list, tuple)) or (isinstance(v, torch.Tensor) and v.dim() > 0)
+            for v in column
+        ):
             continue
-        rows = {v.shape[0] for v in column}
+        rows = {v.shape[0] if isinstance(v, torch.Tensor) else len(v) for v in column}
         if len(rows) != 1 or (m := rows.pop()) == length or m not in lengths:
             continue
+        tensors = all(isinstance(v, torch.Tensor) for v in column)
+        entries = f"tensors of {m} rows" if tensors else f"fields of {m} entries (tensors, lists)"
         raise ValueError(
-            f"field {key!r} of a source batch is a list of {length} tensors of {m} rows each: a "
+            f"field {key!r} of a source batch is a list of {length} {entries} each: a "
             "tuple or list of fields inside each example (the default collate function batches "
-            "((ids, mask), label) so), which SelectiveLoader cannot select, since it selects "
+            "((ids, mask), label) or (image, label, (index, path)) so), which SelectiveLoader "
+            "cannot select, since it selects "
             "one entry per example; make the example a dict of fields, e.g. "
             "({'ids': ids, 'mask': mask}, label) with forward=lambda model, batch: "
             "model(**batch[0]) (nested dicts are selected entry by entry), or flatten it: "

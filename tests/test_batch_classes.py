@@ -655,3 +655,27 @@ def test_a_list_inside_each_example_collated_by_position_is_refused_naming_the_f
     for x, y, captions in loader(own_lists):
         assert torch.equal(y, x[:, 0].long() % N_CLASSES)
         assert captions == [[f"{i}a", f"{i}b", f"{i}c"] for i in x[:, 0].long().tolist()]
+
+
+def test_a_tuple_of_metadata_inside_each_example_is_refused_naming_the_fix():
+    """``(image, label, (index, path))`` collated by the default collate function: its tuple
+    is one column per position, a tensor of indices and a list of paths. The first batch said
+    "field 2 has 2 entries but the input field 0 has 12", not why nor the fix."""
+
+    class Files(Dataset):
+        def __len__(self) -> int:
+            return N
+
+        def __getitem__(self, i: int) -> Any:
+            x, y = EncodedDataset(N)[i]
+            return x, y, (i, f"img_{i}.png")
+
+    loader = SelectiveLoader(
+        DataLoader(Files(), batch_size=12), IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=6
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"field 2 of a source batch is a list of 2 fields of 12 entries \(tensors, lists\) "
+        r"each: a tuple or list of fields inside each example .* flatten it",
+    ):
+        next(iter(loader))
