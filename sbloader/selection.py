@@ -106,7 +106,15 @@ def eval_mode(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     modules whose class keeps torch's ``train`` and ``__setattr__`` (see :func:`_plain_training`)
     the flag is set directly, which is what those methods do; a module with its own ``train``
     (e.g. one keeping a BatchNorm frozen) or ``__setattr__`` anywhere in the tree makes the pass
-    call ``model.eval()`` as before, and its own flag is restored through its ``__setattr__``.
+    call ``model.eval()`` as before, and each such module whose flag that changed is put back
+    with its own ``train(flag)`` (in ``model.modules()``'s order, parents first; the flags of
+    the others are then set directly).
+
+    NOTE: its ``train`` may do more than set flags, which only it can undo: loralib's
+    ``lora.Linear`` merges its low-rank update into the frozen weight on ``eval()`` and takes it
+    out on ``train()``. Restored by ``module.training = flag`` alone, such a layer stayed merged
+    in a training model: its forward then used the merged weight only, and the update's
+    parameters got no gradient for the rest of the run.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.Dropout())
@@ -120,8 +128,9 @@ def eval_mode(model: nn.Module, enabled: bool = True) -> Iterator[None]:
         yield
         return
     flags = [(m, m.training, _plain_training(cast(type, type(m)))) for m in model.modules()]
+    direct = type(model).eval is nn.Module.eval and all(plain for _, _, plain in flags)
     try:
-        if type(model).eval is nn.Module.eval and all(plain for _, _, plain in flags):
+        if direct:
             for m, _, _ in flags:
                 object.__setattr__(m, "training", False)
         else:
@@ -131,6 +140,8 @@ def eval_mode(model: nn.Module, enabled: bool = True) -> Iterator[None]:
         for m, flag, plain in flags:
             if plain:
                 object.__setattr__(m, "training", flag)
+            elif m.training != flag:
+                m.train(flag)  # (its own train, which may undo more than the flag: see the NOTE)
             else:
                 m.training = flag
 

@@ -451,7 +451,8 @@ def test_selection_pass_calls_an_overridden_train_and_restores_each_flag():
     assert flags == [True, True, False, True, True, True]
     loader = make_loader(model=model, policy=SelectiveBackprop(0.5))
     assert list(loader)
-    assert model.train_calls and set(model.train_calls) == {False}  # eval() went through train
+    # eval() went through train, and each pass's restore through train(True) (see below)
+    assert model.train_calls and model.train_calls == [False, True] * (len(model.train_calls) // 2)
     assert [m.training for m in model.modules()] == flags
 
     logged = LoggedFlags()
@@ -461,6 +462,44 @@ def test_selection_pass_calls_an_overridden_train_and_restores_each_flag():
         assert not any(m.training for m in net.modules())
     assert logged.writes == [False, True]
     assert all(m.training for m in net.modules())
+
+
+class MergingLinear(nn.Linear):
+    """loralib's ``lora.Linear`` (``merge_weights=True``): ``eval()`` merges its low-rank update
+    into the frozen weight, ``train()`` takes it out again; unmerged, the update trains."""
+
+    def __init__(self) -> None:
+        super().__init__(6, N_CLASSES)
+        self.lora_a = nn.Parameter(torch.full((2, 6), 0.1))
+        self.lora_b = nn.Parameter(torch.full((N_CLASSES, 2), 0.1))
+        self.weight.requires_grad_(False)
+        self.merged = False
+
+    def train(self, mode: bool = True) -> MergingLinear:
+        super().train(mode)
+        if mode == self.merged:
+            with torch.no_grad():
+                self.weight.add_((self.lora_b @ self.lora_a) * (-1.0 if mode else 1.0))
+            self.merged = not mode
+        return self
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out if self.merged else out + x @ self.lora_a.T @ self.lora_b.T
+
+
+def test_selection_pass_undoes_what_an_overridden_train_did():
+    """The restore set the flags back but never called the module's own ``train(True)``: the
+    layer stayed merged in a training model, so its update's parameters got no gradient for the
+    rest of the run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), MergingLinear()).train()
+    loader = make_loader(model=model, policy=SelectiveBackprop(0.5))
+    batch = next(iter(loader))
+    assert model[1].training and not model[1].merged
+    inputs, targets = batch
+    nn.functional.cross_entropy(model(inputs), targets).backward()
+    assert model[1].lora_a.grad is not None
 
 
 def test_eval_modes_class_cache_stays_bounded():
