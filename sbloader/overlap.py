@@ -30,6 +30,7 @@ by events, without host synchronisation; the host still launches its kernels, fr
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -69,7 +70,10 @@ class SelectionCopy:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.model: nn.Module = _frozen_copy(unwrap(model))
+        live = unwrap(model)
+        self.model: nn.Module = _frozen_copy(live)
+        # The live model's modules the copy was made from (weak: a replaced one may go).
+        self._made_from = _module_refs(live)
         #: How many times the copy was refreshed from the live model.
         self.syncs = 0
 
@@ -77,10 +81,16 @@ class SelectionCopy:
         """Refresh the copy from ``live``'s parameters and buffers.
 
         Call it only while no selection pass runs on the copy. Where they still match the
-        copy's (in number, shape, dtype and device) they are copied in place; else the copy is
-        made again from ``live`` as it is now: lazy parameters made by the model's first
-        forward, a layer replaced, the model moved to another device or cast to another dtype
-        after the loader was built are followed, as a pass over the live model would be.
+        copy's (in number, shape, dtype and device) and ``live`` is made of the modules the copy
+        was made from, they are copied in place; else the copy is made again from ``live`` as it
+        is now: lazy parameters made by the model's first forward, a layer replaced (also by one
+        with parameters of the same shapes, or by a layer without parameters, e.g. an
+        activation), the model moved to another device or cast to another dtype after the
+        loader was built are followed, as a pass over the live model would be.
+
+        NOTE: a layer replaced by one with parameters of the same shapes (or none) left the
+        parameters matching, and the copy went on scoring with the old layer for the rest of
+        the run, where a run without overlap scores with the new one.
 
         NOTE: these were refused (or, for a dtype, cast back) at the first refresh, which comes
         at the second source batch of the first epoch with selection passes: after a whole
@@ -95,6 +105,7 @@ class SelectionCopy:
         same = (
             not has_lazy(live)
             and not has_lazy(self.model)
+            and _same_modules(self._made_from, live)
             and len(src) == len(dst)
             and all(
                 s.shape == d.shape and s.dtype == d.dtype and s.device == d.device
@@ -107,7 +118,30 @@ class SelectionCopy:
                     d.copy_(s)
         else:
             self.model = _frozen_copy(live)
+            self._made_from = _module_refs(live)
         self.syncs += 1
+
+
+def _module_refs(model: nn.Module) -> list[weakref.ref[nn.Module]]:
+    """Weak references to ``model``'s modules, in ``model.modules()``'s order."""
+    return [weakref.ref(m) for m in model.modules()]
+
+
+def _same_modules(refs: Sequence[weakref.ref[nn.Module]], model: nn.Module) -> bool:
+    """Whether ``model``'s modules are those ``refs`` refer to, in order (not where one was
+    replaced, added or removed since).
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> refs = _module_refs(net)
+        >>> _same_modules(refs, net)
+        True
+        >>> net[1] = nn.Tanh()
+        >>> _same_modules(refs, net)
+        False
+    """
+    modules = list(model.modules())
+    return len(modules) == len(refs) and all(r() is m for r, m in zip(refs, modules))
 
 
 @dataclass

@@ -386,6 +386,34 @@ def test_a_layer_replaced_after_the_loader_was_built_is_followed_not_refused_aft
     assert same_weights(loader._overlap.model, model)
 
 
+def test_a_layer_replaced_by_one_with_parameters_of_the_same_shapes_is_followed():
+    """An activation (no parameters) replaced between epochs: the parameters still matched the
+    copy's in number and shape, so the copy took their values and went on scoring with the old
+    layer for the rest of the run, where a run without overlap scores with the new one."""
+    torch.manual_seed(0)
+    model = bn_model()
+    loader = SelectiveLoader(
+        DataLoader(EncodedDataset(160), batch_size=SOURCE),
+        model,
+        policy=SelectiveBackprop(0.5),
+        batch_size=BATCH,
+        remainder="drop",
+        overlap_selection=True,
+        autocast=None,
+    )
+    for _ in loader:
+        pass
+    model[2] = nn.Tanh()
+    batches = list(loader)
+    assert batches and isinstance(loader._overlap.model[2], nn.Tanh)
+    data = EncodedDataset(160)
+    with sbloader.selection.eval_mode(model), torch.no_grad():
+        for batch in batches:
+            x = torch.stack([data[int(i)][0] for i in batch.indices])
+            live = nn.functional.cross_entropy(model(x), batch[1], reduction="none")
+            torch.testing.assert_close(batch.losses, live)
+
+
 def test_every_pass_runs_in_the_loaders_precision_whatever_the_callers_autocast():
     """A training loop under ``torch.autocast``: the first pass of an epoch runs in the caller's
     thread and the others on the selection thread, which does not share its autocast state;
