@@ -83,9 +83,9 @@ class FeatureCache:
         self.filled = np.zeros(self.size, dtype=bool)
         self._checked_epoch: int | None = None
         self.in_state = check_bool("in_state", in_state)
-        # The prefix's weights as the rows were computed (see :meth:`follow`), and the epoch of
-        # the last look at them.
-        self._signature: tuple[tuple[int, int], ...] | None = None
+        # The prefix's modules and weights as the rows were computed (see :meth:`follow`), and the
+        # epoch of the last look at them.
+        self._signature: tuple[tuple[Any, ...], ...] | None = None
         self._followed_epoch: int | None = None
 
     @property
@@ -137,22 +137,35 @@ class FeatureCache:
         return out if device is None else out.to(device, non_blocking=True)
 
     def follow(self, prefix: nn.Module, epoch: int) -> None:
-        """Once per epoch: empty the cache where the prefix's parameters or buffers changed in
-        place since the rows were computed (``load_state_dict``, an in-place update), so that
-        they are computed again by the prefix as it is now.
+        """Once per epoch: empty the cache where the prefix changed since the rows were
+        computed: its parameters or buffers changed in place (``load_state_dict``, an in-place
+        update), were cast to another dtype or moved to another device (``prefix.to(...)``,
+        ``prefix.half()``), or one of its layers was replaced (also by one without parameters),
+        so that they are computed again by the prefix as it is now (and stored in its outputs'
+        dtype).
 
         NOTE: before, rows computed by the old weights were handed out as the new prefix's
         features: silently where the weights changed little, else :meth:`check` refused them
         blaming a changed input (random augmentation). Torch's version counters of the tensors
-        (and their identities) tell a change without reading the weights.
+        (and their identities) tell a change without reading the weights; ``Module.to`` keeps
+        both (it sets each tensor's ``.data``), so their dtypes and devices are compared too:
+        a prefix cast to float64 was handed its float32 rows, and its float64 head failed in
+        the selection pass (``mat1 and mat2 must have the same dtype``). A replaced layer
+        without parameters (an activation) changes no tensor: the modules are compared too.
         """
         if self._followed_epoch == epoch:
             return
         self._followed_epoch = epoch
-        signature = tuple((id(t), t._version) for t in (*prefix.parameters(), *prefix.buffers()))
+        tensors = (*prefix.parameters(), *prefix.buffers())
+        signature = (
+            tuple((id(m), type(m)) for m in prefix.modules()),
+            tuple((id(t), t._version, t.dtype, t.device) for t in tensors),
+        )
         if self._signature is not None and signature != self._signature:
             self.filled[:] = False
             self._checked_epoch = None
+            # (allocated again at the next put, in the dtype the prefix returns now)
+            self.values, self.out_dtype = None, None
         self._signature = signature
 
     def tolerance(self, device: torch.device) -> float:

@@ -271,8 +271,9 @@ class SelectiveLoader(NotADataLoader):
             Valid only when an example's input is the same every epoch (no random
             augmentation before the prefix): a few cached examples are recomputed each epoch
             and a changed input raises ``ValueError``; a prefix whose weights change in place
-            (``load_state_dict``) is computed again from the next epoch on. Needs dataset
-            indices. Its memory is
+            (``load_state_dict``), that is cast or moved (``prefix.to(...)``) or has a layer
+            replaced is computed again from the next epoch on. Needs dataset indices. Its
+            memory is
             dataset size x prefix output size (in the dtype the prefix returns: the ``autocast``
             dtype when given, unless the prefix's last op runs in float32). Part of
             :meth:`state_dict` only with ``save_feature_cache=True``; otherwise it refills after

@@ -649,6 +649,37 @@ def test_cached_features_follow_prefix_weights_loaded_between_epochs(factor):
             torch.testing.assert_close(b.features, backbone(data.tensors[0][b.indices]))
 
 
+@pytest.mark.parametrize("change", ["layer", "dtype"])
+def test_cached_features_follow_a_prefix_cast_or_with_a_layer_replaced_between_epochs(change):
+    """Neither changes a tensor's version counter: rows cached by the old prefix were handed
+    out, refused as a changed input (an activation replaced) or, for a prefix and head cast to
+    float64, fed in float32 to the float64 head (``mat1 and mat2 must have the same dtype``)."""
+    backbone, head = backbone_and_head()
+    data = images()
+    loader = SelectiveLoader(
+        DataLoader(data, batch_size=60, shuffle=True, generator=torch.Generator()),
+        head,
+        policy=Traditional(),
+        batch_size=20,
+        frozen_prefix=backbone,
+        cache_features=True,
+        autocast=None,
+        seed=0,
+    )
+    list(loader)
+    if change == "layer":
+        backbone[2] = nn.Tanh()
+    else:
+        backbone.double()
+        head.double()
+        data.tensors = (data.tensors[0].double(), data.tensors[1])
+    batches = list(loader)
+    assert sum(len(b.indices) for b in batches) == N
+    with torch.no_grad():
+        for b in batches:
+            torch.testing.assert_close(b.features, backbone(data.tensors[0][b.indices]))
+
+
 def test_cached_features_under_autocast_are_stored_in_half_the_memory():
     backbone, head = backbone_and_head()
     loader, batches = run(
