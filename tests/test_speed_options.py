@@ -627,7 +627,19 @@ def test_cached_features_follow_prefix_weights_loaded_between_epochs(factor):
     silently for a small change, else refused as a changed input (random augmentation)."""
     backbone, head = backbone_and_head()
     data = images()
-    loader = SelectiveLoader(
+    loader = cached_prefix_loader(data, backbone, head)
+    list(loader)
+    other = cnn()[:4]
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(factor)
+    backbone.load_state_dict(other.state_dict())
+    assert_features_of_prefix_as_it_is(loader, data, backbone)
+
+
+def cached_prefix_loader(data, backbone, head, **options):
+    """A loader caching the frozen ``backbone``'s features of ``data`` for ``head``."""
+    return SelectiveLoader(
         DataLoader(data, batch_size=60, shuffle=True, generator=torch.Generator()),
         head,
         policy=Traditional(),
@@ -635,13 +647,12 @@ def test_cached_features_follow_prefix_weights_loaded_between_epochs(factor):
         frozen_prefix=backbone,
         cache_features=True,
         seed=0,
+        **options,
     )
-    list(loader)
-    other = cnn()[:4]
-    with torch.no_grad():
-        for p in other.parameters():
-            p.mul_(factor)
-    backbone.load_state_dict(other.state_dict())
+
+
+def assert_features_of_prefix_as_it_is(loader, data, backbone):
+    """An epoch of ``loader`` yields every example, with the features ``backbone`` gives now."""
     batches = list(loader)
     assert sum(len(b.indices) for b in batches) == N
     with torch.no_grad():
@@ -656,16 +667,7 @@ def test_cached_features_follow_a_prefix_cast_or_with_a_layer_replaced_between_e
     float64, fed in float32 to the float64 head (``mat1 and mat2 must have the same dtype``)."""
     backbone, head = backbone_and_head()
     data = images()
-    loader = SelectiveLoader(
-        DataLoader(data, batch_size=60, shuffle=True, generator=torch.Generator()),
-        head,
-        policy=Traditional(),
-        batch_size=20,
-        frozen_prefix=backbone,
-        cache_features=True,
-        autocast=None,
-        seed=0,
-    )
+    loader = cached_prefix_loader(data, backbone, head, autocast=None)
     list(loader)
     if change == "layer":
         backbone[2] = nn.Tanh()
@@ -673,11 +675,7 @@ def test_cached_features_follow_a_prefix_cast_or_with_a_layer_replaced_between_e
         backbone.double()
         head.double()
         data.tensors = (data.tensors[0].double(), data.tensors[1])
-    batches = list(loader)
-    assert sum(len(b.indices) for b in batches) == N
-    with torch.no_grad():
-        for b in batches:
-            torch.testing.assert_close(b.features, backbone(data.tensors[0][b.indices]))
+    assert_features_of_prefix_as_it_is(loader, data, backbone)
 
 
 def test_cached_features_under_autocast_are_stored_in_half_the_memory():
