@@ -425,7 +425,9 @@ class EpochIterator:
         # yields them (nothing selected is lost).
         self._owed = self._short = 0
         # A direct batch made ready but not handed out (finishing() ran ahead to it) is handed
-        # out next too, after those taken back: its source batch was consumed.
+        # out next too, after those taken back: its source batch was consumed. (A passthrough
+        # policy's next epoch, a whole pass, drops them instead: see SelectiveLoader.
+        # _drop_abandoned_rest; a state saved before it begins keeps them.)
         ready = [] if self._direct is None else [self._direct.rows()]
         last, self._direct, self._last = self._last, None, None
         self._lent = False

@@ -1401,6 +1401,7 @@ class SelectiveLoader(NotADataLoader):
             self._apply_feedback(*reports)
         self.policy.begin_epoch(self.epoch)
         if not resumed:  # (a resumed epoch's rows were settled as it began, in its saved run)
+            self._drop_abandoned_rest()
             self._pending.begin_epoch(self.policy.normalize_weights())
         # (the one decision: the epoch iterator builds its Keep from this flag)
         self._epoch_prefilter = self._source.can_filter() and prefilters(self.policy, self._subset)
@@ -1421,6 +1422,27 @@ class SelectiveLoader(NotADataLoader):
         if current is None:
             current = self.stats.begin_epoch(self.epoch, self.policy.target_rate)
         return current
+
+    def _drop_abandoned_rest(self) -> None:
+        """Begin a passthrough policy's epoch (without ``batches_per_epoch``) with no rows of an
+        earlier one: the rest of a source batch that an epoch left part-way (``break``, an
+        error in the training step, ``iter(loader)`` again) had not handed out is dropped with
+        the rest of that pass, counted in its stats' ``dropped``.
+
+        NOTE: carried, those rows made the next epoch longer than ``len(loader)`` (a whole pass
+        and the abandoned rest: 22 batches where ``len`` said 21), so that a schedule sized by
+        it (``OneCycleLR(total_steps=len(loader) * epochs)``) stepped past its end; a
+        passthrough epoch is one pass, every example once, as a DataLoader's epoch after
+        ``break`` is. A state saved before the next epoch begins still holds them, and resumes
+        the epoch left part-way with them.
+        """
+        if self._fixed is not None or not self.policy.passthrough():
+            return
+        rest = self._pending.clear() + sum(len(rows) for rows in self._returned)
+        self._returned = []
+        previous = self.stats.current
+        if rest and previous is not None:
+            previous.dropped += rest
 
     def feedback(self, indices: Any, losses: Any) -> None:
         """Report the training step's per-example losses, to keep the policy's scores fresh.

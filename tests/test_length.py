@@ -7,6 +7,7 @@ batches, only cut into epochs differently, so nothing is lost, repeated or reord
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import io
@@ -676,6 +677,42 @@ def test_traditional_yields_batches_of_batch_size_and_len_counts_them(bs, batch_
         assert [i for b in batches for i in b.indices.tolist()] == order
         for b in batches:  # data paired with its indices
             assert torch.equal(b[0][:, 0].long(), b.indices)
+
+
+@pytest.mark.parametrize("leave", ["peek", "break", "raise", "iter again", "save and load"])
+def test_traditional_len_holds_after_an_epoch_left_part_way(leave):
+    """An epoch left part-way (a batch looked at with next(iter(loader)), ``break``, an error in
+    the training step) left the rest of its source batch pending, and the next epoch yielded it
+    before a whole pass: more batches than len(loader), so that OneCycleLR(total_steps=
+    len(loader) * epochs) stepped past its end. The next epoch is one whole pass, every example
+    once; the dropped rest is counted. A state saved part-way still resumes it."""
+    loader = traditional(bs=64, batch_size=16)  # 1000 examples: 63 batches
+    assert len(loader) == 63
+    if leave == "peek":
+        next(iter(loader))
+    elif leave == "iter again":
+        it = iter(loader)
+        next(it)
+        iter(loader)
+    elif leave == "save and load":
+        it = iter(loader)
+        head = [next(it).indices.tolist() for _ in range(2)]
+        state = copy.deepcopy(loader.state_dict())
+        resumed = traditional(bs=64, batch_size=16)
+        resumed.load_state_dict(state)
+        assert len(head) + len(list(resumed)) == 63  # the rest of that epoch, its rows included
+    else:
+        with contextlib.suppress(KeyError):
+            for k, _ in enumerate(loader):
+                if k == 1:
+                    if leave == "raise":
+                        raise KeyError("a training step's error")
+                    break
+    for _ in range(2):
+        batches = indices(loader)
+        assert len(batches) == len(loader)
+        assert sorted(i for b in batches for i in b) == list(range(1000))
+    assert loader.stats.epochs[0].dropped == 64 - 16 * (1 if leave in ("peek", "iter again") else 2)
 
 
 def test_traditional_with_a_subset_counts_the_subset_exactly():
