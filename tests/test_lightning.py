@@ -170,6 +170,42 @@ def test_max_epochs_plans_the_default_recipe_from_two_epochs_on():
         assert selective_loader(module, source, batch_size=24).loader.planned_epochs == planned
 
 
+@pytest.mark.parametrize("cut", [dict(limit_train_batches=0.5), dict(max_steps=150)])
+def test_a_run_shorter_than_max_epochs_of_len_batches_warns_and_its_fix_anneals(cut):
+    """With batches_per_epoch, planned_epochs=max_epochs plans the default recipe's anneal for
+    max_epochs epochs of len(loader) batches; a Trainer that trains on fewer
+    (limit_train_batches, max_steps) ended before the annealed pass, unsaid. It warns, naming
+    the planned_epochs that fits, and with it the run ends on all the data."""
+
+    class DefaultPolicy(Classifier):
+        def __init__(self, **options):
+            super().__init__()
+            self.options, self.rates = options, []
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(1)
+            source = DataLoader(data(), batch_size=64, shuffle=True, generator=g)
+            options = dict(batch_size=8, seed=0, batches_per_epoch="expected", **self.options)
+            return selective_loader(self, source, **options)
+
+        def training_step(self, batch, batch_idx):
+            self.rates.append(self.trainer.train_dataloader.loader.policy.target_rate)
+            return super().training_step(batch, batch_idx)
+
+    with pytest.warns(UserWarning, match="planned_epochs=") as caught:
+        module = DefaultPolicy()
+        trainer(epochs=16, **cut).fit(module)  # 21 batches an epoch: 336 planned, 160 or 150 run
+    assert module.rates and 1.0 not in module.rates  # the run never reached its anneal
+    message = next(str(w.message) for w in caught if "Trainer trains" in str(w.message))
+    fits = int(message.split("pass planned_epochs=")[1].split(" ")[0])
+    assert fits == (160 if "limit_train_batches" in cut else 150) // 21
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "the Trainer trains", UserWarning)
+        fixed = DefaultPolicy(planned_epochs=fits)
+        trainer(epochs=16, **cut).fit(fixed)
+    assert fixed.rates[-1] == 1.0  # annealed by the end
+
+
 class Reporting(Classifier):
     """Reports each step's per-example losses, as the README's loop does."""
 

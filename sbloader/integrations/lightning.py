@@ -61,6 +61,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 from typing import Any
 
@@ -379,6 +380,52 @@ def _gather(state: dict[str, Any]) -> list[dict[str, Any]]:
     return states
 
 
+def _trained_batches(trainer: pl.Trainer, epochs: int, length: int) -> int:
+    """The batches a Trainer's run trains on: ``epochs`` epochs of ``length`` batches, each cut
+    to ``limit_train_batches`` and the run to ``max_steps`` optimizer steps (of
+    ``accumulate_grad_batches`` batches, and one more at each epoch's end), as Lightning counts
+    them (its ``estimated_stepping_batches``, in batches)."""
+    limit = trainer.limit_train_batches
+    per = min(length, limit) if isinstance(limit, int) else int(length * limit)
+    total = epochs * per
+    max_steps, accumulate = trainer.max_steps, trainer.accumulate_grad_batches
+    if max_steps != -1 and per > 0:
+        full, rest = divmod(max_steps, math.ceil(per / accumulate))
+        total = min(total, full * per + min(per, rest * accumulate))
+    return total
+
+
+def _warn_short_run(trainer: pl.Trainer, epochs: int, length: int) -> None:
+    """Warn where ``planned_epochs=max_epochs`` (training epochs of ``length`` batches, with
+    ``batches_per_epoch``) plans the default policy's anneal for more batches than the Trainer
+    trains on (``limit_train_batches``, ``max_steps``), naming the ``planned_epochs`` to pass.
+
+    NOTE: without ``batches_per_epoch`` each Lightning epoch is one pass over the data, cut
+    short or not, so the plan's passes are the run's; with it the stream of batches goes on
+    from one Lightning epoch to the next, and a run of fewer batches than planned ended before
+    its annealed pass began: the default recipe without its anneal, unsaid.
+    """
+    trained = _trained_batches(trainer, epochs, length)
+    if not trained or trained >= epochs * length:
+        return
+    fits = trained // length
+    fix = (
+        f"pass planned_epochs={fits} to selective_loader (the epochs of len(loader) batches "
+        "the run trains on)"
+        if fits >= 2
+        else "pass a policy without annealing (e.g. policy=sbloader.default_policy())"
+    )
+    warnings.warn(
+        f"the Trainer trains on {trained} batches (limit_train_batches="
+        f"{trainer.limit_train_batches!r}, max_steps={trainer.max_steps}), fewer than the "
+        f"max_epochs={epochs} epochs of len(loader)={length} batches ({epochs * length}) that "
+        "the default policy's anneal is planned for (planned_epochs=max_epochs), so the run "
+        f"ends before its annealed pass on all the data; {fix}",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 def selective_loader(
     module: pl.LightningModule, source: Any, model: nn.Module | None = None, **options: Any
 ) -> LightningLoader:
@@ -404,7 +451,10 @@ def selective_loader(
             With it, a Lightning epoch is ``batches_per_epoch`` batches and ``max_epochs``
             counts those: the default policy plans for the passes over the data they are
             expected to make, its annealed pass (all the data, several such epochs) included
-            (``loader.planned_passes``; see ``planned_epochs``).
+            (``loader.planned_passes``; see ``planned_epochs``). A Trainer that trains on fewer
+            batches than ``max_epochs`` such epochs (``limit_train_batches``, ``max_steps``)
+            would end before that pass: warned of (``UserWarning``), naming the
+            ``planned_epochs=`` to pass.
 
     Raises:
         TypeError: ``module`` is not a LightningModule (e.g. a LightningDataModule: pass
@@ -509,11 +559,14 @@ def selective_loader(
             )
     options.setdefault("metadata_key", "sb")
     epochs = trainer.max_epochs
-    if "policy" not in options and epochs is not None and epochs >= 2:
+    planned = "policy" not in options and "planned_epochs" not in options
+    if planned and epochs is not None and epochs >= 2:
         # NOTE: the default policy anneals (all the data) in the last eighth of the run, which
         # only the Trainer knows; max_epochs=-1 (unbounded) leaves it without annealing.
-        options.setdefault("planned_epochs", epochs)
+        options["planned_epochs"] = epochs
     loader = SelectiveLoader(source, module if model is None else model, **options)
+    if planned and loader.planned_epochs is not None and loader.batches_per_epoch is not None:
+        _warn_short_run(trainer, loader.planned_epochs, loader.batches_per_epoch)
     wrapper = LightningLoader(loader)
     found[0]._attach(wrapper, trainer.global_rank, world)
     return wrapper
