@@ -1866,7 +1866,9 @@ class SelectiveLoader(NotADataLoader):
         ``decisions="device"`` a generator state of another kind of device than the loader's
         (CPU or CUDA); migrates a version-1 state. A refused state changes nothing: the loader
         is as it was (a running epoch is closed, and the next ``iter(loader)`` resumes it where
-        it stopped, whichever check refused the state). The next ``iter(loader)`` continues a
+        it stopped, whichever check refused the state; where its source cannot replay its order
+        mid-epoch, e.g. a sampler on torch's global RNG, it is left part-way instead, as after
+        ``break``). The next ``iter(loader)`` continues a
         restored unfinished epoch.
 
         The other speed options may differ (a run resumed on another machine): a state saved
@@ -1891,6 +1893,12 @@ class SelectiveLoader(NotADataLoader):
         # a state refused later resumed it; every refusal now ends alike (closed, resumed).
         live = self._live_iterator()
         running = live is not None and live.running
+        # NOTE: a running epoch is closed below and, if the state is refused, resumed by the
+        # next iter() by replaying its source's order: where that order cannot be replayed (a
+        # sampler on torch's global RNG), the replay skipped the consumed batches of a new
+        # order, repeating some examples and never yielding others; it is then left part-way
+        # instead, as after ``break``.
+        resumable = running and self._source.mid_epoch_refusal() is None
         unfinished, source_state = self._unfinished, self._source_state
         # NOTE: an "auto" loader adopts the saved run's precision (its int8 copy or not, its
         # autocast dtype) before the later checks: a state refused by one of them must leave
@@ -1907,9 +1915,11 @@ class SelectiveLoader(NotADataLoader):
             self._left = None
         except BaseException:
             self._scorer.restore_precision(precision)
-            self._restore(backup, rollback=True)
+            self._restore(backup, rollback=True, resume=resumable)
             if not running:  # a running epoch was closed: the next iter() resumes it
                 self._unfinished = unfinished
+            elif not resumable and self._unfinished is not None:
+                self._unfinished = (self._unfinished[0], False)  # (left part-way)
             self._source_state = source_state
             raise
         # NOTE: said only now: logged as it was adopted, a resume refused after it said that
@@ -1947,10 +1957,12 @@ class SelectiveLoader(NotADataLoader):
             batches_per_epoch=None if self._fixed is None else self._fixed.count,
         )
 
-    def _restore(self, state: dict[str, Any], rollback: bool = False) -> None:
+    def _restore(self, state: dict[str, Any], rollback: bool = False, resume: bool = False) -> None:
         """Set the loader to ``state`` (checked by :meth:`load_state_dict`'s caller part);
         ``rollback``: ``state`` is this loader's own, taken before a refused load (its source's
-        generators are put back as they were, even where a mid-epoch resume would be refused)."""
+        generators are put back as they were, even where a mid-epoch resume would be refused);
+        ``resume``: with ``rollback``, the running epoch that ``state`` holds is resumed by the
+        next ``iter()``, and its source is told so, as for a mid-epoch state."""
         active, position = bool(state[K_ACTIVE]), int(state[K_POSITION])
         training = state.get(K_TRAINING)
         # NOTE: the running epoch is stopped before the source's generators are restored: its
@@ -1962,8 +1974,17 @@ class SelectiveLoader(NotADataLoader):
         self._live = None
         self._scorer.adopt_quantized(state[K_SCORER])
         self._scorer.adopt_autocast(state.get(K_AUTOCAST, self.autocast), self._autocast_requested)
-        mid_epoch = active and position > 0 and not rollback
-        self._source.load_state_dict(state[K_SOURCE], mid_epoch=mid_epoch)
+        # NOTE (resume): a source with its own state (StatefulSource) resumes where a mid-epoch
+        # state says; told it was not, its next epoch refused to start at the running epoch's
+        # position after a refused load ("can resume at source batch 0").
+        mid_epoch = active and position > 0 and (resume or not rollback)
+        try:
+            self._source.load_state_dict(state[K_SOURCE], mid_epoch=mid_epoch)
+        except ValueError:
+            if not (rollback and mid_epoch):
+                raise
+            # (a source of the user's own that refuses every mid-epoch state: put back as it was)
+            self._source.load_state_dict(state[K_SOURCE], mid_epoch=False)
         if active and position == 0 and not rollback:
             # NOTE: an epoch begun (its order drawn) whose first source batch raised (e.g. a
             # transient out-of-memory error in the selection pass): nothing was consumed, but

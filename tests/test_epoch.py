@@ -430,6 +430,33 @@ def test_a_refused_state_on_a_source_that_cannot_resume_mid_epoch_changes_nothin
     assert {k: loader.state_dict()[k] for k in ("epoch", "position", "active")} == before
 
 
+def test_a_refused_state_leaves_an_epoch_that_cannot_be_replayed_part_way_not_replayed():
+    """A running epoch is closed by ``load_state_dict``; the state refused, the next iter()
+    resumes it by replaying its source's order. A DataLoader shuffling with the global RNG draws
+    a new order then: the replay skipped the consumed batches of that other order, so the epoch
+    repeated some examples and never yielded others, silently. Such an epoch is left part-way
+    instead, as after ``break``: the next iter() starts the next epoch."""
+
+    def build(seed: int) -> SelectiveLoader:
+        dl = DataLoader(EncodedDataset(48), batch_size=8, shuffle=True)  # no generator=
+        return SelectiveLoader(dl, IndexLoss(), policy=Traditional(), batch_size=8, seed=seed)
+
+    state = build(seed=1).state_dict()
+    torch.manual_seed(0)
+    loader = build(seed=0)
+    it = iter(loader)
+    epochs: dict[int, list[int]] = {}
+    for _ in range(3):
+        epochs.setdefault(loader.epoch, []).extend(next(it).indices.tolist())
+    with pytest.raises(ValueError, match="has seed=1"):
+        loader.load_state_dict(state)
+    for batch in loader:
+        epochs.setdefault(loader.epoch, []).extend(batch.indices.tolist())
+    assert all(len(set(seen)) == len(seen) for seen in epochs.values()), epochs  # none twice
+    assert sorted(epochs) == [0, 1] and sorted(epochs[1]) == list(range(48))
+    assert loader.epoch == 2
+
+
 def test_a_state_saved_mid_pass_out_of_order_is_refused_wherever_it_is_loaded():
     """With ``in_order=False`` the workers hand out batches as they finish them, so the batches
     consumed are not the sampler's first ones, which a resumed epoch skips: it would repeat some
