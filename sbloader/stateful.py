@@ -138,6 +138,7 @@ class StatefulSource(Source):
         self._finished = False  # whether the loader's last epoch ran to its end
         self._abandoned = False  # whether it was left part-way (closed or failed)
         self._resume_at: int | None = None  # the position a loaded mid-epoch state resumes at
+        self._resume_ended = False  # whether the pass that state resumes had ended
         self._loaded: dict[str, Any] | None = None  # a loaded state, until the next epoch starts
 
     def has_indices(self) -> bool:
@@ -158,6 +159,7 @@ class StatefulSource(Source):
     ) -> Iterator[tuple[Any, np.ndarray | None]]:
         # NOTE: nothing is skipped here: a loaded state has already put the loader at ``skip``.
         expected, self._resume_at = self._resume_at or 0, None
+        ended, self._resume_ended = self._resume_ended, False
         if skip != expected:
             raise ValueError(
                 f"{type(self).__name__} can resume at source batch {expected} (where its loaded "
@@ -166,6 +168,12 @@ class StatefulSource(Source):
             )
         self._loaded = None
         self._position, self._finished, self._abandoned = skip, False, False
+        if ended:
+            # NOTE: the loaded state was saved after the pass's last batch (the epoch's short
+            # last batch, remainder="short", is handed out after it): nothing of the pass is
+            # left, and the loader's own state, loaded as at an epoch's end, begins the next pass.
+            self._finished = True
+            return
         try:
             if self._twin is not None:
                 for indices, batch in self._twin:
@@ -202,11 +210,6 @@ class StatefulSource(Source):
 
     def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
         state = check_version(state, type(self).__name__, self.STATE_VERSION)
-        if mid_epoch and state["finished"]:
-            raise ValueError(
-                f"the saved {type(self).__name__} state ended its epoch, but the SelectiveLoader "
-                "state resumes one; load the two from one state_dict()"
-            )
         workers, own = state.get("num_workers"), getattr(self.loader, "num_workers", None)
         if self.WORKERS_IN_STATE and workers is not None and workers != own:
             # NOTE: torchdata's StatefulDataLoader saves the state of each worker's share (and in
@@ -227,7 +230,11 @@ class StatefulSource(Source):
             # is resumed here and dropped (one batch read), so that the next iter() begins a
             # new one from the state the saved run's did.
             self._drop_resumed_pass()
+        # NOTE: a mid-epoch state whose pass had ended (saved after the epoch's short last batch,
+        # handed out after the pass's last source batch) resumes an epoch with nothing left to
+        # read; refused before ("ended its epoch"), such a step checkpoint could not be loaded.
         self._resume_at = int(state["position"]) if mid_epoch else None
+        self._resume_ended = bool(mid_epoch and state["finished"])
         self._loaded = state
 
     def _drop_resumed_pass(self) -> None:

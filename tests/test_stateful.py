@@ -295,10 +295,11 @@ def test_a_state_of_another_position_is_refused():
         list(resumed)
 
 
-def test_a_mid_epoch_state_holding_a_finished_sources_state_is_refused_at_load():
+def test_a_mid_epoch_state_holding_a_finished_sources_state_is_refused():
     """A hand-mixed checkpoint: the SelectiveLoader's state of a batch mid-epoch with the source's
     state of that epoch's end (saved after the pass). Resuming it would begin the next pass
-    where the loader expects the rest of this one; the load refuses it and names the fix."""
+    where the loader expects the rest of this one; it is refused as the epoch resumes, naming
+    the fix (a source state of an ended pass alone is no mix: see the next test)."""
     loader = iterable_loader()
     it = iter(loader)
     next(it)
@@ -307,11 +308,50 @@ def test_a_mid_epoch_state_holding_a_finished_sources_state_is_refused_at_load()
     end = loader.state_dict()
     assert end["source"]["finished"] and not mid["source"]["finished"]
     mixed = dict(mid, source=end["source"])
-    with pytest.raises(ValueError, match="ended its epoch, but the SelectiveLoader state resumes"):
-        iterable_loader().load_state_dict(mixed)
+    mixed_loader = iterable_loader()
+    mixed_loader.load_state_dict(mixed)
+    with pytest.raises(ValueError, match="load the SelectiveLoader's state and the source's"):
+        list(mixed_loader)
     resumed = iterable_loader()
     resumed.load_state_dict(mid)  # (the state as saved still resumes)
     assert run(resumed, 1)
+
+
+@pytest.mark.parametrize("make", [iterable_loader, map_loader], ids=["iterable", "map-style"])
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_a_step_checkpoint_after_an_epochs_short_last_batch_resumes_exactly(make, prefetch):
+    """With ``remainder="short"`` the epoch's short last batch is handed out after the pass's
+    last source batch: a state taken after it (a step checkpoint, inside the loop) holds the
+    source's state of an ended pass in a running epoch. It was refused when loaded ("ended its
+    epoch, but the SelectiveLoader state resumes one"), a checkpoint saved by the run itself."""
+    whole = make(remainder="short", prefetch=prefetch)
+    run(whole, 1)
+    state = None
+    for batch in whole:
+        if len(batch.indices) < 10:  # the short last batch
+            state = checkpoint(whole.state_dict())
+    assert state is not None and state["active"] and state["source"]["finished"]
+    expected = run(whole, 2)
+    resumed = make(remainder="short", prefetch=prefetch)
+    resumed.load_state_dict(state)
+    assert run(resumed, 1) == []  # the rest of the saved epoch: nothing
+    assert run(resumed, 2) == expected
+    assert resumed.epoch == whole.epoch
+
+
+def test_a_refused_state_leaves_a_running_epoch_to_go_on_where_it_stopped():
+    """A state refused while an epoch runs: the next iter(loader) goes on with that epoch where
+    it stopped. The loader put its source's own state back as at an epoch boundary, and the
+    resumed epoch raised at once ("can resume at source batch 0 ..., but the loader asked for
+    batch 2")."""
+    expected = run(map_loader(), 2)
+    state = map_loader(keep_logits=True).state_dict()  # another run's
+    loader = map_loader()
+    it = iter(loader)
+    head = [next(it).indices.tolist() for _ in range(2)]
+    with pytest.raises(ValueError, match="has keep_logits=True"):
+        loader.load_state_dict(state)
+    assert head + run(loader, 2) == expected
 
 
 def test_accelerates_prepared_loader_is_not_taken_for_a_stateful_one():
