@@ -1443,6 +1443,14 @@ class SelectiveLoader(NotADataLoader):
         previous = self.stats.current
         if rest and previous is not None:
             previous.dropped += rest
+            # (its line was logged as it was left, with the rows not dropped yet: said now)
+            logger.info(
+                "epoch %d (left part-way): dropped %d more, the rest of its last source batch, "
+                "as the next epoch begins a whole pass (dropped %d in all)",
+                previous.epoch,
+                rest,
+                previous.dropped,
+            )
 
     def feedback(self, indices: Any, losses: Any) -> None:
         """Report the training step's per-example losses, to keep the policy's scores fresh.
