@@ -534,6 +534,17 @@ def _selected_column(name: str, store: Any) -> np.ndarray:
     return _counts(name, store)
 
 
+def _scored_column(store: Any) -> np.ndarray | None:
+    """Which examples an ExampleStore (or its state) ever scored, or None where it is not known
+    (a ``selected`` column given alone, a state naming a memory-mapped store's live files)."""
+    if isinstance(store, ExampleStore):
+        return np.asarray(store.seen) > 0
+    if isinstance(store, Mapping) and ("seen" in store or "path" in store):
+        column = saved_column(dict(store), "seen")
+        return None if column is None else column > 0
+    return None
+
+
 def store_selection_frequency(
     store: Any, seen: Any, *, before: Any = None, seen_before: Any = None
 ) -> np.ndarray:
@@ -541,11 +552,21 @@ def store_selection_frequency(
 
     The store counts selections but not how often each example was seen (it keeps the epoch of
     the last loss, not a count), so ``seen`` comes from the caller: with every example drawn
-    once per epoch, it is the number of epochs.
+    once in each epoch the store's policy decided, it is the number of those epochs. NOTE:
+    only those: a :class:`~sbloader.Phased` policy's warm-up and annealed epochs (the default
+    policy's Random-Backprop epoch, its annealed end) are decided by another policy, whose
+    selections the store does not count, so leave them out of ``seen``. Under DDP each rank's
+    store holds every rank's losses but counts only its own rank's selections: sum the
+    ``selected`` columns over the ranks (``torch.distributed.all_reduce``) and pass the sum.
+
+    An example that a store (or its state) given whole never scored and never selected was
+    never drawn in an epoch its policy decided (a selection pass scores every candidate, a
+    stale epoch selects every candidate it has no loss for): one outside the loader's
+    ``subset``, say. Its frequency is NaN, whatever ``seen`` says, not 0.
 
     Args:
         store: an :class:`~sbloader.ExampleStore`, its ``state_dict()`` (in memory), or its
-            ``selected`` column.
+            ``selected`` column (then nothing is known of which examples it scored).
         seen: times each example was seen: (N,) integers, or one int for all.
         before: the counts at the window's start: a copy of the ``selected`` column
             (``store.selected.copy()``), a copy of the store (``copy.deepcopy(store)``), or a
@@ -563,6 +584,7 @@ def store_selection_frequency(
         >>> import numpy as np
         >>> from sbloader import ExampleStore
         >>> store = ExampleStore(3)
+        >>> store.record(np.arange(3), np.array([0.2, 0.1, 0.9]), epoch=0)  # all scored
         >>> store.count_selected(np.array([0, 2]))
         >>> snapshot = store.selected.copy()
         >>> store.count_selected(np.array([0]))
@@ -570,6 +592,14 @@ def store_selection_frequency(
         [1.0, 0.0, 0.5]
         >>> store_selection_frequency(store, 2, before=snapshot, seen_before=1).tolist()
         [1.0, 0.0, 0.0]
+
+        An example the store never scored nor selected (outside a ``subset``) is NaN:
+
+        >>> store = ExampleStore(3)
+        >>> store.record(np.array([0, 1]), np.array([0.5, 2.0]), epoch=0)
+        >>> store.count_selected(np.array([1]))
+        >>> store_selection_frequency(store, 1).tolist()
+        [0.0, 1.0, nan]
     """
     if before is not None and before is store:
         raise ValueError(
@@ -578,9 +608,15 @@ def store_selection_frequency(
         )
     selected = _selected_column("store", store)
     selected_before = None if before is None else _selected_column("before", before)
-    return selection_frequency(
+    frequency = selection_frequency(
         selected, seen, selected_before=selected_before, seen_before=seen_before
     )
+    # NOTE: a subset's other examples read 0 (never selected) with seen= the epochs: the least
+    # used of the run, first in a gallery and in the overlap with EL2N's lowest (the pruned).
+    scored = _scored_column(store)
+    if scored is not None and scored.shape == selected.shape:
+        frequency[~scored & (selected == 0)] = np.nan
+    return frequency
 
 
 def _selected_set(epoch: int, value: Any) -> np.ndarray:

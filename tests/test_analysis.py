@@ -176,6 +176,7 @@ def test_selection_frequency_over_a_run_and_a_window():
 def test_selection_frequency_from_a_store_with_known_counts():
     store = ExampleStore(5)
     # Epoch 1 selects 0, 1, 1 (a repeat counts again); epoch 2 selects 1, 3; example 4 never seen.
+    store.record(np.arange(4), np.ones(4), epoch=0)  # (a selection pass scores what it draws)
     store.count_selected(np.array([0, 1, 1]))
     snapshot = store.state_dict()
     column = store.selected.copy()
@@ -192,6 +193,7 @@ def test_selection_frequency_from_a_store_with_known_counts():
 
 def test_selection_frequency_from_a_memory_mapped_store(tmp_path):
     store = ExampleStore(3, path=tmp_path)
+    store.record(np.arange(3), np.ones(3), epoch=0)
     store.count_selected(np.array([2, 2, 0]))
     same(store_selection_frequency(store, 4), [0.25, 0.0, 0.5])
     same(store_selection_frequency(store.state_dict(), 4), [0.25, 0.0, 0.5])  # its snapshot
@@ -204,6 +206,7 @@ def test_a_memory_mapped_stores_checkpoint_as_before_writes_and_removes_nothing(
     """The counts since a checkpoint: its state's snapshot is read, and the call neither writes
     a snapshot nor removes one (which could make the checkpoint unloadable)."""
     store = ExampleStore(4, path=tmp_path, keep_snapshots=2)
+    store.record(np.arange(4), np.ones(4), epoch=0)
     store.count_selected(np.array([1]))
     first = store.state_dict()
     store.count_selected(np.array([2, 2]))
@@ -217,6 +220,34 @@ def test_a_memory_mapped_stores_checkpoint_as_before_writes_and_removes_nothing(
     assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == snapshots
     store.load_state_dict(first)
     assert store.selected.tolist() == [0, 1, 0, 0]
+
+
+def test_selection_frequency_of_a_subset_run_is_nan_outside_the_subset():
+    """Diet-SB (a pruned subset under Stale-SB): the examples the loader never drew are NaN,
+    not 0, so they are not the run's least used (nor the overlap with EL2N's lowest)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(60, 4), torch.randint(0, 2, (60,)))
+    keep = sbloader.prune(np.arange(60.0), 0.5)  # the 30 hardest: 30 .. 59
+    policy = sbloader.SelectiveBackprop(1 / 3, staleness=2)
+    loader = sbloader.SelectiveLoader(
+        DataLoader(data, batch_size=10),
+        torch.nn.Linear(4, 2),
+        policy=policy,
+        batch_size=5,
+        subset=keep,
+    )
+    for _ in range(2):
+        for _batch in loader:
+            pass
+    assert policy.store is not None
+    for store in (policy.store, policy.store.state_dict()):
+        frequency = store_selection_frequency(store, 2)
+        assert np.isnan(frequency[:30]).all()
+        assert not np.isnan(frequency[30:]).any()
+    assert gallery_indices(store_selection_frequency(policy.store, 2), 5).min() >= 30
+    # Given alone, the selected column says nothing of what was scored: 0 where not selected.
+    assert not np.isnan(store_selection_frequency(policy.store.selected.copy(), 2)).any()
 
 
 @pytest.mark.parametrize(
