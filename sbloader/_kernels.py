@@ -523,8 +523,9 @@ def sb_choose_stale(
     """Stale-SB's decision for one batch without a selection pass, in one call.
 
     Each candidate's P comes from its stored loss ranked against the window without changing it,
-    as :func:`cdf_power` (with its ``cut``; P = 1 for an example never scored, 0 for one whose
-    stored loss is not finite); it is kept when
+    as :func:`cdf_power` (with its ``cut``; P = 1 for an example never scored or whose stored
+    loss is +inf, kept for its non-finite loss, 0 for one whose stored loss is NaN); it is kept
+    when
     ``uniforms[i] < P`` and counts one selection. Outputs and the return value as in
     :func:`sb_choose_fresh`.
     """
@@ -535,7 +536,7 @@ def sb_choose_stale(
     for i in range(indices.shape[0]):
         j = indices[i]
         x = np.float64(store_loss[j])
-        if store_seen[j] == 0:
+        if store_seen[j] == 0 or x == np.inf:  # (+inf: kept then, ExampleStore.mark_nonfinite)
             p = 1.0
         elif not np.isfinite(x):  # scored non-finite and skipped then (ExampleStore.mark_nonfinite)
             p = 0.0

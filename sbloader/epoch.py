@@ -1299,8 +1299,11 @@ class EpochIterator:
             if finite.any():
                 idx = None if indices is None else indices[finite]
                 loader.policy.observe(values[finite], idx, cdf=loader.cdf == "global")
-            if indices is not None and loader.nonfinite == "skip" and not finite.all():
-                loader.policy.count_skipped(indices[~finite])  # (every rank's store alike)
+            if indices is not None and not finite.all():  # (every rank's store alike)
+                if loader.nonfinite == "skip":
+                    loader.policy.count_skipped(indices[~finite])
+                elif loader.nonfinite == "select":
+                    loader.policy.mark_forced(indices[~finite])
 
     def _count_unloaded(self, now: tuple[int, int, Any]) -> None:
         """Add the candidates left out before loading since the last count to the stats."""

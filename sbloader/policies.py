@@ -253,6 +253,13 @@ class Policy(abc.ABC):
         selection loss under ``nonfinite="select"`` (int64 dataset indices). A policy with
         per-example records counts them as selected, as it counts those it chooses."""
 
+    def mark_forced(self, indices: np.ndarray) -> None:  # noqa: B027 - optional hook
+        """Examples backpropagated for a non-finite selection loss under ``nonfinite="select"``
+        (int64 dataset indices), by this rank (from :meth:`count_forced`) or by another (a
+        distributed run's shared losses). A policy with per-example records marks them, so
+        that the epochs deciding from stored losses keep them too, instead of deciding from a
+        loss measured before; unlike :meth:`count_forced`, nothing is counted as selected."""
+
     def parts(self) -> list[Policy]:
         """This policy and the policies it runs (a :class:`Phased`'s), each holding run state
         that belongs to one loader."""
@@ -710,6 +717,7 @@ class SelectiveBackprop(Policy):
         if not len(stored):
             return None
         p = rank_against(self._reference, stored, self._cut_beta, self._cut)
+        p[stored == np.inf] = 1.0  # (kept for a non-finite loss, as the stale epochs keep it)
         return float(np.nan_to_num(p, nan=0.0).mean())
 
     def _drifted(self) -> bool:
@@ -800,6 +808,12 @@ class SelectiveBackprop(Policy):
     def count_forced(self, indices: np.ndarray) -> None:
         if self.store is not None and len(indices):
             self.store.count_selected(indices)
+        self.mark_forced(indices)
+
+    def mark_forced(self, indices: np.ndarray) -> None:
+        self._adopt_store()
+        if self.store is not None and len(indices):
+            self.store.mark_nonfinite(indices, self._epoch, kept=True)
 
     def count_skipped(self, indices: np.ndarray) -> None:
         self._adopt_store()
@@ -844,6 +858,7 @@ class SelectiveBackprop(Policy):
         stored, measured = self._stale_store().lookup(indices)
         p = self.window.rank(stored, self._cut_beta, self._cut)
         p[measured < 0] = 1.0
+        p[stored == np.inf] = 1.0  # a non-finite loss, kept where it was measured (mark_forced)
         p[np.isnan(p)] = 0.0  # a non-finite loss, skipped where it was measured (count_skipped)
         return p
 
@@ -1400,6 +1415,10 @@ class Phased(Policy):
     def count_skipped(self, indices: np.ndarray) -> None:
         if self.active(self._epoch):
             self.policy.count_skipped(indices)
+
+    def mark_forced(self, indices: np.ndarray) -> None:
+        if self.active(self._epoch):
+            self.policy.mark_forced(indices)
 
     def feedback(self, indices: np.ndarray, losses: np.ndarray, epoch: int) -> None:
         # NOTE: also from warm-up epochs (recorded as the wrapped policy's epoch 0): the store

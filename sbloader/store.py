@@ -99,7 +99,8 @@ class ExampleStore:
     The dataset index *is* the position in each column, so indices are exact at any size (no float
     round trip, unlike an all_gather of indices cast to float). Columns:
 
-    - ``loss`` (float32): the last finite selection loss (clipped to float32's range).
+    - ``loss`` (float32): the last finite selection loss (clipped to float32's range); NaN or
+      +inf for one scored non-finite and left out or kept then (:meth:`mark_nonfinite`).
     - ``seen`` (int32): the epoch that loss was measured in, plus one; 0 if never scored.
     - ``selected`` (int32): how many times the example was chosen for backprop.
 
@@ -351,22 +352,30 @@ class ExampleStore:
         out = _kernels.store_record(self.loss, self.seen, idx, values, epoch)
         self.check_outside(out, idx)
 
-    def mark_nonfinite(self, indices: np.ndarray, epoch: int) -> None:
+    def mark_nonfinite(self, indices: np.ndarray, epoch: int, kept: bool = False) -> None:
         """Record that each index's selection loss, measured in ``epoch``, was not finite: its
-        stored loss becomes NaN, scored in ``epoch`` (not "never scored", which a stale epoch
-        keeps with P = 1). A later finite loss replaces it.
+        stored loss becomes NaN (left out: a stale epoch keeps it with P = 0) or, with ``kept``,
+        +inf (kept anyway, ``nonfinite="select"``: a stale epoch keeps it with P = 1), scored
+        in ``epoch`` (not "never scored"; a finite stored loss measured before is dropped). A
+        later finite loss replaces it.
+
+        NOTE (kept): +inf is never a finite loss's stored value (those are clipped to float32's
+        range), so it tells a kept non-finite loss apart. Under "select" the store kept the
+        loss measured in an earlier pass, and the stale epochs decided from that one (a low
+        loss: never kept), where README says they keep the example, as its pass did.
 
         Example:
             >>> s = ExampleStore(4)
             >>> s.mark_nonfinite(np.array([2]), epoch=0)
-            >>> s.lookup(np.array([1, 2]))
-            (array([nan, nan]), array([-1,  0]))
+            >>> s.mark_nonfinite(np.array([3]), epoch=0, kept=True)
+            >>> s.lookup(np.array([1, 2, 3]))
+            (array([nan, nan, inf]), array([-1,  0,  0]))
         """
         epoch = check_int("epoch", epoch, minimum=0)
         idx = self._indices(indices)
         self.check_outside(int(np.count_nonzero((idx < 0) | (idx >= self.size))), idx)
         loss, seen = self.loss, self.seen
-        loss[idx] = np.nan
+        loss[idx] = np.inf if kept else np.nan
         seen[idx] = epoch + 1
 
     def lookup(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1796,10 +1796,11 @@ def test_nonfinite_losses_never_cross_the_exchange_and_are_counted(nonfinite, cd
         assert len(window) == (len(good) if cdf == "global" else len(own) - len(own_bad))
         # Every rank's store: both ranks' finite losses, and under "skip" (the global CDF's
         # run) both ranks' non-finite ones marked as scored (NaN, epoch 0), so that stale
-        # epochs skip them too; under "select" they stay never scored (kept with P = 1).
+        # epochs skip them too; under "select" marked as scored and kept (+inf, epoch 0), so
+        # that stale epochs keep them too.
         losses, epochs = res["store"]
-        marked = 0 if cdf == "global" else -1
-        assert np.isnan(losses[bad]).all() and (epochs[bad] == marked).all()
+        marked = np.isnan(losses[bad]) if cdf == "global" else losses[bad] == np.inf
+        assert marked.all() and (epochs[bad] == 0).all()
         assert np.isfinite(losses[good]).all() and (epochs[good] == 0).all()
         expected = own if cdf == "local" else np.setdiff1d(own, bad)  # select / skip
         assert res["yielded"] == expected.tolist()

@@ -108,7 +108,7 @@ class RefSB:
     def stale_probabilities(self, indices):
         stored = np.where(self.seen[indices] > 0, self.loss[indices].astype(np.float64), np.nan)
         p = self.window.rank(stored, self.beta)
-        p[self.seen[indices] == 0] = 1.0
+        p[(self.seen[indices] == 0) | (stored == np.inf)] = 1.0  # (+inf: kept non-finite)
         return p
 
     def choose(self, losses, indices, rng, n):
@@ -158,9 +158,12 @@ class Adapter:
         return self.ref.choose(losses, indices, rng, n)
 
     def count_forced(self, indices):
-        """Examples kept for their non-finite losses count as selected (nonfinite="select")."""
+        """Examples kept for their non-finite losses count as selected (nonfinite="select"),
+        stored as kept non-finite (+inf, scored in this epoch)."""
         if self.ref.store:
             np.add.at(self.ref.selected, indices, 1)
+            self.ref.loss[indices] = np.inf
+            self.ref.seen[indices] = self.ref.epoch + 1
 
     def normalize_weights(self):
         """The weights are compared as chosen (checked_choice asks, to check them)."""

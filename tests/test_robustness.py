@@ -953,9 +953,10 @@ def test_nan_and_infinite_losses_never_reach_window_or_store(mode):
     window = loader.policy.window.values()
     assert np.isfinite(window).all() and len(window) == 120 - len(bad)
     losses, epochs = store.lookup(np.arange(120))
-    # skipped: marked scored non-finite (so stale epochs skip them too); selected: never scored
-    marked = 0 if mode == "skip" else -1
-    assert np.isnan(losses[sorted(bad)]).all() and (epochs[sorted(bad)] == marked).all()
+    # marked scored non-finite: skipped as NaN (so stale epochs skip them too), selected as
+    # +inf (so stale epochs keep them too)
+    marked = np.isnan(losses[sorted(bad)]) if mode == "skip" else losses[sorted(bad)] == np.inf
+    assert marked.all() and (epochs[sorted(bad)] == 0).all()
     good = np.setdiff1d(np.arange(120), sorted(bad))
     assert np.isfinite(losses[good]).all() and (epochs[good] == 0).all()
     if mode == "skip":

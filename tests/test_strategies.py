@@ -143,6 +143,37 @@ def test_never_scored_examples_are_selected_not_skipped():
     assert set(range(30)) <= got
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stale_epochs_keep_an_example_kept_for_a_later_non_finite_loss(workers):
+    """Under nonfinite="select" an example whose loss turns non-finite in a later selection pass
+    is kept there, and in the stale epochs after it too (prefiltered at the source or chosen per
+    batch): they decided from the finite loss stored by the pass before (a low one: never kept),
+    where README says they keep it, as its pass did."""
+
+    class NanLater(IndexLoss):
+        nan = False
+
+        def forward(self, x):
+            out = super().forward(x)
+            if self.nan:
+                out[x[:, 0] < 30] = float("nan")  # examples 0..29, whose losses are the lowest
+            return out
+
+    model = NanLater()
+    policy = SelectiveBackprop(1 / 3, staleness=2, drift_bound=None)
+    loader = loader_for(policy, model=model, remainder="short", nonfinite="select", workers=workers)
+    list(loader)  # epoch 0: a selection pass, every loss finite and stored
+    list(loader)  # epoch 1: stale
+    model.nan = True
+    fresh = {i for b in loader for i in b.indices.tolist()}  # epoch 2: a pass, 0..29 non-finite
+    assert set(range(30)) <= fresh
+    assert not policy.needs_losses(3)
+    stale = {i for b in loader for i in b.indices.tolist()}  # epoch 3: stale
+    assert set(range(30)) <= stale
+    assert (policy.stale_probabilities(np.arange(30)) == 1.0).all()
+    assert (policy.store.lookup(np.arange(30))[1] == 2).all()  # scored in the pass of epoch 2
+
+
 def test_a_stale_epoch_gives_an_example_skipped_as_non_finite_p_0_as_choose_does():
     """An example whose selection loss was not finite (marked by count_skipped, as
     nonfinite="skip" does) gets P = 0 in its stale epochs from stale_probabilities (the P that
