@@ -570,15 +570,16 @@ def store_record(
 
     Non-finite values are not stored (the example keeps its previous loss); finite ones beyond
     float32's range are stored clipped to it (:func:`as_stored`). Returns the number of indices
-    outside the store (not written).
+    outside the store, in which case nothing was written.
+
+    NOTE: checked before any write (as :func:`sb_choose_fresh`): the indices inside were
+    written, and the caller then raised, so a refused call had changed the store.
     """
-    n = loss.shape[0]
-    outside = 0
+    outside = _outside(indices, loss.shape[0])
+    if outside:
+        return outside
     for i in range(indices.shape[0]):
         j = indices[i]
-        if j < 0 or j >= n:
-            outside += 1
-            continue
         v = values[i]
         if np.isfinite(v):
             loss[j] = as_stored(v)
@@ -614,16 +615,14 @@ def store_lookup(
 
 @_jit
 def store_count(selected: np.ndarray, indices: np.ndarray) -> int:
-    """Add one to the selection count of each index (repeats count twice)."""
-    n = selected.shape[0]
-    outside = 0
+    """Add one to the selection count of each index (repeats count twice); returns how many
+    indices are outside, in which case nothing was counted (see :func:`store_record`)."""
+    outside = _outside(indices, selected.shape[0])
+    if outside:
+        return outside
     for i in range(indices.shape[0]):
-        j = indices[i]
-        if j < 0 or j >= n:
-            outside += 1
-        else:
-            selected[j] += 1
-    return outside
+        selected[indices[i]] += 1
+    return 0
 
 
 @_jit

@@ -342,7 +342,7 @@ class ExampleStore:
         """Store each finite loss for its index, measured in ``epoch`` (non-finite: kept as was).
 
         ``epoch`` must be >= 0: the ``seen`` column holds it plus one, and 0 there means "never
-        scored".
+        scored". An index outside the store raises ``IndexError``, and nothing is stored.
         """
         epoch = check_int("epoch", epoch, minimum=0)
         idx = self._indices(indices)
@@ -415,7 +415,8 @@ class ExampleStore:
         return self.lookup(spread_scored(self.seen, count))
 
     def count_selected(self, indices: np.ndarray) -> None:
-        """Count one selection for each index (an index repeated is counted again)."""
+        """Count one selection for each index (an index repeated is counted again); an index
+        outside the store raises ``IndexError``, and nothing is counted."""
         idx = self._indices(indices)
         self.check_outside(_kernels.store_count(self.selected, idx), idx)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sbloader import SelectiveBackprop
+from sbloader import ExampleStore, SelectiveBackprop
 from sbloader._random import hashed_uniforms
 from sbloader.decisions import choose_finite
 from sbloader.policies import Choice
@@ -250,6 +250,22 @@ def test_indices_outside_the_store_change_nothing(stale):
     np.testing.assert_array_equal(sb.window.values(), window)
     np.testing.assert_array_equal(sb.store.selected, selected)
     assert sb.store.seen[2] == 0
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_store_call_refused_for_an_index_outside_changes_nothing(mapped, tmp_path):
+    """ExampleStore.record and count_selected refuse a call holding an index outside the
+    store before writing anything, as lookup, mark_nonfinite and the fused kernels do: they
+    wrote the indices inside, then raised, so a refused call had changed the store."""
+    store = ExampleStore(4, path=tmp_path if mapped else None)
+    store.record(np.array([1]), np.array([0.5]), epoch=0)
+    with pytest.raises(IndexError, match="outside the store of size 4"):
+        store.record(np.array([2, 1, 9]), np.array([7.0, 8.0, 9.0]), epoch=1)
+    with pytest.raises(IndexError, match="outside the store of size 4"):
+        store.count_selected(np.array([2, -1]))
+    losses, epochs = store.lookup(np.arange(4))
+    np.testing.assert_array_equal(losses, [np.nan, 0.5, np.nan, np.nan])
+    assert epochs.tolist() == [-1, 0, -1, -1] and store.selected.tolist() == [0, 0, 0, 0]
 
 
 def test_lengths_must_match():
