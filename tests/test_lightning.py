@@ -170,6 +170,25 @@ def test_max_epochs_plans_the_default_recipe_from_two_epochs_on():
         assert selective_loader(module, source, batch_size=24).loader.planned_epochs == planned
 
 
+class RecordingRates(Classifier):
+    """The default policy as selective_loader plans it (``options`` passed on: e.g.
+    ``planned_epochs``, ``batches_per_epoch``), recording each step's target rate (1.0 in the
+    annealed passes)."""
+
+    def __init__(self, **options):
+        super().__init__()
+        self.options, self.rates = options, []
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        source = DataLoader(data(), batch_size=64, shuffle=True, generator=g)
+        return selective_loader(self, source, batch_size=8, seed=0, **self.options)
+
+    def training_step(self, batch, batch_idx):
+        self.rates.append(self.trainer.train_dataloader.loader.policy.target_rate)
+        return super().training_step(batch, batch_idx)
+
+
 @pytest.mark.parametrize("cut", [dict(limit_train_batches=0.5), dict(max_steps=150)])
 def test_a_run_shorter_than_max_epochs_of_len_batches_warns_and_its_fix_anneals(cut):
     """With batches_per_epoch, planned_epochs=max_epochs plans the default recipe's anneal for
@@ -177,23 +196,8 @@ def test_a_run_shorter_than_max_epochs_of_len_batches_warns_and_its_fix_anneals(
     (limit_train_batches, max_steps) ended before the annealed pass, unsaid. It warns, naming
     the planned_epochs that fits, and with it the run ends on all the data."""
 
-    class DefaultPolicy(Classifier):
-        def __init__(self, **options):
-            super().__init__()
-            self.options, self.rates = options, []
-
-        def train_dataloader(self):
-            g = torch.Generator().manual_seed(1)
-            source = DataLoader(data(), batch_size=64, shuffle=True, generator=g)
-            options = dict(batch_size=8, seed=0, batches_per_epoch="expected", **self.options)
-            return selective_loader(self, source, **options)
-
-        def training_step(self, batch, batch_idx):
-            self.rates.append(self.trainer.train_dataloader.loader.policy.target_rate)
-            return super().training_step(batch, batch_idx)
-
     with pytest.warns(UserWarning, match="planned_epochs=") as caught:
-        module = DefaultPolicy()
+        module = RecordingRates(batches_per_epoch="expected")
         trainer(epochs=16, **cut).fit(module)  # 21 batches an epoch: 336 planned, 160 or 150 run
     assert module.rates and 1.0 not in module.rates  # the run never reached its anneal
     message = next(str(w.message) for w in caught if "Trainer trains" in str(w.message))
@@ -201,8 +205,32 @@ def test_a_run_shorter_than_max_epochs_of_len_batches_warns_and_its_fix_anneals(
     assert fits == (160 if "limit_train_batches" in cut else 150) // 21
     with warnings.catch_warnings():
         warnings.filterwarnings("error", "the Trainer trains", UserWarning)
-        fixed = DefaultPolicy(planned_epochs=fits)
+        fixed = RecordingRates(batches_per_epoch="expected", planned_epochs=fits)
         trainer(epochs=16, **cut).fit(fixed)
+    assert fixed.rates[-1] == 1.0  # annealed by the end
+
+
+def test_max_steps_before_the_anneal_without_batches_per_epoch_warns_and_its_fix_anneals():
+    """Without batches_per_epoch, planned_epochs=max_epochs plans the default recipe's anneal
+    for max_epochs passes over the data; a max_steps that comes first ended the run before the
+    annealed passes, unsaid (limit_train_batches alone still reaches them). It warns, naming
+    the planned_epochs that fits, and with it the run ends on all the data."""
+
+    # 512 examples in batches of 8: about 21.3 batches a pass at 1/3, 64 on all the data; 16
+    # passes planned (2 annealed): about 427 batches, of which max_steps=150 trains on 150
+    with pytest.warns(UserWarning, match="max_steps=150") as caught:
+        module = RecordingRates()
+        trainer(epochs=16, max_steps=150).fit(module)
+    assert module.rates and 1.0 not in module.rates  # the run never reached its anneal
+    message = next(str(w.message) for w in caught if "max_steps=150" in str(w.message))
+    fits = int(message.split("pass planned_epochs=")[1].split(" ")[0])
+    assert fits == 5  # 4 passes at 1/3 and one annealed: about 149 batches
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "the Trainer stops", UserWarning)
+        fixed = RecordingRates(planned_epochs=fits)
+        trainer(epochs=16, max_steps=150).fit(fixed)
+        unbounded = RecordingRates()
+        trainer(epochs=3, max_steps=1000).fit(unbounded)  # (max_steps past the plan: silent)
     assert fixed.rates[-1] == 1.0  # annealed by the end
 
 

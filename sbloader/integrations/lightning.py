@@ -72,8 +72,9 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from .._state import check_version
 from ..epoch import EpochIterator
-from ..length import FixedEpochIterator
+from ..length import FixedEpochIterator, batches_at
 from ..loader import SelectiveLoader
+from ..policies import Phased, passes_within
 
 __all__ = ["LightningLoader", "SelectiveLoaderCallback", "selective_loader"]
 
@@ -426,6 +427,55 @@ def _warn_short_run(trainer: pl.Trainer, epochs: int, length: int) -> None:
     )
 
 
+def _warn_steps_before_anneal(trainer: pl.Trainer, loader: SelectiveLoader) -> None:
+    """Warn where ``planned_epochs=max_epochs`` without ``batches_per_epoch`` (each Lightning
+    epoch one pass over the data) plans the default policy's anneal for more batches than a
+    ``max_steps`` that comes first lets the Trainer train on, naming the ``planned_epochs=``
+    to pass.
+
+    NOTE: without ``batches_per_epoch`` a Lightning epoch is one pass, cut to
+    ``limit_train_batches`` or not, so ``limit_train_batches`` alone still reaches the planned
+    passes; ``max_steps`` ends the run after that many optimizer steps, whatever the epoch, and
+    a run that stopped before its annealed passes was the default recipe without its anneal,
+    unsaid. The passes' batches are expected counts (a selective pass keeps a random number):
+    the run is compared with the plan's expected batches, as ``passes_within`` plans them.
+    """
+    max_steps, policy = trainer.max_steps, loader.policy
+    if max_steps == -1 or not isinstance(policy, Phased) or policy.anneal_from_epoch is None:
+        return
+    try:
+        steady = batches_at(loader._source, loader._subset, loader.batch_size, policy.steady_rate)
+        full = batches_at(loader._source, loader._subset, loader.batch_size, 1.0)
+    except TypeError:  # (a source whose pass cannot be counted: nothing to compare with)
+        return
+    limit = trainer.limit_train_batches
+    if isinstance(limit, int):
+        steady, full = min(steady, limit), min(full, limit)
+    elif isinstance(limit, float):
+        steady, full = steady * limit, full * limit
+    epochs, anneal = loader.planned_epochs or 0, policy.anneal_from_epoch
+    planned = anneal * steady + (epochs - anneal) * full
+    trained = max_steps * trainer.accumulate_grad_batches
+    if not steady or trained >= planned * (1 - 1e-9):
+        return
+    fits = passes_within(trained, steady, full)
+    fix = (
+        f"pass planned_epochs={fits} to selective_loader (the passes over the data that "
+        f"{trained} batches are expected to make)"
+        if fits is not None and fits >= 3
+        else "pass a policy without annealing (e.g. policy=sbloader.default_policy())"
+    )
+    warnings.warn(
+        f"the Trainer stops after max_steps={max_steps} optimizer steps (about {trained} "
+        f"batches), before the max_epochs={epochs} passes over the data (about "
+        f"{planned:.0f} batches) that the default policy's anneal is planned for "
+        "(planned_epochs=max_epochs): its annealed passes on all the data begin after about "
+        f"{anneal * steady:.0f} batches, so the run ends before they do; {fix}",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 def selective_loader(
     module: pl.LightningModule, source: Any, model: nn.Module | None = None, **options: Any
 ) -> LightningLoader:
@@ -454,7 +504,8 @@ def selective_loader(
             (``loader.planned_passes``; see ``planned_epochs``). A Trainer that trains on fewer
             batches than ``max_epochs`` such epochs (``limit_train_batches``, ``max_steps``)
             would end before that pass: warned of (``UserWarning``), naming the
-            ``planned_epochs=`` to pass.
+            ``planned_epochs=`` to pass. Without it, a ``max_steps`` that ends the run before
+            the planned passes' expected batches (before their anneal) is warned of too.
 
     Raises:
         TypeError: ``module`` is not a LightningModule (e.g. a LightningDataModule: pass
@@ -567,6 +618,8 @@ def selective_loader(
     loader = SelectiveLoader(source, module if model is None else model, **options)
     if planned and loader.planned_epochs is not None and loader.batches_per_epoch is not None:
         _warn_short_run(trainer, loader.planned_epochs, loader.batches_per_epoch)
+    elif planned and loader.planned_epochs is not None:
+        _warn_steps_before_anneal(trainer, loader)
     wrapper = LightningLoader(loader)
     found[0]._attach(wrapper, trainer.global_rank, world)
     return wrapper
