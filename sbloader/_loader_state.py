@@ -44,6 +44,7 @@ __all__ = [
     "K_RETURNED",
     "K_RNG",
     "K_SCORER",
+    "K_SHARE",
     "K_SOURCE",
     "K_SPEED",
     "K_STATS",
@@ -90,6 +91,10 @@ K_SPEED = "speed"
 # loaded only what the policy kept of the source (a Stale-SB stale epoch's prefilter), which
 # decides what its position counts (filtered source batches, or all of them).
 K_PREFILTER = "prefilter"
+# NOTE: optional (absent from states saved before it, and None on one process): the share of
+# the running epoch's pass that every rank reports as drawn (EpochIterator.shared_fraction), so
+# that a resumed run's ``progress`` goes on as the uninterrupted run's, the same on every rank.
+K_SHARE = "share"
 
 
 def _stable_repr(value: Any) -> str:

@@ -6,10 +6,12 @@ rank selects different examples, so each would fill a different number of batche
 :class:`RankSync` makes every rank yield the same number, without ``Join``:
 
 - after each source batch, every rank makes ONE ``all_reduce(MIN)`` of the int64 tuple
-  ``[ready, -active, empty, failed]``: ``ready`` is the number of full batches it could yield
-  now, ``active`` is 1 while it still has source batches, ``empty`` names the rank once its pass
-  is over without an example (refused on every rank when the pass ends), ``failed`` the rank and
-  the kind of an error it met in the round (below). Every rank then yields the
+  ``[ready, -active, empty, failed, share]``: ``ready`` is the number of full batches it could
+  yield now, ``active`` is 1 while it still has source batches, ``empty`` names the rank once its
+  pass is over without an example (refused on every rank when the pass ends), ``failed`` the
+  rank and the kind of an error it met in the round (below), ``share`` the share of its pass it
+  has drawn (whose minimum every rank's ``loader.progress`` reports, so that a learning rate
+  keyed on it is the same on every rank). Every rank then yields the
   minimum; the surplus stays pending and is yielded later, as carried examples are on one
   process;
 - a rank whose source is exhausted keeps taking part (``active = 0``, no new data) until no rank
@@ -94,6 +96,11 @@ __all__ = [
 #: (0: none); the reduced integer is ``rank * FAILURE_KINDS + kind``, so its minimum names the
 #: lowest rank that failed, and its kind.
 FAILURE_KINDS = 256
+
+#: A share of a pass in [0, 1] travels in :meth:`RankSync.agree` as an integer of this many units.
+SHARE_UNITS = 1 << 40
+#: What a rank passes in :meth:`RankSync.agree` for a share it does not report (above any share).
+_NO_SHARE = 1 << 62
 
 
 def batch_digest(inputs: Any) -> int | None:
@@ -204,6 +211,8 @@ class RankSync:
         #: ``(rank, kind)`` of the lowest rank that reported an error in the last
         #: :meth:`agree`, or None.
         self.failed: tuple[int, int] | None = None
+        #: The smallest share of its pass any rank reported in the last :meth:`agree`, or None.
+        self.least_share: float | None = None
 
     def note_batch(self, inputs: Any) -> None:
         """Remember a digest of this rank's first source batch's inputs (later calls, and
@@ -338,10 +347,11 @@ class RankSync:
         digest: bool = True,
         empty: bool = False,
         failed: int = 0,
+        share: float | None = None,
     ) -> tuple[int, bool]:
         """The fewest batches any rank has ready, and whether any rank still has source batches.
 
-        One ``all_reduce(MIN)`` of ``[ready, -active, e, f]``, ``e`` this rank's number where
+        One ``all_reduce(MIN)`` of ``[ready, -active, e, f, s]``, ``e`` this rank's number where
         ``empty`` (its pass is over and read no example) and ``world_size`` otherwise: afterwards
         :attr:`empty_rank` is the lowest rank that reported an empty pass, or None. (In the
         pass's last round, where no rank is active, every rank knows whether its pass was empty,
@@ -349,7 +359,11 @@ class RankSync:
         where ``failed`` (the kind of an error this rank met in the round, 1 to
         ``FAILURE_KINDS - 1``) and ``world_size * FAILURE_KINDS`` otherwise: afterwards
         :attr:`failed` is ``(rank, kind)`` of the lowest rank that reported one, or None, the
-        same on every rank (the caller raises then, on every rank). The first call of a run also
+        same on every rank (the caller raises then, on every rank). ``s`` is ``share`` (the
+        share of its pass this rank has drawn, in [0, 1]) in :data:`SHARE_UNITS`: afterwards
+        :attr:`least_share` is the smallest share any rank reported, the same on every rank, or
+        None where no rank passed one (every rank passes one at a call site, or none does).
+        The first call of a run also
         carries
         ``[d, -d]``, ``d`` the digest of this rank's first source batch (:meth:`note_batch`; a
         distinct negative number per rank where there is none), and warns on every rank when
@@ -358,8 +372,8 @@ class RankSync:
         first call after one.
 
         NOTE: every rank makes its first call in the same round (the calls are matched one to
-        one across ranks, or the job would hang already), so the six-element tensor of the
-        first call meets six-element tensors only. The minimum of ``d`` equals the maximum
+        one across ranks, or the job would hang already), so the seven-element tensor of the
+        first call meets seven-element tensors only. The minimum of ``d`` equals the maximum
         (minus the minimum of ``-d``) exactly when all ranks' digests agree.
 
         NOTE (the cost of ``f``): one more int64 in a tensor of three, in a collective made
@@ -378,6 +392,7 @@ class RankSync:
         none = self.world_size * FAILURE_KINDS
         values = [ready, -int(active), self.rank if empty else self.world_size]
         values.append(self.rank * FAILURE_KINDS + failed if failed else none)
+        values.append(_NO_SHARE if share is None else round(share * SHARE_UNITS))
         if first:
             self._checked = True
             d = self._digest if self._digest is not None else -(self.rank + 1)
@@ -387,7 +402,8 @@ class RankSync:
         got = t.tolist()
         self.empty_rank = got[2] if got[2] < self.world_size else None
         self.failed = divmod(got[3], FAILURE_KINDS) if got[3] < none else None
-        if first and got[4] >= 0 and got[4] == -got[5]:
+        self.least_share = got[4] / SHARE_UNITS if got[4] < _NO_SHARE else None
+        if first and got[5] >= 0 and got[5] == -got[6]:
             self._identical = True
             warnings.warn(
                 f"every one of the {self.world_size} ranks read the same first source batch: the "

@@ -265,6 +265,9 @@ class EpochIterator:
         self._stage = _SELECTING
         self._exchanged = self._agreed = False
         self._rounded = self._forwarding = False
+        # On several ranks: the smallest share of its pass any rank had drawn at the last
+        # agreement, which :meth:`shared_fraction` reports on every rank alike; None before one.
+        self._shared: float | None = None
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -464,6 +467,8 @@ class EpochIterator:
         loader = self._loader
         epoch, skip, resumed, stats, replay = loader._begin(self)
         self.epoch, self.position, self.stats, self._replay = epoch, skip, stats, replay
+        # (a resumed epoch goes on from the share its saved run agreed on, the same on every rank)
+        self._shared, loader._share = (loader._share if resumed else None), None
         ahead, loader._ahead = loader._ahead, None
         if resumed and ahead is not None and ahead.epoch == epoch:
             self._resume_scores = ahead
@@ -946,7 +951,9 @@ class EpochIterator:
             active=False,
             empty=self.stats.examples_seen == 0,
             failed=self._failed_kind(),
+            share=self.fraction(),
         )
+        self._shared = sync.least_share
         self._raise_reported(sync)  # another rank's error, met in this round
         self._owed = count
         if not active:
@@ -1052,6 +1059,24 @@ class EpochIterator:
         loader = self._loader
         return pass_fraction(loader._source, self.stats, self.position, loader._epoch_prefilter)
 
+    def shared_fraction(self) -> float:
+        """The share of this epoch's source data drawn so far as every rank reports it (see
+        :attr:`SelectiveLoader.progress <sbloader.SelectiveLoader.progress>`): on several ranks
+        the smallest share any rank had drawn at the last agreement, else :meth:`fraction`.
+
+        NOTE: the ranks load their source batches in lockstep, one per round, but a round's
+        batch may span other numbers of candidates on each rank (a Stale-SB stale epoch loads
+        only the candidates it keeps, each rank its own), so that each rank's own share, and a
+        learning rate keyed on it, differed between ranks: DDP averaged the gradients, each rank
+        stepped with its own learning rate, and the replicas' weights drifted apart, unsaid.
+        """
+        return self.fraction() if self._shared is None else self._shared
+
+    def agreed_share(self) -> float | None:
+        """The share of :meth:`shared_fraction` as the ranks last agreed on it, or None (one
+        process, or no agreement yet): what a state saved now holds."""
+        return self._shared
+
     def _not_trained(self, unconsumed: int) -> list[Rows]:
         """The batches a state saved now must hand out first when resumed: the last one handed
         out when ``unconsumed`` is 1 (fetched ahead by a framework, not trained yet), then those
@@ -1138,7 +1163,10 @@ class EpochIterator:
         if sync is None:
             return ready
         self._agreed = True
-        count = sync.agree(ready, active, digest, failed=self._failed_kind())[0]
+        count = sync.agree(
+            ready, active, digest, failed=self._failed_kind(), share=self.fraction()
+        )[0]
+        self._shared = sync.least_share
         self._raise_reported(sync)
         return count
 

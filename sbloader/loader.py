@@ -55,6 +55,7 @@ from ._loader_state import (
     K_RETURNED,
     K_RNG,
     K_SCORER,
+    K_SHARE,
     K_SOURCE,
     K_SPEED,
     K_STATS,
@@ -786,6 +787,9 @@ class SelectiveLoader(NotADataLoader):
         # An epoch that no live iterator owns but that did not end: (position, resume). A
         # restored mid-epoch state resumes it; an abandoned one is skipped by the next iterator.
         self._unfinished: tuple[int, bool] | None = None
+        # On several ranks, the share of that epoch's pass every rank reports as drawn (see
+        # EpochIterator.shared_fraction), for ``progress``; None on one process or before any.
+        self._share: float | None = None
         # Whether the current epoch's source loads only what a Keep keeps (the policy's
         # prefilter or ``subset``; see K_PREFILTER), and what a loaded mid-epoch state says its
         # epoch did (checked as it resumes).
@@ -1112,7 +1116,10 @@ class SelectiveLoader(NotADataLoader):
         loading them and those outside ``subset``) against the examples of an epoch, so it
         advances at the same rate for every policy and reaches each whole number exactly when
         an epoch ends: schedules keyed on it are identical across strategies (by position in
-        the data). Sources of unknown size count batches instead.
+        the data). Sources of unknown size count batches instead. On several ranks it is the
+        same on every rank while an epoch runs: the smallest share of its pass any rank had
+        drawn at the ranks' last agreement (see :meth:`EpochIterator.shared_fraction
+        <sbloader.epoch.EpochIterator.shared_fraction>`).
 
         NOTE: counting batches would be wrong where a source loads only some of an epoch's
         examples (Stale-SB's stale epochs, a subset): fewer batches come, and a schedule keyed
@@ -1120,12 +1127,14 @@ class SelectiveLoader(NotADataLoader):
         """
         it = self._live_iterator()
         if it is not None and it.running:
-            return float(self.epoch + it.fraction())
+            return float(self.epoch + it.shared_fraction())
         current = self.stats.current
         if self._unfinished is not None and current is not None and current.epoch == self.epoch:
             # NOTE: an epoch left part-way (``break``) or restored mid-way: the data its pass
             # drew, so that a schedule set now (e.g. on resume, before the first batch) reads
             # where the run is, and progress never goes back.
+            if self._share is not None:  # (on several ranks: the share every rank reports)
+                return float(self.epoch + self._share)
             position, filtered = self._unfinished[0], self._epoch_prefilter
             return float(self.epoch + pass_fraction(self._source, current, position, filtered))
         return float(self.epoch)
@@ -1586,6 +1595,7 @@ class SelectiveLoader(NotADataLoader):
             if it.stats is not None:
                 self._log_epoch(it.stats, left=True)
             self._left = last if resumable else None
+            self._share = it.agreed_share() if resumable else None
             if resumable:
                 self._unfinished = (it.position, False)
             else:
@@ -1777,10 +1787,12 @@ class SelectiveLoader(NotADataLoader):
         it = self._live_iterator()
         returned = self._returned
         ahead = self._ahead if self._unfinished is not None else None
+        share = self._share if self._unfinished is not None else None
         if it is not None and it.running:
             active, position = True, it.position
             returned = it._not_trained(unconsumed)
             ahead = it.ahead_scores()
+            share = it.agreed_share()
         elif unconsumed and (self._left is None or self._unfinished is None):
             raise ValueError(
                 "unconsumed=1, but no epoch is running: the batches handed out were all part of "
@@ -1820,6 +1832,7 @@ class SelectiveLoader(NotADataLoader):
             K_POSITION: position,
             K_ACTIVE: active,
             K_PREFILTER: self._epoch_prefilter if active else None,
+            K_SHARE: share if active else None,
             K_RNG: self._rng.bit_generator.state,
             K_SOURCE: (
                 self._source.state_dict() if self._source_state is None else self._source_state
@@ -2001,6 +2014,7 @@ class SelectiveLoader(NotADataLoader):
         self._source_state = state[K_SOURCE]
         self.epoch = int(state[K_EPOCH])
         self._unfinished = (position, True) if active else None
+        self._share = state.get(K_SHARE) if active else None
         prefilter = state.get(K_PREFILTER)
         self._resume_prefilter = None if prefilter is None or not active else bool(prefilter)
         if self._resume_prefilter is not None:  # (what a state saved before resuming says)

@@ -1451,7 +1451,62 @@ def scenario_subgroup(rank: int, world_size: int) -> dict:
     return res
 
 
+def scenario_progress(rank: int, world_size: int) -> dict:
+    """A DDP loop with its learning rate keyed on ``loader.progress`` (the README's cosine
+    schedule) over Stale-SB, whose stale epochs load only what each rank keeps: each step's
+    progress, the replica's weights at the end, and the progress of a run resumed mid-way
+    through a stale epoch from every rank's state."""
+    from sbloader.recipes import cosine_lr
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(301, 8, generator=g)
+    y = (x @ torch.randn(8, 4, generator=g)).argmax(1)
+    data = TensorDataset(x, y)
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, SelectiveLoader]:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(
+            torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        )
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        source = DataLoader(data, batch_size=24, sampler=DistributedSampler(data, seed=0))
+        policy = SelectiveBackprop(1 / 3, staleness=3)
+        loader = SelectiveLoader(source, model, policy=policy, batch_size=8, seed=0)
+        return model, opt, loader
+
+    def train(model, opt, loader, epochs: int, stop: int | None = None) -> list[float]:
+        seen = []
+        for _ in range(loader.epoch, epochs):
+            for batch in loader:
+                for group in opt.param_groups:
+                    group["lr"] = cosine_lr(0.1, loader.progress, epochs)
+                seen.append(loader.progress)
+                inputs, targets = batch
+                losses = F.cross_entropy(model(inputs), targets, reduction="none")
+                (losses * batch.weights).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                loader.feedback(batch.indices, losses)
+                if len(seen) == stop:
+                    return seen
+        return seen
+
+    model, opt, loader = build()
+    whole = train(model, opt, loader, 3)
+    params = [p.detach().clone() for p in model.module.parameters()]
+    model, opt, loader = build()
+    first = train(model, opt, loader, 3, stop=len(whole) - 4)  # (in the stale epoch 2)
+    saved = copy.deepcopy((model.module.state_dict(), opt.state_dict(), loader.state_dict()))
+    model, opt, loader = build()
+    model.module.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    loader.load_state_dict(saved[2])
+    rest = train(model, opt, loader, 3)
+    return {"whole": whole, "params": params, "resumed": first + rest}
+
+
 SCENARIOS = {
+    "progress": scenario_progress,
     "subgroup": scenario_subgroup,
     "mismatches": scenario_mismatches,
     "two": scenario_two,
@@ -1535,6 +1590,20 @@ def test_ddp_ranks_take_equal_steps_and_stay_identical(two, rounds, world_size, 
             ]
             assert red[field] == summed
         assert sum(red["class_selected"]) == red["examples_selected"]
+
+
+def test_progress_is_the_same_on_every_rank_in_stale_epochs_and_resumes(tmp_path):
+    """A stale epoch loads only the candidates each rank keeps, so a round's source batch spans
+    other numbers of candidates on each rank: each rank's own progress differed, and with it a
+    learning rate keyed on it, so that DDP's replicas drifted apart. Every rank reports the
+    share the ranks agreed on, also after a mid-epoch resume."""
+    ranks = run_ranks("progress", 2, tmp_path)
+    assert ranks[0]["whole"] == ranks[1]["whole"]
+    assert any(p % 1 for p in ranks[0]["whole"][-4:])  # (the stale epoch's, mid-way)
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
+        assert torch.equal(a, b)  # the replicas stayed identical
+    for r in ranks:
+        assert r["resumed"] == r["whole"]
 
 
 def test_a_source_that_is_not_sharded_is_reported_on_every_rank(two):
