@@ -754,6 +754,7 @@ class SelectiveLoader(NotADataLoader):
             )
         self._backlog_warned = False  # see _warn_backlog
         self._nothing_warned = False  # see _warn_nothing_yielded
+        self._peek_warned = False  # see _warn_peek
         size = self._source.dataset_size
         checkable = self._source.disjoint_across_ranks()
         if self._sync is not None and self.policy.records_examples() and checkable:
@@ -1594,6 +1595,7 @@ class SelectiveLoader(NotADataLoader):
             # the whole epoch when it ends.)
             if it.stats is not None:
                 self._log_epoch(it.stats, left=True)
+                self._warn_peek(it.stats)
             self._left = last if resumable else None
             self._share = it.agreed_share() if resumable else None
             if resumable:
@@ -1642,6 +1644,34 @@ class SelectiveLoader(NotADataLoader):
                 self.nonfinite,
             )
         self.stats.log_epoch(stats, left)
+
+    def _warn_peek(self, stats: EpochStats) -> None:
+        """Warn (once) where the run's first epoch was left after at most one batch: a look at a
+        batch before training (``next(iter(loader))``, as over a DataLoader, where it changes
+        nothing) ends epoch 0 here, so that training began at epoch 1.
+
+        NOTE: not told apart from a loop that breaks after one step (an epoch left part-way
+        counts as ended, which ``limit_train_batches`` and step-counted loops need), so a
+        warning, not another rule: the default policy's Random-Backprop epoch, which keeps
+        loss-based selection from collapsing from a random initialisation, was skipped unsaid,
+        and a schedule keyed on ``loader.progress`` began at 1.0. (Under ``batches_per_epoch``
+        a training epoch left part-way leaves its pass running, so it never comes here.)
+        """
+        if self._peek_warned or stats.epoch != 0:
+            return
+        if stats.batches_yielded > 1:
+            return
+        self._peek_warned = True
+        warnings.warn(
+            f"epoch 0 was left after {stats.batches_yielded} batch (a look at a batch with "
+            "next(iter(loader))?), so it counts as ended, as after break: the next "
+            "iter(loader) begins epoch 1, past the policy's first epoch "
+            f"({self.policy!r}) and with loader.progress at 1.0; to look at a batch before "
+            "training, take one from the source (next(iter(train_loader))), or build the "
+            "SelectiveLoader again after looking",
+            UserWarning,
+            stacklevel=5,  # (the caller's line, where the peeked iterator is dropped)
+        )
 
     def _warn_nothing_yielded(self, stats: EpochStats) -> None:
         """Warn (once) where an epoch that kept examples yielded no batch: all it kept was

@@ -7,6 +7,7 @@ import copy
 import gc
 import multiprocessing
 import threading
+import warnings
 import weakref
 from pathlib import Path
 
@@ -1300,3 +1301,54 @@ def test_the_mid_epoch_warning_covers_a_dataloader_read_through_index_key_and_pa
     list(fixed)  # a training epoch's end, in the middle of a pass over the data
     with pytest.warns(UserWarning, match=r"at the end of a pass over the data \(with batches_per"):
         fixed.state_dict()
+
+
+def _peek_warnings(run) -> list[str]:
+    """The peek warnings ``run()`` raises (also those raised where an iterator is dropped,
+    whose ``__del__`` would swallow an error)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+        gc.collect()
+    return [str(w.message) for w in caught if "epoch 0 was left after" in str(w.message)]
+
+
+@pytest.mark.parametrize("policy", [None, Traditional()], ids=["default", "traditional"])
+def test_a_look_at_the_first_batch_before_training_is_warned_of(policy):
+    """``next(iter(loader))`` before training, harmless over a DataLoader, ends epoch 0 here (an
+    epoch left part-way counts as ended): training then began at epoch 1, past the default
+    policy's Random-Backprop epoch, unsaid. Warned of once, naming the fix; a loop over whole
+    epochs, one that breaks after more than a batch, a look after the first epoch and one under
+    ``batches_per_epoch`` (whose pass goes on where it was) are not."""
+
+    def build(**kw):
+        dl = DataLoader(EncodedDataset(120), batch_size=30)
+        return SelectiveLoader(
+            dl, IndexLoss(), policy=copy.deepcopy(policy), batch_size=10, seed=0, **kw
+        )
+
+    loader = build()
+    said = _peek_warnings(lambda: next(iter(loader)))
+    assert len(said) == 1 and "next(iter(train_loader))" in said[0]
+
+    def train_on():
+        for _ in range(2):
+            assert list(loader)
+        next(iter(loader))
+
+    assert _peek_warnings(train_on) == []  # (once)
+    assert loader.stats.epochs[1].epoch == 1  # (where training began)
+
+    def two_steps():
+        for k, _ in enumerate(build()):
+            if k == 1:
+                break
+
+    def look_later():
+        later = build()
+        assert list(later)
+        next(iter(later))
+
+    assert _peek_warnings(two_steps) == []
+    assert _peek_warnings(look_later) == []
+    assert _peek_warnings(lambda: next(iter(build(batches_per_epoch=4)))) == []
