@@ -244,6 +244,9 @@ class EpochIterator:
         # handed out as it is before the caller ran ahead): finishing() must not take the next
         # source batch while the caller holds it (see _more_after_lent()).
         self._lent = False
+        #: Whether the epoch was left by an exception raised in getting a batch (from the
+        #: source, the selection pass or the policy), not by the caller (``break``, a peek).
+        self.raised = False
         # overlap_selection: the next source batch, fetched and being scored on the selection
         # thread; the fetcher's last tally once fetching ahead found the source exhausted; the
         # thread; and the scores a restored state made ahead for this epoch's next source batch.
@@ -316,6 +319,7 @@ class EpochIterator:
         except StopIteration:
             raise
         except BaseException:
+            self.raised = True
             self.close()
             raise
 
@@ -395,6 +399,7 @@ class EpochIterator:
                 self._advance()
             return False
         except BaseException:
+            self.raised = True
             self.close()
             raise
         finally:

@@ -1595,7 +1595,8 @@ class SelectiveLoader(NotADataLoader):
             # the whole epoch when it ends.)
             if it.stats is not None:
                 self._log_epoch(it.stats, left=True)
-                self._warn_peek(it.stats)
+                if not it.raised:  # (left by the error raised to the caller, not by a peek)
+                    self._warn_peek(it.stats)
             self._left = last if resumable else None
             self._share = it.agreed_share() if resumable else None
             if resumable:

@@ -1352,3 +1352,26 @@ def test_a_look_at_the_first_batch_before_training_is_warned_of(policy):
     assert _peek_warnings(two_steps) == []
     assert _peek_warnings(look_later) == []
     assert _peek_warnings(lambda: next(iter(build(batches_per_epoch=4)))) == []
+
+
+@pytest.mark.parametrize("policy", [None, Traditional()], ids=["default", "traditional"])
+def test_an_error_on_the_first_batch_is_not_warned_of_as_a_look_at_it(policy):
+    """An epoch 0 left by an error of the loader's first batch (a dataset's ``__getitem__``
+    raising, a ``collate_fn`` that drops samples, a wrong ``index_key``: mistakes fail on the
+    first batch) raises that error alone. It also warned that the epoch was left after 0 batch
+    and asked whether the caller had looked at a batch with ``next(iter(loader))``."""
+
+    class Missing(EncodedDataset):
+        def __getitem__(self, i):
+            raise FileNotFoundError(f"example {i}")
+
+    loader = SelectiveLoader(
+        DataLoader(Missing(120), batch_size=30), IndexLoss(), policy=policy, batch_size=10
+    )
+
+    def fail():
+        with pytest.raises(FileNotFoundError, match="example 0"):
+            for _ in loader:
+                pass
+
+    assert _peek_warnings(fail) == []
