@@ -147,6 +147,11 @@ class StatefulSource(Source):
     def index_field_name(self) -> Hashable | None:
         return self.index_key
 
+    def index_field_key(self) -> Hashable | None:
+        """``index_key``: the batch field ``SelectiveLoader(drop_index=True)`` leaves out (None
+        where the indices are recovered, over a map-style dataset)."""
+        return self.index_key
+
     def drop_last(self) -> bool:
         return drops_last(self.loader)
 

@@ -270,6 +270,20 @@ def test_stale_sb_keys_its_store_by_the_streams_indices():
     assert loader.stats.epochs[1].selection_forwards == 0
 
 
+def test_drop_index_leaves_the_index_key_field_out_of_a_stateful_loaders_batches():
+    """``drop_index=True`` over a StatefulDataLoader read with ``index_key=``, as over any
+    iterable: ``for x, y in loader`` works and the indices stay in ``batch.indices``. It was
+    refused, saying the source's batches had no index field and to pass the ``index_key=``
+    that was passed."""
+    loader = iterable_loader(drop_index=True, dataset_size=N)
+    seen = []
+    for batch in loader:
+        x, _y = batch  # (two fields: the index field left out)
+        assert torch.equal(x[:, 0].long(), batch.indices)
+        seen += batch.indices.tolist()
+    assert len(seen) == len(set(seen)) > 0
+
+
 @pytest.mark.parametrize("staleness", [1, 2], ids=["sb", "stale-sb"])
 def test_indices_beyond_dataset_size_are_refused_naming_it(staleness):
     """As over any iterable: a stateful iterable's indices must lie below ``dataset_size``. They
