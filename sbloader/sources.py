@@ -993,7 +993,11 @@ class IterableSource(Source):
                 "IterableSource's iterable should be a re-iterable of batches (a DataLoader, a "
                 f"list of batches), but got {type(iterable).__name__}"
             )
-        if iter(iterable) is iterable:
+        # NOTE: told by its type, not by calling iter(): on a DataLoader that built an iterator,
+        # drawing its base seed from the DataLoader's generator (so that every epoch's order
+        # was another than the DataLoader's own, for the same generator state) and starting its
+        # worker processes, before the first epoch.
+        if isinstance(iterable, Iterator):
             raise TypeError(
                 "SelectiveLoader's source should be re-iterable (one pass per epoch), but got an "
                 f"iterator ({type(iterable).__name__}); pass the DataLoader or a list of batches"
@@ -1107,7 +1111,10 @@ class IterableSource(Source):
 
     @property
     def batch_size(self) -> int | None:
-        return getattr(self.iterable, "batch_size", None)
+        """The iterable's ``batch_size``; for a DataLoader built with ``batch_sampler=``, its
+        batch sampler's (:func:`loader_batch_size`), as for a DataLoader read without
+        ``index_key=``."""
+        return loader_batch_size(self.iterable)
 
     @property
     def dataset_size(self) -> int | None:

@@ -875,6 +875,31 @@ def test_a_dataloader_read_with_index_key_is_counted_by_what_its_sampler_draws(b
         assert [sum(1 for _ in loader) for _ in range(2)] == [len(loader)] * 2, kind
 
 
+@pytest.mark.parametrize("batch_size", [None, 5])
+def test_a_batch_sampler_dataloader_read_with_index_key_is_counted_as_without_it(batch_size):
+    """A DataLoader built with ``batch_sampler=`` (``drop_last=True``) read with ``index_key=``
+    takes its batch size and its dropped last batch from the batch sampler, as one whose
+    indices are recovered does. Its batch size was taken from the DataLoader's own
+    (None): the loader asked for ``batch_size=``, and given one ``len(loader)`` counted the
+    dropped examples (20 batches where a pass yields 18)."""
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    def loader(**kw) -> SelectiveLoader:
+        sampler = BatchSampler(SequentialSampler(range(100)), 30, drop_last=True)
+        return SelectiveLoader(
+            DataLoader(_Identified(), batch_sampler=sampler),
+            IndexLoss(),
+            policy=Traditional(),
+            batch_size=batch_size,
+            **kw,
+        )
+
+    keyed, recovered = loader(index_key=2, drop_index=True), loader()
+    assert keyed.batch_size == recovered.batch_size == (batch_size or 30)
+    assert [sum(1 for _ in keyed) for _ in range(2)] == [len(keyed)] * 2
+    assert len(keyed) == len(recovered) == 90 // (batch_size or 30)  # 90 examples drawn
+
+
 def test_an_unsized_stream_that_drops_its_last_batch_is_counted_without_it():
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):

@@ -82,6 +82,30 @@ def test_a_distributed_sampler_reshuffles_every_epoch(index_key):
     assert epochs_of(loader, 3) == [distributed(e) for e in range(3)]
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("index_key", [None, 2], ids=["recovered", "index_key"])
+def test_a_shuffling_dataloader_draws_its_own_order_every_epoch(index_key, workers):
+    """Each epoch is the one the DataLoader draws on its own from the same generator state, also
+    read with ``index_key=``; and building the loader draws nothing from that generator nor
+    starts workers. Read with ``index_key=``, the constructor called ``iter()`` on the
+    DataLoader to check that it was re-iterable: that drew a base seed from its generator (every
+    epoch's order was then another than the DataLoader's) and started its worker processes."""
+
+    def source() -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(WithIndex(), batch_size=8, shuffle=True, generator=g, num_workers=workers)
+
+    own = source()
+    expected = [[i for b in own for i in b[2].tolist()] for _ in range(2)]
+    dl = source()
+    before = dl.generator.get_state()
+    loader = SelectiveLoader(
+        dl, IndexLoss(), policy=Traditional(), batch_size=8, index_key=index_key, seed=0
+    )
+    assert torch.equal(dl.generator.get_state(), before)
+    assert epochs_of(loader, 2) == expected
+
+
 def stateful(ds, **kw):
     tdl = pytest.importorskip("torchdata.stateful_dataloader")
     return tdl.StatefulDataLoader(ds, **kw)
