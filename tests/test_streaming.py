@@ -513,3 +513,29 @@ def test_a_state_saved_with_another_shuffle_is_refused_and_other_workers_load(md
     workers = make_loader(mds, mds={"num_workers": 2})
     workers.load_state_dict(state)  # (no iteration: nothing starts a worker)
     released(workers)
+
+
+@pytest.mark.parametrize("dispatch_batches", [None, False])
+def test_a_streaming_loader_prepared_by_accelerate_is_refused_naming_the_unprepared_one(
+    mds, dispatch_batches
+):
+    """accelerator.prepare(StreamingDataLoader) makes a DataLoaderDispatcher (or, without
+    dispatching, a DataLoaderShard over an IterableDatasetShard). The refusal said its batches
+    carry no dataset indices and named a DistributedSampler; they carry sample ids, and the fix
+    is to pass the StreamingDataLoader itself, which shards by rank on its own."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        config = accelerate.DataLoaderConfiguration(dispatch_batches=dispatch_batches)
+        accelerator = accelerate.Accelerator(cpu=True, dataloader_config=config)
+        loader = sbs.open_mds(mds, 24, shuffle=False)
+        prepared = accelerator.prepare(loader)
+        with pytest.raises(ValueError, match="pass the StreamingDataLoader itself, not accel"):
+            SelectiveLoader(prepared, IndexLoss(), input_key="image", target_key="label")
+        released(loader, prepared)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

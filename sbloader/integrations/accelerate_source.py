@@ -32,14 +32,29 @@ _SUPPORTED = (
 )
 
 
+def _reads_streaming(loader: Any) -> bool:
+    """Whether a prepared loader reads a mosaicml-streaming ``StreamingDataset`` (directly, as
+    a ``DataLoaderDispatcher`` does, or through Accelerate's ``IterableDatasetShard``), told
+    without importing streaming."""
+    dataset = getattr(loader, "dataset", None)
+    if type(dataset).__name__ == "IterableDatasetShard":
+        dataset = getattr(dataset, "dataset", None)
+    return any(
+        c.__name__ == "StreamingDataset" and c.__module__.split(".")[0] == "streaming"
+        for c in type(dataset).__mro__
+    )
+
+
 def shard_source(loader: Any, index_key: Hashable | None = None) -> Source:
     """The source for a loader prepared by Accelerate, or a refusal naming the supported way.
 
     Supported: a ``DataLoaderShard`` over a map-style dataset (what ``accelerator.prepare``
     makes of a DataLoader by default). Refused (``ValueError``): batches dispatched from the
     main process (``dispatch_batches=True``, Accelerate's default for iterable datasets),
-    iterable datasets, ``split_batches=True``, ``skip_first_batches`` (resume through the
-    loader's state instead), and ``index_key`` (the indices are recovered without it).
+    iterable datasets (a prepared ``StreamingDataLoader``: pass it unprepared, since streaming
+    gives each process its share itself), ``split_batches=True``, ``skip_first_batches``
+    (resume through the loader's state instead), and ``index_key`` (the indices are recovered
+    without it).
 
     Example:
         >>> import torch
@@ -56,6 +71,16 @@ def shard_source(loader: Any, index_key: Hashable | None = None) -> Source:
         ValueError: SelectiveLoader cannot read Accelerate's DataLoader: pass the DataLoader ...
     """
     kind = type(loader).__name__
+    if _reads_streaming(loader):
+        # NOTE: the generic refusals below said that the batches carry no dataset indices and
+        # named a DistributedSampler; a StreamingDataLoader's carry their sample ids, and
+        # streaming gives each rank its share itself: it is passed as it is, unprepared.
+        raise ValueError(
+            f"SelectiveLoader cannot read a StreamingDataLoader prepared by Accelerate (a "
+            f"{kind}): pass the StreamingDataLoader itself, not accelerator.prepare()'d: "
+            "streaming gives each process its share of every epoch (from RANK and WORLD_SIZE), "
+            "and its batches carry each sample's id (sbloader.streaming.open_mds)"
+        )
     if kind != "DataLoaderShard":
         fix = (
             "; to resume mid-epoch, restore the SelectiveLoader's state instead of skipping "
