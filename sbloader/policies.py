@@ -1641,12 +1641,9 @@ def passes_within(
     full = check_float("full_batches", full_batches, low=0.0, low_open=True)
     budget = float(training_batches)
 
-    def expected(passes: int) -> float:
-        annealed = passes - _anneal_from(passes, anneal_share)
-        return (passes - annealed) * steady + annealed * full
-
     def fits(passes: int) -> bool:
-        return expected(passes) <= budget * (1 + 1e-9)
+        expected = plan_batches(passes, _anneal_from(passes, anneal_share), steady, full)
+        return expected <= budget * (1 + 1e-9)
 
     if not fits(2):
         return None
@@ -1654,3 +1651,18 @@ def passes_within(
     while fits(passes + 1):
         passes += 1
     return passes
+
+
+def plan_batches(
+    passes: int, anneal_from: int, steady_batches: float, full_batches: float
+) -> float:
+    """The expected batches of a plan of ``passes`` passes over the data whose passes from
+    ``anneal_from`` on are annealed (all the data, ``full_batches`` each) and the others keep the
+    steady rate (``steady_batches`` each; a warm-up's rate is the same): the count
+    :func:`passes_within` fits to a budget.
+
+    Example:
+        >>> round(plan_batches(6, 5, 2048 / 3 / 64, 2048 / 64), 2)  # 5 passes at 1/3, 1 annealed
+        85.33
+    """
+    return anneal_from * steady_batches + (passes - anneal_from) * full_batches

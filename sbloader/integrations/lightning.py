@@ -74,7 +74,7 @@ from .._state import check_version
 from ..epoch import EpochIterator
 from ..length import FixedEpochIterator, batches_at
 from ..loader import SelectiveLoader
-from ..policies import Phased, passes_within
+from ..policies import Phased, passes_within, plan_batches
 
 __all__ = ["LightningLoader", "SelectiveLoaderCallback", "selective_loader"]
 
@@ -396,6 +396,14 @@ def _trained_batches(trainer: pl.Trainer, epochs: int, length: int) -> int:
     return total
 
 
+def _planned_epochs_fix(fits: int | None, least: int, what: str) -> str:
+    """The fix a short-run warning names: ``planned_epochs=fits`` (``what`` they are) where at
+    least ``least`` fit, else a policy without annealing."""
+    if fits is not None and fits >= least:
+        return f"pass planned_epochs={fits} to selective_loader ({what})"
+    return "pass a policy without annealing (e.g. policy=sbloader.default_policy())"
+
+
 def _warn_short_run(trainer: pl.Trainer, epochs: int, length: int) -> None:
     """Warn where ``planned_epochs=max_epochs`` (training epochs of ``length`` batches, with
     ``batches_per_epoch``) plans the default policy's anneal for more batches than the Trainer
@@ -409,12 +417,8 @@ def _warn_short_run(trainer: pl.Trainer, epochs: int, length: int) -> None:
     trained = _trained_batches(trainer, epochs, length)
     if not trained or trained >= epochs * length:
         return
-    fits = trained // length
-    fix = (
-        f"pass planned_epochs={fits} to selective_loader (the epochs of len(loader) batches "
-        "the run trains on)"
-        if fits >= 2
-        else "pass a policy without annealing (e.g. policy=sbloader.default_policy())"
+    fix = _planned_epochs_fix(
+        trained // length, 2, "the epochs of len(loader) batches the run trains on"
     )
     warnings.warn(
         f"the Trainer trains on {trained} batches (limit_train_batches="
@@ -454,16 +458,14 @@ def _warn_steps_before_anneal(trainer: pl.Trainer, loader: SelectiveLoader) -> N
     elif isinstance(limit, float):
         steady, full = steady * limit, full * limit
     epochs, anneal = loader.planned_epochs or 0, policy.anneal_from_epoch
-    planned = anneal * steady + (epochs - anneal) * full
+    planned = plan_batches(epochs, anneal, steady, full)
     trained = max_steps * trainer.accumulate_grad_batches
     if not steady or trained >= planned * (1 - 1e-9):
         return
-    fits = passes_within(trained, steady, full)
-    fix = (
-        f"pass planned_epochs={fits} to selective_loader (the passes over the data that "
-        f"{trained} batches are expected to make)"
-        if fits is not None and fits >= 3
-        else "pass a policy without annealing (e.g. policy=sbloader.default_policy())"
+    fix = _planned_epochs_fix(
+        passes_within(trained, steady, full),
+        3,
+        f"the passes over the data that {trained} batches are expected to make",
     )
     warnings.warn(
         f"the Trainer stops after max_steps={max_steps} optimizer steps (about {trained} "
