@@ -754,7 +754,11 @@ class SelectiveLoader(NotADataLoader):
             )
         self._backlog_warned = False  # see _warn_backlog
         self._nothing_warned = False  # see _warn_nothing_yielded
-        self._peek_warned = False  # see _warn_peek
+        # The batches an epoch handed out when the caller left it, where they were at most one
+        # (a look at a batch, warned of where it was the first epoch: see _warn_peek), until the
+        # next epoch begins.
+        self._peeked: int | None = None
+        self._peek_warned = False
         size = self._source.dataset_size
         checkable = self._source.disjoint_across_ranks()
         if self._sync is not None and self.policy.records_examples() and checkable:
@@ -1411,6 +1415,7 @@ class SelectiveLoader(NotADataLoader):
             self._apply_feedback(*reports)
         self.policy.begin_epoch(self.epoch)
         if not resumed:  # (a resumed epoch's rows were settled as it began, in its saved run)
+            self._warn_peek()
             self._drop_abandoned_rest()
             self._pending.begin_epoch(self.policy.normalize_weights())
         # (the one decision: the epoch iterator builds its Keep from this flag)
@@ -1596,7 +1601,7 @@ class SelectiveLoader(NotADataLoader):
             if it.stats is not None:
                 self._log_epoch(it.stats, left=True)
                 if not it.raised:  # (left by the error raised to the caller, not by a peek)
-                    self._warn_peek(it.stats)
+                    self._note_peek(it.stats)
             self._left = last if resumable else None
             self._share = it.agreed_share() if resumable else None
             if resumable:
@@ -1646,32 +1651,39 @@ class SelectiveLoader(NotADataLoader):
             )
         self.stats.log_epoch(stats, left)
 
-    def _warn_peek(self, stats: EpochStats) -> None:
-        """Warn (once) where the run's first epoch was left after at most one batch: a look at a
-        batch before training (``next(iter(loader))``, as over a DataLoader, where it changes
-        nothing) ends epoch 0 here, so that training began at epoch 1.
+    def _note_peek(self, stats: EpochStats) -> None:
+        """Note an epoch left by the caller after at most one batch; :meth:`_warn_peek` warns
+        where it was the run's first (the next epoch is epoch 1)."""
+        if not self._peek_warned and stats.batches_yielded <= 1:
+            self._peeked = stats.batches_yielded
+
+    def _warn_peek(self) -> None:
+        """As the next epoch begins, warn (once) where the run's first epoch was left after at
+        most one batch: a look at a batch before training (``next(iter(loader))``, as over a
+        DataLoader, where it changes nothing) ended epoch 0, so that training begins at epoch 1.
 
         NOTE: not told apart from a loop that breaks after one step (an epoch left part-way
         counts as ended, which ``limit_train_batches`` and step-counted loops need), so a
         warning, not another rule: the default policy's Random-Backprop epoch, which keeps
         loss-based selection from collapsing from a random initialisation, was skipped unsaid,
-        and a schedule keyed on ``loader.progress`` began at 1.0. (Under ``batches_per_epoch``
-        a training epoch left part-way leaves its pass running, so it never comes here.)
+        and a schedule keyed on ``loader.progress`` began at 1.0. Said as epoch 1 begins, not
+        as epoch 0 is left: a peeked iterator is left when it is collected, which for one in a
+        reference cycle is whenever the garbage collector runs, anywhere in the program. (Under
+        ``batches_per_epoch`` a training epoch left part-way leaves its pass running, so it is
+        never noted.)
         """
-        if self._peek_warned or stats.epoch != 0:
-            return
-        if stats.batches_yielded > 1:
+        peeked, self._peeked = self._peeked, None
+        if peeked is None or self.epoch != 1:
             return
         self._peek_warned = True
         warnings.warn(
-            f"epoch 0 was left after {stats.batches_yielded} batch (a look at a batch with "
-            "next(iter(loader))?), so it counts as ended, as after break: the next "
-            "iter(loader) begins epoch 1, past the policy's first epoch "
-            f"({self.policy!r}) and with loader.progress at 1.0; to look at a batch before "
-            "training, take one from the source (next(iter(train_loader))), or build the "
-            "SelectiveLoader again after looking",
+            f"epoch 0 was left after {peeked} batch (a look at a batch with "
+            "next(iter(loader))?), so it counted as ended, as after break: this epoch is epoch "
+            f"1, past the policy's first epoch ({self.policy!r}), with loader.progress at 1.0; to "
+            "look at a batch before training, take one from the source "
+            "(next(iter(train_loader))), or build the SelectiveLoader again after looking",
             UserWarning,
-            stacklevel=5,  # (the caller's line, where the peeked iterator is dropped)
+            stacklevel=7,  # (the caller's loop: its next() of the epoch's iterator)
         )
 
     def _warn_nothing_yielded(self, stats: EpochStats) -> None:

@@ -1303,23 +1303,24 @@ def test_the_mid_epoch_warning_covers_a_dataloader_read_through_index_key_and_pa
         fixed.state_dict()
 
 
-def _peek_warnings(run) -> list[str]:
-    """The peek warnings ``run()`` raises (also those raised where an iterator is dropped,
-    whose ``__del__`` would swallow an error)."""
+def _peek_warnings(run) -> list[warnings.WarningMessage]:
+    """The peek warnings ``run()`` raises (also any raised as an iterator is collected)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run()
         gc.collect()
-    return [str(w.message) for w in caught if "epoch 0 was left after" in str(w.message)]
+    return [w for w in caught if "epoch 0 was left after" in str(w.message)]
 
 
 @pytest.mark.parametrize("policy", [None, Traditional()], ids=["default", "traditional"])
 def test_a_look_at_the_first_batch_before_training_is_warned_of(policy):
     """``next(iter(loader))`` before training, harmless over a DataLoader, ends epoch 0 here (an
     epoch left part-way counts as ended): training then began at epoch 1, past the default
-    policy's Random-Backprop epoch, unsaid. Warned of once, naming the fix; a loop over whole
-    epochs, one that breaks after more than a batch, a look after the first epoch and one under
-    ``batches_per_epoch`` (whose pass goes on where it was) are not."""
+    policy's Random-Backprop epoch, unsaid. Warned of once as epoch 1 begins, at the caller's
+    loop, naming the fix (not as the looked-at iterator is collected: that warning came from
+    wherever the garbage collector ran); a loop over whole epochs, one that breaks after more
+    than a batch, a look after the first epoch and one under ``batches_per_epoch`` (whose pass
+    goes on where it was) are not."""
 
     def build(**kw):
         dl = DataLoader(EncodedDataset(120), batch_size=30)
@@ -1328,30 +1329,39 @@ def test_a_look_at_the_first_batch_before_training_is_warned_of(policy):
         )
 
     loader = build()
-    said = _peek_warnings(lambda: next(iter(loader)))
-    assert len(said) == 1 and "next(iter(train_loader))" in said[0]
+    assert _peek_warnings(lambda: next(iter(loader))) == []  # (nothing skipped yet)
+    said = _peek_warnings(lambda: list(loader))
+    assert len(said) == 1 and "next(iter(train_loader))" in str(said[0].message)
+    assert said[0].filename == __file__  # (the caller's line: the loop's next())
+    assert loader.stats.epochs[1].epoch == 1  # (where training began)
 
     def train_on():
         for _ in range(2):
             assert list(loader)
-        next(iter(loader))
 
     assert _peek_warnings(train_on) == []  # (once)
-    assert loader.stats.epochs[1].epoch == 1  # (where training began)
 
     def two_steps():
-        for k, _ in enumerate(build()):
+        steps = build()
+        for k, _ in enumerate(steps):
             if k == 1:
                 break
+        assert list(steps)
 
     def look_later():
         later = build()
         assert list(later)
         next(iter(later))
+        assert list(later)
+
+    def fixed_count():
+        fixed = build(batches_per_epoch=4)
+        next(iter(fixed))
+        assert list(fixed)
 
     assert _peek_warnings(two_steps) == []
     assert _peek_warnings(look_later) == []
-    assert _peek_warnings(lambda: next(iter(build(batches_per_epoch=4)))) == []
+    assert _peek_warnings(fixed_count) == []
 
 
 @pytest.mark.parametrize("policy", [None, Traditional()], ids=["default", "traditional"])
@@ -1370,8 +1380,9 @@ def test_an_error_on_the_first_batch_is_not_warned_of_as_a_look_at_it(policy):
     )
 
     def fail():
-        with pytest.raises(FileNotFoundError, match="example 0"):
-            for _ in loader:
-                pass
+        for _ in range(2):  # (the second begins the next epoch, where a peek is warned of)
+            with pytest.raises(FileNotFoundError, match="example 0"):
+                for _ in loader:
+                    pass
 
     assert _peek_warnings(fail) == []
