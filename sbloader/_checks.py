@@ -130,6 +130,13 @@ def check_indices(name: str, value: Any) -> Any:
     return np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
 
 
+#: The fix :func:`indices_needed` names unless told another.
+INDEX_FIX = (
+    "pass a DataLoader over a map-style dataset, or index_key= naming the batch field that holds "
+    "the indices"
+)
+
+
 def indices_needed(what: str, fix: str = "") -> ValueError:
     """The error for a feature that needs each example's dataset index from a source without.
 
@@ -137,10 +144,7 @@ def indices_needed(what: str, fix: str = "") -> ValueError:
         >>> str(indices_needed("subset=")).split(";")[0]
         "subset= needs each example's dataset index, but the source provides none"
     """
-    fix = fix or (
-        "pass a DataLoader over a map-style dataset, or index_key= naming the batch field that "
-        "holds the indices"
-    )
+    fix = fix or INDEX_FIX
     return ValueError(
         f"{what} needs each example's dataset index, but the source provides none; {fix}"
     )

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ._checks import (
+    INDEX_FIX,
     NotADataLoader,
     check_bool,
     check_choice,
@@ -132,6 +133,11 @@ logger = logging.getLogger("sbloader")
 _REMAINDERS = ("carry", "short", "drop")
 _CDFS = ("local", "global")
 _DECISIONS = ("host", "device")
+#: The fix for a per-example store (Stale-SB) over a source without dataset indices or size.
+_NO_STORE = (
+    "SelectiveBackprop(staleness=1), or default_policy(..., has_store=False) (a selection pass "
+    "every epoch, the policy that policy=None chooses for such a source)"
+)
 
 
 class SelectiveLoader(NotADataLoader):
@@ -645,7 +651,19 @@ class SelectiveLoader(NotADataLoader):
             else check_int("selection_batch_size", selection_batch_size, minimum=1)
         )
         if self.policy.needs_indices() and not self._source.has_indices():
-            raise indices_needed(repr(self.policy))
+            # NOTE: a per-example store (Stale-SB, the default recipe's) has a fix besides
+            # indices: no store. default_policy(epochs=E) given as policy= (README: the same as
+            # planned_epochs=E) builds its store whatever the source; the fix named was only
+            # the source's, never has_store=False, which policy=None chooses for this source.
+            raise indices_needed(
+                repr(self.policy),
+                INDEX_FIX
+                + (
+                    f"; or a policy without a per-example store: {_NO_STORE}"
+                    if self.policy.records_examples()
+                    else ""
+                ),
+            )
         self.seed = check_int("seed", seed, minimum=0)
         self.rank = (
             self._default_rank(process_group, distributed)

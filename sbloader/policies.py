@@ -668,7 +668,8 @@ class SelectiveBackprop(Policy):
                 f"SelectiveBackprop(staleness={self.staleness}) stores each example's loss by "
                 "dataset index, so it needs the dataset's size, which this source does not "
                 "give; pass dataset_size= to the SelectiveLoader (an iterable source), use a "
-                "DataLoader over a map-style dataset, or staleness=1"
+                "DataLoader over a map-style dataset, or staleness=1 (or default_policy(..., "
+                "has_store=False), the policy that policy=None chooses for such a source)"
             )
         if self.store is None or len(self.store) != num_examples:
             if self.store is not None:

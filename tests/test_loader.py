@@ -267,6 +267,28 @@ def test_iterable_sources_with_and_without_an_index_field():
         SelectiveLoader(iter(batches), IndexLoss(), batch_size=5)
 
 
+def test_default_policy_given_over_a_source_without_a_store_names_has_store():
+    """README: planned_epochs=E is the same as policy=default_policy(epochs=E). Over a source
+    without dataset indices (or their count) planned_epochs picks the recipe without a store;
+    default_policy(epochs=E) given as policy= builds its Stale-SB's store and is refused, and the
+    refusal named only the source's fixes (indices, dataset_size=) and staleness=1, which
+    default_policy takes no argument for, never its has_store=False."""
+    x, y = torch.randn(64, 5), torch.arange(64) % N_CLASSES
+    plain = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
+    indexed = [(x[i : i + 16], y[i : i + 16], torch.arange(i, i + 16)) for i in range(0, 64, 16)]
+    model = nn.Linear(5, N_CLASSES)
+    for batches, kwargs in ((plain, {}), (indexed, {"index_key": 2})):
+        auto = SelectiveLoader(batches, model, planned_epochs=10, batch_size=8, **kwargs)
+        assert auto.policy.policy.staleness == 1
+        with pytest.raises(ValueError, match=r"default_policy\(\.\.\., has_store=False\)"):
+            SelectiveLoader(
+                batches, model, policy=sbloader.default_policy(epochs=10), batch_size=8, **kwargs
+            )
+        given = sbloader.default_policy(epochs=10, has_store=False)
+        assert repr(SelectiveLoader(batches, model, policy=given, batch_size=8, **kwargs).policy)
+        assert repr(auto.policy) == repr(sbloader.default_policy(epochs=10, has_store=False))
+
+
 @pytest.mark.parametrize("input_key, target_key", [(2, 0), (-1, -3)])
 def test_positional_input_and_target_keys(input_key, target_key):
     ds = EncodedDataset(40)
