@@ -378,7 +378,11 @@ def prune(scores: Any, fraction: float, keep: str = "hardest") -> np.ndarray:
     fraction = check_float("fraction", fraction, low=0.0, high=1.0, low_open=True)
     keep = check_choice("keep", keep, ("hardest", "easiest"))
     if isinstance(scores, torch.Tensor):
+        # NOTE: as float64 first: numpy has no bfloat16, and np.asarray of a bf16 tensor (scores
+        # made under autocast) was refused as not holding "one number per dataset index".
         scores = scores.detach().cpu()
+        if scores.is_floating_point():
+            scores = scores.to(torch.float64)
     try:
         s = np.asarray(scores, dtype=np.float64)
     except (TypeError, ValueError) as e:

@@ -626,6 +626,15 @@ def test_prune_rounds_halves_up_as_the_overlap_does_and_takes_tensors_that_need_
     assert prune(scores, 2 / 3).tolist() == [1, 2]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int64])
+def test_prune_takes_tensors_of_any_number_dtype(dtype):
+    """Scores made under autocast are bfloat16, which numpy has no dtype for: such a tensor was
+    refused as not holding "one number per dataset index"."""
+    scores = torch.tensor([1, 9, 5, 7]).to(dtype)
+    assert prune(scores, 0.5).tolist() == [1, 3]
+    assert prune(scores, 0.5, keep="easiest").tolist() == [0, 2]
+
+
 def test_el2n_never_reseeds_cuda_generators_it_does_not_restore(monkeypatch):
     """torch.manual_seed also reseeds every CUDA device's generator; on a CPU run fork_rng
     restores none of them, so EL2N seeds the CPU generator alone (a caller's CUDA random state
