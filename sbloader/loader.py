@@ -101,7 +101,7 @@ from .length import (
     planned_passes,
 )
 from .overlap import AheadScores, SelectionCopy
-from .policies import Policy, default_policy
+from .policies import Policy, check_policy, default_policy
 from .precision import (
     AUTO,
     check_autocast,
@@ -600,11 +600,7 @@ class SelectiveLoader(NotADataLoader):
                 warnings.simplefilter("ignore", UserWarning)
                 policy_made: Policy = default_policy(store, epochs=self.planned_passes)
         self.policy: Policy = policy_made if policy is None else policy
-        if not isinstance(self.policy, Policy):
-            raise TypeError(
-                "policy should be an sbloader policy such as sbloader.SelectiveBackprop(...), but "
-                f"got {type(self.policy).__name__}"
-            )
+        check_policy("policy", self.policy, "sbloader.SelectiveBackprop(...)")
         if policy is None and batches_per_epoch is None and planned_epochs == 2:
             warnings.warn(
                 "planned_epochs=2 leaves the default policy no selective epoch: epoch 0 is its "

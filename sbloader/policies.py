@@ -326,6 +326,30 @@ class Policy(abc.ABC):
         return f"{type(self).__name__}()"
 
 
+def check_policy(name: str, value: Any, example: str) -> None:
+    """Refuse a ``value`` that is not a policy object (``TypeError`` naming ``name``).
+
+    NOTE: a policy class given for an object (``policy=sbloader.SelectiveBackprop``, the
+    parentheses left out) was refused as "but got ABCMeta", the class's metaclass.
+
+    Example:
+        >>> check_policy("policy", Traditional, "sbloader.Traditional()")
+        Traceback (most recent call last):
+            ...
+        TypeError: policy should be an sbloader policy object, but got the class Traditional; ...
+    """
+    if isinstance(value, Policy):
+        return
+    if isinstance(value, type) and issubclass(value, Policy):
+        raise TypeError(
+            f"{name} should be an sbloader policy object, but got the class {value.__name__}; "
+            f"pass an instance, e.g. {name}={value.__name__}(...)"
+        )
+    raise TypeError(
+        f"{name} should be an sbloader policy such as {example}, but got {type(value).__name__}"
+    )
+
+
 class Traditional(Policy):
     """Backpropagate every example, in the source's own batches; no selection pass.
 
@@ -1272,15 +1296,10 @@ class Phased(Policy):
         anneal_from_epoch: int | None = None,
         warmup_policy: Policy | None = None,
     ) -> None:
-        if not isinstance(policy, Policy):
-            raise TypeError(f"policy should be an sbloader policy, but got {type(policy).__name__}")
+        check_policy("policy", policy, "sbloader.SelectiveBackprop(1/3)")
         given_warmup = warmup_policy is not None
         warmup_policy = Traditional() if warmup_policy is None else warmup_policy
-        if not isinstance(warmup_policy, Policy):
-            raise TypeError(
-                "warmup_policy should be an sbloader policy such as sbloader.RandomBackprop(1/3), "
-                f"but got {type(warmup_policy).__name__}"
-            )
+        check_policy("warmup_policy", warmup_policy, "sbloader.RandomBackprop(1/3)")
         # NOTE: uses_losses (any epoch), not needs_losses(0): Phased makes no selection pass in
         # its warm-up, so a warm-up policy that needs losses only later (itself a Phased, say)
         # would fail after the first epoch instead of here.

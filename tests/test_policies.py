@@ -612,3 +612,37 @@ def test_an_epoch_without_reports_returns_to_the_unfed_staleness():
     assert not sb.needs_losses(2)  # fed: 2 - 0 < 4
     sb.begin_epoch(3)
     assert sb.needs_losses(3)  # no reports in epoch 2: 3 - 0 >= 2
+
+
+def test_a_policy_class_given_for_a_policy_object_is_refused_naming_the_fix():
+    """policy=SelectiveBackprop (the parentheses left out) was refused as "but got ABCMeta", the
+    class's metaclass, by the loader and by Phased."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from sbloader import SelectiveLoader
+
+    data = TensorDataset(torch.randn(8, 3), torch.arange(8) % 2)
+    for make, name, cls in (
+        (
+            lambda: SelectiveLoader(
+                DataLoader(data), torch.nn.Linear(3, 2), policy=SelectiveBackprop
+            ),
+            "policy",
+            "SelectiveBackprop",
+        ),
+        (lambda: Phased(SelectiveBackprop, warmup_epochs=1), "policy", "SelectiveBackprop"),
+        (
+            lambda: Phased(SelectiveBackprop(), warmup_epochs=1, warmup_policy=RandomBackprop),
+            "warmup_policy",
+            "RandomBackprop",
+        ),
+    ):
+        with pytest.raises(
+            TypeError,
+            match=rf"^{name} should be an sbloader policy object, but got the class "
+            rf"{cls}; pass an instance, e.g. {name}={cls}\(\.\.\.\)$",
+        ):
+            make()
+    with pytest.raises(TypeError, match=r"policy should be an sbloader policy such as .* got str"):
+        Phased("sb")
