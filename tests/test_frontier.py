@@ -272,6 +272,36 @@ def test_interleaved_runs_make_the_same_selections_as_runs_trained_alone():
     assert runs[1].epochs[0]["selection_forwards"] == 0 < runs[1].epochs[1]["selection_forwards"]
 
 
+def test_each_round_starts_one_run_further_on_among_the_runs_still_training():
+    """README: interleaved runs take turns, each round starting one run further on. Rotating
+    over every run's index, a start that fell on an ended run moved to the next one still
+    training, so once the short budgets had ended one run took the first slot round after
+    round (the frontier preset: rounds 11-14 all in one order)."""
+
+    class Counted:
+        def __init__(self, name, planned):
+            self.name, self.planned, self.epoch = name, planned, 0
+
+        @property
+        def done(self):
+            return self.epoch >= self.planned
+
+        def train_epoch(self):
+            self.epoch += 1
+
+        def finish(self):
+            return self.name
+
+    budgets = [2, 2, 2, 6, 2, 6, 6, 2]  # three long runs among short ones
+    trainers = [Counted(i, b) for i, b in enumerate(budgets)]
+    log = []
+    train_interleaved(trainers, on_epoch=lambda t: log.append((t.epoch, t.name)))
+    rounds = [[name for epoch, name in log if epoch == k] for k in range(1, 7)]
+    assert [r[0] for r in rounds[:2]] == [0, 1]
+    # after the short runs ended: 3, 5 and 6 each begin a round in turn, in every slot
+    assert rounds[2:] == [[3, 5, 6], [5, 6, 3], [6, 3, 5], [3, 5, 6]]
+
+
 def test_a_schedule_by_backprops_follows_the_examples_trained_not_the_position(monkeypatch):
     """``lr_by_backprops``: the cosine's position is the planned epochs times the share of the
     planned backprops trained so far (an annealed epoch, on all the data, moves it three times

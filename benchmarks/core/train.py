@@ -332,19 +332,20 @@ def train_interleaved(
     after each epoch of a run, ``on_done`` with each run's record as it ends. Returns the
     records in the order of ``trainers``."""
     runs: dict[int, Run] = {}
-    n, round_ = len(trainers), 0
+    n, start = len(trainers), 0
     while len(runs) < n:
         # NOTE: each round starts one run further on: in a fixed order the runs named first
         # (Traditional's) took every round's first slot, and where a round's conditions change
         # as it goes (other processes starting, caches warming) that falls on them alike in
         # every round (measured: the first runs of round 1 at 0.7-0.8 ms per backpropagated
         # example, the later ones at 1.2-1.8 ms, in frontier_amx_1126).
-        order = [(round_ + k) % n for k in range(n)]
-        round_ += 1
+        # NOTE: further on among the runs still training: rotating over every run's index, a
+        # round whose start fell on an ended run began at the next one still training, so
+        # once the short budgets had ended the same run took the first slot round after round
+        # (the frontier preset: rounds 11-14 all in one order).
+        order = [(start + k) % n for k in range(n) if (start + k) % n not in runs]
         for i in order:
             t = trainers[i]
-            if i in runs:
-                continue
             t.train_epoch()
             if on_epoch is not None:
                 on_epoch(t)
@@ -352,6 +353,10 @@ def train_interleaved(
                 runs[i] = t.finish()
                 if on_done is not None:
                     on_done(runs[i])
+        # the next round starts at the first run after this round's first still training
+        start = next(
+            ((order[0] + k) % n for k in range(1, n + 1) if (order[0] + k) % n not in runs), 0
+        )
     return [runs[i] for i in range(len(trainers))]
 
 
