@@ -745,6 +745,33 @@ def test_the_frontier_names_the_seeds_it_leaves_out_for_want_of_a_reference_run(
     assert "left out of the frontier" not in "\n".join(frontier_section(cfg, runs[:2]))
 
 
+def test_the_frontier_names_the_planned_runs_a_seed_lacks():
+    """A sitting cut short keeps its targets and some of its runs: interleaved, Random-Backprop
+    over 20 epochs ends last, and a seed without it read Traditional-10 as its best control at
+    x1.1 (3.33x) under a header naming ``random_0.33 (10, 20 ep)`` as every seed's, nothing
+    saying that seed lacked one (``benchmarks/results/frontier``'s seed 0 lacks
+    ``stale_sb_3_rwarmup_fb``, and its pairwise rows read "never in 1/3" for it)."""
+    cfg = Config(
+        epochs=10,
+        seeds=(0, 1),
+        strategies=("traditional",),
+        families=(("random_0.33", (10, 20)), ("recipe_anneal_fb_int8", (10, 15))),
+    )
+    runs = []
+    for seed in (0, 1):
+        runs += [
+            _run(seed, "traditional", 10, [(100, 0.12), (200, 0.10)]),
+            _run(seed, "random_0.33", 10, [(40, 0.13), (80, 0.115)]),
+            _run(seed, "recipe_anneal_fb_int8", 10, [(40, 0.12), (80, 0.105)]),
+            _run(seed, "recipe_anneal_fb_int8_e15", 15, [(60, 0.11), (120, 0.099)]),
+        ]
+    whole = runs + [_run(s, "random_0.33_e20", 20, [(80, 0.11), (150, 0.098)]) for s in (0, 1)]
+    assert "absent" not in "\n".join(frontier_section(cfg, whole))
+    text = "\n".join(frontier_section(cfg, whole[:-1]))  # seed 1's 20-epoch run never ended
+    assert "| x1.1 | 11.00% | 2.33x (1.33x to 3.33x) |" in text  # over the runs present
+    assert "over the runs present only (`--resume` trains them): seed 1: random_0.33_e20." in text
+
+
 def test_a_seed_only_sbloader_reached_is_left_out_of_the_headline_mean():
     """A seed where only sbloader reached the target (∞: Random-Backprop never got to a given
     reference error, as in default_safety's x1.1) made the headline's mean ∞ whatever the other

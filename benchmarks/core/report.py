@@ -128,6 +128,28 @@ def _targets_text(cfg: Config, seeds: Sequence[int]) -> str:
     )
 
 
+def _absent_runs(cfg: Config, runs: Sequence[Run], seeds: Sequence[int]) -> str:
+    """The configuration's runs (``cfg.run_names()``) absent from ``seeds`` at its label noise,
+    as a sentence (empty when every seed has them all).
+
+    NOTE (why): a sitting cut short (or a folder merged from several) holds a seed's targets
+    and some of its runs, and a family's frontier there is over the runs present: interleaved,
+    Random-Backprop over 20 epochs ends last, and a seed without it read a weaker control, a
+    speedup larger than measured, under a header naming its budget among every seed's."""
+    gaps = []
+    for seed in seeds:
+        present = {r.strategy for r in runs if r.seed == seed and r.noise == cfg.noise}
+        absent = [name for name in cfg.run_names() if name not in present]
+        if absent:
+            gaps.append(f"seed {seed}: {', '.join(absent)}")
+    if not gaps:
+        return ""
+    return (
+        " Runs of the configuration absent, so that their families' frontiers in those seeds "
+        f"are over the runs present only (`--resume` trains them): {'; '.join(gaps)}."
+    )
+
+
 def frontier_section(cfg: Config, runs: Sequence[Run]) -> list[str]:
     """The headline: per target, the best control's frontier time over the best sbloader
     family's (see ``frontier.py``), then each family's frontier; nothing without a reference
@@ -176,7 +198,8 @@ def frontier_section(cfg: Config, runs: Sequence[Run]) -> list[str]:
         "seeds, left out of the mean). "
         f"Controls: {', '.join(map(family, table.controls)) or 'none'}. sbloader: "
         f"{', '.join(map(family, table.selective)) or 'none'}."
-        + (f" {missing}" if left_out else ""),
+        + (f" {missing}" if left_out else "")
+        + _absent_runs(cfg, runs, table.seeds),
         "",
         "| target | error | speedup | best control | best sbloader |",
         "|---|---|---|---|---|",
