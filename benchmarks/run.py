@@ -147,7 +147,28 @@ def configure(args: argparse.Namespace) -> Config:
     cfg.device = str(cfg.resolved_device())
     for name in (*cfg.run_names(), *cfg.noise_strategies):
         strategies.get(name)  # fail fast on a typo
+    _check_runs_named_once(cfg)
     return cfg
+
+
+def _check_runs_named_once(cfg: Config) -> None:
+    """Refuse two names of one run (a strategy at one budget), such as ``traditional`` and
+    ``traditional_e10`` at 10 planned epochs.
+
+    NOTE (why): both were trained, the same run twice, and the report then stopped at the
+    frontier (``two reference runs ('traditional', 10)``), as every ``--report-only`` after it
+    did, the sitting's runs saved but never reported."""
+    seen: dict[tuple[str, int], str] = {}
+    for name in cfg.run_names():
+        strat = strategies.get(name)
+        run = (strat.family, strat.planned(cfg.epochs))
+        if run in seen:
+            raise SystemExit(
+                "--strategies and --families should name each run once, but "
+                f"{seen[run]} and {name} are both {run[0]} over {run[1]} planned epochs "
+                f"(--epochs {cfg.epochs}); name one of them"
+            )
+        seen[run] = name
 
 
 def jobs(cfg: Config) -> list[tuple[str, int, float]]:

@@ -826,3 +826,18 @@ def test_train_bf16_on_the_command_line_sets_every_runs_training_precision():
     assert PRESETS["gpu"]["train_bf16"] is True
     gpu = configured("--preset", "gpu", "--device", "cpu", "--no-train-bf16")
     assert gpu.train_bf16 is False
+
+
+def test_two_names_of_one_run_are_refused_before_training():
+    """``traditional`` and ``traditional_e10`` at 10 planned epochs are one run: both were
+    trained, and the report then stopped at the frontier (``two reference runs``), as every
+    ``--report-only`` after it did. The command line is refused first, naming both."""
+
+    def configured(*argv: str) -> Config:
+        return bench.configure(bench.parser().parse_args(list(argv)))
+
+    with pytest.raises(SystemExit, match="traditional and traditional_e10 are both traditional"):
+        configured("--strategies", "traditional", "traditional_e10", "sb_0.33")
+    with pytest.raises(SystemExit, match=r"random_0\.33_e4 and random_0\.33 are both random_0\.33"):
+        configured("--epochs", "4", "--families", "random_0.33:4", "--strategies", "random_0.33_e4")
+    assert configured("--epochs", "4", "--strategies", "traditional", "traditional_e10").run_names()
