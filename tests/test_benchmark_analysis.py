@@ -100,6 +100,14 @@ def test_strategy_names_parse_and_typos_fail():
         strategies.get("sbb_0.3")
 
 
+def test_a_screens_variant_unknown_to_the_report_names_the_script_that_knows_it():
+    """A screen's runs (``run_variant``) reported by run.py itself: the report stopped at the
+    first run with "unknown strategy 'default_rw1_fb': a registered name ... optionally
+    followed by a budget", as for a typo, where only the screen's script registers it."""
+    with pytest.raises(ValueError, match=r"registered only by its script \(run_variant\)"):
+        strategies.get("default_rw1_fb")
+
+
 def test_a_run_that_sat_at_chance_level_is_collapsed_even_if_it_recovered():
     healthy = make_run("x", 0, [(10, 0.40), (20, 0.12), (30, 0.09)])
     healthy.points[1]["position"] = 0.5  # a high error before the first epoch ends is fine

@@ -340,7 +340,10 @@ def get(name: str) -> Strategy:
         return REGISTRY[family].with_budget(int(epochs))
     raise ValueError(
         f"unknown strategy {name!r}: a registered name (such as {', '.join(list(REGISTRY)[:4])}; "
-        f"all in benchmarks/core/strategies.py), optionally followed by a budget such as _e4"
+        f"all in benchmarks/core/strategies.py), optionally followed by a budget such as _e4; "
+        "a screen's variant is registered only by its script (run_variant): report its runs "
+        "with that script, e.g. python3 benchmarks/results/SCREEN/..._run.py --report-only "
+        "--out DIR"
     )
 
 
