@@ -35,6 +35,10 @@ class BatchCodec:
         drop_key: a field of the source's batches (the index field) that yielded batches leave
             out (see ``SelectiveLoader(drop_index=)``), or None. Input and target keys still
             name fields of the source's batches.
+        index_key: the field of the source's batches that holds the dataset indices (see
+            ``SelectiveLoader(index_key=)``), or None. Where it is the input or target field
+            (e.g. ``index_key=1`` meant for a third field), a source batch whose indices repeat
+            is refused: those are class labels or inputs, not dataset indices.
         pad_values: the value to pad each field with whose tensors differ in their trailing
             sizes from source batch to source batch (see ``SelectiveLoader(pad_values=)``), by
             key or position, or None. Checked here (:func:`check_pad_values`); the keys are
@@ -58,8 +62,12 @@ class BatchCodec:
         metadata_key: str | None = None,
         drop_key: Hashable | None = None,
         pad_values: Any = None,
+        index_key: Hashable | None = None,
     ) -> None:
         self.input_key, self.target_key = input_key, target_key
+        self.index_key = index_key
+        # "input" or "target" where index_key names that field (see _check_index_key).
+        self._index_is: str | None = None
         self.memory_format = memory_format
         self.metadata_key = metadata_key
         self.drop_key = drop_key
@@ -114,6 +122,8 @@ class BatchCodec:
                     f"the input field {fmt.input_key!r} has {n}; every field needs one entry per "
                     "example"
                 )
+        if self._index_is is not None and indices is not None:
+            self._check_repeats(indices)
         if indices is not None and indices.shape[0] != n:
             # NOTE: a DataLoader's indices are its sampler's, paired with the collated
             # examples by position: a collate_fn that leaves samples out (e.g. those a dataset
@@ -140,7 +150,43 @@ class BatchCodec:
                 "pass another metadata_key"
             )
         self._check_drop_key()
+        self._check_index_key()
         self._resolve_pads()
+
+    def _check_index_key(self) -> None:
+        """Note whether ``index_key`` names the input or the target field (see
+        :meth:`_check_repeats`)."""
+        fmt, key = self.format, self.index_key
+        self._index_is = None
+        if key is None or fmt is None:
+            return
+        if fmt.kind is not dict and isinstance(key, int) and not isinstance(key, bool):
+            key = key % len(fmt.keys) if -len(fmt.keys) <= key < len(fmt.keys) else key
+        if key == fmt.target_key:
+            self._index_is = "target"
+        elif key == fmt.input_key:
+            self._index_is = "input"
+
+    def _check_repeats(self, indices: np.ndarray) -> None:
+        """Refuse a source batch whose dataset indices, read from the input or target field,
+        repeat: that field holds class labels (or inputs), not dataset indices.
+
+        NOTE: otherwise accepted silently: ``index_key=1`` over ``(inputs, targets, indices)``
+        batches (meant for 2) made the labels the dataset indices, and Stale-SB's store kept one
+        loss per class. Only repeats are refused, so that targets that are the dataset indices
+        (instance discrimination) still work.
+        """
+        if np.unique(indices).shape[0] == indices.shape[0]:
+            return
+        name = "target_key" if self._index_is == "target" else "input_key"
+        assert self.format is not None
+        field = self.format.target_key if self._index_is == "target" else self.format.input_key
+        raise ValueError(
+            f"index_key={self.index_key!r} names the {self._index_is} field of the source's "
+            f"batches ({name}={field!r}), whose values repeat within a source batch "
+            f"({np.unique(indices).shape[0]} distinct in {indices.shape[0]}): they are no "
+            "dataset indices; pass index_key= the field that holds each example's dataset index"
+        )
 
     def _check_drop_key(self) -> None:
         fmt, key = self.format, self.drop_key

@@ -750,7 +750,13 @@ class SelectiveLoader(NotADataLoader):
         drop_key = dropped_index_key(drop_index, self._source)
         check_pad_values(pad_values, frozen_prefix)
         self._codec = BatchCodec(
-            codec_input_key, target_key, memory_format, metadata_key, drop_key, pad_values
+            codec_input_key,
+            target_key,
+            memory_format,
+            metadata_key,
+            drop_key,
+            pad_values,
+            self._source.index_field_key(),
         )
         # NOTE: resolved last: "expected" needs the source, batch size, subset and policy.
         # (whether "expected" was resolved: ranks that resolve it differently are told why)

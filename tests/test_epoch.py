@@ -924,6 +924,36 @@ def test_an_index_key_that_names_no_field_is_refused_naming_the_fields_there_are
             next(iter(loader))
 
 
+@pytest.mark.parametrize("key", [1, -2])
+def test_an_index_key_naming_the_target_field_is_refused_where_its_values_repeat(key):
+    """``index_key=1`` over (inputs, targets, indices) batches, meant for 2, made the class
+    labels the dataset indices, unsaid: Stale-SB's store kept one loss per class. Targets that
+    are the dataset indices (each example its own class) still work."""
+    x, y = torch.randn(32, 4), torch.arange(32) % 3
+    batches = [(x[i : i + 8], y[i : i + 8], torch.arange(i, i + 8)) for i in range(0, 32, 8)]
+    loader = SelectiveLoader(
+        batches,
+        nn.Linear(4, 3),
+        policy=SelectiveBackprop(0.5, staleness=2),
+        batch_size=4,
+        index_key=key,
+        dataset_size=32,
+    )
+    with pytest.raises(ValueError, match=rf"index_key={key} names the target field .*repeat"):
+        next(iter(loader))
+    own = [(x[i : i + 8], torch.arange(i, i + 8)) for i in range(0, 32, 8)]
+    loader = SelectiveLoader(
+        own,
+        nn.Linear(4, 32),
+        policy=SelectiveBackprop(0.5, staleness=2),
+        batch_size=4,
+        index_key=1,
+        dataset_size=32,
+    )
+    yielded = [i for batch in loader for i in batch.indices.tolist()]
+    assert yielded and len(set(yielded)) == len(yielded) and max(yielded) < 32
+
+
 @pytest.mark.parametrize(
     "policy",
     [
