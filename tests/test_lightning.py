@@ -145,6 +145,17 @@ def test_the_default_policy_anneals_in_the_last_eighth_of_max_epochs():
     assert e[1].selection_forwards > 0 and e[0].selection_forwards == 0
 
 
+def test_policy_none_passed_to_selective_loader_still_plans_the_default_recipe():
+    """policy=None (a config's default) is the default policy, as without policy=: it got no
+    planned_epochs from max_epochs, and never annealed, unsaid."""
+    module = Classifier()
+    source = DataLoader(data(), batch_size=64)
+    for options in ({}, {"policy": None}, {"planned_epochs": None}):
+        module.trainer = trainer(epochs=8)
+        loader = selective_loader(module, source, batch_size=24, **options).loader
+        assert loader.planned_epochs == 8 and loader.policy.anneal_from_epoch == 7
+
+
 def test_a_metadata_key_passed_to_selective_loader_is_the_loaders():
     """metadata_key="sb" is only the default: another key carries the results under it, and
     None yields the source's two fields with the results as attributes only."""

@@ -495,8 +495,9 @@ def selective_loader(
             ``seed``, ...). Defaults here: ``metadata_key="sb"``, so that ``training_step``
             finds the selection results in the batch (``x, y, sb = batch`` for tuples,
             ``batch["sb"]`` for dicts), and ``planned_epochs=trainer.max_epochs`` without
-            ``policy`` (where ``max_epochs >= 2``), so that the default policy trains on all
-            the data in the last eighth of the run's passes over the data.
+            ``policy`` (or with ``policy=None``; where ``max_epochs >= 2``), so that the
+            default policy trains on all the data in the last eighth of the run's passes over
+            the data.
             ``batches_per_epoch`` is not set here: pass ``batches_per_epoch="expected"`` (or an
             int) for ``len()`` and ``trainer.estimated_stepping_batches`` (without it a
             selective loader has no length and each Lightning epoch is one pass over the data).
@@ -612,7 +613,10 @@ def selective_loader(
             )
     options.setdefault("metadata_key", "sb")
     epochs = trainer.max_epochs
-    planned = "policy" not in options and "planned_epochs" not in options
+    # NOTE: policy=None and planned_epochs=None are the defaults, as left out: passed
+    # explicitly (a config's None), the default policy lost the Trainer's max_epochs and never
+    # annealed, unsaid.
+    planned = options.get("policy") is None and options.get("planned_epochs") is None
     if planned and epochs is not None and epochs >= 2:
         # NOTE: the default policy anneals (all the data) in the last eighth of the run, which
         # only the Trainer knows; max_epochs=-1 (unbounded) leaves it without annealing.
