@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._checks import check_choice, check_indices, check_int
+from ._checks import check_bool, check_choice, check_indices, check_int
 from ._migrations import ffcv_state_v0_to_v1
 from ._state import VERSION, check_identity, check_version
 from .sources import Source
@@ -637,6 +637,8 @@ def open_beton(
     check_int("num_workers", num_workers)
     check_int("batches_ahead", batches_ahead, minimum=1)
     order = check_choice("order", order, _ORDERS)
+    # (a string "False" read by its truth value dropped the last batch, unsaid)
+    drop_last = check_bool("drop_last", drop_last)
     if kwargs.get("distributed"):
         import torch.distributed as dist
 

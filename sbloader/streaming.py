@@ -41,7 +41,7 @@ except ModuleNotFoundError as e:  # streaming imports torchvision at its top lev
 
 from streaming.base import distributed as streaming_ranks
 
-from ._checks import check_int
+from ._checks import check_bool, check_int
 from .stateful import StatefulSource
 
 __all__ = ["SAMPLE_ID", "IndexedStreamingDataset", "StreamingSource", "open_mds", "write_mds"]
@@ -273,6 +273,10 @@ def open_mds(
     """
     batch_size = check_int("batch_size", batch_size, minimum=1)
     _check_ranks(streaming_ranks.get_rank(), streaming_ranks.get_world_size())
+    # NOTE: a flag given as a string ("False", from a config) was read by its truth value: the
+    # order shuffled, unsaid.
+    shuffle = check_bool("shuffle", shuffle)
+    num_workers = check_int("num_workers", num_workers, minimum=0)
     dataset = IndexedStreamingDataset(
         local=str(local),
         batch_size=batch_size,

@@ -173,6 +173,12 @@ def test_a_loader_with_batches_ahead_0_is_refused_naming_it(beton):
         SelectiveLoader(loader, model(), batch_size=16)
 
 
+def test_a_drop_last_given_as_a_string_is_refused_not_read_by_its_truth_value(beton):
+    """open_beton(drop_last="False") (a config's string) dropped the last partial batch."""
+    with pytest.raises(TypeError, match=r"drop_last should be True or False.*'False'"):
+        sbffcv.open_beton(beton, 32, drop_last="False")
+
+
 def test_distributed_before_init_process_group_names_the_fix(beton):
     """open_beton(..., distributed=True) on a process without torch.distributed initialised
     failed inside FFCV on torch's "default process group" error; it names the call to make."""

@@ -286,6 +286,16 @@ def test_the_sample_id_beside_an_index_field_is_no_unused_model_input(tmp_path):
     released(loader)
 
 
+@pytest.mark.parametrize(
+    "options, match",
+    [({"shuffle": "False"}, "shuffle should be True or False"), ({"num_workers": -1}, ">= 0")],
+)
+def test_open_mds_refuses_a_flag_given_as_a_string_and_negative_workers(mds, options, match):
+    """open_mds(shuffle="False") (a config's string) shuffled, read by its truth value."""
+    with pytest.raises((TypeError, ValueError), match=match):
+        sbs.open_mds(mds, 8, **options)
+
+
 def test_ranks_the_environment_does_not_name_are_refused(mds, monkeypatch):
     """streaming reads the ranks from RANK, WORLD_SIZE, ... (torchrun sets them), never from
     torch.distributed. A job started with mp.spawn and init_process_group(rank=, world_size=)
