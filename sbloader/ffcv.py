@@ -719,6 +719,23 @@ def _field_kind(loader: Any, name: str) -> str | None:
     return None if field is None else type(field).__name__
 
 
+def _quasi_pages(order: Any) -> np.ndarray | None:
+    """A ``QUASI_RANDOM`` order's table of each page's examples as ffcv builds it, unshuffled (a
+    copy), or None for another order.
+
+    NOTE: ffcv's ``QuasiRandom.sample_order(epoch)`` shuffles that table in place before drawing
+    from it, so epoch ``e``'s order depended on every order drawn before (the Loader draws one
+    when it is built): a run restarted from a state saved at an epoch boundary read other
+    orders than the uninterrupted run, and a loader scored first (``el2n_scores``) trained on
+    other orders. Restoring this table before each epoch makes the order a function of seed and
+    epoch, as the other orders are.
+    """
+    if type(order).__name__ != "QuasiRandom" or not hasattr(order, "prepare_data_structures"):
+        return None
+    order.prepare_data_structures()  # (rebuilds the table from the file's pages)
+    return np.array(order.page_to_samples_array, copy=True)
+
+
 def _stop_epoch_iterator(it: Any) -> None:
     """Stop an FFCV ``EpochIterator`` (finished or abandoned), wait for its thread, then close it.
 
@@ -804,7 +821,8 @@ class FFCVSource(Source):
 
     Epochs: the source sets the FFCV loader's epoch counter to the SelectiveLoader's epoch before
     each pass, so epoch ``e``'s order is FFCV's order for epoch ``e`` whatever happened before
-    (a restarted run gets the same orders).
+    (a restarted run gets the same orders; for ``QUASI_RANDOM``, whose ffcv order shuffles a
+    table in place, the source restores that table before each pass).
 
     Mid-epoch resume: FFCV's ``SEQUENTIAL`` and ``RANDOM`` orders are a pure function of seed and
     epoch, so the source replays the epoch and discards the batches already consumed (FFCV
@@ -899,6 +917,7 @@ class FFCVSource(Source):
             _field_kind(loader, name) in ("IntField", "FloatField") for name in self.outputs
         ]
         self._epoch = 0
+        self._quasi_pages = _quasi_pages(loader.traversal_order)
         # NOTE: besides the order, seed and batch size, what decides which examples an epoch's
         # batches hold (FFCV fixes them when the Loader is built): a mid-epoch resume with
         # others would skip the consumed batches of another sequence of examples.
@@ -981,6 +1000,8 @@ class FFCVSource(Source):
         # NOTE: FFCV draws the epoch's order from its own counter; setting it makes the order a
         # function of the SelectiveLoader's epoch alone (exact resume, repeated runs agree).
         loader.next_epoch = epoch
+        if self._quasi_pages is not None:  # (see _quasi_pages)
+            np.copyto(loader.traversal_order.page_to_samples_array, self._quasi_pages)
         it = None
         try:
             with preserved_threads():

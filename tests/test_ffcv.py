@@ -247,6 +247,31 @@ def test_a_quasi_random_state_saved_mid_epoch_is_warned_of_when_saved(beton):
     del it
 
 
+def test_a_quasi_random_run_restarted_at_an_epoch_boundary_reads_the_same_orders(beton):
+    """ffcv's QUASI_RANDOM order shuffles its table of pages in place each time an order is
+    drawn, so epoch e's order depended on the orders drawn before: a run restarted from a state
+    saved at an epoch boundary read other orders than the uninterrupted run. Now every epoch
+    reads the same order as the uninterrupted run's, each a permutation, epochs differing."""
+
+    def build() -> SelectiveLoader:
+        loader = sbffcv.open_beton(beton, 32, order="quasi_random", seed=1)
+        return SelectiveLoader(loader, model(), policy=Traditional(), batch_size=32)
+
+    def epoch_order(sl: SelectiveLoader) -> list[int]:
+        return [i for batch in sl for i in batch.indices.tolist()]
+
+    sl = build()
+    full = [epoch_order(sl) for _ in range(3)]
+    assert all(sorted(order) == list(range(N)) for order in full)
+    assert full[0] != full[1] != full[2]
+    first = build()
+    epoch_order(first)
+    state = first.state_dict()
+    resumed = build()
+    resumed.load_state_dict(state)
+    assert [epoch_order(resumed), epoch_order(resumed)] == full[1:]
+
+
 def test_mid_epoch_resume_is_refused_for_other_indices_drop_last_or_distributed(beton):
     """The FFCV Loader's indices=, drop_last and distributed decide which examples an epoch's
     batches hold, but a mid-epoch state did not record them: resumed with other indices of the
