@@ -1054,6 +1054,10 @@ class FFCVSource(Source):
             "order": self.order_name,
             "num_samples": int(self.loader.reader.num_samples),
             "batch_size": int(self.loader.batch_size),
+            # NOTE: FFCV's own epoch counter, which a bare ``iter(loader)`` draws its order
+            # from: put back by load_state_dict, so that a pass over the source that is then
+            # undone (el2n_scores's) leaves the order of FFCV's next epoch as it was.
+            "next_epoch": int(self.loader.next_epoch),
             **self._identity,
         }
 
@@ -1067,6 +1071,8 @@ class FFCVSource(Source):
                 f"the saved FFCV source read {state.get('num_samples')} examples but this "
                 f"loader's file has {self.loader.reader.num_samples}; open the same .beton"
             )
+        if state.get("next_epoch") is not None:  # (absent from states saved before it was kept)
+            self.loader.next_epoch = int(state["next_epoch"])
         if not mid_epoch:
             return
         if self.order_name not in _PURE_ORDERS:

@@ -1099,6 +1099,28 @@ def test_el2n_scores_refuses_an_ffcv_loader_that_drops_its_last_batch(beton):
         )
 
 
+def test_el2n_scores_leaves_an_ffcv_loaders_next_order_as_it_was(beton):
+    """el2n_scores puts the source's state back so that the training that follows reads the
+    same order; over an FFCV Loader it left FFCV's epoch counter models * (epochs + 1) epochs
+    on, so a bare loop over the Loader afterwards read another epoch's order."""
+
+    def first_order(loader) -> list[int]:
+        with sbffcv.preserved_threads():
+            return [i for _, _, index in loader for i in index.tolist()]
+
+    expected = first_order(sbffcv.open_beton(beton, 32, order="random", seed=0))
+    loader = sbffcv.open_beton(beton, 32, order="random", seed=0)
+    sbloader.el2n_scores(
+        lambda: nn.Sequential(nn.Flatten(), nn.Linear(16, N_CLASSES)),
+        loader,
+        make_optimizer=lambda m: torch.optim.SGD(m.parameters(), 0.01),
+        models=2,
+        epochs=1,
+    )
+    assert loader.next_epoch == 0
+    assert first_order(loader) == expected
+
+
 def test_a_missing_index_field_names_the_source_that_reads_without_one(tmp_path):
     fields_mod = pytest.importorskip("ffcv.fields")
     images, labels = encoded_arrays(20)
