@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -320,14 +321,32 @@ def like(structure: Any, values: Any) -> Any:
     return cls(values)
 
 
+# NOTE: the batch classes named in states taken in this process, by name. A class defined in a
+# function cannot be imported again, so a loader rebuilt in the same process (a resume within
+# one job, a notebook) found no class for the state it loaded, and the batches it handed out
+# before its first source batch (a batch taken back with ``unconsumed=1``, carried rows that
+# fill one) were plain tuples or dicts: ``batch.image`` or ``batch.to(device)`` then failed.
+_NAMED: weakref.WeakValueDictionary[str, type] = weakref.WeakValueDictionary()
+
+
 def class_name(cls: type | None) -> str | None:
     """``module:qualname`` of a batch class, for a saved state (None for none)."""
-    return None if cls is None else f"{cls.__module__}:{cls.__qualname__}"
+    if cls is None:
+        return None
+    name = f"{cls.__module__}:{cls.__qualname__}"
+    _NAMED[name] = cls
+    return name
 
 
 def class_named(name: str | None) -> type | None:
-    """The class :func:`class_name` named, where it can be imported, else None."""
-    if not name or "<" in name:  # (a class defined in a function cannot be found again)
+    """The class :func:`class_name` named: one named in this process, or one that can be
+    imported, else None."""
+    if not name:
+        return None
+    known = _NAMED.get(name)
+    if known is not None:
+        return known
+    if "<" in name:  # (a class defined in a function cannot be found in another process)
         return None
     module, _, qualname = name.partition(":")
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import warnings
 from collections.abc import Hashable, Mapping, MutableMapping
 from functools import partial
 from typing import Any
@@ -83,6 +84,9 @@ class BatchCodec:
         self.format: B.BatchFormat | None = None
         # The source format it was made for, the yielded batches' format, the dropped position.
         self._yielded: tuple[B.BatchFormat, B.BatchFormat, int] | None = None
+        # The batch class a loaded state names that could not be found (see build), until a
+        # source batch tells it.
+        self._unfound: str | None = None
 
     @property
     def input_position(self) -> int:
@@ -108,6 +112,7 @@ class BatchCodec:
             own = B.BatchFormat.own_class(raw)
             if own is not None:
                 fmt = self.format = dataclasses.replace(fmt, cls=own)
+                self._unfound = None
         in_pos = self.input_position
         columns = [
             B.to_column(v, device, self.memory_format if j == in_pos else None)
@@ -374,6 +379,8 @@ class BatchCodec:
         ``normalize_weights``). A :class:`~sbloader.rows.WholeBatch`'s are made when first
         read (its weights are all 1, scaled or not)."""
         assert self.format is not None
+        if self._unfound is not None:
+            self._warn_unfound()
         if isinstance(rows, WholeBatch) and self.metadata_key is not None:
             rows = rows.rows()  # the metadata travels in the batch itself
         data = list(rows.data)
@@ -440,6 +447,22 @@ class BatchCodec:
             del data[pos]
         return fmt
 
+    def _warn_unfound(self) -> None:
+        """Warn (once) that a batch is built before the resumed run's first source batch
+        without the source's batch class, which the loaded state names but which cannot be
+        found in this process (a class defined in a function, saved by another process)."""
+        assert self.format is not None
+        name, self._unfound = self._unfound, None
+        warnings.warn(
+            f"the source's batch class {name!r}, which the loaded state names, cannot be "
+            "imported in this process (a class defined in a function), so the batches handed "
+            "out before the resumed run's first source batch are plain "
+            f"{self.format.kind.__name__}s, not of that class (later ones have it again); "
+            "define the batch class at module level to resume with it",
+            UserWarning,
+            stacklevel=4,
+        )
+
     def state_dict(self) -> dict[str, Any]:
         f = self.format
         fmt = None
@@ -465,6 +488,7 @@ class BatchCodec:
         source batch, e.g. as a short last batch."""
         state = check_version(state, "BatchCodec", self.VERSION)
         fmt = state["format"]
+        self._unfound = None
         if fmt is not None:
             keys = tuple(fmt["keys"])
             kind = _KINDS[fmt["kind"]]
@@ -482,6 +506,7 @@ class BatchCodec:
                     )
             # NOTE: "class" is optional within version 1 (older states have none).
             cls = B.class_named(fmt.get("class"))
+            self._unfound = fmt.get("class") if cls is None else None
             self.format = B.BatchFormat(kind, keys, fmt["input_key"], fmt["target_key"], cls)
             self._check_format()
         shapes = state.get("shapes")

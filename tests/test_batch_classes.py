@@ -205,6 +205,66 @@ def test_a_resumed_run_yields_the_class_and_the_same_batches(make):
     assert head + [b.indices.tolist() for b in rest] == reference
 
 
+def _local_class_loader() -> Any:
+    """A loader over batches of a namedtuple class defined in a function, and the class."""
+    Pair = namedtuple("Pair", "image label")  # (defined here: it cannot be imported again)
+
+    class Pairs(Dataset):
+        def __len__(self) -> int:
+            return N
+
+        def __getitem__(self, i: int) -> Any:
+            return Pair(*EncodedDataset(N)[i])
+
+    def make() -> SelectiveLoader:
+        return SelectiveLoader(
+            DataLoader(Pairs(), batch_size=12),
+            IndexLoss(),
+            policy=SelectiveBackprop(0.9),
+            batch_size=4,
+            seed=0,
+        )
+
+    return make, Pair
+
+
+def test_a_batch_handed_out_again_after_a_resume_keeps_a_class_defined_in_a_function():
+    # (the batch taken back with unconsumed=1 is handed out before any source batch is read:
+    # its class came from the state, which could not import a class defined in a function)
+    make, pair = _local_class_loader()
+    loader = make()
+    it = iter(loader)
+    next(it)
+    taken_back = next(it)
+    state = loader.state_dict(unconsumed=1)
+    resumed = make()
+    resumed.load_state_dict(state)
+    first = next(iter(resumed))
+    assert isinstance(first, pair) and type(first) is type(taken_back)
+    assert torch.equal(first.indices, taken_back.indices)
+    paired(first)
+
+
+def test_a_batch_class_that_cannot_be_found_on_resume_is_warned_of_naming_the_fix():
+    make, _ = _local_class_loader()
+    loader = make()
+    it = iter(loader)
+    next(it)
+    next(it)
+    state = loader.state_dict(unconsumed=1)
+    # (as in another process, where a class defined in a function cannot be found)
+    state["codec"]["format"]["class"] = "elsewhere:run.<locals>.Pair"
+    resumed = make()
+    resumed.load_state_dict(state)
+    with pytest.warns(UserWarning, match="elsewhere:run.<locals>.Pair.*define the batch cl") as w:
+        kinds = [type(b).__name__ for b in resumed]
+    assert len([x for x in w if "cannot be imported" in str(x.message)]) == 1
+    # (plain until the first source batch, which tells the class)
+    first_pair = kinds.index("SelectedPair")
+    assert 0 < first_pair and set(kinds[:first_pair]) == {"SelectedTuple"}
+    assert set(kinds[first_pair:]) == {"SelectedPair"}
+
+
 def test_a_mapping_whose_constructor_takes_no_dict_falls_back_to_a_plain_dict():
     def collate(samples):
         out = collections.defaultdict(list)  # defaultdict(dict) would take a factory
