@@ -453,28 +453,53 @@ def _calibration_rows(inputs: torch.Tensor, n: int) -> torch.Tensor:
 
 def _nonfinite_rows(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
     """The forward hook of an int8 copy: NaN outputs for the rows whose inputs hold a NaN or an
-    infinite value, as the float model gives them.
+    infinite value, as the float model gives them (in every floating-point tensor of one row per
+    candidate, also inside a dict, tuple or list of outputs).
 
     NOTE: quantizing maps NaN and infinite values to finite int8 ones, so without it such a
     candidate got a finite loss from the copy: ``nonfinite=`` never saw it, and it could be
     selected and trained on (its NaN input then reached the training step), where float
     selection passes find its loss non-finite.
+
+    NOTE: a model returning ``{"logits": ...}`` or a tuple (picked by ``output=``) kept that
+    finite loss until the outputs inside them were masked too.
+
+    Example:
+        >>> x = torch.tensor([[1.0, 2.0], [float("nan"), 0.0]])
+        >>> out = _nonfinite_rows(nn.Identity(), (x,), {"logits": torch.ones(2, 3), "n": 2})
+        >>> out["logits"][:, 0].tolist(), out["n"]
+        ([1.0, nan], 2)
     """
     inputs = args[0] if args else None
-    if (
-        not isinstance(inputs, torch.Tensor)
-        or not inputs.is_floating_point()
-        or inputs.dim() == 0
-        or not isinstance(output, torch.Tensor)
-        or not output.is_floating_point()
-        or output.dim() == 0
-        or output.shape[0] != inputs.shape[0]
-    ):
+    if not isinstance(inputs, torch.Tensor) or not inputs.is_floating_point() or inputs.dim() == 0:
         return output
     bad = ~torch.isfinite(inputs.reshape(inputs.shape[0], -1)).all(1)
     if not bool(bad.any()):
         return output
-    return output.masked_fill(bad.view(-1, *([1] * (output.dim() - 1))), float("nan"))
+    return _masked(output, bad)
+
+
+def _masked(output: Any, bad: torch.Tensor) -> Any:
+    """``output`` with NaN in the rows ``bad`` marks of each floating-point tensor of one row
+    per candidate, through dicts, tuples (namedtuples too) and lists; anything else as it is."""
+    if isinstance(output, torch.Tensor):
+        if not output.is_floating_point() or output.dim() == 0 or output.shape[0] != len(bad):
+            return output
+        return output.masked_fill(bad.view(-1, *([1] * (output.dim() - 1))), float("nan"))
+    if isinstance(output, Mapping):
+        values = {k: _masked(v, bad) for k, v in output.items()}
+        if type(output) is dict:
+            return values
+        try:
+            return cast(Any, type(output))(values)
+        except Exception:
+            return values
+    if isinstance(output, (tuple, list)):
+        items = [_masked(v, bad) for v in output]
+        if isinstance(output, tuple) and hasattr(output, "_fields"):  # a namedtuple
+            return type(output)(*items)
+        return type(output)(items)
+    return output
 
 
 def _first_line(error: Exception) -> str:

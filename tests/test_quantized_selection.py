@@ -725,6 +725,38 @@ def test_a_candidate_with_nan_inputs_is_non_finite_as_in_float(bad_row: int) -> 
     assert runs[True][2] > 32  # the other candidates were scored finite and selected
 
 
+class _Structured(nn.Module):
+    """The CNN returning its logits inside a dict (Hugging Face style) or a tuple."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.net = kind, cnn()
+
+    def forward(self, x: torch.Tensor) -> Any:
+        logits = self.net(x)
+        return {"logits": logits} if self.kind == "dict" else (logits, logits.sum(1))
+
+
+@pytest.mark.parametrize("kind", ["dict", "tuple"])
+def test_a_candidate_with_nan_inputs_is_non_finite_whatever_structure_the_model_returns(
+    kind: str,
+) -> None:
+    """A model whose logits come inside a dict or a tuple (``output=0``): the int8 copy's NaN
+    rows reach them too. Before, only a tensor output was masked, so the NaN candidate got a
+    finite int8 loss, could be selected, and its NaN input reached the training step."""
+    data = dataset(64)
+    data.tensors[0][5, 0, 3, 3] = float("nan")
+    runs = {}
+    for q in (False, True):
+        extra: dict[str, Any] = {"output": 0} if kind == "tuple" else {}
+        loader = make(_Structured(kind), q, policy=SelectiveBackprop(1.0), data=data, **extra)
+        kept = {i for idx, _ in epoch_batches(loader) for i in idx}
+        stats = loader.stats.current
+        assert stats is not None
+        runs[q] = (stats.nonfinite, 5 in kept)
+    assert runs[True] == runs[False] == (1, False)
+
+
 def test_a_copy_is_calibrated_on_the_first_finite_candidates_skipping_a_nan_one() -> None:
     """The calibration rows are the first ``calibration_examples`` candidates with finite
     inputs: a NaN candidate among them is skipped (the next finite one takes its place), not
