@@ -35,7 +35,7 @@ from torch import nn
 from ._checks import check_int
 from ._state import check_version
 from .precision import native_int8
-from .selection import model_device, selection_autocast
+from .selection import eval_mode, has_lazy, model_device, selection_autocast
 
 __all__ = [
     "AUTO",
@@ -667,6 +667,14 @@ class QuantizedSelector:
         if prepare is not None:
             with torch.inference_mode():
                 calib = prepare(calib)
+        if has_lazy(model):
+            # NOTE: lazy parameters (nn.LazyLinear) are made by the model's first forward, which
+            # the int8 copy's build came before: it failed on them ("uninitialized parameter"),
+            # refused for a model a float selection pass takes (and "auto" fell back for the
+            # whole run). Made here as that pass makes them: by a float forward under no_grad
+            # (never inference mode, so that they train), in eval mode.
+            with eval_mode(model), torch.no_grad(), selection_autocast(calib.device.type, None):
+                model(calib[:1].clone())
         with quiet():
             try:
                 return _int8_copy(model, calib, self.engine)

@@ -562,6 +562,31 @@ def test_auto_falls_back_on_the_first_batch_where_int8_cannot_be_built(
         make(model, True)
 
 
+@pytest.mark.parametrize("warmup", [False, True], ids=["selection pass", "warm-up trial"])
+@pytest.mark.parametrize("quantize", [True, "auto"])
+def test_a_lazy_model_gets_its_int8_copy_and_its_parameters_train(
+    monkeypatch, quantize: Any, warmup: bool
+) -> None:
+    """A model with lazy parameters (``nn.LazyLinear``), which float selection passes take: the
+    copy's build makes them first, as a float pass would (under ``no_grad``: they train). Before,
+    the build met them uninitialised: ``True`` was refused on the first batch naming layers
+    without int8 kernels, and ``"auto"`` fell back to float for the whole run."""
+    native(monkeypatch, True)
+    policy = sbloader.default_policy() if warmup else SelectiveBackprop(0.5)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(CLASSES))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # (no fall-back warning)
+        loader = make(model, quantize, policy)
+        x, y = next(b for _ in range(2) for b in loader)
+    assert loader.scorer.quantized is not None
+    assert "int8" in loader.selection_precision and "off" not in loader.selection_precision
+    lazy = model[3]
+    assert isinstance(lazy, nn.Linear) and not lazy.weight.is_inference()
+    nn.functional.cross_entropy(model(x), y).backward()
+    assert lazy.weight.grad is not None
+
+
 def test_auto_never_falls_back_once_its_copy_has_scored(monkeypatch) -> None:
     """A copy chosen by "auto" that was built and scored with is kept: a refresh that fails
     later (here, the next epoch's) raises, instead of switching to float passes mid-run (a run
