@@ -220,7 +220,8 @@ class SelectiveLoader(NotADataLoader):
             ``torch.bfloat16`` or ``torch.float16`` to run them under autocast (the dtypes it
             runs; another is refused), None for float32, or ``"auto"``
             (default): bf16 where the selecting model's device computes it natively (a CUDA
-            device that supports it, an x86 CPU with AVX512-BF16 or AMX), float32 elsewhere and
+            device of compute capability 8.0 or more, an x86 CPU with AVX512-BF16 or AMX; not a
+            GPU that only emulates bf16, e.g. a V100 or T4), float32 elsewhere and
             with a ``frozen_prefix`` (its features feed training); see :mod:`sbloader.precision`.
             bf16 ranks losses as float32 does at a fraction of the cost there. The choice is
             logged and is ``loader.autocast``; a saved state records it, and a loader built with

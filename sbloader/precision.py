@@ -151,8 +151,10 @@ def forward_autocast_refused(requested: Any, dtype: torch.dtype, device: torch.d
 
 
 def native_bf16(device: torch.device) -> bool:
-    """Whether ``device`` computes bf16 natively: a CUDA device that supports it, or a CPU with
-    AVX512-BF16 or AMX (x86). Other devices and CPUs (ARM included) answer False.
+    """Whether ``device`` computes bf16 natively: a CUDA device of compute capability 8.0 or more
+    (Ampere and later; ROCm's, which all support it), or a CPU with AVX512-BF16 or AMX (x86).
+    Other devices and CPUs (ARM included), and older GPUs (V100, T4), which only emulate bf16,
+    answer False.
 
     Example:
         The answer depends on the machine; ``autocast="auto"`` picks bf16 where it is True:
@@ -164,10 +166,27 @@ def native_bf16(device: torch.device) -> bool:
         True
     """
     if device.type == "cuda":
-        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+        return _cuda_bf16(device)
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     return _cpu_has("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+
+
+def _cuda_bf16(device: torch.device) -> bool:
+    """Whether the CUDA device ``device`` (the current one without an index) computes bf16
+    natively.
+
+    NOTE: not ``torch.cuda.is_bf16_supported()`` as called by default: with its default
+    ``including_emulation=True`` it answers True on GPUs before Ampere too (a V100, a T4), where
+    bf16 is only emulated, so ``"auto"`` chose bf16 there and logged it as native. And it asks
+    about the current device, not the model's.
+    """
+    if not torch.cuda.is_available():
+        return False
+    if torch.version.hip:  # (every ROCm GPU torch runs on computes bf16, as torch says)
+        return True
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 8
 
 
 def native_int8() -> bool:

@@ -56,6 +56,32 @@ def test_auto_follows_the_devices_native_bf16(monkeypatch):
         build(autocast="bf16")
 
 
+@pytest.mark.parametrize(
+    ("capability", "native"), [((7, 0), False), ((7, 5), False), ((8, 0), True), ((9, 0), True)]
+)
+def test_a_gpu_that_only_emulates_bf16_is_not_native(monkeypatch, capability, native):
+    """A V100 (7.0) or a T4 (7.5) emulates bf16: ``torch.cuda.is_bf16_supported()``'s default
+    (``including_emulation=True``) answers True there, and "auto" chose bf16 selection passes,
+    said to be native; Ampere (8.0) and later compute it. The model's device is the one asked
+    about, not the current device."""
+    asked = []
+
+    def get_capability(index=None):
+        asked.append(index)
+        return capability
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", get_capability)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert native_bf16(torch.device("cuda", 1)) is native
+    assert asked == [1]
+    dtype, why = selection_dtype("auto", torch.device("cuda", 1))
+    assert dtype is (torch.bfloat16 if native else None)
+    assert why.endswith("(native on cuda)" if native else "(no native bf16 on cuda)")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int8])
 def test_a_dtype_autocast_cannot_run_is_refused_naming_the_fix(dtype):
     """torch.autocast runs bf16 or float16 only: with another dtype it warned on every selection
