@@ -745,6 +745,7 @@ class SelectiveLoader(NotADataLoader):
             )
         self.min_batch_size = checked_min_batch_size(min_batch_size, model, self.batch_size)
         self._device = device  # (a torch.device or None: checked above)
+        self._scorer.check_selector_device(self.device)
         self.input_key, self.target_key = input_key, target_key
         check_metadata_key(metadata_key)
         self.metadata_key = metadata_key
@@ -1381,6 +1382,7 @@ class SelectiveLoader(NotADataLoader):
             # (the model may have been prepared by Accelerate since)
             self._scorer.follow_forward_autocast(self._autocast_requested)
             check_device(self.device, self._device is not None)
+            self._scorer.check_selector_device(self.device)
         except Exception as e:
             if not several:
                 raise

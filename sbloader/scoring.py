@@ -27,6 +27,7 @@ from .precision import AUTO, forward_autocast, forward_autocast_refused
 from .quantize import Int8Unavailable, QuantizedSelector
 from .selection import (
     SelectionForward,
+    concrete_device,
     downsample,
     features_as_float,
     has_lazy,
@@ -169,6 +170,32 @@ class Scorer:
     def check(self) -> None:
         """Refuse a frozen prefix that trains (checked when the loader is built and per epoch)."""
         self.forward.check(self.model, self.selector)
+
+    def check_selector_device(self, device: torch.device) -> None:
+        """Refuse a ``selector`` whose parameters (or buffers) are on another device than
+        ``device``, where the loader puts the batches it scores (``ValueError`` naming both and
+        the fix). Checked when the loader is built and when each epoch starts (the model may
+        have been moved since, and the selector with it or not).
+
+        NOTE: the selection pass calls the selector on the batches' device; before, a selector
+        left on the CPU beside a model on a GPU was accepted, and the first selection pass failed
+        in torch ("Expected all tensors to be on the same device"), naming neither the selector
+        nor the fix.
+        """
+        selector = self.selector
+        if selector is None:
+            return
+        inner = unwrap(selector)
+        if next(iter((*inner.parameters(), *inner.buffers())), None) is None:
+            return  # (no tensors of its own: it runs wherever its inputs are)
+        where = model_device(inner)
+        if concrete_device(where) != concrete_device(device):
+            raise ValueError(
+                f"selector should be on the device the loader scores batches on, {device} (the "
+                f"model's, or device= when given), but its parameters are on {where}; move it "
+                f"there (selector.to({str(device)!r})) before building the loader or starting "
+                "the epoch"
+            )
 
     def score(
         self,

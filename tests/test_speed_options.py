@@ -301,6 +301,23 @@ def test_channels_last_and_a_copied_selector_keep_the_choices():
     assert chosen(with_selector) == chosen(plain)
 
 
+def test_a_selector_on_another_device_than_the_batches_is_refused_naming_the_fix():
+    """A selector whose parameters are elsewhere than the batches it scores (the meta device
+    stands in for a GPU) is refused when the loader is built, and when an epoch starts after it
+    was moved; one without parameters of its own is accepted. Before, the loader was built and
+    its first selection pass failed in torch, naming neither the selector nor the fix."""
+    message = r"selector should be on the device the loader scores batches on, cpu .* on meta"
+    with pytest.raises(ValueError, match=message):
+        run(selector=cnn().to("meta"))
+    selector = cnn()
+    loader, _ = run(selector=selector, epochs=1)
+    selector.to("meta")
+    with pytest.raises(ValueError, match=message):
+        next(iter(loader))
+    free = nn.Sequential(nn.Flatten(), nn.AdaptiveAvgPool1d(CLASSES))
+    assert chosen(run(selector=free, epochs=1)[1])
+
+
 class LayoutRecorder(nn.Module):
     """A video model that records, per forward, whether its input is channels_last_3d."""
 
