@@ -661,6 +661,18 @@ class SelectiveLoader(NotADataLoader):
                     else ""
                 ),
             )
+        unsaid = self._source.unsaid_size()
+        if self.policy.records_examples() and unsaid is not None:
+            # NOTE: the store's size is the bound of the indices, which index_key= reads from
+            # the batches: the message said to use a DataLoader over a map-style dataset, to a
+            # user who had passed one.
+            raise ValueError(
+                f"{self.policy!r} stores each example's loss by dataset index, which index_key= "
+                "reads from the batches, so the store needs the number of indices they can "
+                f"hold; pass dataset_size=len(dataset) ({unsaid}) where every index lies in "
+                f"[0, {unsaid}) (else the bound they lie below), or a policy without a "
+                f"per-example store: {_NO_STORE}"
+            )
         self.seed = check_int("seed", seed, minimum=0)
         self.rank = (
             self._default_rank(process_group, distributed)

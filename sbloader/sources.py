@@ -287,6 +287,13 @@ class Source(abc.ABC):
     def dataset_size(self) -> int | None:
         return None
 
+    def unsaid_size(self) -> int | None:
+        """The size of a dataset whose indices the source reads from its batches, where it
+        knows that size but was not told that the indices lie below it (then
+        :attr:`dataset_size` is None), else None: named in errors as the ``dataset_size=`` to
+        pass."""
+        return None
+
     @property
     def dataset(self) -> Any:
         """The wrapped loader's dataset, or None (``loader.dataset`` passes it through)."""
@@ -1120,6 +1127,24 @@ class IterableSource(Source):
     def dataset_size(self) -> int | None:
         """``dataset_size=`` as given (an iterable cannot tell its size), or None."""
         return self._size
+
+    def unsaid_size(self) -> int | None:
+        """``len(dataset)`` of a DataLoader over a map-style dataset read with ``index_key=``
+        and no ``dataset_size=``, else None.
+
+        NOTE: not taken as ``dataset_size``: the index field may hold ids beyond
+        ``len(dataset)`` (a ``Subset`` whose examples carry the full dataset's indices), which
+        a policy without a store takes as they are. A store needs the bound said.
+        """
+        loader = self.iterable
+        if self._size is not None or not isinstance(loader, DataLoader):
+            return None
+        if isinstance(loader.dataset, IterableDataset):
+            return None
+        try:
+            return len(loader.dataset)  # type: ignore[arg-type]
+        except TypeError:
+            return None
 
     @property
     def epoch_size(self) -> int | None:

@@ -289,6 +289,29 @@ def test_default_policy_given_over_a_source_without_a_store_names_has_store():
         assert repr(auto.policy) == repr(sbloader.default_policy(epochs=10, has_store=False))
 
 
+def test_a_store_over_a_map_style_dataloader_read_with_index_key_names_its_size():
+    """A DataLoader over a map-style dataset read with index_key=: the store needs the bound of
+    the indices, which the batches hold, and the refusal told the user, who had passed one, to
+    "use a DataLoader over a map-style dataset". It names dataset_size=len(dataset) now, and
+    with it the run goes; a policy without a store takes the indices as they are."""
+    x, y = torch.randn(64, 5), torch.arange(64) % N_CLASSES
+    rows = [(x[i], y[i], i) for i in range(64)]
+    model = nn.Linear(5, N_CLASSES)
+    stale = SelectiveBackprop(0.5, staleness=2)
+    with pytest.raises(ValueError, match=r"pass dataset_size=len\(dataset\) \(64\)"):
+        SelectiveLoader(DataLoader(rows, batch_size=16), model, policy=stale, index_key=2)
+    loader = SelectiveLoader(
+        DataLoader(rows, batch_size=16), model, policy=stale, index_key=2, dataset_size=64
+    )
+    seen = [i for _ in range(2) for batch in loader for i in batch.indices.tolist()]
+    assert seen and set(seen) <= set(range(64))
+    assert len(loader.policy.store) == 64
+    plain = SelectiveLoader(
+        DataLoader(rows, batch_size=16), model, policy=SelectiveBackprop(0.5), index_key=2
+    )
+    assert [i for batch in plain for i in batch.indices.tolist()]
+
+
 @pytest.mark.parametrize("input_key, target_key", [(2, 0), (-1, -3)])
 def test_positional_input_and_target_keys(input_key, target_key):
     ds = EncodedDataset(40)
