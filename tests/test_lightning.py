@@ -988,3 +988,71 @@ def test_a_batch_rebuilt_by_lightnings_transfer_names_metadata_key_instead_of_re
     )
     _, _, sb = move_data_to_device(next(iter(keyed)), "cpu")
     assert sb["weights"].shape == (8,)
+
+
+class Interrupted(Classifier):
+    """A Classifier whose training_step, or its selection pass, raises KeyboardInterrupt once
+    (``at``: the global step of the step, or the count of the selection pass)."""
+
+    def __init__(self, where: str = "", at: int = -1) -> None:
+        super().__init__()
+        self.where, self.at, self.passes = where, at, 0
+
+    def forward(self, x):
+        if self.where == "selection" and not torch.is_grad_enabled():
+            self.passes += 1
+            if self.passes == self.at:
+                raise KeyboardInterrupt
+        return super().forward(x)
+
+    def training_step(self, batch, batch_idx):
+        if self.where == "step" and self.global_step == self.at:
+            raise KeyboardInterrupt
+        return super().training_step(batch, batch_idx)
+
+
+def interrupted_then_resumed(tmp_path: Path, where: str, at: int):
+    """An uninterrupted 2-epoch run, and one interrupted (see Interrupted) with an
+    OnExceptionCheckpoint then resumed from it: (the batches of both, the warnings saving it)."""
+    full = Classifier()
+    trainer(epochs=2).fit(full)
+    first = Interrupted(where, at)
+    saving = pl.callbacks.OnExceptionCheckpoint(tmp_path)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit):
+        warnings.simplefilter("always")
+        trainer(epochs=2, callbacks=[saving]).fit(first)
+    again = Classifier()
+    trainer(epochs=2).fit(again, ckpt_path=tmp_path / "on_exception.ckpt")
+    ours = [str(w.message) for w in caught if "interrupted a training step" in str(w.message)]
+    return full.trained, first.trained + again.trained, ours
+
+
+def test_an_exception_in_a_selection_pass_resumes_exactly_from_the_checkpoint_saved_then(tmp_path):
+    """An exception in the selection pass of the batch fetched ahead (the 4th pass: epoch 1's
+    second) closes the loader's epoch before the batch fetched before it is trained, and
+    Lightning resumes at that batch: the state saved then (OnExceptionCheckpoint) took back
+    none, and the resumed run skipped it, unsaid."""
+    full, resumed, warned = interrupted_then_resumed(tmp_path, "selection", 4)
+    assert resumed == full and not warned
+
+
+def test_a_checkpoint_saved_on_an_exception_in_a_training_step_warns(tmp_path):
+    """An exception in training_step leaves its batch untrained, and Lightning resumes a
+    checkpoint saved then (OnExceptionCheckpoint) at that batch; the loader had handed out the
+    next one too and takes back only that one, so the resumed run skips the interrupted batch:
+    unsaid before, the callback warns."""
+    full, resumed, warned = interrupted_then_resumed(tmp_path, "step", 12)
+    assert len(warned) == 1 and "never trains the interrupted batch" in warned[0]
+    assert resumed[:13] == full[:12] + full[13:14]  # the interrupted batch (the 13th) skipped
+
+
+@pytest.mark.parametrize("fraction", ["limit_train_batches", "val_check_interval"])
+def test_a_fraction_of_an_epoch_without_len_names_batches_per_epoch(fraction):
+    """A float limit_train_batches or val_check_interval needs len(loader): Lightning refused it
+    saying "When using an IterableDataset", of a map-style source, and named no fix. It is
+    refused naming the parameter and batches_per_epoch, which makes it work."""
+    with pytest.raises(ValueError, match=rf"{fraction}=0.5\).*batches_per_epoch=\"expected\""):
+        trainer(epochs=1, **{fraction: 0.5}).fit(Validated())
+    module = Validated(batches_per_epoch="expected")
+    trainer(epochs=1, **{fraction: 0.5}).fit(module)
+    assert module.trained

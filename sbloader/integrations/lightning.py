@@ -174,8 +174,14 @@ class LightningLoader:
         """The loader's state as of the last batch handed to ``training_step``."""
         if self._state is not None:
             return self._state  # restored and not iterated yet: nothing has changed
-        running = self._epoch is not None and self._epoch.running
-        return self.loader.state_dict(unconsumed=self.fetched - self.trained if running else 0)
+        loader = self.loader
+        # NOTE: an exception in a selection pass (fetching ahead: the batch before it fetched,
+        # not trained) closes the epoch, left part-way; without batches_per_epoch such an epoch
+        # still takes back its last batch, which Lightning resumes at. Saved with unconsumed=0
+        # (OnExceptionCheckpoint), the resumed run skipped that batch, unsaid.
+        left = loader._fixed is None and loader._left is not None and loader._unfinished is not None
+        running = self._epoch is not None and (self._epoch.running or left)
+        return loader.state_dict(unconsumed=self.fetched - self.trained if running else 0)
 
     def end_epoch(self, stopped: bool = False) -> None:
         """Lightning ended its epoch: end the loader's too, as a plain loop would.
@@ -279,6 +285,8 @@ class SelectiveLoaderCallback(pl.Callback):
     def __init__(self) -> None:
         self._loader: LightningLoader | None = None
         self._restored: list[dict[str, Any]] | None = None
+        self._in_step = False  # between on_train_batch_start and on_train_batch_end
+        self._interrupted = False  # an exception interrupted a batch's training step
 
     @property
     def loader(self) -> LightningLoader | None:
@@ -301,8 +309,10 @@ class SelectiveLoaderCallback(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        self._interrupted = False
         if self._loader is not None:
             self._loader.trained += 1
+            self._in_step = True
 
     def on_train_batch_end(
         self,
@@ -316,10 +326,12 @@ class SelectiveLoaderCallback(pl.Callback):
         # ends here, before ModelCheckpoint(every_n_train_steps=...) saves after this batch
         # (Lightning runs checkpoint callbacks last): Lightning resumes such a checkpoint at the
         # next epoch, so the state saved must be the ended epoch's, not one still to be ended.
+        self._in_step = False
         if self._loader is not None and batch_idx + 1 >= trainer.num_training_batches:
             self._loader.end_epoch()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._in_step = False  # (a batch at which on_train_batch_start returned -1)
         if self._loader is None:
             return
         # (Lightning's own rule: an epoch whose batches ran out, by count or by the loader's
@@ -329,6 +341,17 @@ class SelectiveLoaderCallback(pl.Callback):
         max_steps = trainer.max_steps
         stopped = trainer.should_stop or (max_steps != -1 and trainer.global_step >= max_steps)
         self._loader.end_epoch(stopped=stopped and not ran_out)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        # NOTE: an exception in training_step, its backward or its optimizer step (a
+        # KeyboardInterrupt, an out-of-memory error) leaves its batch untrained, and Lightning
+        # resumes a checkpoint saved then (OnExceptionCheckpoint, or trainer.save_checkpoint
+        # after fit raised) at that batch; but the loader had handed out the next one too, and a
+        # state takes back one batch only: the resumed run would skip the interrupted batch,
+        # unsaid (see state_dict).
+        self._interrupted, self._in_step = self._in_step, False
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -363,6 +386,17 @@ class SelectiveLoaderCallback(pl.Callback):
             states = self._restored  # restored, and the loader not built yet
         else:
             states = _gather(self._loader.saved_state())
+        if self._interrupted:
+            warnings.warn(
+                "the SelectiveLoaderCallback's state is saved after an exception interrupted a "
+                "training step: Lightning resumes at the interrupted batch, but the loader had "
+                "handed out the next one too, and its state takes back only that one, so a run "
+                "resumed from this checkpoint never trains the interrupted batch's examples and "
+                "does not train as the uninterrupted one does; for an exact resume, resume from "
+                "the last checkpoint saved before the exception (ModelCheckpoint)",
+                UserWarning,
+                stacklevel=2,
+            )
         return {"version": STATE_VERSION, "ranks": states}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -402,6 +436,31 @@ def _planned_epochs_fix(fits: int | None, least: int, what: str) -> str:
     if fits is not None and fits >= least:
         return f"pass planned_epochs={fits} to selective_loader ({what})"
     return "pass a policy without annealing (e.g. policy=sbloader.default_policy())"
+
+
+def _check_fractions(trainer: pl.Trainer, loader: SelectiveLoader) -> None:
+    """Refuse a Trainer whose fractions of an epoch (``limit_train_batches``,
+    ``val_check_interval``) need the loader's ``len()``, which a selective loader without
+    ``batches_per_epoch`` does not have.
+
+    NOTE: Lightning refuses them too, but only in ``fit``, saying "When using an
+    IterableDataset", of a source that is a map-style dataset: the fix (``batches_per_epoch``)
+    was nowhere to be read.
+    """
+    try:
+        len(loader)
+        return
+    except TypeError:
+        pass
+    for name in ("limit_train_batches", "val_check_interval"):
+        value = getattr(trainer, name)
+        if isinstance(value, float) and value != 1.0:
+            raise ValueError(
+                f"{name} should be an int or 1.0 for a selective loader without len() (its "
+                f"batches per epoch are random), but got Trainer({name}={value!r}); pass "
+                'batches_per_epoch="expected" to selective_loader for epochs of a fixed number '
+                f"of batches, or an int {name}"
+            )
 
 
 def _warn_short_run(trainer: pl.Trainer, epochs: int, length: int) -> None:
@@ -514,8 +573,10 @@ def selective_loader(
         TypeError: ``module`` is not a LightningModule (e.g. a LightningDataModule: pass
             ``self.trainer.lightning_module`` from its ``train_dataloader``).
         ValueError: no :class:`SelectiveLoaderCallback` (or more than one) in the Trainer's
-            callbacks, a ``training_step`` that takes ``dataloader_iter``, or a source
-            DataLoader without a ``DistributedSampler`` for the Trainer's processes.
+            callbacks, a ``training_step`` that takes ``dataloader_iter``, a source
+            DataLoader without a ``DistributedSampler`` for the Trainer's processes, or a float
+            ``limit_train_batches`` or ``val_check_interval`` (a fraction of ``len()``) for a
+            loader without one (pass ``batches_per_epoch="expected"``).
 
     Example:
         The selection results travel in the batch, under ``"sb"``:
@@ -626,6 +687,7 @@ def selective_loader(
         _warn_short_run(trainer, loader.planned_epochs, loader.batches_per_epoch)
     elif planned and loader.planned_epochs is not None:
         _warn_steps_before_anneal(trainer, loader)
+    _check_fractions(trainer, loader)
     wrapper = LightningLoader(loader)
     found[0]._attach(wrapper, trainer.global_rank, world)
     return wrapper
