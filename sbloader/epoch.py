@@ -1359,7 +1359,16 @@ class EpochIterator:
                 fetch.close()
             finally:
                 if self.stats is not None and self._start:
-                    self.stats.wall_s += perf_counter() - self._start
+                    now = perf_counter()
+                    if self._handed_out is not None:
+                        # NOTE: an epoch left part-way (``break``) after a batch was handed
+                        # out: the caller's step on it is the caller's time, as the next
+                        # ``next()`` would have counted it; left uncounted, the wall time
+                        # held it and ``overhead_s`` reported a training step as the
+                        # loader's own.
+                        self.stats.consumer_s += now - self._handed_out
+                        self._handed_out = None
+                    self.stats.wall_s += now - self._start
                     self._start = 0.0
 
 

@@ -791,6 +791,20 @@ def test_an_epoch_left_part_way_is_logged_with_its_non_finite_losses(caplog):
     assert [e.nonfinite for e in loader.stats.epochs] == [1, 1, 1]
 
 
+def test_the_step_before_a_break_is_the_callers_time_not_the_loaders(monkeypatch):
+    """An epoch left with ``break`` after its third step (1 s each on a fake clock): the third
+    step is the caller's (``consumer_s``), not the loader's own time (``overhead_s``)."""
+    now = [100.0]
+    monkeypatch.setattr(sbloader.epoch, "perf_counter", lambda: now[0])
+    loader = make_loader(bs=5, source_bs=10, policy=RandomBackprop(0.5))
+    for i, _batch in enumerate(loader):
+        now[0] += 1.0  # the training step
+        if i == 2:
+            break
+    e = loader.stats.current
+    assert (e.batches_yielded, e.consumer_s, e.wall_s, e.overhead_s) == (3, 3.0, 3.0, 0.0)
+
+
 @pytest.mark.parametrize("remainder", ["carry", "short", "drop"])
 def test_end_of_epoch_remainder(remainder):
     loader = make_loader(bs=16, source_bs=50, policy=RandomBackprop(0.5), remainder=remainder)
