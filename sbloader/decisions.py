@@ -22,9 +22,23 @@ __all__ = [
     "choose_finite",
     "in_subset",
     "keep_function",
+    "load_kernels",
     "prefilters",
     "subset_mask",
 ]
+
+
+def load_kernels() -> None:
+    """Make a first numba kernel call now: numba's runtime loads its registries (and scipy's
+    linear algebra) on the first call of a process, about 2 s on this project's CPUs.
+
+    NOTE: made when a loader with decisions to make is built, so that this one-time cost is not
+    counted as the first epoch's ``selection_s`` (its first decision made that call): a
+    Random-Backprop warm-up epoch, which runs no selection pass, read 1.3-2.8 s of selection
+    time, most of its wall time.
+    """
+    _kernels.first_outside(np.zeros(1, dtype=np.float64), 0.0, 1.0)
+
 
 #: The largest float64: a weight above it (inf) is refused (see :func:`checked_choice`).
 _FLOAT64_MAX = float(np.finfo(np.float64).max)

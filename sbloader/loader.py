@@ -74,7 +74,7 @@ from ._owners import check_owner, claim
 from ._state import rollback_state, taking_rollback
 from .adapt import make_source
 from .codec import BatchCodec
-from .decisions import NONFINITE, prefilters, subset_mask
+from .decisions import NONFINITE, load_kernels, prefilters, subset_mask
 from .device_decisions import DecisionGenerator
 from .distributed import (
     RankSync,
@@ -602,6 +602,8 @@ class SelectiveLoader(NotADataLoader):
                 policy_made: Policy = default_policy(store, epochs=self.planned_passes)
         self.policy: Policy = policy_made if policy is None else policy
         check_policy("policy", self.policy, "sbloader.SelectiveBackprop(...)")
+        if not self.policy.passthrough():
+            load_kernels()  # (once per process: not the first epoch's selection time)
         if policy is None and batches_per_epoch is None and planned_epochs == 2:
             warnings.warn(
                 "planned_epochs=2 leaves the default policy no selective epoch: epoch 0 is its "

@@ -6,6 +6,8 @@ import copy
 import json
 import logging
 import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -756,6 +758,28 @@ def test_stats_count_what_happened_and_rate_matches_target(caplog):
     # Everything selected is yielded or still pending (carried), nothing lost.
     assert total.examples_selected == total.examples_yielded + loader.pending_examples
     assert "epoch 2:" in caplog.text and total.selection_s > 0
+
+
+@pytest.mark.skipif(
+    os.environ.get("NUMBA_DISABLE_JIT") == "1", reason="no numba runtime to load without the JIT"
+)
+def test_numbas_first_call_is_not_counted_as_the_first_epochs_selection_time():
+    """In a fresh process, the first numba kernel call loads numba's runtime (seconds): made
+    when the loader is built, it is not the selection time of a Random-Backprop epoch, which
+    runs no selection pass (it read 1.3-2.8 s, most of the epoch's wall time)."""
+    code = (
+        "import torch; from torch.utils.data import DataLoader, TensorDataset; import sbloader; "
+        "data = TensorDataset(torch.randn(40, 4), torch.arange(40) % 3); "
+        "loader = sbloader.SelectiveLoader(DataLoader(data, batch_size=10), torch.nn.Linear(4, 3), "
+        "policy=sbloader.RandomBackprop(0.5), batch_size=5); "
+        "made = len(sbloader._kernels.first_outside.signatures); "
+        "_ = list(loader); e = loader.stats.current; "
+        "print(made, e.selection_forwards, e.selection_s)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    made, forwards, seconds = out.stdout.split()
+    # (the first call made as the loader is built, whatever the machine's caches make it cost)
+    assert made == "1" and forwards == "0" and float(seconds) < 0.5, out.stdout
 
 
 def test_an_epoch_left_part_way_is_logged_with_its_non_finite_losses(caplog):
