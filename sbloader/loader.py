@@ -208,7 +208,7 @@ class SelectiveLoader(NotADataLoader):
             None: an epoch is one pass, of a random number of batches.
         min_batch_size: smaller batches are never yielded (dropped and counted). Default 2 when
             the model has BatchNorm layers (a batch of one makes BatchNorm raise in training)
-            and ``batch_size`` is at least 2, else 1.
+            and ``batch_size`` is at least 2, else 1 (the default is logged).
         nonfinite: what happens to an example whose selection loss is NaN or infinite: ``"skip"``
             (default: never backpropagated, since its gradient would corrupt the weights),
             ``"select"`` (always backpropagated) or ``"raise"`` (``FloatingPointError``; on
@@ -758,6 +758,18 @@ class SelectiveLoader(NotADataLoader):
                 "process group)"
             )
         self.min_batch_size = checked_min_batch_size(min_batch_size, model, self.batch_size)
+        if min_batch_size is None:
+            # NOTE: a default that depends on the model, said as the policy and the selection
+            # precision are: a batch below it is dropped (counted in loader.stats, dropped).
+            logger.info(
+                "min_batch_size: %d (the default %s)",
+                self.min_batch_size,
+                "for batch_size=1"
+                if self.batch_size == 1
+                else "for a model with BatchNorm layers, which cannot train on a batch of one"
+                if self.min_batch_size > 1
+                else "for a model without BatchNorm layers",
+            )
         self._device = device  # (a torch.device or None: checked above)
         self._scorer.check_selector_device(self.device)
         self.input_key, self.target_key = input_key, target_key

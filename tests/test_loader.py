@@ -859,6 +859,22 @@ def test_a_batch_of_one_never_reaches_a_batchnorm_model():
     assert [len(b[0]) for b in plain] == [20, 20, 1] and len(plain) == 3
 
 
+def test_the_default_min_batch_size_is_logged_with_its_reason(caplog):
+    """min_batch_size's default depends on the model (its BatchNorm layers): said in the log,
+    as the other automatic choices are; a given one is not."""
+    source = DataLoader(EncodedDataset(40), batch_size=20)
+    with caplog.at_level(logging.INFO, logger="sbloader"):
+        SelectiveLoader(source, bn_model(), policy=Traditional())
+        SelectiveLoader(source, IndexLoss(), policy=Traditional())
+        SelectiveLoader(source, bn_model(), policy=Traditional(), min_batch_size=3)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("min_batch")]
+    assert said == [
+        "min_batch_size: 2 (the default for a model with BatchNorm layers, which cannot train "
+        "on a batch of one)",
+        "min_batch_size: 1 (the default for a model without BatchNorm layers)",
+    ]
+
+
 def test_a_batchnorm_model_trains_in_batches_of_one_when_asked():
     """The default min_batch_size of a BatchNorm model (2) is at most batch_size: batches of one
     (images through BatchNorm2d, which torch trains on) were refused naming min_batch_size=2,
