@@ -101,7 +101,7 @@ from .length import (
     planned_passes,
 )
 from .overlap import AheadScores, SelectionCopy
-from .policies import Policy, check_policy, default_policy
+from .policies import NO_STORE_FIX, Policy, check_policy, default_policy
 from .precision import (
     AUTO,
     check_autocast,
@@ -133,11 +133,6 @@ logger = logging.getLogger("sbloader")
 _REMAINDERS = ("carry", "short", "drop")
 _CDFS = ("local", "global")
 _DECISIONS = ("host", "device")
-#: The fix for a per-example store (Stale-SB) over a source without dataset indices or size.
-_NO_STORE = (
-    "SelectiveBackprop(staleness=1), or default_policy(..., has_store=False) (a selection pass "
-    "every epoch, the policy that policy=None chooses for such a source)"
-)
 
 
 class SelectiveLoader(NotADataLoader):
@@ -658,7 +653,7 @@ class SelectiveLoader(NotADataLoader):
                 repr(self.policy),
                 INDEX_FIX
                 + (
-                    f"; or a policy without a per-example store: {_NO_STORE}"
+                    f"; or a policy without a per-example store: {NO_STORE_FIX}"
                     if self.policy.records_examples()
                     else ""
                 ),
@@ -673,7 +668,7 @@ class SelectiveLoader(NotADataLoader):
                 "reads from the batches, so the store needs the number of indices they can "
                 f"hold; pass dataset_size=len(dataset) ({unsaid}) where every index lies in "
                 f"[0, {unsaid}) (else the bound they lie below), or a policy without a "
-                f"per-example store: {_NO_STORE}"
+                f"per-example store: {NO_STORE_FIX}"
             )
         self.seed = check_int("seed", seed, minimum=0)
         self.rank = (
@@ -1841,6 +1836,32 @@ class SelectiveLoader(NotADataLoader):
             cdf=self.cdf,
         )
 
+    def takes_back(self) -> bool:
+        """Whether :meth:`state_dict` takes ``unconsumed=1`` now: an epoch is running (with
+        ``batches_per_epoch``, a training epoch), or its loop was left part-way without
+        ``batches_per_epoch`` and the batch it handed out last is kept to be handed out again.
+
+        Example:
+            >>> import torch
+            >>> from torch.utils.data import DataLoader, TensorDataset
+            >>> from sbloader import SelectiveLoader, Traditional
+            >>> data = TensorDataset(torch.randn(8, 3), torch.arange(8) % 2)
+            >>> loader = SelectiveLoader(DataLoader(data, batch_size=4), torch.nn.Linear(3, 2),
+            ...                          policy=Traditional())
+            >>> loader.takes_back()  # nothing handed out yet
+            False
+            >>> for batch in loader:
+            ...     break  # (a training step that raised, say)
+            >>> loader.takes_back()  # the batch left with is handed out again on resume
+            True
+        """
+        if self._fixed is not None and not self._fixed.current()[2]:
+            return False
+        it = self._live_iterator()
+        if it is not None and it.running:
+            return True
+        return self._left is not None and self._unfinished is not None
+
     def state_dict(self, unconsumed: int = 0) -> dict[str, Any]:
         """Everything needed to resume: epoch, position, generator, policy, pending rows, stats.
 
@@ -1868,13 +1889,21 @@ class SelectiveLoader(NotADataLoader):
                 "unconsumed should be 0 or 1 (the batches fetched from the loader and not trained "
                 f"on yet), but got unconsumed={unconsumed!r}"
             )
-        if unconsumed and self._fixed is not None and not self._fixed.current()[2]:
-            # NOTE: between training epochs the pass over the data is still running (suspended),
-            # but the batch handed out last belongs to a training epoch that has ended (or was
-            # abandoned): taken back, the next training epoch would hand it out again.
+        if unconsumed and not self.takes_back():
+            if self._fixed is not None and not self._fixed.current()[2]:
+                # NOTE: between training epochs the pass over the data is still running
+                # (suspended), but the batch handed out last belongs to a training epoch that
+                # has ended (or was abandoned): taken back, the next training epoch would hand
+                # it out again.
+                raise ValueError(
+                    "unconsumed=1, but no training epoch is running: the batches handed out were "
+                    "all part of a training epoch that has ended (or was abandoned); pass "
+                    "unconsumed=0"
+                )
             raise ValueError(
-                "unconsumed=1, but no training epoch is running: the batches handed out were all "
-                "part of a training epoch that has ended (or was abandoned); pass unconsumed=0"
+                "unconsumed=1, but no epoch is running: the batches handed out were all part of "
+                "an epoch that has ended (or was closed with resumable=False, or none was handed "
+                "out yet); pass unconsumed=0"
             )
         it = self._live_iterator()
         returned = self._returned
@@ -1885,12 +1914,6 @@ class SelectiveLoader(NotADataLoader):
             returned = it._not_trained(unconsumed)
             ahead = it.ahead_scores()
             share = it.agreed_share()
-        elif unconsumed and (self._left is None or self._unfinished is None):
-            raise ValueError(
-                "unconsumed=1, but no epoch is running: the batches handed out were all part of "
-                "an epoch that has ended (or was closed with resumable=False, or none was handed "
-                "out yet); pass unconsumed=0"
-            )
         elif self._unfinished is not None:
             active, position = True, self._unfinished[0]
             if unconsumed:  # the loop was left part-way (see _abandon)

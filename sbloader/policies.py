@@ -326,6 +326,13 @@ class Policy(abc.ABC):
         return f"{type(self).__name__}()"
 
 
+#: The fix for a per-example store (Stale-SB's) over a source without dataset indices or size.
+NO_STORE_FIX = (
+    "SelectiveBackprop(staleness=1), or default_policy(..., has_store=False) (a selection pass "
+    "every epoch, the policy that policy=None chooses for such a source)"
+)
+
+
 def check_policy(name: str, value: Any, example: str) -> None:
     """Refuse a ``value`` that is not a policy object (``TypeError`` naming ``name``).
 
@@ -692,8 +699,7 @@ class SelectiveBackprop(Policy):
                 f"SelectiveBackprop(staleness={self.staleness}) stores each example's loss by "
                 "dataset index, so it needs the dataset's size, which this source does not "
                 "give; pass dataset_size= to the SelectiveLoader (an iterable source), use a "
-                "DataLoader over a map-style dataset, or staleness=1 (or default_policy(..., "
-                "has_store=False), the policy that policy=None chooses for such a source)"
+                f"DataLoader over a map-style dataset, or a policy without a store: {NO_STORE_FIX}"
             )
         if self.store is None or len(self.store) != num_examples:
             if self.store is not None:

@@ -490,9 +490,9 @@ def _masked(output: Any, bad: torch.Tensor) -> Any:
         values = {k: _masked(v, bad) for k, v in output.items()}
         if type(output) is dict:
             return values
-        try:
+        try:  # (a Mapping built from a dict, as OrderedDict and Hugging Face's outputs are)
             return cast(Any, type(output))(values)
-        except Exception:
+        except (TypeError, ValueError):
             return values
     if isinstance(output, (tuple, list)):
         items = [_masked(v, bad) for v in output]

@@ -314,6 +314,41 @@ def test_a_store_over_a_map_style_dataloader_read_with_index_key_names_its_size(
     assert [i for batch in plain for i in batch.indices.tolist()]
 
 
+@pytest.mark.parametrize("batches_per_epoch", [None, 3])
+def test_takes_back_says_whether_state_dict_takes_unconsumed(batches_per_epoch):
+    """loader.takes_back() is what state_dict(unconsumed=1) accepts (the Lightning wrapper reads
+    it to save a batch fetched ahead), through an epoch: before it, running, left part-way by
+    break, ended."""
+    loader = SelectiveLoader(
+        DataLoader(EncodedDataset(48), batch_size=16),
+        IndexLoss(),
+        policy=SelectiveBackprop(0.5),
+        batch_size=4,
+        batches_per_epoch=batches_per_epoch,
+    )
+
+    def accepted() -> bool:
+        try:
+            loader.state_dict(unconsumed=1)
+        except ValueError:
+            return False
+        return True
+
+    seen = [(loader.takes_back(), accepted())]
+    it = iter(loader)
+    next(it)
+    seen.append((loader.takes_back(), accepted()))
+    for _ in it:
+        break
+    del it
+    seen.append((loader.takes_back(), accepted()))
+    for _ in loader:
+        pass
+    seen.append((loader.takes_back(), accepted()))
+    assert all(said == taken for said, taken in seen), seen
+    assert [said for said, _ in seen] == [False, True, batches_per_epoch is None, False]
+
+
 @pytest.mark.parametrize("input_key, target_key", [(2, 0), (-1, -3)])
 def test_positional_input_and_target_keys(input_key, target_key):
     ds = EncodedDataset(40)

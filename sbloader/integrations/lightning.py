@@ -174,14 +174,12 @@ class LightningLoader:
         """The loader's state as of the last batch handed to ``training_step``."""
         if self._state is not None:
             return self._state  # restored and not iterated yet: nothing has changed
-        loader = self.loader
         # NOTE: an exception in a selection pass (fetching ahead: the batch before it fetched,
         # not trained) closes the epoch, left part-way; without batches_per_epoch such an epoch
         # still takes back its last batch, which Lightning resumes at. Saved with unconsumed=0
         # (OnExceptionCheckpoint), the resumed run skipped that batch, unsaid.
-        left = loader._fixed is None and loader._left is not None and loader._unfinished is not None
-        running = self._epoch is not None and (self._epoch.running or left)
-        return loader.state_dict(unconsumed=self.fetched - self.trained if running else 0)
+        running = self._epoch is not None and (self._epoch.running or self.loader.takes_back())
+        return self.loader.state_dict(unconsumed=self.fetched - self.trained if running else 0)
 
     def end_epoch(self, stopped: bool = False) -> None:
         """Lightning ended its epoch: end the loader's too, as a plain loop would.
