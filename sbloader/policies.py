@@ -487,7 +487,8 @@ class SelectiveBackprop(Policy):
             its selection forwards). Default 0.5.
             Without it, a long stale phase with reported losses can starve: on a GPU the kept
             share fell to 2% and the run ended at 19% error (see :meth:`_drifted`). None: the
-            schedule alone decides.
+            schedule alone decides. A bound other than 0.5 is refused where no stale epoch is
+            judged by it (``staleness=1``, or ``stale_cdf="store"``).
 
     NOTE (the ramp): switching from uniform to loss-ranked batches at a high learning rate can
     raise the test error for a while (measured here, the CNN: 14.7% after a Random-Backprop
@@ -604,6 +605,25 @@ class SelectiveBackprop(Policy):
             if drift_bound is None
             else check_float("drift_bound", drift_bound, low=0.0, high=1.0, low_open=True)
         )
+        # NOTE: a bound other than the default where no stale epoch is judged by it (plain SB,
+        # or stale epochs ranked against the store, whose rate holds by construction) would be
+        # ignored; None is accepted anywhere (no bound is what those runs have).
+        if self.drift_bound is not None and self.drift_bound != 0.5:
+            if self.staleness == 1:
+                raise ValueError(
+                    "drift_bound bounds the kept share of Stale-SB's stale epochs, and "
+                    "staleness=1 has no stale epochs (a selection pass runs every epoch); give "
+                    f"staleness > 1 (Stale-SB) or leave drift_bound out, but got "
+                    f"drift_bound={drift_bound!r} with staleness=1"
+                )
+            if stale_cdf != "window":
+                raise ValueError(
+                    "drift_bound bounds the kept share of stale epochs ranked against the "
+                    "window (stale_cdf='window'), and stale_cdf='store' keeps the selectivity "
+                    "by construction, so the bound is never used; leave drift_bound out or use "
+                    f"stale_cdf='window', but got drift_bound={drift_bound!r} with "
+                    f"stale_cdf={stale_cdf!r}"
+                )
         # The CDF above which P is 0 and the exponent below it (see trim_top).
         self._cut = 1.0 - self.trim_top
         cut_beta = self._cut * (self.beta + 1.0) - 1.0

@@ -351,15 +351,35 @@ def test_a_refused_sb_state_changes_nothing():
 
 @pytest.mark.parametrize(
     "kwargs, name",
-    [(dict(fed_staleness=5), "fed_staleness"), (dict(store_path="/tmp/sb_store"), "store_path")],
+    [
+        (dict(fed_staleness=5), "fed_staleness"),
+        (dict(store_path="/tmp/sb_store"), "store_path"),
+        (dict(drift_bound=0.25), "drift_bound"),
+    ],
 )
 def test_stale_sb_options_with_staleness_1_are_refused_not_ignored(kwargs, name):
-    """fed_staleness and store_path belong to Stale-SB: with staleness=1 (a pass every epoch, no
-    store) they would do nothing, so they are refused naming the option and the fix."""
+    """fed_staleness, store_path and a drift_bound other than the default belong to Stale-SB:
+    with staleness=1 (a pass every epoch, no store) they would do nothing, so they are refused
+    naming the option and the fix."""
     with pytest.raises(ValueError, match=rf"{name}.*give staleness > 1 .* or leave {name} out"):
         SelectiveBackprop(1 / 3, staleness=1, **kwargs)
     assert SelectiveBackprop(1 / 3, staleness=2, **kwargs).staleness == 2
     assert SelectiveBackprop(1 / 3, staleness=1, fed_staleness=1).fed_staleness == 1
+    # the default bound, and no bound, are what a plain SB has: accepted
+    assert SelectiveBackprop(1 / 3, staleness=1, drift_bound=0.5).drift_bound == 0.5
+    assert SelectiveBackprop(1 / 3, staleness=1, drift_bound=None).drift_bound is None
+
+
+def test_a_drift_bound_with_stale_epochs_ranked_against_the_store_is_refused():
+    """drift_bound judges stale epochs ranked against the window; with stale_cdf="store" it is
+    never consulted (_drifted returns False), so another bound than the default is refused,
+    naming both options, rather than ignored."""
+    with pytest.raises(ValueError, match=r"drift_bound=0.75 with stale_cdf='store'"):
+        SelectiveBackprop(1 / 3, staleness=3, stale_cdf="store", drift_bound=0.75)
+    with pytest.raises(ValueError, match=r"drift_bound=0.75 with stale_cdf='store'"):
+        default_policy(stale_cdf="store", drift_bound=0.75)
+    assert SelectiveBackprop(1 / 3, staleness=3, stale_cdf="store").drift_bound == 0.5
+    assert SelectiveBackprop(1 / 3, staleness=3, drift_bound=0.75).drift_bound == 0.75
 
 
 def test_a_warmup_policy_that_needs_losses_in_a_later_epoch_is_refused_at_construction():
