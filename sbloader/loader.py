@@ -26,6 +26,7 @@ from ._checks import (
     check_choice,
     check_device,
     check_device_name,
+    check_float,
     check_int,
     indices_needed,
 )
@@ -1187,16 +1188,35 @@ class SelectiveLoader(NotADataLoader):
             return float(self.epoch + pass_fraction(self._source, current, position, filtered))
         return float(self.epoch)
 
-    def expected_batches(self) -> float:
+    def expected_batches(self, rate: float | None = None) -> float:
         """The expected number of training batches per pass over the data (an estimate when
         selective): examples per epoch (this rank's share, within ``subset``) x the policy's
         current ``target_rate`` / ``batch_size``.
 
+        Args:
+            rate: the share of the candidates kept, in [0, 1], instead of the policy's current
+                ``target_rate`` (e.g. ``policy.steady_rate`` for a selective pass, 1.0 for a
+                full one), or None.
+
         Raises:
             TypeError: the source's number of examples is unknown (an iterable without a length
                 or without a batch size); the message names the fix, ``dataset_size=``.
+
+        Example:
+            >>> import torch
+            >>> from torch.utils.data import DataLoader, TensorDataset
+            >>> from sbloader import SelectiveLoader, RandomBackprop
+            >>> data = TensorDataset(torch.randn(1000, 3), torch.arange(1000) % 2)
+            >>> loader = SelectiveLoader(DataLoader(data, batch_size=100), torch.nn.Linear(3, 2),
+            ...                          policy=RandomBackprop(0.5), batch_size=50)
+            >>> loader.expected_batches(), loader.expected_batches(1.0)
+            (10.0, 20.0)
         """
-        return batches_at(self._source, self._subset, self.batch_size, self.policy.target_rate)
+        if rate is None:
+            rate = self.policy.target_rate
+        else:
+            rate = check_float("rate", rate, low=0.0, high=1.0)
+        return batches_at(self._source, self._subset, self.batch_size, rate)
 
     def _plan_passes(self, store: bool, planned_epochs: int, per_epoch: int) -> None:
         """``planned_epochs`` with ``batches_per_epoch`` and the default policy: rebuild that
@@ -1206,10 +1226,8 @@ class SelectiveLoader(NotADataLoader):
         policy is."""
         unknown: TypeError | None = None
         try:
-            steady = batches_at(
-                self._source, self._subset, self.batch_size, self.policy.steady_rate
-            )
-            full = batches_at(self._source, self._subset, self.batch_size, 1.0)
+            steady = self.expected_batches(self.policy.steady_rate)
+            full = self.expected_batches(1.0)
         except TypeError as e:
             unknown, steady, full = e, -1.0, -1.0
         sync = self._sync

@@ -352,6 +352,19 @@ def test_bad_batches_per_epoch_is_refused_at_construction(bad):
         make(per_epoch=bad)
 
 
+def test_expected_batches_at_a_given_rate_counts_the_subset_and_checks_the_rate():
+    """expected_batches(rate) is the pass's batches at that share kept (what Lightning's
+    max_steps check compares a planned anneal with: a selective pass's and a full one's),
+    within the subset as the policy's own rate is; a rate outside [0, 1] is refused naming
+    it."""
+    loader = make("sb-half", subset=list(range(0, 120, 2)))
+    assert loader.expected_batches(1.0) == pytest.approx(60 / 8)
+    assert loader.expected_batches(0.25) == pytest.approx(60 * 0.25 / 8)
+    assert loader.expected_batches() == loader.expected_batches(0.5)
+    with pytest.raises(ValueError, match=r"rate should be in \[0, 1\], but got rate=1.5"):
+        loader.expected_batches(1.5)
+
+
 def test_remainder_short_is_refused_with_a_fixed_length():
     with pytest.raises(ValueError, match="remainder='carry' or 'drop'"):
         make(per_epoch=5, remainder="short")

@@ -72,7 +72,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from .._state import check_version
 from ..epoch import EpochIterator
-from ..length import FixedEpochIterator, batches_at
+from ..length import FixedEpochIterator
 from ..loader import SelectiveLoader
 from ..policies import Phased, passes_within, plan_batches
 
@@ -505,8 +505,8 @@ def _warn_steps_before_anneal(trainer: pl.Trainer, loader: SelectiveLoader) -> N
     if max_steps == -1 or not isinstance(policy, Phased) or policy.anneal_from_epoch is None:
         return
     try:
-        steady = batches_at(loader._source, loader._subset, loader.batch_size, policy.steady_rate)
-        full = batches_at(loader._source, loader._subset, loader.batch_size, 1.0)
+        steady = loader.expected_batches(policy.steady_rate)
+        full = loader.expected_batches(1.0)
     except TypeError:  # (a source whose pass cannot be counted: nothing to compare with)
         return
     limit = trainer.limit_train_batches
