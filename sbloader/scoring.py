@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -284,19 +284,22 @@ class Scorer:
         """One selection pass of ``model`` over a source batch, with this scorer's options, and
         nothing counted (what :meth:`score` and an overlapped pass on the selection thread run;
         see :mod:`sbloader.overlap`)."""
-        losses, features, logits = self.forward(
-            model,
-            inputs,
-            targets,
-            self.loss_fn,
-            batch_size=self.batch_size,
-            autocast_dtype=self.autocast,
-            eval=self.eval_selection,
-            features=features,
-            keep_outputs=self.keep_logits,
-            batch=batch,
-            inference=self._inference(model),
-        )
+        try:
+            losses, features, logits = self.forward(
+                model,
+                inputs,
+                targets,
+                self.loss_fn,
+                batch_size=self.batch_size,
+                autocast_dtype=self.autocast,
+                eval=self.eval_selection,
+                features=features,
+                keep_outputs=self.keep_logits,
+                batch=batch,
+                inference=self._inference(model),
+            )
+        except IndexError as e:
+            self._blame_selector(e)
         self._keep_template(inputs, targets, batch)
         if logits is not None:
             self.logits_shape = tuple(logits.shape[1:])
@@ -349,22 +352,58 @@ class Scorer:
             except (Int8Unavailable, TypeError) as e:
                 self._int8_failed(e, model, inputs, targets)
         for k in sorted({min(n, 2), min(n, 3)}):
+            losses = self._probe_rows(model, inputs, targets, batch, 0, k)
+        top = _largest_label_row(targets) if self.selector is not None else None
+        if top is not None and top >= min(n, 3):
+            # NOTE: a selector with fewer outputs than the labels fails only on a row whose
+            # label it lacks; the first rows may all have small labels, and the warm-up would
+            # then end before the first selection pass failed. The row of the largest class
+            # label of the batch is probed too (once per run, a selector only).
+            self._probe_rows(model, inputs, targets, batch, top, top + 1)
+        self._keep_template(inputs, targets, batch)
+        values = _to_host(losses)
+        # Only finite ones, as a selection pass hands the policy (nonfinite= decides the rest).
+        return values[np.isfinite(values)]
+
+    def _probe_rows(
+        self, model: nn.Module, inputs: Any, targets: Any, batch: Any, start: int, stop: int
+    ) -> torch.Tensor:
+        """The losses of a probe's selection forward over rows ``start:stop`` (see
+        :meth:`probe`)."""
+        try:
             losses, _, _ = self.forward(
                 model,
-                B.rows(inputs, 0, k),
-                B.rows(targets, 0, k),
+                B.rows(inputs, start, stop),
+                B.rows(targets, start, stop),
                 self.loss_fn,
                 batch_size=None,
                 autocast_dtype=self.autocast,
                 eval=True,
                 keep_outputs=self.keep_logits,
-                batch=None if batch is None else restrict(batch, 0, k),
+                batch=None if batch is None else restrict(batch, start, stop),
                 inference=self._inference(model),
             )
-        self._keep_template(inputs, targets, batch)
-        values = _to_host(losses)
-        # Only finite ones, as a selection pass hands the policy (nonfinite= decides the rest).
-        return values[np.isfinite(values)]
+        except IndexError as e:
+            self._blame_selector(e)
+        return losses
+
+    def _blame_selector(self, error: IndexError) -> NoReturn:
+        """Re-raise ``error``, an ``IndexError`` of a selection pass, naming ``selector=``
+        where there is one; else unchanged.
+
+        NOTE: a selector whose outputs have fewer classes than the targets' labels (one built
+        for another head) fails only in the selection passes, with torch's "Target 9 is out of
+        bounds", which names neither the selector nor the fix; the training model, whose
+        outputs fit, trains without error.
+        """
+        if self.selector is None:
+            raise error
+        raise IndexError(
+            f"the selection pass over selector= raised IndexError: {error}. The selector's "
+            "outputs are scored with the loader's loss_fn against the batch's targets, so they "
+            "need the training model's classes: a selector with fewer outputs than the labels "
+            "fails here; give it the model's number of outputs (or check its forward)"
+        ) from error
 
     def _inference(self, model: nn.Module) -> bool:
         """Whether a pass over ``model`` runs under ``torch.inference_mode()``: not for an FSDP
@@ -728,6 +767,21 @@ def _owned(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return B.like(value, [_owned(v) for v in value])
     return value
+
+
+def _largest_label_row(targets: Any) -> int | None:
+    """The row of the largest class label where ``targets`` are class labels (a 1-d integer
+    tensor), else None."""
+    if (
+        not isinstance(targets, torch.Tensor)
+        or targets.dim() != 1
+        or targets.numel() == 0
+        or targets.dtype.is_floating_point
+        or targets.dtype.is_complex
+        or targets.dtype == torch.bool
+    ):
+        return None
+    return int(targets.argmax())
 
 
 def _to_host(losses: torch.Tensor) -> np.ndarray:

@@ -743,6 +743,23 @@ def test_a_selector_scores_the_candidates_instead_of_the_model():
     assert by_selector.median() < 70 and by_model.median() > 130
 
 
+@pytest.mark.parametrize("warmup", [False, True], ids=["selection-pass", "probe"])
+def test_a_selector_with_fewer_classes_than_the_labels_is_named_on_the_first_batch(warmup):
+    """A selector built for another head (fewer outputs than the labels) failed in the first
+    selection pass, or in the warm-up's probe, with torch's bare "Target .. is out of bounds":
+    the error now names selector= and the fix, chained to torch's; the model alone is fine."""
+    small = nn.Linear(6, 2)  # the labels go up to N_CLASSES - 1 = 3
+    policy = SelectiveBackprop(0.5)
+    if warmup:
+        policy = Phased(policy, warmup_epochs=1, warmup_policy=RandomBackprop(0.5))
+    loader = make_loader(bs=10, source_bs=50, policy=policy, selector=small)
+    with pytest.raises(IndexError, match=r"selector=.*fewer outputs than the labels") as info:
+        next(iter(loader))
+    assert isinstance(info.value.__cause__, IndexError)
+    assert "out of bounds" in str(info.value.__cause__)
+    assert len(next(iter(make_loader(bs=10, source_bs=50, policy=policy)))[0]) == 10
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_reducing_loss_module_is_rejected_up_front(reduction):
     with pytest.raises(ValueError, match="reduction='none'"):
