@@ -13,6 +13,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
+from ._types import is_a
 from .ffcv import FFCVSource, is_ffcv_loader
 from .sources import DataLoaderSource, IterableSource, Source
 from .stateful import StatefulSource
@@ -71,11 +72,11 @@ def _adapt(source: Any, index_key: Hashable | None, dataset_size: int | None) ->
         from .integrations.accelerate_source import shard_source
 
         return shard_source(source, index_key)
-    if _is_a(source, "streaming", "StreamingDataLoader"):
+    if is_a(source, "streaming", "StreamingDataLoader"):
         from .streaming import StreamingSource  # imports streaming: only for its loaders
 
         return StreamingSource(source, index_key, dataset_size)
-    if _is_a(source, "torchdata", "StatefulDataLoader"):
+    if is_a(source, "torchdata", "StatefulDataLoader"):
         return StatefulSource(source, index_key, dataset_size)
     if isinstance(source, DataLoader) and not isinstance(source.dataset, IterableDataset):
         if index_key is not None:
@@ -112,16 +113,3 @@ def _adapt(source: Any, index_key: Hashable | None, dataset_size: int | None) ->
             f"iterable of batches, but got {type(source).__name__}"
         )
     return IterableSource(source, index_key, dataset_size)
-
-
-def _is_a(source: Any, package: str, name: str) -> bool:
-    """Whether ``source`` is an instance of ``package``'s class ``name`` (or of a subclass),
-    without importing ``package``.
-
-    NOTE: by the type's own classes, not ``isinstance``: Accelerate's prepared loaders report
-    their wrapped loader's class, and have a ``state_dict()`` of their own; they are not
-    resumed through it here.
-    """
-    return any(
-        c.__name__ == name and c.__module__.split(".")[0] == package for c in type(source).__mro__
-    )

@@ -62,6 +62,7 @@ import torch
 from ._checks import check_bool, check_choice, check_indices, check_int
 from ._migrations import ffcv_state_v0_to_v1
 from ._state import VERSION, check_identity, check_version
+from ._types import is_a
 from .sources import Source
 
 __all__ = [
@@ -253,10 +254,9 @@ def is_ffcv_loader(obj: Any) -> bool:
         >>> is_ffcv_loader([1, 2])
         False
     """
-    cls = type(obj)
     if "ffcv" not in sys.modules:  # no ffcv Loader can exist without ffcv being imported
         return False
-    return any(c.__name__ == "Loader" and c.__module__.split(".")[0] == "ffcv" for c in cls.__mro__)
+    return is_a(obj, "ffcv", "Loader")
 
 
 # ---------------------------------------------------------------------------------- writing
@@ -297,7 +297,7 @@ def _check_readable(name: str, field: Any) -> None:
     """Refuse, before anything is written, a field that ffcv writes but cannot read back: an
     ``NDArrayField`` of float16 (its loader's numba code has no float16; the file was written
     whole and the first batch failed inside ffcv's thread)."""
-    if type(field).__name__ == "NDArrayField" and np.dtype(field.dtype) == np.float16:
+    if is_a(field, "ffcv", "NDArrayField") and np.dtype(field.dtype) == np.float16:
         raise ValueError(
             f"field {name!r} is a float16 NDArrayField, which ffcv writes but cannot read back "
             "(its loader has no float16); write it as float32 (e.g. images.astype(np.float32)), "
@@ -730,7 +730,7 @@ def _quasi_pages(order: Any) -> np.ndarray | None:
     other orders. Restoring this table before each epoch makes the order a function of seed and
     epoch, as the other orders are.
     """
-    if type(order).__name__ != "QuasiRandom" or not hasattr(order, "prepare_data_structures"):
+    if not is_a(order, "ffcv", "QuasiRandom") or not hasattr(order, "prepare_data_structures"):
         return None
     order.prepare_data_structures()  # (rebuilds the table from the file's pages)
     return np.array(order.page_to_samples_array, copy=True)

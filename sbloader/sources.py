@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 from torch.utils.data.dataloader import default_collate
 
 from ._checks import FieldError, check_indices, check_int
+from ._types import is_a
 
 __all__ = ["DataLoaderSource", "IterableSource", "Source"]
 
@@ -497,7 +498,7 @@ def self_seed(sampler: Any) -> int | None:
     ``iter()`` (Accelerate's ``SeedableRandomSampler``, ``use_seedable_sampler=True``), or None
     for any other: its order is replayed from its seed and epoch, not from a saved generator
     state (it makes its generator at its first ``iter()``)."""
-    if not any(c.__name__ == "SeedableRandomSampler" for c in type(sampler).__mro__):
+    if not is_a(sampler, "accelerate", "SeedableRandomSampler"):
         return None
     seed = getattr(sampler, "initial_seed", None)
     return None if seed is None else int(seed)

@@ -1157,6 +1157,29 @@ def test_write_beton_refuses_float16_arrays_before_writing(tmp_path):
     assert not path.exists()
 
 
+def test_a_users_own_class_named_as_ffcvs_is_not_taken_for_it():
+    """ffcv's classes are recognised by name and package, not by name alone: a user's order
+    class named QuasiRandom kept its page table untouched (ffcv's is rebuilt and restored per
+    epoch), and a user's field class named NDArrayField of float16 is not refused as ffcv's."""
+
+    class QuasiRandom:
+        rebuilt = 0
+
+        def prepare_data_structures(self):
+            self.rebuilt += 1
+
+    own = QuasiRandom()
+    assert sbffcv._quasi_pages(own) is None and own.rebuilt == 0
+
+    class NDArrayField:
+        dtype = np.dtype("float16")
+
+    sbffcv._check_readable("x", NDArrayField())  # (not ffcv's: nothing to refuse)
+    fields_mod = __import__("ffcv.fields", fromlist=["NDArrayField"])
+    with pytest.raises(ValueError, match="float16 NDArrayField"):
+        sbffcv._check_readable("x", fields_mod.NDArrayField(np.dtype("float16"), (1,)))
+
+
 def test_write_beton_takes_a_list_of_samples_as_a_dataset(tmp_path):
     """A list of (image, label) samples is a map-style dataset: written as its 40 samples (it
     was read as 40 columns and refused asking for 40 names); a list of columns whose first is a

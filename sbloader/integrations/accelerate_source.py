@@ -17,10 +17,16 @@ from functools import cached_property
 from typing import Any
 
 import torch
-from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler, get_sampler
+from accelerate.data_loader import (
+    BatchSamplerShard,
+    IterableDatasetShard,
+    SkipBatchSampler,
+    get_sampler,
+)
 from accelerate.utils import synchronize_rng_states
 from torch.utils.data import BatchSampler, IterableDataset
 
+from .._types import is_a
 from ..sources import DataLoaderSource, LoaderOrder, Source
 
 __all__ = ["AcceleratedShardSource", "shard_source"]
@@ -37,12 +43,9 @@ def _reads_streaming(loader: Any) -> bool:
     a ``DataLoaderDispatcher`` does, or through Accelerate's ``IterableDatasetShard``), told
     without importing streaming."""
     dataset = getattr(loader, "dataset", None)
-    if type(dataset).__name__ == "IterableDatasetShard":
+    if isinstance(dataset, IterableDatasetShard):
         dataset = getattr(dataset, "dataset", None)
-    return any(
-        c.__name__ == "StreamingDataset" and c.__module__.split(".")[0] == "streaming"
-        for c in type(dataset).__mro__
-    )
+    return is_a(dataset, "streaming", "StreamingDataset")
 
 
 def shard_source(loader: Any, index_key: Hashable | None = None) -> Source:
