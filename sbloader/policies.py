@@ -39,6 +39,8 @@ __all__ = [
 #: The share of the planned epochs that :func:`default_policy` anneals on all the data by default
 #: (InfoBatch's).
 ANNEAL_SHARE = 1 / 8
+#: The default ``drift_bound`` of :class:`SelectiveBackprop` and :func:`default_policy`.
+DRIFT_BOUND = 0.5
 
 #: What a stale epoch of :class:`SelectiveBackprop` ranks stored losses against (``stale_cdf``).
 STALE_CDFS = ("window", "store")
@@ -524,7 +526,7 @@ class SelectiveBackprop(Policy):
         ramp_epochs: float = 0.0,
         trim_top: float = 0.0,
         stale_cdf: str = "window",
-        drift_bound: float | None = 0.5,
+        drift_bound: float | None = DRIFT_BOUND,
     ) -> None:
         if selectivity is not None and beta is not None:
             raise ValueError(
@@ -608,7 +610,7 @@ class SelectiveBackprop(Policy):
         # NOTE: a bound other than the default where no stale epoch is judged by it (plain SB,
         # or stale epochs ranked against the store, whose rate holds by construction) would be
         # ignored; None is accepted anywhere (no bound is what those runs have).
-        if self.drift_bound is not None and self.drift_bound != 0.5:
+        if self.drift_bound is not None and self.drift_bound != DRIFT_BOUND:
             if self.staleness == 1:
                 raise ValueError(
                     "drift_bound bounds the kept share of Stale-SB's stale epochs, and "
@@ -849,7 +851,7 @@ class SelectiveBackprop(Policy):
             fed += f", trim_top={self.trim_top:g}"
         if self.stale_cdf != "window":
             fed += f", stale_cdf={self.stale_cdf!r}"
-        if self.drift_bound != 0.5 and self.staleness > 1:
+        if self.drift_bound != DRIFT_BOUND and self.staleness > 1:
             fed += f", drift_bound={self.drift_bound}"
         return f"SelectiveBackprop(staleness={self.staleness}{fed})"
 
@@ -1083,7 +1085,7 @@ class SelectiveBackprop(Policy):
         extra += f", ramp_epochs={self.ramp_epochs:g}" if self.ramp_epochs else ""
         extra += f", trim_top={self.trim_top:g}" if self.trim_top else ""
         extra += f", stale_cdf={self.stale_cdf!r}" if self.stale_cdf != "window" else ""
-        if self.drift_bound != 0.5 and self.staleness > 1:
+        if self.drift_bound != DRIFT_BOUND and self.staleness > 1:
             extra += f", drift_bound={self.drift_bound}"
         return f"SelectiveBackprop(beta={self.beta:g}, history={self.history}{extra})"
 
@@ -1534,7 +1536,7 @@ def default_policy(
     stale_cdf: str = "window",
     selectivity: float = 1 / 3,
     anneal_share: float = ANNEAL_SHARE,
-    drift_bound: float | None = 0.5,
+    drift_bound: float | None = DRIFT_BOUND,
 ) -> Policy:
     """The policy of ``SelectiveLoader(source, model)`` with no ``policy=``: the recipe that
     measured fastest to every target here (README, Measured), not the paper's plain SB.
