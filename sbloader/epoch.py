@@ -42,6 +42,11 @@ if TYPE_CHECKING:
 
 __all__ = ["EpochIterator"]
 
+#: The most batches a saved state takes back (``SelectiveLoader.state_dict(unconsumed=)``): the
+#: batch a framework fetched ahead (Lightning), and the one before it, on which a training step
+#: raised (Lightning resumes a checkpoint saved then at the interrupted batch).
+MAX_UNCONSUMED = 2
+
 # The errors a rank meets in a round and reports to the others before raising (see
 # EpochIterator._fail): their kinds in RankSync.agree, and what the other ranks raise, naming them.
 _NONFINITE, _SHAPES = 1, 2
@@ -227,9 +232,11 @@ class EpochIterator:
         self._short = 0  # the size of a short last batch to hand out (remainder="short")
         self._direct: WholeBatch | None = None  # a passthrough batch to hand out as it is
         # Batches a saved state took back from the caller (see SelectiveLoader.state_dict's
-        # ``unconsumed``), handed out first and as they were; and the last batch handed out.
+        # ``unconsumed``), handed out first and as they were; and the batches handed out last
+        # that a state saved now may take back (at most MAX_UNCONSUMED, the latest last).
         self._replay: list[Rows] = []
-        self._last: Rows | WholeBatch | None = None
+        self._handed: list[Rows | WholeBatch] = []
+        self._lent_before = False  # whether the batch before the last was the source's own
         self._counted = (0, 0)
         self._handed_out: float | None = None
         self._start = 0.0
@@ -437,12 +444,12 @@ class EpochIterator:
         # policy's next epoch, a whole pass, drops them instead: see SelectiveLoader.
         # _drop_abandoned_rest; a state saved before it begins keeps them.)
         ready = [] if self._direct is None else [self._direct.rows()]
-        last, self._direct, self._last = self._last, None, None
-        self._lent = False
+        handed, self._direct, self._handed = self._handed, None, []
+        why, self._lent = self.untakeable(), False
         self._loader._returned[:0], self._replay = [*self._replay, *ready], []
         self._stop_fetch()
         if running:
-            self._loader._abandon(self, resumable, last)
+            self._loader._abandon(self, resumable, handed, why)
 
     def __del__(self) -> None:
         # NOTE: a `for` loop left with `break` drops its iterator; closing it here stops the
@@ -1026,7 +1033,12 @@ class EpochIterator:
             raise
         stats.examples_yielded += len(rows)
         stats.batches_yielded += 1
-        self._last, self._lent = rows, lent
+        # NOTE: a batch handed out as the source's own reused buffers (FFCV's ring) can be
+        # taken back only while it is the last one: once the next is made, the source has read
+        # on, and the ring may hold other examples where it was; a copy then would be wrong,
+        # unsaid. Its place is given up (state_dict says why a take-back that needs it fails).
+        kept = [] if self._lent else self._handed[len(self._handed) + 1 - MAX_UNCONSUMED :]
+        self._handed, self._lent_before, self._lent = [*kept, rows], self._lent, lent
         return batch
 
     def _more_after_lent(self) -> bool:
@@ -1082,12 +1094,30 @@ class EpochIterator:
         process, or no agreement yet): what a state saved now holds."""
         return self._shared
 
+    def takeable(self) -> int:
+        """How many of the batches handed out last a state saved now can take back (see
+        :meth:`SelectiveLoader.state_dict <sbloader.SelectiveLoader.state_dict>`'s
+        ``unconsumed``): those handed out in this epoch, at most :data:`MAX_UNCONSUMED`, and
+        none before a batch handed out as the source's own reused buffers (see :meth:`_build`)."""
+        return len(self._handed)
+
+    def untakeable(self) -> str:
+        """Why the batch before those :meth:`takeable` counts cannot be taken back (for the
+        error that refuses it)."""
+        if self._lent_before:
+            return (
+                "was the source's own reused buffers, which it has overwritten since (an FFCV "
+                "source with a passthrough policy; call runs_ahead() on the epoch's iterator "
+                "before its first batch to have such batches handed out as copies)"
+            )
+        return "was handed out by an earlier pass over the data, which has ended"
+
     def _not_trained(self, unconsumed: int) -> list[Rows]:
-        """The batches a state saved now must hand out first when resumed: the last one handed
-        out when ``unconsumed`` is 1 (fetched ahead by a framework, not trained yet), then those
-        taken back by the state this epoch resumed and not handed out yet, then a source batch
-        made ready whole and not handed out yet (:meth:`finishing` runs ahead to it; its source
-        batch counts as consumed).
+        """The batches a state saved now must hand out first when resumed: the ``unconsumed``
+        handed out last, in order (fetched ahead by a framework, and the one a step that raised
+        was training on: not trained yet), then those taken back by the state this epoch
+        resumed and not handed out yet, then a source batch made ready whole and not handed out
+        yet (:meth:`finishing` runs ahead to it; its source batch counts as consumed).
 
         NOTE: the last batch handed out and a batch made ready may be a source's own batch
         (a passthrough policy's fast path), which an FFCV source overwrites as the epoch goes on
@@ -1096,12 +1126,14 @@ class EpochIterator:
         ready = [] if self._direct is None else [self._direct.copy()]
         if not unconsumed:
             return [*self._replay, *ready]
-        if self._last is None:
+        if unconsumed > len(self._handed):
             raise ValueError(
-                f"unconsumed={unconsumed}, but this epoch has handed out no batch yet; pass the "
-                "number of batches the caller has fetched from the loader and not trained on"
+                f"unconsumed={unconsumed}, but this epoch can take back only the last "
+                f"{len(self._handed)} batches it handed out; pass the number of batches the "
+                "caller has fetched from the loader and not trained on"
             )
-        return [self._last.copy(), *self._replay, *ready]
+        taken = [rows.copy() for rows in self._handed[len(self._handed) - unconsumed :]]
+        return [*taken, *self._replay, *ready]
 
     # ------------------------------------------------------------------ decisions
     def _selection_round(self, real: int) -> int:

@@ -12,7 +12,7 @@ import logging
 import math
 import warnings
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -87,7 +87,7 @@ from .distributed import (
     is_distributed,
     make_sync,
 )
-from .epoch import EpochIterator, _describe, _raise_own, pass_fraction
+from .epoch import MAX_UNCONSUMED, EpochIterator, _describe, _raise_own, pass_fraction
 from .features import make_feature_cache
 from .feedback import FeedbackBuffer, check_reported, checked, unindexed
 from .length import (
@@ -847,10 +847,11 @@ class SelectiveLoader(NotADataLoader):
         # Batches handed out but not trained when a state was saved (``state_dict(unconsumed=)``):
         # the next epoch iterator hands them out first, as they were.
         self._returned: list[Rows] = []
-        # The batch handed out last by an epoch left part-way and resumable (the loop left by
+        # The batches handed out last by an epoch left part-way and resumable (the loop left by
         # an exception in the training step, or ``break``), while that epoch is unfinished:
-        # what ``state_dict(unconsumed=1)`` takes back then (see _abandon).
-        self._left: Rows | WholeBatch | None = None
+        # what ``state_dict(unconsumed=)`` takes back then (see _abandon), the latest last.
+        self._left: list[Rows | WholeBatch] = []
+        self._left_why = ""  # why the batch before those cannot be taken back
         # Whether the model and loss_fn were checked on a source batch (see EpochIterator).
         self._probed = False
         # Whether this epoch's beginning made the exchange of loader.feedback's reports (see
@@ -1471,7 +1472,7 @@ class SelectiveLoader(NotADataLoader):
         # (taken before anything changes too: an index outside the data refuses the epoch, and
         # the reports stay held)
         reports = None if resumed else self._feedback.take(self._source.dataset_size)
-        self._unfinished, self.epoch, self._left = None, epoch, None
+        self._unfinished, self.epoch, self._left = None, epoch, []
         self._source.set_epoch(self.epoch)
         if reports is not None:
             self._apply_feedback(*reports)
@@ -1640,13 +1641,19 @@ class SelectiveLoader(NotADataLoader):
             self.policy.feedback(indices, losses, epoch)
 
     def _abandon(
-        self, it: EpochIterator, resumable: bool, last: Rows | WholeBatch | None = None
+        self,
+        it: EpochIterator,
+        resumable: bool,
+        handed: Sequence[Rows | WholeBatch] = (),
+        why: str = "",
     ) -> None:
         """``it`` ended part-way: the next iterator starts the next epoch (and a state saved
-        before then resumes ``it``'s epoch where it stopped if ``resumable``); ``last``: the
-        batch it handed out last.
+        before then resumes ``it``'s epoch where it stopped if ``resumable``); ``handed``: the
+        batches it handed out last that a state may take back (see
+        :meth:`EpochIterator.takeable <sbloader.epoch.EpochIterator.takeable>`), and ``why``
+        the one before them cannot be.
 
-        NOTE (``last``): a training step that raises (an out-of-memory error) leaves the loop,
+        NOTE (``handed``): a training step that raises (an out-of-memory error) leaves the loop,
         which drops and closes the iterator before the caller's ``except`` can save a state; the
         batch it was training on is kept, so that ``state_dict(unconsumed=1)`` still takes it
         back, as it does inside the loop. Before, the state had to count it as trained (its
@@ -1664,7 +1671,8 @@ class SelectiveLoader(NotADataLoader):
                 self._log_epoch(it.stats, left=True)
                 if not it.raised:  # (left by the error raised to the caller, not by a peek)
                     self._note_peek(it.stats)
-            self._left = last if resumable else None
+            self._left = list(handed) if resumable else []
+            self._left_why = why
             self._share = it.agreed_share() if resumable else None
             if resumable:
                 self._unfinished = (it.position, False)
@@ -1854,10 +1862,14 @@ class SelectiveLoader(NotADataLoader):
             cdf=self.cdf,
         )
 
-    def takes_back(self) -> bool:
-        """Whether :meth:`state_dict` takes ``unconsumed=1`` now: an epoch is running (with
-        ``batches_per_epoch``, a training epoch), or its loop was left part-way without
-        ``batches_per_epoch`` and the batch it handed out last is kept to be handed out again.
+    def takes_back(self, unconsumed: int = 1) -> bool:
+        """Whether :meth:`state_dict` takes ``unconsumed`` now: an epoch is running (with
+        ``batches_per_epoch``, a training epoch) and has handed out at least ``unconsumed``
+        batches, or its loop was left part-way without ``batches_per_epoch`` and the batches it
+        handed out last are kept to be handed out again.
+
+        Args:
+            unconsumed: batches fetched and not trained on, 1 or 2 (see :meth:`state_dict`).
 
         Example:
             >>> import torch
@@ -1872,13 +1884,28 @@ class SelectiveLoader(NotADataLoader):
             ...     break  # (a training step that raised, say)
             >>> loader.takes_back()  # the batch left with is handed out again on resume
             True
+            >>> loader.takes_back(2)  # (only one batch was handed out)
+            False
         """
-        if self._fixed is not None and not self._fixed.current()[2]:
-            return False
+        unconsumed = _checked_unconsumed(unconsumed)
+        return unconsumed <= self._takeable()
+
+    def _takeable(self) -> int:
+        """How many of the batches handed out last :meth:`state_dict` can take back now."""
+        counted: int | None = None  # (with batches_per_epoch: those of this training epoch)
+        if self._fixed is not None:
+            _, yielded, active = self._fixed.current()
+            if not active:
+                return 0
+            counted = yielded
         it = self._live_iterator()
         if it is not None and it.running:
-            return True
-        return self._left is not None and self._unfinished is not None
+            n = it.takeable()
+        elif self._unfinished is not None:
+            n = len(self._left)
+        else:
+            n = 0
+        return n if counted is None else min(n, counted)
 
     def state_dict(self, unconsumed: int = 0) -> dict[str, Any]:
         """Everything needed to resume: epoch, position, generator, policy, pending rows, stats.
@@ -1892,36 +1919,57 @@ class SelectiveLoader(NotADataLoader):
                 on it yet (a framework that fetches ahead, as Lightning does): the state is then
                 the one that batch was handed out from, and a resumed run hands that same batch
                 out first (no selection pass is made again for it), then goes on as the
-                uninterrupted run did. Only while an epoch is running (with
-                ``batches_per_epoch``, a training epoch), or after its loop was left part-way
-                without ``batches_per_epoch`` (a training step that raised, in the caller's
-                ``except``), until the next ``iter(loader)``. Default 0.
+                uninterrupted run did. 2 where the caller had fetched one ahead of a training
+                step that raised (Lightning resumes at the interrupted batch): the two batches
+                handed out last are handed out again, in order. Only while an epoch is running
+                (with ``batches_per_epoch``, a training epoch, and batches of it), or after its
+                loop was left part-way without ``batches_per_epoch`` (a training step that
+                raised, in the caller's ``except``), until the next ``iter(loader)``; and not
+                past a batch handed out as the source's own reused buffers (FFCV's, with a
+                passthrough policy at the source's batch size) once a later one is handed out.
+                :meth:`takes_back` says whether it is taken. Default 0.
 
         An epoch left part-way (``break``) is saved where it stopped, so that saving after
         leaving the loop resumes it; one closed with ``close(resumable=False)`` is saved as the
         start of the next epoch.
         """
         self._check_owner()
-        if unconsumed not in (0, 1):
+        unconsumed = _checked_unconsumed(unconsumed)
+        takeable = self._takeable() if unconsumed else 0
+        if 0 < takeable < unconsumed:
+            it = self._live_iterator()
+            if self._fixed is not None and self._fixed.current()[1] < unconsumed:
+                cause = "belongs to an earlier training epoch"
+            elif it is not None and it.running:
+                cause = it.untakeable()
+            else:
+                cause = self._left_why
             raise ValueError(
-                "unconsumed should be 0 or 1 (the batches fetched from the loader and not trained "
-                f"on yet), but got unconsumed={unconsumed!r}"
+                f"unconsumed={unconsumed}, but only the last {takeable} batch handed out can be "
+                f"taken back now: the one before it {cause}; pass unconsumed={takeable}"
             )
-        if unconsumed and not self.takes_back():
+        if unconsumed > takeable:
+            it = self._live_iterator()
             if self._fixed is not None and not self._fixed.current()[2]:
                 # NOTE: between training epochs the pass over the data is still running
                 # (suspended), but the batch handed out last belongs to a training epoch that
                 # has ended (or was abandoned): taken back, the next training epoch would hand
                 # it out again.
                 raise ValueError(
-                    "unconsumed=1, but no training epoch is running: the batches handed out were "
-                    "all part of a training epoch that has ended (or was abandoned); pass "
-                    "unconsumed=0"
+                    f"unconsumed={unconsumed}, but no training epoch is running: the batches "
+                    "handed out were all part of a training epoch that has ended (or was "
+                    "abandoned); pass unconsumed=0"
+                )
+            if it is not None and it.running:
+                raise ValueError(
+                    f"unconsumed={unconsumed}, but this epoch has handed out no batch yet; pass "
+                    "the number of batches the caller has fetched from the loader and not "
+                    "trained on"
                 )
             raise ValueError(
-                "unconsumed=1, but no epoch is running: the batches handed out were all part of "
-                "an epoch that has ended (or was closed with resumable=False, or none was handed "
-                "out yet); pass unconsumed=0"
+                f"unconsumed={unconsumed}, but no epoch is running: the batches handed out were "
+                "all part of an epoch that has ended (or was closed with resumable=False, or "
+                "none was handed out yet); pass unconsumed=0"
             )
         it = self._live_iterator()
         returned = self._returned
@@ -1935,8 +1983,8 @@ class SelectiveLoader(NotADataLoader):
         elif self._unfinished is not None:
             active, position = True, self._unfinished[0]
             if unconsumed:  # the loop was left part-way (see _abandon)
-                assert self._left is not None
-                returned = [self._left.copy(), *returned]
+                taken = self._left[len(self._left) - unconsumed :]
+                returned = [*(rows.copy() for rows in taken), *returned]
         else:
             active, position = False, 0
         if active and position > 0 and not self._mid_epoch_warned and not taking_rollback():
@@ -1949,9 +1997,9 @@ class SelectiveLoader(NotADataLoader):
                 warnings.warn(warning, UserWarning, stacklevel=2)
         stats = self.stats.state_dict()
         if unconsumed:
-            current = stats["epochs"][-1]  # the taken-back batch is counted when handed out again
-            current["examples_yielded"] -= len(returned[0])
-            current["batches_yielded"] -= 1
+            current = stats["epochs"][-1]  # the taken-back batches count when handed out again
+            current["examples_yielded"] -= sum(len(rows) for rows in returned[:unconsumed])
+            current["batches_yielded"] -= unconsumed
             # NOTE: a step that raised after reporting its batch (loader.feedback before the
             # backward that ran out of memory) had its report counted, and the resumed run,
             # handing the batch out again, counted it again when reported again (more reported
@@ -2066,7 +2114,7 @@ class SelectiveLoader(NotADataLoader):
         try:
             checked = self._checked(state)
             self._restore(checked)
-            self._left = None
+            self._left = []
         except BaseException:
             self._scorer.restore_precision(precision)
             self._restore(backup, rollback=True, resume=resumable)
@@ -2184,6 +2232,18 @@ class SelectiveLoader(NotADataLoader):
             f"SelectiveLoader(policy={self.policy!r}, batch_size={self.batch_size}, "
             f"remainder={self.remainder!r}, seed={self.seed})"
         )
+
+
+def _checked_unconsumed(unconsumed: Any) -> int:
+    """``unconsumed`` of :meth:`SelectiveLoader.state_dict`, checked: an int from 0 to
+    :data:`~sbloader.epoch.MAX_UNCONSUMED`."""
+    if unconsumed not in range(MAX_UNCONSUMED + 1):
+        raise ValueError(
+            "unconsumed should be 0, 1 or 2 (the batches fetched from the loader and not trained "
+            "on yet: 2 where a framework fetched one ahead of a training step that raised), but "
+            f"got unconsumed={unconsumed!r}"
+        )
+    return int(unconsumed)
 
 
 def _digest(mask: np.ndarray) -> str:

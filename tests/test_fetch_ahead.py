@@ -59,13 +59,15 @@ def reference(save_at, unconsumed=True):
     return trained, saved, loader
 
 
-def resume(saved):
+def resume(saved, loop=None):
+    """Train on from ``saved`` (model, optimizer and loader states) with ``loop`` (default
+    :func:`fetch_ahead`): (the batches trained, the loader)."""
     loader, model, opt = setup()
     model.load_state_dict(saved[0])
     opt.load_state_dict(saved[1])
     loader.load_state_dict(saved[2])
     trained: list[list[int]] = []
-    fetch_ahead(loader, model, opt, trained)
+    (loop or fetch_ahead)(loader, model, opt, trained)
     return trained, loader
 
 
@@ -96,13 +98,23 @@ def test_without_taking_back_the_fetched_batch_the_resumed_run_differs():
 
 def test_unconsumed_is_checked():
     loader, _, _ = setup()
-    with pytest.raises(ValueError, match="unconsumed should be 0 or 1"):
-        loader.state_dict(unconsumed=2)
+    for wrong in (3, -1, "1"):
+        with pytest.raises(ValueError, match=r"unconsumed should be 0, 1 or 2 .* but got"):
+            loader.state_dict(unconsumed=wrong)
+        with pytest.raises(ValueError, match="unconsumed should be 0, 1 or 2"):
+            loader.takes_back(wrong)
     with pytest.raises(ValueError, match="no epoch is running"):
         loader.state_dict(unconsumed=1)
     it = iter(loader)
+    with pytest.raises(ValueError, match="no epoch is running"):
+        loader.state_dict(unconsumed=1)  # (not begun: it begins on the first next())
     next(it)
     loader.state_dict(unconsumed=1)
+    with pytest.raises(ValueError, match=r"only the last 1 batch .* pass unconsumed=1"):
+        loader.state_dict(unconsumed=2)
+    next(it)
+    assert loader.takes_back(2)
+    loader.state_dict(unconsumed=2)
     it.close()  # (resumable: the batch handed out last can still be taken back)
     loader.state_dict(unconsumed=1)
     it = iter(loader)
@@ -196,3 +208,76 @@ def test_an_epoch_closed_for_good_is_saved_as_the_start_of_the_next():
     fourth.load_state_dict(state)
     rest = run(fourth)
     assert len(head) == 2 and rest and not set(map(tuple, head)) & set(map(tuple, rest))
+
+
+class Interrupt(Exception):
+    """A training step that raised; ``ahead``: whether the caller had fetched a batch ahead."""
+
+    def __init__(self, ahead: bool) -> None:
+        super().__init__("interrupted")
+        self.ahead = ahead
+
+
+def train_until(loader, model, opt, trained, fail_at=None):
+    """:func:`fetch_ahead`'s loop, whose step on the batch ``fail_at`` raises :class:`Interrupt`
+    before its optimizer step."""
+    while loader.epoch < EPOCHS:
+        it = iter(loader)
+        upcoming = next(it, None)
+        while upcoming is not None:
+            batch, upcoming = upcoming, next(it, None)
+            if len(trained) == fail_at:
+                raise Interrupt(upcoming is not None)
+            x, y = batch
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            trained.append(batch.indices.tolist())
+
+
+@pytest.mark.parametrize("fail_at", [0, 3, 7, 11, 13])  # 0, 7, 13: an epoch's first
+@pytest.mark.parametrize("where", ["in the except", "after it"])
+def test_a_step_that_raises_with_a_batch_fetched_ahead_takes_both_back(fail_at, where):
+    """Lightning's case: the caller had fetched the next batch when the step on the current
+    one raised (a KeyboardInterrupt, an out-of-memory error), so neither was trained:
+    ``state_dict(unconsumed=2)`` takes both back, and the resumed run trains the interrupted
+    batch, then the one fetched ahead, then the rest, as the uninterrupted run does. Saved in
+    the ``except`` (the epoch's iterator still alive) or after it (the iterator dropped and
+    closed). Before, a state took back one batch at most: the interrupted batch was lost."""
+    reference: list[list[int]] = []
+    whole, *rest = setup()
+    train_until(whole, *rest, reference)
+    loader, model, opt = setup()
+    trained: list[list[int]] = []
+
+    def take(ahead: bool):
+        return copy.deepcopy(
+            (model.state_dict(), opt.state_dict(), loader.state_dict(unconsumed=1 + ahead))
+        )
+
+    try:
+        train_until(loader, model, opt, trained, fail_at)
+    except Interrupt as raised:
+        ahead = raised.ahead
+        saved = take(ahead) if where == "in the except" else None
+    if saved is None:
+        saved = take(ahead)
+    assert ahead and len(saved[2]["returned"]) == 2
+    after, again = resume(saved, train_until)
+    assert trained == reference[:fail_at] and trained + after == reference
+    assert again.stats.total.examples_yielded == whole.stats.total.examples_yielded
+    assert again.stats.total.batches_yielded == whole.stats.total.batches_yielded
+
+
+def test_taking_back_one_batch_where_two_were_untrained_loses_one():
+    """The comparison above is sensitive: with unconsumed=1 (what a state took before), the
+    resumed run never trains the interrupted batch."""
+    reference: list[list[int]] = []
+    train_until(*setup(), reference)
+    loader, model, opt = setup()
+    trained: list[list[int]] = []
+    with pytest.raises(Interrupt):
+        train_until(loader, model, opt, trained, 3)
+    state = copy.deepcopy((model.state_dict(), opt.state_dict(), loader.state_dict(unconsumed=1)))
+    after, _ = resume(state, train_until)
+    assert after[0] == reference[4] and trained + after != reference

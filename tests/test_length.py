@@ -325,6 +325,45 @@ def test_unconsumed_needs_a_running_training_epoch():
     assert got == expected
 
 
+def test_two_batches_taken_back_must_both_be_of_the_training_epoch_under_way():
+    """state_dict(unconsumed=2) (a step that raised with a batch fetched ahead) at the first
+    batch of a training epoch would take back the last batch of the one before, which the next
+    training epoch would hand out again: refused, naming the fix. From the second batch on, the
+    resumed run hands both out again and goes on as the uninterrupted run does."""
+    whole = make(per_epoch=3)
+    expected = [indices(whole) for _ in range(4)]
+    loader = make(per_epoch=3)  # (passes over the data of 4 batches: 0-3, 4-7, ...)
+    got = [indices(loader), indices(loader)]
+    it = iter(loader)
+    got.append([next(it).indices.tolist()])
+    assert loader.takes_back(1) and not loader.takes_back(2)
+    with pytest.raises(ValueError, match=r"belongs to an earlier training epoch.*unconsumed=1"):
+        loader.state_dict(unconsumed=2)
+    got[-1].append(next(it).indices.tolist())  # (fetched ahead; the step on the first raised)
+    assert loader.takes_back(2)
+    state = copy.deepcopy(loader.state_dict(unconsumed=2))
+    assert state["training"]["yielded"] == 0 and len(state["returned"]) == 2
+    del it
+    resumed = make(per_epoch=3)
+    resumed.load_state_dict(state)
+    got[-1] = indices(resumed)
+    got.append(indices(resumed))
+    assert got == expected
+
+
+def test_two_batches_taken_back_must_both_be_of_the_pass_under_way():
+    """With batches_per_epoch a pass over the data may end inside a training epoch: the batch
+    before the pass's first was handed out by a pass that has ended, and is not taken back with
+    it (refused, naming why and the fix)."""
+    loader = make(per_epoch=3)  # (passes over the data of 4 batches: 0-3, 4-7, ...)
+    indices(loader)
+    it = iter(loader)
+    next(it), next(it)  # the 4th batch of the stream (pass 0's last), then pass 1's first
+    assert loader.takes_back(1) and not loader.takes_back(2)
+    with pytest.raises(ValueError, match=r"earlier pass over the data.*pass unconsumed=1"):
+        loader.state_dict(unconsumed=2)
+
+
 def test_a_state_of_another_length_is_refused():
     loader = make(per_epoch=5)
     list(loader)

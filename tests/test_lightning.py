@@ -994,8 +994,8 @@ class Interrupted(Classifier):
     """A Classifier whose training_step, or its selection pass, raises KeyboardInterrupt once
     (``at``: the global step of the step, or the count of the selection pass)."""
 
-    def __init__(self, where: str = "", at: int = -1) -> None:
-        super().__init__()
+    def __init__(self, where: str = "", at: int = -1, **options) -> None:
+        super().__init__(**options)
         self.where, self.at, self.passes = where, at, 0
 
     def forward(self, x):
@@ -1011,39 +1011,75 @@ class Interrupted(Classifier):
         return super().training_step(batch, batch_idx)
 
 
-def interrupted_then_resumed(tmp_path: Path, where: str, at: int):
+def interrupted_then_resumed(tmp_path: Path, where: str, at: int, **options):
     """An uninterrupted 2-epoch run, and one interrupted (see Interrupted) with an
-    OnExceptionCheckpoint then resumed from it: (the batches of both, the warnings saving it)."""
-    full = Classifier()
+    OnExceptionCheckpoint then resumed from it: (the batches of both, the warnings saving it).
+    ``options``: the loader's (``batches_per_epoch=``)."""
+    full = Classifier(**options)
     trainer(epochs=2).fit(full)
-    first = Interrupted(where, at)
+    first = Interrupted(where, at, **options)
     saving = pl.callbacks.OnExceptionCheckpoint(tmp_path)
     with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit):
         warnings.simplefilter("always")
         trainer(epochs=2, callbacks=[saving]).fit(first)
-    again = Classifier()
+    again = Classifier(**options)
     trainer(epochs=2).fit(again, ckpt_path=tmp_path / "on_exception.ckpt")
     ours = [str(w.message) for w in caught if "interrupted a training step" in str(w.message)]
     return full.trained, first.trained + again.trained, ours
 
 
-def test_an_exception_in_a_selection_pass_resumes_exactly_from_the_checkpoint_saved_then(tmp_path):
+@pytest.mark.parametrize("options", [{}, {"batches_per_epoch": "expected"}], ids=["pass", "fixed"])
+def test_an_exception_in_a_selection_pass_resumes_exactly_from_the_checkpoint_saved_then(
+    tmp_path, options
+):
     """An exception in the selection pass of the batch fetched ahead (the 4th pass: epoch 1's
     second) closes the loader's epoch before the batch fetched before it is trained, and
     Lightning resumes at that batch: the state saved then (OnExceptionCheckpoint) took back
-    none, and the resumed run skipped it, unsaid."""
-    full, resumed, warned = interrupted_then_resumed(tmp_path, "selection", 4)
-    assert resumed == full and not warned
+    none, and the resumed run skipped it, unsaid. With ``batches_per_epoch`` the training epoch
+    counted as ended too: the resumed run lost that batch and began the next training epoch."""
+    full, resumed, warned = interrupted_then_resumed(tmp_path, "selection", 4, **options)
+    assert len(full) > 4 and resumed == full and not warned
 
 
-def test_a_checkpoint_saved_on_an_exception_in_a_training_step_warns(tmp_path):
+@pytest.mark.parametrize("options", [{}, {"batches_per_epoch": "expected"}], ids=["pass", "fixed"])
+@pytest.mark.parametrize("at", [12, 13])  # 13: the first step of the second epoch
+def test_an_exception_in_a_training_step_resumes_exactly_from_the_checkpoint_saved_then(
+    tmp_path, options, at
+):
     """An exception in training_step leaves its batch untrained, and Lightning resumes a
     checkpoint saved then (OnExceptionCheckpoint) at that batch; the loader had handed out the
-    next one too and takes back only that one, so the resumed run skips the interrupted batch:
-    unsaid before, the callback warns."""
-    full, resumed, warned = interrupted_then_resumed(tmp_path, "step", 12)
+    next one too. The state takes both back, so the resumed run trains the interrupted batch
+    and everything after it as the uninterrupted run does. Before, it took back only the one
+    fetched ahead: the interrupted batch was never trained (and the callback warned)."""
+    full, resumed, warned = interrupted_then_resumed(tmp_path, "step", at, **options)
+    assert len(full) > at + 1 and resumed == full and not warned
+
+
+class PassRecorded(Classifier):
+    """A Classifier recording the loader's pass over the data (``loader.epoch``) at each step."""
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self.passes: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.passes.append(self.trainer.train_dataloader.loader.epoch)
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_interrupted_last_batch_of_an_epoch_seen_ended_warns(tmp_path):
+    """Without a len(), Lightning fetches ahead past an epoch's last batch, and the loader's
+    epoch ends there, before the step on that batch: interrupted, that batch belongs to an
+    epoch that has ended and cannot be taken back, and the callback warns that the resumed run
+    does not train as the uninterrupted one does (it does not)."""
+    probe = PassRecorded()
+    trainer(epochs=2).fit(probe)
+    # (the pass recorded at a step is that of the batch fetched after it: the first step where
+    # it changed is the first epoch's last)
+    at = next(step for step, seen in enumerate(probe.passes) if seen != probe.passes[0])
+    full, resumed, warned = interrupted_then_resumed(tmp_path, "step", at)
+    assert full == probe.trained and resumed[:at] == full[:at] and resumed != full
     assert len(warned) == 1 and "never trains the interrupted batch" in warned[0]
-    assert resumed[:13] == full[:12] + full[13:14]  # the interrupted batch (the 13th) skipped
 
 
 @pytest.mark.parametrize("fraction", ["limit_train_batches", "val_check_interval"])

@@ -71,7 +71,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from .._state import check_version
-from ..epoch import EpochIterator
+from ..epoch import MAX_UNCONSUMED, EpochIterator
 from ..length import FixedEpochIterator
 from ..loader import SelectiveLoader
 from ..policies import Phased, passes_within, plan_batches
@@ -170,16 +170,35 @@ class LightningLoader:
         ``self.trainer.train_dataloader.feedback(sb["indices"], losses)``."""
         self.loader.feedback(indices, losses)
 
-    def saved_state(self) -> dict[str, Any]:
-        """The loader's state as of the last batch handed to ``training_step``."""
+    def saved_state(self, interrupted: bool = False) -> dict[str, Any]:
+        """The loader's state as of the last batch handed to ``training_step``; with
+        ``interrupted``, as of the one before it (an exception interrupted the step on it, and
+        Lightning resumes there), where :meth:`resumes_interrupted` says it can."""
         if self._state is not None:
             return self._state  # restored and not iterated yet: nothing has changed
+        return self.loader.state_dict(unconsumed=self._unconsumed(interrupted))
+
+    def resumes_interrupted(self) -> bool:
+        """Whether a state saved now can take back the batch an exception interrupted
+        ``training_step`` on, with the one fetched ahead (see
+        :meth:`SelectiveLoader.takes_back <sbloader.SelectiveLoader.takes_back>`)."""
+        untrained = self._unconsumed()
+        return self._state is not None or (
+            untrained + 1 <= MAX_UNCONSUMED and self.loader.takes_back(untrained + 1)
+        )
+
+    def _unconsumed(self, interrupted: bool = False) -> int:
+        """The batches a state saved now takes back: those fetched ahead of ``training_step``,
+        and with ``interrupted`` the one it was interrupted on (where possible)."""
         # NOTE: an exception in a selection pass (fetching ahead: the batch before it fetched,
         # not trained) closes the epoch, left part-way; without batches_per_epoch such an epoch
         # still takes back its last batch, which Lightning resumes at. Saved with unconsumed=0
         # (OnExceptionCheckpoint), the resumed run skipped that batch, unsaid.
         running = self._epoch is not None and (self._epoch.running or self.loader.takes_back())
-        return self.loader.state_dict(unconsumed=self.fetched - self.trained if running else 0)
+        untrained = self.fetched - self.trained if running else 0
+        if interrupted and self.resumes_interrupted():
+            return untrained + 1
+        return untrained
 
     def end_epoch(self, stopped: bool = False) -> None:
         """Lightning ended its epoch: end the loader's too, as a plain loop would.
@@ -346,9 +365,10 @@ class SelectiveLoaderCallback(pl.Callback):
         # NOTE: an exception in training_step, its backward or its optimizer step (a
         # KeyboardInterrupt, an out-of-memory error) leaves its batch untrained, and Lightning
         # resumes a checkpoint saved then (OnExceptionCheckpoint, or trainer.save_checkpoint
-        # after fit raised) at that batch; but the loader had handed out the next one too, and a
-        # state takes back one batch only: the resumed run would skip the interrupted batch,
-        # unsaid (see state_dict).
+        # after fit raised) at that batch; but the loader had handed out the next one too.
+        # A state taking back only that one made the resumed run skip the interrupted batch,
+        # unsaid; it takes back both (see state_dict). Lightning runs this hook before
+        # OnExceptionCheckpoint's: it puts checkpoint callbacks last.
         self._interrupted, self._in_step = self._in_step, False
 
     def on_save_checkpoint(
@@ -383,18 +403,21 @@ class SelectiveLoaderCallback(pl.Callback):
                 return {}
             states = self._restored  # restored, and the loader not built yet
         else:
-            states = _gather(self._loader.saved_state())
-        if self._interrupted:
-            warnings.warn(
-                "the SelectiveLoaderCallback's state is saved after an exception interrupted a "
-                "training step: Lightning resumes at the interrupted batch, but the loader had "
-                "handed out the next one too, and its state takes back only that one, so a run "
-                "resumed from this checkpoint never trains the interrupted batch's examples and "
-                "does not train as the uninterrupted one does; for an exact resume, resume from "
-                "the last checkpoint saved before the exception (ModelCheckpoint)",
-                UserWarning,
-                stacklevel=2,
-            )
+            if self._interrupted and not self._loader.resumes_interrupted():
+                warnings.warn(
+                    "the SelectiveLoaderCallback's state is saved after an exception "
+                    "interrupted a training step: Lightning resumes at the interrupted batch, "
+                    "but the loader cannot take it back (its pass over the data has ended: "
+                    "Lightning fetched past an epoch's last batch, or a pass of "
+                    "batches_per_epoch began after it; or it was the source's own reused "
+                    "buffers), so a run resumed from this checkpoint never trains the "
+                    "interrupted batch's examples and does not train as the uninterrupted one "
+                    "does; for an exact resume, resume from the last checkpoint saved before the "
+                    "exception (ModelCheckpoint)",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            states = _gather(self._loader.saved_state(interrupted=self._interrupted))
         return {"version": STATE_VERSION, "ranks": states}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
