@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import itertools
 import threading
 import warnings
 import weakref
@@ -326,14 +327,31 @@ def like(structure: Any, values: Any) -> Any:
 # one job, a notebook) found no class for the state it loaded, and the batches it handed out
 # before its first source batch (a batch taken back with ``unconsumed=1``, carried rows that
 # fill one) were plain tuples or dicts: ``batch.image`` or ``batch.to(device)`` then failed.
+# Such a class's name carries a serial of its own (``module:qualname#3``): two classes defined
+# by one function (each call defines another, e.g. a namedtuple with other fields) share a
+# qualname, and by qualname alone a state of the first resumed with the second's fields,
+# whichever had been named last. (A namedtuple made in a function has no ``<locals>`` in its
+# qualname: what tells such a class is that importing its name does not find it.)
 _NAMED: weakref.WeakValueDictionary[str, type] = weakref.WeakValueDictionary()
+_SERIALS: weakref.WeakKeyDictionary[type, int] = weakref.WeakKeyDictionary()
+_NEXT_SERIAL = itertools.count()
+_SERIALS_LOCK = threading.Lock()
 
 
 def class_name(cls: type | None) -> str | None:
-    """``module:qualname`` of a batch class, for a saved state (None for none)."""
+    """``module:qualname`` of a batch class, for a saved state (None for none); with ``#`` and
+    a serial for a class that importing that name does not find (one defined in a function),
+    found again in this process only."""
     if cls is None:
         return None
     name = f"{cls.__module__}:{cls.__qualname__}"
+    if _imported(name) is cls:
+        return name
+    with _SERIALS_LOCK:
+        serial = _SERIALS.get(cls)
+        if serial is None:
+            serial = _SERIALS[cls] = next(_NEXT_SERIAL)
+    name = f"{name}#{serial}"
     _NAMED[name] = cls
     return name
 
@@ -346,7 +364,14 @@ def class_named(name: str | None) -> type | None:
     known = _NAMED.get(name)
     if known is not None:
         return known
-    if "<" in name:  # (a class defined in a function cannot be found in another process)
+    if "#" in name:  # (a class that cannot be imported, named in another process)
+        return None
+    return _imported(name)
+
+
+def _imported(name: str) -> type | None:
+    """The class ``module:qualname`` names, imported; None where there is none."""
+    if "<" in name:  # (defined in a function)
         return None
     module, _, qualname = name.partition(":")
     try:

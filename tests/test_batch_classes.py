@@ -205,9 +205,9 @@ def test_a_resumed_run_yields_the_class_and_the_same_batches(make):
     assert head + [b.indices.tolist() for b in rest] == reference
 
 
-def _local_class_loader() -> Any:
+def _local_class_loader(fields: str = "image label") -> Any:
     """A loader over batches of a namedtuple class defined in a function, and the class."""
-    Pair = namedtuple("Pair", "image label")  # (defined here: it cannot be imported again)
+    Pair = namedtuple("Pair", fields)  # (defined here: it cannot be imported again)
 
     class Pairs(Dataset):
         def __len__(self) -> int:
@@ -243,6 +243,27 @@ def test_a_batch_handed_out_again_after_a_resume_keeps_a_class_defined_in_a_func
     assert isinstance(first, pair) and type(first) is type(taken_back)
     assert torch.equal(first.indices, taken_back.indices)
     paired(first)
+
+
+def test_two_classes_defined_by_one_function_are_told_apart_on_resume():
+    """Each call of a function defines its class anew, under one qualname (here with other
+    fields): a state resumes with its own run's class, not with whichever class of that name a
+    state was taken of last (by qualname alone, the second: ``first.image`` then failed)."""
+    make, pair = _local_class_loader("image label")
+    other_make, other = _local_class_loader("pixels target")
+    assert pair.__qualname__ == other.__qualname__ and pair is not other
+    loader, other_loader = make(), other_make()
+    it, other_it = iter(loader), iter(other_loader)
+    next(it), next(other_it)
+    taken_back = next(it)
+    state = loader.state_dict(unconsumed=1)
+    next(other_it)
+    other_loader.state_dict(unconsumed=1)  # (its class named after the first's)
+    resumed = make()
+    resumed.load_state_dict(state)
+    first = next(iter(resumed))
+    assert isinstance(first, pair) and type(first) is type(taken_back)
+    assert first.image is not None and torch.equal(first.indices, taken_back.indices)
 
 
 def test_a_batch_class_that_cannot_be_found_on_resume_is_warned_of_naming_the_fix():
