@@ -179,6 +179,16 @@ def one_process_setup(
     return accelerator, model, opt, sb
 
 
+def train_step(accelerator: Any, model: nn.Module, opt: Any, batch: Any) -> None:
+    """One weighted training step on ``batch`` under ``accelerator.accumulate``."""
+    x, y = batch
+    with accelerator.accumulate(model):
+        loss = (F.cross_entropy(model(x), y, reduction="none") * batch.weights).mean()
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+
 def one_process_run(
     accumulate: int,
     ckpt: Path | None = None,
@@ -200,13 +210,8 @@ def one_process_run(
     for _ in range(sb.epoch, 2):
         steps = []
         for batch in loader:
-            x, y = batch
-            with accelerator.accumulate(model):
-                loss = (F.cross_entropy(model(x), y, reduction="none") * batch.weights).mean()
-                accelerator.backward(loss)
-                opt.step()
-                opt.zero_grad()
-                steps.append((batch.indices.tolist(), accelerator.sync_gradients))
+            train_step(accelerator, model, opt, batch)
+            steps.append((batch.indices.tolist(), accelerator.sync_gradients))
             if ckpt is not None and not load and sb.epoch == 0 and len(steps) == 4:
                 accelerator.save_state(str(ckpt))  # gradient_accumulation_steps=2: a sync step
         log.append(steps)
@@ -523,6 +528,120 @@ def test_a_checkpoint_between_optimizer_steps_warns_that_resuming_differs(
     assert not accelerator.sync_gradients
     with pytest.warns(UserWarning, match="sync_gradients is False .* will not train as"):
         accelerator.save_state(str(tmp_path / "between_steps"))
+
+
+def interruptible_run(
+    accumulate: int,
+    ckpt: Path,
+    fail_at: int | None = None,
+    say: bool | None = False,
+    load: bool = False,
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Two epochs on one process: the indices each training step trained on, and the final
+    weights. ``fail_at``: a KeyboardInterrupt at that step (counted over both epochs), before
+    it trains (``say=False``: ``loader.interrupted()``) or after (``say=True``:
+    ``interrupted(step_finished=True)``; ``say=None``: neither), then ``save_state`` in the
+    ``except`` and the run stops; ``load``: resume from ``ckpt`` first."""
+    accelerator, model, opt, sb = one_process_setup(accumulate)
+    loader = AcceleratedLoader(sb)
+    accelerator.register_for_checkpointing(loader)
+    if load:
+        accelerator.load_state(str(ckpt))
+    trained: list[list[int]] = []
+    step = 0
+    try:
+        for _ in range(sb.epoch, 2):
+            for batch in loader:
+                if step == fail_at and say is not True:
+                    raise KeyboardInterrupt
+                train_step(accelerator, model, opt, batch)
+                trained.append(batch.indices.tolist())
+                if step == fail_at:
+                    raise KeyboardInterrupt
+                step += 1
+    except KeyboardInterrupt:
+        if say is not None:
+            loader.interrupted(step_finished=say)
+        accelerator.save_state(str(ckpt))
+    return trained, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_an_interrupted_training_step_resumes_at_its_batch_once_the_loader_is_told(
+    fresh_accelerate, tmp_path, accumulate
+):
+    """A KeyboardInterrupt in the training step, then ``accelerator.save_state`` in the
+    ``except``: Accelerate gives the loader no sign that the batch in hand went untrained, and
+    the resumed run went on after it, never training it. With ``loader.interrupted()`` before
+    the save the resumed run trains that batch first and then exactly what the uninterrupted
+    run trained, to the same final weights: at an epoch's first, middle and last step and in
+    the second epoch (under accumulation, where the step before synchronised, so that no
+    accumulated gradient is lost; the loader then runs ahead a batch)."""
+    full, weights = interruptible_run(accumulate, tmp_path / "unused")
+    per_epoch = len(full) // 2
+    assert per_epoch >= 6
+    points = [0, 2, per_epoch - 1, per_epoch, per_epoch + 4]
+    if accumulate == 2:
+        points = [0, 2, 4, per_epoch + 2] if per_epoch % 2 == 0 else [0, 2, 4, per_epoch + 3]
+    for fail_at in points:
+        reset_accelerate()
+        ckpt = tmp_path / f"at{fail_at}"
+        before, _ = interruptible_run(accumulate, ckpt, fail_at=fail_at)
+        assert before == full[:fail_at]
+        reset_accelerate()
+        after, resumed = interruptible_run(accumulate, ckpt, load=True)
+        assert before + after == full, fail_at
+        assert all(torch.equal(a, b) for a, b in zip(resumed, weights)), fail_at
+
+
+def test_an_interrupted_step_saved_without_saying_so_warns_and_skips_its_batch(
+    fresh_accelerate, tmp_path
+):
+    """Saved while the KeyboardInterrupt is handled and ``interrupted()`` was not called, the
+    state counts the batch in hand as trained (what it did silently before): it warns, naming
+    the fix, and the resumed run indeed never trains that batch."""
+    full, _ = interruptible_run(1, tmp_path / "unused")
+    reset_accelerate()
+    with pytest.warns(UserWarning, match=r"KeyboardInterrupt is handled.*loader\.interrupted\(\)"):
+        before, _ = interruptible_run(1, tmp_path / "ckpt", fail_at=3, say=None)
+    reset_accelerate()
+    after, _ = interruptible_run(1, tmp_path / "ckpt", load=True)
+    assert before == full[:3]
+    assert after[0] != full[3]
+    assert full[3] not in after[:1]
+
+
+def test_a_step_that_finished_before_the_interruption_resumes_after_its_batch(
+    fresh_accelerate, tmp_path
+):
+    """``interrupted(step_finished=True)``: the exception came after the step; the state is the
+    usual one (no warning) and the resumed run goes on with the next batch, exactly."""
+    full, weights = interruptible_run(1, tmp_path / "unused")
+    reset_accelerate()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        before, _ = interruptible_run(1, tmp_path / "ckpt", fail_at=3, say=True)
+    assert before == full[:4]
+    reset_accelerate()
+    after, resumed = interruptible_run(1, tmp_path / "ckpt", load=True)
+    assert before + after == full
+    assert all(torch.equal(a, b) for a, b in zip(resumed, weights))
+
+
+def test_interrupted_refuses_what_it_cannot_take_back_when_called(fresh_accelerate):
+    """Nothing to take back (before the first batch, after an epoch that ended) or a
+    step_finished that is not a bool: refused at the call, naming the fix, not at the save."""
+    _, _, _, sb = one_process_setup(1)
+    loader = AcceleratedLoader(sb)
+    with pytest.raises(ValueError, match="no batch handed out can be taken back now"):
+        loader.interrupted()
+    for _ in loader:
+        pass
+    with pytest.raises(ValueError, match="pass step_finished=True"):
+        loader.interrupted()
+    loader.interrupted(step_finished=True)
+    with pytest.raises(TypeError, match="step_finished should be True or False, but got 1"):
+        loader.interrupted(step_finished=1)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------ the example

@@ -40,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -72,7 +73,11 @@ class AcceleratedLoader(DataLoaderStateMixin, NotADataLoader):
       ``accelerator.register_for_checkpointing(loader)`` (not the SelectiveLoader itself:
       Accelerate writes a registered object's state from the main process only, which on
       several processes would give every rank rank 0's state) and ``save_state`` /
-      ``load_state`` resume each rank exactly, also mid-epoch.
+      ``load_state`` resume each rank exactly, also mid-epoch;
+    - saved where a training step raised (``accelerator.save_state`` in the loop's ``except``
+      or ``finally``), resumes at the interrupted batch once :meth:`interrupted` says so: the
+      state then takes that batch back, and the resumed run trains it first. Saved while an
+      exception is handled without it, it warns (it cannot know whether the step finished).
 
     NOTE (one batch ahead): the end of a selective epoch is known only once the next batch is
     selected, so with gradient accumulation (``gradient_accumulation_steps > 1`` and
@@ -121,8 +126,10 @@ class AcceleratedLoader(DataLoaderStateMixin, NotADataLoader):
         self.loader = loader
         self.gradient_state = GradientState()
         self._drop_last = True  # NOTE: keeps DataLoaderStateMixin.begin() from a remainder
+        self._interrupted: bool | None = None  # what interrupted() said, until the next save
 
     def __iter__(self) -> Iterator[Any]:
+        self._interrupted = None
         state = self.gradient_state
         ahead = state.num_steps > 1 and state.sync_with_dataloader
         it = iter(self.loader)
@@ -156,14 +163,90 @@ class AcceleratedLoader(DataLoaderStateMixin, NotADataLoader):
         README's loop, ``loader.feedback(batch.indices, losses)``, runs unchanged here."""
         self.loader.feedback(indices, losses)
 
+    def interrupted(self, step_finished: bool = False) -> None:
+        """Say, before ``accelerator.save_state`` where the loop was interrupted, whether the
+        training step on the batch handed out last finished.
+
+        Accelerate's loop gives the loader no sign of it: a step that raised (a
+        ``KeyboardInterrupt``, an out-of-memory error) leaves the batch in hand untrained, yet
+        the loader handed it out, and a state saved then resumes after it, so the resumed run
+        never trains it. Called with ``step_finished=False`` (the default), the next state saved
+        takes that batch back (:meth:`SelectiveLoader.state_dict
+        <sbloader.SelectiveLoader.state_dict>` with ``unconsumed=1``): the resumed run hands it
+        out again first, with the same examples, and goes on as the uninterrupted run would.
+        ``step_finished=True`` says the step finished (the exception came after it): the state
+        is the usual one, and saving it does not warn. Either holds for the next save only.
+
+        Args:
+            step_finished: whether the training step on the batch handed out last finished.
+
+        Raises:
+            ValueError: with ``step_finished=False``, where no batch handed out can be taken
+                back now (no epoch is running, nor one left part-way): raised here rather than
+                at the save.
+
+        Example:
+            >>> import torch
+            >>> from accelerate import Accelerator
+            >>> from torch.utils.data import DataLoader, TensorDataset
+            >>> from sbloader import Traditional
+            >>> data = TensorDataset(torch.randn(12, 4), torch.randint(0, 3, (12,)))
+            >>> prepared = Accelerator(cpu=True).prepare(DataLoader(data, batch_size=4))
+            >>> loader = AcceleratedLoader(
+            ...     SelectiveLoader(prepared, torch.nn.Linear(4, 3), policy=Traditional()))
+            >>> try:
+            ...     for batch in loader:
+            ...         if batch.indices[0] == 4:
+            ...             raise KeyboardInterrupt  # (the step on batch [4, 5, 6, 7])
+            ... except KeyboardInterrupt:
+            ...     loader.interrupted()
+            ...     state = loader.state_dict()  # (what accelerator.save_state saves)
+            >>> again = AcceleratedLoader(
+            ...     SelectiveLoader(prepared, torch.nn.Linear(4, 3), policy=Traditional()))
+            >>> again.load_state_dict(state)
+            >>> [batch.indices.tolist() for batch in again]
+            [[4, 5, 6, 7], [8, 9, 10, 11]]
+        """
+        if not isinstance(step_finished, bool):
+            raise TypeError(
+                f"step_finished should be True or False, but got {step_finished!r}: True where "
+                "the training step on the last batch finished before the interruption"
+            )
+        if not step_finished and not self.loader.takes_back(1):
+            raise ValueError(
+                "interrupted(): no batch handed out can be taken back now (no epoch is running, "
+                "nor one left part-way, or it ended with its last step); call it between the "
+                "interrupted step and accelerator.save_state, before the next iter(loader), or "
+                "pass step_finished=True"
+            )
+        self._interrupted = not step_finished
+
     def state_dict(self) -> dict[str, Any]:
         """Every process's loader state, in rank order (a collective on several processes:
         every rank calls it, as ``accelerator.save_state`` does).
 
-        Warns where it is saved between optimizer steps (gradient accumulation, and
+        After :meth:`interrupted`, the state takes back the batch whose training step was
+        interrupted. Warns where it is saved while an exception is handled (the loop's
+        ``except`` or ``finally``) after a batch was handed out and :meth:`interrupted` was not
+        called: the state counts that batch as trained, which is wrong where the exception
+        interrupted its step.
+
+        Warns too where it is saved between optimizer steps (gradient accumulation, and
         ``accelerator.sync_gradients`` False after the last step): the gradients accumulated
         since the last optimizer step are in no checkpoint, so a run resumed from it trains on
         the same batches with other weights and soon selects other examples."""
+        interrupted, self._interrupted = self._interrupted, None
+        handling = sys.exc_info()[1]
+        if interrupted is None and handling is not None and self.loader.takes_back(1):
+            warnings.warn(
+                f"the AcceleratedLoader's state is saved while {type(handling).__name__} is "
+                "handled, and counts the batch handed out last as trained: where the exception "
+                "interrupted the training step on it, the resumed run never trains it; call "
+                "loader.interrupted() before accelerator.save_state (or "
+                "loader.interrupted(step_finished=True) where the step had finished)",
+                UserWarning,
+                stacklevel=2,
+            )
         state = self.gradient_state
         if state.num_steps > 1 and not state.sync_gradients:
             warnings.warn(
@@ -175,7 +258,7 @@ class AcceleratedLoader(DataLoaderStateMixin, NotADataLoader):
                 UserWarning,
                 stacklevel=2,
             )
-        own = self.loader.state_dict()
+        own = self.loader.state_dict(unconsumed=1 if interrupted else 0)
         sync = self.loader._sync
         if sync is None:
             states: list[Any] = [own]
@@ -196,6 +279,7 @@ class AcceleratedLoader(DataLoaderStateMixin, NotADataLoader):
             )
         sync = self.loader._sync
         self.loader.load_state_dict(ranks[0 if sync is None else sync.rank])
+        self._interrupted = None
 
     def __repr__(self) -> str:
         return f"AcceleratedLoader({self.loader!r})"
