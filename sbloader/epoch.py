@@ -988,6 +988,7 @@ class EpochIterator:
     def _finish(self) -> None:
         loader, stats = self._loader, self.stats
         assert stats is not None
+        loader._keep_ended()  # (before anything of the end runs: see keep_ended_state)
         if loader._sync is not None:
             loader._sync.check_overlap()  # the ranks' indices, after a whole pass (once)
         if self._remainder != "carry":

@@ -852,6 +852,11 @@ class SelectiveLoader(NotADataLoader):
         # what ``state_dict(unconsumed=)`` takes back then (see _abandon), the latest last.
         self._left: list[Rows | WholeBatch] = []
         self._left_why = ""  # why the batch before those cannot be taken back
+        # With keep_ended_state (a framework that fetches past an epoch's last batch before
+        # training on it: LightningLoader without len()), the state that takes back the last
+        # batch of the epoch that ended last, taken as it ended; until the next epoch begins.
+        self._keeps_ended = False
+        self._ended_state: dict[str, Any] | None = None
         # Whether the model and loss_fn were checked on a source batch (see EpochIterator).
         self._probed = False
         # Whether this epoch's beginning made the exchange of loader.feedback's reports (see
@@ -1473,6 +1478,7 @@ class SelectiveLoader(NotADataLoader):
         # the reports stay held)
         reports = None if resumed else self._feedback.take(self._source.dataset_size)
         self._unfinished, self.epoch, self._left = None, epoch, []
+        self._ended_state = None
         self._source.set_epoch(self.epoch)
         if reports is not None:
             self._apply_feedback(*reports)
@@ -1934,7 +1940,56 @@ class SelectiveLoader(NotADataLoader):
         start of the next epoch.
         """
         self._check_owner()
-        unconsumed = _checked_unconsumed(unconsumed)
+        return self._state_dict(_checked_unconsumed(unconsumed))
+
+    def keep_ended_state(self, keep: bool = True) -> None:
+        """Keep, as each epoch ends, the state that takes back its last batch
+        (:attr:`ended_state`), for a caller that fetches past an epoch's last batch before
+        training on it (Lightning with a loader that has no ``len()``: the loader's epoch has
+        ended when the step on its last batch runs). Costs a state per epoch.
+
+        NOTE: such a caller's step on the epoch's last batch may raise (a KeyboardInterrupt);
+        the framework resumes at that batch, but the epoch it belongs to has ended, and a state
+        saved then counts it as trained. The state kept here, taken at the end of the epoch
+        before anything of the end ran, hands that batch out again and then ends the epoch as
+        the uninterrupted run did.
+
+        Args:
+            keep: whether to keep it (False drops the one kept).
+
+        Example:
+            >>> import torch
+            >>> from torch.utils.data import DataLoader, TensorDataset
+            >>> from sbloader import SelectiveLoader, Traditional
+            >>> data = TensorDataset(torch.randn(8, 3), torch.arange(8) % 2)
+            >>> source = DataLoader(data, batch_size=4)
+            >>> loader = SelectiveLoader(source, torch.nn.Linear(3, 2), policy=Traditional())
+            >>> loader.keep_ended_state()
+            >>> [batch.indices.tolist() for batch in loader]  # (the epoch ends)
+            [[0, 1, 2, 3], [4, 5, 6, 7]]
+            >>> again = SelectiveLoader(source, torch.nn.Linear(3, 2), policy=Traditional())
+            >>> again.load_state_dict(loader.ended_state)  # (the last step was interrupted)
+            >>> [batch.indices.tolist() for batch in again], again.epoch
+            ([[4, 5, 6, 7]], 1)
+        """
+        self._keeps_ended = bool(keep)
+        if not keep:
+            self._ended_state = None
+
+    @property
+    def ended_state(self) -> dict[str, Any] | None:
+        """With :meth:`keep_ended_state`, the state that takes back the last batch of the epoch
+        that ended last (:meth:`state_dict` with ``unconsumed=1`` as of just before it ended),
+        until the next epoch begins or a state is loaded; else None."""
+        return self._ended_state
+
+    def _keep_ended(self) -> None:
+        """Called as a pass over the data ends, before its end runs (see keep_ended_state)."""
+        if self._keeps_ended and self._fixed is None and self._takeable() >= 1:
+            self._ended_state = self._state_dict(1, warn=False)
+
+    def _state_dict(self, unconsumed: int, warn: bool = True) -> dict[str, Any]:
+        """:meth:`state_dict`; ``warn=False``: taken for later, without its warnings."""
         takeable = self._takeable() if unconsumed else 0
         if 0 < takeable < unconsumed:
             it = self._live_iterator()
@@ -1987,7 +2042,8 @@ class SelectiveLoader(NotADataLoader):
                 returned = [*(rows.copy() for rows in taken), *returned]
         else:
             active, position = False, 0
-        if active and position > 0 and not self._mid_epoch_warned and not taking_rollback():
+        warn = warn and not taking_rollback()
+        if active and position > 0 and not self._mid_epoch_warned and warn:
             # NOTE: said when the state is taken, not only when a resume refuses it: every step
             # checkpoint of a long run would otherwise turn out unusable only at the resume.
             why = self._source.mid_epoch_refusal()
@@ -2037,7 +2093,7 @@ class SelectiveLoader(NotADataLoader):
             **({K_AHEAD: ahead.state_dict()} if ahead is not None else {}),
             K_SPEED: self._speed(),
         }
-        if not taking_rollback():  # (once the state is taken: a refused one loses nothing)
+        if warn:  # (once the state is taken: a refused one loses nothing)
             self._warn_unreported(stats["epochs"])
         return state
 
@@ -2114,7 +2170,7 @@ class SelectiveLoader(NotADataLoader):
         try:
             checked = self._checked(state)
             self._restore(checked)
-            self._left = []
+            self._left, self._ended_state = [], None
         except BaseException:
             self._scorer.restore_precision(precision)
             self._restore(backup, rollback=True, resume=resumable)

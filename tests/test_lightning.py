@@ -1067,19 +1067,53 @@ class PassRecorded(Classifier):
         return super().training_step(batch, batch_idx)
 
 
-def test_an_interrupted_last_batch_of_an_epoch_seen_ended_warns(tmp_path):
+def test_an_interrupted_last_batch_of_an_epoch_seen_ended_resumes_exactly(tmp_path):
     """Without a len(), Lightning fetches ahead past an epoch's last batch, and the loader's
-    epoch ends there, before the step on that batch: interrupted, that batch belongs to an
-    epoch that has ended and cannot be taken back, and the callback warns that the resumed run
-    does not train as the uninterrupted one does (it does not)."""
+    epoch ends there, before the step on that batch. Interrupted there, that batch belonged to
+    an epoch that had ended: the state counted it trained, and the resumed run never trained
+    it (the callback warned). The loader keeps, as the epoch ends, the state that takes it
+    back: the resumed run trains it, then ends the epoch and goes on as the uninterrupted run
+    does, unwarned."""
     probe = PassRecorded()
     trainer(epochs=2).fit(probe)
     # (the pass recorded at a step is that of the batch fetched after it: the first step where
     # it changed is the first epoch's last)
     at = next(step for step, seen in enumerate(probe.passes) if seen != probe.passes[0])
     full, resumed, warned = interrupted_then_resumed(tmp_path, "step", at)
-    assert full == probe.trained and resumed[:at] == full[:at] and resumed != full
-    assert len(warned) == 1 and "never trains the interrupted batch" in warned[0]
+    assert full == probe.trained and len(full) > at + 1
+    assert resumed == full and not warned
+
+
+def test_the_ended_state_is_kept_only_for_a_loader_without_len():
+    """The state kept as an epoch ends (a state's copy per epoch) is kept only where Lightning
+    fetches past an epoch's last batch: a loader without len(); it is the state that hands
+    that last batch out again, and goes when the next epoch begins."""
+    selective = SelectiveLoader(
+        DataLoader(data(), batch_size=32),
+        nn.Linear(8, 4),
+        policy=SelectiveBackprop(0.5),
+        batch_size=8,
+    )
+    wrapped = lightning_sb.LightningLoader(selective)
+    batches = list(wrapped)
+    state = selective.ended_state
+    assert state is not None and state["epoch"] == 0
+    again = SelectiveLoader(
+        DataLoader(data(), batch_size=32),
+        nn.Linear(8, 4),
+        policy=SelectiveBackprop(0.5),
+        batch_size=8,
+    )
+    again.load_state_dict(state)
+    assert [b.indices.tolist() for b in again] == [batches[-1].indices.tolist()]
+    iter(wrapped)
+    next(wrapped)
+    assert selective.ended_state is None
+    counted = SelectiveLoader(
+        DataLoader(data(), batch_size=32), nn.Linear(8, 4), policy=Traditional()
+    )
+    list(lightning_sb.LightningLoader(counted))
+    assert counted.ended_state is None
 
 
 @pytest.mark.parametrize("fraction", ["limit_train_batches", "val_check_interval"])

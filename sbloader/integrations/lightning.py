@@ -146,6 +146,8 @@ class LightningLoader:
             # the restored rows go to the model's device.
             state, self._state = self._state, None
             self.loader.load_state_dict(state)
+        # (without a len(), Lightning fetches past an epoch's last batch before training on it)
+        self.loader.keep_ended_state(not _has_len(self.loader))
         self._epoch = iter(self.loader)
         self.fetched = self.trained = 0
         return self
@@ -176,15 +178,30 @@ class LightningLoader:
         Lightning resumes there), where :meth:`resumes_interrupted` says it can."""
         if self._state is not None:
             return self._state  # restored and not iterated yet: nothing has changed
+        ended = self._ended_last() if interrupted else None
+        if ended is not None:
+            return ended
         return self.loader.state_dict(unconsumed=self._unconsumed(interrupted))
+
+    def _ended_last(self) -> dict[str, Any] | None:
+        """Where the batch in ``training_step`` is the last of a loader epoch that has ended
+        (Lightning fetched past it), the state that takes it back (see
+        :meth:`SelectiveLoader.keep_ended_state <sbloader.SelectiveLoader.keep_ended_state>`)."""
+        epoch = self._epoch
+        ended = epoch is not None and not epoch.running and not self.loader.takes_back()
+        if ended and self.trained and self.fetched == self.trained:
+            return self.loader.ended_state
+        return None
 
     def resumes_interrupted(self) -> bool:
         """Whether a state saved now can take back the batch an exception interrupted
         ``training_step`` on, with the one fetched ahead (see
         :meth:`SelectiveLoader.takes_back <sbloader.SelectiveLoader.takes_back>`)."""
         untrained = self._unconsumed()
-        return self._state is not None or (
-            untrained + 1 <= MAX_UNCONSUMED and self.loader.takes_back(untrained + 1)
+        return (
+            self._state is not None
+            or (untrained + 1 <= MAX_UNCONSUMED and self.loader.takes_back(untrained + 1))
+            or self._ended_last() is not None
         )
 
     def _unconsumed(self, interrupted: bool = False) -> int:
@@ -407,13 +424,11 @@ class SelectiveLoaderCallback(pl.Callback):
                 warnings.warn(
                     "the SelectiveLoaderCallback's state is saved after an exception "
                     "interrupted a training step: Lightning resumes at the interrupted batch, "
-                    "but the loader cannot take it back (its pass over the data has ended: "
-                    "Lightning fetched past an epoch's last batch, or a pass of "
-                    "batches_per_epoch began after it; or it was the source's own reused "
-                    "buffers), so a run resumed from this checkpoint never trains the "
-                    "interrupted batch's examples and does not train as the uninterrupted one "
-                    "does; for an exact resume, resume from the last checkpoint saved before the "
-                    "exception (ModelCheckpoint)",
+                    "but the loader cannot take it back (a pass of batches_per_epoch began "
+                    "after it, or it was the source's own reused buffers), so a run resumed "
+                    "from this checkpoint never trains the interrupted batch's examples and "
+                    "does not train as the uninterrupted one does; for an exact resume, resume "
+                    "from the last checkpoint saved before the exception (ModelCheckpoint)",
                     UserWarning,
                     stacklevel=2,
                 )
@@ -423,6 +438,15 @@ class SelectiveLoaderCallback(pl.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = check_version(state_dict, "SelectiveLoaderCallback", STATE_VERSION)
         self._restored = list(state["ranks"])
+
+
+def _has_len(loader: SelectiveLoader) -> bool:
+    """Whether ``len(loader)`` is known (Lightning then stops after that many batches)."""
+    try:
+        len(loader)
+    except TypeError:
+        return False
+    return True
 
 
 def _gather(state: dict[str, Any]) -> list[dict[str, Any]]:
