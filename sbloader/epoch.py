@@ -37,6 +37,7 @@ from .scoring import Scored
 from .stats import EpochStats
 
 if TYPE_CHECKING:
+    from ._host import EpochHost
     from .distributed import RankSync
     from .loader import SelectiveLoader
 
@@ -281,7 +282,8 @@ class EpochIterator:
 
     # ------------------------------------------------------------------ protocol
     @property
-    def _loader(self) -> SelectiveLoader:
+    def _loader(self) -> EpochHost:
+        """The loader, as the members this iterator may use of it (see :mod:`sbloader._host`)."""
         loader = self._owner if self._owner is not None else self._owner_ref()
         if loader is None:
             raise ReferenceError("the SelectiveLoader of this epoch iterator was dropped")

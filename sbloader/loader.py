@@ -13,7 +13,7 @@ import math
 import warnings
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -2305,3 +2305,12 @@ def _checked_unconsumed(unconsumed: Any) -> int:
 def _digest(mask: np.ndarray) -> str:
     """A short fingerprint of a ``subset`` mask: how many it keeps, and a digest of which."""
     return f"{int(np.count_nonzero(mask))}:{batch_digest(np.asarray(mask, dtype=bool))}"
+
+
+if TYPE_CHECKING:
+    from ._host import EpochHost
+
+    def _hosts_epochs(loader: SelectiveLoader) -> EpochHost:
+        """(For the type checker: a SelectiveLoader provides every member its epoch iterator
+        uses, :class:`~sbloader._host.EpochHost`.)"""
+        return loader
