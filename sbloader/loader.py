@@ -1952,7 +1952,9 @@ class SelectiveLoader(NotADataLoader):
         the framework resumes at that batch, but the epoch it belongs to has ended, and a state
         saved then counts it as trained. The state kept here, taken at the end of the epoch
         before anything of the end ran, hands that batch out again and then ends the epoch as
-        the uninterrupted run did.
+        the uninterrupted run did. Not kept where taking a state writes files (a policy with a
+        memory-mapped store, ``store_path``: each state writes a snapshot, and a state taken
+        per epoch would push the checkpoints' own out of ``store_snapshots``).
 
         Args:
             keep: whether to keep it (False drops the one kept).
@@ -1985,8 +1987,16 @@ class SelectiveLoader(NotADataLoader):
 
     def _keep_ended(self) -> None:
         """Called as a pass over the data ends, before its end runs (see keep_ended_state)."""
-        if self._keeps_ended and self._fixed is None and self._takeable() >= 1:
+        if not self._keeps_ended or self._fixed is not None or self._takeable() < 1:
+            return
+        if any(part.writes_state_files() for part in self.policy.parts()):
+            return
+        try:
             self._ended_state = self._state_dict(1, warn=False)
+        except ValueError:
+            # (a state refused now, e.g. a device-side report of an index outside the data, is
+            # refused where it is saved or the next epoch begins, naming why; not here)
+            self._ended_state = None
 
     def _state_dict(self, unconsumed: int, warn: bool = True) -> dict[str, Any]:
         """:meth:`state_dict`; ``warn=False``: taken for later, without its warnings."""

@@ -250,6 +250,14 @@ class Policy(abc.ABC):
         """Whether :meth:`feedback` uses training-step losses (a per-example store does)."""
         return False
 
+    def writes_state_files(self) -> bool:
+        """Whether :meth:`state_dict` writes files (a memory-mapped store's snapshot, counted
+        against its ``store_snapshots``), so that a state must not be taken only in case it is
+        needed (see :meth:`SelectiveLoader.keep_ended_state
+        <sbloader.SelectiveLoader.keep_ended_state>`). Of this policy alone, not its
+        :meth:`parts`."""
+        return False
+
     def count_forced(self, indices: np.ndarray) -> None:  # noqa: B027 - optional hook
         """Examples backpropagated without :meth:`choose` choosing them: those with a non-finite
         selection loss under ``nonfinite="select"`` (int64 dataset indices). A policy with
@@ -857,6 +865,9 @@ class SelectiveBackprop(Policy):
 
     def takes_feedback(self) -> bool:
         return self.store is not None
+
+    def writes_state_files(self) -> bool:
+        return self.store_path is not None
 
     def count_forced(self, indices: np.ndarray) -> None:
         if self.store is not None and len(indices):

@@ -1116,6 +1116,31 @@ def test_the_ended_state_is_kept_only_for_a_loader_without_len():
     assert counted.ended_state is None
 
 
+def test_no_ended_state_is_taken_where_a_state_writes_a_store_snapshot(tmp_path):
+    """A memory-mapped store (store_path) writes a snapshot with every state and keeps only the
+    store_snapshots newest: a state taken as each epoch ends, in case it was needed, would push
+    the checkpoints' own snapshots out (their resume refused). None is taken there, and no
+    snapshot is written; the interrupted last batch then warns as before."""
+
+    def stale(path):
+        return SelectiveBackprop(0.5, staleness=2, store_path=path)
+
+    selective = SelectiveLoader(
+        DataLoader(data(), batch_size=32),
+        nn.Linear(8, 4),
+        policy=stale(tmp_path / "s"),
+        batch_size=8,
+    )
+    wrapped = lightning_sb.LightningLoader(selective)
+    for _ in range(3):
+        list(wrapped)
+    assert selective.ended_state is None
+    assert not list((tmp_path / "s").rglob("snapshots/*"))
+    saved = selective.state_dict()  # (a checkpoint's state still writes its snapshot)
+    assert "snapshot" in saved["policy"]["store"]
+    assert len(list((tmp_path / "s").rglob("snapshots/*"))) == 1
+
+
 @pytest.mark.parametrize("fraction", ["limit_train_batches", "val_check_interval"])
 def test_a_fraction_of_an_epoch_without_len_names_batches_per_epoch(fraction):
     """A float limit_train_batches or val_check_interval needs len(loader): Lightning refused it

@@ -425,10 +425,12 @@ class SelectiveLoaderCallback(pl.Callback):
                     "the SelectiveLoaderCallback's state is saved after an exception "
                     "interrupted a training step: Lightning resumes at the interrupted batch, "
                     "but the loader cannot take it back (a pass of batches_per_epoch began "
-                    "after it, or it was the source's own reused buffers), so a run resumed "
-                    "from this checkpoint never trains the interrupted batch's examples and "
-                    "does not train as the uninterrupted one does; for an exact resume, resume "
-                    "from the last checkpoint saved before the exception (ModelCheckpoint)",
+                    "after it, it was the source's own reused buffers, or it was an epoch's "
+                    "last and the policy's store_path keeps no state as an epoch ends), so a "
+                    "run resumed from this checkpoint never trains the interrupted batch's "
+                    "examples and does not train as the uninterrupted one does; for an exact "
+                    "resume, resume from the last checkpoint saved before the exception "
+                    "(ModelCheckpoint)",
                     UserWarning,
                     stacklevel=2,
                 )
