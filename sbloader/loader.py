@@ -1974,7 +1974,7 @@ class SelectiveLoader(NotADataLoader):
             >>> [batch.indices.tolist() for batch in again], again.epoch
             ([[4, 5, 6, 7]], 1)
         """
-        self._keeps_ended = bool(keep)
+        self._keeps_ended = check_bool("keep", keep)
         if not keep:
             self._ended_state = None
 

@@ -640,7 +640,9 @@ def test_interrupted_refuses_what_it_cannot_take_back_when_called(fresh_accelera
     with pytest.raises(ValueError, match="pass step_finished=True"):
         loader.interrupted()
     loader.interrupted(step_finished=True)
-    with pytest.raises(TypeError, match="step_finished should be True or False, but got 1"):
+    with pytest.raises(
+        TypeError, match="step_finished should be True or False, but got step_finished=1"
+    ):
         loader.interrupted(step_finished=1)  # type: ignore[arg-type]
 
 

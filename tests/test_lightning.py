@@ -1114,6 +1114,8 @@ def test_the_ended_state_is_kept_only_for_a_loader_without_len():
     )
     list(lightning_sb.LightningLoader(counted))
     assert counted.ended_state is None
+    with pytest.raises(TypeError, match="keep should be True or False, but got keep='yes'"):
+        counted.keep_ended_state("yes")  # type: ignore[arg-type]
 
 
 def test_no_ended_state_is_taken_where_a_state_writes_a_store_snapshot(tmp_path):

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.state import GradientState
 
-from .._checks import NotADataLoader
+from .._checks import NotADataLoader, check_bool
 from .._state import check_version
 from ..loader import SelectiveLoader
 from .accelerate_source import AcceleratedShardSource, shard_source
@@ -207,11 +207,7 @@ class AcceleratedLoader(DataLoaderStateMixin, NotADataLoader):
             >>> [batch.indices.tolist() for batch in again]
             [[4, 5, 6, 7], [8, 9, 10, 11]]
         """
-        if not isinstance(step_finished, bool):
-            raise TypeError(
-                f"step_finished should be True or False, but got {step_finished!r}: True where "
-                "the training step on the last batch finished before the interruption"
-            )
+        step_finished = check_bool("step_finished", step_finished)
         if not step_finished and not self.loader.takes_back(1):
             raise ValueError(
                 "interrupted(): no batch handed out can be taken back now (no epoch is running, "

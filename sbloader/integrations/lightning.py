@@ -147,7 +147,7 @@ class LightningLoader:
             state, self._state = self._state, None
             self.loader.load_state_dict(state)
         # (without a len(), Lightning fetches past an epoch's last batch before training on it)
-        self.loader.keep_ended_state(not _has_len(self.loader))
+        self.loader.keep_ended_state(_length(self.loader) is None)
         self._epoch = iter(self.loader)
         self.fetched = self.trained = 0
         return self
@@ -250,10 +250,7 @@ class LightningLoader:
             # its last batch), after fetching the next epoch's first batch. That epoch goes on,
             # its batch handed out again when Lightning iterates the loader for the next epoch.
             return
-        try:
-            length: int | None = len(self.loader)
-        except TypeError:
-            length = None
+        length = _length(self.loader)
         # NOTE: counted over the whole training epoch (restored with a mid-epoch state), not
         # since this iterator started: a resumed epoch must end as the uninterrupted one did.
         # (Whether it ends or is abandoned changes what the source draws next: a torch
@@ -442,13 +439,13 @@ class SelectiveLoaderCallback(pl.Callback):
         self._restored = list(state["ranks"])
 
 
-def _has_len(loader: SelectiveLoader) -> bool:
-    """Whether ``len(loader)`` is known (Lightning then stops after that many batches)."""
+def _length(loader: SelectiveLoader) -> int | None:
+    """``len(loader)``, or None where the loader has none (Lightning stops after that many
+    batches; without one it fetches past an epoch's last batch)."""
     try:
-        len(loader)
+        return len(loader)
     except TypeError:
-        return False
-    return True
+        return None
 
 
 def _gather(state: dict[str, Any]) -> list[dict[str, Any]]:
