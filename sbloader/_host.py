@@ -57,7 +57,9 @@ class EpochHost(Protocol):
 
     Steps of the loader's own (the epoch's beginning, end and abandonment, and what they decide
     from the loader's whole state): ``_begin``, ``_end``, ``_abandon``, ``_keep_ended``,
-    ``_sharing``.
+    ``_sharing``; and ``_new_pass`` (a pass's iterator, for the training-epoch iterator of
+    ``batches_per_epoch``, :class:`~sbloader.length.FixedEpochIterator`, which reads its loader
+    through this contract too).
     """
 
     # ------------------------------------------------------------------ options
@@ -116,3 +118,5 @@ class EpochHost(Protocol):
     def _keep_ended(self) -> None: ...
 
     def _sharing(self) -> bool: ...
+
+    def _new_pass(self) -> EpochIterator: ...

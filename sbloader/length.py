@@ -45,8 +45,8 @@ from .policies import passes_within
 
 if TYPE_CHECKING:
     from . import batch as B
+    from ._host import EpochHost
     from .epoch import EpochIterator
-    from .loader import SelectiveLoader
     from .policies import Policy
     from .sources import Source
 
@@ -133,7 +133,7 @@ class FixedEpochs:
         self._agreed = False  # the ranks checked that they agree on count (once per process)
         self._barren = 0  # passes in a row that yielded no batch
 
-    def iterate(self, loader: SelectiveLoader) -> FixedEpochIterator:
+    def iterate(self, loader: EpochHost) -> FixedEpochIterator:
         """A new training epoch's iterator (``iter(loader)``); the previous one is closed."""
         self._close_live()
         it = FixedEpochIterator(loader, self)
@@ -221,7 +221,9 @@ class FixedEpochIterator:
         (10, [10, 10, 10])
     """
 
-    def __init__(self, loader: SelectiveLoader, clock: FixedEpochs) -> None:
+    def __init__(self, loader: EpochHost, clock: FixedEpochs) -> None:
+        # NOTE: the loader through its declared contract with epoch iterators (sbloader._host),
+        # as EpochIterator holds it: the type checker refuses any other access.
         self._loader, self._clock = loader, clock
         self._phase = _Phase.NEW
         self.epoch: int | None = None

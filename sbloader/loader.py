@@ -1149,10 +1149,27 @@ class SelectiveLoader(NotADataLoader):
         epoch is one pass over the data)."""
         return self.epoch if self._fixed is None else self._fixed.current()[0]
 
-    def _training_yielded(self) -> int:
-        """Batches yielded in the current training epoch so far: with ``batches_per_epoch``,
-        counted in that epoch (whose passes are not its epochs); else in the pass (its stats'
-        count, restored with a mid-epoch state), 0 before one began."""
+    @property
+    def batches_yielded(self) -> int:
+        """Batches handed out in the current training epoch so far (0 before it began): with
+        ``batches_per_epoch``, counted in that epoch (whose passes over the data are not its
+        epochs); else in the pass over the data. Restored with a mid-epoch state, so that a
+        resumed epoch ends where the uninterrupted one did (``batches_yielded == len(loader)``
+        after its last batch, where the loader has a ``len()``).
+
+        Example:
+            >>> import torch
+            >>> from torch.utils.data import DataLoader, TensorDataset
+            >>> import sbloader
+            >>> data = TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,)))
+            >>> loader = sbloader.SelectiveLoader(
+            ...     DataLoader(data, batch_size=10), torch.nn.Linear(4, 2),
+            ...     policy=sbloader.Traditional())
+            >>> it = iter(loader)
+            >>> _ = next(it); _ = next(it)
+            >>> loader.batches_yielded, len(loader)
+            (2, 4)
+        """
         if self._fixed is not None:
             return self._fixed.current()[1]
         stats = self.stats.current
@@ -1162,6 +1179,15 @@ class SelectiveLoader(NotADataLoader):
     def world_size(self) -> int:
         """The number of ranks the loader keeps in step (1 on a single process)."""
         return 1 if self._sync is None else self._sync.world_size
+
+    @property
+    def process_group(self) -> Any:
+        """The ``torch.distributed`` process group the loader keeps its ranks in step over
+        (``process_group=``; None for the world's, and where it keeps no ranks in step:
+        :attr:`world_size` 1). A collective of the caller's own over the loader's ranks (say,
+        gathering every rank's :meth:`state_dict` into one checkpoint) uses this group, and
+        indexes by :attr:`rank`, this process's rank in it."""
+        return None if self._sync is None else self._sync.group
 
     @property
     def progress(self) -> float:

@@ -1440,6 +1440,7 @@ def scenario_subgroup(rank: int, world_size: int) -> dict:
     res: dict = {"group_rank": own}
     default = build()
     res["default_rank"] = default.rank
+    res["its_group"] = default.process_group is group and default.world_size == 2
     first = [b.indices.tolist() for b in default]
     state = default.state_dict()
     try:
@@ -2283,7 +2284,7 @@ def test_one_process_is_not_distributed_and_cdf_global_changes_nothing_but_warns
             batch_size=10,
             cdf=cdf,
         )
-        assert loader.world_size == 1
+        assert loader.world_size == 1 and loader.process_group is None
         return [b.indices.tolist() for b in loader]
 
     expected = r"cdf='global' .*needs an initialised torch.distributed process group, but none"
@@ -2596,6 +2597,7 @@ def test_the_default_rank_is_the_ranks_in_the_loaders_process_group(tmp_path):
     assert results[0] == {}
     for res in results[1:]:
         assert res["default_rank"] == res["group_rank"]
+        assert res["its_group"]  # (loader.process_group: what a caller's own collective uses)
         assert isinstance(res["explicit"], list), res["explicit"]
         first, resumed = res["explicit"]
         assert first and resumed  # the state, loaded, resumes into the next epoch

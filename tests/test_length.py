@@ -701,6 +701,34 @@ def test_finishing_is_true_exactly_at_each_training_epochs_last_batch(per_epoch)
         assert flags == [False] * (len(loader) - 1) + [True]
 
 
+@pytest.mark.parametrize("per_epoch", [None, 3, "expected"])
+def test_batches_yielded_counts_the_training_epoch_and_resumes_with_it(per_epoch):
+    """``loader.batches_yielded`` (what Lightning's end-of-epoch check reads): 1, 2, ... within
+    each training epoch, from 0 again in the next (with ``batches_per_epoch``, its epochs of that
+    many batches, not the passes over the data), and a state saved mid-epoch restores it, so the
+    resumed epoch reaches ``len(loader)`` after the same batches."""
+    loader = make(per_epoch=per_epoch)
+    assert loader.batches_yielded == 0
+    counts = []
+    for _ in range(3):
+        it = iter(loader)
+        counts.append([loader.batches_yielded for _ in it])
+    if per_epoch is not None:
+        assert counts == [list(range(1, len(loader) + 1))] * 3
+    else:  # (a pass keeps what its draws keep: its own count)
+        assert all(c == list(range(1, len(c) + 1)) and len(c) > 2 for c in counts)
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    resumed = make(per_epoch=per_epoch)
+    resumed.load_state_dict(state)
+    assert resumed.batches_yielded == 2
+    rest = [resumed.batches_yielded for _ in resumed]
+    assert rest[0] == 3 and rest == list(range(3, len(rest) + 3))
+    if per_epoch is not None:
+        assert rest[-1] == len(resumed)
+
+
 # ---------------------------------------------------------------------- Traditional's batches
 def traditional(n=1000, bs=64, batch_size=16, **kw) -> SelectiveLoader:
     return SelectiveLoader(

@@ -255,12 +255,12 @@ class AcceleratedLoader(DataLoaderStateMixin, NotADataLoader):
                 stacklevel=2,
             )
         own = self.loader.state_dict(unconsumed=1 if interrupted else 0)
-        sync = self.loader._sync
-        if sync is None:
+        world = self.loader.world_size
+        if world == 1:
             states: list[Any] = [own]
         else:
-            states = [None] * sync.world_size
-            dist.all_gather_object(states, own, group=sync.group)
+            states = [None] * world
+            dist.all_gather_object(states, own, group=self.loader.process_group)
         return {"version": self.VERSION, "world_size": len(states), "ranks": states}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -273,8 +273,7 @@ class AcceleratedLoader(DataLoaderStateMixin, NotADataLoader):
                 f"the saved AcceleratedLoader state holds {len(ranks)} processes' loader states, "
                 f"but this run has {world}; resume with the saved run's number of processes"
             )
-        sync = self.loader._sync
-        self.loader.load_state_dict(ranks[0 if sync is None else sync.rank])
+        self.loader.load_state_dict(ranks[0 if world == 1 else self.loader.rank])
         self._interrupted = None
 
     def __repr__(self) -> str:

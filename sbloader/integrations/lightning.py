@@ -256,7 +256,7 @@ class LightningLoader:
         # (Whether it ends or is abandoned changes what the source draws next: a torch
         # RandomSampler draws again from its generator when it is exhausted.) With
         # batches_per_epoch, the training epoch's batches, not its current pass's.
-        if length is None or self.loader._training_yielded() < length:
+        if length is None or self.loader.batches_yielded < length:
             epoch.close(resumable=False)
             return
         extra = next(epoch, None)
