@@ -161,14 +161,26 @@ def import_streaming() -> Any:
             del sys.modules[name]
 
 
+def checkout_env(*first: str) -> dict[str, str]:
+    """The environment for a subprocess that must import this checkout's sbloader (and
+    benchmarks), ``first`` paths before it.
+
+    NOTE: Why every script a test starts gets this
+        A script's own folder, not the working directory, heads its ``sys.path``, so without it
+        ``import sbloader`` finds whatever sbloader is installed: none in a bare clone (the
+        test fails for the wrong reason), or an editable install of another checkout (the test
+        passes on code it was not meant to test).
+    """
+    env = dict(os.environ)
+    paths = [*first, str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(paths).strip(os.pathsep)
+    return env
+
+
 def streaming_env() -> dict[str, str]:
     """The environment for a subprocess that imports streaming and this checkout's sbloader
     (with the placeholder torchvision where no working one is installed)."""
-    env = dict(os.environ)
-    placeholder = [str(PLACEHOLDERS)] if _placeholder_needed() else []
-    paths = [*placeholder, str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(paths).strip(os.pathsep)
-    return env
+    return checkout_env(*([str(PLACEHOLDERS)] if _placeholder_needed() else []))
 
 
 def no_native_bf16(monkeypatch: pytest.MonkeyPatch, native: bool = False) -> None:

@@ -7,7 +7,6 @@ deadline, so a hang fails instead of blocking the suite; the tests below compare
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import warnings
@@ -29,7 +28,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.data_loader import DataLoaderShard, prepare_data_loader  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import GradientAccumulationPlugin  # noqa: E402
-from conftest import no_native_bf16  # noqa: E402
+from conftest import checkout_env, no_native_bf16  # noqa: E402
 from launch import ROOT, torchrun_ranks  # noqa: E402
 
 from sbloader.integrations.accelerate import AcceleratedLoader, AcceleratedShardSource  # noqa: E402
@@ -664,7 +663,7 @@ def test_the_example_accumulates_to_each_epochs_end_and_resumes(tmp_path):
     script = str(ROOT / "examples" / "accelerate_fashion_mnist.py")
     common = ["--examples", "1536", "--batch-size", "32", "--accumulate", "3"]
     common += ["--checkpoint", str(tmp_path / "ckpt")]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = checkout_env()
 
     def run(*extra: str) -> list[dict]:
         out = tmp_path / "rows.json"

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import N_CLASSES, IndexLoss
+from conftest import N_CLASSES, IndexLoss, checkout_env
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -860,7 +860,13 @@ def test_using_ffcv_through_sbloader_never_changes_thread_counts(tmp_path):
         print("ok")
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=checkout_env(),
+    )
     assert out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
@@ -924,10 +930,7 @@ def test_breaking_out_of_epochs_on_one_core_exits(tmp_path, launched_by):
         print("ok", flush=True)
         """
     )
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = checkout_env()
     child = subprocess.Popen(
         [sys.executable, "-c", code],
         cwd=ROOT,
@@ -989,7 +992,11 @@ def test_an_error_in_ffcvs_batch_thread_raises_instead_of_hanging(beton):
     )
     try:
         out = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=checkout_env(),
         )
     except subprocess.TimeoutExpired:
         pytest.fail("the epoch hung after FFCV's batch thread died")
@@ -1024,7 +1031,13 @@ def test_import_sbloader_ffcv_and_a_dataloader_source_never_import_ffcv():
         "torch.nn.Linear(2, 2), batch_size=2)); "
         "assert 'ffcv' not in sys.modules; print('ok')"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=checkout_env(),
+    )
     assert out.stdout.strip() == "ok", out.stderr
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import doctest
 import json
-import os
 import subprocess
 import sys
 import warnings
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import checkout_env
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -104,7 +104,13 @@ def trainer(epochs: int = 3, callbacks=(), naive: bool = False, **kwargs):
 
 def test_import_sbloader_does_not_import_lightning():
     code = "import sys, sbloader; assert 'lightning' not in sys.modules; print('ok')"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=checkout_env(),
+    )
     assert out.stdout.strip() == "ok", out.stderr
 
 
@@ -577,10 +583,7 @@ needs_data = pytest.mark.skipif(not have_fashion_mnist(), reason="needs dataset-
 def run_example(*args: str, timeout: int = 300) -> str:
     cmd = [sys.executable, str(ROOT / "examples" / "lightning_fashion_mnist.py"), *args]
     # This checkout's sbloader, also in the process Lightning starts for rank 1.
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = checkout_env()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-4000:]
     return out.stdout

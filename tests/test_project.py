@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import import_streaming
+from conftest import checkout_env, import_streaming
 
 import sbloader
 
@@ -56,7 +56,13 @@ def test_import_has_no_global_side_effects():
         "assert (tdl.DataLoader.__iter__, tdl._BaseDataLoaderIter.__next__) == methods, 'patched'; "
         "print('ok')"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=checkout_env(),
+    )
     assert out.stdout.strip() == "ok", out.stderr
 
 

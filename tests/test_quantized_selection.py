@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import checkout_env
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -705,7 +706,11 @@ def test_a_fresh_process_sees_no_int8_notice_and_torch_spends_its_own() -> None:
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-c", _NOTICE_SCRIPT], capture_output=True, text=True, timeout=240
+        [sys.executable, "-c", _NOTICE_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=checkout_env(),
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import checkout_env
 from tqdm import tqdm
 
 from benchmarks.core import strategies
@@ -38,7 +39,9 @@ def test_the_example_trains_both_strategies_and_reports_counts(tmp_path):
     cmd = [sys.executable, str(ROOT / "examples/train_fashion_mnist.py"), "--epochs", "3"]
     cmd += ["--train-examples", "2048", "--json", str(out)]
     cmd += ["--strategies", "traditional", "recipe", "sb"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=checkout_env()
+    )
     assert proc.returncode == 0, proc.stderr
     assert "sb epoch with a selection pass / Traditional epoch wall-clock" in proc.stdout
     results = json.loads(out.read_text())["results"]
@@ -166,7 +169,9 @@ def test_the_ddp_example_keeps_two_ranks_in_step(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
     cmd += ["--standalone", str(ROOT / "examples/ddp_fashion_mnist.py"), "--epochs", "2"]
     cmd += ["--train-examples", "4096", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=checkout_env()
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["processes"] for r in rows] == [2, 2]

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import N_CLASSES, EncodedDataset, IndexLoss
+from conftest import N_CLASSES, EncodedDataset, IndexLoss, checkout_env
 from torch import nn
 from torch.utils.data import IterableDataset
 
@@ -558,7 +558,7 @@ def test_a_loss_fn_is_described_alike_in_every_process_and_large_tensors_are_not
             capture_output=True,
             text=True,
             timeout=120,
-            env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)},
+            env={**checkout_env(), "PYTHONHASHSEED": str(seed)},
             check=True,
         ).stdout
         for seed in (1, 2, 3)
