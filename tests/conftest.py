@@ -177,6 +177,21 @@ def checkout_env(*first: str) -> dict[str, str]:
     return env
 
 
+def run_python(
+    code: str, *argv: str, timeout: float, env: dict[str, str] | None = None, check: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -c code *argv`` in a fresh interpreter that imports this checkout's sbloader
+    (``env`` defaults to :func:`checkout_env`'s); its output comes back as text."""
+    return subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=checkout_env() if env is None else env,
+        check=check,
+    )
+
+
 def streaming_env() -> dict[str, str]:
     """The environment for a subprocess that imports streaming and this checkout's sbloader
     (with the placeholder torchvision where no working one is installed)."""

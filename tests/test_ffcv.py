@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import operator
-import os
 import subprocess
 import sys
 import textwrap
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import N_CLASSES, IndexLoss, checkout_env
+from conftest import N_CLASSES, IndexLoss, checkout_env, run_python
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -131,10 +130,7 @@ def test_more_workers_than_cores_in_a_subprocess(beton):
         print("ok")
         """
     )
-    env = {**os.environ, "NUMBA_NUM_THREADS": "4"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env
-    )
+    out = run_python(code, timeout=240, env={**checkout_env(), "NUMBA_NUM_THREADS": "4"})
     assert out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
@@ -860,13 +856,7 @@ def test_using_ffcv_through_sbloader_never_changes_thread_counts(tmp_path):
         print("ok")
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=checkout_env(),
-    )
+    out = run_python(code, timeout=240)
     assert out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
@@ -991,13 +981,7 @@ def test_an_error_in_ffcvs_batch_thread_raises_instead_of_hanging(beton):
         """
     )
     try:
-        out = subprocess.run(
-            [sys.executable, "-c", code],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=checkout_env(),
-        )
+        out = run_python(code, timeout=120)
     except subprocess.TimeoutExpired:
         pytest.fail("the epoch hung after FFCV's batch thread died")
     assert out.stdout.strip().endswith("ok"), out.stderr[-3000:]
@@ -1031,13 +1015,7 @@ def test_import_sbloader_ffcv_and_a_dataloader_source_never_import_ffcv():
         "torch.nn.Linear(2, 2), batch_size=2)); "
         "assert 'ffcv' not in sys.modules; print('ok')"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=checkout_env(),
-    )
+    out = run_python(code, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import checkout_env
+from conftest import checkout_env, run_python
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -104,13 +104,7 @@ def trainer(epochs: int = 3, callbacks=(), naive: bool = False, **kwargs):
 
 def test_import_sbloader_does_not_import_lightning():
     code = "import sys, sbloader; assert 'lightning' not in sys.modules; print('ok')"
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=checkout_env(),
-    )
+    out = run_python(code, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
 
 

@@ -6,14 +6,12 @@ import copy
 import json
 import logging
 import os
-import subprocess
-import sys
 import warnings
 
 import numpy as np
 import pytest
 import torch
-from conftest import N_CLASSES, EncodedDataset, IndexLoss, bn_model, checkout_env
+from conftest import N_CLASSES, EncodedDataset, IndexLoss, bn_model, run_python
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -828,13 +826,7 @@ def test_numbas_first_call_is_not_counted_as_the_first_epochs_selection_time():
         "_ = list(loader); e = loader.stats.current; "
         "print(made, e.selection_forwards, e.selection_s)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=checkout_env(),
-    )
+    out = run_python(code, timeout=300)
     made, forwards, seconds = out.stdout.split()
     # (the first call made as the loader is built, whatever the machine's caches make it cost)
     assert made == "1" and forwards == "0" and float(seconds) < 0.5, out.stdout

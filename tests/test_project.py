@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import checkout_env, import_streaming
+from conftest import import_streaming, run_python
 
 import sbloader
 
@@ -56,13 +56,7 @@ def test_import_has_no_global_side_effects():
         "assert (tdl.DataLoader.__iter__, tdl._BaseDataLoaderIter.__next__) == methods, 'patched'; "
         "print('ok')"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=checkout_env(),
-    )
+    out = run_python(code, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
 
 

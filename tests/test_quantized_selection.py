@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import checkout_env
+from conftest import run_python
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -702,16 +702,8 @@ print("LATER", len(later))
 def test_a_fresh_process_sees_no_int8_notice_and_torch_spends_its_own() -> None:
     """torch warns about quantized tensors once per process; the first build of the int8 copy
     spends that warning under its own filters, so no pass or refresh shows a notice."""
-    import subprocess
-    import sys
 
-    proc = subprocess.run(
-        [sys.executable, "-c", _NOTICE_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=checkout_env(),
-    )
+    proc = run_python(_NOTICE_SCRIPT, timeout=240)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "NOTICES 0 []" in out, out

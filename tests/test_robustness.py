@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import N_CLASSES, EncodedDataset, IndexLoss, checkout_env
+from conftest import N_CLASSES, EncodedDataset, IndexLoss, run_python
 from speed_harness import through_torch_save
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -703,13 +703,7 @@ def test_a_store_folder_is_held_by_one_process(tmp_path):
     )
 
     def other_process() -> str:
-        out = subprocess.run(
-            [sys.executable, "-c", code, str(tmp_path)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=checkout_env(),
-        )
+        out = run_python(code, str(tmp_path), timeout=120)
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()
 
@@ -1777,13 +1771,7 @@ def test_a_policy_attached_to_a_dataset_of_another_size_lets_go_of_its_folder(tm
 def test_a_closed_store_frees_its_folder_for_another_process(tmp_path):
     store = ExampleStore(10, path=tmp_path)
     code = "import sys\nfrom sbloader import ExampleStore\nExampleStore(10, path=sys.argv[1])\n"
-    run = lambda: subprocess.run(  # noqa: E731
-        [sys.executable, "-c", code, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=checkout_env(),
-    )
+    run = lambda: run_python(code, str(tmp_path), timeout=120)  # noqa: E731
     assert "in use by another process" in run().stderr
     store.close()
     out = run()

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import N_CLASSES, EncodedDataset, IndexLoss, checkout_env
+from conftest import N_CLASSES, EncodedDataset, IndexLoss, checkout_env, run_python
 from torch import nn
 from torch.utils.data import IterableDataset
 
@@ -542,8 +542,6 @@ def test_a_loss_fn_is_described_alike_in_every_process_and_large_tensors_are_not
     """A set-valued setting is described in sorted order (a set of strings iterates in the
     order of the process's hash seed, so every resume warned of another loss_fn), and a loss
     module's large tensors by shape and dtype alone (hashed at every state_dict())."""
-    import subprocess
-    import sys
 
     code = (
         "import torch; from sbloader._loader_state import describe_callable as d\n"
@@ -553,13 +551,8 @@ def test_a_loss_fn_is_described_alike_in_every_process_and_large_tensors_are_not
         "print(d(L()))"
     )
     outs = {
-        subprocess.run(
-            [sys.executable, "-c", code],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**checkout_env(), "PYTHONHASHSEED": str(seed)},
-            check=True,
+        run_python(
+            code, timeout=120, env={**checkout_env(), "PYTHONHASHSEED": str(seed)}, check=True
         ).stdout
         for seed in (1, 2, 3)
     }
