@@ -1041,7 +1041,14 @@ class EpochIterator:
         # on, and the ring may hold other examples where it was; a copy then would be wrong,
         # unsaid. Its place is given up (state_dict says why a take-back that needs it fails).
         kept = [] if self._lent else self._handed[len(self._handed) + 1 - MAX_UNCONSUMED :]
-        self._handed, self._lent_before, self._lent = [*kept, rows], self._lent, lent
+        # NOTE: What a state takes back is a copy made as the batch is handed out
+        #     The batch shares its tensors with ``rows``, and a training step may change them
+        #     in place (``x.sub_(mean)``, ``batch.weights.mul_(...)``) before it raises and the
+        #     state taking the batch back is saved: a copy made then would resume a changed
+        #     batch, silently. One copy of each batch handed out (as large as the batch, on its
+        #     device) is the price; :data:`MAX_UNCONSUMED` of them are held.
+        held = rows.copy_whole() if isinstance(rows, WholeBatch) else rows.copy()
+        self._handed, self._lent_before, self._lent = [*kept, held], self._lent, lent
         return batch
 
     def _more_after_lent(self) -> bool:

@@ -124,24 +124,32 @@ class Rows:
         )
 
     def copy(self) -> Rows:
-        """The rows with their data tensors (nested fields' too) copied, sharing no memory with
-        the source's batches (FFCV reuses its buffers); lists stay as they are.
+        """The rows with every tensor copied (data fields, nested ones too, and the selection
+        results), sharing no memory with the source's batches (FFCV reuses its buffers) nor
+        with a batch made from these rows, which a training step may change in place; lists
+        stay as they are.
 
         Example:
             >>> import torch
             >>> x = torch.zeros(2)
-            >>> r = metadata_rows([x], None, None, None, 2, torch.device("cpu")).copy()
+            >>> rows = metadata_rows([x], None, None, None, 2, torch.device("cpu"))
+            >>> r = rows.copy()
             >>> x += 1
-            >>> r.data[0].tolist()
-            [0.0, 0.0]
+            >>> rows.weights.mul_(0)
+            tensor([0., 0.])
+            >>> r.data[0].tolist(), r.weights.tolist()
+            ([0.0, 0.0], [1.0, 1.0])
         """
 
-        def copied(c: Any) -> Any:
-            if isinstance(c, Mapping):
-                return {k: copied(v) for k, v in c.items()}
-            return c.clone() if isinstance(c, torch.Tensor) else c
-
-        return replace(self, data=[copied(c) for c in self.data])
+        return Rows(
+            [_copied(c) for c in self.data],
+            self.indices.clone(),
+            self.losses.clone(),
+            self.probabilities.clone(),
+            self.weights.clone(),
+            _copied(self.features),
+            _copied(self.logits),
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The rows as CPU tensors, lists and dicts of them (nested fields), loadable with
@@ -368,6 +376,29 @@ class WholeBatch:
         """:meth:`rows` with their data copied (see :meth:`Rows.copy`)."""
         return self.rows().copy()
 
+    def copy_whole(self) -> WholeBatch:
+        """The batch with its tensors copied, still whole: its metadata, made when asked for, is
+        the copy's own (see :meth:`Rows.copy`).
+
+        Example:
+            >>> import torch
+            >>> x = torch.zeros(2)
+            >>> whole = WholeBatch([x], None, 2, torch.device("cpu"))
+            >>> held = whole.copy_whole()
+            >>> x += 1
+            >>> held.data[0].tolist(), held.rows().indices.tolist()
+            ([0.0, 0.0], [-1, -1])
+        """
+
+        return WholeBatch(
+            [_copied(c) for c in self.data],
+            self.indices,
+            self.n,
+            self.device,
+            _copied(self.features),
+            _copied(self.logits),
+        )
+
     def metadata(self, has_indices: bool) -> tuple[Any, ...]:
         """The yielded batch's ``indices`` (None when ``has_indices`` is False), ``losses``,
         ``probabilities`` and ``weights``, made now."""
@@ -480,3 +511,11 @@ class PendingRows:
                 f"the saved pending rows count {state['count']} examples but hold {self._count}; "
                 "the state is corrupt"
             )
+
+
+def _copied(c: Any) -> Any:
+    """``c`` with its tensors cloned: a tensor, a dict of them (nested fields), or anything else
+    as it is (a list of strings)."""
+    if isinstance(c, Mapping):
+        return {k: _copied(v) for k, v in c.items()}
+    return c.clone() if isinstance(c, torch.Tensor) else c

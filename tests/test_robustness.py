@@ -2175,6 +2175,56 @@ def test_a_state_held_in_memory_is_not_changed_by_training_steps_that_change_bat
         assert record(loader) == expected
 
 
+@pytest.mark.parametrize("left", [False, True], ids=["iterator_held", "loop_left"])
+@pytest.mark.parametrize("unconsumed", [1, 2])
+@pytest.mark.parametrize(
+    "policy, batch_size",
+    [
+        (lambda: SelectiveBackprop(0.5), 5),  # kept rows re-batched
+        (lambda: Traditional(), 16),  # source batches handed out whole (the fast path)
+        (lambda: Traditional(), 5),  # re-batched
+    ],
+    ids=["sb", "traditional_whole", "traditional_rebatched"],
+)
+def test_a_batch_taken_back_resumes_as_it_was_handed_out_though_the_step_changed_it(
+    policy, batch_size, unconsumed, left
+):
+    """The batches a state takes back (steps that normalised their inputs and scaled their
+    weights in place, the last of them raising) resume as they were handed out, not as the steps
+    left them: inputs, indices and weights, then the rest of the epoch as an uninterrupted run's;
+    whether the iterator is still held or the loop was left by the error."""
+
+    def make() -> SelectiveLoader:
+        return shuffled_loader(64, 16, 1, IndexLoss(), policy(), batch_size=batch_size, seed=3)
+
+    def seen(b) -> tuple[list[int], list[float], list[float]]:
+        return b.indices.tolist(), b[0][:, 0].tolist(), b.weights.tolist()
+
+    reference = [seen(b) for b in make()]
+    loader, head = make(), []
+
+    def step(b) -> None:
+        head.append(seen(b))
+        if len(head) > 4 - unconsumed:  # a step not trained: it changes its batch in place
+            b[0].sub_(100.0)
+            b.weights.mul_(0)
+            b.indices.fill_(-7)
+        if len(head) == 4:
+            raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        if left:
+            for b in loader:
+                step(b)
+        else:
+            it = iter(loader)
+            while True:
+                step(next(it))
+    state = loader.state_dict(unconsumed=unconsumed)
+    resumed = [seen(b) for b in _resumed(make, state)]
+    assert head[: 4 - unconsumed] + resumed == reference
+
+
 def _resumed(make, state):
     buffer = io.BytesIO()
     torch.save(state, buffer)
