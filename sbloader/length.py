@@ -31,6 +31,7 @@ exactly the uninterrupted one's batches, epoch by epoch.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import numbers
 import warnings
@@ -132,6 +133,18 @@ class FixedEpochs:
         self._live: weakref.ref[FixedEpochIterator] | None = None
         self._agreed = False  # the ranks checked that they agree on count (once per process)
         self._barren = 0  # passes in a row that yielded no batch
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FixedEpochs:
+        """A copy with no iterator: the loader's copy (made when no pass is under way) must
+        not reach the original's training-epoch iterator, which ``iter(copy)`` would close.
+
+        NOTE: ``copy.deepcopy`` keeps a weak reference as it is, so the copied clock pointed at
+        the original's iterator (the loader's own ``__deepcopy__`` clears its reference alike).
+        """
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new._live = new._pass = None
+        return new
 
     def iterate(self, loader: EpochHost) -> FixedEpochIterator:
         """A new training epoch's iterator (``iter(loader)``); the previous one is closed."""

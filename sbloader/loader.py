@@ -1413,6 +1413,13 @@ class SelectiveLoader(NotADataLoader):
         position beside the copy's own policy and generators.
         """
         it = self._live_iterator()
+        if it is not None and it.running and self._fixed is not None:
+            raise TypeError(
+                "a SelectiveLoader with batches_per_epoch cannot be copied while its pass over "
+                "the data is under way (the copy would share its iterator), and that pass goes "
+                "on across training epochs, between them too; build a new loader and "
+                "load_state_dict(loader.state_dict()) into it"
+            )
         if it is not None and it.running:
             raise TypeError(
                 "a SelectiveLoader cannot be copied while an epoch is running (the copy would "

@@ -155,6 +155,25 @@ def test_a_state_saved_after_an_abandoned_epoch_resumes_with_the_next():
     assert run(resume=True) == run(resume=False)
 
 
+def test_a_copy_has_its_own_training_epochs_and_is_refused_while_its_pass_runs():
+    """copy.deepcopy of a loader with batches_per_epoch copied its clock's weak reference to
+    the training-epoch iterator as it was: iter(copy) closed the original's (unstarted) epoch.
+    The copy now has its own; once a pass is under way (it goes on across training epochs),
+    the copy is refused with the fix, and the fix (a new loader loading the state) goes on as
+    the original does."""
+    loader = make(per_epoch=5)
+    it = iter(loader)  # a training epoch's iterator, not started
+    twin = copy.deepcopy(loader)
+    assert indices(twin) == indices(it)  # iter(twin) left the original's iterator alone
+    assert loader.training_epoch == twin.training_epoch == 1
+    with pytest.raises(TypeError, match="with batches_per_epoch cannot be copied") as refused:
+        copy.deepcopy(loader)  # between training epochs: the pass is under way
+    assert "load_state_dict(loader.state_dict())" in str(refused.value)
+    resumed = make(per_epoch=5)
+    resumed.load_state_dict(copy.deepcopy(loader.state_dict()))
+    assert indices(resumed) + indices(resumed) == indices(loader) + indices(loader)
+
+
 def test_a_closed_epoch_iterator_refuses_to_go_on():
     loader = make(per_epoch=5)
     first = iter(loader)
