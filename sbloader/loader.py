@@ -1413,18 +1413,20 @@ class SelectiveLoader(NotADataLoader):
         position beside the copy's own policy and generators.
         """
         it = self._live_iterator()
-        if it is not None and it.running and self._fixed is not None:
-            raise TypeError(
-                "a SelectiveLoader with batches_per_epoch cannot be copied while its pass over "
-                "the data is under way (the copy would share its iterator), and that pass goes "
-                "on across training epochs, between them too; build a new loader and "
-                "load_state_dict(loader.state_dict()) into it"
-            )
         if it is not None and it.running:
+            what, when = (
+                ("an epoch is running", "copy it between epochs, or ")
+                if self._fixed is None
+                else (
+                    "its pass over the data is under way, which with batches_per_epoch goes on "
+                    "across training epochs, between them too",
+                    "",
+                )
+            )
             raise TypeError(
-                "a SelectiveLoader cannot be copied while an epoch is running (the copy would "
-                "share its iterator); copy it between epochs, or build a new loader and "
-                "load_state_dict(loader.state_dict()) into it"
+                f"a SelectiveLoader cannot be copied while {what} (the copy would share its "
+                f"iterator); {when}build a new loader and load_state_dict(loader.state_dict()) "
+                "into it"
             )
         new = type(self).__new__(type(self))
         memo[id(self)] = new
