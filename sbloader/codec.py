@@ -44,6 +44,8 @@ class BatchCodec:
             sizes from source batch to source batch (see ``SelectiveLoader(pad_values=)``), by
             key or position, or None. Checked here (:func:`check_pad_values`); the keys are
             checked against the source's fields on its first batch.
+        input_fields: the fields of a tuple ``input_key`` (the model's positional inputs), or
+            None. A default ``target_key`` that is one of them is refused on the first batch.
 
     Example:
         >>> import torch
@@ -64,8 +66,10 @@ class BatchCodec:
         drop_key: Hashable | None = None,
         pad_values: Any = None,
         index_key: Hashable | None = None,
+        input_fields: tuple[Hashable, ...] | None = None,
     ) -> None:
         self.input_key, self.target_key = input_key, target_key
+        self.input_fields = input_fields
         self.index_key = index_key
         # "input" or "target" where index_key names that field (see _check_index_key).
         self._index_is: str | None = None
@@ -104,7 +108,11 @@ class BatchCodec:
         """The source batch's fields as columns on ``device``, checked for consistent lengths."""
         if self.format is None:
             self.format = B.BatchFormat.infer(raw, self.input_key, self.target_key)
-            self._check_format()
+            try:
+                self._check_format()
+            except Exception:
+                self.format = None  # (refused: so is the next epoch's first batch)
+                raise
         fmt = self.format
         if fmt.cls is None and type(raw) not in _PLAIN:
             # (a format restored from a state whose batch class could not be imported: the
@@ -156,7 +164,34 @@ class BatchCodec:
             )
         self._check_drop_key()
         self._check_index_key()
+        self._check_default_target()
         self._resolve_pads()
+
+    def _check_default_target(self) -> None:
+        """Refuse a default ``target_key`` that a tuple ``input_key`` names as a model input.
+
+        NOTE: over ``(x, mask, y)`` batches, ``input_key=(0, 1)`` alone leaves ``target_key``
+        at its default, 1: the loss would be taken against the mask, which a loss that
+        broadcasts accepts silently. Given explicitly, a target that is also an input (a model
+        conditioned on its label) is accepted.
+        """
+        fmt, fields = self.format, self.input_fields
+        if fmt is None or fields is None or self.target_key is not None:
+            return
+        n = len(fmt.keys)
+        positions = {
+            key % n if fmt.kind is not dict and isinstance(key, int) and -n <= key < n else key
+            for key in fields
+        }
+        if fmt.target_key in positions:
+            default = "'target'" if fmt.kind is dict else "1, the second field"
+            raise ValueError(
+                f"target_key defaults to {default} of {fmt.kind.__name__} batches, which "
+                f"input_key={fields!r} names as one of the model's inputs, so the loss would be "
+                "taken against an input; pass target_key= the field of the loss target (e.g. "
+                f"target_key={n - 1 if fmt.kind is not dict else fmt.keys[-1]!r}), or "
+                f"target_key={fmt.target_key!r} where that field is both"
+            )
 
     def _check_index_key(self) -> None:
         """Note whether ``index_key`` names the input or the target field (see

@@ -113,6 +113,7 @@ from .quantize import resolve as resolve_quantized
 from .rows import PendingRows, Rows, WholeBatch
 from .scoring import Scorer
 from .selection import (
+    FieldsForward,
     Forward,
     Output,
     SelectionForward,
@@ -234,7 +235,10 @@ class SelectiveLoader(NotADataLoader):
         input_key, target_key: the model input and loss target fields: positions in tuple/list
             batches (default 0 and 1), keys in dict batches (default ``"input"``, ``"target"``).
             A tuple ``input_key`` names several fields, the model's positional inputs:
-            ``input_key=("input_ids", "attention_mask")`` scores ``model(ids, mask)``. A dict
+            ``input_key=("input_ids", "attention_mask")`` scores ``model(ids, mask)``; give
+            ``target_key`` with it where the default target is one of those fields (refused on
+            the first batch otherwise), and a model that takes other inputs than the pass gives
+            it is refused there too (``TypeError``, naming these and ``forward=``). A dict
             batch with tensor fields that the model is not given (neither input nor target nor
             index field) is warned about on the first selection pass: pass ``forward=``.
         index_key: the field holding dataset indices, for sources that carry them themselves.
@@ -781,6 +785,7 @@ class SelectiveLoader(NotADataLoader):
             drop_key,
             pad_values,
             self._source.index_field_key(),
+            call.keys if isinstance(call, FieldsForward) else None,
         )
         # NOTE: resolved last: "expected" needs the source, batch size, subset and policy.
         # (whether "expected" was resolved: ranks that resolve it differently are told why)

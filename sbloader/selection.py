@@ -38,6 +38,7 @@ __all__ = [
     "restrict",
     "selection_autocast",
     "selection_outputs",
+    "unbound_inputs",
     "unused_fields",
     "unwrap",
 ]
@@ -241,6 +242,76 @@ class FieldsForward:
 
     def __repr__(self) -> str:
         return f"input_key={self.keys!r}"
+
+
+def unbound_inputs(module: nn.Module, given: int) -> str | None:
+    """Why ``module`` called with ``given`` positional inputs cannot bind them to its
+    ``forward``'s signature (e.g. ``"Two.forward(x, mask) takes 2 positional inputs"``), or
+    None where they bind, where its signature is unknown, or where forward pre-hooks (which may
+    supply inputs) run before it.
+
+    Example:
+        >>> class Two(nn.Module):
+        ...     def forward(self, x, mask, scale=1.0):
+        ...         return x * mask * scale
+        >>> unbound_inputs(Two(), 1)
+        'Two.forward(x, mask, scale=1.0) takes 2 to 3 positional inputs'
+        >>> unbound_inputs(Two(), 2) is None, unbound_inputs(nn.Linear(2, 2), 1) is None
+        (True, True)
+    """
+    if module._forward_pre_hooks:
+        return None
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*([None] * given))
+        return None
+    except TypeError:
+        pass
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = signature.parameters.values()
+    positional = [p for p in params if p.kind in kinds]
+    required = sum(p.default is inspect.Parameter.empty for p in positional)
+    variadic = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    most = "" if variadic else str(len(positional))
+    takes = (
+        f"{required} positional input{'s' if required != 1 else ''}"
+        if most == str(required)
+        else f"{required} to {most} positional inputs"
+        if most
+        else f"at least {required} positional inputs"
+    )
+    if required <= given and (variadic or given <= len(positional)):
+        takes = "required keyword-only inputs"  # (the positional ones bind: a keyword is missing)
+    bare = signature.replace(
+        parameters=[p.replace(annotation=inspect.Parameter.empty) for p in params],
+        return_annotation=inspect.Signature.empty,
+    )
+    return f"{type(module).__name__}.forward{bare} takes {takes}"
+
+
+def _inputs_example(batch: Any, module: nn.Module) -> str:
+    """An ``input_key=`` / ``target_key=`` that would call ``module`` on the first fields of a
+    tuple ``batch`` (its last field the target), or naming the dict ``batch``'s keys that are
+    its forward's parameter names; ``""`` where neither fits."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return ""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty]
+    if isinstance(batch, Mapping):
+        if names and all(name in batch for name in names):
+            return f" (e.g. input_key={tuple(names)!r})"
+        return f" (the source's batches have the fields {list(batch.keys())!r})"
+    if isinstance(batch, (tuple, list)) and 1 < len(names) < len(batch):
+        return (
+            f" (e.g. input_key={tuple(range(len(names)))!r}, target_key={len(batch) - 1} for "
+            f"batches of {len(batch)} fields whose last is the target)"
+        )
+    return ""
 
 
 def input_fields(
@@ -951,12 +1022,49 @@ class SelectionForward:
                 **options,
             )
         except Exception as e:
+            self.blame_inputs(model, batch, e)
             # (not for a collective forward, FSDP's: trials on one rank would wait for the rest)
             if inference:
                 self.blame_scale(model, full, targets, loss_fn, e, inference=inference, **options)
             raise
         self._scale_taken = self.scale is not None
         return losses, features, outputs
+
+    def blame_inputs(self, model: nn.Module, batch: Any, error: Exception) -> None:
+        """Raise ``TypeError`` naming ``input_key`` and ``forward``, from ``error``, where the
+        selection forward failed because the model takes other inputs than the pass gives it
+        (``model(inputs)``, or ``model(*fields)`` of a tuple ``input_key``); return otherwise
+        (the caller re-raises ``error``).
+
+        NOTE: the model's own ``TypeError`` ("forward() missing 1 required positional argument:
+        'mask'") says nothing of the selection pass nor of the loader's parameter that decides
+        what it calls the model with. Only a ``TypeError`` whose inputs do not bind to the
+        model's ``forward`` signature is explained: one raised inside a forward that took its
+        inputs is left as it is.
+        """
+        call = self.call
+        if not isinstance(error, TypeError) or self.frozen_prefix is not None:
+            return
+        if call is not None and not isinstance(call, FieldsForward):
+            return
+        given = 1 if call is None else len(call.keys)
+        module = unwrap(model)
+        why = unbound_inputs(module, given)
+        if why is None:
+            return
+        called = (
+            "model(inputs), the input_key field alone"
+            if call is None
+            else f"model(*fields) with the {given} fields of {call!r}"
+        )
+        raise TypeError(
+            f"the selection pass calls {called}, but {why} and raised TypeError "
+            f"({_first_line(error)}); pass input_key= a tuple of the batch fields that are the "
+            "model's positional inputs, in order, and target_key= the loss target"
+            + _inputs_example(batch, module)
+            + ", or forward=lambda model, batch: model(...) to call the model on the batch "
+            "yourself"
+        ) from error
 
     def blame_scale(
         self,

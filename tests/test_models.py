@@ -459,3 +459,160 @@ def test_a_selection_pass_over_no_examples_is_refused_naming_the_fix():
             torch.zeros(0, dtype=torch.long),
             nn.CrossEntropyLoss(reduction="none"),
         )
+
+
+class Masked(nn.Module):
+    """``model(x, mask)``: a linear layer over the masked features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, C)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.fc(x * mask)
+
+
+def masked_rows(n: int = 64) -> torch.utils.data.TensorDataset:
+    """``(x, mask, y)`` examples."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 8, generator=g)
+    mask = (torch.rand(n, 8, generator=g) > 0.3).float()
+    return torch.utils.data.TensorDataset(x, mask, torch.randint(0, C, (n,), generator=g))
+
+
+@pytest.mark.parametrize("policy", ["sb", "default", "phased"])
+def test_a_model_of_two_inputs_given_one_is_refused_on_the_first_batch_naming_input_key(policy):
+    """Over (x, mask, y) batches a model(x, mask) called with x alone fails on the first source
+    batch, in a warm-up epoch too (the default's), with a TypeError naming input_key= (with the
+    keys that fit), target_key= and forward=, chained from the model's own; with those keys the
+    selection losses are the model's on both inputs against the third field."""
+    policies = {
+        "sb": lambda: SelectiveBackprop(0.5),
+        "default": lambda: None,
+        "phased": lambda: Phased(
+            SelectiveBackprop(0.5), warmup_epochs=1, warmup_policy=RandomBackprop(0.5)
+        ),
+    }
+    data = masked_rows()
+    drawn = []
+
+    class Counted(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(data)
+
+        def __getitem__(self, i: int) -> Any:
+            drawn.append(i)
+            return data[i]
+
+    model = Masked()
+    loader = SelectiveLoader(
+        DataLoader(Counted(), batch_size=16), model, policy=policies[policy](), autocast=None
+    )
+    with pytest.raises(TypeError) as caught:
+        next(iter(loader))
+    message = str(caught.value)
+    assert "calls model(inputs), the input_key field alone" in message
+    assert "Masked.forward(x, mask) takes 2 positional inputs" in message
+    assert "input_key=(0, 1), target_key=2" in message and "forward=" in message
+    assert isinstance(caught.value.__cause__, TypeError)
+    assert "missing 1 required positional argument: 'mask'" in str(caught.value.__cause__)
+    assert len(drawn) == 16  # the first source batch
+
+    fixed = SelectiveLoader(
+        DataLoader(data, batch_size=16),
+        model,
+        policy=SelectiveBackprop(0.5),
+        input_key=(0, 1),
+        target_key=2,
+        autocast=None,
+    )
+    batches = list(fixed)
+    assert batches
+    x, mask, y = data.tensors
+    for b in batches:
+        assert torch.equal(b[2], y[b.indices])
+        with torch.no_grad():
+            expected = F.cross_entropy(
+                model(x[b.indices], mask[b.indices]), y[b.indices], reduction="none"
+            )
+        torch.testing.assert_close(b.losses, expected)
+
+
+def test_a_tuple_input_key_of_more_fields_than_the_model_takes_is_refused_naming_it():
+    loader = SelectiveLoader(
+        DataLoader(masked_rows(), batch_size=16),
+        nn.Linear(8, C),
+        policy=SelectiveBackprop(0.5),
+        input_key=(0, 1),
+        target_key=2,
+    )
+    with pytest.raises(
+        TypeError,
+        match=r"with the 2 fields of input_key=\(0, 1\), but Linear.forward\(input\) takes 1 ",
+    ):
+        next(iter(loader))
+
+
+def test_a_type_error_inside_a_forward_that_took_its_inputs_is_left_as_it_is():
+    class Broken(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise TypeError("an error of the model's own")
+
+    loader = SelectiveLoader(
+        DataLoader(masked_rows(), batch_size=16), Broken(), policy=SelectiveBackprop(0.5)
+    )
+    with pytest.raises(TypeError, match=r"^an error of the model's own$"):
+        next(iter(loader))
+
+
+def test_inputs_that_a_forward_pre_hook_completes_are_not_blamed():
+    from sbloader.selection import unbound_inputs
+
+    model = Masked()
+    assert "takes 2 positional inputs" in str(unbound_inputs(model, 1))
+    model.register_forward_pre_hook(lambda m, args: (args[0], torch.ones_like(args[0])))
+    assert unbound_inputs(model, 1) is None
+    loader = SelectiveLoader(
+        DataLoader(masked_rows(), batch_size=16),
+        model,
+        policy=SelectiveBackprop(0.5),
+        target_key=2,
+    )
+    assert list(loader)
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict"])
+def test_a_default_target_that_a_tuple_input_key_names_is_refused_on_every_first_batch(kind):
+    """input_key=(0, 1) over (x, mask, y) leaves target_key at its default, 1: the mask. Refused
+    on the first batch, and again on the next epoch's (the refusal leaves no format behind);
+    given explicitly (a model conditioned on its label) the same field is accepted."""
+    data = masked_rows()
+    x, mask, y = data.tensors
+    if kind == "tuple":
+        rows: Any = data
+        keys: tuple[Any, ...] = (0, 1)
+        refused = "target_key defaults to 1, the second field of list batches"
+    else:
+        rows = [{"input": x[i], "target": mask[i], "y": y[i]} for i in range(len(y))]
+        keys = ("input", "target")
+        refused = "target_key defaults to 'target' of dict batches"
+    loader = SelectiveLoader(
+        DataLoader(rows, batch_size=16),
+        Masked(),
+        policy=SelectiveBackprop(0.5),
+        input_key=keys,
+        loss_fn=lambda out, target: (out.sum(1, keepdim=True) - target).pow(2).mean(1),
+    )
+    for _ in range(2):
+        with pytest.raises(ValueError, match=refused):
+            next(iter(loader))
+    explicit = SelectiveLoader(
+        DataLoader(rows, batch_size=16),
+        Masked(),
+        policy=SelectiveBackprop(0.5),
+        input_key=keys,
+        target_key=keys[1],
+        loss_fn=lambda out, target: (out.sum(1, keepdim=True) - target).pow(2).mean(1),
+    )
+    assert list(explicit)
