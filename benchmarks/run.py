@@ -18,7 +18,7 @@ own. Every strategy uses the same model, optimizer, batch size, channels_last la
 learning-rate schedule keyed on position in the data (epochs of candidates consumed, from
 ``loader.progress``), decayed to zero over the strategy's planned epochs.
 
-    python3 benchmarks/run.py --preset quick           # the main job: ~17 minutes on 2 cores
+    python3 benchmarks/run.py --preset quick           # the main job: ~15-20 minutes on 2 cores
     python3 benchmarks/run.py --preset full            # everything (hours)
     python3 benchmarks/run.py --preset full --resume --out results/full   # continue a run
     python3 benchmarks/run.py --preset frontier        # families at several budgets (hours)
