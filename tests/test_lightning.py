@@ -888,6 +888,79 @@ def test_a_run_stopped_by_max_steps_goes_on_with_the_rest_of_its_epoch(tmp_path,
     assert twice.trained == full.trained
 
 
+class StopsPartWay(Classifier):
+    """With ``stop``, sets ``trainer.should_stop`` in its third step of epoch 1 (as ``max_time``
+    and ``EarlyStopping`` do); Lightning has fetched the fourth batch ahead."""
+
+    def __init__(self, stop: bool = False, **options) -> None:
+        super().__init__(**options)
+        self.stop = stop
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.stop and self.current_epoch == 1 and batch_idx == 2:
+            self.trainer.should_stop = True
+        return loss
+
+
+@pytest.mark.parametrize("kind", ["traditional", "phased", "store_path"])
+@pytest.mark.parametrize("saved", ["last", "after_fit"])
+def test_a_run_stopped_part_way_goes_on_at_the_next_epoch_where_lightning_does(
+    tmp_path, kind, saved
+):
+    """trainer.should_stop part-way through an epoch: Lightning resumes a checkpoint saved then
+    (ModelCheckpoint's last, or trainer.save_checkpoint after fit) at the next epoch when the
+    resumed Trainer has max_epochs alone, and so does the loader: its epochs are Lightning's to
+    the end (it went on with the rest of the stopped pass, a pass behind them, unsaid). With
+    Traditional, the batches are those of a loader whose epoch was left for good after the
+    batch fetched ahead. (Resumed with max_steps, Lightning goes on with the stopped epoch, and
+    so does the loader: the test of a run stopped by max_steps.) A store_path store writes a
+    snapshot for the state of each."""
+
+    def stale_with_files():
+        sb = SelectiveBackprop(0.5, staleness=2, store_path=str(tmp_path / "store"))
+        return Phased(sb, warmup_epochs=1, warmup_policy=RandomBackprop(0.5))
+
+    policy = {"traditional": Traditional, "phased": warmup_then_sb}.get(kind, stale_with_files)
+    first = StopsPartWay(stop=True, policy=policy)
+    t = trainer(
+        epochs=4, callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)]
+    )
+    t.fit(first)
+    path = tmp_path / "last.ckpt"
+    if saved == "after_fit":
+        path = tmp_path / "after.ckpt"
+        t.save_checkpoint(path)
+    again = StopsPartWay(policy=policy)
+    resumed = trainer(epochs=4)
+    resumed.fit(again, ckpt_path=path)
+    loader = resumed.train_dataloader.loader
+    assert t.current_epoch == 2 and loader.epoch == 4 == resumed.current_epoch
+    assert [e.epoch for e in loader.stats.epochs][-2:] == [2, 3]
+    assert all(e.examples_seen == N for e in loader.stats.epochs[-2:])  # whole passes
+    if policy is Traditional:
+        reference = Classifier(policy=policy, naive=True).train_dataloader()
+        expected = [b.indices.tolist() for b in reference]
+        it = iter(reference)
+        expected += [next(it).indices.tolist() for _ in range(4)][:3]  # (the 4th fetched ahead)
+        it.close(resumable=False)  # (as Lightning's cut epochs end)
+        expected += [b.indices.tolist() for _ in range(2) for b in reference]
+        assert first.trained + again.trained == expected
+
+
+def test_a_callback_state_of_version_1_resumes_its_stopped_epoch_as_it_did():
+    """A checkpoint of version 1 holds no next epoch's state: the stopped epoch is resumed."""
+    module = Classifier()
+    module.trainer = trainer(epochs=1)
+    selective_loader(module, DataLoader(data(), batch_size=64), batch_size=24)
+    state = module.trainer.callbacks[0].state_dict()
+    assert state["version"] == 2 and state["next"] is None
+    old = {"version": 1, "ranks": state["ranks"]}
+    callback = SelectiveLoaderCallback()
+    callback.load_state_dict(old)
+    assert callback.state_dict() == {**state, "ranks": state["ranks"]}
+
+
 @pytest.mark.parametrize("val_every, batches, warns", [(3, 8, True), (4, 8, False), (5, 5, False)])
 def test_a_checkpoint_between_accumulated_steps_warns(tmp_path, val_every, batches, warns):
     """With accumulate_grad_batches, a checkpoint saved where the optimizer has not stepped

@@ -63,7 +63,7 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
@@ -78,8 +78,11 @@ from ..policies import Phased, passes_within, plan_batches
 
 __all__ = ["LightningLoader", "SelectiveLoaderCallback", "selective_loader"]
 
-#: The version of the callback's checkpoint state.
-STATE_VERSION = 1
+_S = TypeVar("_S", dict[str, Any], dict[str, Any] | None)
+
+#: The version of the callback's checkpoint state (2: ``"next"``, the states that start the next
+#: epoch of a run stopped part-way through one; version 1 states are read as having none).
+STATE_VERSION = 2
 
 
 class LightningLoader:
@@ -125,6 +128,11 @@ class LightningLoader:
         self.fetched = self.trained = 0
         self._epoch: EpochIterator | FixedEpochIterator | None = None
         self._state: dict[str, Any] | None = None  # restored, loaded when iterated first
+        # With _state of an epoch Lightning stopped part-way: the state that starts the next
+        # epoch instead, which a run restored from it loads where Lightning does not go on with
+        # the stopped epoch (_new_epoch; see SelectiveLoaderCallback._attach).
+        self._next_state: dict[str, Any] | None = None
+        self._new_epoch = False
         self._restored = False
         self._untrained: list[Any] = []  # batches fetched before the epoch's first trained one
         self._again: list[Any] = []  # of those, the ones to hand out again
@@ -144,7 +152,11 @@ class LightningLoader:
             # NOTE: loaded here, not when built: Lightning may build the loader before it moves
             # the model to its device (estimated_stepping_batches in configure_optimizers), and
             # the restored rows go to the model's device.
-            state, self._state = self._state, None
+            state = self._state
+            if self._new_epoch and self._next_state is not None:
+                state = self._next_state
+            self._state = self._next_state = None
+            self._new_epoch = False
             self.loader.load_state_dict(state)
         # (without a len(), Lightning fetches past an epoch's last batch before training on it)
         self.loader.keep_ended_state(_length(self.loader) is None)
@@ -229,20 +241,30 @@ class LightningLoader:
 
         Args:
             stopped: Lightning stopped the run part-way through the epoch (``max_steps``
-                reached, or ``trainer.should_stop``), where a resumed run (a checkpoint saved
-                now, or ``fit`` again with a larger ``max_steps``) goes on with the rest of this
-                epoch: the epoch is kept, as of the last batch trained, for the next
-                ``iter()`` to go on with.
+                reached, or ``trainer.should_stop``: ``max_time``, ``EarlyStopping``). A run
+                resumed from a checkpoint saved then goes on with the rest of this epoch where
+                Lightning does (it counts steps: ``max_steps`` given to the resumed Trainer),
+                and starts the next epoch where Lightning does (a Trainer of ``max_epochs``
+                alone), so both are kept: the epoch as of the last batch trained (also for
+                ``fit`` again in this process), and the state with the epoch ended there, as
+                an epoch cut short ends (see :meth:`next_state`).
         """
         epoch = self._epoch
         if epoch is None or not epoch.running:
             return
         if stopped and self.trained:
-            # NOTE: Lightning resumes such an epoch where it stopped (its batch count is short
-            # of the epoch's), so abandoning it made the resumed run start a new pass there:
-            # the rest of this pass never trained, and the epochs counted one pass apart.
+            # NOTE: Lightning resumes such an epoch where it stopped when its resumed Trainer
+            # counts steps (max_steps), so abandoning it made that run start a new pass there:
+            # the rest of this pass never trained, and the epochs counted one pass apart. A
+            # Trainer of max_epochs alone starts the next epoch instead, which the kept epoch
+            # gave only its rest: one pass behind Lightning's epochs to the end of the run (the
+            # default policy's annealed pass never came), unsaid. Which one the resumed run
+            # takes is known only when it restores the checkpoint: both are saved.
+            # (a store_path store writes a snapshot for each: one more per stop, kept among
+            # store_snapshots as the two newest; an older checkpoint's then refused, not wrong)
             self._state = self.saved_state()
-            epoch.close()
+            epoch.close(resumable=False)  # (as an epoch Lightning cuts short ends)
+            self._next_state = self.loader.state_dict()
             return
         if not self.trained:
             # NOTE: nothing of this epoch was trained on: Lightning ends, on resuming, an epoch
@@ -267,6 +289,12 @@ class LightningLoader:
                 "the loader's len()"
             )
 
+    def next_state(self) -> dict[str, Any] | None:
+        """Where Lightning stopped the run part-way through an epoch (see :meth:`end_epoch`):
+        the state with that epoch ended as of the last batch trained, which a run restored from
+        a checkpoint saved then loads where Lightning starts the next epoch; else None."""
+        return self._next_state
+
     # NOTE: the two methods below make Lightning treat the loader as resumable (without them,
     # resuming a loader with a len() mid-epoch, it warns that the loader is not). The state
     # itself is the callback's; Lightning's copy is only a marker, checked when Lightning
@@ -289,7 +317,10 @@ class SelectiveLoaderCallback(pl.Callback):
     Add one to ``Trainer(callbacks=[...])`` (or return it from the module's
     ``configure_callbacks``) and build the loader with :func:`selective_loader`. Its checkpoint
     state (under ``checkpoint["callbacks"]["SelectiveLoaderCallback"]``) holds each rank's loader
-    state as of the last batch handed to ``training_step``. One callback per training run: a
+    state as of the last batch handed to ``training_step`` (``"ranks"``) and, where Lightning
+    stopped the run part-way through an epoch, each rank's state with that epoch ended there
+    (``"next"``, else None), which a resumed run loads where Lightning starts the next epoch
+    (see :meth:`LightningLoader.end_epoch`). One callback per training run: a
     loader built again by the same callback (``reload_dataloaders_every_n_epochs``) carries on
     from the previous one's state.
 
@@ -309,13 +340,14 @@ class SelectiveLoaderCallback(pl.Callback):
         >>> callback.loader is loader
         True
         >>> state = callback.state_dict()  # what a checkpoint holds: one state per rank
-        >>> state["version"], len(state["ranks"]), state["ranks"][0]["epoch"]
-        (1, 1, 0)
+        >>> state["version"], len(state["ranks"]), state["ranks"][0]["epoch"], state["next"]
+        (2, 1, 0, None)
     """
 
     def __init__(self) -> None:
         self._loader: LightningLoader | None = None
         self._restored: list[dict[str, Any]] | None = None
+        self._restored_next: list[dict[str, Any] | None] | None = None
         self._in_step = False  # between on_train_batch_start and on_train_batch_end
         self._interrupted = False  # an exception interrupted a batch's training step
 
@@ -324,18 +356,27 @@ class SelectiveLoaderCallback(pl.Callback):
         """The loader built by :func:`selective_loader` for this run, or None before."""
         return self._loader
 
-    def _attach(self, wrapper: LightningLoader, rank: int, world_size: int) -> None:
+    def _attach(
+        self, wrapper: LightningLoader, rank: int, world_size: int, new_epoch: bool = False
+    ) -> None:
+        """Hand ``wrapper`` the state it goes on from: the restored one (``new_epoch``: where
+        Lightning starts the next epoch of the checkpoint's, that of a run stopped part-way
+        through it, where saved), or the previous loader's of this run."""
         previous, self._loader = self._loader, wrapper
         if self._restored is not None:
             states, self._restored = self._restored, None
+            nexts, self._restored_next = self._restored_next, None
             if len(states) != world_size:
                 raise ValueError(
                     f"the checkpoint holds the loader states of {len(states)} processes, but "
                     f"this run has {world_size}; resume with as many processes as were saved"
                 )
             wrapper._state, wrapper._restored = states[rank], True
+            wrapper._next_state = None if nexts is None else nexts[rank]
+            wrapper._new_epoch = new_epoch
         elif previous is not None:
             wrapper._state = previous.saved_state()
+            wrapper._next_state = previous.next_state()
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -412,10 +453,12 @@ class SelectiveLoaderCallback(pl.Callback):
             )
 
     def state_dict(self) -> dict[str, Any]:
+        nexts: list[dict[str, Any] | None] | None
         if self._loader is None:
             if self._restored is None:
                 return {}
             states = self._restored  # restored, and the loader not built yet
+            nexts = self._restored_next
         else:
             if self._interrupted and not self._loader.resumes_interrupted():
                 warnings.warn(
@@ -432,11 +475,40 @@ class SelectiveLoaderCallback(pl.Callback):
                     stacklevel=2,
                 )
             states = _gather(self._loader.saved_state(interrupted=self._interrupted))
-        return {"version": STATE_VERSION, "ranks": states}
+            gathered = _gather(self._loader.next_state())
+            nexts = None if all(n is None for n in gathered) else gathered
+        return {"version": STATE_VERSION, "ranks": states, "next": nexts}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = check_version(state_dict, "SelectiveLoaderCallback", STATE_VERSION)
+        state = check_version(
+            state_dict, "SelectiveLoaderCallback", STATE_VERSION, {1: _next_states_added}
+        )
         self._restored = list(state["ranks"])
+        nexts = state["next"]
+        if nexts is not None and len(nexts) != len(self._restored):
+            raise ValueError(
+                f"the SelectiveLoaderCallback state holds {len(self._restored)} processes' "
+                f"loader states but {len(nexts)} of the next epoch's; resume from a checkpoint "
+                "the callback saved whole"
+            )
+        self._restored_next = None if nexts is None else list(nexts)
+
+
+def _next_states_added(state: dict[str, Any]) -> dict[str, Any]:
+    """A version-1 callback state as version 2: no state of a next epoch (version 1 saved the
+    stopped epoch alone)."""
+    return {**state, "version": 2, "next": None}
+
+
+def _resumes_epoch(trainer: pl.Trainer) -> bool:
+    """Whether Lightning, having restored a checkpoint, goes on with the epoch it was saved in.
+
+    NOTE: Lightning's own rule (its fit loop's ``restarting``, set when the loops' progress is
+    restored): the saved epoch's progress counts say it did not finish, or the resumed
+    Trainer counts steps (``max_steps``); an epoch stopped part-way by ``should_stop`` or
+    ``max_steps`` counts as finished, so a Trainer of ``max_epochs`` alone starts the next one.
+    """
+    return bool(trainer.fit_loop.restarting)
 
 
 def _length(loader: SelectiveLoader) -> int | None:
@@ -448,7 +520,7 @@ def _length(loader: SelectiveLoader) -> int | None:
         return None
 
 
-def _gather(state: dict[str, Any]) -> list[dict[str, Any]]:
+def _gather(state: _S) -> list[_S]:
     """Every rank's state, in rank order (a collective under DDP: Lightning saves checkpoints on
     every rank, and only rank 0 writes the file)."""
     dist = torch.distributed
@@ -733,5 +805,5 @@ def selective_loader(
         _warn_steps_before_anneal(trainer, loader)
     _check_fractions(trainer, loader)
     wrapper = LightningLoader(loader)
-    found[0]._attach(wrapper, trainer.global_rank, world)
+    found[0]._attach(wrapper, trainer.global_rank, world, new_epoch=not _resumes_epoch(trainer))
     return wrapper
