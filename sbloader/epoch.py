@@ -667,7 +667,7 @@ class EpochIterator:
             if n and not self._fresh and loader.policy.uses_losses() and pad >= 0:
                 codec = loader._codec
                 inputs, targets = data[codec.input_position], data[codec.target_position]
-                probed = scorer.probe(inputs, targets, codec.view(data))
+                probed = scorer.probe(inputs, targets, codec.view(data), indices)
         if not self._fresh:
             self._pad(pad)
         if probed is not None:

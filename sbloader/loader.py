@@ -238,7 +238,9 @@ class SelectiveLoader(NotADataLoader):
             ``input_key=("input_ids", "attention_mask")`` scores ``model(ids, mask)``; give
             ``target_key`` with it where the default target is one of those fields (refused on
             the first batch otherwise), and a model that takes other inputs than the pass gives
-            it is refused there too (``TypeError``, naming these and ``forward=``). A dict
+            it is refused there too (``TypeError``, naming these and ``forward=``). Tuple
+            batches of more than two fields with a default ``target_key`` and other tensor
+            fields (not dataset ids) are warned of on the first batch. A dict
             batch with tensor fields that the model is not given (neither input nor target nor
             index field) is warned about on the first selection pass: pass ``forward=``.
         index_key: the field holding dataset indices, for sources that carry them themselves.
@@ -730,6 +732,7 @@ class SelectiveLoader(NotADataLoader):
                 )
                 if k is not None
             ),
+            default_target=target_key is None,
             quantized=quantized,
             fallback_autocast=autocast,
             precision=f"{int8_why}; {why}" if quantized is None else int8_why,

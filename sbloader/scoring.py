@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, NoReturn
@@ -26,6 +26,7 @@ from .features import FeatureCache, prefix_digest
 from .precision import AUTO, forward_autocast, forward_autocast_refused
 from .quantize import Int8Unavailable, QuantizedSelector
 from .selection import (
+    FieldsForward,
     SelectionForward,
     concrete_device,
     downsample,
@@ -124,6 +125,7 @@ class Scorer:
         keep_logits: bool,
         *,
         id_fields: tuple[Hashable, ...] = (),
+        default_target: bool = False,
         quantized: QuantizedSelector | None = None,
         fallback_autocast: torch.dtype | None = None,
         precision: str = "",
@@ -138,6 +140,8 @@ class Scorer:
         self.eval_selection = eval_selection
         self.keep_logits = keep_logits
         self.id_fields = id_fields
+        #: Whether the loss target is the default field (no ``target_key`` given).
+        self.default_target = default_target
         self.quantized = quantized
         self.fallback_autocast = fallback_autocast
         self.precision = precision
@@ -215,7 +219,7 @@ class Scorer:
         t0 = perf_counter()
         if not self._fields_checked:
             self._fields_checked = True
-            self.check_fields(batch, inputs, targets)
+            self.check_fields(batch, inputs, targets, indices)
         cached = None
         if self.feature_cache is not None:
             cached = self._prefix_outputs(inputs, indices, None, epoch, stats)
@@ -324,7 +328,9 @@ class Scorer:
         """The losses as float64 on the host for the policy (None: decisions="device")."""
         return _to_host(losses) if self.host_values else None
 
-    def probe(self, inputs: Any, targets: Any, batch: Any = None) -> np.ndarray:
+    def probe(
+        self, inputs: Any, targets: Any, batch: Any = None, indices: np.ndarray | None = None
+    ) -> np.ndarray:
         """Run the selection forward on the first two and the first three candidates, so that a
         ``loss_fn`` without one loss per example or an unselectable model fails at once; returns
         the finite losses (float64) of the larger probe, for the policy's
@@ -343,7 +349,7 @@ class Scorer:
         """
         if not self._fields_checked:
             self._fields_checked = True
-            self.check_fields(batch, inputs, targets)
+            self.check_fields(batch, inputs, targets, indices)
         n = B.column_length(inputs, "input")
         model = unwrap(self.selector if self.selector is not None else self.model)
         if self.quantized is not None:  # the fp32 model is probed; the int8 copy is tried
@@ -599,12 +605,18 @@ class Scorer:
                 None if batch is None else _owned(restrict(batch, 0, 1)),
             )
 
-    def check_fields(self, batch: Any, inputs: Any, targets: Any) -> None:
+    def check_fields(
+        self, batch: Any, inputs: Any, targets: Any, indices: np.ndarray | None = None
+    ) -> None:
         """Warn (``UserWarning``) when the model is called on the input field alone but a dict
         batch has other tensor fields it may need (an attention mask): the selection losses
         would then silently differ from the training forward's. Not with ``forward=`` (or a
         tuple ``input_key``), which decides what the model takes, nor with a frozen prefix,
-        which takes the input field alone by design."""
+        which takes the input field alone by design. Tuple and list batches: see
+        :meth:`_check_positions`."""
+        if isinstance(batch, (tuple, list)):
+            self._check_positions(batch, inputs, targets, indices)
+            return
         if self.forward.call is not None or self.has_prefix or not isinstance(batch, Mapping):
             return
         extra = unused_fields(batch, [inputs, targets], self.id_fields)
@@ -621,6 +633,53 @@ class Scorer:
             f"model(batch[{key!r}])",
             UserWarning,
             stacklevel=2,
+        )
+
+    def _check_positions(
+        self, batch: Sequence[Any], inputs: Any, targets: Any, indices: np.ndarray | None
+    ) -> None:
+        """Warn (``UserWarning``) where tuple or list batches of more than two fields leave the
+        target at its default, the second field, and have tensor fields that are neither the
+        input, the target nor dataset ids (an index field, or one that holds this batch's
+        dataset ``indices``: ``(x, y, i)`` batches): the selection losses are taken against the
+        second field whatever it holds.
+
+        NOTE: over ``(tokens, lengths, labels)`` batches with ``forward=lambda model, batch:
+        model(batch[0], batch[1])``, or ``(x, mask, y)`` and a model whose mask is optional,
+        the losses were taken against the lengths or the mask, silently where the loss accepts
+        them (lengths below the class count). An explicit ``target_key`` says which field is
+        the target, and silences this; a tuple ``input_key`` is checked against the default
+        target when the batch format is learnt (see ``BatchCodec``).
+        """
+        if not self.default_target or isinstance(self.forward.call, FieldsForward):
+            return
+        extra = [
+            j
+            for j, v in enumerate(batch)
+            if isinstance(v, (torch.Tensor, Mapping))
+            and v is not inputs
+            and v is not targets
+            and j not in self.id_fields
+            and j - len(batch) not in self.id_fields
+            and not _holds(v, indices)
+        ]
+        if not extra:
+            return
+        called = (
+            "forward= calls the model on the batch"
+            if self.forward.call is not None
+            else f"the selection pass scores model(batch[{_position(batch, inputs)}]) alone"
+        )
+        warnings.warn(
+            f"the source's {type(batch).__name__} batches of {len(batch)} fields leave "
+            f"target_key at its default, 1 (the second field), and have tensor fields {extra!r} "
+            f"that are neither the input nor the target, and {called}: where field 1 is not the "
+            "loss target (batches of (x, mask, y)), the selection losses are taken against it; "
+            f"pass target_key= the loss target's position (e.g. target_key={len(batch) - 1}), "
+            "target_key=1 to confirm it and silence this warning, and, where the model takes "
+            "those fields too, input_key= a tuple of its positional inputs or forward=",
+            UserWarning,
+            stacklevel=3,
         )
 
     def features(
@@ -787,3 +846,17 @@ def _largest_label_row(targets: Any) -> int | None:
 def _to_host(losses: torch.Tensor) -> np.ndarray:
     """Selection losses (float32 on any device) as float64 on the host, as policies take them."""
     return losses.detach().cpu().numpy().astype(np.float64)
+
+
+def _position(batch: Sequence[Any], field: Any) -> int:
+    """The position of ``field`` (by identity) in a tuple or list ``batch``, else 0."""
+    return next((j for j, v in enumerate(batch) if v is field), 0)
+
+
+def _holds(field: Any, indices: np.ndarray | None) -> bool:
+    """Whether ``field`` is a tensor of the dataset ``indices``, entry for entry."""
+    if indices is None or not isinstance(field, torch.Tensor) or field.dim() != 1:
+        return False
+    if field.is_floating_point() or field.shape[0] != indices.shape[0]:
+        return False
+    return bool(np.array_equal(field.detach().cpu().numpy(), indices))

@@ -616,3 +616,118 @@ def test_a_default_target_that_a_tuple_input_key_names_is_refused_on_every_first
         loss_fn=lambda out, target: (out.sum(1, keepdim=True) - target).pow(2).mean(1),
     )
     assert list(explicit)
+
+
+class Lengths(torch.utils.data.Dataset):
+    """``(tokens, lengths, labels)`` of 100 classes (every length is a valid class too); with
+    ``ids``, ``(x, y, i)`` rows whose third field is the dataset index (plus ``offset``)."""
+
+    def __init__(self, ids: bool = False, offset: int = 0) -> None:
+        g = torch.Generator().manual_seed(2)
+        self.tokens = torch.randint(0, V, (96, L), generator=g)
+        self.lengths = torch.randint(2, L + 1, (96,), generator=g)
+        self.labels = torch.randint(0, 100, (96,), generator=g)
+        self.ids, self.offset = ids, offset
+
+    def __len__(self) -> int:
+        return 96
+
+    def __getitem__(self, i: int) -> Any:
+        if self.ids:
+            return self.tokens[i].float(), self.labels[i], i + self.offset
+        return self.tokens[i], self.lengths[i], self.labels[i]
+
+
+class Pooled(nn.Module):
+    """Token embeddings averaged over the first ``lengths`` positions, 100 classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(V, 100)
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        keep = torch.arange(L)[None, :] < lengths[:, None]
+        return (self.embed(tokens) * keep[..., None]).sum(1) / lengths[:, None]
+
+
+def _target_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if "leave target_key at its default" in str(w.message)]
+
+
+@pytest.mark.parametrize("policy", ["sb", "default"])
+def test_a_default_target_beside_other_tensor_fields_of_tuple_batches_is_warned_of(policy):
+    """(tokens, lengths, labels) with forward= calling model(tokens, lengths): target_key's
+    default is the lengths, which cross-entropy over 100 classes takes silently. Warned of on
+    the first source batch (a warm-up's too), naming target_key=2; target_key=2 scores the
+    labels, unwarned, and target_key=1 confirms the default, unwarned."""
+
+    def make(**kw: Any) -> SelectiveLoader:
+        return SelectiveLoader(
+            DataLoader(Lengths(), batch_size=16),
+            Pooled(),
+            policy=SelectiveBackprop(0.5) if policy == "sb" else None,
+            forward=lambda model, batch: model(batch[0], batch[1]),
+            autocast=None,
+            **kw,
+        )
+
+    def warned(**kw: Any) -> tuple[list[str], list[Any]]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batches = list(make(**kw))
+        return _target_warnings(caught), batches
+
+    (message,), _ = warned()
+    assert "list batches of 3 fields" in message and "tensor fields [2]" in message
+    assert "e.g. target_key=2" in message and "forward= calls the model" in message
+    data, model = Lengths(), Pooled()
+    for key, target in ((2, data.labels), (1, data.lengths)):
+        messages, batches = warned(target_key=key)
+        assert not messages and batches
+        for b in batches if policy == "sb" else []:
+            i = b.indices
+            with torch.no_grad():
+                logits = model(data.tokens[i], data.lengths[i])
+            expected = F.cross_entropy(logits, target[i], reduction="none")
+            torch.testing.assert_close(b.losses, expected)
+
+
+@pytest.mark.parametrize("offset, warns", [(0, False), (1000, True)])
+def test_a_third_field_of_the_dataset_indices_is_no_reason_to_warn(offset, warns):
+    """(x, y, i) rows whose i is the dataset index, the usual way to carry it: unwarned. A
+    third field that is not the batch's dataset indices is warned of."""
+    loader = SelectiveLoader(
+        DataLoader(Lengths(ids=True, offset=offset), batch_size=16, shuffle=True),
+        nn.Linear(L, 100),
+        policy=SelectiveBackprop(0.5),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        next(iter(loader))
+    assert bool(_target_warnings(caught)) == warns
+
+
+def test_an_optional_mask_left_out_of_a_models_call_is_warned_of():
+    """model(x, mask=None) over (x, mask, y) is called with x alone, and the default target is
+    the mask: warned of, naming the field the selection pass left out."""
+
+    class Optional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+            return self.fc(x if mask is None else x * mask)
+
+    loader = SelectiveLoader(
+        DataLoader(masked_rows(), batch_size=16),
+        Optional(),
+        policy=SelectiveBackprop(0.5),
+        loss_fn=lambda out, target: (out - target).pow(2).mean(1),  # takes the mask silently
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        next(iter(loader))
+    (message,) = _target_warnings(caught)
+    assert "scores model(batch[0]) alone" in message and "tensor fields [2]" in message
