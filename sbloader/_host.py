@@ -67,6 +67,10 @@ class EpochHost(Protocol):
     batch_size: int
     min_batch_size: int
     remainder: str
+
+    @property
+    def last_batch_min(self) -> int: ...
+
     nonfinite: str
     cdf: str
     epoch: int

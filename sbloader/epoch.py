@@ -983,7 +983,7 @@ class EpochIterator:
         loader = self._loader
         pending = len(loader._pending)
         if self._remainder == "short":
-            mine = min(pending, loader.batch_size) if pending >= loader.min_batch_size else 0
+            mine = min(pending, loader.batch_size) if pending >= loader.last_batch_min else 0
             self._short = self._agree(mine, active=False)
         self._phase = _Phase.FINISH
 
@@ -1073,7 +1073,7 @@ class EpochIterator:
                 "runs_ahead() before the first batch when calling finishing() after each batch"
             )
         left = size - self.position * loader.batch_size
-        return left >= min(loader.batch_size, loader.min_batch_size)
+        return left >= min(loader.batch_size, loader.last_batch_min)
 
     def fraction(self) -> float:
         """The share of this epoch's source data drawn so far, in [0, 1]: candidates drawn (also

@@ -184,8 +184,9 @@ class SelectiveLoader(NotADataLoader):
             batch; ``"short"`` yields them as a short batch; ``"drop"`` drops them (counted in
             ``stats``). With ``batches_per_epoch`` this applies at the end of each pass over the
             data; ``"short"`` is then refused (a short batch would fall inside a training epoch).
-            A passthrough policy (Traditional) always yields a pass's rest as a short batch, as
-            the source's own last batch would be.
+            A passthrough policy (Traditional) yields a pass's rest as a short batch, as the
+            source's own last batch would be, whether ``"carry"`` or ``"short"``; ``"drop"``
+            drops it (counted), as a DataLoader's ``drop_last`` does.
         batches_per_epoch: fix the number of training batches per epoch, so that ``len(loader)``
             is exact (``OneCycleLR(steps_per_epoch=len(loader))``, ``tqdm(loader)``,
             Lightning's ``estimated_stepping_batches``): an int, or ``"expected"``, the expected
@@ -1373,6 +1374,29 @@ class SelectiveLoader(NotADataLoader):
             own = -1
         return agree_pass_length(sync, own, self.batch_size, self.device)
 
+    @property
+    def last_batch_min(self) -> int:
+        """The fewest examples a pass's last (short) batch is yielded with: ``min_batch_size``,
+        or ``batch_size`` for a passthrough policy with ``remainder="drop"``, whose pass's rest
+        is dropped (it hands its short rest out whatever the ``remainder`` otherwise).
+
+        NOTE: ``remainder="drop"`` asked of ``Traditional`` was ignored, unsaid: the pass's
+        short rest was yielded as the source's own last batch is.
+
+        Example:
+            >>> import torch
+            >>> from torch.utils.data import DataLoader, TensorDataset
+            >>> from sbloader import SelectiveLoader, Traditional
+            >>> data = TensorDataset(torch.randn(10, 3), torch.arange(10) % 2)
+            >>> loader = SelectiveLoader(DataLoader(data, batch_size=4), torch.nn.Linear(3, 2),
+            ...                          policy=Traditional(), remainder="drop")
+            >>> loader.last_batch_min, len(loader), [len(b[0]) for b in loader]
+            (4, 2, [4, 4])
+        """
+        if self.remainder == "drop" and self.policy.passthrough():
+            return self.batch_size
+        return self.min_batch_size
+
     def _pass_length(self) -> int:
         """The exact number of batches of a pass of a passthrough policy
         (:func:`~sbloader.length.pass_length` of :func:`~sbloader.length.pass_examples`).
@@ -1384,7 +1408,7 @@ class SelectiveLoader(NotADataLoader):
         examples, counted_full = pass_examples(self._source, self._subset, self.batch_size)
         if counted_full:  # (warned of where a source batch of another size comes: epoch.py)
             self._counted_full = True
-        return pass_length(examples, self.batch_size, self.min_batch_size)
+        return pass_length(examples, self.batch_size, self.last_batch_min)
 
     def __iter__(self) -> EpochIterator | FixedEpochIterator:
         self._check_owner()

@@ -899,6 +899,22 @@ def test_end_of_epoch_remainder(remainder):
         assert t.dropped == 0
 
 
+@pytest.mark.parametrize("source_bs", [20, 30])  # whole batches handed out; re-batched
+def test_traditional_with_remainder_drop_drops_each_passs_rest(source_bs):
+    """remainder="drop" asked of Traditional was ignored, unsaid (the pass's short rest was
+    yielded): it drops the rest, counted, as a DataLoader's drop_last does, and len() says so;
+    the batches are the first full ones of the source's order, as with "short"."""
+    ds = EncodedDataset(130)  # 6 batches of 20 and 10 over
+    short = make_loader(ds, bs=20, source_bs=source_bs, policy=Traditional(), remainder="short")
+    drop = make_loader(ds, bs=20, source_bs=source_bs, policy=Traditional(), remainder="drop")
+    assert len(short) == 7 and len(drop) == 6 and drop.last_batch_min == 20
+    for epoch in range(2):
+        kept = [b.indices.tolist() for b in drop]
+        assert kept == [b.indices.tolist() for b in short][:6]
+        e = drop.stats.epochs[epoch]
+        assert e.batches_yielded == 6 and e.dropped == 10 and drop.pending_examples == 0
+
+
 def test_a_batch_of_one_never_reaches_a_batchnorm_model():
     ds = EncodedDataset(41)  # 41 = 2 * 20 + 1: the source's last batch has one example
     loader = SelectiveLoader(DataLoader(ds, batch_size=20), bn_model(), policy=Traditional())
