@@ -420,12 +420,21 @@ class BatchFormat:
             keys = tuple(batch.keys())
             input_key = "input" if input_key is None else input_key
             target_key = "target" if target_key is None else target_key
-            for name, key in (("input_key", input_key), ("target_key", target_key)):
-                if key not in batch:
-                    raise FieldError(
-                        f"the source yields dict batches without the key {key!r}; pass "
-                        f"{name}= naming one of {list(keys)!r}"
-                    )
+            # (both named at once where both are missing: the defaults over a batch of other
+            # keys, which were refused one run at a time)
+            missing = [
+                (name, key)
+                for name, key in (("input_key", input_key), ("target_key", target_key))
+                if key not in batch
+            ]
+            if missing:
+                without = " and ".join(repr(key) for _, key in missing)
+                names = " and ".join(f"{name}=" for name, _ in missing)
+                raise FieldError(
+                    f"the source yields dict batches without the key{'s' * (len(missing) > 1)} "
+                    f"{without}; pass {names} naming {'two' if len(missing) > 1 else 'one'} "
+                    f"of {list(keys)!r}"
+                )
             return cls(dict, keys, input_key, target_key, cls.own_class(batch))
         if isinstance(batch, (tuple, list)):
             n = len(batch)

@@ -1141,7 +1141,13 @@ def test_dict_fields_of_different_lengths_are_refused():
 @pytest.mark.parametrize(
     "kwargs, exc, message",
     [
-        ({}, KeyError, r"without the key 'input'; pass input_key= naming one of \['x', 'y'\]"),
+        (
+            {},
+            KeyError,
+            r"without the keys 'input' and 'target'; pass input_key= and target_key= naming "
+            r"two of \['x', 'y'\]",
+        ),
+        ({"target_key": "y"}, KeyError, r"without the key 'input'; pass input_key= naming one"),
         ({"input_key": "x"}, KeyError, "without the key 'target'; pass target_key="),
         ({"input_key": "x", "target_key": "z"}, KeyError, "without the key 'z'"),
         ({"input_key": "x", "target_key": "y", "index_key": "idx"}, KeyError, "index_key='idx'"),
