@@ -864,24 +864,39 @@ def test_a_mid_epoch_checkpoint_saved_without_the_callback_is_refused_naming_it(
         trainer(epochs=1).fit(Classifier(), ckpt_path=tmp_path / "step=5.ckpt")
 
 
+class EarlyBuilt(Classifier):
+    """Reads estimated_stepping_batches in configure_optimizers (for OneCycleLR), which builds
+    the training loader before Lightning restores its loops."""
+
+    def configure_optimizers(self):
+        assert self.trainer.estimated_stepping_batches > 0
+        return super().configure_optimizers()
+
+
 @pytest.mark.parametrize("policy", [Traditional, warmup_then_sb], ids=["traditional", "phased"])
-def test_a_run_stopped_by_max_steps_goes_on_with_the_rest_of_its_epoch(tmp_path, policy):
+@pytest.mark.parametrize("module", [Classifier, EarlyBuilt], ids=["built", "built_early"])
+def test_a_run_stopped_by_max_steps_goes_on_with_the_rest_of_its_epoch(tmp_path, policy, module):
     """max_steps stops Lightning part-way through an epoch, and Lightning resumes such an epoch
     where it stopped (from the checkpoint saved then, or fit again with a larger max_steps):
     the loader's epoch goes on too, as in the uninterrupted run (it was abandoned, so the
-    resumed run started a new pass there and never trained the rest of the old one)."""
-    full = Classifier(policy=policy)
-    trainer(epochs=None, max_steps=40).fit(full)
+    resumed run started a new pass there and never trained the rest of the old one); also
+    where the loader is built before Lightning restores its loops (estimated_stepping_batches),
+    which read them as not resuming the epoch (found by review; with max_epochs given, which
+    estimated_stepping_batches then counts by the loader's batches).
+    """
+    epochs = None if module is Classifier else 10
+    full = module(policy=policy)
+    trainer(epochs=epochs, max_steps=40).fit(full)
     last = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    first = Classifier(policy=policy)
-    trainer(epochs=None, callbacks=[last], max_steps=30).fit(first)
+    first = module(policy=policy)
+    trainer(epochs=epochs, callbacks=[last], max_steps=30).fit(first)
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["loops"]["fit_loop"]
     assert not saved["epoch_loop.batch_progress"]["is_last_batch"]  # stopped mid-epoch
-    again = Classifier(policy=policy)
-    trainer(epochs=None, max_steps=40).fit(again, ckpt_path=tmp_path / "last.ckpt")
+    again = module(policy=policy)
+    trainer(epochs=epochs, max_steps=40).fit(again, ckpt_path=tmp_path / "last.ckpt")
     assert first.trained + again.trained == full.trained
-    twice = Classifier(policy=policy)
-    t = trainer(epochs=None, max_steps=30)
+    twice = module(policy=policy)
+    t = trainer(epochs=epochs, max_steps=30)
     t.fit(twice)
     t.fit_loop.epoch_loop.max_steps = 40
     t.fit(twice)

@@ -348,6 +348,8 @@ class SelectiveLoaderCallback(pl.Callback):
         self._loader: LightningLoader | None = None
         self._restored: list[dict[str, Any]] | None = None
         self._restored_next: list[dict[str, Any] | None] | None = None
+        # Whether Lightning goes on with the restored checkpoint's epoch (see on_load_checkpoint)
+        self._resumes: bool | None = None
         self._in_step = False  # between on_train_batch_start and on_train_batch_end
         self._interrupted = False  # an exception interrupted a batch's training step
 
@@ -373,10 +375,20 @@ class SelectiveLoaderCallback(pl.Callback):
                 )
             wrapper._state, wrapper._restored = states[rank], True
             wrapper._next_state = None if nexts is None else nexts[rank]
-            wrapper._new_epoch = new_epoch
+            wrapper._new_epoch = new_epoch if self._resumes is None else not self._resumes
+            self._resumes = None
         elif previous is not None:
             wrapper._state = previous.saved_state()
             wrapper._next_state = previous.next_state()
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # NOTE: read from the checkpoint, as Lightning will decide it, not from its fit loop:
+        # a loader built before Lightning restores its loops (estimated_stepping_batches in
+        # configure_optimizers builds it) found the fit loop not restarting, and a run stopped
+        # by max_steps, resumed with max_steps, started the next epoch where Lightning went on.
+        self._resumes = _resumes_saved_epoch(trainer, checkpoint)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -498,6 +510,18 @@ def _next_states_added(state: dict[str, Any]) -> dict[str, Any]:
     """A version-1 callback state as version 2: no state of a next epoch (version 1 saved the
     stopped epoch alone)."""
     return {**state, "version": 2, "next": None}
+
+
+def _resumes_saved_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool | None:
+    """Whether Lightning, restoring ``checkpoint``, goes on with the epoch it was saved in, by
+    its own rule (see :func:`_resumes_epoch`) applied to the checkpoint's epoch progress; None
+    where the checkpoint holds none."""
+    try:
+        current = checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]
+        ready, started, processed = current["ready"], current["started"], current["processed"]
+    except (KeyError, TypeError):
+        return None
+    return ready != processed or started != processed or trainer.max_steps != -1
 
 
 def _resumes_epoch(trainer: pl.Trainer) -> bool:
