@@ -247,8 +247,8 @@ class FieldsForward:
 def unbound_inputs(module: nn.Module, given: int) -> str | None:
     """Why ``module`` called with ``given`` positional inputs cannot bind them to its
     ``forward``'s signature (e.g. ``"Two.forward(x, mask) takes 2 positional inputs"``), or
-    None where they bind, where its signature is unknown, or where forward pre-hooks (which may
-    supply inputs) run before it.
+    None where they bind, where its signature is unknown, or where forward pre-hooks (its own or
+    global ones) or a ``__call__`` of the module's own may supply inputs.
 
     Example:
         >>> class Two(nn.Module):
@@ -259,7 +259,9 @@ def unbound_inputs(module: nn.Module, given: int) -> str | None:
         >>> unbound_inputs(Two(), 2) is None, unbound_inputs(nn.Linear(2, 2), 1) is None
         (True, True)
     """
-    if module._forward_pre_hooks:
+    # (inputs a hook supplies, or a __call__ of the module's own, bind where forward's do not)
+    global_hooks = getattr(torch.nn.modules.module, "_global_forward_pre_hooks", None)
+    if module._forward_pre_hooks or global_hooks or type(module).__call__ is not nn.Module.__call__:
         return None
     try:
         signature = inspect.signature(module.forward)

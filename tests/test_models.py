@@ -571,6 +571,15 @@ def test_inputs_that_a_forward_pre_hook_completes_are_not_blamed():
 
     model = Masked()
     assert "takes 2 positional inputs" in str(unbound_inputs(model, 1))
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, args: None)
+    assert unbound_inputs(Masked(), 1) is None  # (a global hook may supply inputs too)
+    handle.remove()
+
+    class OwnCall(Masked):
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            return super().__call__(x, torch.ones_like(x))
+
+    assert unbound_inputs(OwnCall(), 1) is None
     model.register_forward_pre_hook(lambda m, args: (args[0], torch.ones_like(args[0])))
     assert unbound_inputs(model, 1) is None
     loader = SelectiveLoader(
