@@ -244,6 +244,17 @@ class FieldsForward:
         return f"input_key={self.keys!r}"
 
 
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _forward_params(module: nn.Module) -> list[inspect.Parameter] | None:
+    """The parameters of ``module.forward``, or None where its signature is unknown."""
+    try:
+        return list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
 def unbound_inputs(module: nn.Module, given: int) -> str | None:
     """Why ``module`` called with ``given`` positional inputs cannot bind them to its
     ``forward``'s signature (e.g. ``"Two.forward(x, mask) takes 2 positional inputs"``), or
@@ -272,9 +283,8 @@ def unbound_inputs(module: nn.Module, given: int) -> str | None:
         return None
     except TypeError:
         pass
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     params = signature.parameters.values()
-    positional = [p for p in params if p.kind in kinds]
+    positional = [p for p in params if p.kind in _POSITIONAL]
     required = sum(p.default is inspect.Parameter.empty for p in positional)
     variadic = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
     most = "" if variadic else str(len(positional))
@@ -298,12 +308,12 @@ def _inputs_example(batch: Any, module: nn.Module) -> str:
     """An ``input_key=`` / ``target_key=`` that would call ``module`` on the first fields of a
     tuple ``batch`` (its last field the target), or naming the dict ``batch``'s keys that are
     its forward's parameter names; ``""`` where neither fits."""
-    try:
-        params = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
+    params = _forward_params(module)
+    if params is None:
         return ""
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    names = [p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty]
+    names = [
+        p.name for p in params if p.kind in _POSITIONAL and p.default is inspect.Parameter.empty
+    ]
     if isinstance(batch, Mapping):
         if names and all(name in batch for name in names):
             return f" (e.g. input_key={tuple(names)!r})"
