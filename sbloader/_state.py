@@ -21,7 +21,9 @@ __all__ = [
     "check_identity",
     "check_version",
     "rollback_state",
+    "sharing_unchanged",
     "taking_rollback",
+    "taking_shared",
 ]
 
 #: The key of every component's state version.
@@ -140,13 +142,55 @@ def rollback_state() -> Iterator[None]:
         >>> taking_rollback()
         False
     """
-    token = _ROLLBACK.set(True)
-    try:
+    with _set(_ROLLBACK):
         yield
-    finally:
-        _ROLLBACK.reset(token)
 
 
 def taking_rollback() -> bool:
     """Whether a rollback backup is being taken (within :func:`rollback_state`)."""
     return _ROLLBACK.get()
+
+
+# Whether the states being taken may share what an unchanged component's last one holds.
+_SHARING = contextvars.ContextVar("sbloader_sharing_state", default=False)
+
+
+@contextlib.contextmanager
+def sharing_unchanged() -> Iterator[None]:
+    """Within this context a component whose state is costly to take (a store's columns, a
+    memory-mapped store's snapshot), and which has not changed since the last state it took,
+    returns what that state holds again instead of a new copy (see :func:`taking_shared`).
+
+    NOTE (why): a run Lightning stops part-way through an epoch saves two states taken back to
+    back (the epoch as of its last batch, and the epoch ended there: see
+    ``LightningLoader.end_epoch``). Each wrote a snapshot of a memory-mapped store, and with
+    ``store_snapshots=1`` the second removed the first's, so a checkpoint saved then was
+    refused when it resumed the stopped epoch; an in-memory store's columns were held twice.
+    Only where the caller knows the two states are of one moment; a store changed in between
+    still takes its own.
+
+    Example:
+        >>> with sharing_unchanged():
+        ...     taking_shared()
+        True
+        >>> taking_shared()
+        False
+    """
+    with _set(_SHARING):
+        yield
+
+
+def taking_shared() -> bool:
+    """Whether states taken now may share an unchanged component's last one (within
+    :func:`sharing_unchanged`)."""
+    return _SHARING.get()
+
+
+@contextlib.contextmanager
+def _set(flag: contextvars.ContextVar[bool]) -> Iterator[None]:
+    """``flag`` is True within this context."""
+    token = flag.set(True)
+    try:
+        yield
+    finally:
+        flag.reset(token)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 from . import _kernels
 from ._checks import check_indices, check_int
 from ._files import claim_newest, copy_sparse, hold_folder, sync_folder
-from ._state import check_identity, check_version, taking_rollback
+from ._state import check_identity, check_version, taking_rollback, taking_shared
 
 __all__ = ["ExampleStore"]
 
@@ -161,6 +162,11 @@ class ExampleStore:
         # This store's snapshots, oldest first, and how many it has written (see state_dict).
         self._written: list[Path] = []
         self._count = 0
+        # Uses of the columns that may have changed them, and this count when the last state
+        # was taken with what it holds (its snapshot, or weak references to its columns' copies):
+        # a state taken within sharing_unchanged() shares those where the count is the same.
+        self._uses = 0
+        self._last_state: tuple[int, Path | tuple[weakref.ref[torch.Tensor], ...]] | None = None
         #: Whether a column file already existed, of the right size, and was opened with its
         #: contents (an earlier store's): see :meth:`clear`.
         self.reopened = False
@@ -210,6 +216,7 @@ class ExampleStore:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         del state["_restore_lock"], state["_release"], state["_newest"]
+        state["_last_state"] = None  # (weak references, and a snapshot that is not the copy's)
         if self.path is not None:
             loss, seen, selected = (np.array(c) for c in self.columns)
             state.update(path=None, _loss=loss, _seen=seen, _selected=selected, _restore=None)
@@ -243,26 +250,27 @@ class ExampleStore:
     @property
     def loss(self) -> np.ndarray:
         """Each example's last finite selection loss (float32)."""
-        self._check_open()
-        if self._restore is not None:
-            self._apply_restore()
-        return self._loss
+        self._uses += 1
+        return self._current()[0]
 
     @property
     def seen(self) -> np.ndarray:
         """The epoch each loss was measured in, plus one (int32; 0: never scored)."""
-        self._check_open()
-        if self._restore is not None:
-            self._apply_restore()
-        return self._seen
+        self._uses += 1
+        return self._current()[1]
 
     @property
     def selected(self) -> np.ndarray:
         """How many times each example was chosen for backprop (int32)."""
+        self._uses += 1
+        return self._current()[2]
+
+    def _current(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The columns, a loaded state applied first, without counting a use (see _uses)."""
         self._check_open()
         if self._restore is not None:
             self._apply_restore()
-        return self._selected
+        return self._loss, self._seen, self._selected
 
     def _memmap(self, name: str, dtype: type, fresh: bool) -> np.ndarray:
         """A column file of zeros (created sparse), or the existing one of the right size (unless
@@ -291,6 +299,7 @@ class ExampleStore:
             [-1]
         """
         self._check_open()
+        self._uses += 1
         self._restore = None  # (a restore not applied yet: cleared all the same)
         if self.path is None:
             for col in (self._loss, self._seen, self._selected):
@@ -444,20 +453,37 @@ class ExampleStore:
             >>> s.lookup(np.array([3]))[0].tolist()
             [0.5]
         """
+        self._check_open()
+        state: dict[str, Any] = {"version": self.VERSION, "size": self.size}
+        shared = self._shared_state()
+        if shared is not None:
+            return {**state, **shared}
+        columns = self._current()  # (a restore still pending is a loaded state's: applied first)
         if self.path is None:
-            return {
-                "version": self.VERSION,
-                "size": self.size,
-                "loss": torch.from_numpy(self.loss.copy()),
-                "seen": torch.from_numpy(self.seen.copy()),
-                "selected": torch.from_numpy(self.selected.copy()),
-            }
-        state = {"version": self.VERSION, "size": self.size, "path": str(self.path)}
-        _ = self.loss  # a restore still pending is a loaded state's: applied first
+            copies = tuple(torch.from_numpy(c.copy()) for c in columns)
+            self._last_state = (self._uses, tuple(weakref.ref(c) for c in copies))
+            return {**state, **dict(zip(("loss", "seen", "selected"), copies))}
+        state["path"] = str(self.path)
         self.flush()
         if taking_rollback():
             return {**state, "live": True}
-        return {**state, "snapshot": self._snapshot().name}
+        snapshot = self._snapshot()
+        self._last_state = (self._uses, snapshot)
+        return {**state, "snapshot": snapshot.name}
+
+    def _shared_state(self) -> dict[str, Any] | None:
+        """Within ``sharing_unchanged()``, what the last state taken holds (its columns' copies,
+        its snapshot, still there), if the columns have not been used since; else None."""
+        last = self._last_state
+        if not taking_shared() or taking_rollback() or last is None or last[0] != self._uses:
+            return None
+        held = last[1]
+        if isinstance(held, Path):
+            return {"path": str(self.path), "snapshot": held.name} if held.is_dir() else None
+        copies = tuple(ref() for ref in held)
+        if any(c is None for c in copies):
+            return None
+        return dict(zip(("loss", "seen", "selected"), copies))
 
     def _snapshot(self) -> Path:
         """Copy the column files into a new snapshot folder, written under a temporary name,
@@ -514,6 +540,7 @@ class ExampleStore:
                 gone (removed as older than the ``keep_snapshots`` newest).
         """
         self._check_open()
+        self._uses += 1
         state = check_version(state, "ExampleStore", self.VERSION, {1: _store_v1_to_v2})
         check_identity(
             "ExampleStore",

@@ -873,17 +873,33 @@ class EarlyBuilt(Classifier):
         return super().configure_optimizers()
 
 
-@pytest.mark.parametrize("policy", [Traditional, warmup_then_sb], ids=["traditional", "phased"])
+def one_snapshot(folder):
+    """Stale-SB after a warm-up over a store_path store that keeps one snapshot."""
+
+    def policy():
+        sb = SelectiveBackprop(0.5, staleness=2, store_path=str(folder), store_snapshots=1)
+        return Phased(sb, warmup_epochs=1, warmup_policy=RandomBackprop(0.5))
+
+    return policy
+
+
+@pytest.mark.parametrize(
+    "kind", ["traditional", "phased", "one_snapshot"], ids=["traditional", "phased", "one_snapshot"]
+)
 @pytest.mark.parametrize("module", [Classifier, EarlyBuilt], ids=["built", "built_early"])
-def test_a_run_stopped_by_max_steps_goes_on_with_the_rest_of_its_epoch(tmp_path, policy, module):
+def test_a_run_stopped_by_max_steps_goes_on_with_the_rest_of_its_epoch(tmp_path, kind, module):
     """max_steps stops Lightning part-way through an epoch, and Lightning resumes such an epoch
     where it stopped (from the checkpoint saved then, or fit again with a larger max_steps):
     the loader's epoch goes on too, as in the uninterrupted run (it was abandoned, so the
     resumed run started a new pass there and never trained the rest of the old one); also
     where the loader is built before Lightning restores its loops (estimated_stepping_batches),
     which read them as not resuming the epoch (found by review; with max_epochs given, which
-    estimated_stepping_batches then counts by the loader's batches).
+    estimated_stepping_batches then counts by the loader's batches). A store_path store that
+    keeps one snapshot holds the one both states of the stop share (the second's snapshot
+    removed the first's, and the resume was refused).
     """
+    policy = {"traditional": Traditional, "phased": warmup_then_sb}.get(kind)
+    policy = policy or one_snapshot(tmp_path / "store")
     epochs = None if module is Classifier else 10
     full = module(policy=policy)
     trainer(epochs=epochs, max_steps=40).fit(full)
@@ -929,8 +945,8 @@ def test_a_run_stopped_part_way_goes_on_at_the_next_epoch_where_lightning_does(
     the end (it went on with the rest of the stopped pass, a pass behind them, unsaid). With
     Traditional, the batches are those of a loader whose epoch was left for good after the
     batch fetched ahead. (Resumed with max_steps, Lightning goes on with the stopped epoch, and
-    so does the loader: the test of a run stopped by max_steps.) A store_path store writes a
-    snapshot for the state of each."""
+    so does the loader: the test of a run stopped by max_steps.) Both states of the stop share
+    a store_path store's snapshot."""
 
     def stale_with_files():
         sb = SelectiveBackprop(0.5, staleness=2, store_path=str(tmp_path / "store"))

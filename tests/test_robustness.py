@@ -41,6 +41,7 @@ from sbloader import (
     Traditional,
     default_policy,
 )
+from sbloader._state import sharing_unchanged
 from sbloader.datasets import ArrayDataset
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest)
@@ -495,6 +496,47 @@ def test_store_snapshots_none_keeps_every_snapshot(tmp_path):
     shutil.rmtree(tmp_path / "store" / "snapshots" / name)
     with pytest.raises(ValueError, match="keeps every snapshot, so it was removed"):
         fresh.restore(states[1])
+
+
+@pytest.mark.parametrize("memory_mapped", [True, False], ids=["store_path", "in_memory"])
+def test_states_taken_back_to_back_share_an_unchanged_stores_columns(tmp_path, memory_mapped):
+    """Within sharing_unchanged() (Lightning's two states of an epoch stopped part-way), a
+    store not used since its last state shares that state's snapshot, or its columns' copies:
+    with keep_snapshots=1 both states load (a second snapshot removed the first's). A store
+    used in between (record, a read of its columns that may write them), or outside the
+    context, takes its own, whose values are the store's now."""
+    path = tmp_path / "store" if memory_mapped else None
+    store = ExampleStore(6, path=path, keep_snapshots=1)
+    store.record(np.array([1, 4]), np.array([0.5, 2.0]), epoch=0)
+    first = store.state_dict()
+    with sharing_unchanged():
+        second = store.state_dict()
+    if memory_mapped:
+        assert second == first
+        assert len(list((tmp_path / "store" / "snapshots").iterdir())) == 1
+    else:
+        assert all(second[k] is first[k] for k in ("loss", "seen", "selected"))
+    store.record(np.array([2]), np.array([9.0]), epoch=1)
+    for state in (first, second):  # both load, as they were
+        store.load_state_dict(state)
+        np.testing.assert_array_equal(store.lookup(np.array([1, 2, 4]))[0], [0.5, np.nan, 2.0])
+    store.record(np.array([3]), np.array([7.0]), epoch=1)
+    with sharing_unchanged():
+        changed = store.state_dict()
+    loss = store.loss  # (a use of a column: it may be written through)
+    loss[5] = 3.0
+    with sharing_unchanged():
+        written = store.state_dict()
+    if memory_mapped:
+        assert changed != first
+    else:
+        store.load_state_dict(changed)
+        np.testing.assert_array_equal(store.loss[[2, 3, 5]], [0.0, 7.0, 0.0])
+    assert not memory_mapped or written != changed  # (its own snapshot: changed's removed)
+    store.load_state_dict(written)
+    np.testing.assert_array_equal(store.loss[[3, 5]], [7.0, 3.0])
+    alone = store.state_dict()  # outside the context: a state of its own
+    assert alone is not written and (not memory_mapped or alone != written)
 
 
 def test_a_memory_mapped_store_resumes_from_a_copy_of_its_folder_elsewhere(tmp_path):

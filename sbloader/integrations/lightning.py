@@ -70,7 +70,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from .._state import check_version
+from .._state import check_version, sharing_unchanged
 from ..epoch import MAX_UNCONSUMED, EpochIterator
 from ..length import FixedEpochIterator
 from ..loader import SelectiveLoader
@@ -259,12 +259,13 @@ class LightningLoader:
             # Trainer of max_epochs alone starts the next epoch instead, which the kept epoch
             # gave only its rest: one pass behind Lightning's epochs to the end of the run (the
             # default policy's annealed pass never came), unsaid. Which one the resumed run
-            # takes is known only when it restores the checkpoint: both are saved.
-            # (a store_path store writes a snapshot for each: one more per stop, kept among
-            # store_snapshots as the two newest; an older checkpoint's then refused, not wrong)
+            # takes is known only when it restores the checkpoint: both are saved, and share
+            # the store's columns (one snapshot of a store_path store: with store_snapshots=1
+            # the second snapshot removed the first, and a resume of the epoch was refused).
             self._state = self.saved_state()
             epoch.close(resumable=False)  # (as an epoch Lightning cuts short ends)
-            self._next_state = self.loader.state_dict()
+            with sharing_unchanged():
+                self._next_state = self.loader.state_dict()
             return
         if not self.trained:
             # NOTE: nothing of this epoch was trained on: Lightning ends, on resuming, an epoch
