@@ -35,6 +35,7 @@ from .selection import (
     is_fsdp,
     model_device,
     restrict,
+    tensor_field,
     unused_fields,
     unwrap,
 )
@@ -642,7 +643,9 @@ class Scorer:
         target at its default, the second field, and have tensor fields that are neither the
         input, the target nor dataset ids (an index field, or one that holds this batch's
         dataset ``indices``: ``(x, y, i)`` batches): the selection losses are taken against the
-        second field whatever it holds.
+        second field whatever it holds. With the model called on the input alone (no
+        ``forward=``), only where the second field looks like a companion of the input (see
+        :func:`_input_like`: a mask).
 
         NOTE: over ``(tokens, lengths, labels)`` batches with ``forward=lambda model, batch:
         model(batch[0], batch[1])``, or ``(x, mask, y)`` and a model whose mask is optional,
@@ -650,13 +653,21 @@ class Scorer:
         them (lengths below the class count). An explicit ``target_key`` says which field is
         the target, and silences this; a tuple ``input_key`` is checked against the default
         target when the batch format is learnt (see ``BatchCodec``).
+
+        NOTE (the input alone): a model called on field 0 alone does not take field 1, so the
+        usual ``(x, y, weight)`` or ``(x, y, id)`` rows (ids of a dataset under a ``Subset``,
+        not the loader's indices) were warned of for a target that is right; a field 1 of one
+        value per example is taken as the target there. ``forward=`` may pass any field to the
+        model, so every other tensor field is warned of then.
         """
         if not self.default_target or isinstance(self.forward.call, FieldsForward):
+            return
+        if self.forward.call is None and not _input_like(targets, inputs):
             return
         extra = [
             j
             for j, v in enumerate(batch)
-            if isinstance(v, (torch.Tensor, Mapping))
+            if tensor_field(v)
             and v is not inputs
             and v is not targets
             and j not in self.id_fields
@@ -851,6 +862,24 @@ def _to_host(losses: torch.Tensor) -> np.ndarray:
 def _position(batch: Sequence[Any], field: Any) -> int:
     """The position of ``field`` (by identity) in a tuple or list ``batch``, else 0."""
     return next((j for j, v in enumerate(batch) if v is field), 0)
+
+
+def _input_like(field: Any, inputs: Any) -> bool:
+    """Whether a batch field may be a companion of the input rather than a target: more than
+    one value per example, shaped as the input's examples or their trailing dimensions (a
+    mask of tokens or pixels); True where either is not a tensor (nothing to tell by).
+
+    Example:
+        >>> x = torch.zeros(4, 3, 8, 8)
+        >>> _input_like(torch.ones(4, 8, 8), x), _input_like(torch.arange(4), x)
+        (True, False)
+        >>> _input_like(torch.ones(4, 5), x)
+        False
+    """
+    if not isinstance(field, torch.Tensor) or not isinstance(inputs, torch.Tensor):
+        return True
+    row, example = tuple(field.shape[1:]), tuple(inputs.shape[1:])
+    return 0 < len(row) <= len(example) and example[len(example) - len(row) :] == row
 
 
 def _holds(field: Any, indices: np.ndarray | None) -> bool:

@@ -38,6 +38,7 @@ __all__ = [
     "restrict",
     "selection_autocast",
     "selection_outputs",
+    "tensor_field",
     "unbound_inputs",
     "unused_fields",
     "unwrap",
@@ -470,7 +471,8 @@ def unused_fields(
 
     Example:
         >>> ids, mask, y = torch.zeros(2, 4), torch.ones(2, 4), torch.zeros(2)
-        >>> unused_fields({"ids": ids, "mask": mask, "y": y, "name": ["a", "b"]}, [ids, y])
+        >>> batch = {"ids": ids, "mask": mask, "y": y, "name": ["a", "b"], "meta": {"id": ["a"]}}
+        >>> unused_fields(batch, [ids, y])
         ['mask']
     """
     if not isinstance(batch, Mapping):
@@ -478,10 +480,23 @@ def unused_fields(
     return [
         k
         for k, v in batch.items()
-        if isinstance(v, (torch.Tensor, Mapping))
-        and not any(v is u for u in used)
-        and k not in ignore
+        if tensor_field(v) and not any(v is u for u in used) and k not in ignore
     ]
+
+
+def tensor_field(value: Any) -> bool:
+    """Whether a batch field is a tensor or a dict holding one (nested dicts included): a field
+    a model may take, unlike a dict of names or a list of strings.
+
+    Example:
+        >>> tensor_field(torch.ones(2)), tensor_field({"mask": {"m": torch.ones(2)}})
+        (True, True)
+        >>> tensor_field({"names": ["a", "b"]}), tensor_field(["a", "b"])
+        (False, False)
+    """
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, Mapping) and _first_tensor(value) is not None
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:

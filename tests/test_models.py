@@ -401,7 +401,7 @@ def test_bad_combinations_are_refused_when_the_loader_is_built():
 
 def test_fields_the_model_is_not_given_are_warned_about():
     """input_key="input_ids" alone scores without the attention mask: warned, naming forward=;
-    not with forward=, nor for the index field or list fields."""
+    not with forward=, nor for the index field, list fields or a dict field of names."""
     model = TinyEncoder()
     with pytest.warns(UserWarning, match=r"\['attention_mask'\] besides the input field") as rec:
         first = next(iter(make_loader(model)))
@@ -411,7 +411,13 @@ def test_fields_the_model_is_not_given_are_warned_about():
         next(iter(make_loader(model, forward=with_mask)))
         g = torch.Generator().manual_seed(0)
         rows = [
-            {"x": torch.randn(4, generator=g), "y": i % 2, "idx": i, "name": f"ex{i}"}
+            {
+                "x": torch.randn(4, generator=g),
+                "y": i % 2,
+                "idx": i,
+                "name": f"ex{i}",
+                "meta": {"source": f"s{i % 3}"},  # (a dict of names: no tensor field)
+            }
             for i in range(32)
         ]
         loader = SelectiveLoader(
@@ -702,19 +708,51 @@ def test_a_default_target_beside_other_tensor_fields_of_tuple_batches_is_warned_
             torch.testing.assert_close(b.losses, expected)
 
 
-@pytest.mark.parametrize("offset, warns", [(0, False), (1000, True)])
-def test_a_third_field_of_the_dataset_indices_is_no_reason_to_warn(offset, warns):
-    """(x, y, i) rows whose i is the dataset index, the usual way to carry it: unwarned. A
-    third field that is not the batch's dataset indices is warned of."""
+class Weighted(torch.utils.data.Dataset):
+    """``(x, y, weight)`` rows: a per-example weight (float) after the target."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.x, self.y = torch.randn(96, L, generator=g), torch.randint(0, 100, (96,), generator=g)
+        self.w = torch.rand(96, generator=g)
+
+    def __len__(self) -> int:
+        return 96
+
+    def __getitem__(self, i: int) -> Any:
+        return self.x[i], self.y[i], self.w[i]
+
+
+@pytest.mark.parametrize("forward", [False, True], ids=["model_alone", "forward"])
+@pytest.mark.parametrize("rows", ["ids", "subset_ids", "weights"])
+def test_a_third_field_beside_a_target_of_one_value_per_example_is_no_reason_to_warn(rows, forward):
+    """(x, y, i) rows whose i is the dataset index, the usual way to carry it: unwarned. With
+    the model called on x alone, neither are (x, y, i) rows of a Subset (the ids of the dataset
+    under it, not the loader's indices) nor (x, y, weight) rows: field 1 is not an input the
+    model was left without (found by review: both were warned of). forward= may pass any field
+    to the model, so there a third field other than the loader's indices is warned of."""
+    data: torch.utils.data.Dataset = {
+        "ids": Lengths(ids=True),
+        "subset_ids": torch.utils.data.Subset(Lengths(ids=True), range(10, 90)),
+        "weights": Weighted(),
+    }[rows]
+    torch.manual_seed(0)
+    model = nn.Linear(L, 100)
     loader = SelectiveLoader(
-        DataLoader(Lengths(ids=True, offset=offset), batch_size=16, shuffle=True),
-        nn.Linear(L, 100),
+        DataLoader(data, batch_size=16, shuffle=True),
+        model,
         policy=SelectiveBackprop(0.5),
+        forward=(lambda model, batch: model(batch[0])) if forward else None,
+        autocast=None,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        next(iter(loader))
-    assert bool(_target_warnings(caught)) == warns
+        first = next(iter(loader))
+    assert bool(_target_warnings(caught)) == (forward and rows != "ids")
+    x, y = (torch.stack([data[int(i)][f] for i in first.indices]) for f in (0, 1))
+    with torch.no_grad():  # scored against field 1, the labels
+        expected = F.cross_entropy(model(x), y, reduction="none")
+    torch.testing.assert_close(first.losses, expected)
 
 
 def test_an_optional_mask_left_out_of_a_models_call_is_warned_of():
