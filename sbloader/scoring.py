@@ -645,7 +645,8 @@ class Scorer:
         dataset ``indices``: ``(x, y, i)`` batches): the selection losses are taken against the
         second field whatever it holds. With the model called on the input alone (no
         ``forward=``), only where the second field looks like a companion of the input (see
-        :func:`_input_like`: a mask).
+        :func:`_input_like`: a mask), or where another field could be the target in its place
+        (see :func:`_rival`: lengths or group ids beside the labels).
 
         NOTE: over ``(tokens, lengths, labels)`` batches with ``forward=lambda model, batch:
         model(batch[0], batch[1])``, or ``(x, mask, y)`` and a model whose mask is optional,
@@ -655,14 +656,14 @@ class Scorer:
         target when the batch format is learnt (see ``BatchCodec``).
 
         NOTE (the input alone): a model called on field 0 alone does not take field 1, so the
-        usual ``(x, y, weight)`` or ``(x, y, id)`` rows (ids of a dataset under a ``Subset``,
-        not the loader's indices) were warned of for a target that is right; a field 1 of one
-        value per example is taken as the target there. ``forward=`` may pass any field to the
-        model, so every other tensor field is warned of then.
+        usual ``(x, y, weight)`` rows were warned of for a target that is right; there only a
+        field 1 shaped like the input, or another field of field 1's shape and kind, is. Field
+        values are not read: ``(x, y, id)`` rows of a ``Subset`` (the ids of the dataset under
+        it, not the loader's indices) are still warned of, as ``(x, lengths, y)`` must be.
+        ``forward=`` may pass any field to the model, so every other tensor field is warned of
+        then.
         """
         if not self.default_target or isinstance(self.forward.call, FieldsForward):
-            return
-        if self.forward.call is None and not _input_like(targets, inputs):
             return
         extra = [
             j
@@ -674,6 +675,9 @@ class Scorer:
             and j - len(batch) not in self.id_fields
             and not _holds(v, indices)
         ]
+        alone = self.forward.call is None
+        if alone and not _input_like(targets, inputs):
+            extra = [j for j in extra if _rival(batch[j], targets)]
         if not extra:
             return
         called = (
@@ -880,6 +884,22 @@ def _input_like(field: Any, inputs: Any) -> bool:
         return True
     row, example = tuple(field.shape[1:]), tuple(inputs.shape[1:])
     return 0 < len(row) <= len(example) and example[len(example) - len(row) :] == row
+
+
+def _rival(field: Any, target: Any) -> bool:
+    """Whether ``field`` could be the loss target in ``target``'s place: a tensor of its shape
+    and kind (integer or floating); True where either is not a tensor (nothing to tell by).
+
+    Example:
+        >>> labels = torch.tensor([3, 1])
+        >>> _rival(torch.tensor([7, 9]), labels), _rival(torch.tensor([0.5, 1.0]), labels)
+        (True, False)
+    """
+    if not isinstance(field, torch.Tensor) or not isinstance(target, torch.Tensor):
+        return True
+    floating = field.is_floating_point() or field.is_complex()
+    kind = target.is_floating_point() or target.is_complex()
+    return field.shape == target.shape and floating == kind
 
 
 def _holds(field: Any, indices: np.ndarray | None) -> bool:

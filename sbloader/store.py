@@ -4,6 +4,7 @@ a snapshot of its files for each saved state, so that a resume is exact)."""
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import threading
@@ -209,10 +210,10 @@ class ExampleStore:
             self._selected = np.zeros(0, dtype=np.int32)
         self._release()
 
-    # NOTE (copies): a copy (copy.deepcopy, pickle) of a memory-mapped store is an in-memory
-    # store holding its columns: two stores writing one folder is what the folder's hold
-    # forbids, and a copy taken to compare counts later (the analysis functions' ``before=``)
-    # must not change as the run goes on.
+    # NOTE (copies): a copy (copy.copy, copy.deepcopy, pickle) of a memory-mapped store is an
+    # in-memory store holding its columns: two stores writing one folder is what the folder's
+    # hold forbids, and a copy taken to compare counts later (the analysis functions'
+    # ``before=``) must not change as the run goes on.
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         del state["_restore_lock"], state["_release"], state["_newest"]
@@ -222,6 +223,12 @@ class ExampleStore:
             state.update(path=None, _loss=loss, _seen=seen, _selected=selected, _restore=None)
             state.update(_written=[], reopened=False)
         return state
+
+    def __copy__(self) -> ExampleStore:
+        # A shallow copy shared the in-memory columns: it followed the run (a copy taken to
+        # compare counts later changed with it), and its writes went uncounted by the original
+        # (see state_dict's NOTE (uses)). A copy is a copy of the columns, as deepcopy's is.
+        return copy.deepcopy(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -438,7 +445,15 @@ class ExampleStore:
     def state_dict(self) -> dict[str, Any]:
         """The columns: copies for an in-memory store; for a memory-mapped one, the name of a
         snapshot of its files written now (see the class's NOTE), the snapshots of states older
-        than its ``keep_snapshots`` newest removed.
+        than its ``keep_snapshots`` newest removed. Within ``_state.sharing_unchanged()``, a
+        store whose columns were not used since its last state shares that state's copies or
+        snapshot instead.
+
+        NOTE (uses): a use is a read of :attr:`loss`, :attr:`seen`, :attr:`selected` or
+        :attr:`columns` (through which the kernels write), or a load or clear. Writes through
+        a column read before the last state (or through a shallow ``copy.copy`` of the store,
+        whose count is its own) are not counted; this is why sharing is only ever asked for
+        where the caller takes two states of one moment back to back.
 
         Columns are CPU tensors, so that a checkpoint holding them loads with ``torch.load``'s
         default ``weights_only=True`` (numpy arrays would be refused).

@@ -723,21 +723,37 @@ class Weighted(torch.utils.data.Dataset):
         return self.x[i], self.y[i], self.w[i]
 
 
+class Bag(nn.Module):
+    """Token embeddings averaged over every position (no lengths taken), 100 classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.EmbeddingBag(V, 100)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens)
+
+
 @pytest.mark.parametrize("forward", [False, True], ids=["model_alone", "forward"])
-@pytest.mark.parametrize("rows", ["ids", "subset_ids", "weights"])
-def test_a_third_field_beside_a_target_of_one_value_per_example_is_no_reason_to_warn(rows, forward):
+@pytest.mark.parametrize("rows", ["ids", "subset_ids", "weights", "lengths"])
+def test_which_third_fields_beside_the_default_target_are_warned_of(rows, forward):
     """(x, y, i) rows whose i is the dataset index, the usual way to carry it: unwarned. With
-    the model called on x alone, neither are (x, y, i) rows of a Subset (the ids of the dataset
-    under it, not the loader's indices) nor (x, y, weight) rows: field 1 is not an input the
-    model was left without (found by review: both were warned of). forward= may pass any field
-    to the model, so there a third field other than the loader's indices is warned of."""
+    the model called on x alone, (x, y, weight) rows are not warned of either (found by
+    review: they were), the weights no loss target in the labels' place; (tokens, lengths,
+    labels) rows are (the model takes tokens alone, and the losses are taken against the
+    lengths), and so are (x, y, id) rows of a Subset (ids of the dataset under it, not the
+    loader's indices, and integers as the labels are: the check reads no values).
+    forward= may pass any field to the model, so there every third field other than the
+    loader's indices is warned of. Each is scored against field 1."""
     data: torch.utils.data.Dataset = {
         "ids": Lengths(ids=True),
         "subset_ids": torch.utils.data.Subset(Lengths(ids=True), range(10, 90)),
         "weights": Weighted(),
+        "lengths": Lengths(),
     }[rows]
     torch.manual_seed(0)
-    model = nn.Linear(L, 100)
+    model = Bag() if rows == "lengths" else nn.Linear(L, 100)
     loader = SelectiveLoader(
         DataLoader(data, batch_size=16, shuffle=True),
         model,
@@ -748,9 +764,10 @@ def test_a_third_field_beside_a_target_of_one_value_per_example_is_no_reason_to_
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         first = next(iter(loader))
-    assert bool(_target_warnings(caught)) == (forward and rows != "ids")
+    warns = {"ids": False, "subset_ids": True, "weights": forward, "lengths": True}[rows]
+    assert bool(_target_warnings(caught)) == warns
     x, y = (torch.stack([data[int(i)][f] for i in first.indices]) for f in (0, 1))
-    with torch.no_grad():  # scored against field 1, the labels
+    with torch.no_grad():
         expected = F.cross_entropy(model(x), y, reduction="none")
     torch.testing.assert_close(first.losses, expected)
 

@@ -1827,17 +1827,18 @@ def test_a_closed_store_frees_its_folder_for_another_process(tmp_path):
 
 
 @pytest.mark.parametrize("path", [False, True], ids=["memory", "memory-mapped"])
-@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "copy"])
 def test_a_store_copies_as_an_in_memory_store_that_does_not_follow_the_run(tmp_path, path, how):
     """A copy of a store (e.g. to compare selection counts later) holds its columns as they
     were; a memory-mapped store's copy is an in-memory one (never a second writer of the
-    folder)."""
+    folder). copy.copy too (an in-memory store's shared its columns, found by review)."""
     import pickle
 
     store = ExampleStore(10, path=tmp_path if path else None)
     store.record(np.array([1, 2]), np.array([0.5, 1.5]), epoch=0)
     store.count_selected(np.array([2, 2]))
-    copied = copy.deepcopy(store) if how == "deepcopy" else pickle.loads(pickle.dumps(store))
+    copies = {"deepcopy": copy.deepcopy, "copy": copy.copy}
+    copied = copies.get(how, lambda s: pickle.loads(pickle.dumps(s)))(store)
     store.record(np.array([1]), np.array([9.0]), epoch=1)
     store.count_selected(np.array([1]))
     assert copied.path is None and not isinstance(copied.loss, np.memmap)
