@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import N_CLASSES, EncodedDataset, IndexLoss
+from conftest import EncodedDataset, IndexLoss, expected_losses
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -53,15 +53,6 @@ def loader_for(policy, ds=None, *, bs=10, source_bs=30, workers=0, model=None, *
         generator=torch.Generator().manual_seed(0),
     )
     return SelectiveLoader(dl, model or IndexLoss(), policy=policy, batch_size=bs, seed=0, **kw)
-
-
-def expected_losses(n: int) -> np.ndarray:
-    """IndexLoss's float32 cross-entropy for examples 0 .. n-1, computed directly."""
-    ds = EncodedDataset(n)
-    x = torch.stack([ds[i][0] for i in range(n)])
-    y = torch.arange(n) % N_CLASSES
-    with torch.no_grad():
-        return nn.functional.cross_entropy(IndexLoss()(x), y, reduction="none").numpy()
 
 
 # ------------------------------------------------------------------ Stale-SB

@@ -18,7 +18,14 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import N_CLASSES, EncodedDataset, IndexLoss, import_streaming, streaming_env
+from conftest import (
+    N_CLASSES,
+    EncodedDataset,
+    IndexLoss,
+    expected_losses,
+    import_streaming,
+    streaming_env,
+)
 from launch import end_process_group, free_port, leave, spawn_ranks
 from torch import nn
 
@@ -79,14 +86,6 @@ def run(loader, epochs: int) -> list[list[int]]:
             check_pairing(b)
             out.append(b.indices.tolist())
     return out
-
-
-def expected_losses(n: int) -> np.ndarray:
-    x = torch.stack([EncodedDataset(n)[i][0] for i in range(n)])
-    with torch.no_grad():
-        return nn.functional.cross_entropy(
-            IndexLoss()(x), torch.arange(n) % N_CLASSES, reduction="none"
-        ).numpy()
 
 
 def checkpoint(state):
