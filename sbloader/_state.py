@@ -22,8 +22,10 @@ __all__ = [
     "check_version",
     "rollback_state",
     "sharing_unchanged",
+    "sparing_older",
     "taking_rollback",
     "taking_shared",
+    "taking_spared",
 ]
 
 #: The key of every component's state version.
@@ -184,6 +186,37 @@ def taking_shared() -> bool:
     """Whether states taken now may share an unchanged component's last one (within
     :func:`sharing_unchanged`)."""
     return _SHARING.get()
+
+
+# Whether a state taken now may be one no checkpoint saves (see sparing_older).
+_SPARING = contextvars.ContextVar("sbloader_sparing_older", default=False)
+
+
+@contextlib.contextmanager
+def sparing_older() -> Iterator[None]:
+    """Within this context a component that keeps files for its newest states only (a
+    memory-mapped store's snapshots, ``store_snapshots``) removes none for a state taken now:
+    one that a checkpoint may never save (see :func:`taking_spared`).
+
+    NOTE (why): a run Lightning stops part-way takes its states at the stop, for a checkpoint
+    that may follow (``save_last``, ``trainer.save_checkpoint``) or may not. Its snapshot
+    removed the oldest kept one, that of a checkpoint still on disk: with ``store_snapshots=1``
+    and ``ModelCheckpoint(every_n_train_steps=10)``, a run stopped at step 35 left its only
+    checkpoint (step 30) refused. Spared, the store keeps one snapshot more until it next
+    writes one.
+
+    Example:
+        >>> with sparing_older():
+        ...     taking_spared()
+        True
+    """
+    with _set(_SPARING):
+        yield
+
+
+def taking_spared() -> bool:
+    """Whether a state taken now removes no older state's files (within :func:`sparing_older`)."""
+    return _SPARING.get()
 
 
 @contextlib.contextmanager

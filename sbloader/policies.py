@@ -451,8 +451,9 @@ class SelectiveBackprop(Policy):
         store_snapshots: how many of the newest saved states keep their snapshot in
             ``store_path`` (older ones are removed; a state whose snapshot is gone is refused
             when loaded, naming this): at least as many as the checkpoints you keep, counting
-            every ``state_dict()`` call (two per step with two checkpoint callbacks); None keeps
-            every one (e.g. with Lightning's ``save_top_k=-1``). Default 2.
+            every ``state_dict()`` call (two per step with two checkpoint callbacks; a Lightning
+            run stopped part-way adds one that removes none); None keeps every one (e.g. with
+            Lightning's ``save_top_k=-1``). Default 2.
         ramp_epochs: r >= 0: over the first r epochs of data this policy decides (counted from
             its start, after a :class:`Phased` warm-up), each P of a selection pass is blended
             with uniform keeping at the same expected rate, ``P = u / (beta + 1) + (1 - u) *

@@ -19,7 +19,7 @@ import torch
 from . import _kernels
 from ._checks import check_indices, check_int
 from ._files import claim_newest, copy_sparse, hold_folder, sync_folder
-from ._state import check_identity, check_version, taking_rollback, taking_shared
+from ._state import check_identity, check_version, taking_rollback, taking_shared, taking_spared
 
 __all__ = ["ExampleStore"]
 
@@ -531,7 +531,8 @@ class ExampleStore:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._written.append(final)
-        self._prune(folder)
+        if not taking_spared():  # (see _state.sparing_older: pruned at the next snapshot)
+            self._prune(folder)
         return final
 
     def _prune(self, folder: Path) -> None:

@@ -873,11 +873,11 @@ class EarlyBuilt(Classifier):
         return super().configure_optimizers()
 
 
-def one_snapshot(folder):
-    """Stale-SB after a warm-up over a store_path store that keeps one snapshot."""
+def one_snapshot(folder, keep=1):
+    """Stale-SB after a warm-up over a store_path store that keeps one snapshot (or ``keep``)."""
 
     def policy():
-        sb = SelectiveBackprop(0.5, staleness=2, store_path=str(folder), store_snapshots=1)
+        sb = SelectiveBackprop(0.5, staleness=2, store_path=str(folder), store_snapshots=keep)
         return Phased(sb, warmup_epochs=1, warmup_policy=RandomBackprop(0.5))
 
     return policy
@@ -917,6 +917,28 @@ def test_a_run_stopped_by_max_steps_goes_on_with_the_rest_of_its_epoch(tmp_path,
     t.fit_loop.epoch_loop.max_steps = 40
     t.fit(twice)
     assert twice.trained == full.trained
+
+
+@pytest.mark.parametrize("stop, keep, resume", [(30, 1, 30), (35, 1, 30), (30, 2, 20), (35, 2, 20)])
+def test_a_stop_removes_no_snapshot_of_a_checkpoint_still_on_disk(tmp_path, stop, keep, resume):
+    """Checkpoints every 10 steps, a store_path store keeping the snapshots of its newest
+    ``keep`` states, and max_steps stopping the run at a checkpoint's step or between two: the
+    stop's own state shares the checkpoint's snapshot just taken, or removes none (found by
+    review: it removed the oldest kept, so that with keep=1 the run's only checkpoint left on
+    disk by save_top_k=1, or with keep=2 the second newest, was refused). The resumed run
+    trains what the uninterrupted one did."""
+    policy = one_snapshot(tmp_path / "store", keep=keep)
+    full = Classifier(policy=policy)
+    trainer(epochs=None, max_steps=40).fit(full)
+    steps = pl.callbacks.ModelCheckpoint(
+        dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1, filename="{step}"
+    )
+    first = Classifier(policy=policy)
+    trainer(epochs=None, callbacks=[steps], max_steps=stop).fit(first)
+    assert len(first.trained) == stop
+    again = Classifier(policy=policy)
+    trainer(epochs=None, max_steps=40).fit(again, ckpt_path=tmp_path / f"step={resume}.ckpt")
+    assert first.trained[:resume] + again.trained == full.trained
 
 
 class StopsPartWay(Classifier):

@@ -41,7 +41,7 @@ from sbloader import (
     Traditional,
     default_policy,
 )
-from sbloader._state import sharing_unchanged
+from sbloader._state import sharing_unchanged, sparing_older
 from sbloader.datasets import ArrayDataset
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest)
@@ -537,6 +537,24 @@ def test_states_taken_back_to_back_share_an_unchanged_stores_columns(tmp_path, m
     np.testing.assert_array_equal(store.loss[[3, 5]], [7.0, 3.0])
     alone = store.state_dict()  # outside the context: a state of its own
     assert alone is not written and (not memory_mapped or alone != written)
+
+
+def test_a_spared_snapshot_removes_no_older_one_until_the_next(tmp_path):
+    """Within sparing_older() (a Lightning stop's state, which no checkpoint may save), a
+    memory-mapped store's new snapshot removes none of those kept; the next one prunes as
+    ever (keep_snapshots newest)."""
+    store = ExampleStore(4, path=tmp_path, keep_snapshots=1)
+    folder = tmp_path / "snapshots"
+    store.record(np.array([0]), np.array([1.0]), epoch=0)
+    kept = store.state_dict()
+    store.record(np.array([1]), np.array([2.0]), epoch=0)
+    with sparing_older():
+        spared = store.state_dict()
+    assert sorted(p.name for p in folder.iterdir()) == [kept["snapshot"], spared["snapshot"]]
+    store.load_state_dict(kept)  # still there
+    np.testing.assert_array_equal(store.loss, [1.0, 0.0, 0.0, 0.0])
+    latest = store.state_dict()
+    assert [p.name for p in folder.iterdir()] == [latest["snapshot"]]
 
 
 def test_a_memory_mapped_store_resumes_from_a_copy_of_its_folder_elsewhere(tmp_path):

@@ -70,7 +70,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from .._state import check_version, sharing_unchanged
+from .._state import check_version, sharing_unchanged, sparing_older
 from ..epoch import MAX_UNCONSUMED, EpochIterator
 from ..length import FixedEpochIterator
 from ..loader import SelectiveLoader
@@ -262,7 +262,10 @@ class LightningLoader:
             # takes is known only when it restores the checkpoint: both are saved, and share
             # the store's columns (one snapshot of a store_path store: with store_snapshots=1
             # the second snapshot removed the first, and a resume of the epoch was refused).
-            self._state = self.saved_state()
+            # Their snapshot is a checkpoint's just saved at this step where there is one, and
+            # else removes no older one (see _state.sparing_older): no checkpoint may follow.
+            with sharing_unchanged(), sparing_older():
+                self._state = self.saved_state()
             epoch.close(resumable=False)  # (as an epoch Lightning cuts short ends)
             with sharing_unchanged():
                 self._next_state = self.loader.state_dict()
