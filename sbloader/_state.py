@@ -202,8 +202,9 @@ def sparing_older() -> Iterator[None]:
     that may follow (``save_last``, ``trainer.save_checkpoint``) or may not. Its snapshot
     removed the oldest kept one, that of a checkpoint still on disk: with ``store_snapshots=1``
     and ``ModelCheckpoint(every_n_train_steps=10)``, a run stopped at step 35 left its only
-    checkpoint (step 30) refused. Spared, the store keeps one snapshot more until it next
-    writes one.
+    checkpoint (step 30) refused. Spared, the snapshot takes no place among those kept, and the
+    store removes it when it next writes one, unless a checkpoint saved the state since
+    (``SelectiveLoader.keep_saved_files``: then it is kept as any saved state's).
 
     Example:
         >>> with sparing_older():

@@ -2009,6 +2009,13 @@ class SelectiveLoader(NotADataLoader):
         self._check_owner()
         return self._state_dict(_checked_unconsumed(unconsumed))
 
+    def keep_saved_files(self, state: dict[str, Any]) -> None:
+        """``state``, a state of this loader taken within ``_state.sparing_older()`` (a
+        Lightning stop's, which a checkpoint may never save), was saved by a checkpoint: the
+        files it names (a memory-mapped store's snapshot) are kept from now among the
+        ``store_snapshots`` newest, as any saved state's (see ``ExampleStore.keep_spared``)."""
+        self.policy.keep_saved_files(state[K_POLICY])
+
     def keep_ended_state(self, keep: bool = True) -> None:
         """Keep, as each epoch ends, the state that takes back its last batch
         (:attr:`ended_state`), for a caller that fetches past an epoch's last batch before

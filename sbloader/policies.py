@@ -258,6 +258,11 @@ class Policy(abc.ABC):
         :meth:`parts`."""
         return False
 
+    def keep_saved_files(self, state: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """A state of this policy taken within ``_state.sparing_older()`` (whose files took no
+        place among those kept: see :meth:`writes_state_files`) was saved by a checkpoint: its
+        files are kept from now as any saved state's (a memory-mapped store's snapshot)."""
+
     def count_forced(self, indices: np.ndarray) -> None:  # noqa: B027 - optional hook
         """Examples backpropagated without :meth:`choose` choosing them: those with a non-finite
         selection loss under ``nonfinite="select"`` (int64 dataset indices). A policy with
@@ -452,7 +457,7 @@ class SelectiveBackprop(Policy):
             ``store_path`` (older ones are removed; a state whose snapshot is gone is refused
             when loaded, naming this): at least as many as the checkpoints you keep, counting
             every ``state_dict()`` call (two per step with two checkpoint callbacks; a Lightning
-            run stopped part-way adds one that removes none); None keeps every one (e.g. with
+            stop's state counts once a checkpoint saves it); None keeps every one (e.g. with
             Lightning's ``save_top_k=-1``). Default 2.
         ramp_epochs: r >= 0: over the first r epochs of data this policy decides (counted from
             its start, after a :class:`Phased` warm-up), each P of a selection pass is blended
@@ -869,6 +874,10 @@ class SelectiveBackprop(Policy):
 
     def writes_state_files(self) -> bool:
         return self.store_path is not None
+
+    def keep_saved_files(self, state: dict[str, Any]) -> None:
+        if self.store is not None and "store" in state:
+            self.store.keep_spared(state["store"])
 
     def count_forced(self, indices: np.ndarray) -> None:
         if self.store is not None and len(indices):
@@ -1466,6 +1475,10 @@ class Phased(Policy):
 
     def parts(self) -> list[Policy]:
         return [self, *self.policy.parts(), *self.warmup_policy.parts()]
+
+    def keep_saved_files(self, state: dict[str, Any]) -> None:
+        self.policy.keep_saved_files(state["policy"])
+        self.warmup_policy.keep_saved_files(state.get("warmup", {}))
 
     def count_forced(self, indices: np.ndarray) -> None:
         # NOTE: like choose: only the policy deciding from losses (the wrapped one) gets them.

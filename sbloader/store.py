@@ -163,6 +163,9 @@ class ExampleStore:
         # This store's snapshots, oldest first, and how many it has written (see state_dict).
         self._written: list[Path] = []
         self._count = 0
+        # Snapshots written within sparing_older() and saved by no checkpoint yet (see
+        # keep_spared): they take none of keep_snapshots' places, and go at the next snapshot.
+        self._spared: list[Path] = []
         # Uses of the columns that may have changed them, and this count when the last state
         # was taken with what it holds (its snapshot, or weak references to its columns' copies):
         # a state taken within sharing_unchanged() shares those where the count is the same.
@@ -221,7 +224,7 @@ class ExampleStore:
         if self.path is not None:
             loss, seen, selected = (np.array(c) for c in self.columns)
             state.update(path=None, _loss=loss, _seen=seen, _selected=selected, _restore=None)
-            state.update(_written=[], reopened=False)
+            state.update(_written=[], _spared=[], reopened=False)
         return state
 
     def __copy__(self) -> ExampleStore:
@@ -530,10 +533,46 @@ class ExampleStore:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self._written.append(final)
-        if not taking_spared():  # (see _state.sparing_older: pruned at the next snapshot)
+        # NOTE (spared): a snapshot written within sparing_older() (a Lightning stop's state)
+        # takes no place among the keep_snapshots newest, so it removes no checkpoint's; no
+        # checkpoint refers to it unless one saved it since (keep_spared made it a kept one),
+        # so the next snapshot removes it (its state was used before: a resumed fit loads it).
+        for spared in self._spared:
+            shutil.rmtree(spared, ignore_errors=True)
+        self._spared = []
+        if taking_spared():
+            self._spared.append(final)
+        else:
+            self._written.append(final)
             self._prune(folder)
         return final
+
+    def keep_spared(self, state: dict[str, Any]) -> None:
+        """A state of this store taken within ``_state.sparing_older()`` was saved after all (a
+        checkpoint holds it): its snapshot is kept from now as any state's, among the
+        ``keep_snapshots`` newest (older ones beyond them removed). Any other state: nothing.
+
+        Example:
+            >>> import tempfile
+            >>> from sbloader._state import sparing_older
+            >>> s = ExampleStore(4, path=tempfile.mkdtemp(), keep_snapshots=1)
+            >>> first = s.state_dict()
+            >>> s.record(np.array([0]), np.array([1.0]), epoch=0)
+            >>> with sparing_older():
+            ...     stop = s.state_dict()  # removes no older snapshot
+            >>> len(list((s.path / "snapshots").iterdir()))
+            2
+            >>> s.keep_spared(stop)  # a checkpoint saved it: the newest kept one
+            >>> [p.name for p in (s.path / "snapshots").iterdir()] == [stop["snapshot"]]
+            True
+        """
+        name = state.get("snapshot")
+        spared = next((p for p in self._spared if p.name == name), None)
+        if spared is None or self.path is None:
+            return
+        self._spared.remove(spared)
+        self._written = sorted([*self._written, spared], key=lambda p: _sequence(p.name))
+        self._prune(self.path / SNAPSHOTS)
 
     def _prune(self, folder: Path) -> None:
         """Remove the snapshots (and unfinished ones) written before this store's

@@ -941,6 +941,46 @@ def test_a_stop_removes_no_snapshot_of_a_checkpoint_still_on_disk(tmp_path, stop
     assert first.trained[:resume] + again.trained == full.trained
 
 
+def test_stops_and_fits_again_keep_each_checkpoints_snapshot_and_no_other(tmp_path):
+    """One policy (its store) over several fits of one Trainer, each stopped by max_steps:
+    the stop's snapshot, which no checkpoint saved, takes no place among store_snapshots and
+    goes at the next snapshot (found by review: kept, it removed step 30's, a checkpoint kept
+    on disk, and the stops' piled up); one saved by save_last is kept as a checkpoint's. Each
+    checkpoint left resumes as the uninterrupted run went on."""
+    policy = one_snapshot(tmp_path / "store", keep=2)
+    full = Classifier(policy=policy)
+    trainer(epochs=None, max_steps=50).fit(full)
+    shared = policy()
+    first = Classifier(policy=lambda: shared)
+    steps = pl.callbacks.ModelCheckpoint(
+        dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1, filename="{step}"
+    )
+    t = trainer(epochs=None, callbacks=[steps], max_steps=35)
+    t.fit(first)
+    t.fit_loop.epoch_loop.max_steps = 45
+    t.fit(first)
+    snapshots = tmp_path / "store" / "snapshots"
+    assert len(list(snapshots.iterdir())) == 3  # steps 30 and 40, and the stop at 45's
+    for resume in (40, 30):
+        again = Classifier(policy=policy)
+        trainer(epochs=None, max_steps=50).fit(again, ckpt_path=tmp_path / f"step={resume}.ckpt")
+        assert first.trained[:resume] + again.trained == full.trained
+
+    last = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "last", save_last=True, save_top_k=0)
+    one = one_snapshot(tmp_path / "alone", keep=1)()
+    staged = Classifier(policy=lambda: one)
+    t = trainer(epochs=None, callbacks=[last], max_steps=7)
+    for k in range(1, 5):
+        t.fit_loop.epoch_loop.max_steps = 7 * k
+        t.fit(staged)
+        # last.ckpt's (Lightning saves it at the first stop only) and the newest stop's
+        assert len(list((tmp_path / "alone" / "snapshots").iterdir())) == min(k, 2)
+    step = torch.load(tmp_path / "last" / "last.ckpt", weights_only=False)["global_step"]
+    again = Classifier(policy=one_snapshot(tmp_path / "alone", keep=1))
+    trainer(epochs=None, max_steps=50).fit(again, ckpt_path=tmp_path / "last" / "last.ckpt")
+    assert staged.trained[:step] + again.trained == full.trained
+
+
 class StopsPartWay(Classifier):
     """With ``stop``, sets ``trainer.should_stop`` in its third step of epoch 1 (as ``max_time``
     and ``EarlyStopping`` do); Lightning has fetched the fourth batch ahead."""

@@ -490,8 +490,13 @@ class SelectiveLoaderCallback(pl.Callback):
                     UserWarning,
                     stacklevel=2,
                 )
-            states = _gather(self._loader.saved_state(interrupted=self._interrupted))
-            gathered = _gather(self._loader.next_state())
+            own = self._loader.saved_state(interrupted=self._interrupted)
+            own_next = self._loader.next_state()
+            for saved in (own, own_next):  # (a stop's: their snapshot is a checkpoint's now)
+                if saved is not None:
+                    self._loader.loader.keep_saved_files(saved)
+            states = _gather(own)
+            gathered = _gather(own_next)
             nexts = None if all(n is None for n in gathered) else gathered
         return {"version": STATE_VERSION, "ranks": states, "next": nexts}
 
