@@ -21,11 +21,9 @@ __all__ = [
     "check_identity",
     "check_version",
     "rollback_state",
-    "sharing_unchanged",
-    "sparing_older",
     "taking_rollback",
-    "taking_shared",
-    "taking_spared",
+    "taking_unsaved",
+    "unsaved_states",
 ]
 
 #: The key of every component's state version.
@@ -153,71 +151,42 @@ def taking_rollback() -> bool:
     return _ROLLBACK.get()
 
 
-# Whether the states being taken may share what an unchanged component's last one holds.
-_SHARING = contextvars.ContextVar("sbloader_sharing_state", default=False)
+# Whether the states being taken are ones a checkpoint may never save (see unsaved_states).
+_UNSAVED = contextvars.ContextVar("sbloader_unsaved_states", default=False)
 
 
 @contextlib.contextmanager
-def sharing_unchanged() -> Iterator[None]:
-    """Within this context a component whose state is costly to take (a store's columns, a
-    memory-mapped store's snapshot), and which has not changed since the last state it took,
-    returns what that state holds again instead of a new copy (see :func:`taking_shared`).
+def unsaved_states() -> Iterator[None]:
+    """Within this context ``state_dict()`` calls take states that a checkpoint may never save
+    (see :func:`taking_unsaved`): a component whose state is costly (a store's columns, a
+    memory-mapped store's snapshot) and unchanged since its last state returns what that one
+    holds again instead of a new copy, and files it writes for one (a snapshot) take no place
+    among the newest it keeps (``store_snapshots``) until a checkpoint saves the state
+    (``SelectiveLoader.keep_saved_files``); it removes them at its next snapshot otherwise.
 
-    NOTE (why): a run Lightning stops part-way through an epoch saves two states taken back to
-    back (the epoch as of its last batch, and the epoch ended there: see
-    ``LightningLoader.end_epoch``). Each wrote a snapshot of a memory-mapped store, and with
-    ``store_snapshots=1`` the second removed the first's, so a checkpoint saved then was
-    refused when it resumed the stopped epoch; an in-memory store's columns were held twice.
-    Only where the caller knows the two states are of one moment; a store changed in between
-    still takes its own.
+    NOTE (why): a run Lightning stops part-way takes two states at the stop (the epoch as of
+    its last batch, and the epoch ended there: see ``LightningLoader.end_epoch``), for a
+    checkpoint that may follow (``save_last``, ``trainer.save_checkpoint``) or may not. Each
+    wrote a snapshot, removing the oldest kept: with ``store_snapshots=1`` the second removed
+    the first's, so resuming the stopped epoch was refused, and with
+    ``ModelCheckpoint(every_n_train_steps=10)`` a run stopped at step 35 left its only
+    checkpoint (step 30) refused. A store changed in between still takes its own.
 
     Example:
-        >>> with sharing_unchanged():
-        ...     taking_shared()
+        >>> with unsaved_states():
+        ...     taking_unsaved()
         True
-        >>> taking_shared()
+        >>> taking_unsaved()
         False
     """
-    with _set(_SHARING):
+    with _set(_UNSAVED):
         yield
 
 
-def taking_shared() -> bool:
-    """Whether states taken now may share an unchanged component's last one (within
-    :func:`sharing_unchanged`)."""
-    return _SHARING.get()
-
-
-# Whether a state taken now may be one no checkpoint saves (see sparing_older).
-_SPARING = contextvars.ContextVar("sbloader_sparing_older", default=False)
-
-
-@contextlib.contextmanager
-def sparing_older() -> Iterator[None]:
-    """Within this context a component that keeps files for its newest states only (a
-    memory-mapped store's snapshots, ``store_snapshots``) removes none for a state taken now:
-    one that a checkpoint may never save (see :func:`taking_spared`).
-
-    NOTE (why): a run Lightning stops part-way takes its states at the stop, for a checkpoint
-    that may follow (``save_last``, ``trainer.save_checkpoint``) or may not. Its snapshot
-    removed the oldest kept one, that of a checkpoint still on disk: with ``store_snapshots=1``
-    and ``ModelCheckpoint(every_n_train_steps=10)``, a run stopped at step 35 left its only
-    checkpoint (step 30) refused. Spared, the snapshot takes no place among those kept, and the
-    store removes it when it next writes one, unless a checkpoint saved the state since
-    (``SelectiveLoader.keep_saved_files``: then it is kept as any saved state's).
-
-    Example:
-        >>> with sparing_older():
-        ...     taking_spared()
-        True
-    """
-    with _set(_SPARING):
-        yield
-
-
-def taking_spared() -> bool:
-    """Whether a state taken now removes no older state's files (within :func:`sparing_older`)."""
-    return _SPARING.get()
+def taking_unsaved() -> bool:
+    """Whether the states taken now are ones a checkpoint may never save (within
+    :func:`unsaved_states`)."""
+    return _UNSAVED.get()
 
 
 @contextlib.contextmanager

@@ -2010,7 +2010,7 @@ class SelectiveLoader(NotADataLoader):
         return self._state_dict(_checked_unconsumed(unconsumed))
 
     def keep_saved_files(self, state: dict[str, Any]) -> None:
-        """``state``, a state of this loader taken within ``_state.sparing_older()`` (a
+        """``state``, a state of this loader taken within ``_state.unsaved_states()`` (a
         Lightning stop's, which a checkpoint may never save), was saved by a checkpoint: the
         files it names (a memory-mapped store's snapshot) are kept from now among the
         ``store_snapshots`` newest, as any saved state's (see ``ExampleStore.keep_spared``)."""

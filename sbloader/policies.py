@@ -259,7 +259,7 @@ class Policy(abc.ABC):
         return False
 
     def keep_saved_files(self, state: dict[str, Any]) -> None:  # noqa: B027 - optional hook
-        """A state of this policy taken within ``_state.sparing_older()`` (whose files took no
+        """A state of this policy taken within ``_state.unsaved_states()`` (whose files took no
         place among those kept: see :meth:`writes_state_files`) was saved by a checkpoint: its
         files are kept from now as any saved state's (a memory-mapped store's snapshot)."""
 

@@ -675,8 +675,7 @@ class Scorer:
             and j - len(batch) not in self.id_fields
             and not _holds(v, indices)
         ]
-        alone = self.forward.call is None
-        if alone and not _input_like(targets, inputs):
+        if self.forward.call is None and not _input_like(targets, inputs):  # (model alone)
             extra = [j for j in extra if _rival(batch[j], targets)]
         if not extra:
             return

@@ -19,7 +19,7 @@ import torch
 from . import _kernels
 from ._checks import check_indices, check_int
 from ._files import claim_newest, copy_sparse, hold_folder, sync_folder
-from ._state import check_identity, check_version, taking_rollback, taking_shared, taking_spared
+from ._state import check_identity, check_version, taking_rollback, taking_unsaved
 
 __all__ = ["ExampleStore"]
 
@@ -163,12 +163,12 @@ class ExampleStore:
         # This store's snapshots, oldest first, and how many it has written (see state_dict).
         self._written: list[Path] = []
         self._count = 0
-        # Snapshots written within sparing_older() and saved by no checkpoint yet (see
+        # Snapshots written within unsaved_states() and saved by no checkpoint yet (see
         # keep_spared): they take none of keep_snapshots' places, and go at the next snapshot.
         self._spared: list[Path] = []
         # Uses of the columns that may have changed them, and this count when the last state
         # was taken with what it holds (its snapshot, or weak references to its columns' copies):
-        # a state taken within sharing_unchanged() shares those where the count is the same.
+        # a state taken within unsaved_states() shares those where the count is the same.
         self._uses = 0
         self._last_state: tuple[int, Path | tuple[weakref.ref[torch.Tensor], ...]] | None = None
         #: Whether a column file already existed, of the right size, and was opened with its
@@ -448,7 +448,7 @@ class ExampleStore:
     def state_dict(self) -> dict[str, Any]:
         """The columns: copies for an in-memory store; for a memory-mapped one, the name of a
         snapshot of its files written now (see the class's NOTE), the snapshots of states older
-        than its ``keep_snapshots`` newest removed. Within ``_state.sharing_unchanged()``, a
+        than its ``keep_snapshots`` newest removed. Within ``_state.unsaved_states()``, a
         store whose columns were not used since its last state shares that state's copies or
         snapshot instead.
 
@@ -490,10 +490,10 @@ class ExampleStore:
         return {**state, "snapshot": snapshot.name}
 
     def _shared_state(self) -> dict[str, Any] | None:
-        """Within ``sharing_unchanged()``, what the last state taken holds (its columns' copies,
+        """Within ``unsaved_states()``, what the last state taken holds (its columns' copies,
         its snapshot, still there), if the columns have not been used since; else None."""
         last = self._last_state
-        if not taking_shared() or taking_rollback() or last is None or last[0] != self._uses:
+        if not taking_unsaved() or taking_rollback() or last is None or last[0] != self._uses:
             return None
         held = last[1]
         if isinstance(held, Path):
@@ -533,14 +533,14 @@ class ExampleStore:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        # NOTE (spared): a snapshot written within sparing_older() (a Lightning stop's state)
+        # NOTE (spared): a snapshot written within unsaved_states() (a Lightning stop's state)
         # takes no place among the keep_snapshots newest, so it removes no checkpoint's; no
         # checkpoint refers to it unless one saved it since (keep_spared made it a kept one),
         # so the next snapshot removes it (its state was used before: a resumed fit loads it).
         for spared in self._spared:
             shutil.rmtree(spared, ignore_errors=True)
         self._spared = []
-        if taking_spared():
+        if taking_unsaved():
             self._spared.append(final)
         else:
             self._written.append(final)
@@ -548,17 +548,17 @@ class ExampleStore:
         return final
 
     def keep_spared(self, state: dict[str, Any]) -> None:
-        """A state of this store taken within ``_state.sparing_older()`` was saved after all (a
+        """A state of this store taken within ``_state.unsaved_states()`` was saved after all (a
         checkpoint holds it): its snapshot is kept from now as any state's, among the
         ``keep_snapshots`` newest (older ones beyond them removed). Any other state: nothing.
 
         Example:
             >>> import tempfile
-            >>> from sbloader._state import sparing_older
+            >>> from sbloader._state import unsaved_states
             >>> s = ExampleStore(4, path=tempfile.mkdtemp(), keep_snapshots=1)
             >>> first = s.state_dict()
             >>> s.record(np.array([0]), np.array([1.0]), epoch=0)
-            >>> with sparing_older():
+            >>> with unsaved_states():
             ...     stop = s.state_dict()  # removes no older snapshot
             >>> len(list((s.path / "snapshots").iterdir()))
             2

@@ -708,19 +708,11 @@ def test_a_default_target_beside_other_tensor_fields_of_tuple_batches_is_warned_
             torch.testing.assert_close(b.losses, expected)
 
 
-class Weighted(torch.utils.data.Dataset):
+def weighted() -> torch.utils.data.TensorDataset:
     """``(x, y, weight)`` rows: a per-example weight (float) after the target."""
-
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(3)
-        self.x, self.y = torch.randn(96, L, generator=g), torch.randint(0, 100, (96,), generator=g)
-        self.w = torch.rand(96, generator=g)
-
-    def __len__(self) -> int:
-        return 96
-
-    def __getitem__(self, i: int) -> Any:
-        return self.x[i], self.y[i], self.w[i]
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(96, L, generator=g), torch.randint(0, 100, (96,), generator=g)
+    return torch.utils.data.TensorDataset(x, y, torch.rand(96, generator=g))
 
 
 class Bag(nn.Module):
@@ -749,7 +741,7 @@ def test_which_third_fields_beside_the_default_target_are_warned_of(rows, forwar
     data: torch.utils.data.Dataset = {
         "ids": Lengths(ids=True),
         "subset_ids": torch.utils.data.Subset(Lengths(ids=True), range(10, 90)),
-        "weights": Weighted(),
+        "weights": weighted(),
         "lengths": Lengths(),
     }[rows]
     torch.manual_seed(0)

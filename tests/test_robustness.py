@@ -41,7 +41,7 @@ from sbloader import (
     Traditional,
     default_policy,
 )
-from sbloader._state import sharing_unchanged, sparing_older
+from sbloader._state import unsaved_states
 from sbloader.datasets import ArrayDataset
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest)
@@ -500,7 +500,7 @@ def test_store_snapshots_none_keeps_every_snapshot(tmp_path):
 
 @pytest.mark.parametrize("memory_mapped", [True, False], ids=["store_path", "in_memory"])
 def test_states_taken_back_to_back_share_an_unchanged_stores_columns(tmp_path, memory_mapped):
-    """Within sharing_unchanged() (Lightning's two states of an epoch stopped part-way), a
+    """Within unsaved_states() (Lightning's two states of an epoch stopped part-way), a
     store not used since its last state shares that state's snapshot, or its columns' copies:
     with keep_snapshots=1 both states load (a second snapshot removed the first's). A store
     used in between (record, a read of its columns that may write them), or outside the
@@ -509,7 +509,7 @@ def test_states_taken_back_to_back_share_an_unchanged_stores_columns(tmp_path, m
     store = ExampleStore(6, path=path, keep_snapshots=1)
     store.record(np.array([1, 4]), np.array([0.5, 2.0]), epoch=0)
     first = store.state_dict()
-    with sharing_unchanged():
+    with unsaved_states():
         second = store.state_dict()
     if memory_mapped:
         assert second == first
@@ -521,11 +521,11 @@ def test_states_taken_back_to_back_share_an_unchanged_stores_columns(tmp_path, m
         store.load_state_dict(state)
         np.testing.assert_array_equal(store.lookup(np.array([1, 2, 4]))[0], [0.5, np.nan, 2.0])
     store.record(np.array([3]), np.array([7.0]), epoch=1)
-    with sharing_unchanged():
+    with unsaved_states():
         changed = store.state_dict()
     loss = store.loss  # (a use of a column: it may be written through)
     loss[5] = 3.0
-    with sharing_unchanged():
+    with unsaved_states():
         written = store.state_dict()
     if memory_mapped:
         assert changed != first
@@ -540,7 +540,7 @@ def test_states_taken_back_to_back_share_an_unchanged_stores_columns(tmp_path, m
 
 
 def test_a_spared_snapshot_removes_no_older_one_until_the_next(tmp_path):
-    """Within sparing_older() (a Lightning stop's state, which no checkpoint may save), a
+    """Within unsaved_states() (a Lightning stop's state, which no checkpoint may save), a
     memory-mapped store's new snapshot removes none of those kept; the next one prunes as
     ever (keep_snapshots newest)."""
     store = ExampleStore(4, path=tmp_path, keep_snapshots=1)
@@ -548,7 +548,7 @@ def test_a_spared_snapshot_removes_no_older_one_until_the_next(tmp_path):
     store.record(np.array([0]), np.array([1.0]), epoch=0)
     kept = store.state_dict()
     store.record(np.array([1]), np.array([2.0]), epoch=0)
-    with sparing_older():
+    with unsaved_states():
         spared = store.state_dict()
     assert sorted(p.name for p in folder.iterdir()) == [kept["snapshot"], spared["snapshot"]]
     store.load_state_dict(kept)  # still there

@@ -70,7 +70,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from .._state import check_version, sharing_unchanged, sparing_older
+from .._state import check_version, unsaved_states
 from ..epoch import MAX_UNCONSUMED, EpochIterator
 from ..length import FixedEpochIterator
 from ..loader import SelectiveLoader
@@ -263,11 +263,10 @@ class LightningLoader:
             # the store's columns (one snapshot of a store_path store: with store_snapshots=1
             # the second snapshot removed the first, and a resume of the epoch was refused).
             # Their snapshot is a checkpoint's just saved at this step where there is one, and
-            # else removes no older one (see _state.sparing_older): no checkpoint may follow.
-            with sharing_unchanged(), sparing_older():
+            # else removes no older one (see _state.unsaved_states): no checkpoint may follow.
+            with unsaved_states():
                 self._state = self.saved_state()
-            epoch.close(resumable=False)  # (as an epoch Lightning cuts short ends)
-            with sharing_unchanged():
+                epoch.close(resumable=False)  # (as an epoch Lightning cuts short ends)
                 self._next_state = self.loader.state_dict()
             return
         if not self.trained:
