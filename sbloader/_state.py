@@ -162,7 +162,8 @@ def unsaved_states() -> Iterator[None]:
     memory-mapped store's snapshot) and unchanged since its last state returns what that one
     holds again instead of a new copy, and files it writes for one (a snapshot) take no place
     among the newest it keeps (``store_snapshots``) until a checkpoint saves the state
-    (``SelectiveLoader.keep_saved_files``); it removes them at its next snapshot otherwise.
+    (``SelectiveLoader.keep_saved_files``); it removes them otherwise once their state was
+    loaded (fit again) and another snapshot follows, or the next unsaved one replaces them.
 
     NOTE (why): a run Lightning stops part-way takes two states at the stop (the epoch as of
     its last batch, and the epoch ended there: see ``LightningLoader.end_epoch``), for a

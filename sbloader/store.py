@@ -164,8 +164,9 @@ class ExampleStore:
         self._written: list[Path] = []
         self._count = 0
         # Snapshots written within unsaved_states() and saved by no checkpoint yet (see
-        # keep_spared): they take none of keep_snapshots' places, and go at the next snapshot.
-        self._spared: list[Path] = []
+        # keep_spared), each with whether a load of its state was applied since: they take none
+        # of keep_snapshots' places, and go at the next snapshot once loaded (NOTE (spared)).
+        self._spared: dict[Path, bool] = {}
         # Uses of the columns that may have changed them, and this count when the last state
         # was taken with what it holds (its snapshot, or weak references to its columns' copies):
         # a state taken within unsaved_states() shares those where the count is the same.
@@ -224,7 +225,7 @@ class ExampleStore:
         if self.path is not None:
             loss, seen, selected = (np.array(c) for c in self.columns)
             state.update(path=None, _loss=loss, _seen=seen, _selected=selected, _restore=None)
-            state.update(_written=[], _spared=[], reopened=False)
+            state.update(_written=[], _spared={}, reopened=False)
         return state
 
     def __copy__(self) -> ExampleStore:
@@ -534,14 +535,19 @@ class ExampleStore:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         # NOTE (spared): a snapshot written within unsaved_states() (a Lightning stop's state)
-        # takes no place among the keep_snapshots newest, so it removes no checkpoint's; no
-        # checkpoint refers to it unless one saved it since (keep_spared made it a kept one),
-        # so the next snapshot removes it (its state was used before: a resumed fit loads it).
-        for spared in self._spared:
-            shutil.rmtree(spared, ignore_errors=True)
-        self._spared = []
-        if taking_unsaved():
-            self._spared.append(final)
+        # takes no place among the keep_snapshots newest, so it removes no checkpoint's. No
+        # checkpoint refers to it unless one saved it since (keep_spared made it a kept one):
+        # its state is the stop's, which fit again in this process loads. So a snapshot taken
+        # after that load was applied removes it, as does the next stop's (whose state replaces
+        # it); any other (a state_dict() called by hand between the stop and fit again) keeps it,
+        # as it removed the snapshot fit again then needed.
+        unsaved = taking_unsaved()
+        for spared, loaded in list(self._spared.items()):
+            if loaded or unsaved:
+                shutil.rmtree(spared, ignore_errors=True)
+                del self._spared[spared]
+        if unsaved:
+            self._spared[final] = False
         else:
             self._written.append(final)
             self._prune(folder)
@@ -570,18 +576,21 @@ class ExampleStore:
         spared = next((p for p in self._spared if p.name == name), None)
         if spared is None or self.path is None:
             return
-        self._spared.remove(spared)
+        del self._spared[spared]
         self._written = sorted([*self._written, spared], key=lambda p: _sequence(p.name))
         self._prune(self.path / SNAPSHOTS)
 
     def _prune(self, folder: Path) -> None:
         """Remove the snapshots (and unfinished ones) written before this store's
-        ``keep_snapshots``-th newest; none while it has written fewer, or keeping every one."""
+        ``keep_snapshots``-th newest; none while it has written fewer, or keeping every one,
+        and no spared one (see NOTE (spared))."""
         keep = self.keep_snapshots
         if keep is None or len(self._written) < keep:
             return
         oldest_kept = _sequence(self._written[-keep].name)
         for entry in folder.iterdir():
+            if entry in self._spared:
+                continue
             if entry.is_dir() and 0 < _sequence(entry.name) < oldest_kept:
                 shutil.rmtree(entry, ignore_errors=True)
         self._written = self._written[-keep:]
@@ -701,6 +710,8 @@ class ExampleStore:
                         tmp.unlink(missing_ok=True)
             self._open_columns(fresh=False)
             self._restore = None
+            if restore in self._spared:  # (its state is in the columns: see NOTE (spared))
+                self._spared[restore] = True
 
 
 def saved_column(state: dict[str, Any], name: str) -> np.ndarray | None:

@@ -981,6 +981,29 @@ def test_stops_and_fits_again_keep_each_checkpoints_snapshot_and_no_other(tmp_pa
     assert staged.trained[:step] + again.trained == full.trained
 
 
+def test_a_state_taken_by_hand_between_a_stop_and_fit_again_keeps_the_stops_snapshot(tmp_path):
+    """loader.state_dict() called by hand after a max_steps stop writes a snapshot of its own,
+    which removed the stop's (found by review: fit again was then refused, naming the missing
+    snapshot); it goes once fit again has loaded it."""
+    policy = one_snapshot(tmp_path / "store", keep=1)
+    full = Classifier(policy=policy)
+    trainer(epochs=None, max_steps=40).fit(full)
+    twice = Classifier(policy=policy)
+    t = trainer(epochs=None, max_steps=30)
+    t.fit(twice)
+    by_hand = t.callbacks[0].loader.loader.state_dict()
+    t.fit_loop.epoch_loop.max_steps = 40
+    t.fit(twice)
+    assert twice.trained == full.trained
+    folder = tmp_path / "store" / "snapshots"
+    stops = [*sorted(p.name for p in folder.iterdir())]
+    # (fit again built another loader, whose store prunes its predecessor's at its first kept
+    # snapshot: the stop at 30's and the one by hand, its own spared stop at 40's kept)
+    assert len(stops) == 3 and stops[1] == by_hand["policy"]["policy"]["store"]["snapshot"]
+    latest = t.callbacks[0].loader.loader.state_dict()["policy"]["policy"]["store"]["snapshot"]
+    assert sorted(p.name for p in folder.iterdir()) == [stops[2], latest]
+
+
 class StopsPartWay(Classifier):
     """With ``stop``, sets ``trainer.should_stop`` in its third step of epoch 1 (as ``max_time``
     and ``EarlyStopping`` do); Lightning has fetched the fourth batch ahead."""

@@ -539,22 +539,44 @@ def test_states_taken_back_to_back_share_an_unchanged_stores_columns(tmp_path, m
     assert alone is not written and (not memory_mapped or alone != written)
 
 
-def test_a_spared_snapshot_removes_no_older_one_until_the_next(tmp_path):
+def test_a_spared_snapshot_removes_no_older_one_and_goes_once_loaded_or_replaced(tmp_path):
     """Within unsaved_states() (a Lightning stop's state, which no checkpoint may save), a
-    memory-mapped store's new snapshot removes none of those kept; the next one prunes as
-    ever (keep_snapshots newest)."""
+    memory-mapped store's new snapshot removes none of those kept, and the snapshots after it
+    prune as ever (keep_snapshots newest) but keep it until its state was loaded (fit again
+    after the stop), as a state_dict() called by hand between the stop and fit again removed
+    it (found by review: that fit was refused); the next stop's replaces it."""
     store = ExampleStore(4, path=tmp_path, keep_snapshots=1)
     folder = tmp_path / "snapshots"
+
+    def on_disk():
+        return sorted(p.name for p in folder.iterdir())
+
     store.record(np.array([0]), np.array([1.0]), epoch=0)
     kept = store.state_dict()
     store.record(np.array([1]), np.array([2.0]), epoch=0)
     with unsaved_states():
         spared = store.state_dict()
-    assert sorted(p.name for p in folder.iterdir()) == [kept["snapshot"], spared["snapshot"]]
+    assert on_disk() == [kept["snapshot"], spared["snapshot"]]
     store.load_state_dict(kept)  # still there
     np.testing.assert_array_equal(store.loss, [1.0, 0.0, 0.0, 0.0])
+    by_hand = store.state_dict()
+    assert on_disk() == [spared["snapshot"], by_hand["snapshot"]]
+    store.load_state_dict(spared)
+    np.testing.assert_array_equal(store.loss, [1.0, 2.0, 0.0, 0.0])
     latest = store.state_dict()
-    assert [p.name for p in folder.iterdir()] == [latest["snapshot"]]
+    assert on_disk() == [latest["snapshot"]]
+
+    with unsaved_states():
+        first_stop = store.state_dict()  # shares latest's: unchanged
+    store.record(np.array([2]), np.array([3.0]), epoch=1)
+    with unsaved_states():
+        stop = store.state_dict()
+    store.record(np.array([3]), np.array([4.0]), epoch=1)
+    with unsaved_states():
+        next_stop = store.state_dict()  # never loaded, the stop's goes
+    assert first_stop["snapshot"] == latest["snapshot"]
+    assert on_disk() == [latest["snapshot"], next_stop["snapshot"]]
+    assert stop["snapshot"] not in on_disk()
 
 
 def test_a_memory_mapped_store_resumes_from_a_copy_of_its_folder_elsewhere(tmp_path):
