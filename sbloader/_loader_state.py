@@ -325,6 +325,17 @@ def checked_state(
     rank and identity are checked against the loader's (``rank``, ``world_size``, its
     :func:`identity` and its ``batches_per_epoch``; refused with ``ValueError``, naming the field
     and the fix)."""
+    if isinstance(state, Mapping) and "ranks" in state and K_IDENTITY not in state:
+        # NOTE: a wrapper's state (AcceleratedLoader's, the Lightning callback's) holds every
+        # process's loader state; its own version (1) was taken for sbloader 0.1's loader
+        # state, which failed inside the migration with a bare KeyError (found by review).
+        raise ValueError(
+            f"this state holds the loader states of {len(state['ranks'])} process(es) "
+            "(its 'ranks'): it was saved by a wrapper (AcceleratedLoader.state_dict(), or the "
+            "Lightning SelectiveLoaderCallback), not by SelectiveLoader.state_dict(); load it "
+            "with the same wrapper (register the AcceleratedLoader for checkpointing in both "
+            "runs), or pass this process's entry, state['ranks'][rank]"
+        )
     state = check_version(state, "SelectiveLoader", version, {1: from_v1})
     saved_rank = state[K_IDENTITY].get("rank", rank)
     if saved_rank != rank and world_size > 1:

@@ -418,6 +418,34 @@ def test_a_state_from_another_number_of_processes_is_refused(fresh_accelerate):
         loader.load_state_dict({**state, "ranks": state["ranks"] * 2, "world_size": 2})
 
 
+def test_a_state_of_the_other_registered_object_is_refused_naming_the_mix_up(
+    fresh_accelerate, tmp_path
+):
+    """accelerator.save_state with the AcceleratedLoader registered and load_state with the
+    SelectiveLoader registered, or the other way round: refused naming which object saved it
+    and the fix (found by review: a bare KeyError 'pending' from sbloader 0.1's migration, and a
+    version error advising another sbloader)."""
+
+    def registered(wrap: bool) -> tuple[Any, Any]:
+        reset_accelerate()
+        accelerator, _, _, sb = one_process_setup(accumulate=1)
+        obj = AcceleratedLoader(sb) if wrap else sb
+        accelerator.register_for_checkpointing(obj)
+        return accelerator, obj
+
+    for saved_wrapped in (True, False):
+        accelerator, obj = registered(saved_wrapped)
+        for _ in obj:
+            pass
+        accelerator.save_state(str(tmp_path / str(saved_wrapped)))
+        accelerator, _ = registered(not saved_wrapped)
+        match = "saved by a wrapper" if saved_wrapped else "a SelectiveLoader's own state"
+        with pytest.raises(ValueError, match=match):
+            accelerator.load_state(str(tmp_path / str(saved_wrapped)))
+        accelerator, _ = registered(saved_wrapped)
+        accelerator.load_state(str(tmp_path / str(saved_wrapped)))  # the same object: loads
+
+
 def bf16_model() -> tuple[nn.Module, list[torch.dtype]]:
     """A model whose layer records the dtype it computes in during selection passes."""
     torch.manual_seed(0)

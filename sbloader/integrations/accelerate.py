@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -50,6 +50,7 @@ from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.state import GradientState
 
 from .._checks import NotADataLoader, check_bool
+from .._loader_state import K_IDENTITY
 from .._state import check_version
 from ..loader import SelectiveLoader
 from .accelerate_source import AcceleratedShardSource, shard_source
@@ -264,7 +265,22 @@ class AcceleratedLoader(DataLoaderStateMixin, NotADataLoader):
         return {"version": self.VERSION, "world_size": len(states), "ranks": states}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore this process's entry of a :meth:`state_dict`."""
+        """Restore this process's entry of a :meth:`state_dict`.
+
+        Raises:
+            ValueError: ``state`` is another object's, e.g. a SelectiveLoader's own (the saving
+                run registered the SelectiveLoader for checkpointing, not this wrapper), or of
+                another number of processes.
+        """
+        if isinstance(state, Mapping) and K_IDENTITY in state and "ranks" not in state:
+            # (a SelectiveLoader's version, 2, was read as a newer AcceleratedLoader state's)
+            raise ValueError(
+                "this is a SelectiveLoader's own state (SelectiveLoader.state_dict()), not an "
+                "AcceleratedLoader's: the saving run registered the SelectiveLoader for "
+                "checkpointing; register the same object in both runs (the AcceleratedLoader, "
+                "which saves every process's state), or load it with "
+                "loader.loader.load_state_dict(state) on one process"
+            )
         state = check_version(state, "AcceleratedLoader", self.VERSION)
         ranks = state["ranks"]
         world = self.loader.world_size
