@@ -874,6 +874,10 @@ class SelectiveLoader(NotADataLoader):
         # Whether a state saved mid-epoch that could not resume there was warned of.
         self._mid_epoch_warned = False
         self._unreported_warned = False  # (see _warn_unreported)
+        # The epoch left part-way in this run that a state (resuming its rest) was saved after,
+        # until the next epoch begins; and whether that was warned of (see _warn_left_saved).
+        self._saved_left: int | None = None
+        self._left_saved_warned = False
         # The source's state as of the last source batch consumed (see Source.snapshot); None:
         # ask the source.
         self._source_state: dict[str, Any] | None = None
@@ -1544,6 +1548,7 @@ class SelectiveLoader(NotADataLoader):
         # (taken before anything changes too: an index outside the data refuses the epoch, and
         # the reports stay held)
         reports = None if resumed else self._feedback.take(self._source.dataset_size)
+        saved_left, self._saved_left = self._saved_left, None
         self._unfinished, self.epoch, self._left = None, epoch, []
         self._ended_state = None
         self._source.set_epoch(self.epoch)
@@ -1552,6 +1557,7 @@ class SelectiveLoader(NotADataLoader):
         self.policy.begin_epoch(self.epoch)
         if not resumed:  # (a resumed epoch's rows were settled as it began, in its saved run)
             self._warn_peek()
+            self._warn_left_saved(saved_left)
             self._drop_abandoned_rest()
             self._pending.begin_epoch(self.policy.normalize_weights())
         # (the one decision: the epoch iterator builds its Keep from this flag)
@@ -1829,6 +1835,35 @@ class SelectiveLoader(NotADataLoader):
             stacklevel=7,  # (the caller's loop: its next() of the epoch's iterator)
         )
 
+    def _warn_left_saved(self, left: int | None) -> None:
+        """As the next epoch begins, warn (once) where a state was saved after the epoch before
+        it, ``left``, was left part-way: that state resumes the rest of epoch ``left``, and this
+        run goes on with the next one instead.
+
+        NOTE: a state saved after ``break`` resumes the rest of the epoch left (a run that
+        leaves its loop to save and stop, preempted, goes on from there, as torchdata's
+        StatefulDataLoader does), but a loop that caps its steps per epoch and saves as each
+        epoch ends (torchtune's ``max_steps_per_epoch``; Accelerate's scripts, which resume such
+        a checkpoint at the next epoch) means the next epoch: resumed, it went on a pass behind
+        its run for good, every batch after it different and the annealed pass never reached,
+        unsaid (found by review). Which of the two a run means is known when it goes on here;
+        :meth:`end_epoch` says it before the save.
+        """
+        if left is None or self._left_saved_warned or left != self.epoch - 1:
+            return
+        self._left_saved_warned = True
+        warnings.warn(
+            f"a state was saved after epoch {left} was left part-way (break), and it resumes "
+            f"the rest of epoch {left}, but this run goes on with epoch {self.epoch}: a run "
+            "resumed from that state would go on a pass behind this one. A loop that leaves "
+            "each epoch part-way (a cap on steps per epoch) and saves as each epoch ends should "
+            "call loader.end_epoch() after leaving the loop, before saving (the state then "
+            "starts the next epoch, as this run does); to resume an epoch part-way, save inside "
+            "the loop",
+            UserWarning,
+            stacklevel=7,  # (the caller's loop: its next() of the epoch's iterator)
+        )
+
     def _warn_nothing_yielded(self, stats: EpochStats) -> None:
         """Warn (once) where an epoch that kept examples yielded no batch: all it kept was
         dropped at its end (fewer than ``batch_size`` under ``remainder="drop"``, or fewer than
@@ -1935,6 +1970,44 @@ class SelectiveLoader(NotADataLoader):
             cdf=self.cdf,
         )
 
+    def end_epoch(self) -> None:
+        """End the current epoch for good, as this loader's next ``iter()`` ends one whose loop
+        was left part-way: states saved from now start the next epoch. For a loop that caps its
+        steps per epoch (``break``) and saves a checkpoint as each epoch ends (a state saved
+        after ``break`` otherwise resumes the rest of the epoch left, for a run that leaves its
+        loop to save and stop; see :meth:`state_dict`). A running epoch is closed (call it just
+        before ``break``, or after the loop); nothing is taken back after it
+        (``unconsumed=``). Does nothing where no epoch was begun or left part-way, and with
+        ``batches_per_epoch``, whose training epochs left part-way already count as ended.
+
+        Example:
+            >>> import torch
+            >>> from torch.utils.data import DataLoader, TensorDataset
+            >>> from sbloader import SelectiveLoader, Traditional
+            >>> data = TensorDataset(torch.randn(12, 3), torch.arange(12) % 2)
+            >>> loader = SelectiveLoader(DataLoader(data, batch_size=4), torch.nn.Linear(3, 2),
+            ...                          policy=Traditional())
+            >>> for step, batch in enumerate(loader):
+            ...     if step == 1:
+            ...         break  # (two steps per epoch)
+            >>> loader.end_epoch()
+            >>> state = loader.state_dict()  # as each epoch ends
+            >>> state["epoch"], state["active"]  # the next epoch, as the loop goes on with
+            (1, False)
+        """
+        self._check_owner()
+        live = self._live_iterator()
+        if live is not None and live.running:
+            live.close(resumable=False)
+            return
+        if self._fixed is not None or self._unfinished is None or self._unfinished[1]:
+            return
+        # (as _abandon closes an epoch for good: see there)
+        self._unfinished, self._left, self._share, self._saved_left = None, [], None, None
+        self._ahead = None
+        self.epoch += 1
+        self._source_state = None
+
     def takes_back(self, unconsumed: int = 1) -> bool:
         """Whether :meth:`state_dict` takes ``unconsumed`` now: an epoch is running (with
         ``batches_per_epoch``, a training epoch) and has handed out at least ``unconsumed``
@@ -2003,8 +2076,9 @@ class SelectiveLoader(NotADataLoader):
                 :meth:`takes_back` says whether it is taken. Default 0.
 
         An epoch left part-way (``break``) is saved where it stopped, so that saving after
-        leaving the loop resumes it; one closed with ``close(resumable=False)`` is saved as the
-        start of the next epoch.
+        leaving the loop resumes it; one closed with ``close(resumable=False)`` or ended with
+        :meth:`end_epoch` (a loop that caps its steps per epoch and saves as each ends) is saved
+        as the start of the next epoch.
         """
         self._check_owner()
         return self._state_dict(_checked_unconsumed(unconsumed))
@@ -2179,6 +2253,8 @@ class SelectiveLoader(NotADataLoader):
         }
         if warn:  # (once the state is taken: a refused one loses nothing)
             self._warn_unreported(stats["epochs"])
+            if not unconsumed and self._unfinished is not None and not self._unfinished[1]:
+                self._saved_left = self.epoch  # (see _warn_left_saved)
         return state
 
     def _warn_unreported(self, epochs: list[dict[str, Any]]) -> None:
@@ -2254,7 +2330,7 @@ class SelectiveLoader(NotADataLoader):
         try:
             checked = self._checked(state)
             self._restore(checked)
-            self._left, self._ended_state = [], None
+            self._left, self._ended_state, self._saved_left = [], None, None
         except BaseException:
             self._scorer.restore_precision(precision)
             self._restore(backup, rollback=True, resume=resumable)

@@ -446,6 +446,53 @@ def test_a_state_of_the_other_registered_object_is_refused_naming_the_mix_up(
         accelerator.load_state(str(tmp_path / str(saved_wrapped)))  # the same object: loads
 
 
+def test_steps_capped_per_epoch_and_a_checkpoint_at_each_epochs_end_resume_exactly(
+    fresh_accelerate, tmp_path
+):
+    """Accelerate's scripts' loop: `break` after so many steps per epoch, loader.end_epoch() and
+    accelerator.save_state as each epoch ends, a resume at the next epoch (found by review:
+    without a way to say the epoch ended, the resumed loader went on with the rest of the left
+    epoch, a pass behind the run for good: every later batch different). Without end_epoch()
+    the loop going on is warned of as the next epoch begins."""
+    cap, epochs = 3, 4
+
+    def run(
+        save_after: int | None = None, load: bool = False, end: bool = True, go_on: bool = False
+    ) -> tuple[list[Any], int]:
+        reset_accelerate()
+        accelerator, model, opt, sb = one_process_setup(accumulate=1)
+        loader = AcceleratedLoader(sb)
+        accelerator.register_for_checkpointing(loader)
+        start = 0
+        if load:
+            accelerator.load_state(str(tmp_path / "ckpt"))
+            start = save_after + 1
+        log = []
+        for epoch in range(start, epochs):
+            steps = []
+            for batch in loader:
+                train_step(accelerator, model, opt, batch)
+                steps.append(batch.indices.tolist())
+                if len(steps) == cap:
+                    break
+            if end:
+                loader.end_epoch()
+            log.append(steps)
+            if epoch == save_after and not load:
+                accelerator.save_state(str(tmp_path / "ckpt"))
+                if not go_on:
+                    break
+        return log, sb.epoch
+
+    with pytest.warns(UserWarning, match=r"epoch 0 was left part-way.*loader\.end_epoch\(\)"):
+        unended, _ = run(save_after=0, end=False, go_on=True)
+    full, full_epoch = run()
+    assert unended == full  # (the same batches in this process, either way)
+    head, _ = run(save_after=1)
+    rest, epoch = run(save_after=1, load=True)
+    assert head + rest == full and epoch == full_epoch == epochs
+
+
 def bf16_model() -> tuple[nn.Module, list[torch.dtype]]:
     """A model whose layer records the dtype it computes in during selection passes."""
     torch.manual_seed(0)

@@ -4,6 +4,7 @@ abandoned epoch's saved state: ``SelectiveLoader.state_dict(unconsumed=1)``."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -208,6 +209,49 @@ def test_an_epoch_closed_for_good_is_saved_as_the_start_of_the_next():
     fourth.load_state_dict(state)
     rest = run(fourth)
     assert len(head) == 2 and rest and not set(map(tuple, head)) & set(map(tuple, rest))
+
+
+@pytest.mark.parametrize("where", ["after_the_loop", "before_break"])
+def test_a_loop_capping_its_epochs_ends_each_for_good_and_saves_the_next(where):
+    """A loop of two steps per epoch that saves as each epoch ends: a state saved after
+    ``break`` resumes the rest of the epoch left, and the loop going on with the next epoch is
+    warned of as it begins, naming end_epoch() (found by review: resumed, the run went on a
+    pass behind for good, unsaid); with loader.end_epoch() the state starts the next epoch, and
+    a run resumed from it yields what the loop does."""
+
+    def capped(loader, end: bool):
+        seen = []
+        for k, batch in enumerate(loader):
+            seen.append(batch.indices.tolist())
+            if k == 1:
+                if end and where == "before_break":
+                    loader.end_epoch()
+                break
+        if end and where == "after_the_loop":
+            loader.end_epoch()
+        return seen
+
+    plain = setup()[0]
+    capped(plain, end=False)
+    state = plain.state_dict()
+    assert state["epoch"] == 0 and state["active"]  # (the rest of epoch 0: a preempted run's)
+    with pytest.warns(UserWarning, match=r"epoch 0 was left part-way.*loader\.end_epoch\(\)"):
+        capped(plain, end=False)
+
+    run = setup()[0]
+    head = capped(run, end=True) + capped(run, end=True)
+    state = copy.deepcopy(run.state_dict())
+    assert state["epoch"] == 2 and not state["active"] and state["position"] == 0
+    with pytest.raises(ValueError, match="unconsumed=1, but no epoch is running"):
+        run.state_dict(unconsumed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rest = [capped(run, end=True) for _ in range(2)]
+    resumed = setup()[0]
+    resumed.load_state_dict(state)
+    assert [capped(resumed, end=True) for _ in range(2)] == rest
+    assert head[:2] == capped(setup()[0], end=False)  # (the same first epoch either way)
+    assert resumed.epoch == run.epoch == 4
 
 
 class Interrupt(Exception):

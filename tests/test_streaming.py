@@ -181,6 +181,39 @@ def test_mid_epoch_resume_yields_what_an_uninterrupted_run_does(mds, stop, prefe
     released(resumed)
 
 
+def test_steps_capped_per_epoch_and_a_state_at_each_epochs_end_resume_exactly(mds):
+    """A loop that leaves each epoch after 3 batches (`break`), ends it (loader.end_epoch())
+    and saves as each epoch ends: the state starts the next epoch, as the loop's next iter()
+    does, so the resumed run (a new dataset and loader) yields the rest of the uninterrupted
+    run (found by review: without end_epoch() it went on with the rest of the left epoch, a
+    pass behind for good; that is warned of where the loop goes on)."""
+    cap, epochs = 3, 4
+
+    def capped(loader, n):
+        out = []
+        for _ in range(n):
+            for k, b in enumerate(loader):
+                check_pairing(b)
+                out.append(b.indices.tolist())
+                if k + 1 == cap:
+                    break
+            loader.end_epoch()
+        return out
+
+    loader = make_loader(mds)
+    reference = capped(loader, epochs)
+    released(loader)
+    loader = make_loader(mds)
+    before = capped(loader, 2)
+    state = checkpoint(loader.state_dict())
+    assert state["epoch"] == 2 and not state["active"]
+    released(loader)
+    resumed = make_loader(mds)
+    resumed.load_state_dict(state)
+    assert before + capped(resumed, epochs - 2) == reference
+    released(resumed)
+
+
 def test_a_checkpoint_the_run_went_past_resumes_exactly(mds):
     """Crash recovery: a mid-epoch state kept while the run goes on into the next epoch (the
     dataset's own epoch and resume state move on), then the process dies; resumed from that

@@ -164,6 +164,13 @@ class AcceleratedLoader(DataLoaderStateMixin, NotADataLoader):
         README's loop, ``loader.feedback(batch.indices, losses)``, runs unchanged here."""
         self.loader.feedback(indices, losses)
 
+    def end_epoch(self) -> None:
+        """End the epoch for good before ``accelerator.save_state``, in a loop that caps its
+        steps per epoch (``break``) and saves as each epoch ends: the state then starts the next
+        epoch, as Accelerate's scripts resume such a checkpoint (see
+        :meth:`SelectiveLoader.end_epoch <sbloader.SelectiveLoader.end_epoch>`)."""
+        self.loader.end_epoch()
+
     def interrupted(self, step_finished: bool = False) -> None:
         """Say, before ``accelerator.save_state`` where the loop was interrupted, whether the
         training step on the batch handed out last finished.
