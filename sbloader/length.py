@@ -432,7 +432,9 @@ def batches_at(source: Source, subset: np.ndarray | None, batch_size: int, rate:
                 "SelectiveLoader, or use a sized source such as a DataLoader over a "
                 "map-style dataset"
             )
-        examples = n * bs
+        # (a sized IterableDataset's last batch is short: its examples are len(dataset))
+        last = source.last_batch_size()
+        examples = n * bs if last is None or n < 1 else (n - 1) * bs + last
     elif (drawn := _full_batches_drawn(source)) is not None:
         # NOTE: epoch_size, the sampler's length, counts the dropped examples too; a subset's
         # share is taken of the drawn ones, as a filtering source drops them before filtering.

@@ -669,6 +669,33 @@ def test_expected_batches_of_a_stream_without_length_names_the_fix():
     assert len(loader) == 8 and [len(b) for b in loader] == [2] * 8  # (x, y) batches
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_expected_batches_of_a_sized_stream_count_its_short_last_batch(workers):
+    """A DataLoader over a sized IterableDataset of 97 examples in batches of 8, read by at most
+    one worker, without dataset_size=: its last batch holds 1 example, and "expected" counted it
+    as a full one (13 x 8 = 104 examples; found by review: 7 batches at RandomBackprop(0.5)
+    where dataset_size=97 gives 6)."""
+
+    class Sized(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            ds = EncodedDataset(97)
+            return ((*ds[i], i) for i in range(97))
+
+        def __len__(self):
+            return 97
+
+    source = DataLoader(Sized(), batch_size=8, num_workers=workers)
+
+    def build(**kwargs):
+        return SelectiveLoader(
+            source, IndexLoss(), index_key=2, batch_size=8, policy=RandomBackprop(0.5), **kwargs
+        )
+
+    assert build().expected_batches() == pytest.approx(97 * 0.5 / 8)
+    assert len(build(batches_per_epoch="expected")) == 6
+    assert len(build(batches_per_epoch="expected", dataset_size=97)) == 6
+
+
 def test_dataset_size_gives_a_stream_an_honest_length_and_progress():
     loader = stream_loader(index_key=2, dataset_size=120, batches_per_epoch="expected")
     assert len(loader) == round(120 * 0.5 / 8) == 8
