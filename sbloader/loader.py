@@ -1835,7 +1835,7 @@ class SelectiveLoader(NotADataLoader):
             stacklevel=7,  # (the caller's loop: its next() of the epoch's iterator)
         )
 
-    def _warn_left_saved(self, left: int | None) -> None:
+    def _warn_left_saved(self, left: int | None, before_end: bool = False) -> None:
         """As the next epoch begins, warn (once) where a state was saved after the epoch before
         it, ``left``, was left part-way: that state resumes the rest of epoch ``left``, and this
         run goes on with the next one instead.
@@ -1849,19 +1849,25 @@ class SelectiveLoader(NotADataLoader):
         unsaid (found by review). Which of the two a run means is known when it goes on here;
         :meth:`end_epoch` says it before the save.
         """
-        if left is None or self._left_saved_warned or left != self.epoch - 1:
+        if left is None or self._left_saved_warned:
+            return
+        if not before_end and left != self.epoch - 1:
             return
         self._left_saved_warned = True
+        goes_on = (
+            "end_epoch() was called after it was saved"
+            if before_end
+            else f"this run goes on with epoch {self.epoch}"
+        )
         warnings.warn(
             f"a state was saved after epoch {left} was left part-way (break), and it resumes "
-            f"the rest of epoch {left}, but this run goes on with epoch {self.epoch}: a run "
-            "resumed from that state would go on a pass behind this one. A loop that leaves "
-            "each epoch part-way (a cap on steps per epoch) and saves as each epoch ends should "
-            "call loader.end_epoch() after leaving the loop, before saving (the state then "
-            "starts the next epoch, as this run does); to resume an epoch part-way, save inside "
-            "the loop",
+            f"the rest of epoch {left}, but {goes_on}: a run resumed from that state would go "
+            "on a pass behind this one. A loop that leaves each epoch part-way (a cap on steps "
+            "per epoch) and saves as each epoch ends should call loader.end_epoch() after "
+            "leaving the loop, before saving (the state then starts the next epoch, as this run "
+            "does); to resume an epoch part-way, save inside the loop",
             UserWarning,
-            stacklevel=7,  # (the caller's loop: its next() of the epoch's iterator)
+            stacklevel=3 if before_end else 7,  # (the caller's call, or its loop's next())
         )
 
     def _warn_nothing_yielded(self, stats: EpochStats) -> None:
@@ -1979,6 +1985,13 @@ class SelectiveLoader(NotADataLoader):
         before ``break``, or after the loop); nothing is taken back after it
         (``unconsumed=``). Does nothing where no epoch was begun or left part-way, and with
         ``batches_per_epoch``, whose training epochs left part-way already count as ended.
+        Warns (``UserWarning``) where a state was saved after the epoch was left and before
+        this call: that state resumes the epoch's rest.
+
+        Raises:
+            RuntimeError: a state saved inside the loop (mid-epoch) was loaded and not iterated
+                yet: the loader cannot end an epoch it has not gone on with (resume from a state
+                saved after ``end_epoch()``).
 
         Example:
             >>> import torch
@@ -1996,17 +2009,29 @@ class SelectiveLoader(NotADataLoader):
             (1, False)
         """
         self._check_owner()
+        if self._fixed is not None:
+            # (its pass's iterator runs on between training epochs: closing it ended the run)
+            return
+        if self._unfinished is not None and self._unfinished[1]:
+            raise RuntimeError(
+                f"end_epoch(): the state loaded resumes epoch {self.epoch} part-way (it was "
+                "saved inside the loop), and this loader has not gone on with it yet, so it "
+                "cannot tell that epoch's rest apart from the next; iterate the loader to go on "
+                "with the epoch, or resume from a state saved after end_epoch()"
+            )
+        if self._saved_left is not None and self._saved_left == self.epoch:
+            # (that state, saved already, resumes the rest of the epoch: see _warn_left_saved)
+            self._warn_left_saved(self.epoch, before_end=True)
         live = self._live_iterator()
         if live is not None and live.running:
             live.close(resumable=False)
-            return
-        if self._fixed is not None or self._unfinished is None or self._unfinished[1]:
-            return
-        # (as _abandon closes an epoch for good: see there)
-        self._unfinished, self._left, self._share, self._saved_left = None, [], None, None
-        self._ahead = None
-        self.epoch += 1
-        self._source_state = None
+        elif self._unfinished is not None:
+            # (as _abandon closes an epoch for good: see there)
+            self._unfinished, self._left, self._share, self._ahead = None, [], None, None
+            self.epoch += 1
+            self._source_state = None
+        self._saved_left = None
+        self._peeked = None  # (left after one batch on purpose: a loop of one step per epoch)
 
     def takes_back(self, unconsumed: int = 1) -> bool:
         """Whether :meth:`state_dict` takes ``unconsumed`` now: an epoch is running (with

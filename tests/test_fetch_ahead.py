@@ -254,6 +254,59 @@ def test_a_loop_capping_its_epochs_ends_each_for_good_and_saves_the_next(where):
     assert resumed.epoch == run.epoch == 4
 
 
+def test_end_epoch_where_it_changes_nothing_warns_or_refuses():
+    """end_epoch() under batches_per_epoch does nothing (found by review: it closed the pass's
+    iterator, which runs on between training epochs, and the next training epoch raised); after
+    a state was saved it warns that the state resumes the epoch's rest; on a loaded mid-epoch
+    state not iterated yet it refuses (it did nothing, unsaid); a loop of one step per epoch
+    that ends each is not taken for a peek at a batch."""
+    g = torch.Generator().manual_seed(0)
+    data = ArrayDataset(torch.randn(150, 6, generator=g), torch.randint(0, 4, (150,), generator=g))
+
+    def build(**kwargs):
+        source = DataLoader(
+            data, batch_size=40, shuffle=True, generator=torch.Generator().manual_seed(1)
+        )
+        torch.manual_seed(0)
+        model = nn.Linear(6, 4)
+        return SelectiveLoader(
+            source, model, policy=SelectiveBackprop(0.5), batch_size=12, seed=0, **kwargs
+        )
+
+    fixed, reference = build(batches_per_epoch=3), build(batches_per_epoch=3)
+    seen, expected = [], [[b.indices.tolist() for b in reference] for _ in range(3)]
+    for _ in range(3):
+        seen.append([b.indices.tolist() for b in fixed])
+        fixed.end_epoch()
+    assert seen == expected
+
+    saved_first = setup()[0]
+    for _ in saved_first:
+        break
+    saved_first.state_dict()
+    with pytest.warns(UserWarning, match=r"end_epoch\(\) was called after it was saved"):
+        saved_first.end_epoch()
+
+    run = setup()[0]
+    it = iter(run)
+    next(it)
+    state = copy.deepcopy(run.state_dict())
+    it.close()
+    loaded = setup()[0]
+    loaded.load_state_dict(state)
+    with pytest.raises(RuntimeError, match=r"resumes epoch 0 part-way.*iterate the loader"):
+        loaded.end_epoch()
+
+    one_step = setup()[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            for _ in one_step:
+                break
+            one_step.end_epoch()
+    assert one_step.epoch == 3
+
+
 class Interrupt(Exception):
     """A training step that raised; ``ahead``: whether the caller had fetched a batch ahead."""
 
