@@ -432,9 +432,7 @@ def batches_at(source: Source, subset: np.ndarray | None, batch_size: int, rate:
                 "SelectiveLoader, or use a sized source such as a DataLoader over a "
                 "map-style dataset"
             )
-        # (a sized IterableDataset's last batch is short: its examples are len(dataset))
-        last = source.last_batch_size()
-        examples = n * bs if last is None or n < 1 else (n - 1) * bs + last
+        examples = _short_last_counted(source, n, bs) or n * bs
     elif (drawn := _full_batches_drawn(source)) is not None:
         # NOTE: epoch_size, the sampler's length, counts the dropped examples too; a subset's
         # share is taken of the drawn ones, as a filtering source drops them before filtering.
@@ -442,6 +440,14 @@ def batches_at(source: Source, subset: np.ndarray | None, batch_size: int, rate:
     if subset is not None and len(subset):
         examples *= np.count_nonzero(subset) / len(subset)
     return examples * rate / batch_size
+
+
+def _short_last_counted(source: Source, batches: int, bs: int) -> int | None:
+    """The examples of a pass of ``batches`` source batches of ``bs``, all full but the last,
+    whose size the source tells (a sized IterableDataset's: its examples are ``len(dataset)``);
+    None where it cannot tell it."""
+    last = source.last_batch_size()
+    return None if last is None or batches < 1 else (batches - 1) * bs + last
 
 
 def _full_batches_drawn(source: Source) -> int | None:
@@ -486,9 +492,9 @@ def pass_examples(source: Source, subset: np.ndarray | None, batch_size: int) ->
             raise TypeError(_unknown_pass(source))
         return drawn, False
     if size is None:
-        last = source.last_batch_size()
-        if bs and last is not None:  # full batches but the last
-            return (len(source) - 1) * bs + last, False
+        counted = _short_last_counted(source, len(source), bs) if bs else None
+        if counted is not None:  # full batches but the last
+            return counted, False
         if bs == batch_size:
             # Handed out as they are: as many batches as the source's (its last one's size
             # unknown, so not checked against min_batch_size), where they are full; a

@@ -874,9 +874,10 @@ class SelectiveLoader(NotADataLoader):
         # Whether a state saved mid-epoch that could not resume there was warned of.
         self._mid_epoch_warned = False
         self._unreported_warned = False  # (see _warn_unreported)
-        # The epoch left part-way in this run that a state (resuming its rest) was saved after,
-        # until the next epoch begins; and whether that was warned of (see _warn_left_saved).
-        self._saved_left: int | None = None
+        # Whether a state (resuming its rest) was saved after the epoch was left part-way in
+        # this run, until the next epoch begins; and whether that was warned of (see
+        # _warn_left_saved).
+        self._saved_left = False
         self._left_saved_warned = False
         # The source's state as of the last source batch consumed (see Source.snapshot); None:
         # ask the source.
@@ -1548,7 +1549,7 @@ class SelectiveLoader(NotADataLoader):
         # (taken before anything changes too: an index outside the data refuses the epoch, and
         # the reports stay held)
         reports = None if resumed else self._feedback.take(self._source.dataset_size)
-        saved_left, self._saved_left = self._saved_left, None
+        saved_left, self._saved_left = self._saved_left, False
         self._unfinished, self.epoch, self._left = None, epoch, []
         self._ended_state = None
         self._source.set_epoch(self.epoch)
@@ -1756,13 +1757,18 @@ class SelectiveLoader(NotADataLoader):
             if resumable:
                 self._unfinished = (it.position, False)
             else:
-                self._unfinished = None
-                self.epoch += 1
-                # NOTE: the source's state as it is now (its epoch closed), not the snapshot of
-                # the last batch consumed: a source with its own state (StatefulSource) then
-                # says its pass was left for good, and a state saved before the next epoch
-                # begins a new pass when loaded, as this run's next iter() does.
-                self._source_state = None
+                self._end_for_good()
+
+    def _end_for_good(self) -> None:
+        """The epoch left part-way ends here for good (``close(resumable=False)``,
+        :meth:`end_epoch`): states saved from now start the next epoch, taking nothing back."""
+        self._unfinished, self._left, self._share, self._ahead = None, [], None, None
+        self.epoch += 1
+        # NOTE: the source's state as it is now (its epoch closed), not the snapshot of the last
+        # batch consumed: a source with its own state (StatefulSource) then says its pass was
+        # left for good, and a state saved before the next epoch begins a new pass when loaded,
+        # as this run's next iter() does.
+        self._source_state = None
 
     def _end(self, it: EpochIterator) -> None:
         """``it`` finished its epoch."""
@@ -1835,10 +1841,11 @@ class SelectiveLoader(NotADataLoader):
             stacklevel=7,  # (the caller's loop: its next() of the epoch's iterator)
         )
 
-    def _warn_left_saved(self, left: int | None, before_end: bool = False) -> None:
-        """As the next epoch begins, warn (once) where a state was saved after the epoch before
-        it, ``left``, was left part-way: that state resumes the rest of epoch ``left``, and this
-        run goes on with the next one instead.
+    def _warn_left_saved(self, saved: bool, before_end: bool = False) -> None:
+        """As the next epoch begins, warn (once) where a state was ``saved`` after the epoch
+        before it was left part-way: that state resumes the rest of the epoch left, and this
+        run goes on with the next one instead; ``before_end``: as :meth:`end_epoch` ends the
+        epoch left (the current one) after such a state.
 
         NOTE: a state saved after ``break`` resumes the rest of the epoch left (a run that
         leaves its loop to save and stop, preempted, goes on from there, as torchdata's
@@ -1849,11 +1856,10 @@ class SelectiveLoader(NotADataLoader):
         unsaid (found by review). Which of the two a run means is known when it goes on here;
         :meth:`end_epoch` says it before the save.
         """
-        if left is None or self._left_saved_warned:
-            return
-        if not before_end and left != self.epoch - 1:
+        if not saved or self._left_saved_warned:
             return
         self._left_saved_warned = True
+        left = self.epoch if before_end else self.epoch - 1
         goes_on = (
             "end_epoch() was called after it was saved"
             if before_end
@@ -2019,18 +2025,14 @@ class SelectiveLoader(NotADataLoader):
                 "cannot tell that epoch's rest apart from the next; iterate the loader to go on "
                 "with the epoch, or resume from a state saved after end_epoch()"
             )
-        if self._saved_left is not None and self._saved_left == self.epoch:
-            # (that state, saved already, resumes the rest of the epoch: see _warn_left_saved)
-            self._warn_left_saved(self.epoch, before_end=True)
+        # (a state saved already resumes the rest of the epoch: see _warn_left_saved)
+        self._warn_left_saved(self._saved_left, before_end=True)
         live = self._live_iterator()
         if live is not None and live.running:
             live.close(resumable=False)
         elif self._unfinished is not None:
-            # (as _abandon closes an epoch for good: see there)
-            self._unfinished, self._left, self._share, self._ahead = None, [], None, None
-            self.epoch += 1
-            self._source_state = None
-        self._saved_left = None
+            self._end_for_good()
+        self._saved_left = False
         self._peeked = None  # (left after one batch on purpose: a loop of one step per epoch)
 
     def takes_back(self, unconsumed: int = 1) -> bool:
@@ -2279,7 +2281,7 @@ class SelectiveLoader(NotADataLoader):
         if warn:  # (once the state is taken: a refused one loses nothing)
             self._warn_unreported(stats["epochs"])
             if not unconsumed and self._unfinished is not None and not self._unfinished[1]:
-                self._saved_left = self.epoch  # (see _warn_left_saved)
+                self._saved_left = True  # (see _warn_left_saved)
         return state
 
     def _warn_unreported(self, epochs: list[dict[str, Any]]) -> None:
@@ -2355,7 +2357,7 @@ class SelectiveLoader(NotADataLoader):
         try:
             checked = self._checked(state)
             self._restore(checked)
-            self._left, self._ended_state, self._saved_left = [], None, None
+            self._left, self._ended_state, self._saved_left = [], None, False
         except BaseException:
             self._scorer.restore_precision(precision)
             self._restore(backup, rollback=True, resume=resumable)

@@ -18,7 +18,9 @@ from sbloader.datasets import ArrayDataset
 EPOCHS = 3
 
 
-def setup():
+def setup(**options):
+    """SB at 1/2 over 150 examples in source batches of 40, batches of 12 (``options``: the
+    SelectiveLoader's others), with its model and optimizer."""
     g = torch.Generator().manual_seed(0)
     data = ArrayDataset(torch.randn(150, 6, generator=g), torch.randint(0, 4, (150,), generator=g))
     torch.manual_seed(0)
@@ -26,7 +28,9 @@ def setup():
     source = DataLoader(
         data, batch_size=40, shuffle=True, generator=torch.Generator().manual_seed(1)
     )
-    loader = SelectiveLoader(source, model, policy=SelectiveBackprop(0.5), batch_size=12, seed=0)
+    loader = SelectiveLoader(
+        source, model, policy=SelectiveBackprop(0.5), batch_size=12, seed=0, **options
+    )
     return loader, model, torch.optim.SGD(model.parameters(), lr=0.5)
 
 
@@ -260,20 +264,7 @@ def test_end_epoch_where_it_changes_nothing_warns_or_refuses():
     a state was saved it warns that the state resumes the epoch's rest; on a loaded mid-epoch
     state not iterated yet it refuses (it did nothing, unsaid); a loop of one step per epoch
     that ends each is not taken for a peek at a batch."""
-    g = torch.Generator().manual_seed(0)
-    data = ArrayDataset(torch.randn(150, 6, generator=g), torch.randint(0, 4, (150,), generator=g))
-
-    def build(**kwargs):
-        source = DataLoader(
-            data, batch_size=40, shuffle=True, generator=torch.Generator().manual_seed(1)
-        )
-        torch.manual_seed(0)
-        model = nn.Linear(6, 4)
-        return SelectiveLoader(
-            source, model, policy=SelectiveBackprop(0.5), batch_size=12, seed=0, **kwargs
-        )
-
-    fixed, reference = build(batches_per_epoch=3), build(batches_per_epoch=3)
+    fixed, reference = setup(batches_per_epoch=3)[0], setup(batches_per_epoch=3)[0]
     seen, expected = [], [[b.indices.tolist() for b in reference] for _ in range(3)]
     for _ in range(3):
         seen.append([b.indices.tolist() for b in fixed])
