@@ -424,6 +424,41 @@ def scenario_rounds(rank: int, world_size: int) -> dict:
     loader.load_state_dict(state)
     crashed += [b.indices.tolist() for b in loader]
     res["crash_split"] = crashed
+
+    # A loop capping its steps per epoch (break after 3), ending each epoch with end_epoch()
+    # and saving a state as it ends, over uneven sources and a global CDF: a run resumed from
+    # the second epoch's state goes on with the uninterrupted run's third and fourth epochs.
+    def capped() -> SelectiveLoader:
+        sizes = [300, 120, 120]
+        ds = EncodedDataset(sum(sizes))
+        sampler = Block(sum(sizes), 0, 1, seed=rank)
+        sampler.indices = list(range(sum(sizes[:rank]), sum(sizes[: rank + 1])))
+        return SelectiveLoader(
+            DataLoader(ds, batch_size=10, sampler=sampler),
+            IndexLoss(),
+            policy=SelectiveBackprop(0.5, history=64),
+            batch_size=4,
+            cdf="global",
+            seed=0,
+        )
+
+    def capped_epochs(loader: SelectiveLoader, epochs: int) -> tuple[list, list]:
+        yielded, states = [], []
+        for _ in range(epochs):
+            epoch = []
+            for step, batch in enumerate(loader):
+                epoch.append(batch.indices.tolist())
+                if step == 2:
+                    break
+            loader.end_epoch()
+            yielded.append(epoch)
+            states.append(copy.deepcopy(loader.state_dict()))
+        return yielded, states
+
+    res["capped_whole"], states = capped_epochs(capped(), 4)
+    loader = capped()
+    loader.load_state_dict(states[1])
+    res["capped_resumed"], _ = capped_epochs(loader, 2)
     return res
 
 
@@ -1840,6 +1875,20 @@ def test_mid_epoch_resume_with_a_rank_that_loaded_nothing(rounds):
         assert len(r["resume_whole"][1]) > 5
         assert r["resume_split"] == r["resume_whole"]
         assert r["crash_split"] == r["resume_whole"][1]  # from a checkpoint the run went past
+
+
+def test_capped_epochs_ended_and_saved_resume_exactly_on_every_rank(rounds):
+    """A loop of 3 steps per epoch (``break``), ``end_epoch()`` and a state saved as each
+    epoch ends, on three ranks with uneven sources under a global CDF: every epoch yields 3
+    batches of 4 on every rank, epochs differ, and a run resumed from the second epoch's state
+    yields the uninterrupted run's third and fourth epochs on every rank."""
+    for r in rounds:
+        whole = r["capped_whole"]
+        assert [len(e) for e in whole] == [3] * 4
+        assert all(len(b) == 4 for e in whole for b in e)
+        assert len({str(e) for e in whole}) == 4
+        assert r["capped_resumed"] == whole[2:]
+    assert len({str(r["capped_whole"]) for r in rounds}) == 3  # each rank its own examples
 
 
 def test_reduce_stats_sums_counts_and_takes_the_slowest_time(rounds):
