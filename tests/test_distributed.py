@@ -381,7 +381,7 @@ def scenario_rounds(rank: int, world_size: int) -> dict:
 
     # Mid-epoch resume while rank 0 has loaded nothing in the epoch (its position is 0) and
     # yields only what it carried: the same batches as an uninterrupted run, and no hang.
-    def resumable() -> SelectiveLoader:
+    def uneven(policy) -> SelectiveLoader:
         sizes = [300, 120, 120]  # rank 0 carries a large surplus out of epoch 0
         ds = EncodedDataset(sum(sizes))
         sampler = Block(sum(sizes), 0, 1, seed=rank)
@@ -389,11 +389,14 @@ def scenario_rounds(rank: int, world_size: int) -> dict:
         return SelectiveLoader(
             DataLoader(ds, batch_size=10, sampler=sampler),
             IndexLoss(),
-            policy=RejectInEpoch(1.0, epoch=1, reject=rank == 0),
+            policy=policy,
             batch_size=4,
             cdf="global",  # a drain round starts with an exchange: misaligned rounds hang
             seed=0,
         )
+
+    def resumable() -> SelectiveLoader:
+        return uneven(RejectInEpoch(1.0, epoch=1, reject=rank == 0))
 
     whole = resumable()
     res["resume_whole"] = [[b.indices.tolist() for b in whole] for _ in range(2)]
@@ -429,18 +432,7 @@ def scenario_rounds(rank: int, world_size: int) -> dict:
     # and saving a state as it ends, over uneven sources and a global CDF: a run resumed from
     # the second epoch's state goes on with the uninterrupted run's third and fourth epochs.
     def capped() -> SelectiveLoader:
-        sizes = [300, 120, 120]
-        ds = EncodedDataset(sum(sizes))
-        sampler = Block(sum(sizes), 0, 1, seed=rank)
-        sampler.indices = list(range(sum(sizes[:rank]), sum(sizes[: rank + 1])))
-        return SelectiveLoader(
-            DataLoader(ds, batch_size=10, sampler=sampler),
-            IndexLoss(),
-            policy=SelectiveBackprop(0.5, history=64),
-            batch_size=4,
-            cdf="global",
-            seed=0,
-        )
+        return uneven(SelectiveBackprop(0.5, history=64))
 
     def capped_epochs(loader: SelectiveLoader, epochs: int) -> tuple[list, list]:
         yielded, states = [], []
