@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import warnings
 import weakref
 from collections.abc import Callable, Hashable, Sequence
@@ -29,6 +28,13 @@ from ._checks import (
     check_float,
     check_int,
     indices_needed,
+)
+from ._epoch_warnings import (
+    backlog_warning,
+    drifted_backlog,
+    left_saved_warning,
+    nothing_yielded_warning,
+    peek_warning,
 )
 from ._loader_checks import (
     check_memory_format,
@@ -1814,29 +1820,13 @@ class SelectiveLoader(NotADataLoader):
 
     def _warn_peek(self) -> None:
         """As the next epoch begins, warn (once) where the run's first epoch was left after at
-        most one batch: a look at a batch before training (``next(iter(loader))``, as over a
-        DataLoader, where it changes nothing) ended epoch 0, so that training begins at epoch 1.
-
-        NOTE: not told apart from a loop that breaks after one step (an epoch left part-way
-        counts as ended, which ``limit_train_batches`` and step-counted loops need), so a
-        warning, not another rule: the default policy's Random-Backprop epoch, which keeps
-        loss-based selection from collapsing from a random initialisation, was skipped unsaid,
-        and a schedule keyed on ``loader.progress`` began at 1.0. Said as epoch 1 begins, not
-        as epoch 0 is left: a peeked iterator is left when it is collected, which for one in a
-        reference cycle is whenever the garbage collector runs, anywhere in the program. (Under
-        ``batches_per_epoch`` a training epoch left part-way leaves its pass running, so it is
-        never noted.)
-        """
+        most one batch (see :func:`~sbloader._epoch_warnings.peek_warning`)."""
         peeked, self._peeked = self._peeked, None
         if peeked is None or self.epoch != 1:
             return
         self._peek_warned = True
         warnings.warn(
-            f"epoch 0 was left after {peeked} batch (a look at a batch with "
-            "next(iter(loader))?), so it counted as ended, as after break: this epoch is epoch "
-            f"1, past the policy's first epoch ({self.policy!r}), with loader.progress at 1.0; to "
-            "look at a batch before training, take one from the source "
-            "(next(iter(train_loader))), or build the SelectiveLoader again after looking",
+            peek_warning(peeked, self.policy),
             UserWarning,
             stacklevel=7,  # (the caller's loop: its next() of the epoch's iterator)
         )
@@ -1845,41 +1835,25 @@ class SelectiveLoader(NotADataLoader):
         """As the next epoch begins, warn (once) where a state was ``saved`` after the epoch
         before it was left part-way: that state resumes the rest of the epoch left, and this
         run goes on with the next one instead; ``before_end``: as :meth:`end_epoch` ends the
-        epoch left (the current one) after such a state.
-
-        NOTE: a state saved after ``break`` resumes the rest of the epoch left (a run that
-        leaves its loop to save and stop, preempted, goes on from there, as torchdata's
-        StatefulDataLoader does), but a loop that caps its steps per epoch and saves as each
-        epoch ends (torchtune's ``max_steps_per_epoch``; Accelerate's scripts, which resume such
-        a checkpoint at the next epoch) means the next epoch: resumed, it went on a pass behind
-        its run for good, every batch after it different and the annealed pass never reached,
-        unsaid (found by review). Which of the two a run means is known when it goes on here;
-        :meth:`end_epoch` says it before the save.
-        """
+        epoch left (the current one) after such a state (see
+        :func:`~sbloader._epoch_warnings.left_saved_warning`)."""
         if not saved or self._left_saved_warned:
             return
         self._left_saved_warned = True
-        left = self.epoch if before_end else self.epoch - 1
-        goes_on = (
-            "end_epoch() was called after it was saved"
+        message = (
+            left_saved_warning(self.epoch, None)
             if before_end
-            else f"this run goes on with epoch {self.epoch}"
+            else left_saved_warning(self.epoch - 1, self.epoch)
         )
         warnings.warn(
-            f"a state was saved after epoch {left} was left part-way (break), and it resumes "
-            f"the rest of epoch {left}, but {goes_on}: a run resumed from that state would go "
-            "on a pass behind this one. A loop that leaves each epoch part-way (a cap on steps "
-            "per epoch) and saves as each epoch ends should call loader.end_epoch() after "
-            "leaving the loop, before saving (the state then starts the next epoch, as this run "
-            "does); to resume an epoch part-way, save inside the loop",
+            message,
             UserWarning,
             stacklevel=3 if before_end else 7,  # (the caller's call, or its loop's next())
         )
 
     def _warn_nothing_yielded(self, stats: EpochStats) -> None:
-        """Warn (once) where an epoch that kept examples yielded no batch: all it kept was
-        dropped at its end (fewer than ``batch_size`` under ``remainder="drop"``, or fewer than
-        ``min_batch_size``), so a training loop over it took no step. (With
+        """Warn (once) where an epoch that kept examples yielded no batch (see
+        :func:`~sbloader._epoch_warnings.nothing_yielded_warning`). (With
         ``batches_per_epoch`` a training epoch spans passes, and passes that never fill a
         batch are refused instead: see ``length.FixedEpochIterator``.)"""
         if self._nothing_warned or self._fixed is not None:
@@ -1887,57 +1861,30 @@ class SelectiveLoader(NotADataLoader):
         if stats.batches_yielded or not stats.dropped:
             return
         self._nothing_warned = True
-        fix = (
-            "pass a smaller batch_size, remainder='carry' (kept examples wait for the next "
-            "epoch) or remainder='short' (a last, shorter batch), or keep more (a larger "
-            "selectivity)"
-            if self.remainder == "drop"
-            else f"a batch smaller than min_batch_size={self.min_batch_size} is never yielded: "
-            "give the epoch more examples to keep (more data, a larger selectivity), or pass a "
-            "smaller min_batch_size where the model allows it"
-        )
         warnings.warn(
-            f"epoch {stats.epoch} yielded no batch: the {stats.dropped} examples it kept were "
-            f"dropped at its end, fewer than a batch (batch_size={self.batch_size}, "
-            f"remainder={self.remainder!r}, min_batch_size={self.min_batch_size}), so a loop "
-            f"over it trained on nothing (and will in every epoch that keeps as few); {fix}",
+            nothing_yielded_warning(
+                stats.epoch, stats.dropped, self.batch_size, self.remainder, self.min_batch_size
+            ),
             UserWarning,
             stacklevel=6,  # the caller's loop (through the iterator's steps)
         )
 
     def _warn_backlog(self, stats: EpochStats) -> None:
         """Warn (once) where this rank carries many more selected examples into the next epoch
-        than ranks that differ by chance would.
-
-        NOTE: every rank yields as many batches as the fewest has ready, so a rank that selects
-        more keeps its surplus pending under ``remainder="carry"`` (trained first in the next
-        epoch). Ranks with equal shares and rates still drift apart by chance, as random walks
-        do: the difference grows as the square root of the examples selected (an SB keep is a
-        coin flip per candidate), about 3 of those units for 8 ranks. A rank with a larger
-        share of the data or a higher selection rate drifts linearly instead, and its backlog
-        (memory, and ever staler selections) grows without bound. The warning fires beyond 12
-        such units (and four batches, and a quarter of the epoch's yield): not for a chance
-        difference, but within a few epochs for a rank that selects a tenth more.
-        """
+        than ranks that differ by chance would (see
+        :func:`~sbloader._epoch_warnings.drifted_backlog`)."""
         sync = self._sync
         if sync is None or self.remainder != "carry" or self._backlog_warned:
             return
         carried = len(self._pending)
-        if carried <= max(4 * self.batch_size, stats.examples_yielded // 4):
-            return
         selected = sum(e.examples_selected for e in self.stats.epochs)
-        if carried <= 12 * math.sqrt(selected):
+        if not drifted_backlog(carried, self.batch_size, stats.examples_yielded, selected):
             return
         self._backlog_warned = True
         warnings.warn(
-            f"rank {sync.rank} of {sync.world_size} carries {carried} selected examples into "
-            f"epoch {stats.epoch + 1} (it yielded {stats.examples_yielded} in epoch "
-            f"{stats.epoch}), more than the ranks' selections differ by chance: every rank "
-            "yields as many batches as the fewest has ready, so a rank that selects more than "
-            "the others keeps its surplus pending, and where its share of the data or its "
-            "selection rate stays larger that backlog grows every epoch; give every rank an "
-            "equal share (sampler=DistributedSampler(dataset)), or pass remainder='drop' "
-            "(counted in loader.stats, dropped) or remainder='short'",
+            backlog_warning(
+                sync.rank, sync.world_size, carried, stats.examples_yielded, stats.epoch
+            ),
             UserWarning,
             stacklevel=6,  # the caller's loop (through the iterator's steps)
         )
