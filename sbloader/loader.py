@@ -168,7 +168,10 @@ class SelectiveLoader(NotADataLoader):
             :mod:`sbloader.distributed`). With
             ``frozen_prefix``, the trainable part that runs on the prefix's outputs (the head).
         loss_fn: per-example loss, ``loss_fn(model(inputs), targets)`` of shape ``(B,)``.
-            Default ``nn.CrossEntropyLoss(reduction="none")``.
+            Default ``nn.CrossEntropyLoss(reduction="none")``, for class labels (or class
+            probabilities); a cross-entropy over outputs of one class (a binary classifier of
+            one logit) or over multi-hot targets (rows not summing to 1) is refused on the
+            first batch, naming a per-example BCE to pass instead.
         policy: the selection policy. Default :func:`~sbloader.policies.default_policy`: one
             Random-Backprop epoch at 1/3, then Stale-SB at 1/3 with a selection pass every
             third epoch (every tenth while the training loop reports its losses with

@@ -28,6 +28,7 @@ from .quantize import Int8Unavailable, QuantizedSelector
 from .selection import (
     FieldsForward,
     SelectionForward,
+    check_class_targets,
     concrete_device,
     downsample,
     features_as_float,
@@ -147,6 +148,7 @@ class Scorer:
         self.fallback_autocast = fallback_autocast
         self.precision = precision
         self._fields_checked = False
+        self._targets_checked = False  # (see _check_targets)
         #: Whether a selection pass copies its losses to the host (False: decisions="device").
         self.host_values = True
         # A pass's CUDA events and host seconds, while its GPU time is not yet known (only with
@@ -305,6 +307,7 @@ class Scorer:
             )
         except IndexError as e:
             self._blame_selector(e)
+        self._check_targets(targets)
         self._keep_template(inputs, targets, batch)
         if logits is not None:
             self.logits_shape = tuple(logits.shape[1:])
@@ -367,10 +370,19 @@ class Scorer:
             # then end before the first selection pass failed. The row of the largest class
             # label of the batch is probed too (once per run, a selector only).
             self._probe_rows(model, inputs, targets, batch, top, top + 1)
+        self._check_targets(targets)
         self._keep_template(inputs, targets, batch)
         values = _to_host(losses)
         # Only finite ones, as a selection pass hands the policy (nonfinite= decides the rest).
         return values[np.isfinite(values)]
+
+    def _check_targets(self, targets: Any) -> None:
+        """Refuse, once a first selection forward has run (so that a model refusing its inputs
+        is named first), targets the cross-entropy ``loss_fn`` cannot rank by (see
+        :func:`~sbloader.selection.check_class_targets`); checked until they pass."""
+        if not self._targets_checked:
+            check_class_targets(self.loss_fn, targets)
+            self._targets_checked = True
 
     def _probe_rows(
         self, model: nn.Module, inputs: Any, targets: Any, batch: Any, start: int, stop: int

@@ -25,6 +25,8 @@ __all__ = [
     "Forward",
     "Output",
     "SelectionForward",
+    "check_class_outputs",
+    "check_class_targets",
     "check_forward",
     "check_loss_fn",
     "check_output",
@@ -206,6 +208,91 @@ def check_loss_fn(loss_fn: Callable[..., torch.Tensor]) -> None:
             f"reduction={reduction!r}; pass reduction='none', e.g. "
             "nn.CrossEntropyLoss(reduction='none')"
         )
+
+
+_BINARY_LOSS = (
+    "lambda out, y: F.binary_cross_entropy_with_logits(out, y.float().view_as(out), "
+    "reduction='none').flatten(1).mean(1)"
+)
+
+
+def check_class_outputs(loss_fn: Callable[..., Any], outputs: Any, source: str) -> None:
+    """Refuse cross-entropy over ``outputs`` of one class (shape ``(m, 1, ...)``: a binary
+    classifier of one logit): its loss is 0 for every example, whatever the model predicts.
+
+    NOTE: nothing else refused it: the losses have the right shape, so a selection pass ranked
+    ties, SB "keeping a third" kept every candidate (a Traditional run paying for selection
+    passes, unsaid), and a user training with BCE was never told that the default ``loss_fn``
+    is cross-entropy (found by review). A shape check: no values are read.
+
+    Raises:
+        ValueError: ``loss_fn`` is an ``nn.CrossEntropyLoss`` and ``outputs`` have one class.
+
+    Example:
+        >>> ce = nn.CrossEntropyLoss(reduction="none")
+        >>> check_class_outputs(ce, torch.zeros(4, 2), "the model")  # two classes: fine
+        >>> check_class_outputs(ce, torch.zeros(4, 1), "the model")
+        Traceback (most recent call last):
+            ...
+        ValueError: loss_fn is nn.CrossEntropyLoss (the default one unless you passed it), ...
+    """
+    if not isinstance(loss_fn, nn.CrossEntropyLoss) or not isinstance(outputs, torch.Tensor):
+        return
+    if outputs.dim() < 2 or outputs.shape[1] != 1:
+        return
+    raise ValueError(
+        "loss_fn is nn.CrossEntropyLoss (the default one unless you passed it), but "
+        f"{source} returned outputs of shape {tuple(outputs.shape)}: one class, whose "
+        "cross-entropy is 0 for every example whatever the model predicts, so the selection "
+        "would rank only ties; for a binary classifier of one logit pass the loss you train "
+        f"with, per example, e.g. loss_fn={_BINARY_LOSS} (or give the model two outputs)"
+    )
+
+
+def check_class_targets(loss_fn: Callable[..., Any], targets: Any) -> None:
+    """Refuse floating ``targets`` of two or more dimensions for an ``nn.CrossEntropyLoss``
+    (which takes them as class probabilities) whose rows do not sum to 1: multi-hot labels of a
+    multi-label task, or scores that are not probabilities.
+
+    NOTE: cross-entropy against a multi-hot row is not the multi-label loss trained (BCE): a
+    row with no positive label scores 0 whatever the model predicts, so such examples were
+    never selected, and the rest ranked by a loss unrelated to training, unsaid (found by
+    review). Soft labels (label smoothing, mixup) sum to 1 and pass. Read once, on the first
+    source batch (one copy of a row sum from the device).
+
+    Raises:
+        ValueError: where such a row is found.
+
+    Example:
+        >>> ce = nn.CrossEntropyLoss(reduction="none")
+        >>> check_class_targets(ce, torch.tensor([[0.9, 0.1], [0.5, 0.5]]))  # probabilities
+        >>> check_class_targets(ce, torch.tensor([[1.0, 1.0], [0.0, 0.0]]))
+        Traceback (most recent call last):
+            ...
+        ValueError: loss_fn is nn.CrossEntropyLoss (the default one unless you passed it), ...
+    """
+    if not isinstance(loss_fn, nn.CrossEntropyLoss) or not isinstance(targets, torch.Tensor):
+        return
+    if not targets.is_floating_point() or targets.dim() < 2 or targets.shape[0] == 0:
+        return
+    if targets.shape[1] == 1:  # (one class: refused by check_class_outputs, as binary)
+        return
+    sums = targets.detach().float().sum(dim=1)
+    off = (sums - 1).abs()
+    worst = int(off.flatten().argmax())
+    if float(off.flatten()[worst]) <= 1e-2:
+        return
+    raise ValueError(
+        "loss_fn is nn.CrossEntropyLoss (the default one unless you passed it), which takes "
+        f"floating targets as class probabilities, but the targets (shape "
+        f"{tuple(targets.shape)}) have rows that do not sum to 1 (one sums to "
+        f"{float(sums.flatten()[worst]):.4g}): multi-hot labels, whose cross-entropy is not a "
+        "multi-label loss (a row without a positive label scores 0 whatever the model "
+        "predicts); pass the loss you train with, per example, e.g. "
+        "loss_fn=lambda out, y: F.binary_cross_entropy_with_logits(out, y, "
+        "reduction='none').mean(1), or, where that field is not the loss target (a mask), "
+        "target_key= the target's field"
+    )
 
 
 class FieldsForward:
@@ -630,6 +717,7 @@ def selection_outputs(
                     "model's outputs, one row per example, for loss_fn(outputs, targets); "
                     + _scalar_fix(output, custom)
                 )
+            check_class_outputs(loss_fn, loss_input, source)
             try:
                 out = loss_fn(loss_input, y)
             except (RuntimeError, ValueError) as e:

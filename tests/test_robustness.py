@@ -1771,6 +1771,76 @@ def test_a_loss_reduced_over_the_wrong_axis_fails_before_the_warm_up_whatever_th
         assert loader.stats.current.examples_yielded == 0, classes
 
 
+def binary_and_multilabel(kind: str) -> tuple[torch.Tensor, torch.Tensor, nn.Module]:
+    """Inputs, targets and a model: a binary classifier of one logit over ``(B, 1)`` float
+    labels, or a multi-label one over multi-hot ``(B, 5)`` rows (a third with no label)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(240, 6, generator=g)
+    if kind == "binary":
+        return x, (x @ torch.randn(6, generator=g) > 0).float()[:, None], nn.Linear(6, 1)
+    y = (torch.rand(240, 5, generator=g) < 0.2).float()
+    y[::3] = 0
+    return x, y, nn.Linear(6, 5)
+
+
+@pytest.mark.parametrize("warmup, overlap", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize(
+    "kind, match",
+    [
+        ("binary", r"outputs of shape \(\d+, 1\): one class, whose cross-entropy is 0"),
+        ("multilabel", r"targets \(shape \(40, 5\)\) have rows that do not sum to 1"),
+    ],
+)
+def test_the_default_cross_entropy_over_binary_or_multilabel_targets_is_refused(
+    kind, match, warmup, overlap
+):
+    """The default loss_fn, cross-entropy, over one logit is 0 for every example (SB "keeping
+    a third" kept every candidate, unsaid), and over multi-hot rows scores 0 every row without
+    a label whatever the model predicts: each is refused on the first source batch, also
+    before a Random-Backprop warm-up and with passes on the selection thread, naming loss_fn=;
+    the loss it names then selects."""
+    x, y, model = binary_and_multilabel(kind)
+    dl = DataLoader(ArrayDataset(x, y), batch_size=40)
+    policy = (
+        Phased(SelectiveBackprop(1 / 3), warmup_epochs=1, warmup_policy=RandomBackprop(1 / 3))
+        if warmup
+        else SelectiveBackprop(1 / 3)
+    )
+    options = dict(policy=policy, batch_size=8, seed=0, overlap_selection=overlap)
+    loader = SelectiveLoader(dl, model, **options)
+    with pytest.raises(ValueError, match=f"loss_fn is nn.CrossEntropyLoss.*{match}.*loss_fn="):
+        next(iter(loader))
+    assert loader.stats.current.examples_yielded == 0 and model.training
+
+    def bce(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # the fixes named
+        losses = nn.functional.binary_cross_entropy_with_logits(
+            out, t.float().view_as(out), reduction="none"
+        )
+        return losses.flatten(1).mean(1)
+
+    loader = SelectiveLoader(dl, model, loss_fn=bce, policy=SelectiveBackprop(1 / 3), seed=0)
+    batches = list(loader)
+    losses = torch.cat([b.losses for b in batches])
+    with torch.no_grad():
+        expected = bce(model(x), y)
+    indices = torch.cat([torch.as_tensor(b.indices) for b in batches])
+    assert torch.allclose(losses, expected[indices])
+    assert len(losses.unique()) == len(losses)  # (no ties: a loss that ranks)
+    assert 0.15 < loader.stats.current.selection_rate < 0.55
+
+
+def test_soft_labels_summing_to_one_pass_the_cross_entropy_check():
+    """Label smoothing and mixup targets are class probabilities (rows summing to 1, in
+    float16 too): taken by the default cross-entropy as they are."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 6, generator=g)
+    soft = torch.softmax(torch.randn(40, 3, generator=g), dim=1).half()
+    dl = DataLoader(ArrayDataset(x, soft), batch_size=20)
+    loader = SelectiveLoader(dl, nn.Linear(6, 3), policy=SelectiveBackprop(0.5), batch_size=5)
+    batches = list(loader)
+    assert batches and all(torch.isfinite(b.losses).all() for b in batches)
+
+
 def test_the_first_batch_check_runs_in_eval_mode_with_eval_selection_false():
     """The check of a warm-up's first source batch changes nothing, also with
     ``eval_selection=False``: no BatchNorm statistics updated (a resume in the warm-up checks
