@@ -139,8 +139,9 @@ class FeatureCache:
     def follow(self, prefix: nn.Module, epoch: int) -> None:
         """Once per epoch: empty the cache where the prefix changed since the rows were
         computed: its parameters or buffers changed in place (``load_state_dict``, an in-place
-        update), were cast to another dtype or moved to another device (``prefix.to(...)``,
-        ``prefix.half()``), or one of its layers was replaced (also by one without parameters),
+        update) or were given new data (``p.data = ...``), were cast to another dtype or moved
+        to another device (``prefix.to(...)``, ``prefix.half()``), or one of its layers was
+        replaced (also by one without parameters),
         so that they are computed again by the prefix as it is now (and stored in its outputs'
         dtype).
 
@@ -152,6 +153,8 @@ class FeatureCache:
         a prefix cast to float64 was handed its float32 rows, and its float64 head failed in
         the selection pass (``mat1 and mat2 must have the same dtype``). A replaced layer
         without parameters (an activation) changes no tensor: the modules are compared too.
+        Weights assigned through ``.data`` (``nn.utils.vector_to_parameters``) keep both the
+        identity and the version: the storage's address is compared too (found by review).
         """
         if self._followed_epoch == epoch:
             return
@@ -159,7 +162,7 @@ class FeatureCache:
         tensors = (*prefix.parameters(), *prefix.buffers())
         signature = (
             tuple((id(m), type(m)) for m in prefix.modules()),
-            tuple((id(t), t._version, t.dtype, t.device) for t in tensors),
+            tuple((id(t), t._version, t.data_ptr(), t.dtype, t.device) for t in tensors),
         )
         if self._signature is not None and signature != self._signature:
             self.filled[:] = False
