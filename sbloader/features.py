@@ -141,9 +141,8 @@ class FeatureCache:
         computed: its parameters or buffers changed in place (``load_state_dict``, an in-place
         update) or were given new data (``p.data = ...``), were cast to another dtype or moved
         to another device (``prefix.to(...)``, ``prefix.half()``), or one of its layers was
-        replaced (also by one without parameters),
-        so that they are computed again by the prefix as it is now (and stored in its outputs'
-        dtype).
+        replaced (also by one without parameters), so that they are computed again by the
+        prefix as it is now (and stored in its outputs' dtype).
 
         NOTE: before, rows computed by the old weights were handed out as the new prefix's
         features: silently where the weights changed little, else :meth:`check` refused them

@@ -277,16 +277,15 @@ def check_class_targets(loss_fn: Callable[..., Any], targets: Any) -> None:
         return
     if targets.shape[1] == 1:  # (one class: refused by check_class_outputs, as binary)
         return
-    sums = targets.detach().float().sum(dim=1)
-    off = (sums - 1).abs()
-    worst = int(off.flatten().argmax())
-    if float(off.flatten()[worst]) <= 1e-2:
+    sums = targets.detach().float().sum(dim=1).flatten().cpu()  # (the one copy to the host)
+    worst = int((sums - 1).abs().argmax())
+    if abs(float(sums[worst]) - 1) <= 1e-2:
         return
     raise ValueError(
         "loss_fn is nn.CrossEntropyLoss (the default one unless you passed it), which takes "
         f"floating targets as class probabilities, but the targets (shape "
         f"{tuple(targets.shape)}) have rows that do not sum to 1 (one sums to "
-        f"{float(sums.flatten()[worst]):.4g}): multi-hot labels, whose cross-entropy is not a "
+        f"{float(sums[worst]):.4g}): multi-hot labels, whose cross-entropy is not a "
         "multi-label loss (a row without a positive label scores 0 whatever the model "
         "predicts); pass the loss you train with, per example, e.g. "
         "loss_fn=lambda out, y: F.binary_cross_entropy_with_logits(out, y, "
