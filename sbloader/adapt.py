@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from ._types import is_a
 from .ffcv import FFCVSource, is_ffcv_loader
 from .sources import DataLoaderSource, IterableSource, Source
-from .stateful import StatefulSource
+from .stateful import SHARED_GENERATOR, StatefulSource, sampler_shares_generator
 
 __all__ = ["make_source"]
 
@@ -77,6 +77,11 @@ def _adapt(source: Any, index_key: Hashable | None, dataset_size: int | None) ->
 
         return StreamingSource(source, index_key, dataset_size)
     if is_a(source, "torchdata", "StatefulDataLoader"):
+        if not isinstance(source.dataset, IterableDataset) and sampler_shares_generator(source):
+            # NOTE: warned, not refused: the run itself is right; only a resume from one of its
+            # states strays (from the epoch after the resumed one), which the user can avoid
+            # before there is a state to lose. stacklevel 4: as below.
+            warnings.warn(SHARED_GENERATOR, UserWarning, stacklevel=4)
         return StatefulSource(source, index_key, dataset_size)
     if isinstance(source, DataLoader) and not isinstance(source.dataset, IterableDataset):
         if index_key is not None:

@@ -41,6 +41,41 @@ def _map_style(loader: Any) -> bool:
     return isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset)
 
 
+def sampler_shares_generator(loader: Any) -> bool:
+    """Whether ``loader``'s sampler draws from the loader's own ``generator`` (as torchdata's
+    ``StatefulDataLoader(shuffle=True, generator=g)`` builds it).
+
+    Example:
+        >>> import torch
+        >>> from torchdata.stateful_dataloader import StatefulDataLoader
+        >>> from torchdata.stateful_dataloader.sampler import RandomSampler
+        >>> data, g = list(range(4)), torch.Generator()
+        >>> sampler_shares_generator(StatefulDataLoader(data, shuffle=True, generator=g))
+        True
+        >>> own = RandomSampler(data, generator=g)
+        >>> sampler_shares_generator(StatefulDataLoader(data, sampler=own))
+        False
+    """
+    generator = getattr(loader, "generator", None)
+    if generator is None:
+        return False
+    batches = getattr(loader, "batch_sampler", None)
+    samplers = (getattr(loader, "sampler", None), getattr(batches, "sampler", None))
+    return any(getattr(s, "generator", None) is generator for s in samplers)
+
+
+#: Said where a StatefulDataLoader's sampler shares the loader's generator.
+SHARED_GENERATOR = (
+    "the StatefulDataLoader's sampler draws from the loader's own generator "
+    "(shuffle=True, generator=g): torchdata's state restores the sampler's draws from it but "
+    "not the loader's own draw (each epoch's base seed, drawn after the shuffle), so a resumed "
+    "run's following epochs come in another order than an uninterrupted run's (torchdata 0.11); "
+    "give the sampler a generator of its own, "
+    "sampler=torchdata.stateful_dataloader.sampler.RandomSampler(dataset, generator=g), and "
+    "no generator= to the loader, to resume exactly"
+)
+
+
 def _indexed_twin(loader: DataLoader) -> DataLoader:
     """A loader of ``loader``'s own class over its dataset with indices, yielding
     ``(indices, batch)``: the same sampler objects, so its state is the user's loader's."""

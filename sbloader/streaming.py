@@ -287,9 +287,17 @@ def open_mds(
     return StreamingDataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
 
 
-#: The StreamingDataset settings that decide its order besides its own state (see
-#: StreamingSource.load_state_dict).
-_ORDER = ("shuffle", "shuffle_algo", "shuffle_block_size", "sampling_method", "batching_method")
+#: The StreamingDataset settings that decide its order (see StreamingSource.load_state_dict).
+_ORDER = (
+    "shuffle",
+    "shuffle_seed",
+    "shuffle_algo",
+    "shuffle_block_size",
+    "sampling_method",
+    "batching_method",
+)
+#: The name open_mds gives a setting, where it differs from the StreamingDataset's.
+_OPEN_MDS_NAMES = {"shuffle_seed": "seed"}
 
 
 class StreamingSource(StatefulSource):
@@ -366,8 +374,7 @@ class StreamingSource(StatefulSource):
         )
 
     def _order(self) -> dict[str, Any]:
-        """The ``StreamingDataset`` settings that decide each epoch's order and that its own
-        state does not hold (it holds the shuffle seed and the canonical nodes)."""
+        """The ``StreamingDataset`` settings that decide each epoch's order."""
         dataset = self.loader.dataset
         return {key: getattr(dataset, key) for key in _ORDER if hasattr(dataset, key)}
 
@@ -376,22 +383,28 @@ class StreamingSource(StatefulSource):
 
     def load_state_dict(self, state: dict[str, Any], mid_epoch: bool = False) -> None:
         """Restore :meth:`state_dict`; refuses (``ValueError`` naming the setting) a state saved
-        from a ``StreamingDataset`` with another ``shuffle``, ``shuffle_algo``,
-        ``shuffle_block_size``, ``sampling_method`` or ``batching_method``.
+        from a ``StreamingDataset`` with another ``shuffle``, ``shuffle_seed`` (``open_mds``'s
+        ``seed``), ``shuffle_algo``, ``shuffle_block_size``, ``sampling_method`` or
+        ``batching_method``.
 
-        NOTE: streaming's own state holds the samples seen in the epoch and the shuffle seed,
-        not whether or how it shuffles: resumed with another order, a mid-epoch state skipped
-        the first samples of that other order (repeating some examples and never yielding
-        others), and every later epoch was another run's, with nothing said.
+        NOTE: streaming's own state holds the samples seen in the epoch, not whether or how it
+        shuffles: resumed with another order, a mid-epoch state skipped the first samples of
+        that other order (repeating some examples and never yielding others), and every later
+        epoch was another run's, with nothing said. It holds the shuffle seed, and a resume
+        takes the saved seed over the dataset's own: a state from ``seed=0`` loaded into a
+        loader built with ``seed=1`` ran the seed-0 order for the rest of the run, the seed the
+        user gave ignored. So the seed is compared too (states saved before it was are
+        compared on the others).
         """
         saved, own = state.get("order") or {}, self._order()  # (absent from older states)
         for key, value in saved.items():
             if key in own and own[key] != value:
+                name = _OPEN_MDS_NAMES.get(key, key)
                 raise ValueError(
                     f"the saved {type(self).__name__} state was saved from a StreamingDataset "
                     f"with {key}={value!r}, but this one has {key}={own[key]!r}: the order of "
                     "every epoch would differ from the saved run's; build the dataset with "
-                    f"{key}={value!r} (open_mds(..., {key}=...)) to resume it"
+                    f"{key}={value!r} (open_mds(..., {name}={value!r})) to resume it"
                 )
         super().load_state_dict(state, mid_epoch)
 

@@ -245,6 +245,29 @@ def test_max_steps_before_the_anneal_without_batches_per_epoch_warns_and_its_fix
     assert fixed.rates[-1] == 1.0  # annealed by the end
 
 
+def test_max_steps_the_epochs_do_not_reach_without_a_length_warns_and_its_fix_counts():
+    """Without len() Lightning estimates a run as max_steps whatever max_epochs says (with a
+    length it takes the smaller), so a schedule sized by estimated_stepping_batches was cut
+    short where the epochs ended first, unsaid. It warns, saying how many steps the epochs are
+    expected to make; with batches_per_epoch="expected" the estimate is the run's steps."""
+    # 512 examples, SB keeping a half in batches of 24: about 10.7 batches a pass, 32 in 3
+    with pytest.warns(UserWarning, match=r"max_steps=40 .* about 32 optimizer steps"):
+        t = trainer(epochs=3, max_steps=40)
+        module = Classifier()
+        t.fit(module)
+    assert t.estimated_stepping_batches == 40
+    assert 24 <= t.global_step < 40  # the epochs did end the run first
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "Trainer.estimated_stepping_batches", UserWarning)
+        counted = trainer(epochs=3, max_steps=40)
+        counted.fit(Classifier(batches_per_epoch="expected"))
+        assert counted.estimated_stepping_batches == counted.global_step == 33
+        reached = trainer(epochs=3, max_steps=20)  # (the epochs reach it: silent)
+        reached.fit(Classifier())
+        assert reached.global_step == 20
+
+
 class Reporting(Classifier):
     """Reports each step's per-example losses, as the README's loop does."""
 

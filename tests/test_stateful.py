@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -597,3 +598,59 @@ def test_a_state_of_another_kind_of_source_is_refused_naming_both():
         plain.load_state_dict(stateful)
     with pytest.raises(ValueError, match=r"source='DataLoaderSource'.*source='StatefulSource'"):
         map_loader().load_state_dict(checkpoint(plain.state_dict()))
+
+
+def _shuffled_loader(shared: bool) -> SelectiveLoader:
+    """SB over a StatefulDataLoader of a map-style dataset that shuffles with generator g:
+    ``shuffle=True, generator=g`` (its sampler shares the loader's g) or the fix the warning
+    names, ``sampler=RandomSampler(ds, generator=g)``."""
+    ds = EncodedDataset(N)
+    g = torch.Generator().manual_seed(3)
+    dl = (
+        StatefulDataLoader(ds, batch_size=24, shuffle=True, generator=g)
+        if shared
+        else StatefulDataLoader(ds, batch_size=24, sampler=RandomSampler(ds, generator=g))
+    )
+    return SelectiveLoader(dl, IndexLoss(), policy=SelectiveBackprop(0.5), batch_size=10, seed=0)
+
+
+def _resumed_after_one_batch(make) -> list[list[int]]:
+    loader = make()
+    it = iter(loader)
+    first = next(it).indices.tolist()
+    state = checkpoint(loader.state_dict())
+    del it, loader
+    resumed = make()
+    resumed.load_state_dict(state)
+    return [first, *run(resumed, 3)]
+
+
+def test_a_sampler_sharing_the_stateful_loaders_generator_is_warned_of_and_the_fix_resumes():
+    """torchdata 0.11's StatefulDataLoader(shuffle=True, generator=g) draws the shuffle and
+    each epoch's base seed from one generator and restores only the shuffle's draws, so a run
+    resumed from any of its states came in another order from the epoch after the resumed one,
+    with nothing said. It is warned of when the loader is built, naming the sampler with its
+    own generator, which resumes exactly (the shared one does not: the warning is no
+    false alarm)."""
+    with pytest.warns(UserWarning, match=r"sampler draws from the loader's own generator"):
+        _shuffled_loader(shared=True)
+    with pytest.warns(UserWarning, match=r"sampler=torchdata\.stateful_dataloader\.sampler\.Ran"):
+        make_source(
+            StatefulDataLoader(EncodedDataset(N), shuffle=True, generator=torch.Generator())
+        )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        shared_reference = run(_shuffled_loader(shared=True), 3)
+        shared_resumed = _resumed_after_one_batch(lambda: _shuffled_loader(shared=True))
+    assert shared_resumed[: len(shared_reference)] != shared_reference
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "the StatefulDataLoader's sampler")  # (the fix: unsaid)
+        reference = run(_shuffled_loader(shared=False), 3)
+        resumed = _resumed_after_one_batch(lambda: _shuffled_loader(shared=False))
+    assert resumed[: len(reference)] == reference
+    # (without a generator the sampler draws one of its own: not warned of either)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "the StatefulDataLoader's sampler")
+        make_source(StatefulDataLoader(EncodedDataset(N), batch_size=24, shuffle=True))

@@ -539,8 +539,10 @@ def test_a_state_saved_with_another_shuffle_is_refused_and_other_workers_load(md
     """Streaming's own state holds the samples seen and the shuffle seed, not whether (or how)
     the dataset shuffles: a state saved shuffling and loaded into one that does not went on
     silently in another order (mid-epoch, skipping the first samples of that other order). It
-    is refused, naming shuffle. Another num_workers is no such change: streaming resumes from
-    the samples seen whatever the workers, so the state loads."""
+    is refused, naming shuffle. A state saved with another seed was taken silently too (the
+    resume takes the saved seed, so the rest of the run was the saved seed's, the seed given
+    ignored): refused, naming open_mds's seed=. Another num_workers is no such change:
+    streaming resumes from the samples seen whatever the workers, so the state loads."""
     loader = make_loader(mds)
     it = iter(loader)
     next(it)
@@ -552,6 +554,11 @@ def test_a_state_saved_with_another_shuffle_is_refused_and_other_workers_load(md
     with pytest.raises(ValueError, match="shuffle=True, but this one has shuffle=False"):
         unshuffled.load_state_dict(state)
     released(unshuffled)
+    reseeded = make_loader(mds, mds={"seed": 8})
+    refused = r"shuffle_seed=7, but this one has shuffle_seed=8.*, seed=7"
+    with pytest.raises(ValueError, match=refused):
+        reseeded.load_state_dict(state)
+    released(reseeded)
     workers = make_loader(mds, mds={"num_workers": 2})
     workers.load_state_dict(state)  # (no iteration: nothing starts a worker)
     released(workers)

@@ -685,6 +685,50 @@ def _warn_steps_before_anneal(trainer: pl.Trainer, loader: SelectiveLoader) -> N
     )
 
 
+def _warn_unestimated_steps(trainer: pl.Trainer, loader: SelectiveLoader) -> None:
+    """Warn where a Trainer's ``estimated_stepping_batches`` will read ``max_steps`` for a
+    loader without ``len()``, though its ``max_epochs`` passes over the data are expected to
+    end the run before that many steps.
+
+    NOTE: without a length Lightning cannot count an epoch's batches, so it estimates the run
+    as ``max_steps`` whatever ``max_epochs`` says (with a length it takes the smaller). A
+    schedule sized by that estimate (``OneCycleLR(total_steps=...)``) was cut short when the
+    epochs ended first, unsaid: a probe's run of 3 epochs and ``max_steps=40`` stopped after
+    34 steps, its learning rate never annealed. The expectation is the policy's (a selective
+    pass keeps a random number of batches), as :func:`~sbloader.policies.plan_batches` plans
+    the default policy's anneal; a source whose pass cannot be counted is not warned of.
+    """
+    max_steps, epochs = trainer.max_steps, trainer.max_epochs
+    if max_steps == -1 or epochs is None or epochs < 1 or _length(loader) is not None:
+        return
+    policy = loader.policy
+    try:
+        steady = loader.expected_batches(policy.steady_rate)
+        full = loader.expected_batches(1.0)
+    except TypeError:
+        return
+    limit = trainer.limit_train_batches
+    if isinstance(limit, int):
+        steady, full = min(steady, limit), min(full, limit)
+    anneal = policy.anneal_from_epoch if isinstance(policy, Phased) else None
+    expected = plan_batches(epochs, epochs if anneal is None else anneal, steady, full)
+    accumulate = trainer.accumulate_grad_batches
+    steps = expected / accumulate
+    if steps >= max_steps:
+        return
+    warnings.warn(
+        f"Trainer.estimated_stepping_batches will read max_steps={max_steps} for this loader, "
+        "which has no len() (each pass keeps a random number of batches), but its "
+        f"max_epochs={epochs} passes over the data are expected to make about {steps:.0f} "
+        "optimizer steps, so the run is expected to end before max_steps and a schedule sized "
+        "by estimated_stepping_batches (e.g. OneCycleLR(total_steps=...)) before its end; pass "
+        'batches_per_epoch="expected" to selective_loader for a len() that Lightning counts '
+        f"the run by, or a max_steps the epochs reach (at most about {steps:.0f})",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 def selective_loader(
     module: pl.LightningModule, source: Any, model: nn.Module | None = None, **options: Any
 ) -> LightningLoader:
@@ -715,7 +759,10 @@ def selective_loader(
             batches than ``max_epochs`` such epochs (``limit_train_batches``, ``max_steps``)
             would end before that pass: warned of (``UserWarning``), naming the
             ``planned_epochs=`` to pass. Without it, a ``max_steps`` that ends the run before
-            the planned passes' expected batches (before their anneal) is warned of too.
+            the planned passes' expected batches (before their anneal) is warned of too, and
+            so is a ``max_steps`` that ``max_epochs`` is expected to end the run before (the
+            Trainer's ``estimated_stepping_batches`` reads ``max_steps`` for a loader without
+            ``len()``, so a schedule sized by it would be cut short).
 
     Raises:
         TypeError: ``module`` is not a LightningModule (e.g. a LightningDataModule: pass
@@ -836,6 +883,7 @@ def selective_loader(
     elif planned and loader.planned_epochs is not None:
         _warn_steps_before_anneal(trainer, loader)
     _check_fractions(trainer, loader)
+    _warn_unestimated_steps(trainer, loader)
     wrapper = LightningLoader(loader)
     found[0]._attach(wrapper, trainer.global_rank, world, new_epoch=not _resumes_epoch(trainer))
     return wrapper
