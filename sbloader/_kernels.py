@@ -199,15 +199,20 @@ def _ranked_cut_power(
     (as :func:`cdf_power`).
 
     NOTE: a stored loss is mostly ranked against the window that its own selection pass
-    filled, which holds it already: one equal value may be the loss itself, so equals count as
-    a group (``first`` below ``cdf``) only from two on, and a loss equal to one value only is
-    ranked as before."""
+    filled, which holds it already. So the cut is judged by the lowest rank of its equals
+    within the window, ``first = (#{w < x} + 1) / n``, where the window holds a value equal to
+    it (its own, mostly), and by its rank as if added, ``(#{w < x} + 1) / (n + 1)``, where it
+    holds none. Judged as if added, the window's own ``1 - trim_top`` quantile member ranked
+    one step above it, ``(k + 1) / (n + 1)`` for ``k / n`` at the cut, and was trimmed in
+    every stale epoch (one loss more than ``trim_top`` of the window, 257 of 1024 for
+    ``trim_top=0.25``), though a fresh pass keeps it (its CDF is the cut)."""
     le = count_le(sorted_values, n, x)
     cdf = (le + 1) / (n + 1)
     if cut >= 1.0:
         return tied_cut_power(cdf, cdf, beta, cut)
     lt = count_lt(sorted_values, n, x)
-    return tied_cut_power(cdf, (lt + 1 + min(le - lt, 1)) / (n + 1), beta, cut)
+    first = (lt + 1) / n if le > lt else (lt + 1) / (n + 1)
+    return tied_cut_power(cdf, first, beta, cut)
 
 
 @_jit

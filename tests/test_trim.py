@@ -166,23 +166,24 @@ def test_the_loader_never_keeps_the_highest_losses_once_the_window_holds_them():
 
 def test_stale_epochs_trim_by_stored_loss_and_keep_the_never_scored():
     """Stale-SB: epoch 0 scores every example; epoch 1 decides from stored losses ranked
-    against the window of epoch 0's N losses, (i + 2) / (N + 1) for index i: indices 539 and
-    above are above the cut and never kept."""
+    against the window of epoch 0's N losses, (i + 2) / (N + 1) for index i, each cut by its
+    rank within that window, (i + 1) / N: index 539, the 0.9 quantile, is kept (P = 1), as a
+    fresh pass keeps it; indices 540 and above are above the cut and never kept."""
     policy = SelectiveBackprop(1 / 3, history=N, staleness=3, trim_top=0.1)
     loader = loader_for(policy)
     kept_indices(loader)
     assert not policy.needs_losses(1)
     stale = kept_indices(loader)
-    assert not (stale >= 539).any() and len(stale) > N / 5
+    assert not (stale >= 540).any() and len(stale) > N / 5
     cdf = (np.arange(N) + 2) / (N + 1)
     beta_q = 0.9 * 3 - 1
-    expected = np.where(cdf > 0.9, 0.0, (cdf / 0.9) ** beta_q)
+    expected = np.where((np.arange(N) + 1) / N > 0.9, 0.0, np.minimum(1, (cdf / 0.9) ** beta_q))
     np.testing.assert_allclose(policy.stale_probabilities(np.arange(N)), expected, rtol=1e-12)
-    assert expected[538] > 0.99 and expected[539] == 0.0
+    assert expected[538] > 0.99 and expected[539] == 1.0 and expected[540] == 0.0
     # The same decisions where the loader cannot prefilter (the kernel of a stale choose).
     c = policy.choose(None, np.arange(N), np.random.default_rng(0), N)
     np.testing.assert_allclose(c.probabilities, expected, rtol=1e-12)
-    assert not (c.positions >= 539).any() and abs(len(c.positions) / N - 1 / 3) < 0.08
+    assert not (c.positions >= 540).any() and abs(len(c.positions) / N - 1 / 3) < 0.08
     # An example never scored is kept for sure, trimmed or not.
     fresh = SelectiveBackprop(1 / 3, history=N, staleness=3, trim_top=0.1)
     fresh.attach(N, 0)
@@ -190,6 +191,32 @@ def test_stale_epochs_trim_by_stored_loss_and_keep_the_never_scored():
     fresh.choose(np.linspace(0, 1, 10), np.arange(10), np.random.default_rng(0), 10)
     fresh.begin_epoch(1)
     assert fresh.stale_probabilities(np.array([3, 500]))[1] == 1.0
+
+
+@pytest.mark.parametrize(
+    "history, q", [(8, 0.25), (1024, 0.25), (1024, 0.5), (1024, 0.125), (1000, 0.1), (999, 0.1)]
+)
+def test_a_stale_epoch_trims_the_losses_a_fresh_pass_trims_and_no_more(history, q):
+    """The stored losses of the window's own examples, ranked in a stale epoch, are trimmed
+    exactly where the pass that stored them trimmed them: the top q of the window, the loss at
+    the 1 - q quantile kept. Ranked as if added to a window holding them already, that
+    quantile's loss was trimmed too wherever q * history is whole (257 of 1024 at q = 0.25),
+    although the pass had kept it for sure."""
+    sb = SelectiveBackprop(1 / 3, history=history, staleness=2, trim_top=q, drift_bound=None)
+    sb.attach(history, 0)
+    sb.begin_epoch(0)
+    losses = np.random.default_rng(history).permutation(np.arange(1.0, history + 1))
+    sb.choose(losses, np.arange(history), np.random.default_rng(0), history)
+    sb.begin_epoch(1)
+    stale = sb.stale_probabilities(np.arange(history))
+    ranks = losses.astype(int)
+    top = ranks / history > 1 - q + 1e-12
+    assert (stale == 0).sum() == top.sum() == history - round(history * (1 - q) + 1e-9)
+    np.testing.assert_array_equal(stale == 0, top)
+    cut_member = ranks == round(history * (1 - q))
+    if cut_member.any():
+        assert stale[cut_member][0] == 1.0
+    assert (stale[~top] > 0).all()
 
 
 def test_the_default_policy_takes_the_trim_and_a_state_from_another_trim_is_refused():
