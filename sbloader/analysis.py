@@ -131,6 +131,23 @@ def _vector(name: str, value: Any, *, nan: bool) -> np.ndarray:
     return vector
 
 
+def _confidences(value: Any) -> np.ndarray:
+    """``confidence`` as a vector (see :func:`_vector`), each a probability in [0, 1].
+
+    NOTE: logits or losses passed as confidences (above 1, negative, infinite) were binned and
+    ranked as given, unsaid: a figure of the wrong quantity."""
+    values = _vector("confidence", value, nan=False)
+    outside = (values < 0) | (values > 1)
+    if outside.any():
+        where = np.flatnonzero(outside)
+        raise ValueError(
+            f"confidence should hold probabilities in [0, 1], but has {where.size} outside it "
+            f"(e.g. {values[where[0]]:g} at index {where[0]}); pass the softmax probability of "
+            "each target, e.g. target_confidence(outputs, targets, logits=True) from logits"
+        )
+    return values
+
+
 def _pair(scores_a: Any, scores_b: Any, *, nan: bool) -> tuple[np.ndarray, np.ndarray]:
     """Two score vectors over the same examples, checked (see :func:`_vector`)."""
     a = _vector("scores_a", scores_a, nan=nan)
@@ -315,7 +332,8 @@ def confidence_percentiles(
     """The inverse CDF of target confidence at a grid of percentiles (SB's Figure 8).
 
     Args:
-        confidence: (N,) target confidences, e.g. from :func:`target_confidence`; no NaN.
+        confidence: (N,) target confidences in [0, 1], e.g. from :func:`target_confidence`;
+            no NaN.
         percentiles: percentiles in [0, 100] (default: 0, 1, ..., 100).
         method: passed to :func:`numpy.percentile`. The default ``"inverted_cdf"`` is the inverse
             CDF itself: the smallest confidence c with at least p% of the examples at or below c
@@ -330,7 +348,7 @@ def confidence_percentiles(
         >>> confidence_percentiles([], [50]).tolist()
         [nan]
     """
-    values = _vector("confidence", confidence, nan=False)
+    values = _confidences(confidence)
     grid = np.arange(101, dtype=np.float64) if percentiles is None else _numpy(percentiles)
     grid = np.asarray(grid, dtype=np.float64)
     bad = ~((grid >= 0.0) & (grid <= 100.0))
@@ -399,7 +417,7 @@ def binned_accuracy(confidence: Any, correct: Any, bins: int = 10) -> BinnedAccu
     (e.g. kept from an evaluation instead of the whole outputs); the same bins and ties.
 
     Args:
-        confidence: (N,) target confidences; no NaN.
+        confidence: (N,) target confidences in [0, 1]; no NaN.
         correct: (N,) booleans: whether each example was classified correctly.
         bins: the number of bins.
 
@@ -412,7 +430,7 @@ def binned_accuracy(confidence: Any, correct: Any, bins: int = 10) -> BinnedAccu
         ([0.3333333333333333, 1.0], [3, 2])
     """
     bins = check_int("bins", bins, minimum=1)
-    conf = _vector("confidence", confidence, nan=False)
+    conf = _confidences(confidence)
     right = _numpy(correct)
     if right.shape != conf.shape or (right.size and right.dtype != np.bool_):
         raise ValueError(

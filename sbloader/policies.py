@@ -1258,8 +1258,20 @@ class Kath18(Policy):
     ) -> Choice:
         if losses is None:
             raise ValueError("Kath18 needs selection losses, but got losses=None")
+        if losses.shape != (n,):
+            raise ValueError(
+                f"losses should hold one loss per candidate ({n}), but got shape "
+                f"{tuple(losses.shape)}"
+            )
         if n == 0:
             return Choice.everything(0)
+        if not np.isfinite(losses).all():
+            # (a NaN made the pool's shares NaN, and the pool was drawn uniformly, unsaid;
+            # SelectiveLoader passes finite losses only: its nonfinite= decides the others)
+            raise ValueError(
+                "Kath18 samples in proportion to the loss, so losses should be finite, but got "
+                f"{int((~np.isfinite(losses)).sum())} non-finite; pass the finite ones"
+            )
         self.check_losses(losses)
         b = max(1, round(n * self.selectivity))
         # As in the original: the decision uses tau from earlier pools, then this pool updates it.

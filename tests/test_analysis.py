@@ -13,6 +13,7 @@ import sbloader
 from sbloader import ExampleStore
 from sbloader.analysis import (
     accuracy_by_percentile,
+    binned_accuracy,
     combined_rank,
     confidence_percentiles,
     flipped_share,
@@ -115,6 +116,17 @@ def test_confidence_percentiles_refuse_bad_input():
         confidence_percentiles([0.5, nan])
     with pytest.raises(ValueError, match="method should be one of"):
         confidence_percentiles([0.5], method="median")
+
+
+@pytest.mark.parametrize("bad", [1.7, -0.2, np.inf])
+def test_confidences_that_are_no_probabilities_are_refused_naming_target_confidence(bad):
+    """Logits or losses passed as confidences were binned and ranked as given, unsaid."""
+    match = r"confidence should hold probabilities in \[0, 1\], but has 1 outside it .*logits"
+    with pytest.raises(ValueError, match=match):
+        confidence_percentiles([0.5, bad, 1.0, 0.0])
+    with pytest.raises(ValueError, match=match):
+        binned_accuracy([0.5, bad], [True, False], 2)
+    assert confidence_percentiles([0.0, 1.0], [0, 100]).tolist() == [0.0, 1.0]  # (the bounds)
 
 
 def _three_class_rows():
@@ -519,12 +531,12 @@ def test_selection_stability_refuses_a_matrix_that_is_not_boolean():
 
 
 def test_inverted_cdf_percentiles_are_the_smallest_value_with_p_percent_at_or_below():
-    values = np.arange(1.0, 101.0)  # 1..100: the p-th percentile is p
-    same(confidence_percentiles(values, [7, 14, 28, 56]), [7, 14, 28, 56])
-    big = np.arange(1.0, 10001.0)
-    same(confidence_percentiles(big, [7, 17, 81]), [700, 1700, 8100])
+    values = np.arange(1.0, 101.0) / 100  # 0.01..1: the p-th percentile is p / 100
+    same(confidence_percentiles(values, [7, 14, 28, 56]), [0.07, 0.14, 0.28, 0.56])
+    big = np.arange(1.0, 10001.0) / 10000
+    same(confidence_percentiles(big, [7, 17, 81]), [0.07, 0.17, 0.81])
     # 64.4 * 250 / 100 is 161.00000000000003 in floating point: the 161st value, not the 162nd
-    same(confidence_percentiles(np.arange(250.0), [64.4]), [160])
+    same(confidence_percentiles(np.arange(250.0) / 250, [64.4]), [160 / 250])
 
 
 def test_flipped_share_takes_an_empty_list_of_flipped_labels():

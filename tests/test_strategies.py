@@ -278,6 +278,20 @@ def test_kath18_stays_uniform_until_tau_crosses_the_threshold():
     assert share == pytest.approx(100 / 100.8, abs=0.01)
 
 
+def test_kath18_refuses_losses_of_another_length_or_not_finite_leaving_tau_as_it_was():
+    """Called directly, Kath18.choose drew positions from losses of another length than the
+    pool's (3 losses for n=5 chose positions 3 and 4) and drew a pool holding a NaN loss
+    uniformly (its shares NaN), both unsaid; SelectiveBackprop refuses such calls."""
+    k = Kath18(selectivity=0.5)
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match=r"one loss per candidate \(5\), but got shape \(3,\)"):
+        k.choose(np.ones(3), None, rng, 5)
+    with pytest.raises(ValueError, match=r"losses should be finite, but got 1 non-finite"):
+        k.choose(np.array([1.0, np.nan, 2.0, 0.5]), None, rng, 4)
+    assert k.tau == 0.0
+    assert len(k.choose(np.array([1.0, 3.0, 2.0, 0.5]), None, rng, 4).positions) == 2
+
+
 def test_kath18_decides_each_pool_from_the_earlier_pools_tau():
     """tau starts at 0, and a pool is importance-sampled only where the tau of the pools before
     it exceeds the threshold (as in the original): the first pool is drawn uniformly even at
