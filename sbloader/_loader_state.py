@@ -205,7 +205,10 @@ def identity(
     are part of it too: loaded into a loader that keeps the other, a later batch's join
     raised or its ``logits``/``features`` came back None. So are what makes the batches
     handed out (``remainder``, ``min_batch_size``, ``nonfinite``) and the source's order
-    (its sampler's class, e.g. shuffled or not) and ``drop_last``, and what the selection
+    (its sampler's class, e.g. ``RandomSampler`` or ``SequentialSampler``; a
+    ``DistributedSampler``'s seed and ``shuffle``, which its class does not tell, are checked
+    by the source's own state, :func:`~sbloader.sources.sampler_settings`) and ``drop_last``,
+    and what the selection
     passes score and rank against (``eval_selection``, ``cdf``). The fields of the source's
     batches that the passes score (``input_key``, ``target_key``) are checked by the batch
     codec's state. So is the kind of source (:meth:`Source.state_kind

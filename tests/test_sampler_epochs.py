@@ -82,6 +82,47 @@ def test_a_distributed_sampler_reshuffles_every_epoch(index_key):
     assert epochs_of(loader, 3) == [distributed(e) for e in range(3)]
 
 
+SAVED = {"seed": 0, "shuffle": True, "drop_last": False}
+
+
+@pytest.mark.parametrize("index_key", [None, 2], ids=["recovered", "index_key"])
+@pytest.mark.parametrize(
+    "other", [dict(seed=1), dict(shuffle=False), dict(drop_last=True)], ids=lambda o: str(o)
+)
+def test_a_mid_epoch_state_of_another_distributed_order_is_refused_naming_it(index_key, other):
+    """A DistributedSampler draws each epoch's order from seed + epoch, with no generator state
+    to save: a mid-epoch state loaded into one with another seed, shuffle or drop_last skipped
+    the consumed batches of another order (some examples trained twice in the epoch, others
+    never), unsaid. Refused, naming the setting; the same sampler resumes exactly, and at an
+    epoch's end another seed is the user's to choose (the next epoch drawn afresh)."""
+
+    def build(**kw):
+        options = {**SAVED, "num_replicas": 2, "rank": 0, **kw}
+        sampler = DistributedSampler(WithIndex(), **options)
+        source = DataLoader(WithIndex(), batch_size=5, sampler=sampler)
+        return SelectiveLoader(
+            source, IndexLoss(), policy=Traditional(), batch_size=5, index_key=index_key, seed=0
+        )
+
+    reference = epochs_of(build(), 2)
+    loader = build()
+    it = iter(loader)
+    head = [next(it).indices.tolist() for _ in range(2)]
+    state = loader.state_dict()
+    del it
+    key, value = next(iter(other.items()))
+    match = rf"has {key}={value!r} here but {key}={SAVED[key]!r} in the saved run"
+    with pytest.raises(ValueError, match=match):
+        build(**other).load_state_dict(state)
+    resumed = build()
+    resumed.load_state_dict(state)
+    rest = epochs_of(resumed, 2)
+    assert [i for b in head for i in b] + rest[0] == reference[0] and rest[1] == reference[1]
+    ended = build()
+    epochs_of(ended, 1)
+    build(**other).load_state_dict(ended.state_dict())  # (an epoch's end: loads)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("index_key", [None, 2], ids=["recovered", "index_key"])
 def test_a_shuffling_dataloader_draws_its_own_order_every_epoch(index_key, workers):
