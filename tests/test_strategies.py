@@ -735,6 +735,9 @@ def test_prune_refuses_scores_that_are_not_one_per_index_and_an_empty_result():
             prune(bad, 1.0)
     with pytest.raises(TypeError, match="scores should hold one number per dataset index"):
         prune(["a", "b"], 0.5)
+    for mask in ([True, False], np.array([True, False]), torch.tensor([True, False])):
+        with pytest.raises(TypeError, match=r"but got booleans \(a mask\).*flatnonzero"):
+            prune(mask, 0.5)  # (it kept index 0, a mask's ones ranked as scores)
     with pytest.raises(ValueError, match=r"fraction=0.001 of 64 scores keeps none; .*1/64"):
         prune(rng.random(64), 0.001)
     column = rng.random((64, 1))  # one score per index, as a column: taken as before
