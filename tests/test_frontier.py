@@ -20,6 +20,7 @@ from benchmarks.core.records import Run
 from benchmarks.core.report import (
     _isa,
     frontier_section,
+    interval_lines,
     pairwise_lines,
     sitting_lines,
     speedup_cell,
@@ -401,6 +402,35 @@ def test_the_sitting_check_flags_traditional_runs_slowed_unevenly():
     assert "- seed 0: 2 ep 1.000, 10 ep 1.050 (spread 1.050x)" in lines
     assert "- seed 1: 2 ep 1.000, 4 ep 1.500 (spread 1.500x) **uneven**" in lines
     assert sitting_lines([Run("random_0.33", 0, 0.0, 3)]) == []
+
+
+def test_the_interval_check_flags_a_burst_of_load_on_one_control_run_that_runs_average_out():
+    """A burst of load on one half-epoch of one run slows that run only slightly on the whole
+    (below the per-run check's 1.2x), but its interval is flagged, with the run and where."""
+
+    def control(name: str, seed: int, slow_at: int | None = None) -> Run:
+        run = Run(name, seed, 0.0, 10)
+        t, run.points = 0.0, [{"position": 0.0, "time_s": 0.0, "backprops": 0, "error": 1.0}]
+        for k in range(20):  # 20 half-epochs of 1000 backprops, 1 ms each (3 when slowed)
+            t += 3.0 if k == slow_at else 1.0 + 0.01 * (k % 3)
+            run.points.append(
+                {"position": (k + 1) / 2, "time_s": t, "backprops": 1000 * (k + 1), "error": 0.1}
+            )
+        run.train_s = t
+        return run
+
+    even = [control("traditional", 0), control("random_0.33", 0)]
+    burst = [control("traditional", 1, slow_at=2), control("random_0.33_e20", 1)]
+    runs = [*even, *burst]
+    per_run = sitting_lines(runs)
+    assert not any("**uneven**" in line for line in per_run)  # (1.10x: not flagged per run)
+    lines = interval_lines(runs)
+    (seed0,) = [line for line in lines if line.startswith("- seed 0")]
+    (seed1,) = [line for line in lines if line.startswith("- seed 1")]
+    assert "**slowed**" not in seed0 and "worst 1.01x" in seed0
+    assert "worst 2.97x (traditional from epoch 1.0); **slowed**: 1 above 1.5x" in seed1
+    # sbloader runs (selection passes in some intervals) are not compared
+    assert interval_lines([control("recipe_fb_int8", 0, slow_at=0)]) == []
 
 
 def test_the_machine_record_says_whether_the_tree_was_dirty(tmp_path):

@@ -258,6 +258,7 @@ def frontier_section(cfg: Config, runs: Sequence[Run]) -> list[str]:
     lines.append("")
     lines += pairwise_lines(table)
     lines += sitting_lines(runs, cfg.noise)
+    lines += interval_lines(runs, cfg.noise)
     return lines
 
 
@@ -293,6 +294,54 @@ def sitting_lines(runs: Sequence[Run], noise: float = 0.0) -> list[str]:
         runs_text = ", ".join(f"{b} ep {ms:.3f}" for b, ms in got)
         # (three decimals: a spread of 1.2023 read "1.20x **uneven**" against "above 1.2x")
         lines.append(f"- seed {seed}: {runs_text} (spread {spread:.3f}x){flag}")
+    lines.append("")
+    return lines
+
+
+#: A control's evaluation interval whose training ms per backpropagated example is above this
+#: multiple of the seed's median over every control interval is flagged as slowed by load
+#: (the same epoch's time varies by up to about 40% between runs on these shared machines).
+SLOWED = 1.5
+
+
+def interval_lines(runs: Sequence[Run], noise: float = 0.0) -> list[str]:
+    """A finer check of the sitting: the training ms per backpropagated example of every
+    evaluation interval (half an epoch, by default) of every control run (Traditional and
+    Random-Backprop, whose work per example does not change), per seed against the median of
+    them all; an interval above ``SLOWED`` times it is flagged, with its run and position.
+
+    NOTE: :func:`sitting_lines` compares whole runs, which averages a burst of load over a
+    run's epochs: a test file on the other core during the first round of a sitting slowed
+    one reference run's first half-epoch 2.4-fold and that run by 14% in all, below its
+    1.2x flag, though it moved a seed's speedup at x1.0 from about 1.55x to 1.68x.
+    """
+    per_seed: dict[int, list[tuple[float, str, float]]] = {}
+    for r in runs:
+        family = get(r.strategy).family
+        if r.noise != noise or not (family == "traditional" or family.startswith("random")):
+            continue
+        for a, b in zip(r.points, r.points[1:]):
+            done = b.get("backprops", 0) - a.get("backprops", 0)
+            if done > 0:
+                ms = 1e3 * (b["time_s"] - a["time_s"]) / done
+                per_seed.setdefault(r.seed, []).append((ms, r.strategy, a["position"]))
+    if not per_seed:
+        return []
+    lines = [
+        "Intervals (each control run's training ms per backpropagated example between two "
+        f"evaluations, against the seed's median; above {SLOWED:g}x flags load on that run "
+        "alone):",
+        "",
+    ]
+    for seed, got in sorted(per_seed.items()):
+        median = float(np.median([ms for ms, _, _ in got]))
+        slowed = sorted((ms / median, name, at) for ms, name, at in got if ms > SLOWED * median)
+        worst = max(got)
+        text = f"- seed {seed}: median {median:.3f} ms over {len(got)} intervals, worst "
+        text += f"{worst[0] / median:.2f}x ({worst[1]} from epoch {worst[2]:.1f})"
+        if slowed:
+            text += f"; **slowed**: {len(slowed)} above {SLOWED:g}x"
+        lines.append(text)
     lines.append("")
     return lines
 
