@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ._types import is_a
 from .ffcv import FFCVSource, is_ffcv_loader
-from .sources import DataLoaderSource, IterableSource, Source
-from .stateful import SHARED_GENERATOR, StatefulSource, sampler_shares_generator
+from .sources import DataLoaderSource, IterableSource, Source, sampler_shares_generator
+from .stateful import SHARED_GENERATOR, StatefulSource
 
 __all__ = ["make_source"]
 

@@ -357,18 +357,6 @@ def _cuda_devices(device: torch.device | None) -> list[int]:
     return []
 
 
-def _is_mask(scores: Any) -> bool:
-    """Whether ``scores`` holds booleans (an array, a tensor, or a list of them)."""
-    dtype = getattr(scores, "dtype", None)
-    if dtype is not None:
-        return dtype in (np.bool_, torch.bool)
-    return (
-        isinstance(scores, (list, tuple))
-        and len(scores) > 0
-        and all(isinstance(v, (bool, np.bool_)) for v in scores)
-    )
-
-
 def prune(scores: Any, fraction: float, keep: str = "hardest") -> np.ndarray:
     """The dataset indices to keep: exactly ``fraction * len(scores)`` of them, rounded to the
     nearest integer (halves up).
@@ -402,7 +390,7 @@ def prune(scores: Any, fraction: float, keep: str = "hardest") -> np.ndarray:
             f"scores should hold one number per dataset index, but got {type(scores).__name__} "
             f"({e}); pass e.g. el2n_scores(...).scores"
         ) from e
-    if _is_mask(scores):
+    if np.asarray(scores).dtype == np.bool_:  # (it converted: no ragged or object rows)
         # (a mask, e.g. a selection, was ranked as scores of 0 and 1, unsaid)
         raise TypeError(
             "scores should hold one number per dataset index, but got booleans (a mask); pass "

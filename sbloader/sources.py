@@ -411,6 +411,25 @@ def _generator_roles(loader: DataLoader) -> list[str]:
     return [" and ".join(name for name, h in owners if h is g) for g in _generators(loader)]
 
 
+def sampler_shares_generator(loader: Any) -> bool:
+    """Whether ``loader``'s sampler draws from the loader's own ``generator`` (the role
+    ``"DataLoader and sampler"`` of :func:`_generator_roles`: ``shuffle=True`` with
+    ``generator=``).
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import DataLoader, RandomSampler
+        >>> data, g = list(range(4)), torch.Generator()
+        >>> sampler_shares_generator(DataLoader(data, shuffle=True, generator=g))
+        True
+        >>> sampler_shares_generator(DataLoader(data, sampler=RandomSampler(data, generator=g)))
+        False
+    """
+    generator = getattr(loader, "generator", None)
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    return generator is not None and getattr(sampler, "generator", None) is generator
+
+
 def loader_batch_size(loader: Any) -> int | None:
     """A DataLoader's (or a loader like it) batch size: its own, or its ``batch_sampler=``'s."""
     bs = getattr(loader, "batch_size", None)

@@ -41,29 +41,6 @@ def _map_style(loader: Any) -> bool:
     return isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset)
 
 
-def sampler_shares_generator(loader: Any) -> bool:
-    """Whether ``loader``'s sampler draws from the loader's own ``generator`` (as torchdata's
-    ``StatefulDataLoader(shuffle=True, generator=g)`` builds it).
-
-    Example:
-        >>> import torch
-        >>> from torchdata.stateful_dataloader import StatefulDataLoader
-        >>> from torchdata.stateful_dataloader.sampler import RandomSampler
-        >>> data, g = list(range(4)), torch.Generator()
-        >>> sampler_shares_generator(StatefulDataLoader(data, shuffle=True, generator=g))
-        True
-        >>> own = RandomSampler(data, generator=g)
-        >>> sampler_shares_generator(StatefulDataLoader(data, sampler=own))
-        False
-    """
-    generator = getattr(loader, "generator", None)
-    if generator is None:
-        return False
-    batches = getattr(loader, "batch_sampler", None)
-    samplers = (getattr(loader, "sampler", None), getattr(batches, "sampler", None))
-    return any(getattr(s, "generator", None) is generator for s in samplers)
-
-
 #: Said where a StatefulDataLoader's sampler shares the loader's generator.
 SHARED_GENERATOR = (
     "the StatefulDataLoader's sampler draws from the loader's own generator "

@@ -638,6 +638,23 @@ def _warn_short_run(trainer: pl.Trainer, epochs: int, length: int) -> None:
     )
 
 
+def _pass_batches(trainer: pl.Trainer, loader: SelectiveLoader) -> tuple[float, float] | None:
+    """The batches a pass over the data is expected to train on, at the policy's steady rate
+    and on all the data, each cut to the Trainer's ``limit_train_batches``; None for a source
+    whose pass cannot be counted."""
+    try:
+        steady = loader.expected_batches(loader.policy.steady_rate)
+        full = loader.expected_batches(1.0)
+    except TypeError:
+        return None
+    limit = trainer.limit_train_batches
+    if isinstance(limit, int):
+        return min(steady, limit), min(full, limit)
+    if isinstance(limit, float):
+        return steady * limit, full * limit
+    return steady, full
+
+
 def _warn_steps_before_anneal(trainer: pl.Trainer, loader: SelectiveLoader) -> None:
     """Warn where ``planned_epochs=max_epochs`` without ``batches_per_epoch`` (each Lightning
     epoch one pass over the data) plans the default policy's anneal for more batches than a
@@ -654,16 +671,10 @@ def _warn_steps_before_anneal(trainer: pl.Trainer, loader: SelectiveLoader) -> N
     max_steps, policy = trainer.max_steps, loader.policy
     if max_steps == -1 or not isinstance(policy, Phased) or policy.anneal_from_epoch is None:
         return
-    try:
-        steady = loader.expected_batches(policy.steady_rate)
-        full = loader.expected_batches(1.0)
-    except TypeError:  # (a source whose pass cannot be counted: nothing to compare with)
+    counted = _pass_batches(trainer, loader)
+    if counted is None:  # (a source whose pass cannot be counted: nothing to compare with)
         return
-    limit = trainer.limit_train_batches
-    if isinstance(limit, int):
-        steady, full = min(steady, limit), min(full, limit)
-    elif isinstance(limit, float):
-        steady, full = steady * limit, full * limit
+    steady, full = counted
     epochs, anneal = loader.planned_epochs or 0, policy.anneal_from_epoch
     planned = plan_batches(epochs, anneal, steady, full)
     trained = max_steps * trainer.accumulate_grad_batches
@@ -701,19 +712,13 @@ def _warn_unestimated_steps(trainer: pl.Trainer, loader: SelectiveLoader) -> Non
     max_steps, epochs = trainer.max_steps, trainer.max_epochs
     if max_steps == -1 or epochs is None or epochs < 1 or _length(loader) is not None:
         return
-    policy = loader.policy
-    try:
-        steady = loader.expected_batches(policy.steady_rate)
-        full = loader.expected_batches(1.0)
-    except TypeError:
+    counted = _pass_batches(trainer, loader)
+    if counted is None:
         return
-    limit = trainer.limit_train_batches
-    if isinstance(limit, int):
-        steady, full = min(steady, limit), min(full, limit)
+    policy = loader.policy
     anneal = policy.anneal_from_epoch if isinstance(policy, Phased) else None
-    expected = plan_batches(epochs, epochs if anneal is None else anneal, steady, full)
-    accumulate = trainer.accumulate_grad_batches
-    steps = expected / accumulate
+    expected = plan_batches(epochs, epochs if anneal is None else anneal, *counted)
+    steps = expected / trainer.accumulate_grad_batches
     if steps >= max_steps:
         return
     warnings.warn(
