@@ -660,12 +660,17 @@ def _selected_set(epoch: int, value: Any) -> np.ndarray:
             f"selections[{epoch}] should hold dataset indices >= 0, but holds {indices[0]}"
         )
     # NOTE: as for a matrix (see selection_stability): a 0/1 integer row read as indices is the
-    # set {0, 1}, whatever it marks (two disjoint masks gave 1.0); indices do not repeat 0 and 1.
-    if indices.size < array.size and indices[-1] <= 1:
+    # set {0, 1}, whatever it marks (two disjoint masks gave 1.0), and a row of per-epoch counts
+    # the set of counts it holds (two disjoint rows of counts up to 2 gave 1.0). Such rows repeat
+    # 0 (or 0 and 1), which indices hardly do (index 0 drawn twice: np.unique(row) passes it).
+    zeros = int(np.count_nonzero(array == 0))
+    if zeros > 1 or (indices.size < array.size and indices[-1] <= 1):
+        held = f"0 {zeros} times" if zeros > 1 else "only 0 and 1, repeated"
         raise ValueError(
-            f"selections[{epoch}] should be a boolean mask or dataset indices, but holds only 0 "
-            f"and 1, repeated ({array.size} values): a 0/1 mask? Pass it as booleans (row > 0, "
-            "also for per-epoch counts), or its indices (np.flatnonzero(row))"
+            f"selections[{epoch}] should be a boolean mask or dataset indices, but holds {held} "
+            f"({array.size} values): a 0/1 mask or per-epoch counts? Pass it as "
+            "booleans (row > 0), or its indices (np.flatnonzero(row)); indices that repeat 0 "
+            "as np.unique(row)"
         )
     return indices
 
@@ -674,9 +679,11 @@ def selection_stability(selections: Any) -> np.ndarray:
     """The Jaccard index of consecutive epochs' selected sets A and B: |A & B| / |A | B|.
 
     1 when an epoch selects exactly the examples the previous one did, 0 when none of them.
-    Repeated indices count once (a set), but an integer row of only 0s and 1s with repeats is
-    refused as a 0/1 mask (pass masks as booleans). Two empty sets have no overlap to measure: their
-    Jaccard index is NaN (a gap in a plot, not a perfect score); one empty set against a
+    Repeated indices count once (a set), but an integer row that holds 0 more than once (or
+    only 0s and 1s, repeated) is refused as a 0/1 mask or per-epoch counts (pass masks as
+    booleans, and indices that repeat 0 as ``np.unique(row)``), and so are boolean masks of
+    different lengths. Two empty sets have no overlap to measure: their Jaccard index is NaN (a
+    gap in a plot, not a perfect score); one empty set against a
     non-empty one gives 0.
 
     Args:
@@ -715,6 +722,13 @@ def selection_stability(selections: Any) -> np.ndarray:
         raise TypeError(
             f"selections should be a matrix (epochs, examples) or a list of per-epoch selections, "
             f"but got {type(selections).__name__}"
+        )
+    # NOTE: masks of different lengths are not over the same examples (one run's, another's).
+    sizes = {len(row) for row in rows if _numpy(row).dtype == np.bool_ and _numpy(row).ndim == 1}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"selections' boolean masks should all be over the same examples, but have lengths "
+            f"{sorted(sizes)}; pass one mask of length N (the dataset's size) per epoch"
         )
     sets = [_selected_set(e, row) for e, row in enumerate(rows)]
     jaccard = np.full(max(len(sets) - 1, 0), np.nan, dtype=np.float64)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,12 +110,14 @@ def el2n_scores(
     Raises:
         ValueError: in a copy's scoring pass, where its outputs are NaN (it diverged) and so
             its scores would be; an infinite logit (a float16 model's overflow) scores as its
-            limit instead. Also, before any copy trains, a source without dataset indices or
-            that drops its last partial batch, and a ``seed`` above ``2**64 - models``; at a
-            copy's first batch, targets of another shape than (batch,) or (batch, classes); at
-            the second copy, a ``make_model`` whose copies share trainable parameters.
+            limit instead; class indices outside [0, classes). Also, before any copy trains, a
+            source without dataset indices, that drops its last partial batch or whose sampler
+            draws with replacement, and a ``seed`` above ``2**64 - models``; at a copy's first
+            batch, targets of another shape than (batch,) or (batch, classes); at the second
+            copy, a ``make_model`` whose copies share trainable parameters.
         TypeError: a ``make_model``, ``make_optimizer`` or ``train_step`` that is not a
-            function, or a ``make_model()`` that is not an ``nn.Module``.
+            function, a ``make_model()`` that is not an ``nn.Module``, or batches that are not
+            ``(inputs, targets)`` tuples (dict batches), at the first batch.
 
     Example:
         >>> import torch
@@ -170,6 +172,17 @@ def el2n_scores(
             "batch is dropped (drop_last=True), so some examples would go unscored (NaN) or be "
             "averaged over fewer copies; pass a DataLoader with drop_last=False"
         )
+    # NOTE: a sampler drawing with replacement (WeightedRandomSampler, RandomSampler(
+    # replacement=True)) scores some examples twice in a pass and others never: NaN scores
+    # that prune refused only later, without naming the sampler.
+    sampler = src.sampler
+    if getattr(sampler, "replacement", False):
+        raise ValueError(
+            "el2n_scores scores every example in one pass over source, but its sampler "
+            f"({type(sampler).__name__}) draws with replacement, so some examples would go "
+            "unscored (NaN) and others be scored twice; pass a DataLoader over the same dataset "
+            "that draws each example once (shuffle=True or shuffle=False)"
+        )
     # NOTE: the source's own generators (a DataLoader's generator=, which a resumable run
     # shuffles with) are put back as they were: scoring must not change the order of the
     # training that follows, nor make two calls with one seed score differently.
@@ -203,23 +216,30 @@ def el2n_scores(
                 model.train()
                 for _ in range(epochs):
                     for batch, _idx in src.epoch():
-                        inputs, targets = _to(batch[0], dev), _to(batch[1], dev)
+                        inputs, targets = (_to(v, dev) for v in _fields_of(batch))
                         _check_targets(targets)
                         step(model, optimizer, inputs, targets)
                         train_examples += len(targets)
                 # NOTE: the scoring pass inside the fork too: every iter() of a DataLoader draws
                 # its base seed (and a shuffling one its order) from torch's global RNG.
+                copy_sums = np.zeros(size, dtype=np.float64)
+                copy_counts = np.zeros(size, dtype=np.int64)
                 with eval_mode(model), torch.inference_mode():
                     for batch, idx in src.epoch():
-                        inputs, targets = _to(batch[0], dev), _to(batch[1], dev)
+                        inputs, targets = (_to(v, dev) for v in _fields_of(batch))
                         _check_targets(targets)
                         probs = torch.softmax(_finite_logits(model(inputs).float()), dim=1)
                         err = torch.linalg.vector_norm(probs - _target_rows(targets, probs), dim=1)
                         values = err.cpu().numpy().astype(np.float64)
                         index = np.ascontiguousarray(idx, np.int64)
                         _check_scores(values, index, k, epochs)
-                        _kernels.accumulate(sums, counts, index, values)
+                        _kernels.accumulate(copy_sums, copy_counts, index, values)
                         score_forwards += len(targets)
+                # NOTE: each copy's mean first, then the mean over copies: an example a batch
+                # sampler yields twice in a pass counts once per copy, as every other does.
+                scored = copy_counts > 0
+                sums[scored] += copy_sums[scored] / copy_counts[scored]
+                counts[scored] += 1
             per_model.append(time.perf_counter() - t0)
     finally:
         src.load_state_dict(source_state)
@@ -233,6 +253,31 @@ def el2n_scores(
         models,
         epochs,
         per_model,
+    )
+
+
+def _fields_of(batch: Any) -> tuple[Any, Any]:
+    """A source batch's inputs and targets, its first two fields.
+
+    NOTE: a dict batch failed on ``batch[0]`` with a bare ``KeyError: 0``, naming neither the
+    batch format nor the fix.
+
+    Example:
+        >>> _fields_of((torch.zeros(2, 3), torch.tensor([0, 1])))[1].tolist()
+        [0, 1]
+    """
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        return batch[0], batch[1]
+    what = (
+        f"dict batches with keys {list(batch)!r}"
+        if isinstance(batch, Mapping)
+        else f"{type(batch).__name__} batches"
+        + (f" of {len(batch)} field" if isinstance(batch, (tuple, list)) else "")
+    )
+    raise TypeError(
+        f"el2n_scores takes (inputs, targets) batches, but source yields {what}; pass a "
+        "DataLoader whose batches are (inputs, targets) tuples, e.g. with a collate_fn that "
+        "returns (batch[input field], batch[target field])"
     )
 
 
@@ -301,8 +346,19 @@ def _target_rows(targets: Any, probs: torch.Tensor) -> torch.Tensor:
                 f"{tuple(probs.shape)}; pass one probability per class, or class indices"
             )
         return targets.to(probs.dtype)
+    classes = probs.shape[1]
+    labels = torch.as_tensor(targets).long()
+    # NOTE: checked here, not by one_hot, whose message named neither the targets nor the
+    # model's class count.
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= classes):
+        bad = int(labels.max()) if int(labels.max()) >= classes else int(labels.min())
+        raise ValueError(
+            f"el2n_scores takes class indices in [0, {classes}) as targets (the model has "
+            f"{classes} outputs), but a batch holds class {bad}; have the dataset return class "
+            "indices from 0, or make_model a model with an output per class"
+        )
     # (any integer dtype: cross-entropy takes uint8 labels, one_hot not)
-    return nn.functional.one_hot(targets.long(), probs.shape[1]).to(probs.dtype)
+    return nn.functional.one_hot(labels, classes).to(probs.dtype)
 
 
 def _check_fresh(model: Any, earlier: dict[int, weakref.ref[torch.Tensor]], k: int) -> None:

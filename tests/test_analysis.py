@@ -562,10 +562,19 @@ def test_flipped_share_takes_a_boolean_mask_and_refuses_a_0_1_integer_mask():
 def test_selection_stability_refuses_0_1_integer_rows_in_a_list():
     # Read as indices, both rows were the set {0, 1}: Jaccard 1.0 for disjoint masks (0.0).
     rows = [np.array([1, 0, 0]), np.array([0, 1, 0])]
-    with pytest.raises(ValueError, match=r"selections\[0\] .*0/1 mask\? Pass it as booleans"):
+    with pytest.raises(ValueError, match=r"selections\[0\] .*0/1 mask or per-epoch counts\? Pass"):
         selection_stability(rows)
     with pytest.raises(ValueError, match="0/1 mask"):
         selection_stability(list(np.array([[1, 0, 1], [0, 1, 1]])))
     assert selection_stability([row > 0 for row in rows]).tolist() == [0.0]
     # Indices 0 and 1 each once, or repeated indices above 1, are indices.
     assert selection_stability([[0, 1], [1, 2, 2]]).tolist() == [1 / 3]
+    # Per-epoch counts with a 2 were read as the set of counts, {0, 1, 2}: 1.0 for disjoint
+    # selections; masks of different lengths were compared as if over the same examples.
+    counts = list(np.array([[0, 2, 1, 0], [1, 0, 0, 2]], dtype=np.uint8))
+    with pytest.raises(ValueError, match=r"selections\[0\] .*holds 0 2 times .*per-epoch counts"):
+        selection_stability(counts)
+    assert selection_stability([row > 0 for row in counts]).tolist() == [0.0]
+    with pytest.raises(ValueError, match=r"same examples, but have lengths \[2, 3\]"):
+        selection_stability([np.array([True, False, True]), np.array([True, False])])
+    assert selection_stability([np.unique([0, 0, 3]), [0, 3]]).tolist() == [1.0]

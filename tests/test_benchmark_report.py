@@ -293,3 +293,37 @@ def test_analysis_preset_runs_both_models_and_label_noise():
     assert 0.1 in cfg.label_noise and "traditional" in cfg.strategies
     assert set(cfg.noise_strategies) <= set(cfg.strategies)
     assert Path(arrays_path(Path("runs/x.json"))).suffix == ".npz"
+
+
+def test_examples_pruned_before_a_run_are_not_counted_as_its_least_used():
+    """A Diet-SB run never sees the examples EL2N pruned (EL2N's lowest, by construction);
+    counted as selected 0 times, they were SB's "least used", so the SB-vs-EL2N overlap read
+    far above chance on random selections (0.61 at 30% over random data, against 0.33 over the
+    examples the run could choose from). They are left out: of the counts (NaN), of the
+    overlap and its random baseline, of the galleries, and of the stability's random line."""
+    rng = np.random.default_rng(1)
+    el2n = rng.random(N)
+    pruned = np.argsort(el2n)[: N // 2]  # EL2N's lowest half, never a candidate
+    arrays = synthetic_arrays(rng, times=(7, 13, 19))
+    arrays["selected"][:, pruned] = 0
+    arrays["seen"][pruned] = 0
+    from benchmarks.core.findings import FRACTIONS, Loaded
+
+    run = Run("diet_sb", 0, 0.0, planned_epochs=3)
+    run.epochs = [dict(epoch=e, examples_yielded=50) for e in range(3)]
+    an = analyse([Loaded(run, arrays)], {"small_cnn": el2n}, sb="diet_sb")
+    kept = np.setdiff1d(np.arange(N), pruned)
+    assert np.isnan(an.counts[pruned]).all()
+    assert an.counts[kept].tolist() == arrays["selected"].sum(0)[kept].tolist()
+    curve = an.overlaps["SB least used vs EL2N small_cnn lowest"]
+    expected = A.overlap_curve(an.counts[kept], el2n[kept], FRACTIONS, ties="expected")
+    np.testing.assert_allclose(curve, expected)
+    i = int(np.argmin(np.abs(FRACTIONS - 0.3)))
+    assert abs(curve[i] - 0.3) < 0.15  # random selections: near chance, not near 1
+    np.testing.assert_allclose(an.random_overlap, A.random_overlap(kept.size, FRACTIONS))
+    for g in an.galleries:
+        if g.title in ("Least used", "Most used", "Lowest combined rank"):
+            assert np.isin(g.indices, kept).all(), g.title
+    rates = (arrays["selected"][:, kept] > 0).mean(axis=1)  # the share of the candidates
+    p, q = rates[:-1], rates[1:]
+    np.testing.assert_allclose(an.stability_random, p * q / (p + q - p * q))

@@ -603,6 +603,67 @@ def test_el2n_copy_k_is_seeded_with_seed_plus_k_and_examples_average_their_score
     np.testing.assert_allclose(got[:3], scores(1, 0, alone, epochs=0)[:3], rtol=1e-12)
 
 
+def test_el2n_averages_each_copy_once_and_refuses_a_sampler_drawing_with_replacement():
+    """An example a pass yields twice counts once per copy: the mean over copies, not over
+    scoring events (a copy scoring an example three times outweighed one scoring it once). A
+    sampler drawing with replacement, which scores some examples never and others twice, is
+    refused before any copy trains, naming the sampler (prune's NaN message named neither)."""
+    from torch.utils.data import WeightedRandomSampler
+
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+
+    def scores(source, models):
+        return el2n_scores(
+            lambda: nn.Linear(2, 2), source, make_optimizer=sgd, models=models, epochs=0
+        ).scores
+
+    per_copy = []
+    for k in range(2):  # untrained copy k is nn.Linear made under seed k
+        torch.manual_seed(k)
+        m = nn.Linear(2, 2)
+        x, y = Blobs(8).x, Blobs(8).y
+        with torch.no_grad():
+            p = torch.softmax(m(x), 1).double().numpy()
+        per_copy.append(np.linalg.norm(p - np.eye(2)[y.numpy()], axis=1))
+
+    class Uneven(torch.utils.data.Sampler):
+        """The first pass yields example 0 three times, later ones once."""
+
+        passes = 0
+
+        def __iter__(self):
+            Uneven.passes += 1
+            return iter([0, 0] * (Uneven.passes == 1) + list(range(8)))
+
+        def __len__(self):
+            return 10 if Uneven.passes == 0 else 8
+
+    # copy 0 scores example 0 three times, copy 1 once: still the mean of the two copies
+    uneven = DataLoader(Blobs(8), batch_size=2, sampler=Uneven())
+    np.testing.assert_allclose(scores(uneven, 2), np.mean(per_copy, axis=0), rtol=1e-6)
+    drawn = WeightedRandomSampler(torch.ones(8), num_samples=8, replacement=True)
+    for sampler in (drawn, torch.utils.data.RandomSampler(Blobs(8), replacement=True)):
+        source = DataLoader(Blobs(8), batch_size=2, sampler=sampler)
+        with pytest.raises(ValueError, match=rf"sampler \({type(sampler).__name__}\) draws with"):
+            scores(source, 1)
+
+
+def test_el2n_names_the_batch_format_and_the_class_range_it_takes():
+    """Dict batches failed with a bare KeyError(0) and class indices of another range in
+    one_hot's words; both now name what el2n_scores takes and the fix."""
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+    x, y = torch.randn(12, 2), torch.randint(0, 2, (12,))
+    rows = [{"x": x[i], "y": y[i]} for i in range(12)]
+    with pytest.raises(TypeError, match=r"\(inputs, targets\) batches.*keys \['x', 'y'\]"):
+        el2n_scores(lambda: nn.Linear(2, 2), DataLoader(rows, 4), make_optimizer=sgd, models=1)
+    for bad, classes in ((y + 5, 6), (y - 1, -1)):
+        data = torch.utils.data.TensorDataset(x, bad)
+        with pytest.raises(ValueError, match=rf"class indices in \[0, 2\).*holds class {classes}"):
+            el2n_scores(
+                lambda: nn.Linear(2, 2), DataLoader(data, 4), make_optimizer=sgd, models=1, epochs=0
+            )
+
+
 def test_el2n_trains_each_copy_in_train_mode_and_scores_it_in_eval_mode():
     """Documented: the copies train with the user's recipe (in train mode, also where
     make_model returns a model in eval mode) and are scored in eval mode (dropout off,

@@ -151,8 +151,10 @@ def selection_frequency(an: Analysis, out: Path) -> Figure:
         f = an.noisy_counts / max(epochs, 1)
         flipped = np.zeros(f.size, dtype=bool)
         flipped[noisy.arrays["flipped"]] = True
-        ax.hist(f[~flipped], bins=bins, histtype="step", lw=1.5, label=f"{noisy.label}: clean")
-        ax.hist(f[flipped], bins=bins, histtype="step", lw=1.5, label=f"{noisy.label}: flipped")
+        seen = ~np.isnan(f)  # (not the examples pruned before the run)
+        clean, dirty = f[~flipped & seen], f[flipped & seen]
+        ax.hist(clean, bins=bins, histtype="step", lw=1.5, label=f"{noisy.label}: clean")
+        ax.hist(dirty, bins=bins, histtype="step", lw=1.5, label=f"{noisy.label}: flipped")
         caption += " With labels flipped, the flipped examples apart from the others."
     ax.set(xlabel="selection frequency", ylabel="training examples", title="Selection frequency")
     ax.set_yscale("log")

@@ -169,8 +169,16 @@ def _nearest(values: np.ndarray, target: float) -> int:
 
 
 def selection_counts(x: Loaded, skip: int) -> np.ndarray:
-    """Times each example was yielded in the run's epochs from ``skip`` on (int64)."""
-    return x.arrays["selected"][skip:].sum(axis=0, dtype=np.int64)
+    """Times each example was yielded in the run's epochs from ``skip`` on (float64), NaN for
+    the examples the run never saw (those EL2N pruned before a Diet-SB run).
+
+    NOTE: a pruned example was never a candidate, so its count of 0 says nothing of how SB
+    ranks it. Counted as 0, the pruned examples (by construction EL2N's lowest) were taken
+    for SB's least used: over random data a Diet-SB run's "SB least used vs EL2N lowest"
+    overlap at 30% read 0.61, against 0.33 over the examples it could choose from."""
+    counts = x.arrays["selected"][skip:].sum(axis=0, dtype=np.int64).astype(np.float64)
+    counts[x.arrays["seen"] == 0] = np.nan
+    return counts
 
 
 def analyse(
@@ -206,18 +214,20 @@ def analyse(
 
     # Selection: counts over SB's selective epochs, their frequency and their stability.
     an.counts = selection_counts(sb_run, warm)
+    candidates = ~np.isnan(an.counts)
     epochs = sb_run.arrays["selected"].shape[0]
     seen = sb_run.arrays["seen"].astype(np.int64) * (epochs - warm) // max(epochs, 1)
-    an.frequency = A.selection_frequency(an.counts, seen)
+    an.frequency = A.selection_frequency(np.nan_to_num(an.counts).astype(np.int64), seen)
     chosen = sb_run.arrays["selected"] > 0
     an.stability = A.selection_stability(chosen)
-    rates = chosen.mean(axis=1)
+    # (random selections are drawn from the candidates, at the share of them selected)
+    rates = chosen[:, candidates].mean(axis=1)
     p, q = rates[:-1], rates[1:]
     with np.errstate(invalid="ignore", divide="ignore"):
         an.stability_random = p * q / (p + q - p * q)
 
     # Overlaps: EL2N of two models; SB's least used against EL2N's lowest.
-    n = an.counts.size
+    n = int(candidates.sum())
     an.random_overlap = A.random_overlap(n, FRACTIONS)
     an.random_band = A.random_overlap_band(n, FRACTIONS, np.random.default_rng(0))
     names = list(el2n)
@@ -227,8 +237,10 @@ def analyse(
             a, b, FRACTIONS
         )
     if names:
+        scores = el2n[names[0]]
+        both = candidates & ~np.isnan(scores)
         an.overlaps[f"SB least used vs EL2N {names[0]} lowest"] = A.overlap_curve(
-            an.counts, el2n[names[0]], FRACTIONS, ties="expected"
+            an.counts[both], scores[both], FRACTIONS, ties="expected"
         )
 
     an.galleries = _galleries(an)
@@ -236,13 +248,13 @@ def analyse(
         an.noisy_counts = selection_counts(
             noisy, _warmup(noisy.run.strategy, noisy.run.planned_epochs)
         )
-        k = max(1, round(0.1 * an.noisy_counts.size))
+        k = max(1, round(0.1 * int((~np.isnan(an.noisy_counts)).sum())))
         an.noise = A.flipped_share(noisy.arrays["flipped"], an.noisy_counts, k, ties="expected")
         key = an.noisy_counts + 0.5 * _rank01(noisy.arrays["train_loss"].astype(np.float64))
         an.noisy_gallery = Gallery(
             f"Most used with {100 * noisy.run.noise:g}% of labels flipped",
             A.gallery_indices(key, GALLERY, direction="highest"),
-            an.noisy_counts.astype(np.float64),
+            an.noisy_counts,
             "selected",
             "the examples SB selected most often when labels were flipped (ties: the highest "
             "final loss first); flipped ones in red, the true label in brackets",
@@ -270,7 +282,7 @@ def _galleries(an: Analysis) -> list[Gallery]:
             "the highest loss of SB's final model",
         ),
     ]
-    counts = an.counts.astype(np.float64)
+    counts = an.counts
     # Counts tie in large groups: within a count, by the final loss (a rank below 0.5), so the
     # least used are shown easiest first and the most used hardest first.
     key = counts + 0.5 * _rank01(loss)
