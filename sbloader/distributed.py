@@ -441,6 +441,27 @@ class RankSync:
             self.failed = (self.world_size - ahead, kind)
         return int(most), any_flag > 0
 
+    def share(self, value: Any, has: bool) -> tuple[bool, Any]:
+        """``value`` of the lowest rank whose ``has`` is True, on every rank, and whether there
+        was one (``(False, None)`` on every rank where none). Every rank calls it alike; the
+        others' ``value`` is not read.
+
+        One ``all_reduce(MIN)`` naming that rank, then ``broadcast_object_list`` of its
+        (picklable, host) value. Used only where a round would otherwise stop (a rank without
+        a padding candidate under FSDP, see ``EpochIterator._selection_round``), never in an
+        ordinary round.
+        """
+        t = torch.tensor([self.rank if has else self.world_size], dtype=torch.int64)
+        t = t.to(self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        src = int(t.item())
+        if src >= self.world_size:
+            return False, None
+        box = [value if self.rank == src else None]
+        root = src if self.group is None else dist.get_global_rank(self.group, src)
+        dist.broadcast_object_list(box, src=root, group=self.group, device=self.device)
+        return True, box[0]
+
     def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
         dist.all_gather(parts, t, group=self.group)

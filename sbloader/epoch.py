@@ -33,7 +33,7 @@ from .device_decisions import device_rows
 from .overlap import AheadScores, SelectionThread
 from .prefetch import Prefetcher, Synchronous
 from .rows import Rows, WholeBatch, metadata_rows
-from .scoring import Scored
+from .scoring import Scored, Scorer
 from .stats import EpochStats
 
 if TYPE_CHECKING:
@@ -658,15 +658,18 @@ class EpochIterator:
                 self._batchless_collectives()
                 self._owed = self._agree(loader._pending.full_batches(loader.batch_size))
             return
-        scorer = loader._scorer
+        scorer, codec = loader._scorer, loader._codec
+        inputs, targets = data[codec.input_position], data[codec.target_position]
         probing = not loader._probed and bool(n) and loader.policy.uses_losses()
-        pad = self._selection_round(scorer.chunks(n) if self._fresh else int(probing))
+        if scorer.collective and loader._sync is not None:
+            # (before the round's forwards: a candidate to share with a rank that has none)
+            scorer.keep_template(inputs, targets, codec.view(data))
+        probes = scorer.probe_forwards(inputs, targets) if probing and not self._fresh else 0
+        pad = self._selection_round(scorer.chunks(n) if self._fresh else probes)
         probed = None
         if not loader._probed:
             loader._probed = True
             if n and not self._fresh and loader.policy.uses_losses() and pad >= 0:
-                codec = loader._codec
-                inputs, targets = data[codec.input_position], data[codec.target_position]
                 probed = scorer.probe(inputs, targets, codec.view(data), indices)
         if not self._fresh:
             self._pad(pad)
@@ -1176,6 +1179,8 @@ class EpochIterator:
             # epoch or a Random-Backprop warm-up) already ended. The probe only checks the model
             # early, so every rank skips it (a negative count: the caller runs no probe).
             return -real
+        if stuck and most and self._adopt_template(sync, scorer):
+            stuck = False
         if stuck and most:
             self._agreed = True  # (raised alike on every rank, after this agreement: no report)
             raise RuntimeError(
@@ -1185,6 +1190,22 @@ class EpochIterator:
             )
         self._forwarding = most > 0
         return most - real
+
+    def _adopt_template(self, sync: RankSync, scorer: Scorer) -> bool:
+        """Give every rank without a padding candidate that of the lowest rank with one
+        (:meth:`RankSync.share <sbloader.distributed.RankSync.share>`); whether one had it.
+
+        NOTE: a resumed process has scored nothing yet, so a rank whose source ends in its first
+        fresh round after the resume (the other's still going) had no candidate to pad with,
+        and the run was refused ("a rank had no candidate yet"), though the uninterrupted run
+        went on. The candidate is not in the state (it is data); a rank scoring this round keeps
+        one before its forwards, so some rank has one whenever any runs a forward.
+        """
+        host = scorer.host_template()
+        found, shared = sync.share(host, host is not None)
+        if found and host is None:
+            scorer.adopt_template(shared, self._device)
+        return found
 
     def _rounds_forwards(self) -> bool:
         """Whether the ranks agree on this round's selection forwards (:meth:`_selection_round`:

@@ -165,7 +165,20 @@ class Scorer:
             raise ValueError(
                 "frozen_prefix cannot be combined with an FSDP-sharded model (the prefix runs on "
                 "the chosen rows only, a different number of forwards on each rank); pass "
-                "frozen_prefix=None, or a selector= that is not sharded"
+                "frozen_prefix=None"
+            )
+        sync_bn = self.collective and any(
+            isinstance(m, nn.SyncBatchNorm)
+            for m in (selector if selector is not None else model).modules()
+        )
+        if sync_bn and not self.eval_selection:
+            # NOTE: a train-mode SyncBatchNorm forward is a collective of its own; the padding
+            # forwards (see pad) run in eval mode, where it makes none, so ranks would wait in
+            # collectives the others never make.
+            raise ValueError(
+                "eval_selection=False cannot be combined with an FSDP-sharded model holding "
+                "SyncBatchNorm (its train-mode forwards are collectives, which the ranks would "
+                "make unevenly); pass eval_selection=True"
             )
         # One candidate (inputs, targets, batch) kept for padding forwards (collective only).
         self._template: tuple[Any, Any, Any] | None = None
@@ -361,20 +374,40 @@ class Scorer:
                 self.quantized.trial(model, B.rows(inputs, 0, min(n, 2)), self._prepare)
             except (Int8Unavailable, TypeError) as e:
                 self._int8_failed(e, model, inputs, targets)
-        for k in sorted({min(n, 2), min(n, 3)}):
-            losses = self._probe_rows(model, inputs, targets, batch, 0, k)
-        top = _largest_label_row(targets) if self.selector is not None else None
-        if top is not None and top >= min(n, 3):
-            # NOTE: a selector with fewer outputs than the labels fails only on a row whose
-            # label it lacks; the first rows may all have small labels, and the warm-up would
-            # then end before the first selection pass failed. The row of the largest class
-            # label of the batch is probed too (once per run, a selector only).
-            self._probe_rows(model, inputs, targets, batch, top, top + 1)
+        for start, stop in self._probe_plan(n, targets):
+            rows = self._probe_rows(model, inputs, targets, batch, start, stop)
+            if start == 0:  # (the first rows' larger probe; not the largest label's row)
+                losses = rows
         self._check_targets(targets)
         self._keep_template(inputs, targets, batch)
         values = _to_host(losses)
         # Only finite ones, as a selection pass hands the policy (nonfinite= decides the rest).
         return values[np.isfinite(values)]
+
+    def probe_forwards(self, inputs: Any, targets: Any) -> int:
+        """The selection forwards :meth:`probe` runs over a source batch of ``inputs`` (what a
+        probe round agrees on under FSDP, see :meth:`pad`)."""
+        return len(self._probe_plan(B.column_length(inputs, "input"), targets))
+
+    def _probe_plan(self, n: int, targets: Any) -> list[tuple[int, int]]:
+        """The rows ``(start, stop)`` of each of :meth:`probe`'s forwards over ``n`` candidates:
+        the first two and the first three (one forward where ``n`` < 3), and with a selector
+        the row of the largest class label where it is not among those.
+
+        NOTE: a selector with fewer outputs than the labels fails only on a row whose label it
+        lacks; the first rows may all have small labels, and the warm-up would then end before
+        the first selection pass failed. The row of the largest class label of the batch is
+        probed too (once per run, a selector only).
+
+        NOTE (FSDP): the count differs between ranks (a rank's first batch of two rows, or its
+        largest label past row 2); the round agreed on one forward, so a rank running two or
+        three while another ran one waited in a collective the others never made (a hang).
+        """
+        plan = [(0, k) for k in sorted({min(n, 2), min(n, 3)})]
+        top = _largest_label_row(targets) if self.selector is not None else None
+        if top is not None and top >= min(n, 3):
+            plan.append((top, top + 1))
+        return plan
 
     def _check_targets(self, targets: Any) -> None:
         """Refuse, once a first selection forward has run (so that a model refusing its inputs
@@ -591,6 +624,13 @@ class Scorer:
         so a rank with fewer chunks to score in a round (a shorter source batch, or none left)
         runs these, through the same model, hook and options, until every rank has run as many
         as the one with the most. Counted nowhere, changes nothing.
+
+        NOTE (eval mode): also with ``eval_selection=False``. In train mode a padding forward
+        of the one kept row failed in a BatchNorm1d (one value per channel), reported as a
+        selection chunk of one that the data did not hold, and elsewhere updated BatchNorm's
+        running statistics once per padding forward (rank 1's counter at 8 where its counted
+        forwards were 4). FSDP's collectives are the same in either mode; a SyncBatchNorm's are
+        not, which is why that combination is refused when the scorer is built.
         """
         if count <= 0:
             return
@@ -605,10 +645,32 @@ class Scorer:
                 self.loss_fn,
                 batch_size=None,
                 autocast_dtype=self.autocast,
-                eval=self.eval_selection,
+                eval=True,
                 batch=batch,
                 inference=False,
             )
+
+    def host_template(self) -> tuple[Any, Any, Any] | None:
+        """The one candidate :meth:`pad` runs, on the host (to send to another rank), or None
+        before any was kept."""
+        if self._template is None:
+            return None
+        cpu = torch.device("cpu")
+        inputs, targets, batch = self._template
+        return (_moved(inputs, cpu), _moved(targets, cpu), _moved(batch, cpu))
+
+    def adopt_template(self, template: tuple[Any, Any, Any], device: torch.device) -> None:
+        """Pad with ``template``, another rank's candidate (on the host), moved to ``device``:
+        for a rank that has scored nothing in this process (a resumed one) and whose source
+        has ended while another rank's still scores (see ``EpochIterator._selection_round``)."""
+        inputs, targets, batch = template
+        self._template = (_moved(inputs, device), _moved(targets, device), _moved(batch, device))
+
+    def keep_template(self, inputs: Any, targets: Any, batch: Any) -> None:
+        """Keep a candidate of this source batch for :meth:`pad` (FSDP only; the first one
+        kept stays), before the round's forwards, so that a rank that scores this round has
+        one to share with a rank that has none."""
+        self._keep_template(inputs, targets, batch)
 
     def _keep_template(self, inputs: Any, targets: Any, batch: Any) -> None:
         if self.collective and self._template is None:
@@ -851,6 +913,17 @@ def _owned(value: Any) -> Any:
         return {k: _owned(v) for k, v in value.items()}
     if isinstance(value, (tuple, list)):
         return B.like(value, [_owned(v) for v in value])
+    return value
+
+
+def _moved(value: Any, device: torch.device) -> Any:
+    """``value`` with its tensors on ``device`` (a structure of tensors, as :func:`_owned`)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, Mapping):
+        return {k: _moved(v, device) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return B.like(value, [_moved(v, device) for v in value])
     return value
 
 

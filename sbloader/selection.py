@@ -70,7 +70,10 @@ def unwrap(model: nn.Module) -> nn.Module:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) and inner:
             model = inner
             continue
-        orig = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        # NOTE: torch.compile's OptimizedModule holds the module as its child _orig_mod. Read
+        # as an attribute, FSDP1 forwards the name to the module it wraps: FSDP1 over a compiled
+        # module was unwrapped to the raw module, whose freed shards the pass then called.
+        orig = model._modules.get("_orig_mod")
         if isinstance(orig, nn.Module):
             model = orig
             continue

@@ -117,3 +117,56 @@ def test_a_plain_model_is_no_collective_and_chunks_are_counted_as_run():
     )
     assert not scorer.collective
     assert [scorer.chunks(n) for n in (0, 1, 4, 5, 9)] == [0, 1, 1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def layered(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("fsdp_layered")
+    return torchrun_ranks("fsdp_scenarios.py", out, DEADLINE_S, args=("layered",))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_probe_of_other_sizes_on_each_rank_keeps_the_ranks_in_step(layered, kind):
+    """Per-layer sharding (each Linear and the root: the usual use, where every forward
+    gathers). The first round's probe ran one forward over rank 0's first batch of two rows
+    and two over rank 1's, or one more for a sharded selector's largest-label row on one rank
+    only, while the round agreed on one: every rank hung in a collective. Now each rank agrees
+    on the forwards it runs and pads up to the most; both ranks train every batch."""
+    for r in layered:
+        assert r[kind]["small_first_batch"] == [5, 7]
+        assert r[kind]["selector_label_row"] == [5, 5]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_padding_forwards_run_in_eval_mode_and_leave_batchnorm_alone(layered, kind):
+    """With eval_selection=False a padding forward of the one kept row ran in train mode: a
+    BatchNorm1d refused it (a 'chunk of one' the data did not hold) and killed the run, and
+    elsewhere each padding forward updated the running statistics. Now a rank's BatchNorm
+    counts its training and its counted selection forwards only."""
+    r0, r1 = (r[kind]["train_mode_pads"] for r in layered)
+    assert isinstance(r0, dict) and isinstance(r1, dict), (r0, r1)
+    assert r0["selection_calls"] > r1["selection_calls"]  # rank 1 padded
+    for r in (r0, r1):
+        assert r["tracked"] == sum(r["steps"]) + r["selection_calls"], r
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_resume_where_one_ranks_share_ends_first_goes_on(layered, kind):
+    """A fresh process has no padding candidate: resumed where rank 1's share (5 source
+    batches) ended while rank 0's (7) went on, every rank refused ('a rank had no candidate
+    yet'). The rank still scoring shares its candidate, and every resume is exact."""
+    for r in layered:
+        assert len(r[kind]["resumes"]) >= 8
+        assert all(r[kind]["resumes"]), r[kind]["resumes"]
+
+
+def test_fsdp_over_a_compiled_module_and_sync_batchnorm_in_train_mode(layered):
+    """FSDP1 over torch.compile(net) was unwrapped to the raw net (FSDP1 forwards attribute
+    lookups such as _orig_mod), whose freed shards the pass called; and eval_selection=False
+    with a SyncBatchNorm (whose train-mode forwards are collectives the padding forwards do
+    not make) is refused up front."""
+    for r in layered:
+        assert r["compiled_inside"]["unwrapped"] == "FullyShardedDataParallel"
+        assert r["compiled_inside"]["steps"] == [6, 5]
+        for kind in KINDS:
+            assert "pass eval_selection=True" in r[kind]["refused"]["sync_bn"]
