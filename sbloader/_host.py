@@ -103,6 +103,7 @@ class EpochHost(Protocol):
     _share: float | None
     _ahead: AheadScores | None
     _returned: list[Rows]
+    _orphans: list[EpochIterator]
     _counted_full: bool
     _counted_full_warned: bool
 

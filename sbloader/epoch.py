@@ -14,6 +14,7 @@ epoch, process one source batch, one distributed drain round, the end-of-epoch r
 from __future__ import annotations
 
 import inspect
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
     from .loader import SelectiveLoader
 
 __all__ = ["EpochIterator"]
+
+#: The names of the loader's own threads begin so (the selection and prefetch threads).
+_THREAD_PREFIX = "sbloader-"
 
 #: The most batches a saved state takes back (``SelectiveLoader.state_dict(unconsumed=)``): the
 #: batch a framework fetched ahead (Lightning), and the one before it, on which a training step
@@ -263,6 +267,9 @@ class EpochIterator:
         self._exhausted: tuple[int, int, Any] | None = None
         self._thread: SelectionThread | None = None
         self._resume_scores: AheadScores | None = None
+        # overlap_selection: an exception loading the next source batch ahead, raised when that
+        # batch is taken.
+        self._ahead_failed: Exception | None = None
         #: The lowest rank whose pass read no example, as the ranks' last round found (None: no
         #: rank's, or a single process; see :meth:`_drain_step`).
         self.empty_rank: int | None = None
@@ -459,9 +466,37 @@ class EpochIterator:
         # the next iter(loader) or never. The iterator is in no reference cycle (the fetcher's
         # callables hold the source and the loader's policy, never the iterator).
         try:
-            self.close()
+            if threading.current_thread().name.startswith(_THREAD_PREFIX):
+                self._close_later()
+            else:
+                self.close()
         except Exception:  # nothing can be reported from a finalizer
             pass
+
+    def _close_later(self) -> None:
+        """Close this iterator at its loader's next use (what :meth:`__del__` does on one of
+        the loader's own threads), asking its prefetch thread to stop now.
+
+        NOTE: an iterator held in a reference cycle (a trainer object that refers to itself) is
+        freed by the cyclic garbage collector on whichever thread allocates, the selection or
+        prefetch thread among them. Closed there, it waited for the pass running on that same
+        thread (or for that thread to end): the thread never ended, and with
+        ``overlap_selection`` the interpreter's exit waited for it for ever. Neither waits now;
+        the loader closes the iterator (saving what it held ahead) on the caller's thread, as
+        the finalizer would have.
+        """
+        fetch = self._fetch
+        if fetch is not None:
+            fetch.request_stop()
+        loader = self._owner if self._owner is not None else self._owner_ref()
+        if loader is not None:
+            loader._orphans.append(self)
+            return
+        # (the loader is gone: nothing to hand back; its threads are stopped without waiting)
+        self._phase = _Phase.CLOSED
+        thread, self._thread, self._fetch = self._thread, None, None
+        if thread is not None:
+            thread.close(wait=False)
 
     # ------------------------------------------------------------------ steps
     def _advance(self) -> None:
@@ -559,6 +594,11 @@ class EpochIterator:
         assert self._fetch is not None and stats is not None and self.epoch is not None
         self._exchanged = self._agreed = self._rounded = self._forwarding = False
         loaded, self._next = self._next, None
+        failed, self._ahead_failed = self._ahead_failed, None
+        if failed is not None:  # (loading this source batch ahead raised: see _score_ahead)
+            self._stage = _LOADING
+            self._report_raised(failed)
+            raise failed
         if loaded is None and self._exhausted is None:
             try:
                 loaded = self._load()
@@ -835,9 +875,17 @@ class EpochIterator:
         copy = loader._overlap
         if copy is None or not self._fresh or self._next is not None:
             return
-        if self._exhausted is not None:
+        if self._exhausted is not None or self._ahead_failed is not None:
             return
-        loaded = self._load()
+        # NOTE: an error loading the next source batch is raised when that batch is taken, as
+        # without overlap: raised here, the rows of the batch just taken, kept but not handed
+        # out, came only in the next epoch (yielded twice where the epoch was run again).
+        stage = self._stage
+        try:
+            loaded = self._load()
+        except Exception as e:
+            self._stage, self._ahead_failed = stage, e
+            return
         if loaded is None:
             assert self._fetch is not None
             self._exhausted = self._fetch.last_tally

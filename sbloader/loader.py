@@ -362,12 +362,14 @@ class SelectiveLoader(NotADataLoader):
             is refused with ``distributed=False`` on several ranks, and on one process without
             a process group it ranks against the process's own losses, as ``"local"``, with a
             warning (a group of one rank: silent, its global CDF being exact).
-        prefetch: source batches fetched ahead on a background thread while the caller trains
-            (0: fetched on demand). Default: 1 for a DataLoader with ``num_workers > 0``, else
-            0. NOTE: with ``num_workers=0`` the dataset's ``__getitem__`` then runs on that
-            thread, so a dataset that draws from torch's global RNG (random transforms) would
-            interleave its draws with the training step's and runs would not be reproducible:
-            pass ``prefetch=1`` there only for datasets without global randomness (such as
+        prefetch: source batches that wait ready, fetched on a background thread while the
+            caller trains (0: fetched on demand); the thread fetches one more while they wait,
+            so ``prefetch + 1`` are in memory besides the one being taken. Default: 1 for a
+            DataLoader with ``num_workers > 0``, else 0. NOTE: with ``num_workers=0`` the
+            dataset's ``__getitem__`` then runs on that thread, so a dataset that draws from
+            torch's global RNG (random transforms) would interleave its draws with the training
+            step's and runs would not be reproducible: pass ``prefetch=1`` there only for
+            datasets without global randomness (such as
             :class:`~sbloader.datasets.ArrayDataset`). FFCV loaders fetch ahead themselves
             (their ``batches_ahead``); ``prefetch`` > 0 is refused for them (see
             :mod:`sbloader.ffcv`).
@@ -851,6 +853,9 @@ class SelectiveLoader(NotADataLoader):
         self._pending = PendingRows()
         self._feedback = FeedbackBuffer()
         self._live: weakref.ref[EpochIterator] | None = None
+        # Iterators freed on one of the loader's own threads, closed at the loader's next use
+        # (see EpochIterator.__del__).
+        self._orphans: list[EpochIterator] = []
         # An epoch that no live iterator owns but that did not end: (position, resume). A
         # restored mid-epoch state resumes it; an abandoned one is skipped by the next iterator.
         self._unfinished: tuple[int, bool] | None = None
@@ -1447,6 +1452,10 @@ class SelectiveLoader(NotADataLoader):
         return it
 
     def _live_iterator(self) -> EpochIterator | None:
+        if self._orphans:  # (closed here, on the caller's thread, as their finalizers could not)
+            orphans, self._orphans = self._orphans, []
+            for it in orphans:
+                it.close()
         return None if self._live is None else self._live()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SelectiveLoader:

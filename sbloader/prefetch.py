@@ -15,7 +15,9 @@ _ITEM, _END, _ERROR = 0, 1, 2
 
 
 class Prefetcher(Generic[T]):
-    """Iterates ``make_iter()`` on a daemon thread, at most ``depth`` items ahead of the caller.
+    """Iterates ``make_iter()`` on a daemon thread: up to ``depth`` items wait ready for the
+    caller, and the thread holds one more, fetched while they wait (``depth + 1`` ahead of
+    the item the caller holds).
 
     Each item comes with ``tally()`` read right after the item was produced, on the producing
     thread, so that counts kept while producing an item (e.g. examples rejected before loading)
@@ -112,6 +114,11 @@ class Prefetcher(Generic[T]):
     #: The tally read when the source ended (or failed): counts after the last item.
     last_tally: Any = 0
 
+    def request_stop(self) -> None:
+        """Ask the producer to stop after the item it is fetching, without waiting (also on the
+        producer's own thread, where :meth:`close` would wait for ever)."""
+        self._stop.set()
+
     def close(self) -> None:
         """Stop the producer (it finishes the item it is fetching, and fetches no other) and
         wait for it."""
@@ -145,6 +152,9 @@ class Synchronous(Generic[T]):
             self.last_tally = self._tally()
             raise
         return item, self._tally()
+
+    def request_stop(self) -> None:
+        """Nothing to stop: no thread fetches ahead (see :meth:`Prefetcher.request_stop`)."""
 
     def close(self) -> None:
         close = getattr(self._it, "close", None)

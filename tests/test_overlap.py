@@ -497,3 +497,100 @@ def test_a_model_cast_to_another_dtype_after_the_loader_was_built_is_followed():
         if p.is_floating_point()
     )
     assert same_weights(loader._overlap.model, model)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_source_error_comes_after_the_rows_kept_before_it_as_without_overlap(prefetch):
+    """Overlap loads source batch p + 1 as it takes batch p, after p's rows are kept but before
+    they are handed out: an error loading p + 1 was raised there, the kept rows came only in
+    the next epoch (rows 64-95 yielded twice in it, 288 rows from 256). The error now comes
+    when p + 1 is taken, as without overlap: every row before it first, and the next epoch whole."""
+    x, y = torch.randn(256, 8, generator=torch.Generator().manual_seed(0)), torch.arange(256) % 3
+
+    class BadRow(torch.utils.data.Dataset):  # row 100 (source batch 4 of 8) fails once
+        failed = False
+
+        def __len__(self):
+            return 256
+
+        def __getitem__(self, i):
+            if i == 100 and not self.failed:
+                self.failed = True
+                raise OSError("read error at row 100")
+            return x[i], y[i]
+
+    seen = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loader = SelectiveLoader(
+                DataLoader(BadRow(), batch_size=32),
+                nn.Linear(8, 3),
+                policy=SelectiveBackprop(1.0),
+                batch_size=8,
+                overlap_selection=overlap,
+                prefetch=prefetch,
+            )
+        before = []
+        with pytest.raises(OSError, match="read error at row 100"):
+            for b in loader:
+                before += b.indices.tolist()
+        after = [i for b in loader for i in b.indices.tolist()]
+        seen[overlap] = (before, after)
+    assert seen[True] == seen[False]
+    assert seen[True][0] == list(range(96)) and sorted(seen[True][1]) == list(range(256))
+
+
+@pytest.mark.parametrize("change", ["forward hook", "attribute", "forward"])
+def test_the_selection_copy_follows_hooks_and_attributes_set_after_it_was_made(change, monkeypatch):
+    """The copy was made again only where the modules, shapes, dtypes or devices changed: a
+    forward hook registered later, a plain attribute set later (a temperature) or a reassigned
+    ``forward`` never reached it, and 3 of 4 source batches of every later epoch were scored as
+    before the change (the first of an epoch is scored on the live model). Now the copy
+    follows them from the next pass, as a run without overlap does; and an unchanged model's
+    copy is refreshed in place, never made again."""
+    import sbloader.overlap as ov
+
+    class Tempered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 3)
+            self.temperature = 1.0
+
+        def forward(self, v):
+            return self.fc(v) / self.temperature
+
+    x, y = torch.randn(128, 8, generator=torch.Generator().manual_seed(0)), torch.arange(128) % 3
+    data = torch.utils.data.TensorDataset(x, y)
+    flat = float(np.log(3))  # every logit 0: the loss of each example is log 3
+    made: list[int] = []
+    real = ov._frozen_copy
+    monkeypatch.setattr(ov, "_frozen_copy", lambda m: made.append(1) or real(m))
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = Tempered()
+        loader = SelectiveLoader(
+            DataLoader(data, batch_size=SOURCE),
+            model,
+            policy=SelectiveBackprop(1.0),
+            batch_size=BATCH,
+            overlap_selection=overlap,
+            autocast=None,
+        )
+        copies = loader._overlap.syncs if overlap else 0
+        made.clear()
+        for _ in range(2):  # unchanged: refreshed in place
+            for _ in loader:
+                pass
+        assert made == [], overlap
+        if change == "forward hook":
+            model.fc.register_forward_hook(lambda m, i, o: o * 0.0)
+        elif change == "attribute":
+            model.temperature = 1e9
+        else:
+            model.forward = lambda v, fc=model.fc: fc(v) * 0.0
+        losses = torch.cat([b.losses for b in loader])
+        assert torch.allclose(losses, torch.full_like(losses, flat), atol=1e-4), (change, overlap)
+        if overlap:
+            assert loader._overlap.syncs > copies and made == [1]

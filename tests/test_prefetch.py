@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -229,3 +231,142 @@ def test_closing_the_prefetcher_fetches_nothing_more():
     assert produced == [0, 1, 2]
     p.close()
     assert produced == [0, 1, 2]
+
+
+_FREED_ON_A_WORKER = r"""
+import gc, sys, threading, torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+import sbloader
+
+where = sys.argv[1]  # the thread the garbage collector frees the iterator on
+gc.disable()  # (only the collect() below, on that thread, frees the cycle)
+dropped, freed = threading.Event(), threading.Event()
+x, y = torch.randn(512, 4, generator=torch.Generator().manual_seed(0)), torch.arange(512) % 3
+
+
+def collect_once():
+    if dropped.is_set() and not freed.is_set():
+        freed.set()
+        gc.collect()
+
+
+class Data(Dataset):
+    def __len__(self):
+        return 512
+
+    def __getitem__(self, i):
+        on_prefetch = threading.current_thread().name == "sbloader-prefetch"
+        if where == "prefetch" and on_prefetch and i >= 96:  # (its fourth source batch)
+            dropped.wait(10)
+            collect_once()
+        return x[i], y[i]
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, v):
+        if where == "select" and threading.current_thread().name.startswith("sbloader-select"):
+            dropped.wait(10)
+            collect_once()
+        return self.fc(v)
+
+
+model = Model()
+options = dict(overlap_selection=True) if where == "select" else dict(prefetch=2)
+
+
+def make():
+    return sbloader.SelectiveLoader(
+        DataLoader(Data(), batch_size=32), model, policy=sbloader.SelectiveBackprop(0.5),
+        batch_size=8, seed=0, **options,
+    )
+
+
+loader = make()
+
+
+class Trainer:  # refers to itself: only the cyclic collector frees it
+    pass
+
+
+t = Trainer()
+t.me, t.it = t, iter(loader)
+taken = [next(t.it).indices.tolist() for _ in range(3)]
+del t
+dropped.set()
+assert freed.wait(10), "the collector did not run on the worker thread"
+import time
+time.sleep(0.5)  # (the finalizer has run on the worker thread by now)
+state = loader.state_dict()  # the loader's next use closes the freed iterator, here
+left = [th.name for th in threading.enumerate() if th.name.startswith("sbloader")]
+rest = [b.indices.tolist() for b in loader]  # the next epoch, as after a break
+# The same epoch left by break on this thread, its iterator freed at once:
+reference = make()
+it = iter(reference)
+assert [next(it).indices.tolist() for _ in range(3)] == taken
+del it
+same = reference.state_dict()
+assert state["position"] == same["position"] > 0, (state["position"], same["position"])
+assert rest == [b.indices.tolist() for b in reference]
+print("threads left:", left)
+"""
+
+
+@pytest.mark.parametrize("where", ["select", "prefetch"])
+def test_an_iterator_freed_on_the_loaders_own_thread_closes_later_and_exit_does_not_hang(
+    tmp_path, where
+):
+    """An iterator held in a reference cycle (a trainer referring to itself) is freed by the
+    cyclic garbage collector on whichever thread allocates: the selection thread
+    (``overlap_selection``) or the prefetch thread. Its finalizer closed it there, waiting for
+    the pass running on that same thread, or for that thread's end: the thread never ended,
+    and with overlap the interpreter's exit hung. Now it is closed at the loader's next use,
+    on the caller's thread: no thread is left, the state and the next epoch are those after
+    ``break``, and the process exits."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "freed.py"
+    script.write_text(_FREED_ON_A_WORKER)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root}
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(script), where],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process did not end: a thread waited for itself")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "threads left: []" in proc.stdout, proc.stdout
+
+
+def test_prefetch_depth_keeps_depth_items_ready_and_fetches_one_more():
+    """Documented: ``depth`` items wait in the queue and the thread holds one more (the
+    docstring said "at most depth ahead", one short of what it fetched)."""
+    made = []
+
+    def items():
+        for i in range(10):
+            made.append(i)
+            yield i
+
+    for depth in (1, 3):
+        made.clear()
+        p = Prefetcher(items, depth=depth, tally=lambda: 0)
+        try:
+            assert p.next()[0] == 0
+            deadline = time.monotonic() + 5
+            while len(made) < depth + 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)  # (time to fetch past the documented count, were it not held)
+            assert len(made) - 1 == depth + 1, (depth, made)  # ahead of the item taken
+        finally:
+            p.close()
