@@ -175,8 +175,8 @@ def el2n_scores(
     # NOTE: a sampler drawing with replacement (WeightedRandomSampler, RandomSampler(
     # replacement=True)) scores some examples twice in a pass and others never: NaN scores
     # that prune refused only later, without naming the sampler.
-    sampler = src.sampler
-    if getattr(sampler, "replacement", False):
+    if src.draws_with_replacement():
+        sampler = src.sampler
         raise ValueError(
             "el2n_scores scores every example in one pass over source, but its sampler "
             f"({type(sampler).__name__}) draws with replacement, so some examples would go "
@@ -350,8 +350,9 @@ def _target_rows(targets: Any, probs: torch.Tensor) -> torch.Tensor:
     labels = torch.as_tensor(targets).long()
     # NOTE: checked here, not by one_hot, whose message named neither the targets nor the
     # model's class count.
-    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= classes):
-        bad = int(labels.max()) if int(labels.max()) >= classes else int(labels.min())
+    low, high = (int(v) for v in torch.aminmax(labels)) if labels.numel() else (0, 0)
+    if low < 0 or high >= classes:
+        bad = high if high >= classes else low
         raise ValueError(
             f"el2n_scores takes class indices in [0, {classes}) as targets (the model has "
             f"{classes} outputs), but a batch holds class {bad}; have the dataset return class "

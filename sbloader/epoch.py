@@ -709,7 +709,7 @@ class EpochIterator:
         probed = None
         if not loader._probed:
             loader._probed = True
-            if n and not self._fresh and loader.policy.uses_losses() and pad >= 0:
+            if n and not self._fresh and loader.policy.uses_losses():
                 probed = scorer.probe(inputs, targets, codec.view(data), indices)
         if not self._fresh:
             self._pad(pad)
@@ -1200,15 +1200,14 @@ class EpochIterator:
     def _selection_round(self, real: int) -> int:
         """How many padding selection forwards this rank runs this round after its ``real`` ones:
         under FSDP on several ranks, as many as make every rank run the same number (the most
-        any rank runs); otherwise 0, without a collective. Negative in a probe round that every
-        rank skips, since a rank has no candidate to run it on.
+        any rank runs); otherwise 0, without a collective. A rank without a candidate to pad
+        with gets one from a rank that has one (:meth:`_adopt_template`).
 
         NOTE: whether the ranks agree is decided alike on every rank (a fresh epoch, or the
         first round's probe), so that they all make this collective or none does.
         """
         loader = self._loader
         sync, scorer = loader._sync, loader._scorer
-        probing = not loader._probed and not self._fresh and loader.policy.uses_losses()
         if not self._rounds_forwards():
             return 0
         assert sync is not None
@@ -1220,13 +1219,6 @@ class EpochIterator:
             # reports it again (the agreement that reports it is made).
             self._agreed = True
             self._raise_reported(sync)
-        if stuck and most and probing:
-            # NOTE: a probe round (the first source batch of a run without a selection pass in
-            # its epoch) where a rank has no candidate to run the probe on: a resumed run whose
-            # process scored nothing yet, on a rank whose source (filtered by Stale-SB's stale
-            # epoch or a Random-Backprop warm-up) already ended. The probe only checks the model
-            # early, so every rank skips it (a negative count: the caller runs no probe).
-            return -real
         if stuck and most and self._adopt_template(sync, scorer):
             stuck = False
         if stuck and most:

@@ -321,7 +321,7 @@ class Scorer:
         except IndexError as e:
             self._blame_selector(e)
         self._check_targets(targets)
-        self._keep_template(inputs, targets, batch)
+        self.keep_template(inputs, targets, batch)
         if logits is not None:
             self.logits_shape = tuple(logits.shape[1:])
         # NOTE: the policy needs the losses on the host anyway; copying them inside the timed
@@ -379,7 +379,7 @@ class Scorer:
             if start == 0:  # (the first rows' larger probe; not the largest label's row)
                 losses = rows
         self._check_targets(targets)
-        self._keep_template(inputs, targets, batch)
+        self.keep_template(inputs, targets, batch)
         values = _to_host(losses)
         # Only finite ones, as a selection pass hands the policy (nonfinite= decides the rest).
         return values[np.isfinite(values)]
@@ -668,11 +668,8 @@ class Scorer:
 
     def keep_template(self, inputs: Any, targets: Any, batch: Any) -> None:
         """Keep a candidate of this source batch for :meth:`pad` (FSDP only; the first one
-        kept stays), before the round's forwards, so that a rank that scores this round has
-        one to share with a rank that has none."""
-        self._keep_template(inputs, targets, batch)
-
-    def _keep_template(self, inputs: Any, targets: Any, batch: Any) -> None:
+        kept stays). The epoch keeps one before a round's forwards too, so that a rank that
+        scores in the round has one to share with a rank that has none."""
         if self.collective and self._template is None:
             self._template = (
                 _owned(B.rows(inputs, 0, 1)),
@@ -905,26 +902,26 @@ def _float_name(dtype: torch.dtype | None) -> str:
     return "float32" if dtype is None else str(dtype).removeprefix("torch.")
 
 
+def _mapped(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` (a tensor, or a structure of dicts, tuples and lists of them) with ``fn``
+    applied to each tensor; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {k: _mapped(v, fn) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return B.like(value, [_mapped(v, fn) for v in value])
+    return value
+
+
 def _owned(value: Any) -> Any:
     """``value`` with its tensors copied (a view would keep its whole source batch alive)."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, Mapping):
-        return {k: _owned(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return B.like(value, [_owned(v) for v in value])
-    return value
+    return _mapped(value, torch.Tensor.clone)
 
 
 def _moved(value: Any, device: torch.device) -> Any:
-    """``value`` with its tensors on ``device`` (a structure of tensors, as :func:`_owned`)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, Mapping):
-        return {k: _moved(v, device) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return B.like(value, [_moved(v, device) for v in value])
-    return value
+    """``value`` with its tensors on ``device``."""
+    return _mapped(value, lambda t: t.to(device))
 
 
 def _largest_label_row(targets: Any) -> int | None:

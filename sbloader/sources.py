@@ -325,8 +325,14 @@ class Source(abc.ABC):
             size is not None
             and size == self.dataset_size
             and not self.drop_last()
-            and not getattr(self.sampler, "replacement", False)
+            and not self.draws_with_replacement()
         )
+
+    def draws_with_replacement(self) -> bool:
+        """Whether the sampler draws with replacement (``WeightedRandomSampler``,
+        ``RandomSampler(replacement=True)``): a pass then holds some examples twice, others
+        never."""
+        return bool(getattr(self.sampler, "replacement", False))
 
     def full_batches(self) -> int | None:
         """The batches of a pass of a source that drops its last partial batch (all full), or

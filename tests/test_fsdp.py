@@ -57,8 +57,9 @@ def test_fsdp_without_distributed_lockstep_is_refused(ranks, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_run_resumed_after_any_batch_yields_the_uninterrupted_runs_batches(ranks, kind):
     """A resumed loader has scored nothing yet: where its first round probes the model on one
-    rank and another rank's (filtered) source has ended, the ranks skip the probe together
-    instead of refusing the round (RuntimeError 'a rank had no candidate yet')."""
+    rank and another rank's (filtered) source has ended, the rank without a candidate to pad
+    with takes one from the probing rank instead of refusing the round (RuntimeError 'a rank
+    had no candidate yet')."""
     for r in ranks:
         assert len(r[kind]["resumes"]) > 4
         assert all(r[kind]["resumes"]), r[kind]["resumes"]
