@@ -10,7 +10,6 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .loader import SelectiveLoader
     from .policies import Policy
 
 __all__ = ["check_owner", "claim"]
@@ -20,10 +19,10 @@ __all__ = ["check_owner", "claim"]
 #: the policy's id, with a weak reference to the policy (an entry goes when the policy does).
 #: NOTE: not a WeakKeyDictionary, which needs hashable keys: a policy written as a dataclass
 #: with eq=True has no hash.
-_OWNERS: dict[int, tuple[weakref.ref[Policy], weakref.ref[SelectiveLoader]]] = {}
+_OWNERS: dict[int, tuple[weakref.ref[Policy], weakref.ref[object]]] = {}
 
 
-def claim(policy: Policy, loader: SelectiveLoader) -> None:
+def claim(policy: Policy, loader: object) -> None:
     """Record ``loader`` as the one ``policy`` is attached to (not for a policy that cannot be
     weakly referenced, e.g. with ``__slots__`` and no ``__weakref__``: it is not checked)."""
     key = id(policy)
@@ -38,7 +37,7 @@ def claim(policy: Policy, loader: SelectiveLoader) -> None:
     _OWNERS[key] = (ref, weakref.ref(loader))
 
 
-def _owner(policy: Policy) -> weakref.ref[SelectiveLoader] | None:
+def _owner(policy: Policy) -> weakref.ref[object] | None:
     """The loader ``policy`` was last attached to (a weak reference), or None."""
     entry = _OWNERS.get(id(policy))
     if entry is None or entry[0]() is not policy:
@@ -46,7 +45,7 @@ def _owner(policy: Policy) -> weakref.ref[SelectiveLoader] | None:
     return entry[1]
 
 
-def check_owner(policies: Iterable[Policy], loader: SelectiveLoader) -> None:
+def check_owner(policies: Iterable[Policy], loader: object) -> None:
     """Refuse (``RuntimeError``) to let ``loader`` go on where one of its ``policies`` (its
     policy and the policies it runs) was attached to another SelectiveLoader since: attaching
     starts the policy's run afresh (its window, store and pass schedule), so ``loader``'s run

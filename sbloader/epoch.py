@@ -9,6 +9,18 @@ it ends.
 The iterator is a small state machine rather than a generator: each :meth:`~EpochIterator.__next__`
 first hands out a batch that is already owed, and otherwise advances by one step (start the
 epoch, process one source batch, one distributed drain round, the end-of-epoch remainder).
+
+NOTE (one declared contract): configuration apart from iteration, as torch's DataLoader has it:
+the loader holds the options, the collaborators it builds from them (the source, the codec, the
+scorer, the ranks' synchronisation) and the state that crosses epochs (the rows selected and not
+handed out yet, the source's position, what the last epoch left); the iterator owns one epoch
+and reads and updates that state through the members :class:`EpochHost` declares, and nothing
+else of the loader. The contract stands here, with the iterator that needs it, so the loader
+depends on the iterator and never the other way round.
+``EpochIterator`` refers to its loader as an :class:`EpochHost`, so the type checker refuses any
+other access, and ``SelectiveLoader`` is checked to provide every member (the assignment at the
+end of :mod:`sbloader.loader`). The members keep their leading underscore: they are the
+package's own, not the user's API.
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import numpy as np
 import torch
@@ -38,11 +50,17 @@ from .scoring import Scored, Scorer
 from .stats import EpochStats
 
 if TYPE_CHECKING:
-    from ._host import EpochHost
-    from .distributed import RankSync
-    from .loader import SelectiveLoader
+    from collections.abc import Sequence
 
-__all__ = ["EpochIterator"]
+    from .codec import BatchCodec
+    from .device_decisions import DecisionGenerator
+    from .distributed import RankSync
+    from .overlap import SelectionCopy
+    from .policies import Policy
+    from .rows import PendingRows
+    from .sources import Source
+
+__all__ = ["EpochHost", "EpochIterator"]
 
 #: The names of the loader's own threads begin so (the selection and prefetch threads).
 _THREAD_PREFIX = "sbloader-"
@@ -153,6 +171,97 @@ def _raised_name(kind: int) -> str:
     return f"an exception derived from {name}" if (kind - _RAISED) % _STAGE % 2 else name
 
 
+class EpochHost(Protocol):
+    """The members of a :class:`~sbloader.SelectiveLoader` its epoch iterator uses.
+
+    Options (read only): ``policy``, ``batch_size``, ``min_batch_size``, ``remainder``,
+    ``batches_per_epoch``, ``nonfinite``, ``cdf``, ``prefetch``, ``device``, ``source``,
+    ``epoch``.
+
+    Collaborators, built from the options (read only): ``_source``, ``_codec``, ``_scorer``,
+    ``_sync`` (None on one process), ``_decider`` (device-side decisions, or None), ``_overlap``
+    (the selection copy of ``overlap_selection``, or None), ``_subset`` (a mask, or None),
+    ``_rng``.
+
+    State crossing epochs (read and updated by the iterator): ``_pending`` (rows selected and not
+    handed out), ``_source_state`` (the source's state as the current source batch was taken),
+    ``_probed`` (the model and loss were checked on a source batch), ``_epoch_prefilter``,
+    ``_share`` / ``_ahead`` (what an epoch left part-way agreed and scored ahead),
+    ``_returned`` (rows a saved state took back), ``_counted_full`` /
+    ``_counted_full_warned``.
+
+    Steps of the loader's own (the epoch's beginning, end and abandonment, and what they decide
+    from the loader's whole state): ``_begin``, ``_end``, ``_abandon``, ``_keep_ended``,
+    ``_sharing``; and ``_new_pass`` (a pass's iterator, for the training-epoch iterator of
+    ``batches_per_epoch``, :class:`~sbloader.length.FixedEpochIterator`, which reads its loader
+    through this contract too).
+    """
+
+    # ------------------------------------------------------------------ options
+    policy: Policy
+    batch_size: int
+    min_batch_size: int
+    remainder: str
+    batches_per_epoch: int | None
+
+    @property
+    def last_batch_min(self) -> int: ...
+
+    nonfinite: str
+    cdf: str
+    epoch: int
+
+    @property
+    def prefetch(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def source(self) -> Source: ...
+
+    # ------------------------------------------------------------------ collaborators
+    _source: Source
+    _codec: BatchCodec
+    _scorer: Scorer
+    _sync: RankSync | None
+    _decider: DecisionGenerator | None
+    _overlap: SelectionCopy | None
+    _subset: np.ndarray | None
+    _rng: np.random.Generator
+
+    # ------------------------------------------------------------------ state crossing epochs
+    _pending: PendingRows
+    _source_state: dict[str, Any] | None
+    _probed: bool
+    _epoch_prefilter: bool
+    _share: float | None
+    _ahead: AheadScores | None
+    _returned: list[Rows]
+    _orphans: list[EpochIterator]
+    _counted_full: bool
+    _counted_full_warned: bool
+
+    # ------------------------------------------------------------------ the loader's steps
+    def _begin(self, it: EpochIterator) -> tuple[int, int, bool, EpochStats, list[Rows]]: ...
+
+    def _end(self, it: EpochIterator) -> None: ...
+
+    def _abandon(
+        self,
+        it: EpochIterator,
+        resumable: bool,
+        handed: Sequence[Rows | WholeBatch] = (),
+        why: str = "",
+    ) -> None: ...
+
+    def _keep_ended(self) -> None: ...
+
+    def _sharing(self) -> bool: ...
+
+    def _new_pass(self) -> EpochIterator: ...
+
+
 class _Phase(Enum):
     NEW = 0  # not started: the epoch begins on the first __next__
     SOURCE = 1  # reading source batches
@@ -223,10 +332,10 @@ class EpochIterator:
         (True, 3, None)
     """
 
-    def __init__(self, loader: SelectiveLoader) -> None:
+    def __init__(self, loader: EpochHost) -> None:
         # The loader, held strongly while the caller owns this iterator; weakly once the loader
         # keeps it (see held_by_loader).
-        self._owner: SelectiveLoader | None = loader
+        self._owner: EpochHost | None = loader
         self._owner_ref = weakref.ref(loader)
         self._phase = _Phase.NEW
         self.stats: EpochStats | None = None
@@ -290,7 +399,7 @@ class EpochIterator:
     # ------------------------------------------------------------------ protocol
     @property
     def _loader(self) -> EpochHost:
-        """The loader, as the members this iterator may use of it (see :mod:`sbloader._host`)."""
+        """The loader, as the members this iterator may use of it (see :class:`EpochHost`)."""
         loader = self._owner if self._owner is not None else self._owner_ref()
         if loader is None:
             raise ReferenceError("the SelectiveLoader of this epoch iterator was dropped")
@@ -532,7 +641,7 @@ class EpochIterator:
         # last batch would be, whatever ``remainder`` says for selected rows; except with
         # ``batches_per_epoch``, whose training epochs are of full batches: there ``remainder``
         # ("carry" or "drop") applies at the end of the pass, as for every policy.
-        fixed = loader._fixed is not None
+        fixed = loader.batches_per_epoch is not None
         self._remainder = "short" if self._passthrough and not fixed else loader.remainder
         # Whether rows of different source batches are joined into training batches this epoch:
         # always when selecting; for a passthrough policy, where the source's batches are not

@@ -46,8 +46,7 @@ from .policies import passes_within
 
 if TYPE_CHECKING:
     from . import batch as B
-    from ._host import EpochHost
-    from .epoch import EpochIterator
+    from .epoch import EpochHost, EpochIterator
     from .policies import Policy
     from .sources import Source
 
@@ -235,8 +234,9 @@ class FixedEpochIterator:
     """
 
     def __init__(self, loader: EpochHost, clock: FixedEpochs) -> None:
-        # NOTE: the loader through its declared contract with epoch iterators (sbloader._host),
-        # as EpochIterator holds it: the type checker refuses any other access.
+        # NOTE: the loader through its declared contract with epoch iterators
+        # (sbloader.epoch.EpochHost), as EpochIterator holds it: the type checker refuses any
+        # other access.
         self._loader, self._clock = loader, clock
         self._phase = _Phase.NEW
         self.epoch: int | None = None

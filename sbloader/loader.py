@@ -2454,9 +2454,9 @@ def _digest(mask: np.ndarray) -> str:
 
 
 if TYPE_CHECKING:
-    from ._host import EpochHost
+    from .epoch import EpochHost
 
     def _hosts_epochs(loader: SelectiveLoader) -> EpochHost:
         """(For the type checker: a SelectiveLoader provides every member its epoch iterator
-        uses, :class:`~sbloader._host.EpochHost`.)"""
+        uses, :class:`~sbloader.epoch.EpochHost`.)"""
         return loader
