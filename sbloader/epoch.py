@@ -286,6 +286,8 @@ class _Loaded:
         device: the loader's device it was moved to.
         future: its selection pass running on the selection thread (``overlap_selection``),
             or None.
+        failed: the error refreshing the selection copy for that pass raised, raised when the
+            batch is taken (``overlap_selection``), or None.
     """
 
     data: list[Any]
@@ -296,6 +298,7 @@ class _Loaded:
     waited: float
     device: torch.device
     future: Future[tuple[Scored, float]] | None = None
+    failed: Exception | None = None
 
 
 class EpochIterator:
@@ -986,9 +989,11 @@ class EpochIterator:
             return
         if self._exhausted is not None or self._ahead_failed is not None:
             return
-        # NOTE: an error loading the next source batch is raised when that batch is taken, as
-        # without overlap: raised here, the rows of the batch just taken, kept but not handed
-        # out, came only in the next epoch (yielded twice where the epoch was run again).
+        # NOTE: an error loading the next source batch, or refreshing the selection copy for
+        # it (a model that can no longer be copied), is raised when that batch is taken, as a
+        # load or selection error without overlap is: raised here, the rows of the batch just
+        # taken, kept but not handed out, came only in the next epoch (yielded twice where the
+        # epoch was run again).
         stage = self._stage
         try:
             loaded = self._load()
@@ -1003,7 +1008,11 @@ class EpochIterator:
         if not loaded.n:
             return
         scorer, codec, data = loader._scorer, loader._codec, loaded.data
-        copy.sync(scorer.selection_model)
+        try:
+            copy.sync(scorer.selection_model)
+        except Exception as e:  # (raised when the batch is taken, as a load error is)
+            loaded.failed = e
+            return
         model = copy.model
         inputs, targets = data[codec.input_position], data[codec.target_position]
         batch = codec.view(data)
@@ -1028,6 +1037,8 @@ class EpochIterator:
             stats.selection_hidden_s += saved.seconds
             scorer.count(scored, stats)
             return scored
+        if loaded.failed is not None:
+            raise loaded.failed
         if loaded.future is None:
             return scorer.score(inputs, targets, indices, self.epoch, stats, batch)
         t0 = perf_counter()

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import EncodedDataset, bn_model
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 import sbloader
 from sbloader import SelectiveBackprop, SelectiveLoader
@@ -42,14 +42,23 @@ class StepCounter(nn.Module):
         return (self.w + 0.0 * x[:, :1]).reshape(-1, 1)
 
 
-def sb_loader(model: nn.Module, n: int = 160, overlap: bool = True, keep: float = 0.5):
-    """SB over an unshuffled DataLoader of ``n`` encoded examples, source batches of 32."""
+def sb_loader(
+    model: nn.Module,
+    n: int = 160,
+    overlap: bool = True,
+    keep: float = 0.5,
+    data: torch.utils.data.Dataset | None = None,
+    **options,
+):
+    """SB over an unshuffled DataLoader of ``data`` (``n`` encoded examples by default), source
+    batches of 32; ``options``: the loader's other options."""
     return SelectiveLoader(
-        DataLoader(EncodedDataset(n), batch_size=SOURCE),
+        DataLoader(EncodedDataset(n) if data is None else data, batch_size=SOURCE),
         model,
         policy=SelectiveBackprop(keep),
         batch_size=BATCH,
         overlap_selection=overlap,
+        **options,
     )
 
 
@@ -524,13 +533,8 @@ def test_a_source_error_comes_after_the_rows_kept_before_it_as_without_overlap(p
         torch.manual_seed(0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            loader = SelectiveLoader(
-                DataLoader(BadRow(), batch_size=32),
-                nn.Linear(8, 3),
-                policy=SelectiveBackprop(1.0),
-                batch_size=8,
-                overlap_selection=overlap,
-                prefetch=prefetch,
+            loader = sb_loader(
+                nn.Linear(8, 3), keep=1.0, overlap=overlap, data=BadRow(), prefetch=prefetch
             )
         before = []
         with pytest.raises(OSError, match="read error at row 100"):
@@ -540,6 +544,30 @@ def test_a_source_error_comes_after_the_rows_kept_before_it_as_without_overlap(p
         seen[overlap] = (before, after)
     assert seen[True] == seen[False]
     assert seen[True][0] == list(range(96)) and sorted(seen[True][1]) == list(range(256))
+
+
+def test_a_copy_refresh_error_comes_after_the_rows_kept_before_it():
+    """A model changed so that it can no longer be copied (here, a lock set as an attribute)
+    fails the selection copy's refresh, made as source batch p + 1 is loaded, after p's rows are
+    kept but before they are handed out: raised there, rows 64-95 came only in the next epoch.
+    The error now comes when p + 1 is taken, naming the fix, after every row before it; the
+    epoch after it, with the model mended, comes whole."""
+    x, y = torch.randn(256, 8, generator=torch.Generator().manual_seed(0)), torch.arange(256) % 3
+    model = nn.Linear(8, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loader = sb_loader(model, keep=1.0, data=TensorDataset(x, y))
+    before = []
+    with pytest.raises(ValueError, match="overlap_selection=False"):
+        for b in loader:
+            before += b.indices.tolist()
+            if before[-1] == 39:  # the first batch of source batch 1
+                model.lock = threading.Lock()  # not deep-copyable
+    assert before == list(range(96))  # source batches 0-2, whose rows were kept
+    del model.lock
+    after = [i for b in loader for i in b.indices.tolist()]
+    assert sorted(after) == list(range(256))
+    assert not selection_threads()
 
 
 @pytest.mark.parametrize("change", ["forward hook", "attribute", "forward"])
