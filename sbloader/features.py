@@ -140,8 +140,9 @@ class FeatureCache:
         """Once per epoch: empty the cache where the prefix changed since the rows were
         computed: its parameters or buffers changed in place (``load_state_dict``, an in-place
         update) or were given new data (``p.data = ...``), were cast to another dtype or moved
-        to another device (``prefix.to(...)``, ``prefix.half()``), or one of its layers was
-        replaced (also by one without parameters), so that they are computed again by the
+        to another device (``prefix.to(...)``, ``prefix.half()``), one of its layers was
+        replaced (also by one without parameters), or a forward hook (or pre-hook) was
+        registered or removed on one of its modules, so that they are computed again by the
         prefix as it is now (and stored in its outputs' dtype).
 
         NOTE: before, rows computed by the old weights were handed out as the new prefix's
@@ -154,13 +155,16 @@ class FeatureCache:
         without parameters (an activation) changes no tensor: the modules are compared too.
         Weights assigned through ``.data`` (``nn.utils.vector_to_parameters``) keep both the
         identity and the version: the storage's address is compared too (found by review).
+        A hook changes the outputs and no tensor: the hooks' handles are compared too (before,
+        a hook scaling the features by 1.0005 left the old rows handed out, and one scaling
+        them by 2 was refused as a changed input).
         """
         if self._followed_epoch == epoch:
             return
         self._followed_epoch = epoch
         tensors = (*prefix.parameters(), *prefix.buffers())
         signature = (
-            tuple((id(m), type(m)) for m in prefix.modules()),
+            tuple((id(m), type(m), _hook_keys(m)) for m in prefix.modules()),
             tuple((id(t), t._version, t.data_ptr(), t.dtype, t.device) for t in tensors),
         )
         if self._signature is not None and signature != self._signature:
@@ -406,6 +410,20 @@ def _cache_device(cache: str | torch.device) -> torch.device:
         )
     check_cuda_present("cache_features", device, "True to keep the cache where the features are")
     return device
+
+
+def _hook_keys(module: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The handles' ids of ``module``'s own forward pre-hooks and forward hooks (each
+    registration gets a new one), for :meth:`FeatureCache.follow`.
+
+    Example:
+        >>> m = nn.Linear(2, 2)
+        >>> before = _hook_keys(m)
+        >>> _ = m.register_forward_hook(lambda module, args, out: out)
+        >>> before == _hook_keys(m), before
+        (False, ((), ()))
+    """
+    return tuple(module._forward_pre_hooks), tuple(module._forward_hooks)
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

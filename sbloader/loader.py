@@ -427,10 +427,11 @@ class SelectiveLoader(NotADataLoader):
             from weights up to that many candidates old. Training forwards are not affected.
             Its refresh clock and the copy's int8 values are part of :meth:`state_dict` (a
             resume scores with the same copy).
-            Refused (``ValueError``) with a model torch.fx cannot trace, on a GPU, and
-            with an ``autocast`` dtype, ``compile_selection``, ``forward=`` (or a tuple
-            ``input_key``), ``frozen_prefix``, ``eval_selection=False``, ``overlap_selection``,
-            ``keep_logits=True`` or an FSDP-sharded model; a model with layers that have no int8
+            Refused (``ValueError``) with a model torch.fx cannot trace or one with forward
+            hooks (which the copy would run without), on a GPU, and with an ``autocast`` dtype,
+            ``compile_selection``, ``forward=`` (or a tuple ``input_key``), ``frozen_prefix``,
+            ``eval_selection=False``, ``overlap_selection``, ``keep_logits=True`` or an
+            FSDP-sharded model; a model with layers that have no int8
             kernels fails on the first source batch (``RuntimeError``). Refreshes are counted in
             ``loader.scorer.quantized.refreshes``; their time is part of the epochs'
             ``selection_forward_s``. Under DDP each rank builds its own copy on its own

@@ -31,6 +31,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from ._checks import check_int
 from ._state import check_version
@@ -228,6 +229,9 @@ def check_quantizable(
             f"torch.backends.quantized.engine is {engine!r}; set it before building the loader, "
             + _FIX
         )
+    hooked = _hooked(model)
+    if hooked:
+        raise ValueError(_hooks_refused(hooked))
     if not trace:
         return engine
     try:
@@ -507,6 +511,40 @@ def _first_line(error: Exception) -> str:
     return str(error).splitlines()[0][:300] if str(error) else ""
 
 
+def _hooked(model: nn.Module) -> str:
+    """``module NAME's forward pre-hook`` (or ``forward hook``) for the first module of
+    ``model`` (itself included) with a forward hook or pre-hook registered, or ``""``.
+
+    NOTE: the int8 copy runs without them: ``torch.fx`` traces the model's ``forward`` (not
+    its ``__call__``, which runs its hooks) and the layers it converts are new modules. A model
+    normalising its inputs in a pre-hook, or scaling its outputs in a hook, was scored by the
+    copy as if they were not there, with nothing said (all its losses 0 where the hook
+    normalised inputs ten times too large), where a float selection pass runs them.
+
+    NOTE: not the pre-hook by which a lazy module (``nn.LazyLinear``) makes its parameters on
+    its first forward, which the copy's build runs first (see :meth:`QuantizedSelector._build`).
+    """
+    for name, module in model.named_modules():
+        where = f"module {name!r}'s" if name else "the selection model's"
+        lazy = getattr(module, "_initialize_hook", None)
+        own = lazy.id if isinstance(module, LazyModuleMixin) and lazy is not None else None
+        if any(key != own for key in module._forward_pre_hooks):
+            return f"{where} forward pre-hook"
+        if module._forward_hooks:
+            return f"{where} forward hook"
+    return ""
+
+
+def _hooks_refused(hooked: str) -> str:
+    """The message refusing a model with forward hooks (``hooked``: :func:`_hooked`)."""
+    return (
+        f"quantize_selection scores with an int8 copy of the selection model, which runs "
+        f"without its forward hooks, but found {hooked} (a float selection pass runs it); "
+        "remove the hooks (e.g. move what they do into forward), pass selector= a model "
+        "without hooks, " + _FIX
+    )
+
+
 def _uncopyable(model: nn.Module) -> str:
     """`` on its attribute NAME (a TYPE)`` for the first attribute of ``model``'s modules (other
     than modules, parameters and buffers) that ``copy.deepcopy`` refuses, or ``""``: for the
@@ -663,6 +701,9 @@ class QuantizedSelector:
                 "quantize_selection calls the model on the input field as one tensor, but it is "
                 f"a {type(inputs).__name__}; pass input_key= a tensor field, " + _FIX
             )
+        hooked = _hooked(model)
+        if hooked:  # (registered since the loader was built)
+            raise Int8Unavailable(_hooks_refused(hooked))
         calib = _calibration_rows(inputs, self.config.calibration_examples)
         if prepare is not None:
             with torch.inference_mode():

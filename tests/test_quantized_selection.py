@@ -811,3 +811,54 @@ def test_a_model_that_cannot_be_copied_is_refused_naming_the_attribute() -> None
     assert "attribute 'loader' (a SelectiveLoader)" in message, message
     assert "layers have int8 kernels" not in message
     assert "quantize_selection=False" in message
+
+
+def _scale_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[torch.Tensor]:
+    return (args[0] / 10.0,)
+
+
+def _shift_outputs(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+    return out + torch.arange(out.shape[1], dtype=out.dtype)
+
+
+def _hook(module: nn.Module, kind: str) -> None:
+    """Give ``module`` a forward pre-hook scaling its inputs (``"pre"``) or a forward hook
+    shifting its outputs (``"post"``)."""
+    if kind == "pre":
+        module.register_forward_pre_hook(_scale_inputs)
+    else:
+        module.register_forward_hook(_shift_outputs)
+
+
+@pytest.mark.parametrize(
+    ("where", "kind"),
+    [("", "pre"), ("", "post"), ("0", "pre"), ("5", "post")],
+    ids=["model pre-hook", "model hook", "layer pre-hook", "layer hook"],
+)
+def test_a_model_with_forward_hooks_is_refused_not_scored_without_them(
+    monkeypatch, where: str, kind: str
+) -> None:
+    """The int8 copy runs without the model's forward hooks (torch.fx traces ``forward``, and
+    converted layers are new modules): asked for, refused naming the hook and the fix; under
+    ``"auto"`` off, saying why; a hook registered after the loader was built is refused on the
+    first source batch (``"auto"``: the float precision instead), before any loss is scored."""
+    model = trained()
+    _hook(model.get_submodule(where), kind)
+    hook = "forward pre-hook" if kind == "pre" else "forward hook"
+    named = f"module {where!r}'s {hook}" if where else f"the selection model's {hook}"
+    with pytest.raises(ValueError, match="runs without its forward hooks") as info:
+        make(model, True)
+    assert named in str(info.value) and "quantize_selection=False" in str(info.value)
+    native(monkeypatch, True)
+    off = make(model, "auto")
+    assert off.scorer.quantized is None and named in off.selection_precision
+    plain = epoch_batches(make(model, False))
+    assert epoch_batches(off) == plain
+    # registered after the loader was built
+    later = trained()
+    asked, auto = make(later, True), make(later, "auto")
+    _hook(later.get_submodule(where), kind)
+    with pytest.raises(sbloader.quantize.Int8Unavailable, match=named):
+        next(iter(asked))
+    with pytest.warns(UserWarning, match="runs without its forward hooks"):
+        assert epoch_batches(auto) == epoch_batches(make(later, False))
