@@ -12,11 +12,13 @@ restore the state with these (their documentation is the protocol's).
 from __future__ import annotations
 
 import functools
+import numbers
 import types
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -340,6 +342,7 @@ def checked_state(
             "runs), or pass this process's entry, state['ranks'][rank]"
         )
     state = check_version(state, "SelectiveLoader", version, {1: from_v1})
+    _check_fields(state)
     saved_rank = state[K_IDENTITY].get("rank", rank)
     if saved_rank != rank and world_size > 1:
         raise ValueError(
@@ -364,6 +367,59 @@ def checked_state(
             "with the saved run's arguments to resume it"
         )
     return state
+
+
+#: The keys every version-2 loader state has (the others are optional: absent from states saved
+#: before they existed).
+_REQUIRED = (
+    K_IDENTITY,
+    K_EPOCH,
+    K_POSITION,
+    K_ACTIVE,
+    K_RNG,
+    K_SOURCE,
+    K_POLICY,
+    K_PENDING,
+    K_CODEC,
+    K_SCORER,
+    K_STATS,
+)
+
+
+def _check_fields(state: Mapping[str, Any]) -> None:
+    """Refuse a version-2 ``state`` that lacks a required key or whose identity, epoch,
+    position or ``active`` flag is not what :meth:`SelectiveLoader.state_dict
+    <sbloader.SelectiveLoader.state_dict>` writes (``ValueError`` naming the field).
+
+    NOTE: a truncated state failed with a bare ``KeyError`` naming only the key; an edited or
+    corrupted one loaded: ``position=-1`` resumed the epoch from before its start (96 examples
+    seen in an epoch of 64), ``epoch=1.7`` was truncated to 1 and ``active=None`` was taken
+    for an ended epoch.
+    """
+    fix = "pass a state saved by SelectiveLoader.state_dict(), as it returned it"
+    missing = [k for k in _REQUIRED if k not in state]
+    if missing:
+        raise ValueError(
+            f"the saved SelectiveLoader state has no {', '.join(map(repr, missing))} (a "
+            f"truncated or edited state); {fix}"
+        )
+    if not isinstance(state[K_IDENTITY], Mapping):
+        raise ValueError(
+            f"the saved SelectiveLoader state has {K_IDENTITY}={state[K_IDENTITY]!r}, but it "
+            f"should be a dict; {fix}"
+        )
+    for key in (K_EPOCH, K_POSITION):
+        value = state[key]
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(
+                f"the saved SelectiveLoader state has {key}={value!r}, but it should be an int "
+                f">= 0; {fix}"
+            )
+    if not isinstance(state[K_ACTIVE], (bool, np.bool_)):
+        raise ValueError(
+            f"the saved SelectiveLoader state has {K_ACTIVE}={state[K_ACTIVE]!r}, but it should "
+            f"be True or False; {fix}"
+        )
 
 
 def mid_epoch_warning(why: str, fixed: bool) -> str:

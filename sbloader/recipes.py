@@ -17,6 +17,15 @@ from ._checks import check_float, check_int
 __all__ = ["cosine_lr", "error_rate", "eval_batch_size", "mlp", "resnet18", "small_cnn"]
 
 
+def _sizes(**sizes: int) -> tuple[int, ...]:
+    """Each of a model's ``sizes`` checked (an int >= 1), in order.
+
+    NOTE: torch builds a layer of 0 outputs (``num_classes=0``: a classifier of no classes,
+    trained on nothing) and takes ``True`` for 1, unsaid.
+    """
+    return tuple(check_int(name, value, minimum=1) for name, value in sizes.items())
+
+
 def mlp(num_classes: int = 10, in_features: int = 28 * 28, hidden: int = 1024) -> nn.Module:
     """784-1024-1024-10 with ReLUs, on flattened inputs (the papers' second architecture here).
 
@@ -24,6 +33,9 @@ def mlp(num_classes: int = 10, in_features: int = 28 * 28, hidden: int = 1024) -
         >>> mlp()(torch.zeros(2, 1, 28, 28)).shape
         torch.Size([2, 10])
     """
+    num_classes, in_features, hidden = _sizes(
+        num_classes=num_classes, in_features=in_features, hidden=hidden
+    )
     return nn.Sequential(
         nn.Flatten(),
         nn.Linear(in_features, hidden),
@@ -41,6 +53,7 @@ def small_cnn(num_classes: int = 10, in_channels: int = 1) -> nn.Module:
         >>> small_cnn()(torch.zeros(2, 1, 28, 28)).shape
         torch.Size([2, 10])
     """
+    num_classes, in_channels = _sizes(num_classes=num_classes, in_channels=in_channels)
     return nn.Sequential(
         nn.Conv2d(in_channels, 32, 3, padding=1, bias=False),
         nn.BatchNorm2d(32),
@@ -89,6 +102,8 @@ def resnet18(num_classes: int = 10, in_channels: int = 3) -> nn.Sequential:
         >>> resnet18(num_classes=10, in_channels=1)(torch.zeros(2, 1, 32, 32)).shape
         torch.Size([2, 10])
     """
+
+    num_classes, in_channels = _sizes(num_classes=num_classes, in_channels=in_channels)
 
     def stage(cin: int, cout: int, stride: int) -> nn.Sequential:
         return nn.Sequential(_BasicBlock(cin, cout, stride), _BasicBlock(cout, cout, 1))
@@ -157,6 +172,15 @@ def error_rate(
         )
     if not len(inputs):
         raise ValueError("error_rate needs at least one example, but got 0 inputs")
+    if targets.dim() != 1:
+        raise ValueError(
+            "error_rate needs one class index per input (targets of shape (N,)), but got "
+            f"targets of shape {tuple(targets.shape)}; pass class indices (e.g. "
+            "targets.argmax(1) for one-hot rows)"
+        )
+    # NOTE: a label outside the model's classes (a model built with another num_classes) was
+    # counted as a mistake, unsaid: the error rate of a mismatched model, not an error.
+    low, high = targets.min().item(), targets.max().item()
     amp = (
         torch.autocast(device.type, dtype=autocast)
         if autocast is not None
@@ -169,7 +193,14 @@ def error_rate(
             y = targets[i : i + batch_size].to(device, non_blocking=True)
             if x.dim() == 4:  # (a memory format is a layout of images: batch, C, H, W)
                 x = x.contiguous(memory_format=memory_format)
-            wrong += (model(x).argmax(1) != y).sum()
+            out = model(x)
+            if i == 0 and (low < 0 or high >= out.shape[1]):
+                raise ValueError(
+                    f"targets should be class indices in [0, {out.shape[1]}) for a model with "
+                    f"{out.shape[1]} outputs, but range from {low:g} to {high:g}; pass the "
+                    "targets of the model's classes, or a model with one output per class"
+                )
+            wrong += (out.argmax(1) != y).sum()
     return int(wrong) / len(inputs)
 
 
@@ -183,6 +214,9 @@ def cosine_lr(base_lr: float, position: float, total: float) -> float:
         >>> cosine_lr(0.1, 0.0, 10), cosine_lr(0.1, 5.0, 10), cosine_lr(0.1, 10.0, 10)
         (0.1, 0.05, 0.0)
     """
+    # NOTE: a NaN position (or base_lr) made the rate NaN, which optimizers take, unsaid.
+    base_lr = check_float("base_lr", base_lr, low=0.0)
+    position = check_float("position", position)
     total = check_float("total", total, low=0.0, low_open=True)
     t = min(max(position / total, 0.0), 1.0)
     return base_lr * 0.5 * (1.0 + math.cos(math.pi * t))

@@ -647,6 +647,36 @@ def test_an_unknown_version_is_refused_clearly():
         make().load_state_dict(state)
 
 
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda s: s.pop("policy"), r"has no 'policy' \(a truncated or edited state\)"),
+        (lambda s: s.pop("identity"), r"has no 'identity'"),
+        (lambda s: s.update(identity=None), r"has identity=None, but it should be a dict"),
+        (lambda s: s.update(position=-1), r"has position=-1, but it should be an int >= 0"),
+        (lambda s: s.update(epoch=-1), r"has epoch=-1, but it should be an int >= 0"),
+        (lambda s: s.update(epoch=1.7), r"has epoch=1\.7, but it should be an int >= 0"),
+        (lambda s: s.update(active=None), r"has active=None, but it should be True or False"),
+    ],
+    ids=["no-policy", "no-identity", "identity-none", "position", "epoch", "epoch-float", "active"],
+)
+def test_a_truncated_or_edited_state_is_refused_naming_the_field_and_changes_nothing(edit, match):
+    """A state without a key failed with a bare KeyError; one with position=-1 resumed its
+    epoch from before its start (more examples seen than the epoch holds), epoch=1.7 was
+    truncated to 1 and active=None taken for an ended epoch, all unsaid."""
+    saved = make()
+    it = iter(saved)
+    next(it)
+    next(it)
+    state = saved.state_dict()  # mid-epoch
+    edit(state)
+    loader = make()
+    before = epoch_indices(make())
+    with pytest.raises(ValueError, match=match):
+        loader.load_state_dict(state)
+    assert loader.epoch == 0 and epoch_indices(loader) == before
+
+
 def test_a_dict_that_is_no_loader_state_is_refused_as_such_not_as_another_version():
     """A whole checkpoint (or the model's state) passed for the loader's has no version at all:
     the message names what was passed, not a version to save it with."""

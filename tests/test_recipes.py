@@ -101,6 +101,44 @@ def test_error_rate_refuses_arguments_it_would_count_wrongly():
         error_rate(model, x[:0], y[:0])
 
 
+def test_error_rate_refuses_targets_outside_the_models_classes():
+    """A model of another num_classes than the labels (labels up to 9, three outputs) was scored
+    as making every such example a mistake: an error rate, not an error."""
+    model, x = mlp(num_classes=3, in_features=4, hidden=8), torch.randn(6, 4)
+    for y, shown in ((torch.tensor([0, 1, 2, 9, 0, 1]), "0 to 9"), (-torch.ones(6).long(), "-1")):
+        with pytest.raises(ValueError, match=rf"class indices in \[0, 3\) .* range from {shown}"):
+            error_rate(model, x, y)
+    with pytest.raises(ValueError, match=r"targets of shape \(6, 3\)"):
+        error_rate(model, x, torch.eye(3)[[0, 1, 2, 0, 1, 2]])  # one-hot rows
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((float("nan"), 1.0, 10), "base_lr should be finite"),
+        ((-0.1, 1.0, 10), r"base_lr should be >= 0"),
+        ((0.1, float("nan"), 10), "position should be finite"),
+        (("0.1", 1.0, 10), "base_lr should be a number"),
+    ],
+)
+def test_cosine_lr_refuses_a_rate_or_position_that_is_no_number(args, match):
+    """A NaN position or base_lr gave a NaN rate, which an optimizer takes, unsaid."""
+    with pytest.raises((ValueError, TypeError), match=match):
+        cosine_lr(*args)
+
+
+@pytest.mark.parametrize("make", [mlp, small_cnn, resnet18])
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0])
+def test_the_reference_models_refuse_sizes_that_are_no_positive_int(make, bad):
+    """num_classes=0 built a classifier of no outputs and True one of one output, unsaid."""
+    match = rf"num_classes should be .*num_classes={bad}"
+    with pytest.raises((ValueError, TypeError), match=match):
+        make(num_classes=bad)
+    other = "in_features" if make is mlp else "in_channels"
+    with pytest.raises((ValueError, TypeError), match=rf"{other} should be"):
+        make(**{other: bad})
+
+
 @pytest.mark.parametrize("total", [0, -10.0, float("nan")])
 def test_cosine_lr_refuses_a_total_that_is_not_positive(total):
     """total=0 divided by zero, and a negative total gave base_lr at every position."""
