@@ -445,6 +445,7 @@ class BatchFormat:
                     raise FieldError(
                         f"{name} should be a position in the source's {n}-field "
                         f"{type(batch).__name__} batches, but got {name}={key!r}"
+                        + _field_position(batch, name, key)
                     )
             kind = list if isinstance(batch, list) else tuple
             return cls(
@@ -550,6 +551,30 @@ class BatchFormat:
             pass
         _UNBUILDABLE.add(cls)
         return None
+
+
+def _field_position(batch: Any, name: str, key: Any) -> str:
+    """The fix where ``name=`` names a field of namedtuple batches by its name (``input_key=
+    'image'``), for the message: the field's position, by which tuple batches are addressed;
+    else ``''``.
+
+    Example:
+        >>> from collections import namedtuple
+        >>> pair = namedtuple("Pair", "image label")(1, 2)
+        >>> fix = _field_position(pair, "target_key", "label")
+        >>> fix.endswith("the field 'label' is 1 of ['image', 'label']")
+        True
+        >>> _field_position((1, 2), "target_key", "label")
+        ''
+    """
+    fields = getattr(type(batch), "_fields", ()) if _is_namedtuple(type(batch)) else ()
+    if not isinstance(key, str) or key not in fields:
+        return ""
+    return (
+        f"; namedtuple batches are addressed by position, as tuples are: name the fields "
+        f"by position in {name}=, where the field {key!r} is {fields.index(key)} of "
+        f"{list(fields)!r}"
+    )
 
 
 def _batch_fix(batch: Any) -> str:

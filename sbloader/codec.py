@@ -130,10 +130,11 @@ class BatchCodec:
         for key, col in zip(fmt.keys, columns):
             if B.column_length(col, key) != n:
                 _check_not_collated_fields(fmt.keys, columns)
+                m = B.column_length(col, key)
                 raise ValueError(
-                    f"field {key!r} of a source batch has {B.column_length(col, key)} entries but "
-                    f"the input field {fmt.input_key!r} has {n}; every field needs one entry per "
-                    "example"
+                    f"field {key!r} of a source batch has {m} entries but the input field "
+                    f"{fmt.input_key!r} has {n}; every field needs one entry per example"
+                    + _time_major(columns[in_pos], fmt.input_key, n, col, key, m)
                 )
         if self._index_is is not None and indices is not None:
             self._check_repeats(indices)
@@ -346,6 +347,41 @@ class BatchCodec:
             if isinstance(c, Mapping)
             for path, t in _leaves(c, ())
         }
+        self._warn_left_padded(data)
+
+    def _warn_left_padded(self, data: list[Any]) -> None:
+        """Warn where a field that ``pad_values`` pads looks padded at the start of its rows in
+        the first source batch checked (``data``): some rows, not all, begin with its pad value
+        and none ends with it, as a tokenizer with ``padding_side='left'`` pads.
+
+        NOTE: rows are padded at the end when joined (:func:`sbloader.batch.concat`), so a row
+        of a narrower source batch padded at the start got padding at both ends
+        (``[pad, pad, tok, tok, pad]``), silently: a model that reads the last position (a
+        decoder's classification token) read padding. One look at the first batch (a sync on a
+        GPU, once); right-padded fields, labels whose first token is ignored in every row and
+        rows of one length are not warned of.
+        """
+        assert self.format is not None
+        for j, value in self.pads.items():
+            column = data[j]
+            if not isinstance(column, torch.Tensor) or column.dim() != 2 or column.shape[1] < 2:
+                continue
+            first, last = column[:, 0] == value, column[:, -1] == value
+            if not bool(first.any()) or bool(first.all()) or bool(last.any()):
+                continue
+            key = self.format.keys[j]
+            warnings.warn(
+                f"pad_values pads the field {key!r} at the end of its rows where rows of "
+                "source batches of different widths are joined, but the first source batch "
+                f"pads it at the start (some rows begin with {value!r}, none ends with it, as "
+                "a tokenizer with padding_side='left' pads), so the rows of a narrower source "
+                "batch get padding at both ends, and a model that reads the last position "
+                "(e.g. a decoder's classification token) reads padding; pad on the right "
+                "(tokenizer.padding_side = 'right'), or every source batch to one length "
+                "(padding='max_length')",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def _ragged(
         self, j: int, first: tuple[int, ...], got: tuple[int, ...], where: str
@@ -588,6 +624,33 @@ def _entry(column: Any, path: tuple[Hashable, ...]) -> Any:
             return None
         column = column[k]
     return column
+
+
+def _time_major(
+    inputs: Any, input_key: Hashable, n: int, column: Any, key: Hashable, m: int
+) -> str:
+    """The fix, for the message, where the input field (of ``n`` entries) or the field ``key``
+    (of ``m``) has its examples in dimension 1: sequences of shape (time, batch), as
+    ``pad_sequence`` pads them without ``batch_first=True``; else ``''``.
+
+    Example:
+        >>> x, y = torch.zeros(7, 4, 3), torch.zeros(4)
+        >>> _time_major(x, 0, 7, y, 1, 4).startswith(" (field 0 has 4 in dimension 1")
+        True
+        >>> _time_major(torch.zeros(7, 3), 0, 7, y, 1, 4)
+        ''
+    """
+    for field, tensor, count in ((input_key, inputs, m), (key, column, n)):
+        if isinstance(tensor, torch.Tensor) and tensor.dim() > 1 and tensor.shape[1] == count:
+            return (
+                f" (field {field!r} has {count} in dimension 1, so its examples look to be in "
+                "dimension 1, as torch.nn.utils.rnn.pad_sequence pads sequences without "
+                "batch_first=True); SelectiveLoader selects examples along dimension 0: make "
+                "it (batch, time, ...), e.g. pad_sequence(..., batch_first=True) in the "
+                "collate_fn, and transpose it back in forward= where the model takes "
+                "(time, batch)"
+            )
+    return ""
 
 
 def _check_not_collated_fields(keys: tuple[Hashable, ...], columns: list[Any]) -> None:

@@ -126,8 +126,8 @@ class Rows:
     def copy(self) -> Rows:
         """The rows with every tensor copied (data fields, nested ones too, and the selection
         results), sharing no memory with the source's batches (FFCV reuses its buffers) nor
-        with a batch made from these rows, which a training step may change in place; lists
-        stay as they are.
+        with a batch made from these rows, which a training step may change in place (the
+        tensors of a list field too: see :func:`_copied`); lists of strings stay as they are.
 
         Example:
             >>> import torch
@@ -180,6 +180,8 @@ class Rows:
                 return c.clone() if c is o else c
             if isinstance(c, Mapping) and isinstance(o, Mapping):
                 return {k: own(v, o.get(k)) for k, v in c.items()}
+            if isinstance(c, list) and isinstance(o, list):  # (one tensor per example)
+                return [own(v, w) for v, w in zip(c, o)]
             return c
 
         return replace(
@@ -514,8 +516,22 @@ class PendingRows:
 
 
 def _copied(c: Any) -> Any:
-    """``c`` with its tensors cloned: a tensor, a dict of them (nested fields), or anything else
-    as it is (a list of strings)."""
+    """``c`` with its tensors cloned: a tensor, a dict of them (nested fields), a list holding
+    them (one tensor, or dict of tensors, per example: boxes, detection targets), or anything
+    else as it is (a list of strings).
+
+    NOTE (lists): before, a list was kept as it is, so that a field of per-example tensors was
+    shared with the batch it was handed out in, and a step that changed those tensors in place
+    changed the copy held to take the batch back (``state_dict(unconsumed=1)``) too.
+    """
+    if isinstance(c, torch.Tensor):
+        return c.clone()
     if isinstance(c, Mapping):
         return {k: _copied(v) for k, v in c.items()}
-    return c.clone() if isinstance(c, torch.Tensor) else c
+    if isinstance(c, list) and any(isinstance(v, _HOLDERS) for v in c):
+        return [_copied(v) for v in c]
+    return c
+
+
+#: What a list entry is copied for (see _copied): what may hold a tensor.
+_HOLDERS = (torch.Tensor, Mapping, list)

@@ -102,6 +102,22 @@ def test_namedtuple_batches_stay_namedtuples(policy):
 
 
 @pytest.mark.parametrize(
+    "keys, named",
+    [
+        ({"input_key": "image"}, r"input_key=, where the field 'image' is 0 of"),
+        ({"target_key": "label"}, r"target_key=, where the field 'label' is 1 of"),
+    ],
+    ids=["input_key", "target_key"],
+)
+def test_a_namedtuple_field_given_by_name_is_refused_naming_its_position(keys, named):
+    """input_key='image' over namedtuple batches (whose fields are read by name in the loop) was
+    refused as no position, without the position it means: now the message names it."""
+    loader = namedtuple_loader(Traditional(), **keys)
+    with pytest.raises(ValueError, match=named + r" \['image', 'label'\]"):
+        next(iter(loader))
+
+
+@pytest.mark.parametrize(
     ("policy", "batch_size"),
     # (12: Traditional hands out whole source batches, whose results are made when first read:
     # looked up before the class's own __getattr__, which knows only the batch's keys)

@@ -242,6 +242,58 @@ def test_ragged_field_without_pad_values_fails_on_the_first_batch_that_differs()
     assert "-100" in message  # labels take the ignore index
 
 
+def test_time_major_sequences_are_refused_on_the_first_batch_naming_batch_first() -> None:
+    """pad_sequence pads to (time, batch) without batch_first=True: the loader, which selects
+    along dimension 0, refused the first batch for its fields' lengths, without saying why."""
+    data = Sequences()
+
+    def time_major(items: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = nn.utils.rnn.pad_sequence([r["input_ids"] for r in items])
+        return ids, torch.tensor([int(r["labels"][0]) for r in items])
+
+    loader = SelectiveLoader(
+        DataLoader(data, batch_size=8, collate_fn=time_major),
+        nn.Embedding(V, C),  # (the batch is refused before any forward)
+        policy=SelectiveBackprop(1 / 3),
+        batch_size=4,
+        pad_values={0: 0},
+    )
+    width = time_major([data[i] for i in range(8)])[0].shape[0]
+    with pytest.raises(ValueError) as err:
+        next(iter(loader))
+    message = str(err.value)
+    assert f"field 1 of a source batch has 8 entries but the input field 0 has {width}" in message
+    assert "field 0 has 8 in dimension 1" in message
+    assert "pad_sequence(..., batch_first=True)" in message
+
+
+class LeftCollator(Collator):
+    """Pads each batch at the start of its rows, as a tokenizer with padding_side='left'."""
+
+    def __call__(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        batch = super().__call__(items)
+        for j, r in enumerate(items):
+            k = len(r["input_ids"])
+            for key in batch:
+                batch[key][j] = batch[key][j].roll(batch[key].shape[1] - k)
+        return batch
+
+
+def test_a_field_padded_at_the_start_is_warned_of_on_the_first_batch() -> None:
+    """Joined rows are padded at the end: rows of a left-padded source batch got padding at both
+    ends silently; now the first source batch is warned of, naming the field and the fix."""
+    data = Sequences()
+    loader, _ = make(data, collate=LeftCollator(), policy=SelectiveBackprop(1 / 3), pad_values=PADS)
+    with pytest.warns(UserWarning) as record:
+        next(iter(loader))
+    said = [str(w.message) for w in record if "pads it at the start" in str(w.message)]
+    assert [m.split("'")[1] for m in said] == ["input_ids", "attention_mask", "labels"]
+    assert "tokenizer.padding_side = 'right'" in said[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # padded at the end, as the loader pads: not warned of
+        list(make(data, policy=SelectiveBackprop(1 / 3), pad_values=PADS)[0])
+
+
 def test_tuple_batches_pad_by_position() -> None:
     data = Sequences()
 

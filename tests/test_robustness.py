@@ -22,6 +22,7 @@ import time
 import warnings
 import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -2382,6 +2383,66 @@ def test_a_batch_taken_back_resumes_as_it_was_handed_out_though_the_step_changed
     state = loader.state_dict(unconsumed=unconsumed)
     resumed = [seen(b) for b in _resumed(make, state)]
     assert head[: 4 - unconsumed] + resumed == reference
+
+
+def boxed(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    """EncodedDataset's examples as a dict batch with a field of one tensor per example (a
+    detection batch's boxes, which have no common shape) and one of a dict per example (its
+    targets, as torchvision's detection models take them)."""
+    x = torch.stack([s[0] for s in samples])
+    return {
+        "input": x,
+        "target": torch.stack([s[1] for s in samples]),
+        "boxes": [s[0][:2].clone().repeat(1 + int(s[0][0]) % 3, 1) for s in samples],
+        "targets": [{"labels": s[1].clone().view(1)} for s in samples],
+    }
+
+
+def boxes_seen(b) -> list[tuple[int, list[list[float]], int]]:
+    return [
+        (int(i), box.tolist(), int(t["labels"]))
+        for i, box, t in zip(b.indices, b["boxes"], b["targets"])
+    ]
+
+
+@pytest.mark.parametrize(
+    "policy, batch_size",
+    [(lambda: RandomBackprop(0.5), 5), (lambda: Traditional(), 16)],
+    ids=["rebatched", "traditional_whole"],
+)
+def test_list_fields_of_tensors_resume_as_handed_out_though_steps_changed_them_in_place(
+    policy, batch_size
+):
+    """A field that is a list of per-example tensors (boxes), or of dicts of them, is copied as
+    tensor fields are: a batch taken back with ``unconsumed=1``, and a state held in memory
+    with pending rows, resume as they were handed out, though the steps changed the list's
+    tensors in place (before, those were shared with the batches, and resumed as changed)."""
+
+    def make() -> SelectiveLoader:
+        source = DataLoader(EncodedDataset(64), batch_size=16, collate_fn=boxed)
+        return SelectiveLoader(source, IndexLoss(), policy=policy(), batch_size=batch_size, seed=0)
+
+    def step(b) -> None:
+        for box, t in zip(b["boxes"], b["targets"]):
+            box.mul_(-1)  # e.g. boxes scaled to the image in place
+            t["labels"].add_(100)
+
+    reference = [boxes_seen(b) for b in make()]
+    loader = make()
+    it = iter(loader)
+    b = next(it)
+    step(b)
+    taken_back = loader.state_dict(unconsumed=1)  # held in memory, not saved to a file
+    while loader.pending_examples == 0 and batch_size != 16:
+        step(next(it))
+    pending = loader.state_dict()
+    held = loader.batches_yielded
+    for b in it:  # the run goes on, changing its batches
+        step(b)
+    for state, start in ((taken_back, 0), (pending, held)):
+        fresh = make()
+        fresh.load_state_dict(state)
+        assert [boxes_seen(b) for b in fresh] == reference[start:]
 
 
 def _resumed(make, state):
