@@ -376,6 +376,37 @@ def test_training_step_with_dataloader_iter_is_refused():
         trainer(epochs=1).fit(Iterating())
 
 
+class SelectedEvaluation(Validated):
+    """Returns the training loader's selective_loader from val_dataloader and
+    predict_dataloader too, as a user copying train_dataloader might."""
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+    def predict_dataloader(self):
+        return self.train_dataloader()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+
+@pytest.mark.parametrize("stage", ["validate", "predict"])
+def test_a_selective_loader_for_validation_or_prediction_is_refused_naming_train_dataloader(
+    stage,
+):
+    """One from val_dataloader was taken: validation saw only the examples the policy selected,
+    and the callback attached it in the training loader's place (it went on from that loader's
+    state, and checkpoints saved its state instead), unsaid."""
+    module, t = SelectedEvaluation(), trainer(epochs=1)
+    with pytest.raises(
+        ValueError,
+        match=rf"the Trainer is in its '{stage}' stage .*return it from train_dataloader only, "
+        r"and a plain DataLoader from the others",
+    ):
+        t.fit(module) if stage == "validate" else t.predict(module)
+    assert not module.trained  # (refused as Lightning sets up its loaders, before training)
+
+
 def checkpoints(tmp_path: Path, every: int):
     steps = pl.callbacks.ModelCheckpoint(
         dirpath=tmp_path / "steps", every_n_train_steps=every, save_top_k=-1, filename="{step}"
@@ -1126,6 +1157,34 @@ def test_a_checkpoint_between_accumulated_steps_warns(tmp_path, val_every, batch
     assert bool(ours) == warns
     if warns:
         assert "accumulate_grad_batches=2, 1 batches accumulated" in str(ours[0].message)
+
+
+def test_a_step_checkpoint_at_the_last_batch_of_an_epoch_without_len_under_accumulation_warns(
+    tmp_path,
+):
+    """Lightning resumes a checkpoint saved on an epoch's last batch (every_n_train_steps) of a
+    loader without len() with the next epoch's batch_idx counted on from this epoch's, so where
+    that epoch's batches are no multiple of accumulate_grad_batches its optimizer steps fall on
+    other batches and the resumed run diverges, unsaid: the callback warns there (and at no
+    other step checkpoint), naming batches_per_epoch."""
+    steps = pl.callbacks.ModelCheckpoint(
+        dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}"
+    )
+    policy = lambda: SelectiveBackprop(0.5)  # noqa: E731  (its first epoch: 9 batches)
+    module = Classifier(policy=policy)
+    t = trainer(epochs=2, callbacks=[steps], accumulate_grad_batches=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(module)
+    first = t.train_dataloader.loader.stats.epochs[0].batches_yielded
+    assert first % 2  # (the first epoch's batches are odd: this run shows the divergence)
+    ours = [str(w.message) for w in caught if "as the last batch of an epoch" in str(w.message)]
+    assert len(ours) == 1 and 'batches_per_epoch="expected"' in ours[0]
+    assert f"(batch_idx {first}, not 0)" in ours[0]
+    after = Classifier(policy=policy)
+    at_its_end = tmp_path / f"step={(first + 1) // 2}.ckpt"  # (the first epoch's last step)
+    trainer(epochs=2, accumulate_grad_batches=2).fit(after, ckpt_path=at_its_end)
+    assert not all(torch.equal(a, b) for a, b in zip(after.parameters(), module.parameters()))
 
 
 class Tunable(Classifier):

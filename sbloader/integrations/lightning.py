@@ -448,7 +448,9 @@ class SelectiveLoaderCallback(pl.Callback):
         (``accumulate_grad_batches``), as :class:`~sbloader.integrations.accelerate.
         AcceleratedLoader` does: the gradients accumulated since the last step are in no
         checkpoint, so a run resumed from it trains the same batches with other weights and
-        soon selects other examples."""
+        soon selects other examples; and where it is saved as the last batch of an epoch of a
+        loader without ``len()`` ends, which Lightning resumes with the optimizer steps falling
+        on other batches (see :func:`_restarts_counting_on`)."""
         n = trainer.accumulate_grad_batches
         # (while fitting: a checkpoint saved as validation ends comes in the validation stage)
         if self._loader is None or n <= 1 or trainer.state.fn != "fit":
@@ -463,6 +465,20 @@ class SelectiveLoaderCallback(pl.Callback):
                 "from it will not train as the uninterrupted one does; save where the optimizer "
                 "steps (ModelCheckpoint(every_n_train_steps=...) does; a val_check_interval "
                 "that is a multiple of accumulate_grad_batches too)",
+                UserWarning,
+                stacklevel=2,
+            )
+        elif progress.current.ready % n and _restarts_counting_on(trainer):
+            warnings.warn(
+                "the SelectiveLoaderCallback's state is saved as the last batch of an epoch "
+                f"ends, for a loader without len() (accumulate_grad_batches={n}): Lightning "
+                "resumes such a checkpoint with the next epoch's batches counted on from this "
+                f"epoch's (batch_idx {progress.current.ready}, not 0), so its optimizer steps "
+                "fall on other batches and a run resumed from it will not train as the "
+                'uninterrupted one does; pass batches_per_epoch="expected" to '
+                "selective_loader (a len(), by which Lightning counts the next epoch from 0), or "
+                "resume from a checkpoint saved at an epoch's end (ModelCheckpoint("
+                "every_n_epochs=1)) or at another step",
                 UserWarning,
                 stacklevel=2,
             )
@@ -518,6 +534,30 @@ def _next_states_added(state: dict[str, Any]) -> dict[str, Any]:
     """A version-1 callback state as version 2: no state of a next epoch (version 1 saved the
     stopped epoch alone)."""
     return {**state, "version": 2, "next": None}
+
+
+def _restarts_counting_on(trainer: pl.Trainer) -> bool:
+    """Whether a checkpoint saved now is one that Lightning resumes with the next epoch's batch
+    count going on from this epoch's: saved after the last batch's training step, before
+    Lightning counts it completed (``ModelCheckpoint(every_n_train_steps=...)``), of a loader
+    without ``len()``.
+
+    NOTE: Lightning's training epoch loop, restarting from such a checkpoint, starts its epoch
+    counts anew only where they reach ``num_training_batches``, which is infinite without a
+    ``len()``: it starts the next epoch at ``batch_idx`` one past this epoch's last, and with
+    ``accumulate_grad_batches`` (of which this epoch's count is not a multiple) steps the
+    optimizer on other batches than the uninterrupted run (a probe: 7 batches an epoch,
+    accumulating 2, resumed at the next epoch's batch_idx 7, stepped after its first batch
+    alone), so the resumed run diverged from the uninterrupted one, unsaid.
+    """
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    current = progress.current  # (a _ProcessedTracker, typed as the tracker it extends)
+    processed: int = current.processed  # type: ignore[attr-defined]
+    return (
+        trainer.num_training_batches == float("inf")
+        and progress.is_last_batch
+        and current.completed == processed - 1
+    )
 
 
 def _resumes_saved_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool | None:
@@ -584,6 +624,27 @@ def _planned_epochs_fix(fits: int | None, least: int, what: str) -> str:
     if fits is not None and fits >= least:
         return f"pass planned_epochs={fits} to selective_loader ({what})"
     return "pass a policy without annealing (e.g. policy=sbloader.default_policy())"
+
+
+def _check_training_stage(trainer: pl.Trainer) -> None:
+    """Refuse a ``selective_loader`` built for the Trainer's validation, test or prediction
+    loaders (``val_dataloader``, ``test_dataloader``, ``predict_dataloader``, the sanity check).
+
+    NOTE: one returned from ``val_dataloader`` was taken: validation saw only the examples the
+    policy selected (half of them under ``SelectiveBackprop(0.5)``), and the callback, which
+    keeps one loader per run, attached the new one in the training loader's place: it went on
+    from the training loader's state, and checkpoints saved its state instead, unsaid.
+    """
+    if not (trainer.evaluating or trainer.predicting):
+        return
+    stage = trainer.state.stage.value if trainer.state.stage is not None else None
+    raise ValueError(
+        f"selective_loader builds the training loader, but the Trainer is in its {stage!r} "
+        "stage (it was called from val_dataloader, test_dataloader or predict_dataloader, or "
+        "for the sanity check): return it from "
+        "train_dataloader only, and a plain DataLoader from the others, which must see every "
+        "example"
+    )
 
 
 def _check_fractions(trainer: pl.Trainer, loader: SelectiveLoader) -> None:
@@ -772,8 +833,10 @@ def selective_loader(
     Raises:
         TypeError: ``module`` is not a LightningModule (e.g. a LightningDataModule: pass
             ``self.trainer.lightning_module`` from its ``train_dataloader``).
-        ValueError: no :class:`SelectiveLoaderCallback` (or more than one) in the Trainer's
-            callbacks, a ``training_step`` that takes ``dataloader_iter``, a source
+        ValueError: called for the Trainer's validation, test or prediction loaders (from
+            ``val_dataloader``, ``test_dataloader`` or ``predict_dataloader``: those stay plain
+            DataLoaders), no :class:`SelectiveLoaderCallback` (or more than one) in the
+            Trainer's callbacks, a ``training_step`` that takes ``dataloader_iter``, a source
             DataLoader without a ``DistributedSampler`` for the Trainer's processes, or a float
             ``limit_train_batches`` or ``val_check_interval`` (a fraction of ``len()``) for a
             loader without one (pass ``batches_per_epoch="expected"``).
@@ -823,6 +886,7 @@ def selective_loader(
             "(or a LightningDataModule's), which Lightning calls from fit, not before fit to "
             "pass as train_dataloaders="
         ) from e
+    _check_training_stage(trainer)
     callbacks = trainer.callbacks  # type: ignore[attr-defined]  # (set outside Trainer's body)
     found = [cb for cb in callbacks if isinstance(cb, SelectiveLoaderCallback)]
     if len(found) != 1:
