@@ -386,15 +386,27 @@ _REQUIRED = (
 )
 
 
+#: The required keys whose values are dicts (the identity and the components' own states).
+_DICTS = (K_IDENTITY, K_RNG, K_SOURCE, K_POLICY, K_PENDING, K_CODEC, K_SCORER, K_STATS)
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut to 60 characters, for a message."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _check_fields(state: Mapping[str, Any]) -> None:
-    """Refuse a version-2 ``state`` that lacks a required key or whose identity, epoch,
-    position or ``active`` flag is not what :meth:`SelectiveLoader.state_dict
-    <sbloader.SelectiveLoader.state_dict>` writes (``ValueError`` naming the field).
+    """Refuse a version-2 ``state`` that lacks a required key, whose identity or components'
+    states are no dicts, or whose epoch, position or ``active`` flag is not what
+    :meth:`SelectiveLoader.state_dict <sbloader.SelectiveLoader.state_dict>` writes
+    (``ValueError`` naming the field).
 
     NOTE: a truncated state failed with a bare ``KeyError`` naming only the key; an edited or
     corrupted one loaded: ``position=-1`` resumed the epoch from before its start (96 examples
     seen in an epoch of 64), ``epoch=1.7`` was truncated to 1 and ``active=None`` was taken
-    for an ended epoch.
+    for an ended epoch; a component's state set to None failed inside that component, with a
+    bare ``TypeError`` naming neither the field nor the fix.
     """
     fix = "pass a state saved by SelectiveLoader.state_dict(), as it returned it"
     missing = [k for k in _REQUIRED if k not in state]
@@ -403,11 +415,12 @@ def _check_fields(state: Mapping[str, Any]) -> None:
             f"the saved SelectiveLoader state has no {', '.join(map(repr, missing))} (a "
             f"truncated or edited state); {fix}"
         )
-    if not isinstance(state[K_IDENTITY], Mapping):
-        raise ValueError(
-            f"the saved SelectiveLoader state has {K_IDENTITY}={state[K_IDENTITY]!r}, but it "
-            f"should be a dict; {fix}"
-        )
+    for key in _DICTS:
+        if not isinstance(state[key], Mapping):
+            raise ValueError(
+                f"the saved SelectiveLoader state has {key}={_short(state[key])}, but it should "
+                f"be a dict; {fix}"
+            )
     for key in (K_EPOCH, K_POSITION):
         value = state[key]
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:

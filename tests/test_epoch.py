@@ -657,8 +657,15 @@ def test_an_unknown_version_is_refused_clearly():
         (lambda s: s.update(epoch=-1), r"has epoch=-1, but it should be an int >= 0"),
         (lambda s: s.update(epoch=1.7), r"has epoch=1\.7, but it should be an int >= 0"),
         (lambda s: s.update(active=None), r"has active=None, but it should be True or False"),
+        (lambda s: s.update(rng=None), r"has rng=None, but it should be a dict"),
+        (lambda s: s.update(policy=[1]), r"has policy=\[1\], but it should be a dict"),
+        (lambda s: s.update(source=None), r"has source=None, but it should be a dict"),
+        (lambda s: s.update(stats="x" * 99), r"has stats='x{56}\.\.\., but it should be a dict"),
     ],
-    ids=["no-policy", "no-identity", "identity-none", "position", "epoch", "epoch-float", "active"],
+    ids=[
+        *("no-policy", "no-identity", "identity-none", "position", "epoch", "epoch-float"),
+        *("active", "rng-none", "policy-list", "source-none", "stats-str"),
+    ],
 )
 def test_a_truncated_or_edited_state_is_refused_naming_the_field_and_changes_nothing(edit, match):
     """A state without a key failed with a bare KeyError; one with position=-1 resumed its
