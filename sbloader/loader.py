@@ -1252,7 +1252,8 @@ class SelectiveLoader(NotADataLoader):
     def expected_batches(self, rate: float | None = None) -> float:
         """The expected number of training batches per pass over the data (an estimate when
         selective): examples per epoch (this rank's share, within ``subset``) x the policy's
-        current ``target_rate`` / ``batch_size``.
+        rate in the pass under way, or between passes in the next one (``epoch_rate``) /
+        ``batch_size``.
 
         Args:
             rate: the share of the candidates kept, in [0, 1], instead of the policy's current
@@ -1274,10 +1275,20 @@ class SelectiveLoader(NotADataLoader):
             (10.0, 20.0)
         """
         if rate is None:
-            rate = self.policy.target_rate
+            rate = self.policy.epoch_rate(self._next_epoch())
         else:
             rate = check_float("rate", rate, low=0.0, high=1.0)
         return batches_at(self._source, self._subset, self.batch_size, rate)
+
+    def _next_epoch(self) -> int:
+        """The epoch under way, or the one the next ``iter()`` begins (or resumes).
+
+        NOTE: the policy's ``target_rate`` is that of the epoch last begun; read between two
+        epochs it was the one before's, and ``expected_batches()`` estimated a ``Phased`` run's
+        first annealed pass at the selective rate (10 batches, and it yielded 30).
+        """
+        left = self._unfinished is not None and not self._unfinished[1]
+        return self.epoch + 1 if left else self.epoch
 
     def _plan_passes(self, store: bool, planned_epochs: int, per_epoch: int) -> None:
         """``planned_epochs`` with ``batches_per_epoch`` and the default policy: rebuild that

@@ -220,6 +220,12 @@ class Policy(abc.ABC):
         unless the policy changes its rate by epoch, as :class:`Phased` does)."""
         return self.target_rate
 
+    def epoch_rate(self, epoch: int) -> float:
+        """The expected fraction backpropagated in ``epoch``, begun or not: what
+        ``loader.expected_batches()`` estimates a pass by (``target_rate`` unless the policy
+        changes its rate by epoch, as :class:`Phased` does)."""
+        return self.target_rate
+
     def needs_losses(self, epoch: int) -> bool:
         """Whether :meth:`choose` needs fresh selection-pass losses in ``epoch``."""
         return True
@@ -1436,6 +1442,14 @@ class Phased(Policy):
     def steady_rate(self) -> float:
         """The wrapped policy's rate: what it keeps between the warm-up and the anneal."""
         return self.policy.steady_rate
+
+    def epoch_rate(self, epoch: int) -> float:
+        # NOTE: by ``epoch``, not by the epoch last begun (target_rate's): between two epochs
+        # the loader asks for the next one's, and read from the last one's, the first pass of
+        # the anneal was estimated at the selective rate (a third of its batches).
+        if self.active(epoch):
+            return self.policy.epoch_rate(epoch - self.warmup_epochs)
+        return self.warmup_policy.epoch_rate(epoch) if epoch < self.warmup_epochs else 1.0
 
     def attach(self, num_examples: int | None, key: int) -> None:
         # (a new run starts in epoch 0: reused from an earlier run, the policy reported that

@@ -867,6 +867,33 @@ def test_warmup_and_annealing_backprop_everything_without_selection_passes():
     assert e[1].target_rate == pytest.approx(1 / 3)
 
 
+def test_expected_batches_between_epochs_estimate_the_next_phase():
+    """Read before each epoch (to size its schedule), expected_batches() is the rate of the
+    epoch about to run: the warm-up's first, then SB's, then the anneal's all the data (it
+    read the epoch before's: 30 batches for the first SB epoch, 10 for the annealed one).
+    """
+    policy = Phased(SelectiveBackprop(1 / 3), warmup_epochs=1, anneal_from_epoch=3)
+    loader = loader_for(policy, remainder="drop")
+    before, during, yielded = [], [], []
+    for _ in range(5):
+        before.append(loader.expected_batches())
+        n = 0
+        for _ in loader:
+            if n == 0:
+                during.append(loader.expected_batches())
+            n += 1
+        yielded.append(n)
+    assert before == during == [30.0, 10.0, 10.0, 30.0, 30.0]
+    assert yielded[0] == yielded[3] == yielded[4] == 30  # the warm-up and the anneal: all 300
+    # An epoch left part-way (break): the next iter() begins the next epoch, the anneal's.
+    loader = loader_for(Phased(SelectiveBackprop(1 / 3), warmup_epochs=1, anneal_from_epoch=2))
+    list(loader)
+    for _ in loader:
+        break
+    assert loader.expected_batches() == 30.0
+    assert sum(1 for _ in loader) == 30 and loader.stats.current.epoch == 2
+
+
 def test_phased_stale_sb_starts_with_a_fresh_epoch():
     policy = Phased(SelectiveBackprop(1 / 3, staleness=2), warmup_epochs=1)
     loader = loader_for(policy)
