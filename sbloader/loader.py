@@ -322,6 +322,18 @@ class SelectiveLoader(NotADataLoader):
             attention_mask=batch["attention_mask"])``; ``input_key`` then only names the field
             whose length counts the examples. Not with ``frozen_prefix`` or ``selection_scale``
             (refused). Training forwards are yours and are not affected.
+        convert_inputs: ``convert_inputs(value)``, applied to what each selection forward
+            gives the model and ``loss_fn`` (the inputs, after ``frozen_prefix`` or
+            ``selection_scale``, the targets, and the batch ``forward=`` takes), for a model
+            trained on converted inputs, e.g. one whose parameters are bfloat16 or float64 (the
+            source's float32 inputs raised torch's "mat1 and mat2 must have the same dtype"):
+            ``convert_inputs=lambda v: v.to(torch.bfloat16) if torch.is_tensor(v) and
+            v.is_floating_point() else v`` for a bfloat16 model with a single input field.
+            Yielded batches are not converted. Lightning's :func:`selective_loader
+            <sbloader.integrations.lightning.selective_loader>` passes the Trainer's precision
+            plugin's ``convert_input`` under a true precision (``precision="bf16-true"``,
+            ``"16-true"``, ``"64-true"``). Not with ``quantize_selection`` (refused). Default
+            None: as they come.
         output: what ``loss_fn`` and ``keep_logits`` take from the model's outputs: a key or
             attribute name (``output="scores"``), a position in a tuple output (``output=0``),
             or a callable (``output=lambda out: out.logits[:, -1]``). A name the outputs lack is
@@ -577,6 +589,7 @@ class SelectiveLoader(NotADataLoader):
         save_feature_cache: bool = False,
         keep_logits: bool = False,
         forward: Forward | None = None,
+        convert_inputs: Callable[[Any], Any] | None = None,
         output: Output = None,
         subset: Any = None,
         eval_selection: bool = True,
@@ -713,6 +726,7 @@ class SelectiveLoader(NotADataLoader):
             frozen_prefix=frozen_prefix,
             forward=call,
             output=output,
+            convert=convert_inputs,
         )
         self._overlap_requested = check_bool("overlap_selection", overlap_selection)
         quantized, int8_why = self._quantizer(
@@ -1044,6 +1058,9 @@ class SelectiveLoader(NotADataLoader):
             ),
             "frozen_prefix= (its outputs are training inputs, which int8 would change)": (
                 forward.frozen_prefix is not None
+            ),
+            "convert_inputs= (the int8 copy is calibrated on the inputs as they come)": (
+                forward.convert is not None
             ),
             "eval_selection=False (the int8 copy folds BatchNorm: it runs in eval mode)": (
                 not self.eval_selection

@@ -952,6 +952,10 @@ class SelectionForward:
             ``scale`` or ``frozen_prefix``.
         output: which part of the model's outputs ``loss_fn`` and ``keep_outputs`` take (see
             :func:`model_output`).
+        convert: ``convert(value)``, applied to what the model and ``loss_fn`` take (the
+            inputs, after any prefix or scale, the targets and ``batch``) before each forward,
+            e.g. a Lightning precision plugin's ``convert_input``; the caller's values are not
+            changed.
 
     Example:
         >>> fwd = SelectionForward(scale=0.5)
@@ -971,10 +975,16 @@ class SelectionForward:
         frozen_prefix: nn.Module | None = None,
         forward: Forward | None = None,
         output: Output = None,
+        convert: Callable[[Any], Any] | None = None,
     ) -> None:
         check_forward(forward)
         output = check_output(output)
-        self.call, self.output = forward, output
+        if convert is not None and not callable(convert):
+            raise TypeError(
+                "convert_inputs should be a callable convert_inputs(value) or None, but got "
+                f"convert_inputs={convert!r}"
+            )
+        self.call, self.output, self.convert = forward, output, convert
         if forward is not None:
             name = repr(forward) if isinstance(forward, FieldsForward) else "forward="
             if frozen_prefix is not None:
@@ -1127,13 +1137,14 @@ class SelectionForward:
         try:
             losses, outputs = selection_outputs(
                 self.module(model),
-                inputs,
-                targets,
+                self.converted(inputs),
+                self.converted(targets),
                 loss_fn,
                 batch_size=batch_size,
                 eval=eval,
                 forward=self.call,
-                batch=batch,
+                # (only a forward= hook takes the batch: the model alone, its input field)
+                batch=batch if self.call is None else self.converted(batch),
                 output=self.output,
                 inference=inference,
                 **options,
@@ -1146,6 +1157,13 @@ class SelectionForward:
             raise
         self._scale_taken = self.scale is not None
         return losses, features, outputs
+
+    def converted(self, value: Any) -> Any:
+        """``value`` as the model and ``loss_fn`` take it: through ``convert`` where given
+        (None stays None)."""
+        if self.convert is None or value is None:
+            return value
+        return self.convert(value)
 
     def blame_inputs(self, model: nn.Module, batch: Any, error: Exception) -> None:
         """Raise ``TypeError`` naming ``input_key`` and ``forward``, from ``error``, where the
@@ -1245,7 +1263,13 @@ class SelectionForward:
             with torch.no_grad():
                 x = inputs if scale is None else downsample(inputs, scale)
             selection_outputs(
-                self.module(model), x, targets, loss_fn, eval=True, output=self.output, **options
+                self.module(model),
+                self.converted(x),
+                self.converted(targets),
+                loss_fn,
+                eval=True,
+                output=self.output,
+                **options,
             )
         except Exception as e:
             return e

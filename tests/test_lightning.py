@@ -1421,3 +1421,76 @@ def test_a_fraction_of_an_epoch_without_len_names_batches_per_epoch(fraction):
     module = Validated(batches_per_epoch="expected")
     trainer(epochs=1, **{fraction: 0.5}).fit(module)
     assert module.trained
+
+
+class FirstStepLosses(Classifier):
+    """Records the first training step's inputs' dtype, its selection losses and the module's
+    own per-example losses on the same rows (under the Trainer's precision, before any step)."""
+
+    def __init__(self) -> None:
+        super().__init__(policy=lambda: SelectiveBackprop(0.5))
+        self.first: tuple[torch.dtype, torch.Tensor, torch.Tensor] | None = None
+
+    def training_step(self, batch, batch_idx):
+        x, y, sb = batch
+        if self.first is None:
+            own = F.cross_entropy(self(x), y, reduction="none").detach()
+            self.first = (x.dtype, sb["losses"].clone(), own)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(
+    "precision, dtype", [("bf16-true", torch.bfloat16), ("64-true", torch.float64)]
+)
+def test_a_true_precision_selects_with_the_inputs_converted_as_training_steps_are(precision, dtype):
+    """Under a true precision Lightning converts the module's parameters, and the inputs of
+    training_step alone: the loader's own selection pass over the source's float32 batches
+    failed on its first forward ("mat1 and mat2 must have the same dtype"). It converts them as
+    the Trainer's precision plugin does: its losses are the module's own on the same rows, and
+    the batches it yields stay as the source made them (Lightning converts them)."""
+    module = FirstStepLosses()
+    t = trainer(epochs=1, precision=precision)
+    t.fit(module)
+    assert module.first is not None
+    seen, selected, own = module.first
+    assert seen == next(module.parameters()).dtype == dtype
+    # (the loader's losses are float32: equal to the module's own, rounded to float32)
+    torch.testing.assert_close(selected.float(), own.float(), rtol=0, atol=0)
+    loader = t.train_dataloader.loader
+    assert len(module.trained) == loader.stats.epochs[0].batches_yielded > 0
+    x = next(iter(loader))[0]  # (what Lightning takes, before its own conversion)
+    assert x.dtype == torch.float32
+
+
+class CosineScheduled(Classifier):
+    """Sizes a cosine schedule by the Trainer's estimated_stepping_batches, as Lightning's docs
+    show, and records it."""
+
+    def configure_optimizers(self):
+        self.estimate = self.trainer.estimated_stepping_batches
+        optimizer = super().configure_optimizers()
+        cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.estimate)
+        return [optimizer], [{"scheduler": cosine, "interval": "step"}]
+
+
+def test_estimated_stepping_batches_of_no_steps_without_a_length_warns_naming_the_fix():
+    """Without len() and max_steps Lightning's estimate is -1 (max_steps' default), returned
+    silently: a CosineAnnealingLR(T_max=-1) trained at 0 and the full rate by turns. Read as the
+    loader is built (configure_optimizers) it is warned of before any training, naming
+    batches_per_epoch="expected", whose estimate is the run's steps; a run that never reads it
+    is not warned."""
+    module = CosineScheduled()
+    t = trainer(epochs=2)
+    with pytest.warns(
+        UserWarning, match=r"reads -1 .*batches_per_epoch=\"expected\".*about \d+ expected"
+    ):
+        t.fit(module)
+    assert module.estimate == -1 and t.global_step > 0
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "Trainer.estimated_stepping_batches", UserWarning)
+        trainer(epochs=2).fit(Classifier())  # (never read: silent)
+        counted = CosineScheduled(batches_per_epoch="expected")
+        t = trainer(epochs=2)
+        t.fit(counted)
+    assert counted.estimate == t.global_step == 2 * len(t.train_dataloader) > 0

@@ -787,3 +787,36 @@ def test_an_optional_mask_left_out_of_a_models_call_is_warned_of():
         next(iter(loader))
     (message,) = _target_warnings(caught)
     assert "scores model(batch[0]) alone" in message and "tensor fields [2]" in message
+
+
+def _to_double(value: Any) -> Any:
+    return value.double() if torch.is_tensor(value) and value.is_floating_point() else value
+
+
+def test_convert_inputs_scores_a_model_of_another_dtype_and_yields_the_source_batches():
+    """A float64 model over a float32 source failed in the first selection pass (torch's
+    "mat1 and mat2 must have the same dtype"); with ``convert_inputs`` the pass's losses are
+    the model's own on the converted rows, and the batches yielded are as the source made
+    them. Not with quantize_selection, and only a callable."""
+    x = torch.randn(48, 5, generator=torch.Generator().manual_seed(0))
+    y = torch.arange(48) % 3
+    model = nn.Linear(5, 3).double()
+    source = DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    plain = SelectiveLoader(source, model, policy=SelectiveBackprop(0.5), batch_size=8)
+    with pytest.raises(RuntimeError, match="dtype"):
+        next(iter(plain))
+    loader = SelectiveLoader(
+        source, model, policy=SelectiveBackprop(0.5), batch_size=8, convert_inputs=_to_double
+    )
+    batches = list(loader)
+    chosen = [i for b in batches for i in b.indices.tolist()]
+    assert chosen and len(set(chosen)) == len(chosen)
+    for b in batches:
+        assert b[0].dtype == torch.float32 and torch.equal(b[0], x[b.indices])
+        with torch.no_grad():
+            own = F.cross_entropy(model(x[b.indices].double()), y[b.indices], reduction="none")
+        torch.testing.assert_close(b.losses.double(), own, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="convert_inputs="):
+        SelectiveLoader(source, model, convert_inputs=_to_double, quantize_selection=True)
+    with pytest.raises(TypeError, match="convert_inputs should be a callable"):
+        SelectiveLoader(source, model, convert_inputs=3)

@@ -355,6 +355,9 @@ class SelectiveLoaderCallback(pl.Callback):
         self._resumes: bool | None = None
         self._in_step = False  # between on_train_batch_start and on_train_batch_end
         self._interrupted = False  # an exception interrupted a batch's training step
+        # Lightning's setup of fit (configure_optimizers), before on_fit_start: a loader built
+        # then is built for Trainer.estimated_stepping_batches (see _warn_no_estimate)
+        self._setting_up = False
 
     @property
     def loader(self) -> LightningLoader | None:
@@ -383,6 +386,15 @@ class SelectiveLoaderCallback(pl.Callback):
         elif previous is not None:
             wrapper._state = previous.saved_state()
             wrapper._next_state = previous.next_state()
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._setting_up = stage == "fit"
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._setting_up = False
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._setting_up = False  # (an exception in the setup)
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -626,6 +638,28 @@ def _planned_epochs_fix(fits: int | None, least: int, what: str) -> str:
     return "pass a policy without annealing (e.g. policy=sbloader.default_policy())"
 
 
+def _convert_as_trained(trainer: pl.Trainer, options: dict[str, Any]) -> None:
+    """Have the selection passes convert their inputs as the Trainer's precision plugin
+    converts ``training_step``'s (``convert_inputs=`` its ``convert_input``), where it converts
+    any (a true precision: ``"bf16-true"``, ``"16-true"``, ``"64-true"``, ...); unless
+    ``convert_inputs`` is given.
+
+    NOTE: under a true precision Lightning converts the module's parameters and, for
+    ``training_step`` alone, the batch's floating-point tensors; the loader's own selection
+    pass over the source's float32 batches failed on its first forward with torch's "mat1 and
+    mat2 must have the same dtype", before any training. Yielded batches are left as the source
+    made them: Lightning converts them for ``training_step``. The plugin's ``forward_context``
+    (``torch.set_default_dtype``, process-wide) is not entered: a selection pass may run on a
+    thread beside the training step (``overlap_selection``); a forward that makes
+    floating-point tensors of the default dtype should make them in its inputs' dtype. Mixed
+    precision converts nothing (autocast; the selection pass's precision is ``autocast=``).
+    """
+    plugin = trainer.precision_plugin
+    if type(plugin).convert_input is pl.plugins.Precision.convert_input:
+        return
+    options.setdefault("convert_inputs", plugin.convert_input)
+
+
 def _check_training_stage(trainer: pl.Trainer) -> None:
     """Refuse a ``selective_loader`` built for the Trainer's validation, test or prediction
     loaders (``val_dataloader``, ``test_dataloader``, ``predict_dataloader``, the sanity check).
@@ -771,16 +805,10 @@ def _warn_unestimated_steps(trainer: pl.Trainer, loader: SelectiveLoader) -> Non
     the default policy's anneal; a source whose pass cannot be counted is not warned of.
     """
     max_steps, epochs = trainer.max_steps, trainer.max_epochs
-    if max_steps == -1 or epochs is None or epochs < 1 or _length(loader) is not None:
+    if max_steps == -1 or _length(loader) is not None:
         return
-    counted = _pass_batches(trainer, loader)
-    if counted is None:
-        return
-    policy = loader.policy
-    anneal = policy.anneal_from_epoch if isinstance(policy, Phased) else None
-    expected = plan_batches(epochs, epochs if anneal is None else anneal, *counted)
-    steps = expected / trainer.accumulate_grad_batches
-    if steps >= max_steps:
+    steps = _expected_steps(trainer, loader)
+    if steps is None or steps >= max_steps:
         return
     warnings.warn(
         f"Trainer.estimated_stepping_batches will read max_steps={max_steps} for this loader, "
@@ -790,6 +818,50 @@ def _warn_unestimated_steps(trainer: pl.Trainer, loader: SelectiveLoader) -> Non
         "by estimated_stepping_batches (e.g. OneCycleLR(total_steps=...)) before its end; pass "
         'batches_per_epoch="expected" to selective_loader for a len() that Lightning counts '
         f"the run by, or a max_steps the epochs reach (at most about {steps:.0f})",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _expected_steps(trainer: pl.Trainer, loader: SelectiveLoader) -> float | None:
+    """The optimizer steps the Trainer's ``max_epochs`` passes over the data are expected to
+    make (the policy's expectation, as :func:`~sbloader.policies.plan_batches` plans the default
+    policy's anneal); None without ``max_epochs`` or for a source whose pass cannot be
+    counted."""
+    epochs = trainer.max_epochs
+    counted = _pass_batches(trainer, loader)
+    if epochs is None or epochs < 1 or counted is None:
+        return None
+    policy = loader.policy
+    anneal = policy.anneal_from_epoch if isinstance(policy, Phased) else None
+    expected = plan_batches(epochs, epochs if anneal is None else anneal, *counted)
+    return expected / trainer.accumulate_grad_batches
+
+
+def _warn_no_estimate(trainer: pl.Trainer, loader: SelectiveLoader) -> None:
+    """Warn where a loader without ``len()`` is built for ``Trainer.estimated_stepping_batches``
+    (read in ``configure_optimizers``, or another hook of Lightning's setup of ``fit``) and the
+    Trainer has no ``max_steps``: the estimate then reads -1, ``max_steps``' default.
+
+    NOTE: Lightning estimates a run without a loader length as ``max_steps`` whatever
+    ``max_epochs`` says, -1 where it is not set, which it returns as the estimate, silently: a
+    ``CosineAnnealingLR(T_max=-1)`` trained at 0 and the full rate by turns, a
+    ``OneCycleLR(total_steps=-1)`` raised "Expected positive integer total_steps", neither
+    naming the loader. The read cannot be seen; a loader built while Lightning sets ``fit`` up
+    (between the callback's ``setup`` and ``on_fit_start``) is one Lightning loads for it, so
+    a loader built when its epochs start, where nothing read the estimate, is not warned of. A
+    read after the loader is built (in ``on_train_start``) is not seen either.
+    """
+    if trainer.max_steps != -1 or _length(loader) is not None:
+        return
+    steps = _expected_steps(trainer, loader)
+    expected = "" if steps is None else f" (about {steps:.0f} expected)"
+    warnings.warn(
+        "Trainer.estimated_stepping_batches reads -1 (max_steps' default) for this loader, "
+        "which has no len() (each pass keeps a random number of batches), so a schedule sized "
+        "by it (CosineAnnealingLR(T_max=...), OneCycleLR(total_steps=...)) is not the run's; "
+        'pass batches_per_epoch="expected" to selective_loader for a len() that Lightning '
+        f"counts the run's optimizer steps by{expected}, or the Trainer a max_steps",
         UserWarning,
         stacklevel=3,
     )
@@ -814,7 +886,9 @@ def selective_loader(
             ``batch["sb"]`` for dicts), and ``planned_epochs=trainer.max_epochs`` without
             ``policy`` (or with ``policy=None``; where ``max_epochs >= 2``), so that the
             default policy trains on all the data in the last eighth of the run's passes over
-            the data.
+            the data, and under a true precision (``precision="bf16-true"``, ``"64-true"``,
+            ...) ``convert_inputs=`` the Trainer's precision plugin's ``convert_input``, so
+            that the selection passes convert their inputs as ``training_step``'s are.
             ``batches_per_epoch`` is not set here: pass ``batches_per_epoch="expected"`` (or an
             int) for ``len()`` and ``trainer.estimated_stepping_batches`` (without it a
             selective loader has no length and each Lightning epoch is one pass over the data).
@@ -828,7 +902,9 @@ def selective_loader(
             the planned passes' expected batches (before their anneal) is warned of too, and
             so is a ``max_steps`` that ``max_epochs`` is expected to end the run before (the
             Trainer's ``estimated_stepping_batches`` reads ``max_steps`` for a loader without
-            ``len()``, so a schedule sized by it would be cut short).
+            ``len()``, so a schedule sized by it would be cut short), and, without
+            ``max_steps``, a loader built for ``estimated_stepping_batches`` (read in
+            ``configure_optimizers``), which reads -1.
 
     Raises:
         TypeError: ``module`` is not a LightningModule (e.g. a LightningDataModule: pass
@@ -937,6 +1013,7 @@ def selective_loader(
                 "rank=self.global_rank, seed=0)"
             )
     options.setdefault("metadata_key", "sb")
+    _convert_as_trained(trainer, options)
     epochs = trainer.max_epochs
     # NOTE: policy=None and planned_epochs=None are the defaults, as left out: passed
     # explicitly (a config's None), the default policy lost the Trainer's max_epochs and never
@@ -953,6 +1030,8 @@ def selective_loader(
         _warn_steps_before_anneal(trainer, loader)
     _check_fractions(trainer, loader)
     _warn_unestimated_steps(trainer, loader)
+    if found[0]._setting_up:
+        _warn_no_estimate(trainer, loader)
     wrapper = LightningLoader(loader)
     found[0]._attach(wrapper, trainer.global_rank, world, new_epoch=not _resumes_epoch(trainer))
     return wrapper
