@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ._checks import check_bool, check_cuda_present, check_device_name, check_int, indices_needed
+from ._forward_state import Attributes, module_attributes, same_attributes
 from ._state import check_identity, check_version, taking_rollback
 
 __all__ = ["FeatureCache", "make_feature_cache", "prefix_digest"]
@@ -86,6 +87,7 @@ class FeatureCache:
         # The prefix's modules and weights as the rows were computed (see :meth:`follow`), and the
         # epoch of the last look at them.
         self._signature: tuple[tuple[Any, ...], ...] | None = None
+        self._attributes: Attributes = []  # (see follow)
         self._followed_epoch: int | None = None
 
     @property
@@ -141,9 +143,10 @@ class FeatureCache:
         computed: its parameters or buffers changed in place (``load_state_dict``, an in-place
         update) or were given new data (``p.data = ...``), were cast to another dtype or moved
         to another device (``prefix.to(...)``, ``prefix.half()``), one of its layers was
-        replaced (also by one without parameters), or a forward hook (or pre-hook) was
-        registered or removed on one of its modules, so that they are computed again by the
-        prefix as it is now (and stored in its outputs' dtype).
+        replaced (also by one without parameters), a forward hook (or pre-hook) was
+        registered or removed on one of its modules, or one of their public attributes was set
+        (a BatchNorm's ``eps``, a temperature, a reassigned ``forward``), so that they are
+        computed again by the prefix as it is now (and stored in its outputs' dtype).
 
         NOTE: before, rows computed by the old weights were handed out as the new prefix's
         features: silently where the weights changed little, else :meth:`check` refused them
@@ -155,24 +158,31 @@ class FeatureCache:
         without parameters (an activation) changes no tensor: the modules are compared too.
         Weights assigned through ``.data`` (``nn.utils.vector_to_parameters``) keep both the
         identity and the version: the storage's address is compared too (found by review).
-        A hook changes the outputs and no tensor: the hooks' handles are compared too (before,
-        a hook scaling the features by 1.0005 left the old rows handed out, and one scaling
-        them by 2 was refused as a changed input).
+        A hook or an attribute changes the outputs and no tensor: they are compared too, as the
+        objects they are (:func:`~sbloader._forward_state.module_attributes`, which the
+        selection copy of ``overlap_selection`` follows too; before, a hook scaling the
+        features by 1.0005 left the old rows handed out, and one scaling them by 2 was refused
+        as a changed input). An attribute set again to an equal but other object (a float
+        computed afresh) empties the cache too: rows computed again, never rows of another
+        prefix.
         """
         if self._followed_epoch == epoch:
             return
         self._followed_epoch = epoch
         tensors = (*prefix.parameters(), *prefix.buffers())
         signature = (
-            tuple((id(m), type(m), _hook_keys(m)) for m in prefix.modules()),
+            tuple((id(m), type(m)) for m in prefix.modules()),
             tuple((id(t), t._version, t.data_ptr(), t.dtype, t.device) for t in tensors),
         )
-        if self._signature is not None and signature != self._signature:
+        attributes = module_attributes(prefix)
+        if self._signature is not None and (
+            signature != self._signature or not same_attributes(self._attributes, attributes)
+        ):
             self.filled[:] = False
             self._checked_epoch = None
             # (allocated again at the next put, in the dtype the prefix returns now)
             self.values, self.out_dtype = None, None
-        self._signature = signature
+        self._signature, self._attributes = signature, attributes
 
     def tolerance(self, device: torch.device) -> float:
         """:attr:`TOLERANCE_FP32` for outputs kept in float32 (or float64) and computed on
@@ -410,20 +420,6 @@ def _cache_device(cache: str | torch.device) -> torch.device:
         )
     check_cuda_present("cache_features", device, "True to keep the cache where the features are")
     return device
-
-
-def _hook_keys(module: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The handles' ids of ``module``'s own forward pre-hooks and forward hooks (each
-    registration gets a new one), for :meth:`FeatureCache.follow`.
-
-    Example:
-        >>> m = nn.Linear(2, 2)
-        >>> before = _hook_keys(m)
-        >>> _ = m.register_forward_hook(lambda module, args, out: out)
-        >>> before == _hook_keys(m), before
-        (False, ((), ()))
-    """
-    return tuple(module._forward_pre_hooks), tuple(module._forward_hooks)
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ._forward_state import module_attributes, same_attributes
 from .selection import concrete_device, has_lazy, unwrap
 
 __all__ = ["AheadScores", "SelectionCopy", "SelectionThread"]
@@ -74,7 +75,7 @@ class SelectionCopy:
         self.model: nn.Module = _frozen_copy(live)
         # The live model's modules the copy was made from (weak: a replaced one may go).
         self._made_from = _module_refs(live)
-        self._made_as = _attributes(live)
+        self._made_as = module_attributes(live)
         #: How many times the copy was refreshed from the live model.
         self.syncs = 0
 
@@ -94,7 +95,7 @@ class SelectionCopy:
         the run, where a run without overlap scores with the new one. So did a forward hook
         registered since, or an attribute set since (a temperature, a BatchNorm's ``eps``, a
         reassigned ``forward``): the copy is made again where any module's attributes are not
-        the objects they were (see :func:`_attributes`).
+        the objects they were (see :func:`~sbloader._forward_state.module_attributes`).
 
         NOTE: these were refused (or, for a dtype, cast back) at the first refresh, which comes
         at the second source batch of the first epoch with selection passes: after a whole
@@ -110,7 +111,7 @@ class SelectionCopy:
             not has_lazy(live)
             and not has_lazy(self.model)
             and _same_modules(self._made_from, live)
-            and _same_attributes(self._made_as, _attributes(live))
+            and same_attributes(self._made_as, module_attributes(live))
             and len(src) == len(dst)
             and all(
                 s.shape == d.shape and s.dtype == d.dtype and s.device == d.device
@@ -124,60 +125,8 @@ class SelectionCopy:
         else:
             self.model = _frozen_copy(live)
             self._made_from = _module_refs(live)
-            self._made_as = _attributes(live)
+            self._made_as = module_attributes(live)
         self.syncs += 1
-
-
-#: The registries of forward hooks, the private attributes compared (see :func:`_attributes`).
-_HOOKS = frozenset(
-    {
-        "_forward_hooks",
-        "_forward_pre_hooks",
-        "_forward_hooks_with_kwargs",
-        "_forward_pre_hooks_with_kwargs",
-        "_forward_hooks_always_called",
-    }
-)
-
-
-def _attributes(model: nn.Module) -> list[list[tuple[str, Any, tuple[Any, ...] | None]]]:
-    """Per module of ``model``, its public attributes and its forward hooks' registries as
-    ``(name, value, keys)``: the value itself (compared by identity), and for a dict (the
-    registries, changed in place) its keys.
-
-    NOTE: not ``training`` (set by every pass), nor other private attributes: frameworks keep
-    per-step state there (Lightning's ``_current_fx_name``), and a copy made again at every
-    pass would cost a deep copy of the model per source batch.
-
-    Example:
-        >>> net = nn.Sequential(nn.Linear(2, 2))
-        >>> before = _attributes(net)
-        >>> _same_attributes(before, _attributes(net))
-        True
-        >>> _ = net[0].register_forward_hook(lambda m, i, o: o)
-        >>> _same_attributes(before, _attributes(net))
-        False
-    """
-    return [
-        [
-            (k, v, tuple(v) if isinstance(v, dict) else None)
-            for k, v in vars(m).items()
-            if (k in _HOOKS or not k.startswith("_")) and k != "training"
-        ]
-        for m in model.modules()
-    ]
-
-
-def _same_attributes(
-    made: list[list[tuple[str, Any, tuple[Any, ...] | None]]],
-    now: list[list[tuple[str, Any, tuple[Any, ...] | None]]],
-) -> bool:
-    """Whether every module's attributes are the objects (and dicts' keys) they were."""
-    return len(made) == len(now) and all(
-        len(a) == len(b)
-        and all(ka == kb and va is vb and da == db for (ka, va, da), (kb, vb, db) in zip(a, b))
-        for a, b in zip(made, now)
-    )
 
 
 def _module_refs(model: nn.Module) -> list[weakref.ref[nn.Module]]:
