@@ -234,12 +234,32 @@ def selection_dtype(
             ``"auto"`` then keeps float32, so that training is never changed.
         model_dtype: the selecting model's floating-point dtype, if known: a float64 model
             gets no autocast from ``"auto"`` (autocast never casts float64 tensors, so it would
-            change nothing but the reported precision).
+            change nothing but the reported precision), and a bfloat16 or float16 model that
+            gets no autocast is reported as selecting in its own dtype, not float32.
 
     Example:
         >>> selection_dtype("auto", torch.device("cpu"), model_dtype=torch.float64)
         (None, "autocast='auto': none (the model is float64, which autocast leaves as it is)")
+        >>> selection_dtype(None, torch.device("cpu"), model_dtype=torch.bfloat16)
+        (None, "autocast=None: bfloat16 (the model's own dtype; no autocast)")
     """
+    # NOTE: a bf16 (or fp16) model with no autocast selects in its own dtype (its inputs
+    # converted, e.g. by convert_inputs=): "float32" was reported for it.
+    own = model_dtype if model_dtype in (torch.bfloat16, torch.float16) else None
+    chosen, why = _selection_dtype(autocast, device, feeds_training, model_dtype)
+    if chosen is None and own is not None:
+        name = str(own).removeprefix("torch.")
+        return None, f"{why.split(':')[0]}: {name} (the model's own dtype; no autocast)"
+    return chosen, why
+
+
+def _selection_dtype(
+    autocast: Any,
+    device: torch.device,
+    feeds_training: str | None,
+    model_dtype: torch.dtype | None,
+) -> tuple[torch.dtype | None, str]:
+    """:func:`selection_dtype` as the model's dtype aside: float32 where no autocast is used."""
     autocast = check_autocast(autocast)
     if autocast is None:
         return None, "autocast=None: float32"

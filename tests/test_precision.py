@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import no_native_bf16
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from sbloader import SelectiveBackprop, SelectiveLoader
 from sbloader.datasets import ArrayDataset
@@ -54,6 +54,36 @@ def test_auto_follows_the_devices_native_bf16(monkeypatch):
     assert not native_bf16(torch.device("meta"))
     with pytest.raises(TypeError, match=r"autocast should be a torch.dtype .* got autocast='bf16'"):
         build(autocast="bf16")
+
+
+def test_a_reduced_precision_model_without_autocast_is_said_to_select_in_its_own_dtype(
+    monkeypatch,
+):
+    """A bfloat16 model (its inputs converted by convert_inputs=) selects in bfloat16 where no
+    autocast is used; loader.selection_precision said float32 ("what selection passes run
+    in")."""
+    no_native_bf16(monkeypatch, native=False)
+    for autocast in ("auto", None):
+        dtype, why = selection_dtype(autocast, CPU, model_dtype=torch.bfloat16)
+        assert dtype is None and "bfloat16 (the model's own dtype" in why, why
+    dtype, why = selection_dtype(
+        "auto", CPU, feeds_training="the kept logits", model_dtype=torch.float16
+    )
+    assert dtype is None and "float16 (the model's own dtype" in why, why
+    assert selection_dtype("auto", CPU, model_dtype=torch.float32)[1].endswith(
+        "float32 (no native bf16 on cpu)"
+    )
+    model = nn.Linear(4, 3).to(torch.bfloat16)
+    data = TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,)))
+    loader = SelectiveLoader(
+        DataLoader(data, batch_size=8),
+        model,
+        policy=SelectiveBackprop(0.5),
+        batch_size=4,
+        convert_inputs=lambda v: v.to(torch.bfloat16) if v.is_floating_point() else v,
+    )
+    assert "float32" not in loader.selection_precision, loader.selection_precision
+    assert "bfloat16 (the model's own dtype" in loader.selection_precision
 
 
 @pytest.mark.parametrize(

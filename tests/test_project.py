@@ -231,3 +231,44 @@ def test_no_sbloader_modules_import_each_other_in_a_circle():
     for name in sorted(modules):
         if name not in state:
             visit(name, [name])
+
+
+def constructor_stated_defaults() -> dict[str, str]:
+    """What SelectiveLoader's docstring states as each argument's default, where it states a
+    literal: ``Default X.`` or ``(default X)`` (X a Python literal), or ``X`` ``(default`` in
+    its Args entry."""
+    import inspect
+
+    doc = inspect.getdoc(sbloader.SelectiveLoader) or ""
+    args = doc[doc.index("Args:") : doc.index("Attributes:")]
+    entries = re.split(r"^    (\w+(?:, \w+)*): ", args, flags=re.M)[1:]
+    stated: dict[str, str] = {}
+    for names, text in zip(entries[::2], entries[1::2]):
+        text = " ".join(text.split())
+        literal = r"(None|True|False|-?\d+|\"[a-z]+\")"
+        # (not a default the loader resolves, "Default 2 when the model has BatchNorm")
+        found = re.findall(rf"\bDefault:? (?:``)?{literal}(?:``)?(?=[.,:;)])", text)
+        found += re.findall(rf"\(default (?:``)?{literal}(?:``)?\)", text)
+        found += re.findall(rf"``{literal}`` \(default\b", text)
+        for name in names.split(", "):
+            if found:
+                stated[name] = found[0]
+    return stated
+
+
+def test_the_loader_docstring_states_the_signatures_defaults():
+    """Every literal default the constructor's docstring states is the signature's (a default
+    changed in one place and not the other fails here)."""
+    import ast
+    import inspect
+
+    signature = inspect.signature(sbloader.SelectiveLoader.__init__).parameters
+    stated = constructor_stated_defaults()
+    # (the docstring states these literally; a new one is checked as it is written)
+    assert {"remainder", "nonfinite", "autocast", "cdf", "decisions", "keep_logits"} <= set(stated)
+    for name, text in stated.items():
+        assert name in signature, f"the docstring documents {name}=, which __init__ lacks"
+        assert signature[name].default == ast.literal_eval(text), (
+            f"the docstring says {name} defaults to {text}, the signature to "
+            f"{signature[name].default!r}"
+        )
