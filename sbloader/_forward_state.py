@@ -1,10 +1,10 @@
 """What a module computes with besides its tensors: its public attributes and its forward hooks,
 as objects compared by identity (:func:`module_attributes`, :func:`same_attributes`).
 
-Both copies of a model's computation follow them: the selection copy of ``overlap_selection``
-(:class:`~sbloader.overlap.SelectionCopy`, made again where they changed) and the frozen
-prefix's cross-epoch feature cache (:class:`~sbloader.features.FeatureCache`, emptied where they
-changed).
+The selection copy of ``overlap_selection`` (:class:`~sbloader.overlap.SelectionCopy`) is made
+again where any of them changed; the frozen prefix's cross-epoch feature cache
+(:class:`~sbloader.features.FeatureCache`) is emptied where its hooks changed
+(:func:`hook_keys`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Attributes", "module_attributes", "same_attributes"]
+__all__ = ["Attributes", "hook_keys", "module_attributes", "same_attributes"]
 
 #: Per module, its attributes as ``(name, value, keys)`` (see :func:`module_attributes`).
 Attributes = list[list[tuple[str, Any, tuple[Any, ...] | None]]]
@@ -68,4 +68,21 @@ def same_attributes(
         len(a) == len(b)
         and all(ka == kb and va is vb and da == db for (ka, va, da), (kb, vb, db) in zip(a, b))
         for a, b in zip(made, now)
+    )
+
+
+def hook_keys(model: nn.Module) -> tuple[tuple[Any, ...], ...]:
+    """Per module of ``model``, the keys of its forward hooks' registries (each registration
+    gets a new key): what :func:`module_attributes` compares of them, alone.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2))
+        >>> before = hook_keys(net)
+        >>> _ = net[0].register_forward_pre_hook(lambda m, args: args)
+        >>> before == hook_keys(net)
+        False
+    """
+    return tuple(
+        tuple(tuple(v) for k, v in sorted(vars(m).items()) if k in _HOOKS and isinstance(v, dict))
+        for m in model.modules()
     )

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ._checks import check_bool, check_cuda_present, check_device_name, check_int, indices_needed
-from ._forward_state import Attributes, module_attributes, same_attributes
+from ._forward_state import hook_keys
 from ._state import check_identity, check_version, taking_rollback
 
 __all__ = ["FeatureCache", "make_feature_cache", "prefix_digest"]
@@ -87,7 +87,6 @@ class FeatureCache:
         # The prefix's modules and weights as the rows were computed (see :meth:`follow`), and the
         # epoch of the last look at them.
         self._signature: tuple[tuple[Any, ...], ...] | None = None
-        self._attributes: Attributes = []  # (see follow)
         self._followed_epoch: int | None = None
 
     @property
@@ -143,10 +142,9 @@ class FeatureCache:
         computed: its parameters or buffers changed in place (``load_state_dict``, an in-place
         update) or were given new data (``p.data = ...``), were cast to another dtype or moved
         to another device (``prefix.to(...)``, ``prefix.half()``), one of its layers was
-        replaced (also by one without parameters), a forward hook (or pre-hook) was
-        registered or removed on one of its modules, or one of their public attributes was set
-        (a BatchNorm's ``eps``, a temperature, a reassigned ``forward``), so that they are
-        computed again by the prefix as it is now (and stored in its outputs' dtype).
+        replaced (also by one without parameters), or a forward hook (or pre-hook) was
+        registered or removed on one of its modules, so that they are computed again by the
+        prefix as it is now (and stored in its outputs' dtype).
 
         NOTE: before, rows computed by the old weights were handed out as the new prefix's
         features: silently where the weights changed little, else :meth:`check` refused them
@@ -158,13 +156,17 @@ class FeatureCache:
         without parameters (an activation) changes no tensor: the modules are compared too.
         Weights assigned through ``.data`` (``nn.utils.vector_to_parameters``) keep both the
         identity and the version: the storage's address is compared too (found by review).
-        A hook or an attribute changes the outputs and no tensor: they are compared too, as the
-        objects they are (:func:`~sbloader._forward_state.module_attributes`, which the
-        selection copy of ``overlap_selection`` follows too; before, a hook scaling the
+        A hook changes the outputs and no tensor: the keys of the hooks' registries are
+        compared too (:func:`~sbloader._forward_state.hook_keys`; before, a hook scaling the
         features by 1.0005 left the old rows handed out, and one scaling them by 2 was refused
-        as a changed input). An attribute set again to an equal but other object (a float
-        computed afresh) empties the cache too: rows computed again, never rows of another
-        prefix.
+        as a changed input).
+
+        NOTE (not the public attributes, which the selection copy of ``overlap_selection``
+        follows): a prefix that counts its examples in an attribute, or keeps its last outputs
+        in one, sets a new object at every forward, and the cache, emptied at every epoch,
+        computed every row again, unsaid. A changed attribute that changes the outputs (a
+        BatchNorm's ``eps``) is still caught by :meth:`check`'s recomputed rows where it moves
+        them past its tolerance (refused, as a changed input).
         """
         if self._followed_epoch == epoch:
             return
@@ -173,16 +175,14 @@ class FeatureCache:
         signature = (
             tuple((id(m), type(m)) for m in prefix.modules()),
             tuple((id(t), t._version, t.data_ptr(), t.dtype, t.device) for t in tensors),
+            hook_keys(prefix),
         )
-        attributes = module_attributes(prefix)
-        if self._signature is not None and (
-            signature != self._signature or not same_attributes(self._attributes, attributes)
-        ):
+        if self._signature is not None and signature != self._signature:
             self.filled[:] = False
             self._checked_epoch = None
             # (allocated again at the next put, in the dtype the prefix returns now)
             self.values, self.out_dtype = None, None
-        self._signature, self._attributes = signature, attributes
+        self._signature = signature
 
     def tolerance(self, device: torch.device) -> float:
         """:attr:`TOLERANCE_FP32` for outputs kept in float32 (or float64) and computed on
