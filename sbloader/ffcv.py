@@ -590,7 +590,7 @@ def open_beton(
     path: str | os.PathLike,
     batch_size: int,
     *,
-    order: str = "sequential",
+    order: Any = "sequential",
     seed: int = 0,
     num_workers: int = 1,
     drop_last: bool = False,
@@ -610,7 +610,7 @@ def open_beton(
         path: the ``.beton`` file.
         batch_size: examples per batch.
         order: ``"sequential"``, ``"random"`` (a permutation that is a pure function of seed and
-            epoch) or ``"quasi_random"``.
+            epoch) or ``"quasi_random"``; or ffcv's ``OrderOption`` of one of them.
         seed: the order's seed.
         num_workers: FFCV's decoding threads (at most numba's ``NUMBA_NUM_THREADS``).
         drop_last: drop the last partial batch of each epoch.
@@ -636,6 +636,8 @@ def open_beton(
     check_int("seed", seed, minimum=0)
     check_int("num_workers", num_workers)
     check_int("batches_ahead", batches_ahead, minimum=1)
+    if is_a(order, "ffcv", "OrderOption"):  # (ffcv's own enum, as ffcv's Loader takes it)
+        order = order.name.lower()
     order = check_choice("order", order, _ORDERS)
     # (a string "False" read by its truth value dropped the last batch, unsaid)
     drop_last = check_bool("drop_last", drop_last)

@@ -675,6 +675,21 @@ def test_ffcv_and_dataloader_give_the_same_selections(beton, policy, make_model)
         torch.testing.assert_close(la, lb, equal_nan=True, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", ["SEQUENTIAL", "RANDOM", "QUASI_RANDOM"])
+def test_open_beton_takes_ffcvs_own_order_option_as_its_name(beton, name):
+    """ffcv's ``OrderOption`` was refused, asking for the string ffcv's own Loader does not
+    take; it reads as its name (the same traversal), and the name stays checked."""
+    from ffcv.loader import OrderOption
+
+    def order(option):
+        loader = sbffcv.open_beton(beton, 30, order=option, seed=4)
+        return [np.asarray(b[-1]).ravel().tolist() for b in loader]
+
+    assert order(getattr(OrderOption, name)) == order(name.lower())
+    with pytest.raises(ValueError, match="order should be one of"):
+        sbffcv.open_beton(beton, 30, order=3)
+
+
 def test_mid_epoch_resume_with_a_random_order(beton):
     def build():
         loader = sbffcv.open_beton(beton, 30, order="random", seed=4)
