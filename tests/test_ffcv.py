@@ -679,11 +679,12 @@ def test_ffcv_and_dataloader_give_the_same_selections(beton, policy, make_model)
 def test_open_beton_takes_ffcvs_own_order_option_as_its_name(beton, name):
     """ffcv's ``OrderOption`` was refused, asking for the string ffcv's own Loader does not
     take; it reads as its name (the same traversal), and the name stays checked."""
-    from ffcv.loader import OrderOption
+    from ffcv.loader import OrderOption  # (imported by this module's preserved import)
 
     def order(option):
         loader = sbffcv.open_beton(beton, 30, order=option, seed=4)
-        return [np.asarray(b[-1]).ravel().tolist() for b in loader]
+        with sbffcv.preserved_threads():  # (a bare ffcv Loader's iteration sets torch's threads)
+            return [np.asarray(b[-1]).ravel().tolist() for b in loader]
 
     assert order(getattr(OrderOption, name)) == order(name.lower())
     with pytest.raises(ValueError, match="order should be one of"):
