@@ -367,7 +367,8 @@ class BatchCodec:
             if not isinstance(column, torch.Tensor) or column.dim() != 2 or column.shape[1] < 2:
                 continue
             first, last = column[:, 0] == value, column[:, -1] == value
-            if not bool(first.any()) or bool(first.all()) or bool(last.any()):
+            some, every, ends = torch.stack([first.any(), first.all(), last.any()]).tolist()
+            if not some or every or ends:  # (read in one host sync)
                 continue
             key = self.format.keys[j]
             warnings.warn(

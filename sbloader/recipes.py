@@ -180,7 +180,7 @@ def error_rate(
         )
     # NOTE: a label outside the model's classes (a model built with another num_classes) was
     # counted as a mistake, unsaid: the error rate of a mismatched model, not an error.
-    low, high = targets.min().item(), targets.max().item()
+    low, high = (v.item() for v in torch.aminmax(targets))  # (one pass over them)
     amp = (
         torch.autocast(device.type, dtype=autocast)
         if autocast is not None
